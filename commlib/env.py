@@ -1,0 +1,224 @@
+"""Where this process sits in the job: read from explicit arguments or the launcher's environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+__all__ = [
+    "DistEnv",
+    "detect",
+    "get_env_or_raise",
+    "read_env_var",
+    "DEFAULT_MASTER_ADDR",
+    "DEFAULT_MASTER_PORT",
+]
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+"""Rendezvous host when neither an argument nor ``MASTER_ADDR`` names one."""
+
+DEFAULT_MASTER_PORT = 29500
+"""Rendezvous port when nothing names one (the same default as torch.distributed)."""
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job.
+
+    Attributes:
+        rank: Global rank, ``0 <= rank < world_size``.
+        world_size: Number of processes in the job.
+        local_rank: Rank among the processes on this host.
+        local_world_size: Number of processes on this host.
+        master_addr: Host where rank 0 listens for the rendezvous.
+        master_port: Port where rank 0 listens for the rendezvous.
+        launcher: Who set this up: ``explicit``, ``torchrun``, ``openmpi``,
+            ``pmix``, ``mpich``, ``slurm`` or ``single``.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    launcher: str = "single"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"DistEnv: world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"DistEnv: rank must be in [0, {self.world_size}), got {self.rank} "
+                f"(launcher: {self.launcher})"
+            )
+        if not 0 <= self.local_rank < max(self.local_world_size, 1):
+            raise ValueError(
+                f"DistEnv: local_rank must be in [0, {self.local_world_size}), got {self.local_rank}"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"DistEnv: master_port must be in 1..65535, got {self.master_port}")
+        if not self.master_addr:
+            raise ValueError("DistEnv: master_addr must not be empty")
+
+
+def get_env_or_raise(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """Return ``environ[name]``, or raise with torch.distributed's wording.
+
+    Raises:
+        ValueError: The variable is not set.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(name)
+    if value is None:
+        raise ValueError(f"environment variable {name} expected, but not set")
+    return value
+
+
+def read_env_var(
+    name: str,
+    parse: Callable[[str], _T],
+    default: _T,
+    environ: Mapping[str, str] | None = None,
+) -> _T:
+    """Read one of our ``COMMLIB_*`` knobs; a bad value warns and falls back to the default.
+
+    Args:
+        name: Full variable name, e.g. ``COMMLIB_TIMEOUT``.
+        parse: Converts the text (``float``, ``int``, a choice checker...); raises
+            ``ValueError`` on bad input.
+        default: Used when the variable is unset, empty or bad.
+        environ: Mapping to read instead of ``os.environ``.
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return parse(raw)
+    except ValueError as e:
+        warnings.warn(
+            f"environment variable {name}: unexpected value {raw!r} ({e}); using {default!r}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return default
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    raw = get_env_or_raise(name, environ)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: expected an integer, got {raw!r}") from None
+
+
+def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        if name in environ:
+            return _int(environ, name)
+    return default
+
+
+# Each launcher: (name, rank var, size var, local-rank vars, local-size vars).
+_LAUNCHERS: tuple[tuple[str, str, str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        ("OMPI_COMM_WORLD_LOCAL_RANK",),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+    ),
+    ("pmix", "PMIX_RANK", "PMIX_SIZE", ("PMIX_LOCAL_RANK",), ("PMIX_LOCAL_SIZE",)),
+    ("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
+)
+
+_MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
+
+
+def _default_port(launcher: str, environ: Mapping[str, str], local_world_size: int, world_size: int) -> int:
+    """Pick the rendezvous port when nothing names one.
+
+    Under an MPI launcher with every rank on this host, the ranks share a parent
+    process (the launcher's proxy), so a port derived from its pid lets two jobs
+    run side by side without choosing ports by hand. Otherwise: 29500.
+    """
+    if launcher in _MPI_LAUNCHERS and local_world_size == world_size and "MASTER_ADDR" not in environ:
+        return 20000 + os.getppid() % 20000
+    return DEFAULT_MASTER_PORT
+
+
+def detect(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DistEnv:
+    """Work out this process's rank and world size, and where the rendezvous is.
+
+    Explicit arguments win. Otherwise the first launcher whose variables are set:
+    torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), Open MPI
+    (``OMPI_COMM_WORLD_*``), PMIx (``PMIX_RANK``), MPICH/Hydra and PMI
+    (``PMI_RANK``, ``PMI_SIZE``), Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``).
+    With none of them, a single process: rank 0 of 1. ``MASTER_ADDR`` and
+    ``MASTER_PORT`` are read under every launcher.
+
+    Args:
+        rank: This process's rank; needs ``world_size`` too.
+        world_size: Number of processes; needs ``rank`` too (or is 1).
+        master_addr: Rendezvous host (default ``MASTER_ADDR``, else 127.0.0.1).
+        master_port: Rendezvous port (default ``MASTER_PORT``, else 29500).
+        environ: Mapping to read instead of ``os.environ`` (for tests).
+
+    Raises:
+        ValueError: Only one of rank/world_size was given, a variable is not an
+            integer, or the values are out of range.
+    """
+    environ = os.environ if environ is None else environ
+    if (rank is None) != (world_size is None):
+        if world_size == 1:
+            rank = 0
+        else:
+            raise ValueError(
+                "init_process_group: pass both rank and world_size, or neither "
+                f"(got rank={rank}, world_size={world_size})"
+            )
+    local_rank, local_world_size = 0, 1
+    if rank is not None and world_size is not None:
+        launcher = "explicit"
+        local_rank, local_world_size = rank, world_size
+    else:
+        launcher = "single"
+        rank, world_size = 0, 1
+        for name, rank_var, size_var, local_rank_vars, local_size_vars in _LAUNCHERS:
+            if rank_var in environ and size_var in environ:
+                launcher = name
+                rank, world_size = _int(environ, rank_var), _int(environ, size_var)
+                local_rank = _first_int(environ, local_rank_vars, rank)
+                local_world_size = _first_int(environ, local_size_vars, world_size)
+                break
+    addr = master_addr or environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+    if master_port is not None:
+        port = int(master_port)
+    elif environ.get("MASTER_PORT"):
+        port = _int(environ, "MASTER_PORT")
+    else:
+        port = _default_port(launcher, environ, local_world_size, world_size)
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        master_addr=addr,
+        master_port=port,
+        launcher=launcher,
+    )

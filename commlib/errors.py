@@ -1,0 +1,64 @@
+"""The commlib error hierarchy and the one helper that formats its messages."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CommError",
+    "CommTimeoutError",
+    "PeerFailureError",
+    "CollectiveMismatchError",
+    "RendezvousError",
+    "RendezvousTimeoutError",
+    "BackendUnavailableError",
+    "NotInitializedError",
+    "GroupClosedError",
+    "error_prefix",
+]
+
+
+class CommError(RuntimeError):
+    """A collective or the set-up of a process group failed."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A blocking wait ran past its timeout (the peer is slow, stuck or gone)."""
+
+
+class PeerFailureError(CommError):
+    """A peer process closed its connection or reported that it failed."""
+
+
+class CollectiveMismatchError(CommError, ValueError):
+    """Ranks called different collectives, or the same one with different tensors."""
+
+
+class RendezvousError(CommError):
+    """The ranks could not find each other (wrong address, port in use, bad world size)."""
+
+
+class RendezvousTimeoutError(RendezvousError, CommTimeoutError):
+    """Some ranks never arrived at the rendezvous point within the timeout."""
+
+
+class BackendUnavailableError(CommError, ImportError):
+    """The chosen backend needs a package that is not installed, or is not registered."""
+
+
+class NotInitializedError(CommError):
+    """A collective was called before ``commlib.init_process_group()``."""
+
+
+class GroupClosedError(CommError):
+    """A collective was called on a process group after ``close()``, or after it broke."""
+
+
+def error_prefix(rank: int, world_size: int, backend: str, op: str) -> str:
+    """Return the ``[rank 1/4] ring.all_reduce: `` prefix every message starts with.
+
+    Args:
+        rank: This process's rank.
+        world_size: Number of ranks in the group.
+        backend: Backend name (``ring``, ``mpi``, ``nccl``, ``gloo``).
+        op: The operation that failed (``all_reduce``, ``rendezvous``, ...).
+    """
+    return f"[rank {rank}/{world_size}] {backend}.{op}: "

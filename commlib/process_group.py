@@ -1,0 +1,411 @@
+"""``IProcessGroup``: the collective interface every backend implements.
+
+Public methods check their arguments once, before any communication, then call
+the backend's ``_all_reduce`` / ``_broadcast`` / ... implementation, which
+returns a ``Work``. A synchronous call waits on that ``Work`` before returning.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from commlib.config import CommConfig
+from commlib.env import DistEnv
+from commlib.errors import GroupClosedError, error_prefix
+from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, ReduceOp, dtype_name
+from commlib.work import Work
+
+__all__ = ["IProcessGroup", "TensorList"]
+
+TensorList = Sequence[torch.Tensor]
+
+
+class IProcessGroup(abc.ABC):
+    """A group of ranks that run collectives together.
+
+    Every collective is in place on torch tensors and must be called by every
+    rank of the group, in the same order, with tensors of the same dtype and
+    size. With ``async_op=True`` it returns a ``Work`` handle; otherwise it
+    returns ``None`` once the result is in the tensor.
+
+    Subclasses set ``backend_name`` and implement ``_all_reduce``,
+    ``_broadcast``, ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and
+    ``_close``. They may narrow ``supported_dtypes`` and ``supported_devices``
+    or override ``supports``.
+
+    Args:
+        env: Rank, world size and rendezvous address of this process.
+        config: Shared settings (timeouts).
+    """
+
+    backend_name: ClassVar[str] = "abstract"
+    """Name of the backend, as chosen with ``COMMLIB_BACKEND``."""
+
+    supported_dtypes: ClassVar[frozenset[torch.dtype]] = SUPPORTED_DTYPES
+    """Tensor dtypes this backend reduces."""
+
+    supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    """Device types (``cpu``, ``cuda``) whose tensors this backend accepts."""
+
+    def __init__(self, env: DistEnv, config: CommConfig | None = None) -> None:
+        self._env = env
+        self._config = config if config is not None else CommConfig()
+        self._closed = False
+        self._broken: BaseException | None = None
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group, ``0 <= rank < world_size``."""
+        return self._env.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return self._env.world_size
+
+    @property
+    def backend(self) -> str:
+        """The backend's name (``ring``, ``mpi``, ``nccl``, ``gloo``)."""
+        return self.backend_name
+
+    @property
+    def env(self) -> DistEnv:
+        """Where this process sits in the job (rank, local rank, rendezvous address)."""
+        return self._env
+
+    @property
+    def config(self) -> CommConfig:
+        """The settings the group was created with."""
+        return self._config
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a blocking wait may take before it raises ``CommTimeoutError``."""
+        return self._config.timeout
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        return f"<{type(self).__name__} backend={self.backend} rank={self.rank}/{self.world_size} {state}>"
+
+    def __enter__(self) -> IProcessGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- capabilities
+    def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+        """Return True if this backend can reduce ``dtype`` tensors on ``device`` with ``op``.
+
+        ``AVG`` is defined for floating point dtypes only.
+        """
+        device_type = torch.device(device).type
+        if dtype not in self.supported_dtypes or device_type not in self.supported_devices:
+            return False
+        return not (op is ReduceOp.AVG and dtype in INT_DTYPES)
+
+    # ------------------------------------------------------------- collectives
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Work | None:
+        """Reduce ``tensor`` across all ranks, in place; every rank gets the result.
+
+        Args:
+            tensor: Contiguous tensor, the same shape and dtype on every rank.
+            op: How to combine the ranks' tensors.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor, or its dtype is not supported.
+            ValueError: ``tensor`` is not contiguous, or ``op`` does not apply.
+            CommError: The collective failed (peer died, mismatched tensors, timeout).
+
+        Example::
+
+            >>> t = torch.tensor([rank + 1.0])
+            >>> group.all_reduce(t)
+            >>> t  # on every rank of 2
+            tensor([3.])
+        """
+        name = "all_reduce"
+        self._check_usable(name)
+        self._check_tensor(name, tensor, "tensor")
+        self._check_op(name, op, tensor)
+        return self._finish(self._all_reduce(tensor.detach(), op, async_op), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
+        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank.
+
+        Args:
+            tensor: Contiguous tensor, the same shape and dtype on every rank.
+            src: Rank whose data is sent.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+        """
+        name = "broadcast"
+        self._check_usable(name)
+        self._check_tensor(name, tensor, "tensor")
+        self._check_rank(name, src, "src")
+        return self._finish(self._broadcast(tensor.detach(), src, async_op), async_op)
+
+    def all_gather(
+        self,
+        output: torch.Tensor | TensorList,
+        tensor: torch.Tensor,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Gather every rank's ``tensor`` into ``output`` on every rank.
+
+        Args:
+            output: Either a list of ``world_size`` tensors, each with as many
+                elements as ``tensor`` (entry ``i`` receives rank ``i``'s data),
+                or one contiguous tensor of ``world_size * tensor.numel()``
+                elements (rank ``i``'s data at slice ``i``).
+            tensor: This rank's contribution.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+        """
+        name = "all_gather"
+        self._check_usable(name)
+        self._check_tensor(name, tensor, "tensor")
+        flat_output, outputs = self._split_world(name, output, "output", tensor)
+        work = self._all_gather(flat_output, outputs, tensor.detach().view(-1), async_op)
+        return self._finish(work, async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor | TensorList,  # noqa: A002 - the torch.distributed name
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduce ``input`` across ranks and leave block ``rank`` of the result in ``output``.
+
+        Args:
+            output: Contiguous tensor receiving this rank's block of the result.
+            input: A list of ``world_size`` tensors of ``output.numel()`` elements,
+                or one tensor of ``world_size * output.numel()`` elements. It is
+                not modified.
+            op: How to combine the ranks' blocks.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+        """
+        name = "reduce_scatter"
+        self._check_usable(name)
+        self._check_tensor(name, output, "output")
+        self._check_op(name, op, output)
+        flat_input, inputs = self._split_world(name, input, "input", output)
+        work = self._reduce_scatter(output.detach().view(-1), flat_input, inputs, op, async_op)
+        return self._finish(work, async_op)
+
+    def barrier(self, *, async_op: bool = False) -> Work | None:
+        """Block until every rank of the group has called ``barrier``.
+
+        Args:
+            async_op: Return a ``Work`` handle instead of waiting.
+        """
+        self._check_usable("barrier")
+        return self._finish(self._barrier(async_op), async_op)
+
+    def close(self) -> None:
+        """Release connections and buffers; later collectives raise ``GroupClosedError``.
+
+        Calling it again does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    # --------------------------------------------------- backend implementation
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
+        """Run the all-reduce; arguments are already checked."""
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
+        """Run the broadcast; arguments are already checked."""
+
+    @abc.abstractmethod
+    def _all_gather(
+        self,
+        flat_output: torch.Tensor | None,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool,
+    ) -> Work:
+        """Run the all-gather.
+
+        ``outputs`` holds ``world_size`` flat views, one per rank. ``flat_output``
+        is the single contiguous output tensor (flattened) when the caller gave
+        one, else None. ``tensor`` is flat.
+        """
+
+    @abc.abstractmethod
+    def _reduce_scatter(
+        self,
+        output: torch.Tensor,
+        flat_input: torch.Tensor | None,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool,
+    ) -> Work:
+        """Run the reduce-scatter (``output`` and ``inputs`` flat; see ``_all_gather``)."""
+
+    @abc.abstractmethod
+    def _barrier(self, async_op: bool) -> Work:
+        """Run the barrier."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Release the backend's resources (called once)."""
+
+    # ------------------------------------------------------------------ helpers
+    def _prefix(self, op: str) -> str:
+        return error_prefix(self.rank, self.world_size, self.backend, op)
+
+    def _mark_broken(self, error: BaseException) -> None:
+        """Record that the group cannot be used any more (a peer died, a wait timed out)."""
+        if self._broken is None:
+            self._broken = error
+
+    def _finish(self, work: Work, async_op: bool) -> Work | None:
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _check_usable(self, op: str) -> None:
+        if self._closed:
+            raise GroupClosedError(
+                f"{self._prefix(op)}the process group was closed; create a new one with "
+                "commlib.init_process_group()"
+            )
+        if self._broken is not None:
+            raise GroupClosedError(
+                f"{self._prefix(op)}the process group is unusable after an earlier failure "
+                f"({self._broken}); every rank must create a new group"
+            ) from self._broken
+
+    def _check_tensor(self, op: str, tensor: object, arg: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            hint = "; wrap it with torch.from_numpy()" if type(tensor).__module__ == "numpy" else ""
+            raise TypeError(
+                f"{self._prefix(op)}expected a torch.Tensor for '{arg}', "
+                f"got {type(tensor).__module__}.{type(tensor).__qualname__}{hint}"
+            )
+        if tensor.layout is not torch.strided:
+            raise TypeError(
+                f"{self._prefix(op)}'{arg}' has layout {tensor.layout}; only dense (strided) "
+                "tensors are supported: call .to_dense() first"
+            )
+        if tensor.dtype not in self.supported_dtypes:
+            names = ", ".join(sorted(dtype_name(d) for d in self.supported_dtypes))
+            raise TypeError(
+                f"{self._prefix(op)}'{arg}' has dtype {dtype_name(tensor.dtype)}, which this "
+                f"backend does not support (supported: {names}); convert it with .to(...)"
+            )
+        if tensor.device.type not in self.supported_devices:
+            devices = ", ".join(sorted(self.supported_devices))
+            raise ValueError(
+                f"{self._prefix(op)}'{arg}' is on device {tensor.device}, which the "
+                f"{self.backend} backend cannot use (devices: {devices}); move it with "
+                f".to('cpu') or choose a backend that supports {tensor.device.type}"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"{self._prefix(op)}'{arg}' is not contiguous (shape {tuple(tensor.shape)}, "
+                f"stride {tensor.stride()}); the result is written in place, so pass a "
+                "contiguous tensor (x = x.contiguous()) and read the result from it"
+            )
+
+    def _check_op(self, name: str, op: object, tensor: torch.Tensor) -> None:
+        if not isinstance(op, ReduceOp):
+            choices = ", ".join(o.name for o in ReduceOp)
+            raise TypeError(f"{self._prefix(name)}op must be a commlib.ReduceOp ({choices}), got {op!r}")
+        if not self.supports(op, tensor.dtype, tensor.device):
+            if op is ReduceOp.AVG and tensor.dtype in INT_DTYPES:
+                detail = (
+                    "AVG is defined for floating point tensors only (an integer average would "
+                    "round silently); use SUM and divide, or convert to a float dtype"
+                )
+            else:
+                detail = f"{op.name} is not supported for this dtype and device on this backend"
+            raise ValueError(
+                f"{self._prefix(name)}op {op.name} on {dtype_name(tensor.dtype)} "
+                f"({tensor.device.type}): {detail}"
+            )
+
+    def _check_rank(self, op: str, value: object, arg: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{self._prefix(op)}{arg} must be an int rank, got {value!r}")
+        if not 0 <= value < self.world_size:
+            raise ValueError(
+                f"{self._prefix(op)}{arg}={value} is not a rank of this group "
+                f"(valid: 0..{self.world_size - 1})"
+            )
+
+    def _split_world(
+        self,
+        op: str,
+        value: torch.Tensor | TensorList,
+        arg: str,
+        like: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Turn a list of ``world_size`` tensors, or one big tensor, into flat per-rank views."""
+        world, numel = self.world_size, like.numel()
+        if isinstance(value, torch.Tensor):
+            self._check_tensor(op, value, arg)
+            self._check_same_kind(op, value, arg, like)
+            if value.numel() != world * numel:
+                raise ValueError(
+                    f"{self._prefix(op)}'{arg}' has {value.numel()} elements; expected "
+                    f"world_size x {numel} = {world * numel} (one block of {numel} per rank)"
+                )
+            flat = value.detach().view(-1)
+            return flat, [flat[i * numel : (i + 1) * numel] for i in range(world)]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(
+                f"{self._prefix(op)}'{arg}' must be a tensor or a list of {world} tensors, "
+                f"got {type(value).__name__}"
+            )
+        if len(value) != world:
+            raise ValueError(
+                f"{self._prefix(op)}'{arg}' has {len(value)} tensors; expected one per rank "
+                f"({world})"
+            )
+        views = []
+        for i, item in enumerate(value):
+            self._check_tensor(op, item, f"{arg}[{i}]")
+            self._check_same_kind(op, item, f"{arg}[{i}]", like)
+            if item.numel() != numel:
+                raise ValueError(
+                    f"{self._prefix(op)}'{arg}[{i}]' has {item.numel()} elements, expected "
+                    f"{numel} (as many as this rank's block)"
+                )
+            views.append(item.detach().view(-1))
+        return None, views
+
+    def _check_same_kind(self, op: str, tensor: torch.Tensor, arg: str, like: torch.Tensor) -> None:
+        if tensor.dtype != like.dtype or tensor.device != like.device:
+            raise TypeError(
+                f"{self._prefix(op)}'{arg}' is {dtype_name(tensor.dtype)} on {tensor.device}, "
+                f"but the collective's tensor is {dtype_name(like.dtype)} on {like.device}; "
+                "all tensors of one collective must share dtype and device"
+            )

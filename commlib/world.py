@@ -1,0 +1,183 @@
+"""``init_process_group`` and the default group, plus torch.distributed-style module functions."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+
+import torch
+
+from commlib.config import CommConfig
+from commlib.env import detect
+from commlib.errors import CommError, NotInitializedError
+from commlib.process_group import IProcessGroup, TensorList
+from commlib.registry import create_process_group
+from commlib.types import ReduceOp
+from commlib.work import Work
+
+__all__ = [
+    "DEFAULT_BACKEND",
+    "init_process_group",
+    "destroy_process_group",
+    "get_default_group",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "barrier",
+]
+
+DEFAULT_BACKEND = "ring"
+"""Backend used when neither the argument nor ``COMMLIB_BACKEND`` names one."""
+
+_default_group: IProcessGroup | None = None
+_lock = threading.Lock()
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    config: CommConfig | None = None,
+) -> IProcessGroup:
+    """Connect this process to the others and make the group the default.
+
+    Args:
+        backend: ``ring``, ``gloo``, ``nccl``, ``mpi`` or a registered name;
+            default ``COMMLIB_BACKEND``, else ``ring``.
+        rank: This process's rank; default from the launcher's environment
+            (torchrun, mpirun, Slurm), else 0.
+        world_size: Number of processes; default as for ``rank``, else 1.
+        master_addr: Rendezvous host; default ``MASTER_ADDR``, else 127.0.0.1.
+        master_port: Rendezvous port; default ``MASTER_PORT``, else 29500.
+        timeout: Seconds (or a timedelta) any blocking wait may take; default
+            ``COMMLIB_TIMEOUT``, else 300 s.
+        config: Full settings; ``timeout`` overrides its timeout.
+
+    Returns:
+        The connected group, also returned by ``get_default_group()``.
+
+    Raises:
+        CommError: A default group exists already (call ``destroy_process_group()``).
+        BackendUnavailableError: The backend or its package is missing.
+        RendezvousError: The ranks could not connect (timeout names the missing ranks).
+
+    Example::
+
+        >>> # torchrun --nproc-per-node 2 train.py   (or: mpirun -n 2 python train.py)
+        >>> group = commlib.init_process_group()   # backend from COMMLIB_BACKEND
+        >>> t = torch.ones(4) * group.rank
+        >>> group.all_reduce(t)                    # tensor([1., 1., 1., 1.]) on both ranks
+    """
+    global _default_group
+    with _lock:
+        if _default_group is not None:
+            raise CommError(
+                f"init_process_group: a default process group exists already ({_default_group!r}); "
+                "call commlib.destroy_process_group() first"
+            )
+        name = backend or os.environ.get("COMMLIB_BACKEND", "").strip() or DEFAULT_BACKEND
+        env = detect(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+        if config is None:
+            config = CommConfig.from_env(timeout=timeout)
+        elif timeout is not None:
+            config = CommConfig(timeout=timeout)  # type: ignore[arg-type]
+        group = create_process_group(name, env, config)
+        _default_group = group
+        return group
+
+
+def destroy_process_group(group: IProcessGroup | None = None) -> None:
+    """Close ``group`` (default: the default group) and forget the default if it was that one."""
+    global _default_group
+    with _lock:
+        target = group if group is not None else _default_group
+        if target is _default_group:
+            _default_group = None
+    if target is not None:
+        target.close()
+
+
+def is_initialized() -> bool:
+    """Return True if a default process group exists."""
+    return _default_group is not None
+
+
+def get_default_group() -> IProcessGroup:
+    """Return the default process group.
+
+    Raises:
+        NotInitializedError: ``init_process_group()`` has not been called.
+    """
+    group = _default_group
+    if group is None:
+        raise NotInitializedError(
+            "commlib: the default process group has not been initialized; call "
+            "commlib.init_process_group() first"
+        )
+    return group
+
+
+def _group(group: IProcessGroup | None) -> IProcessGroup:
+    return group if group is not None else get_default_group()
+
+
+def get_rank(group: IProcessGroup | None = None) -> int:
+    """Return this process's rank in ``group`` (default group if None)."""
+    return _group(group).rank
+
+
+def get_world_size(group: IProcessGroup | None = None) -> int:
+    """Return the number of ranks in ``group`` (default group if None)."""
+    return _group(group).world_size
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: IProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """``IProcessGroup.all_reduce`` on ``group`` (default group if None)."""
+    return _group(group).all_reduce(tensor, op, async_op=async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int = 0, group: IProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """``IProcessGroup.broadcast`` on ``group`` (default group if None)."""
+    return _group(group).broadcast(tensor, src, async_op=async_op)
+
+
+def all_gather(
+    output: torch.Tensor | TensorList,
+    tensor: torch.Tensor,
+    group: IProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """``IProcessGroup.all_gather`` on ``group`` (default group if None)."""
+    return _group(group).all_gather(output, tensor, async_op=async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor | TensorList,  # noqa: A002
+    op: ReduceOp = ReduceOp.SUM,
+    group: IProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """``IProcessGroup.reduce_scatter`` on ``group`` (default group if None)."""
+    return _group(group).reduce_scatter(output, input, op, async_op=async_op)
+
+
+def barrier(group: IProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """``IProcessGroup.barrier`` on ``group`` (default group if None)."""
+    return _group(group).barrier(async_op=async_op)

@@ -1,0 +1,1 @@
+"""Backend-agnostic data parallelism: gradient buckets and DistributedDataParallel."""
