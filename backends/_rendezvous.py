@@ -1,0 +1,294 @@
+"""Ring rendezvous: rank 0 collects every rank's address, then each rank links to its neighbours.
+
+Protocol (JSON frames over TCP):
+
+1. Every rank opens a data listener on an ephemeral port.
+2. Rank 0 listens at ``MASTER_ADDR:MASTER_PORT``; the others connect (retrying
+   until the deadline) and send ``hello`` (rank, world size, host id, data
+   address). Rank 0 checks them and answers everyone with the peer table and
+   the ring settings all ranks must share (rank 0's), or with an error.
+3. Each rank connects to its right neighbour's data listener and accepts its
+   left neighbour's connection: two sockets per rank (one when world size is 2
+   counts twice: 0->1 and 1->0 are separate links).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+import time
+from typing import Any
+
+from commlib.env import DistEnv
+from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
+
+from backends._wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
+
+__all__ = ["Peer", "RingSockets", "rendezvous", "host_id"]
+
+_PROTOCOL = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """What rank 0 tells every rank about one rank."""
+
+    rank: int
+    host: str
+    addr: str
+    port: int
+    pid: int
+
+
+@dataclasses.dataclass
+class RingSockets:
+    """This rank's two ring connections and what it knows of the others."""
+
+    peers: list[Peer]
+    settings: dict[str, Any]
+    right: socket.socket | None  # we send data on it
+    left: socket.socket | None  # we receive data on it
+    left_reader: SocketReader | None = None  # holds bytes already read from ``left``
+
+
+def host_id() -> str:
+    """Identify this machine (hostname + boot id), to tell which peers share memory with us."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: str = "ring") -> RingSockets:
+    """Connect this rank into the ring.
+
+    Args:
+        env: Rank, world size and rendezvous address.
+        timeout: Seconds for the whole rendezvous, and for every later socket wait.
+        settings: This rank's ring settings; rank 0's are sent to all and returned.
+        backend: Name used in messages.
+
+    Raises:
+        RendezvousError: Port in use, world sizes disagree, duplicate rank, bad peer.
+        RendezvousTimeoutError: Some ranks never arrived (they are named).
+    """
+    prefix = error_prefix(env.rank, env.world_size, backend, "rendezvous")
+    if env.world_size == 1:
+        return RingSockets(peers=[Peer(0, host_id(), "", 0, os.getpid())], settings=settings, right=None, left=None)
+    deadline = time.monotonic() + timeout
+    loopback = _is_loopback(env.master_addr)
+    try:
+        master_ip = socket.gethostbyname(env.master_addr)
+    except OSError as e:
+        raise RendezvousError(f"{prefix}cannot resolve MASTER_ADDR {env.master_addr!r}: {e}") from e
+
+    data_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    data_listener.bind((master_ip if loopback else "0.0.0.0", 0))
+    data_listener.listen(8)
+    try:
+        if env.rank == 0:
+            peers, shared = _lead(env, prefix, deadline, timeout, master_ip, loopback, data_listener, settings)
+        else:
+            peers, shared = _follow(env, prefix, deadline, timeout, master_ip, data_listener)
+        right, left, left_reader = _link_neighbours(env, prefix, deadline, timeout, peers, data_listener)
+    finally:
+        data_listener.close()
+    return RingSockets(peers=peers, settings=shared, right=right, left=left, left_reader=left_reader)
+
+
+def _lead(
+    env: DistEnv,
+    prefix: str,
+    deadline: float,
+    timeout: float,
+    master_ip: str,
+    loopback: bool,
+    data_listener: socket.socket,
+    settings: dict[str, Any],
+) -> tuple[list[Peer], dict[str, Any]]:
+    master = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    master.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        master.bind((master_ip if loopback else "0.0.0.0", env.master_port))
+    except OSError as e:
+        master.close()
+        raise RendezvousError(
+            f"{prefix}cannot listen on {env.master_addr}:{env.master_port}: {e.strerror or e}. "
+            "Another job (or a previous run that is still exiting) holds this port: set MASTER_PORT "
+            "to a free port, or stop the other job"
+        ) from e
+    master.listen(max(16, env.world_size))
+    my_addr = data_listener.getsockname()[0]
+    if my_addr == "0.0.0.0":
+        my_addr = master_ip
+    peers: dict[int, Peer] = {0: Peer(0, host_id(), my_addr, data_listener.getsockname()[1], os.getpid())}
+    conns: dict[int, socket.socket] = {}
+    try:
+        while len(peers) < env.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(env.world_size)) - set(peers))
+                message = (
+                    f"{prefix}timed out after {timeout:.1f} s at {env.master_addr}:{env.master_port}: "
+                    f"{len(peers)}/{env.world_size} ranks arrived; ranks {missing} never did. Check that "
+                    f"every rank was started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE="
+                    f"{env.world_size}, and that none crashed at start-up"
+                )
+                _broadcast_error(conns, message)
+                raise RendezvousTimeoutError(message)
+            master.settimeout(remaining)
+            try:
+                conn, _ = master.accept()
+            except TimeoutError:
+                continue
+            tune_socket(conn)
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                hello = recv_json(SocketReader(conn, "a connecting rank"), "hello")
+            except Exception:  # noqa: BLE001 - a stray client; ignore it
+                conn.close()
+                continue
+            problem = _check_hello(hello, env, peers)
+            if problem:
+                send_json(conn, {"error": f"rank 0 refused rank {hello.get('rank')}: {problem}"})
+                conn.close()
+                message = f"{prefix}{problem}"
+                _broadcast_error(conns, message)
+                raise RendezvousError(message)
+            rank = int(hello["rank"])
+            conns[rank] = conn
+            peers[rank] = Peer(rank, hello["host"], hello["addr"] or conn.getpeername()[0], int(hello["port"]), int(hello["pid"]))
+        table = [dataclasses.asdict(peers[r]) for r in range(env.world_size)]
+        for conn in conns.values():
+            send_json(conn, {"peers": table, "settings": settings})
+        return [peers[r] for r in range(env.world_size)], settings
+    finally:
+        for conn in conns.values():
+            conn.close()
+        master.close()
+
+
+def _check_hello(hello: Any, env: DistEnv, peers: dict[int, Peer]) -> str | None:
+    if not isinstance(hello, dict) or hello.get("protocol") != _PROTOCOL:
+        return f"a peer spoke an unknown protocol ({hello!r:.80}); is another program using this port?"
+    rank, world = hello.get("rank"), hello.get("world_size")
+    if world != env.world_size:
+        return (
+            f"rank {rank} was started with world size {world}, rank 0 with {env.world_size}; "
+            "start every rank with the same WORLD_SIZE"
+        )
+    if not isinstance(rank, int) or not 0 < rank < env.world_size:
+        return f"a peer announced rank {rank!r}, outside 1..{env.world_size - 1}"
+    if rank in peers:
+        return (
+            f"two processes announced rank {rank} (pids {peers[rank].pid} and {hello.get('pid')}); "
+            "every rank needs its own RANK"
+        )
+    return None
+
+
+def _broadcast_error(conns: dict[int, socket.socket], message: str) -> None:
+    for conn in conns.values():
+        try:
+            send_json(conn, {"error": message})
+        except OSError:
+            pass
+
+
+def _follow(
+    env: DistEnv, prefix: str, deadline: float, timeout: float, master_ip: str, data_listener: socket.socket
+) -> tuple[list[Peer], dict[str, Any]]:
+    try:
+        conn = connect_with_retry(master_ip, env.master_port, deadline, "rank 0")
+    except TimeoutError as e:
+        raise RendezvousTimeoutError(
+            f"{prefix}{e} after {timeout:.1f} s. Is rank 0 running, and are MASTER_ADDR/MASTER_PORT "
+            f"({env.master_addr}:{env.master_port}) the same on every rank?"
+        ) from None
+    except OSError as e:
+        raise RendezvousError(f"{prefix}cannot reach rank 0 at {env.master_addr}:{env.master_port}: {e}") from e
+    with conn:
+        my_addr = data_listener.getsockname()[0]
+        if my_addr == "0.0.0.0":
+            my_addr = conn.getsockname()[0]
+        send_json(
+            conn,
+            {
+                "protocol": _PROTOCOL,
+                "rank": env.rank,
+                "world_size": env.world_size,
+                "host": host_id(),
+                "addr": my_addr,
+                "port": data_listener.getsockname()[1],
+                "pid": os.getpid(),
+            },
+        )
+        conn.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            reply = recv_json(SocketReader(conn, "rank 0"), "the peer table")
+        except TimeoutError as e:
+            raise RendezvousTimeoutError(
+                f"{prefix}rank 0 did not send the peer table within {timeout:.1f} s: some ranks never "
+                f"arrived at {env.master_addr}:{env.master_port} (rank 0 names them)"
+            ) from e
+        except Exception as e:
+            raise RendezvousError(f"{prefix}rank 0 dropped the rendezvous: {e}") from e
+    if "error" in reply:
+        error_cls = RendezvousTimeoutError if "timed out" in reply["error"] else RendezvousError
+        raise error_cls(f"{prefix}rendezvous failed on rank 0: {reply['error']}")
+    return [Peer(**p) for p in reply["peers"]], reply["settings"]
+
+
+def _link_neighbours(
+    env: DistEnv, prefix: str, deadline: float, timeout: float, peers: list[Peer], data_listener: socket.socket
+) -> tuple[socket.socket, socket.socket, SocketReader]:
+    right_rank = (env.rank + 1) % env.world_size
+    left_rank = (env.rank - 1) % env.world_size
+    right_peer = peers[right_rank]
+    try:
+        right = connect_with_retry(right_peer.addr, right_peer.port, deadline, f"rank {right_rank}")
+    except (TimeoutError, OSError) as e:
+        raise RendezvousTimeoutError(
+            f"{prefix}cannot connect to rank {right_rank} (right neighbour) at {right_peer.addr}:"
+            f"{right_peer.port}: {e}. A firewall, or a rank that exited right after start-up?"
+        ) from None
+    send_json(right, {"ring_hello": env.rank})
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            right.close()
+            raise RendezvousTimeoutError(
+                f"{prefix}rank {left_rank} (left neighbour) did not connect within {timeout:.1f} s"
+            )
+        data_listener.settimeout(remaining)
+        try:
+            left, _ = data_listener.accept()
+        except TimeoutError:
+            continue
+        tune_socket(left)
+        left.settimeout(max(0.1, deadline - time.monotonic()))
+        reader = SocketReader(left, f"rank {left_rank} (left neighbour)")
+        try:
+            hello = recv_json(reader, "ring hello")
+        except Exception:  # noqa: BLE001 - a stray client
+            left.close()
+            continue
+        if hello.get("ring_hello") != left_rank:
+            left.close()
+            continue
+        break
+    for sock in (left, right):
+        sock.settimeout(timeout)
+    return right, left, reader

@@ -1,0 +1,332 @@
+"""Spawn real ranks on loopback for multi-process tests.
+
+Two ways to run a test body on N ranks:
+
+- ``run_ranks(fn, world_size, backend=...)`` spawns fresh processes, runs
+  ``fn(group, *args)`` on each with a connected group, and returns the values
+  (or raises ``RanksFailed`` describing every rank that failed). Fault tests use
+  ``run_ranks_outcomes`` to look at each rank's exit instead.
+- ``RankPool`` keeps N ranks (and their group) alive across many calls, so a
+  large test matrix pays the start-up (importing torch) once.
+
+Every wait has a deadline; every child is killed on the way out.
+Test bodies must be module-level functions (spawned children import them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+_CTX = multiprocessing.get_context("spawn")
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world_size: int, port: int, backend: str | None, extra: Mapping[str, str] | None) -> dict[str, str]:
+    """Environment of one spawned rank, as torchrun would set it."""
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    if backend is not None:
+        env["COMMLIB_BACKEND"] = backend
+    env.update(extra or {})
+    return env
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    """How one spawned rank ended."""
+
+    rank: int
+    value: Any = None
+    error: str | None = None  # "ExceptionType: message"
+    error_type: str | None = None
+    traceback: str | None = None
+    exitcode: int | None = None
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out and self.exitcode in (0, None)
+
+
+class RanksFailed(AssertionError):
+    """One or more ranks failed; the message has every rank's error and traceback."""
+
+
+def _apply_env(env: Mapping[str, str]) -> None:
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+
+
+def _child_once(conn: Any, env: Mapping[str, str], fn: Callable[..., Any], args: tuple[Any, ...], init: bool, backend_kwargs: Mapping[str, Any]) -> None:
+    _apply_env(env)
+    try:
+        if init:
+            import commlib
+
+            group = commlib.init_process_group(**backend_kwargs)
+            try:
+                value = fn(group, *args)
+            finally:
+                commlib.destroy_process_group()
+        else:
+            value = fn(*args)
+        conn.send(("ok", value, None, None))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}", type(e).__name__, traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_ranks_outcomes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str | None = "ring",
+    args: tuple[Any, ...] = (),
+    per_rank_args: list[tuple[Any, ...]] | None = None,
+    timeout: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    per_rank_env: list[Mapping[str, str]] | None = None,
+    init: bool = True,
+    init_kwargs: Mapping[str, Any] | None = None,
+    port: int | None = None,
+) -> list[RankOutcome]:
+    """Spawn ``world_size`` ranks, run ``fn`` on each, and return how each ended.
+
+    Args:
+        fn: Module-level function; called as ``fn(group, *args)`` when ``init``,
+            else ``fn(*args)`` (the rank's environment is set either way).
+        world_size: Number of ranks.
+        backend: ``COMMLIB_BACKEND`` for the children (None: leave unset).
+        args: Arguments for every rank.
+        per_rank_args: Arguments per rank (overrides ``args``).
+        timeout: Seconds for the whole run; ranks still running are killed
+            and reported as timed out.
+        env: Extra environment for every rank.
+        per_rank_env: Extra environment per rank.
+        init: Call ``commlib.init_process_group(**init_kwargs)`` first.
+        init_kwargs: Keyword arguments for ``init_process_group``.
+        port: Rendezvous port (default: a free one).
+    """
+    port = free_port() if port is None else port
+    procs, conns = [], []
+    for rank in range(world_size):
+        rank_extra = dict(env or {})
+        if per_rank_env is not None:
+            rank_extra.update(per_rank_env[rank])
+        child_env = rank_env(rank, world_size, port, backend, rank_extra)
+        rank_args = per_rank_args[rank] if per_rank_args is not None else args
+        parent_conn, child_conn = _CTX.Pipe(duplex=False)
+        proc = _CTX.Process(
+            target=_child_once,
+            args=(child_conn, child_env, fn, rank_args, init, dict(init_kwargs or {})),
+            name=f"commlib-test-rank{rank}",
+            daemon=True,
+        )
+        procs.append(proc)
+        conns.append(parent_conn)
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        outcomes = [RankOutcome(rank=r) for r in range(world_size)]
+        pending = dict(enumerate(conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready = multiprocessing.connection.wait(list(pending.values()), timeout=remaining)
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, value, error_type, tb = conn.recv()
+                except EOFError:  # died without reporting (killed, os._exit)
+                    continue
+                if status == "ok":
+                    outcomes[rank].value = value
+                else:
+                    outcomes[rank].error, outcomes[rank].error_type, outcomes[rank].traceback = value, error_type, tb
+        for rank in pending:
+            outcomes[rank].timed_out = True
+        for rank, proc in enumerate(procs):
+            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if rank not in pending else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            outcomes[rank].exitcode = proc.exitcode
+            if proc.exitcode not in (0, None) and outcomes[rank].error is None and not outcomes[rank].timed_out:
+                outcomes[rank].error = f"exited with code {proc.exitcode} without reporting"
+        return outcomes
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in conns:
+            conn.close()
+
+
+def describe_failures(outcomes: list[RankOutcome]) -> str:
+    """Text listing every failed rank with its error and traceback."""
+    lines = []
+    for o in outcomes:
+        if o.timed_out:
+            lines.append(f"rank {o.rank}: timed out (killed)")
+        elif o.error is not None:
+            lines.append(f"rank {o.rank}: {o.error}\n{o.traceback or ''}")
+    return "\n".join(lines)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:
+    """Like ``run_ranks_outcomes`` but return the values, raising ``RanksFailed`` if any rank failed."""
+    outcomes = run_ranks_outcomes(fn, world_size, **kwargs)
+    if not all(o.ok for o in outcomes):
+        raise RanksFailed(describe_failures(outcomes))
+    return [o.value for o in outcomes]
+
+
+# ------------------------------------------------------------------ rank pool
+def _child_pool(conn: Any, env: Mapping[str, str], init_kwargs: Mapping[str, Any]) -> None:
+    _apply_env(env)
+    import commlib
+
+    try:
+        group = commlib.init_process_group(**init_kwargs)
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("error", f"{type(e).__name__}: {e}", type(e).__name__, traceback.format_exc()))
+        return
+    conn.send(("ready", None, None, None))
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            if message is None:
+                return
+            fn, args = message
+            try:
+                conn.send(("ok", fn(group, *args), None, None))
+            except BaseException as e:  # noqa: BLE001
+                conn.send(("error", f"{type(e).__name__}: {e}", type(e).__name__, traceback.format_exc()))
+    finally:
+        commlib.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` live ranks with a connected group, reused across test calls.
+
+    After a call in which any rank fails or times out, the pool is torn down
+    and the next call starts fresh ranks, so one failing test cannot poison
+    the next.
+    """
+
+    def __init__(self, world_size: int, backend: str, *, env: Mapping[str, str] | None = None, start_timeout: float = 60.0) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self._env = dict(env or {})
+        self._start_timeout = start_timeout
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+
+    def _start(self) -> None:
+        port = free_port()
+        for rank in range(self.world_size):
+            parent_conn, child_conn = _CTX.Pipe()
+            proc = _CTX.Process(
+                target=_child_pool,
+                args=(child_conn, rank_env(rank, self.world_size, port, self.backend, self._env), {}),
+                name=f"commlib-pool-{self.backend}-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        replies = self._collect(self._start_timeout, "start")
+        if not all(o.ok for o in replies):
+            self.close()
+            raise RanksFailed(f"RankPool({self.backend}, {self.world_size}) failed to start:\n{describe_failures(replies)}")
+
+    def _collect(self, timeout: float, what: str) -> list[RankOutcome]:
+        deadline = time.monotonic() + timeout
+        outcomes = [RankOutcome(rank=r) for r in range(self.world_size)]
+        pending = dict(enumerate(self._conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in multiprocessing.connection.wait(list(pending.values()), timeout=remaining):
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, value, error_type, tb = conn.recv()
+                except EOFError:
+                    outcomes[rank].error = f"rank process died during {what} (exit code {self._procs[rank].exitcode})"
+                    continue
+                if status in ("ok", "ready"):
+                    outcomes[rank].value = value
+                else:
+                    outcomes[rank].error, outcomes[rank].error_type, outcomes[rank].traceback = value, error_type, tb
+        for rank in pending:
+            outcomes[rank].timed_out = True
+        return outcomes
+
+    def run_outcomes(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, per_rank_args: list[tuple[Any, ...]] | None = None) -> list[RankOutcome]:
+        """Run ``fn(group, *args)`` on every rank; return how each call ended."""
+        if not self._procs:
+            self._start()
+        for rank, conn in enumerate(self._conns):
+            conn.send((fn, per_rank_args[rank] if per_rank_args is not None else args))
+        outcomes = self._collect(timeout, fn.__name__)
+        if not all(o.ok for o in outcomes):
+            self.close()
+        return outcomes
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, per_rank_args: list[tuple[Any, ...]] | None = None) -> list[Any]:
+        """Run ``fn(group, *args)`` on every rank and return the values; raise ``RanksFailed`` on failure."""
+        outcomes = self.run_outcomes(fn, *args, timeout=timeout, per_rank_args=per_rank_args)
+        if not all(o.ok for o in outcomes):
+            raise RanksFailed(describe_failures(outcomes))
+        return [o.value for o in outcomes]
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
