@@ -114,8 +114,8 @@ class SendLink(_Link):
 
     chunk_bytes: int
 
-    def send_meta(self, record: bytes) -> None:
-        """Send one metadata record (``META_BYTES`` long)."""
+    def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
+        """Send one metadata record (``META_BYTES`` long), optionally followed by a small payload chunk."""
         raise NotImplementedError
 
     def send(self, chunk: torch.Tensor) -> None:
@@ -190,9 +190,13 @@ class TcpSendLink(SendLink):
             self._pending += 1
         self._queue.put(parts)
 
-    def send_meta(self, record: bytes) -> None:
-        """Send one metadata record."""
-        self._enqueue((bytes([_FRAME_META]) + record,))
+    def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
+        """Queue one metadata record (and payload frame) as a single write."""
+        if payload is None:
+            self._enqueue((bytes([_FRAME_META]) + record,))
+        else:
+            view = byte_view(payload)
+            self._enqueue((bytes([_FRAME_META]) + record + bytes([_FRAME_PAYLOAD]) + _U64.pack(len(view)), view))
 
     def send(self, chunk: torch.Tensor) -> None:
         """Queue a chunk for the sender thread; it must not change until ``flush``."""
@@ -309,9 +313,13 @@ class ShmSendLink(SendLink):
         self._sent = 0
         self._acked = 0
 
-    def send_meta(self, record: bytes) -> None:
-        """Send one metadata record over the socket."""
-        self._send_token(bytes([_FRAME_META]) + record)
+    def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
+        """Send one metadata record over the socket; a payload goes into a slot, announced in the same write."""
+        if payload is None:
+            self._send_token(bytes([_FRAME_META]) + record)
+        else:
+            self._fill_slot(payload)
+            self._send_token(bytes([_FRAME_META]) + record + b"D")
 
     def _send_token(self, data: bytes) -> None:
         try:
@@ -319,14 +327,17 @@ class ShmSendLink(SendLink):
         except OSError as e:
             raise PeerFailureError(f"{self.describe} closed the connection ({e}); its process ended?") from e
 
-    def send(self, chunk: torch.Tensor) -> None:
-        """Copy ``chunk`` into the next free slot and ring the peer's doorbell."""
+    def _fill_slot(self, chunk: torch.Tensor) -> None:
         while self._sent - self._acked >= self.inbox.slots:
             kind = self.reader.read_byte("a free slot")
             self._check_frame(kind, _TOKEN_ACK, "a free slot")
             self._acked += 1
         self.inbox.slot(self._sent, chunk.dtype, chunk.numel()).copy_(chunk)
         self._sent += 1
+
+    def send(self, chunk: torch.Tensor) -> None:
+        """Copy ``chunk`` into the next free slot and ring the peer's doorbell."""
+        self._fill_slot(chunk)
         self._send_token(b"D")
 
     def close(self, linger: float) -> None:
@@ -393,6 +404,7 @@ def connect_links(
     slots: int,
     shm_dir: str | None,
     prefix: str,
+    spin_s: float = 0.0,
 ) -> tuple[SendLink | None, RecvLink | None]:
     """Agree with both neighbours on each link's transport and build the two links.
 
@@ -450,6 +462,7 @@ def connect_links(
     if forced and (problem or (inbox is not None and not reply["ok"])):
         raise RendezvousError(f"{prefix}COMMLIB_RING_TRANSPORT=shm, but a link cannot use shared memory: {problem or reply['why']}")
 
+    right_reader.spin_s = left_reader.spin_s = spin_s
     send_link: SendLink
     if remote is not None:
         send_link = ShmSendLink(right, right_reader, right_rank, right_name, remote)

@@ -7,6 +7,9 @@ Protocol (JSON frames over TCP):
    until the deadline) and send ``hello`` (rank, world size, host id, data
    address). Rank 0 checks them and answers everyone with the peer table and
    the ring settings all ranks must share (rank 0's), or with an error.
+   Under torchrun, whose agent already serves a key-value store on
+   ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), the same records
+   are exchanged through that store instead.
 3. Each rank connects to its right neighbour's data listener and accepts its
    left neighbour's connection: two sockets per rank (one when world size is 2
    counts twice: 0->1 and 1->0 are separate links).
@@ -29,6 +32,7 @@ from backends._wire import SocketReader, connect_with_retry, recv_json, send_jso
 __all__ = ["Peer", "RingSockets", "rendezvous", "host_id"]
 
 _PROTOCOL = 1
+_store_generation = 0  # groups created through torchrun's store so far (every rank counts alike)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +102,9 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
     data_listener.bind((master_ip if loopback else "0.0.0.0", 0))
     data_listener.listen(8)
     try:
-        if env.rank == 0:
+        if _use_torchrun_store(env):
+            peers, shared = _exchange_through_store(env, prefix, deadline, timeout, master_ip, data_listener, settings)
+        elif env.rank == 0:
             peers, shared = _lead(env, prefix, deadline, timeout, master_ip, loopback, data_listener, settings)
         else:
             peers, shared = _follow(env, prefix, deadline, timeout, master_ip, data_listener)
@@ -106,6 +112,70 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
     finally:
         data_listener.close()
     return RingSockets(peers=peers, settings=shared, right=right, left=left, left_reader=left_reader)
+
+
+def _use_torchrun_store(env: DistEnv) -> bool:
+    return env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:
+    """The address other ranks can reach this rank's data listener at."""
+    addr = data_listener.getsockname()[0]
+    if addr != "0.0.0.0":
+        return str(addr)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+        probe.connect((master_ip, 9))
+        return str(probe.getsockname()[0])
+
+
+def _exchange_through_store(
+    env: DistEnv,
+    prefix: str,
+    deadline: float,
+    timeout: float,
+    master_ip: str,
+    data_listener: socket.socket,
+    settings: dict[str, Any],
+) -> tuple[list[Peer], dict[str, Any]]:
+    """Publish this rank's record in torchrun's agent store and read everyone's."""
+    import datetime
+    import json
+
+    from torch.distributed import TCPStore
+
+    global _store_generation
+    _store_generation += 1
+    base = f"commlib/ring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
+    wait = datetime.timedelta(seconds=max(0.1, deadline - time.monotonic()))
+    try:
+        store = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=wait, wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - torch raises several types here
+        raise RendezvousTimeoutError(
+            f"{prefix}cannot reach torchrun's store at {env.master_addr}:{env.master_port}: {e}"
+        ) from e
+    me = Peer(env.rank, host_id(), _reachable_addr(data_listener, master_ip), data_listener.getsockname()[1], os.getpid())
+    if store.add(f"{base}/claims/{env.rank}", 1) != 1:
+        raise RendezvousError(f"{prefix}two processes claim rank {env.rank}; every rank needs its own RANK")
+    record = dataclasses.asdict(me) | {"world_size": env.world_size}
+    store.set(f"{base}/peer/{env.rank}", json.dumps(record))
+    if env.rank == 0:
+        store.set(f"{base}/settings", json.dumps(settings))
+    keys = [f"{base}/peer/{r}" for r in range(env.world_size)] + [f"{base}/settings"]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
+    except Exception as e:  # noqa: BLE001
+        missing = [r for r in range(env.world_size) if not store.check([f"{base}/peer/{r}"])]
+        raise RendezvousTimeoutError(
+            f"{prefix}timed out after {timeout:.1f} s in torchrun's store at {env.master_addr}:"
+            f"{env.master_port}: ranks {missing} never arrived ({e})"
+        ) from None
+    peers = []
+    for r in range(env.world_size):
+        data = json.loads(store.get(f"{base}/peer/{r}"))
+        if data.pop("world_size") != env.world_size:
+            raise RendezvousError(f"{prefix}rank {r} was started with another WORLD_SIZE than {env.world_size}")
+        peers.append(Peer(**data))
+    return peers, json.loads(store.get(f"{base}/settings"))
 
 
 def _lead(

@@ -61,11 +61,27 @@ class SocketReader:
         describe: Names the peer for messages, e.g. ``"rank 1 (left neighbour)"``.
     """
 
-    def __init__(self, sock: socket.socket, describe: str) -> None:
+    def __init__(self, sock: socket.socket, describe: str, spin_s: float = 0.0) -> None:
         self.sock = sock
         self.describe = describe
+        self.spin_s = spin_s
         self._buf = bytearray()
         self._pos = 0
+
+    def _poll(self, size: int) -> bytes | None:
+        """Try non-blocking reads for up to ``spin_s`` before the caller blocks in the kernel.
+
+        A peer in the middle of the same collective answers within microseconds;
+        blocking would hand the core to another process and wait a scheduler
+        slice to get it back.
+        """
+        deadline = time.perf_counter() + self.spin_s
+        while True:
+            try:
+                return self.sock.recv(size, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= deadline:
+                    return None
 
     def buffered(self) -> int:
         """Number of bytes already read from the socket but not consumed."""
@@ -73,7 +89,9 @@ class SocketReader:
 
     def _fill(self, what: str, need: int) -> None:
         try:
-            data = self.sock.recv(max(65536, need))
+            data = self._poll(max(65536, need)) if self.spin_s > 0 else None
+            if data is None:
+                data = self.sock.recv(max(65536, need))
         except TimeoutError:
             raise CommTimeoutError(
                 f"timed out after {self.sock.gettimeout():.1f} s waiting for {self.describe} ({what}); "

@@ -69,6 +69,13 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _spin(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1e6:
+        raise ValueError("must be in 0..1e6")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingConfig:
     """Settings of the ring backend. Rank 0's chunk and slot settings apply to every rank."""
@@ -88,6 +95,17 @@ class RingConfig:
     """Where shared-memory files are created (default ``/dev/shm``); they are
     unlinked as soon as both ends have mapped them. ``COMMLIB_RING_SHM_DIR``."""
 
+    small_bytes: int = 64 * 1024
+    """Tensors up to this size skip the ring: every rank's data travels with the
+    metadata records (one pass round the ring) and each rank reduces locally,
+    in rank order, so results stay identical on every rank. Capped at
+    ``chunk_bytes``; 0 disables it. ``COMMLIB_RING_SMALL_BYTES``."""
+
+    spin_us: float = 50.0
+    """Microseconds a rank polls its socket before it sleeps in the kernel while
+    waiting for a neighbour; polling keeps the core across the short waits
+    inside a collective. ``COMMLIB_RING_SPIN_US``."""
+
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"RingConfig.transport: expected 'auto', 'shm' or 'tcp', got {self.transport!r}")
@@ -97,6 +115,10 @@ class RingConfig:
             )
         if self.shm_slots < 1:
             raise ValueError(f"RingConfig.shm_slots: must be >= 1, got {self.shm_slots}")
+        if self.small_bytes < 0:
+            raise ValueError(f"RingConfig.small_bytes: must be >= 0, got {self.small_bytes}")
+        if not 0 <= self.spin_us <= 1e6:
+            raise ValueError(f"RingConfig.spin_us: must be in 0..1e6 microseconds, got {self.spin_us}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RingConfig:
@@ -109,6 +131,8 @@ class RingConfig:
             chunk_bytes=chunk - chunk % 64,
             shm_slots=read_env_var("COMMLIB_RING_SHM_SLOTS", _int_at_least(1), default.shm_slots, environ),
             shm_dir=environ.get("COMMLIB_RING_SHM_DIR") or None,
+            small_bytes=read_env_var("COMMLIB_RING_SMALL_BYTES", _int_at_least(0), default.small_bytes, environ),
+            spin_us=read_env_var("COMMLIB_RING_SPIN_US", _spin, default.spin_us, environ),
         )
 
 
@@ -117,7 +141,7 @@ _KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8
-_META = struct.Struct(f"!QBBBBiiQ{_MAX_DIMS}q4x")
+_META = struct.Struct(f"!QBBBBiiQ{_MAX_DIMS}qI")  # ..., payload elements + 1 (0: none)
 assert _META.size == META_BYTES
 
 
@@ -131,8 +155,9 @@ class _Meta:
     rank: int
     numel: int
     shape: tuple[int, ...]
+    payload_numel: int | None = None
 
-    def pack(self) -> bytes:
+    def pack(self, payload: torch.Tensor | None = None) -> bytes:
         dims = list(self.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
         return _META.pack(
             self.seq,
@@ -144,11 +169,12 @@ class _Meta:
             self.rank,
             self.numel,
             *dims,
+            0 if payload is None else payload.numel() + 1,
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> _Meta:
-        seq, kind, dtype, op, ndim, src, rank, numel, *dims = _META.unpack(data)
+        seq, kind, dtype, op, ndim, src, rank, numel, *dims, payload = _META.unpack(data)
         return cls(
             seq=seq,
             kind=_KINDS[kind] if kind < len(_KINDS) else f"unknown({kind})",
@@ -158,6 +184,7 @@ class _Meta:
             rank=rank,
             numel=numel,
             shape=tuple(dims[: min(ndim, _MAX_DIMS)]) + ((-1,) if ndim > _MAX_DIMS else ()),
+            payload_numel=payload - 1 if payload else None,
         )
 
     def tensor_text(self) -> str:
@@ -229,10 +256,15 @@ class RingProcessGroup(IProcessGroup):
     def __init__(self, env: DistEnv, config: CommConfig | None = None, ring_config: RingConfig | None = None) -> None:
         super().__init__(env, config)
         self._ring_config = ring_config if ring_config is not None else RingConfig.from_env()
-        settings = {"chunk_bytes": self._ring_config.chunk_bytes, "slots": self._ring_config.shm_slots}
+        settings = {
+            "chunk_bytes": self._ring_config.chunk_bytes,
+            "slots": self._ring_config.shm_slots,
+            "small_bytes": self._ring_config.small_bytes,
+        }
         sockets = rendezvous(env, self.timeout, settings, self.backend_name)
         shared = sockets.settings
         self._chunk_bytes = int(shared["chunk_bytes"])
+        self._small_bytes = min(int(shared["small_bytes"]), self._chunk_bytes)
         self._send: SendLink | None
         self._recv: RecvLink | None
         try:
@@ -245,6 +277,7 @@ class RingProcessGroup(IProcessGroup):
                 slots=int(shared["slots"]),
                 shm_dir=self._ring_config.shm_dir,
                 prefix=self._prefix("rendezvous"),
+                spin_s=self._ring_config.spin_us * 1e-6,
             )
         except BaseException:
             for sock in (sockets.left, sockets.right):
@@ -334,17 +367,34 @@ class RingProcessGroup(IProcessGroup):
             shape=tuple(shape if shape is not None else (tensor.shape if tensor is not None else ())),
         )
 
-    def _check_meta(self, mine: _Meta) -> None:
-        """Pass every rank's record around the ring; raise on every rank if they disagree."""
+    def _is_small(self, tensor: torch.Tensor) -> bool:
+        return tensor.numel() * tensor.element_size() <= self._small_bytes
+
+    def _check_meta(self, mine: _Meta, payload: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+        """Pass every rank's record (and small payload) around the ring; raise on every rank if they disagree.
+
+        Returns:
+            The payloads that travelled with the records, by source rank
+            (this rank's own included).
+        """
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
         metas: dict[int, _Meta] = {self.rank: mine}
-        outgoing = mine.pack()
+        payloads: dict[int, torch.Tensor] = {} if payload is None else {self.rank: payload}
+        record, outgoing = mine.pack(payload), payload
         for _ in range(self.world_size - 1):
-            send.send_meta(outgoing)
-            outgoing = recv.recv_meta()
-            meta = _Meta.unpack(outgoing)
+            send.send_meta(record, outgoing)
+            record = recv.recv_meta()
+            meta = _Meta.unpack(record)
             metas[meta.rank] = meta
+            outgoing = None
+            if meta.payload_numel is not None:
+                if meta.dtype is None:
+                    raise CommError(f"rank {meta.rank} sent a payload of unknown dtype; is it running another commlib version?")
+                outgoing = torch.empty(meta.payload_numel, dtype=meta.dtype)
+                recv.recv_into(outgoing)
+                payloads[meta.rank] = outgoing
+        send.flush()  # a queued payload may be a view of the caller's tensor, about to be overwritten
         ordered = [metas[r] for r in sorted(metas)]
         if len({(m.kind, m.seq) for m in ordered}) > 1:
             raise CollectiveMismatchError(
@@ -361,6 +411,7 @@ class RingProcessGroup(IProcessGroup):
         if len({(m.op, m.src) for m in ordered}) > 1:
             detail = _group_ranks(ordered, lambda m: f"op={m.op.name if m.op else None} src={m.src}")
             raise CollectiveMismatchError(f"ranks disagree on the op or source rank: {detail}")
+        return payloads
 
     def _exchange(self, outgoing: torch.Tensor, incoming: torch.Tensor, reduce: Reducer | None) -> None:
         """One ring step: stream ``outgoing`` to the right while ``incoming`` arrives from the left."""
@@ -390,8 +441,18 @@ class RingProcessGroup(IProcessGroup):
 
         def body() -> None:
             with _staged(tensor) as host:
-                self._check_meta(meta)
-                self._ring_all_reduce(host.view(-1), op)
+                flat = host.view(-1)
+                if self._is_small(flat):
+                    payloads = self._check_meta(meta, flat)
+                    result = payloads[0].clone()
+                    for source in range(1, self.world_size):
+                        _REDUCERS[op](result, payloads[source])
+                    if op is ReduceOp.AVG:
+                        result.div_(self.world_size)
+                    flat.copy_(result)
+                else:
+                    self._check_meta(meta)
+                    self._ring_all_reduce(flat, op)
 
         return self._submit(describe, body, async_op, tensor)
 
@@ -416,8 +477,14 @@ class RingProcessGroup(IProcessGroup):
 
         def body() -> None:
             with _staged(tensor, copy_in=self.rank == src) as host:
-                self._check_meta(meta)
-                self._chain_broadcast(host.view(-1), src)
+                flat = host.view(-1)
+                if self._is_small(flat):
+                    payloads = self._check_meta(meta, flat if self.rank == src else None)
+                    if self.rank != src:
+                        flat.copy_(payloads[src])
+                else:
+                    self._check_meta(meta)
+                    self._chain_broadcast(flat, src)
 
         return self._submit(describe, body, async_op, tensor)
 
@@ -448,6 +515,12 @@ class RingProcessGroup(IProcessGroup):
                     blocks[r].copy_(host_tensor)
                 if n == 1:
                     return
+                if self._is_small(host_tensor):
+                    payloads = self._check_meta(meta, host_tensor)
+                    for source, block in enumerate(blocks):
+                        if source != r:
+                            block.copy_(payloads[source])
+                    return
                 self._check_meta(meta)
                 for s in range(n - 1):
                     self._exchange(blocks[(r - s) % n], blocks[(r - s - 1) % n], None)
@@ -470,13 +543,20 @@ class RingProcessGroup(IProcessGroup):
         def body() -> None:
             work = torch.cat([t.to("cpu") for t in inputs]) if inputs else output.new_empty(0)
             blocks = _segments(work, n)
-            if n > 1:
+            if n > 1 and self._is_small(work):
+                payloads = self._check_meta(meta, work)
+                mine = _segments(payloads[0], n)[r].clone()
+                for source in range(1, n):
+                    _REDUCERS[op](mine, _segments(payloads[source], n)[r])
+            elif n > 1:
                 self._check_meta(meta)
                 reduce = _REDUCERS[op]
                 for s in range(n - 1):
                     self._exchange(blocks[(r - s - 1) % n], blocks[(r - s - 2) % n], reduce)
                 self._flush()
-            mine = blocks[r]
+                mine = blocks[r]
+            else:
+                mine = blocks[r]
             if op is ReduceOp.AVG and n > 1:
                 mine.div_(n)
             output.copy_(mine)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 from collections.abc import Mapping
 
@@ -19,6 +20,8 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise ValueError("must be > 0")
+    if not math.isfinite(value):
+        raise ValueError("must be finite")
     return value
 
 
@@ -45,6 +48,11 @@ class CommConfig:
             )
         if not self.timeout > 0:
             raise ValueError(f"CommConfig.timeout: must be > 0 seconds, got {self.timeout}")
+        if not math.isfinite(self.timeout):
+            raise ValueError(
+                f"CommConfig.timeout: must be finite (every wait needs a bound), got {self.timeout}; "
+                "use a large number of seconds instead"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> CommConfig:

@@ -143,16 +143,57 @@ _LAUNCHERS: tuple[tuple[str, str, str, tuple[str, ...], tuple[str, ...]], ...] =
 _MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
 
 
+_LAUNCHER_PROCESSES = frozenset(
+    {"hydra_pmi_proxy", "mpiexec", "mpiexec.hydra", "mpirun", "prted", "orted", "prterun", "srun", "slurmstepd"}
+)
+
+
+def launcher_pid() -> int | None:
+    """Return the pid of the nearest ancestor that is an MPI or Slurm launcher process, if any.
+
+    All ranks a launcher starts on one host descend from the same such process,
+    also when each rank runs under a wrapper script of its own.
+    """
+    pid = os.getppid()
+    for _ in range(32):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            return None
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if name in _LAUNCHER_PROCESSES:
+            return pid
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if parent <= 1:
+            return None
+        pid = parent
+    return None
+
+
 def _default_port(launcher: str, environ: Mapping[str, str], local_world_size: int, world_size: int) -> int:
     """Pick the rendezvous port when nothing names one.
 
-    Under an MPI launcher with every rank on this host, the ranks share a parent
-    process (the launcher's proxy), so a port derived from its pid lets two jobs
-    run side by side without choosing ports by hand. Otherwise: 29500.
+    Under an MPI launcher with every rank on this host, the ranks share an
+    ancestor (the launcher's proxy process), so a port derived from its pid lets
+    two jobs run side by side without choosing ports by hand. Otherwise: 29500.
     """
     if launcher in _MPI_LAUNCHERS and local_world_size == world_size and "MASTER_ADDR" not in environ:
-        return 20000 + os.getppid() % 20000
+        pid = launcher_pid()
+        if pid is not None:
+            return 20000 + pid % 20000
     return DEFAULT_MASTER_PORT
+
+
+def _refuse_half_set_launcher(environ: Mapping[str, str]) -> None:
+    """Raise if a launcher set only one of its rank and size variables (never guess a single process)."""
+    for name, rank_var, size_var, _, _ in _LAUNCHERS:
+        if (rank_var in environ) != (size_var in environ):
+            missing, present = (size_var, rank_var) if rank_var in environ else (rank_var, size_var)
+            raise ValueError(
+                f"environment variable {missing} expected, but not set ({present} is set, so this "
+                f"looks like a {name} launch); set both, or neither"
+            )
 
 
 def detect(
@@ -206,6 +247,8 @@ def detect(
                 local_rank = _first_int(environ, local_rank_vars, rank)
                 local_world_size = _first_int(environ, local_size_vars, world_size)
                 break
+        else:
+            _refuse_half_set_launcher(environ)
     addr = master_addr or environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
     if master_port is not None:
         port = int(master_port)

@@ -111,7 +111,8 @@ def is_available(name: str) -> bool:
     builtin = _BUILTINS.get(key)
     if builtin is None:
         return False
-    return all(importlib.util.find_spec(pkg) is not None for pkg in builtin.requires)
+    needed = (builtin.module, *builtin.requires)
+    return all(importlib.util.find_spec(pkg) is not None for pkg in needed)
 
 
 def available_backends() -> list[str]:
@@ -130,6 +131,11 @@ def _resolve(key: str) -> BackendFactory:
         try:
             module = importlib.import_module(builtin.module)
         except ImportError as e:
+            if e.name == builtin.module:
+                raise BackendUnavailableError(
+                    f"backend {key!r}: its module {builtin.module} is missing from this installation; "
+                    "reinstall commlib"
+                ) from e
             missing = e.name or "a required package"
             raise BackendUnavailableError(
                 f"backend {key!r} needs {missing}, which is not installed: {builtin.pip_hint}. "

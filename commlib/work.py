@@ -6,7 +6,7 @@ import abc
 import concurrent.futures
 from typing import Any
 
-from commlib.errors import CommError, CommTimeoutError
+from commlib.errors import CommTimeoutError
 
 __all__ = ["Work", "CompletedWork", "FutureWork"]
 
@@ -23,8 +23,9 @@ class Work(abc.ABC):
         """Block until the result is in the tensor.
 
         Args:
-            timeout: Seconds to wait; ``None`` waits up to the group's own
-                timeout, after which the backend raises ``CommTimeoutError``.
+            timeout: Seconds to wait for this handle; ``None`` waits until the
+                collective ends, which the backend bounds by the group's own
+                timeout (a stuck peer raises ``CommTimeoutError`` there).
 
         Raises:
             CommTimeoutError: The collective did not finish within ``timeout``.
@@ -79,16 +80,14 @@ class FutureWork(Work):
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the result is in the tensor (see ``Work.wait``)."""
-        try:
-            self._future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
+        done, _ = concurrent.futures.wait([self._future], timeout=timeout)
+        if not done:
             raise CommTimeoutError(
                 f"{self._describe}: Work.wait(timeout={timeout}) expired before the collective "
                 "finished; it is still running on the progress thread. Wait longer, or look "
                 "for a rank that has not issued the same collective."
-            ) from None
-        except CommError:
-            raise
+            )
+        self._future.result()  # raises the collective's own error, timeouts included
         self._keep_alive = None
 
     def is_completed(self) -> bool:

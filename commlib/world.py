@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import threading
@@ -89,7 +90,7 @@ def init_process_group(
         if config is None:
             config = CommConfig.from_env(timeout=timeout)
         elif timeout is not None:
-            config = CommConfig(timeout=timeout)  # type: ignore[arg-type]
+            config = dataclasses.replace(config, timeout=timeout)  # type: ignore[arg-type]
         group = create_process_group(name, env, config)
         _default_group = group
         return group

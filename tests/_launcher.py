@@ -132,7 +132,7 @@ def run_ranks_outcomes(
         port: Rendezvous port (default: a free one).
     """
     port = free_port() if port is None else port
-    procs, conns = [], []
+    procs, conns, child_conns = [], [], []
     for rank in range(world_size):
         rank_extra = dict(env or {})
         if per_rank_env is not None:
@@ -148,9 +148,12 @@ def run_ranks_outcomes(
         )
         procs.append(proc)
         conns.append(parent_conn)
+        child_conns.append(child_conn)
     try:
         for proc in procs:
             proc.start()
+        for child_conn in child_conns:  # the children hold the write ends now: EOF means a child died
+            child_conn.close()
         deadline = time.monotonic() + timeout
         outcomes = [RankOutcome(rank=r) for r in range(world_size)]
         pending = dict(enumerate(conns))
@@ -165,6 +168,7 @@ def run_ranks_outcomes(
                 try:
                     status, value, error_type, tb = conn.recv()
                 except EOFError:  # died without reporting (killed, os._exit)
+                    outcomes[rank].error = "died without reporting"
                     continue
                 if status == "ok":
                     outcomes[rank].value = value
@@ -178,7 +182,9 @@ def run_ranks_outcomes(
                 proc.kill()
                 proc.join(5)
             outcomes[rank].exitcode = proc.exitcode
-            if proc.exitcode not in (0, None) and outcomes[rank].error is None and not outcomes[rank].timed_out:
+            if outcomes[rank].error == "died without reporting" or (
+                proc.exitcode not in (0, None) and outcomes[rank].error is None and not outcomes[rank].timed_out
+            ):
                 outcomes[rank].error = f"exited with code {proc.exitcode} without reporting"
         return outcomes
     finally:

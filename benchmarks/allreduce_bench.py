@@ -1,0 +1,692 @@
+"""All-reduce benchmark: commlib backends beside raw torch.distributed Gloo and raw mpi4py.
+
+Launch::
+
+    mpiexec -n 2 python benchmarks/allreduce_bench.py                 # MPI gives rank and size
+    python benchmarks/allreduce_bench.py --spawn 2                    # no MPI: spawns 2 ranks itself
+    torchrun --nproc-per-node 2 benchmarks/allreduce_bench.py         # also works (no raw MPI reference)
+
+In one run, size by size, every mode takes its turn: the commlib backends named
+by ``--backends`` (each through ``commlib.create_process_group`` on its own
+port, so the groups coexist), raw ``torch.distributed`` Gloo
+(``dist.all_reduce``) and raw mpi4py (``COMM_WORLD.Allreduce(MPI.IN_PLACE, buf)``,
+only under an MPI launcher). For each size, each mode first checks one result
+(rank ``r`` contributes ``(r + 1) * pattern``; every rank must get
+``n (n + 1) / 2 * pattern``), warms up, then the modes take turns over
+``--rounds`` timing blocks of ``--iters`` all-reduces, each block after the
+mode's own barrier. Reported: the median over rounds of the per-call time of
+a block (rank 0's clock), the algorithm bandwidth ``bytes / time``, the bus
+bandwidth ``algbw * 2 (n - 1) / n``, and the latency ratios ours/Gloo and
+ours/MPI (below 1: faster than the reference).
+
+Exit status: 0 when every measured result was correct, 1 when a check failed
+or nothing could be measured, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import datetime
+import functools
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+import commlib  # noqa: E402
+from commlib.env import DistEnv  # noqa: E402
+
+DEFAULT_SIZES = "4K,64K,1M,4M,25M,100M"
+QUICK_SIZES = "4K,64K,1M"
+MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
+REFERENCES = ("torch-gloo", "mpi4py")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+PORTS_VAR = "COMMLIB_BENCH_PORTS"
+CSV_COLUMNS = [
+    "size_bytes",
+    "size",
+    "dtype",
+    "numel",
+    "world_size",
+    "mode",
+    "kind",
+    "iters",
+    "rounds",
+    "median_us",
+    "min_us",
+    "max_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "ratio_vs_gloo",
+    "ratio_vs_mpi",
+    "correct",
+]
+TABLE_COLUMNS = [
+    "size",
+    "mode",
+    "kind",
+    "iters",
+    "lat_us",
+    "min_us",
+    "algbw_GB/s",
+    "busbw_GB/s",
+    "vs_gloo",
+    "vs_mpi",
+    "check",
+]
+
+
+# ------------------------------------------------------------------ parsing
+def parse_size(text: str) -> int:
+    """Parse ``4K`` / ``25M`` / ``1G`` (binary multiples) or a plain byte count."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: expected e.g. 4K, 25M or 1048576") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: must be > 0 bytes")
+    return value
+
+
+def format_size(nbytes: int) -> str:
+    """Return ``4 KiB`` / ``25 MiB`` / ``1000 B``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def default_iters(nbytes: int, quick: bool) -> int:
+    """All-reduces per timing block: more for small messages, so a block outlasts the clock's noise."""
+    if quick:
+        return 5 if nbytes <= 1 << 20 else 2
+    if nbytes <= 64 << 10:
+        return 50
+    if nbytes <= 1 << 20:
+        return 20
+    if nbytes <= 4 << 20:
+        return 10
+    if nbytes <= 32 << 20:
+        return 4
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--backends",
+        default="ring,gloo,mpi",
+        help="commlib backends to measure, comma-separated (default: ring,gloo,mpi); 'none': references only",
+    )
+    p.add_argument(
+        "--references",
+        default=",".join(REFERENCES),
+        help="raw references: torch-gloo, mpi4py, or none (default: both)",
+    )
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help=f"message sizes in bytes, K/M/G = 2^10/2^20/2^30 "
+        f"(default: {DEFAULT_SIZES}; --quick: {QUICK_SIZES})",
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--iters", type=int, default=None, help="all-reduces per timing block (default: by size)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timing blocks per mode and size; the median is reported (default 5, --quick 2)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed all-reduces per mode and size after the check (default 2, --quick 1)",
+    )
+    p.add_argument("--quick", action="store_true", help="CI smoke test: small sizes, few iterations")
+    p.add_argument("--csv", type=Path, default=None, help="write the results to this CSV file (rank 0)")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="commlib/Gloo timeout in seconds (default 120)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument(
+        "--spawn",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N local ranks as subprocesses (no MPI launcher needed; no raw MPI reference)",
+    )
+    p.add_argument(
+        "--spawn-timeout", type=float, default=1800.0, help="seconds before spawned ranks are killed"
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _names(text: str) -> list[str]:
+    return (
+        []
+        if text.strip().lower() in ("", "none")
+        else [n.strip().lower() for n in text.split(",") if n.strip()]
+    )
+
+
+# -------------------------------------------------------------------- ports
+def free_ports(count: int) -> list[int]:
+    """Return ``count`` distinct TCP ports on 127.0.0.1 that are free right now."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
+
+
+def agree_ports(count: int, env: DistEnv, comm: Any) -> list[int]:
+    """Ports every rank agrees on: from the spawner, broadcast over MPI, or after ``MASTER_PORT``."""
+    given = os.environ.get(PORTS_VAR, "").strip()
+    if given:
+        ports = [int(p) for p in given.split(",")]
+        if len(ports) < count:
+            raise SystemExit(f"{PORTS_VAR} has {len(ports)} ports, {count} needed")
+        return ports[:count]
+    if comm is not None:
+        return list(comm.bcast(free_ports(count) if env.rank == 0 else None, root=0))
+    return [env.master_port + 1 + i for i in range(count)]
+
+
+# -------------------------------------------------------------------- modes
+@dataclasses.dataclass
+class Mode:
+    """One way to all-reduce a tensor: a commlib backend or a raw reference."""
+
+    name: str
+    kind: str  # "commlib" or "reference"
+    all_reduce: Callable[[torch.Tensor], None]
+    barrier: Callable[[], None]
+    close: Callable[[], None]
+    note: str = ""
+    prepare: Callable[[torch.Tensor], None] = lambda buf: None
+    failed: str | None = None
+
+
+def commlib_mode(name: str, env: DistEnv, port: int, timeout: float) -> Mode:
+    """Create backend ``name`` with ``commlib.create_process_group`` on its own port."""
+    config = commlib.CommConfig.from_env(timeout=timeout)
+    group = commlib.create_process_group(name, dataclasses.replace(env, master_port=port), config)
+    note = f"{type(group).__name__} via commlib.create_process_group({name!r}), port {port}"
+    transports = getattr(group, "transports", None)
+    if transports is not None:
+        note += f"; send/recv links: {transports[0]}/{transports[1]}"
+    return Mode(
+        name=name,
+        kind="commlib",
+        all_reduce=lambda buf: group.all_reduce(buf),
+        barrier=lambda: group.barrier(),
+        close=group.close,
+        note=note,
+    )
+
+
+def torch_gloo_mode(env: DistEnv, port: int, timeout: float) -> Mode:
+    """Raw torch.distributed Gloo: the default group if free, else a new Gloo group beside it."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise RuntimeError("torch.distributed with Gloo is not available in this torch build")
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{env.master_addr}:{port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        pg = None
+        note = f"dist.init_process_group('gloo', tcp://{env.master_addr}:{port})"
+    else:  # a commlib backend holds the default group: a second Gloo group beside it
+        pg = dist.new_group(backend="gloo")
+        note = "dist.new_group(backend='gloo') (the default group belongs to a commlib backend)"
+
+    def close() -> None:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+    return Mode(
+        name="torch-gloo",
+        kind="reference",
+        all_reduce=lambda buf: dist.all_reduce(buf, group=pg),
+        barrier=lambda: dist.barrier(group=pg),
+        close=close,
+        note=note,
+    )
+
+
+def mpi4py_mode(comm: Any) -> Mode:
+    """Raw mpi4py: ``comm.Allreduce(MPI.IN_PLACE, buf)`` on a NumPy view of the tensor."""
+    from mpi4py import MPI
+
+    view: dict[str, Any] = {}
+
+    def prepare(buf: torch.Tensor) -> None:
+        view["array"] = buf.numpy()  # shares memory; made once per size, not per call
+
+    def all_reduce(buf: torch.Tensor) -> None:
+        array = view["array"]
+        if array.ctypes.data != buf.data_ptr():
+            array = view["array"] = buf.numpy()
+        comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+
+    return Mode(
+        name="mpi4py",
+        kind="reference",
+        all_reduce=all_reduce,
+        barrier=comm.Barrier,
+        close=lambda: None,
+        note=f"COMM_WORLD.Allreduce(MPI.IN_PLACE, buf), {MPI.Get_library_version().splitlines()[0].strip()}",
+        prepare=prepare,
+    )
+
+
+# ------------------------------------------------------------------ results
+@dataclasses.dataclass
+class Result:
+    """One (size, mode) measurement."""
+
+    nbytes: int
+    numel: int
+    mode: Mode
+    iters: int
+    per_call_s: list[float]
+    correct: bool | None
+    error: str | None = None
+
+    @property
+    def median(self) -> float | None:
+        """Median per-call time over the timing blocks, or None if none ran."""
+        return statistics.median(self.per_call_s) if self.per_call_s else None
+
+
+def bandwidths(nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """Return (algbw, busbw) in GB/s (1e9 bytes per second)."""
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * 2 * (world_size - 1) / world_size
+
+
+def rows_for_size(results: list[Result], world_size: int, dtype: str, rounds: int) -> list[dict[str, Any]]:
+    """CSV rows for the results of one size, with the ratios to the references."""
+    refs = {r.mode.name: r.median for r in results}
+    rows = []
+    for r in results:
+        median = r.median
+        row: dict[str, Any] = {
+            "size_bytes": r.nbytes,
+            "size": format_size(r.nbytes),
+            "dtype": dtype,
+            "numel": r.numel,
+            "world_size": world_size,
+            "mode": r.mode.name,
+            "kind": r.mode.kind,
+            "iters": r.iters,
+            "rounds": len(r.per_call_s) if r.per_call_s else rounds,
+            "correct": {True: "ok", False: "WRONG", None: "n/a"}[r.correct]
+            if r.error is None
+            else f"error: {r.error}",
+        }
+        if median is not None:
+            algbw, busbw = bandwidths(r.nbytes, median, world_size)
+            gloo, mpi = refs.get("torch-gloo"), refs.get("mpi4py")
+            row.update(
+                median_us=f"{median * 1e6:.1f}",
+                min_us=f"{min(r.per_call_s) * 1e6:.1f}",
+                max_us=f"{max(r.per_call_s) * 1e6:.1f}",
+                algbw_GBps=f"{algbw:.4f}",
+                busbw_GBps=f"{busbw:.4f}",
+                ratio_vs_gloo=f"{median / gloo:.3f}" if gloo else "",
+                ratio_vs_mpi=f"{median / mpi:.3f}" if mpi else "",
+            )
+        rows.append({column: row.get(column, "") for column in CSV_COLUMNS})
+    return rows
+
+
+def table_line(values: Sequence[str]) -> str:
+    """One fixed-width table line."""
+    widths = [9, 11, 10, 6, 11, 11, 11, 11, 8, 8, 0]
+    cells = [
+        v.ljust(w) if i in (1, 2, 10) else v.rjust(w)
+        for i, (v, w) in enumerate(zip(values, widths, strict=True))
+    ]
+    return " ".join(cells).rstrip()
+
+
+def table_row(row: dict[str, Any]) -> str:
+    """Format one CSV row for the table."""
+    return table_line(
+        [
+            row["size"],
+            row["mode"],
+            row["kind"],
+            str(row["iters"]),
+            row["median_us"] or "-",
+            row["min_us"] or "-",
+            row["algbw_GBps"] or "-",
+            row["busbw_GBps"] or "-",
+            row["ratio_vs_gloo"] or "-",
+            row["ratio_vs_mpi"] or "-",
+            row["correct"],
+        ]
+    )
+
+
+# --------------------------------------------------------------- measuring
+def check_once(mode: Mode, buf: torch.Tensor, pattern: torch.Tensor, rank: int, world_size: int) -> bool:
+    """All-reduce ``(rank + 1) * pattern`` once and compare with ``n (n + 1) / 2 * pattern``."""
+    torch.mul(pattern, rank + 1, out=buf)
+    mode.all_reduce(buf)
+    expected = pattern * (world_size * (world_size + 1) // 2)
+    if torch.equal(buf, expected):
+        return True
+    bad = (buf != expected).nonzero()
+    first = int(bad[0]) if bad.numel() else -1
+    print(
+        f"[rank {rank}/{world_size}] {mode.name}: WRONG result for {buf.numel()} elements: "
+        f"{bad.numel()} differ; first at index {first}: got {buf[first].item()}, "
+        f"expected {expected[first].item()}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
+
+
+def check_and_warm_up(
+    mode: Mode, buf: torch.Tensor, pattern: torch.Tensor, warmup: int, env: DistEnv, result: Result
+) -> None:
+    """Check one result of ``mode``, then zero ``buf`` and run ``warmup`` untimed all-reduces."""
+    mode.prepare(buf)
+    result.correct = check_once(mode, buf, pattern, env.rank, env.world_size)
+    buf.zero_()  # zeros stay zeros while timing: no overflow, no denormals
+    for _ in range(warmup):
+        mode.all_reduce(buf)
+
+
+def measure_size(
+    modes: list[Mode], nbytes: int, dtype: torch.dtype, iters: int, rounds: int, warmup: int, env: DistEnv
+) -> list[Result]:
+    """Check, warm up and time every live mode at one size, the modes taking turns block by block."""
+    numel = nbytes // torch.empty(0, dtype=dtype).element_size()
+    buf = torch.zeros(numel, dtype=dtype)
+    pattern = (torch.arange(numel, dtype=torch.int64) % 251).to(dtype)
+    results = {m.name: Result(nbytes, numel, m, iters, [], None) for m in modes}
+    live = [m for m in modes if m.failed is None]
+
+    def guarded(mode: Mode, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - reported, the mode is dropped
+            mode.failed = f"{type(e).__name__}: {e}"
+            results[mode.name].error = mode.failed
+            print(
+                f"[rank {env.rank}/{env.world_size}] {mode.name} failed at {format_size(nbytes)}: "
+                f"{mode.failed}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    for mode in live:
+        step = functools.partial(check_and_warm_up, mode, buf, pattern, warmup, env, results[mode.name])
+        guarded(mode, step)
+    del pattern
+
+    for _ in range(rounds):
+        for mode in live:
+            if mode.failed is not None:
+                continue
+
+            def block(mode: Mode = mode) -> None:
+                mode.barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    mode.all_reduce(buf)
+                results[mode.name].per_call_s.append((time.perf_counter() - start) / iters)
+
+            guarded(mode, block)
+    return [results[m.name] for m in live]
+
+
+# ---------------------------------------------------------------------- run
+def open_mpi_comm(env: DistEnv) -> tuple[Any, str]:
+    """Return (COMM_WORLD, "") under an MPI launcher of the right size, else (None, why not)."""
+    if env.launcher not in MPI_LAUNCHERS:
+        return (
+            None,
+            f"not launched by an MPI launcher (launcher: {env.launcher}); use mpiexec -n {env.world_size}",
+        )
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        return None, f"mpi4py is not installed ({e}); pip install 'commlib[mpi]'"
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != env.world_size or comm.Get_rank() != env.rank:
+        return None, (
+            f"MPI.COMM_WORLD is rank {comm.Get_rank()} of {comm.Get_size()}, but the launcher "
+            f"says {env.rank} of {env.world_size}"
+        )
+    return comm, ""
+
+
+def create_modes(
+    args: argparse.Namespace, env: DistEnv, comm: Any, comm_why: str
+) -> tuple[list[Mode], list[str]]:
+    """Create every requested mode; return the modes and the printed reasons for those skipped."""
+    backends, references = _names(args.backends), _names(args.references)
+    unknown = sorted(set(references) - set(REFERENCES))
+    if unknown:
+        raise SystemExit(
+            f"--references: unknown {', '.join(unknown)} (choose from {', '.join(REFERENCES)}, or none)"
+        )
+    ports = agree_ports(len(backends) + 1, env, comm)
+    modes: list[Mode] = []
+    skipped: list[str] = []
+    # The raw Gloo reference first, so that it is exactly dist.init_process_group + dist.all_reduce;
+    # a commlib backend over torch.distributed then adopts or sits beside it.
+    if "torch-gloo" in references:
+        try:
+            modes.append(torch_gloo_mode(env, ports[-1], args.timeout))
+        except (ImportError, RuntimeError, OSError, ValueError) as e:
+            skipped.append(f"torch-gloo: {type(e).__name__}: {e}")
+    for i, name in enumerate(backends):
+        if name == "nccl" and not torch.cuda.is_available():
+            skipped.append("nccl: no CUDA device (this benchmark uses CPU tensors; NCCL needs CUDA)")
+            continue
+        if name == "mpi" and comm is None:
+            skipped.append(f"mpi: {comm_why}")
+            continue
+        try:
+            modes.append(commlib_mode(name, env, ports[i], args.timeout))
+        except (ImportError, commlib.CommError, RuntimeError, OSError, ValueError, TypeError) as e:
+            skipped.append(f"{name}: {type(e).__name__}: {e}")
+    if "mpi4py" in references:
+        if comm is None:
+            skipped.append(f"mpi4py: {comm_why}")
+        else:
+            modes.append(mpi4py_mode(comm))
+    modes.sort(key=lambda m: m.kind != "commlib")  # ours first, then the references (stable)
+    return modes, skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark on this rank; return the exit status."""
+    torch.set_num_threads(max(1, args.threads))
+    env = commlib.detect()
+    comm, comm_why = open_mpi_comm(env)
+    dtype = DTYPES[args.dtype]
+    element = torch.empty(0, dtype=dtype).element_size()
+    sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")]
+    for nbytes in sizes:
+        if nbytes % element:
+            raise SystemExit(
+                f"--sizes: {nbytes} bytes is not a whole number of {args.dtype} elements ({element} bytes)"
+            )
+    rounds = args.rounds or (2 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    lead = env.rank == 0
+
+    def say(text: str = "") -> None:
+        if lead:
+            print(text, flush=True)
+
+    say(
+        f"commlib all-reduce benchmark: {env.world_size} ranks ({env.launcher}), {args.dtype}, "
+        f"torch {torch.__version__}, {args.threads} thread(s)/rank, {os.cpu_count()} CPUs, "
+        f"{platform.node()}, {datetime.datetime.now().isoformat(timespec='seconds')}"
+    )
+    if env.world_size == 1:
+        say("note: 1 rank; launch with mpiexec -n 2 (or --spawn 2) to measure communication")
+    modes, skipped = create_modes(args, env, comm, comm_why)
+    for mode in modes:
+        say(f"  {mode.name:<11} {mode.kind:<10} {mode.note}")
+    for reason in skipped:
+        say(f"  skipped {reason}")
+    if not modes:
+        say("nothing to measure: every mode was skipped")
+        return 1
+    say(
+        "latency: median over rounds of the per-call time of a block of iters all-reduces (rank 0's clock); "
+        "algbw = bytes/latency; busbw = algbw*2(n-1)/n; GB = 1e9 B; "
+        "vs_gloo / vs_mpi = latency ours / reference "
+        "(< 1: faster). Other processes on this host distort timings: compare within one run."
+    )
+    say("")
+    say(table_line(TABLE_COLUMNS))
+
+    all_rows: list[dict[str, Any]] = []
+    ok = True
+    try:
+        for nbytes in sizes:
+            iters = args.iters or default_iters(nbytes, args.quick)
+            results = measure_size(modes, nbytes, dtype, iters, rounds, warmup, env)
+            rows = rows_for_size(results, env.world_size, args.dtype, rounds)
+            ok &= all(r.correct is not False and r.error is None for r in results)
+            for row in rows:
+                say(table_row(row))
+            all_rows.extend(rows)
+    finally:
+        for mode in modes:
+            with contextlib.suppress(Exception):
+                mode.close()
+    if lead and args.csv is not None:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+            writer.writeheader()
+            writer.writerows(all_rows)
+        say(f"\nwrote {len(all_rows)} rows to {args.csv}")
+    if not ok:
+        print(
+            f"[rank {env.rank}/{env.world_size}] some results were wrong or failed (see above)",
+            file=sys.stderr,
+        )
+    return 0 if ok else 1
+
+
+# -------------------------------------------------------------------- spawn
+LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "SLURM_", "HYDRA_")
+
+
+def spawn(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start ``args.spawn`` ranks of this script as subprocesses on loopback and wait for them."""
+    n = args.spawn
+    if n < 1:
+        raise SystemExit("--spawn: need at least 1 rank")
+    ports = free_ports(len(_names(args.backends)) + 2)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    procs = []
+    for rank in range(n):
+        env = dict(
+            base,
+            RANK=str(rank),
+            WORLD_SIZE=str(n),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(ports[0]),
+            OMP_NUM_THREADS=str(args.threads),
+            **{PORTS_VAR: ",".join(map(str, ports[1:]))},
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", *argv],
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        )
+    deadline = time.monotonic() + args.spawn_timeout
+    codes: dict[int, int] = {}
+    try:
+        while len(codes) < n:
+            for rank, proc in enumerate(procs):
+                if rank not in codes and proc.poll() is not None:
+                    codes[rank] = proc.returncode
+            failed = [r for r, c in codes.items() if c != 0]
+            if failed and len(codes) < n:
+                # A rank failed: give the others a moment to finish or fail on their own, then stop them.
+                deadline = min(deadline, time.monotonic() + 30)
+            if time.monotonic() > deadline:
+                print(
+                    f"--spawn: stopping ranks {[r for r in range(n) if r not in codes]} "
+                    f"(failed ranks: {failed}, or --spawn-timeout {args.spawn_timeout} s)",
+                    file=sys.stderr,
+                )
+                break
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    worst = max((c for c in codes.values()), default=1)
+    return worst if len(codes) == n else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse arguments, then spawn ranks or run this one."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.spawn is not None and not args.worker:
+        rest, skip = [], False
+        for item in argv:  # the workers get the same arguments, less --spawn N
+            if skip:
+                skip = False
+            elif item == "--spawn":
+                skip = True
+            elif not item.startswith("--spawn="):
+                rest.append(item)
+        return spawn(args, rest)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

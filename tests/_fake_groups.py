@@ -1,0 +1,148 @@
+"""Fake process groups for single-process unit tests of the core (no communication)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from commlib.config import CommConfig
+from commlib.env import DistEnv
+from commlib.process_group import IProcessGroup
+from commlib.types import ReduceOp
+from commlib.work import Work
+
+__all__ = [
+    "Call",
+    "FakeGroup",
+    "FloatOnlyGroup",
+    "NoProductGroup",
+    "RecordingWork",
+    "make_env",
+    "fake_factory",
+]
+
+
+def make_env(rank: int = 0, world_size: int = 1, **kwargs: Any) -> DistEnv:
+    """Return an explicit ``DistEnv`` (no environment variables read)."""
+    kwargs.setdefault("local_world_size", world_size)
+    kwargs.setdefault("local_rank", rank)
+    kwargs.setdefault("launcher", "explicit")
+    return DistEnv(rank=rank, world_size=world_size, **kwargs)
+
+
+class RecordingWork(Work):
+    """A finished ``Work`` that counts how often it was waited on."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.waits: list[float | None] = []
+        self.error = error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Record the call; raise ``error`` if one was given."""
+        self.waits.append(timeout)
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self) -> bool:
+        """Return True."""
+        return True
+
+    def exception(self) -> BaseException | None:
+        """Return ``error``."""
+        return self.error
+
+
+@dataclasses.dataclass
+class Call:
+    """One call that reached a backend implementation method."""
+
+    method: str
+    args: dict[str, Any]
+    work: RecordingWork
+
+
+class FakeGroup(IProcessGroup):
+    """An ``IProcessGroup`` whose implementation only records what reached it.
+
+    ``calls`` lists every ``_all_reduce`` / ``_broadcast`` / ... call with its
+    arguments and the ``RecordingWork`` it returned; ``close_calls`` counts
+    ``_close``. Set ``next_error`` to make the next returned Work fail on wait.
+    """
+
+    backend_name = "fake"
+
+    def __init__(self, env: DistEnv | None = None, config: CommConfig | None = None) -> None:
+        super().__init__(env if env is not None else make_env(), config)
+        self.calls: list[Call] = []
+        self.close_calls = 0
+        self.next_error: BaseException | None = None
+
+    def _record(self, method: str, **args: Any) -> RecordingWork:
+        work = RecordingWork(self.next_error)
+        self.next_error = None
+        self.calls.append(Call(method, args, work))
+        return work
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
+        return self._record("all_reduce", tensor=tensor, op=op, async_op=async_op)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
+        return self._record("broadcast", tensor=tensor, src=src, async_op=async_op)
+
+    def _all_gather(
+        self,
+        flat_output: torch.Tensor | None,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool,
+    ) -> Work:
+        return self._record(
+            "all_gather", flat_output=flat_output, outputs=outputs, tensor=tensor, async_op=async_op
+        )
+
+    def _reduce_scatter(
+        self,
+        output: torch.Tensor,
+        flat_input: torch.Tensor | None,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool,
+    ) -> Work:
+        return self._record(
+            "reduce_scatter", output=output, flat_input=flat_input, inputs=inputs, op=op, async_op=async_op
+        )
+
+    def _barrier(self, async_op: bool) -> Work:
+        return self._record("barrier", async_op=async_op)
+
+    def _close(self) -> None:
+        self.close_calls += 1
+
+
+class FloatOnlyGroup(FakeGroup):
+    """A fake backend that narrows the contract: float32 only."""
+
+    backend_name = "floatonly"
+    supported_dtypes = frozenset({torch.float32})
+
+
+class NoProductGroup(FakeGroup):
+    """A fake backend that overrides ``supports`` to refuse PRODUCT."""
+
+    backend_name = "noproduct"
+
+    def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+        """Refuse PRODUCT, otherwise as the base class."""
+        return op is not ReduceOp.PRODUCT and super().supports(op, dtype, device)
+
+
+def fake_factory(env: DistEnv, config: CommConfig) -> FakeGroup:
+    """A ``BackendFactory`` returning a ``FakeGroup``; it records what it was given."""
+    group = FakeGroup(env, config)
+    fake_factory.created.append(group)  # type: ignore[attr-defined]
+    return group
+
+
+fake_factory.created = []  # type: ignore[attr-defined]

@@ -1,0 +1,104 @@
+"""Seeded per-rank inputs and float64 references for collective tests.
+
+Every rank regenerates every rank's input from ``seed + rank``, so each rank
+can compute the expected result locally, in float64, without communicating.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from commlib import ReduceOp
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+FLOAT_DTYPES = DTYPES[:4]
+
+_EPS = {
+    torch.float16: 2.0**-10,
+    torch.bfloat16: 2.0**-7,
+    torch.float32: 2.0**-23,
+    torch.float64: 2.0**-52,
+}
+
+
+def rank_input(rank: int, numel: int, dtype: torch.dtype, op: ReduceOp, seed: int, integer_valued: bool) -> torch.Tensor:
+    """The tensor rank ``rank`` contributes.
+
+    Integer-valued inputs make every dtype exact (sums of small integers are
+    representable in float16 and bfloat16); PRODUCT uses values in {1, 2} (or
+    near 1 for random floats) so that products of four ranks cannot overflow.
+    """
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    if integer_valued or not dtype.is_floating_point:
+        if op is ReduceOp.PRODUCT:
+            values = torch.randint(1, 3, (numel,), generator=gen) * (torch.randint(0, 2, (numel,), generator=gen) * 2 - 1)
+        else:
+            values = torch.randint(-8, 9, (numel,), generator=gen)
+        return values.to(dtype)
+    if op is ReduceOp.PRODUCT:
+        return (0.75 + 0.5 * torch.rand(numel, generator=gen, dtype=torch.float64)).to(dtype)
+    return (torch.rand(numel, generator=gen, dtype=torch.float64) * 2 - 1).to(dtype)
+
+
+def reduce_reference(inputs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """Reduce in float64 (int64 for integers), in rank order."""
+    wide = [t.to(torch.float64) if t.dtype.is_floating_point else t.to(torch.int64) for t in inputs]
+    out = wide[0].clone()
+    for t in wide[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            out += t
+        elif op is ReduceOp.PRODUCT:
+            out *= t
+        elif op is ReduceOp.MIN:
+            out = torch.minimum(out, t)
+        else:
+            out = torch.maximum(out, t)
+    if op is ReduceOp.AVG:
+        out = out / len(inputs)
+    return out
+
+
+def tolerance(inputs: list[torch.Tensor], op: ReduceOp, dtype: torch.dtype) -> torch.Tensor | float:
+    """Elementwise error bound for a reduction done in ``dtype``.
+
+    Each of the n - 1 combining steps (plus the final division for AVG, and
+    the rounding of the result) rounds once, by at most eps times the size of
+    the partial result; for sums that is bounded by the sum of magnitudes.
+    """
+    if not dtype.is_floating_point:
+        return 0.0
+    eps, n = _EPS[dtype], len(inputs)
+    magnitude = torch.stack([t.to(torch.float64).abs() for t in inputs]).sum(0)
+    if op is ReduceOp.PRODUCT:
+        magnitude = torch.stack([t.to(torch.float64).abs() for t in inputs]).prod(0)
+    elif op is ReduceOp.AVG:
+        magnitude = magnitude / n
+    elif op in (ReduceOp.MIN, ReduceOp.MAX):
+        return 0.0
+    return (n + 2) * eps * magnitude + torch.finfo(dtype).tiny
+
+
+def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor | float, what: str) -> None:
+    """Raise AssertionError naming the worst element when ``actual`` is off by more than ``tol``."""
+    if actual.numel() == 0:
+        assert expected.numel() == 0, f"{what}: empty result, expected {expected.numel()} elements"
+        return
+    diff = (actual.to(torch.float64) - expected.to(torch.float64)).abs()
+    bound = tol if isinstance(tol, torch.Tensor) else torch.full_like(diff, tol)
+    bad = diff > bound
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{actual.numel()} elements off; first at [{i}]: got "
+            f"{actual[i].item()!r}, expected {expected[i].item()!r} (|diff| {diff[i].item():.3g} > "
+            f"bound {bound[i].item():.3g})"
+        )
+
+
+def digest(t: torch.Tensor) -> str:
+    """Hash of a tensor's bytes, to check that every rank holds bitwise the same result."""
+    flat = t.contiguous().view(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return hashlib.sha256(data).hexdigest()[:16]

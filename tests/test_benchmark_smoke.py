@@ -1,0 +1,224 @@
+"""Smoke test of ``benchmarks/allreduce_bench.py --quick`` on 2 ranks, plus its helpers in-process."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, scrubbed_env
+
+BENCH = REPO_ROOT / "benchmarks" / "allreduce_bench.py"
+TABLE_HEADER = [
+    "size",
+    "mode",
+    "kind",
+    "iters",
+    "lat_us",
+    "min_us",
+    "algbw_GB/s",
+    "busbw_GB/s",
+    "vs_gloo",
+    "vs_mpi",
+    "check",
+]
+CSV_HEADER = [
+    "size_bytes",
+    "size",
+    "dtype",
+    "numel",
+    "world_size",
+    "mode",
+    "kind",
+    "iters",
+    "rounds",
+    "median_us",
+    "min_us",
+    "max_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "ratio_vs_gloo",
+    "ratio_vs_mpi",
+    "correct",
+]
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("allreduce_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def run_bench(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run the benchmark in its own session; on timeout kill every rank, not just the launcher."""
+    proc = subprocess.Popen(
+        args,
+        cwd=REPO_ROOT,
+        env=scrubbed_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"benchmark did not finish within {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def check_output(proc: subprocess.CompletedProcess[str], csv_path: Path, expected_modes: set[str]) -> None:
+    report = f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    lines = proc.stdout.splitlines()
+    assert any(line.split() == TABLE_HEADER for line in lines), report
+    with csv_path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == CSV_HEADER
+        rows = list(reader)
+    modes = {row["mode"] for row in rows}
+    assert expected_modes <= modes, f"modes measured: {sorted(modes)}\n{report}"
+    sizes = sorted({int(row["size_bytes"]) for row in rows})
+    assert sizes == [4096, 65536, 1 << 20], sizes
+    for row in rows:
+        assert row["correct"] == "ok", row
+        assert row["world_size"] == "2"
+        assert float(row["median_us"]) > 0 and float(row["algbw_GBps"]) > 0
+        assert float(row["busbw_GBps"]) == pytest.approx(float(row["algbw_GBps"]), rel=1e-3)  # 2(n-1)/n = 1
+        if row["mode"] == "torch-gloo":
+            assert float(row["ratio_vs_gloo"]) == pytest.approx(1.0)
+    # One table line per CSV row.
+    table_rows = [line for line in lines if line.split()[:1] and line.split()[-1:] == ["ok"]]
+    assert len(table_rows) == len(rows), report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_quick_benchmark_on_two_ranks(tmp_path: Path) -> None:
+    csv_path = tmp_path / "allreduce.csv"
+    if mpi_unavailable_reason() is None:
+        cmd = [*mpiexec_command(2), sys.executable, str(BENCH), "--quick", "--csv", str(csv_path)]
+        expected = {"torch-gloo", "mpi4py"}
+    else:
+        cmd = [sys.executable, str(BENCH), "--spawn", "2", "--quick", "--csv", str(csv_path)]
+        expected = {"torch-gloo"}
+    if importlib.util.find_spec("backends.ring") is not None:
+        expected.add("ring")
+    check_output(run_bench(cmd), csv_path, expected)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_quick_benchmark_spawned_without_mpi(tmp_path: Path) -> None:
+    if mpi_unavailable_reason() is not None:
+        pytest.skip("covered by test_quick_benchmark_on_two_ranks on this machine (no MPI)")
+    csv_path = tmp_path / "allreduce.csv"
+    proc = run_bench(
+        [sys.executable, str(BENCH), "--spawn", "2", "--quick", "--backends", "none", "--csv", str(csv_path)]
+    )
+    check_output(proc, csv_path, {"torch-gloo"})
+    assert "skipped mpi4py: not launched by an MPI launcher" in proc.stdout
+
+
+# ------------------------------------------------------------- helpers
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [
+        ("4K", 4096),
+        ("64k", 65536),
+        ("1M", 1 << 20),
+        ("25MiB", 25 << 20),
+        ("100M", 100 << 20),
+        ("1G", 1 << 30),
+        ("4096", 4096),
+        ("0.5K", 512),
+    ],
+)
+def test_parse_size(bench: ModuleType, text: str, nbytes: int) -> None:
+    assert bench.parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-4K", "0"])
+def test_parse_size_refuses_bad_text(bench: ModuleType, text: str) -> None:
+    with pytest.raises(Exception, match="bad size"):
+        bench.parse_size(text)
+
+
+def test_format_size_and_bandwidths(bench: ModuleType) -> None:
+    assert [bench.format_size(n) for n in (4096, 25 << 20, 1000, 1 << 30)] == [
+        "4 KiB",
+        "25 MiB",
+        "1000 B",
+        "1 GiB",
+    ]
+    algbw, busbw = bench.bandwidths(2_000_000_000, 2.0, 4)
+    assert algbw == pytest.approx(1.0) and busbw == pytest.approx(1.5)
+
+
+def _mode(bench: ModuleType, all_reduce) -> object:  # noqa: ANN001
+    return bench.Mode(
+        name="unit", kind="commlib", all_reduce=all_reduce, barrier=lambda: None, close=lambda: None
+    )
+
+
+def test_check_once_accepts_a_correct_sum(bench: ModuleType) -> None:
+    pattern = (torch.arange(100) % 251).float()
+    buf = torch.empty(100)
+    # Pretend to be rank 0 of 2: the other rank contributed 2 * pattern.
+    mode = _mode(bench, lambda t: t.add_(2 * pattern))
+    assert bench.check_once(mode, buf, pattern, 0, 2)
+
+
+def test_check_once_catches_a_wrong_sum(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    pattern = (torch.arange(100) % 251).float()
+    buf = torch.empty(100)
+
+    def almost(t: torch.Tensor) -> None:
+        t.add_(2 * pattern)
+        t[42] += 1
+
+    assert not bench.check_once(_mode(bench, almost), buf, pattern, 0, 2)
+    assert not bench.check_once(_mode(bench, lambda t: None), buf, pattern, 1, 2)
+    err = capsys.readouterr().err
+    assert (
+        "[rank 0/2] unit: WRONG result for 100 elements: 1 differ; "
+        "first at index 42: got 127.0, expected 126.0" in err
+    )
+
+
+def test_rows_report_ratios_to_the_references(bench: ModuleType) -> None:
+    modes = {
+        name: bench.Mode(name=name, kind=kind, all_reduce=None, barrier=None, close=None)
+        for name, kind in (("ring", "commlib"), ("torch-gloo", "reference"), ("mpi4py", "reference"))
+    }
+    results = [
+        bench.Result(4096, 1024, modes["ring"], 10, [2e-4, 3e-4, 1e-4], True),
+        bench.Result(4096, 1024, modes["torch-gloo"], 10, [8e-4], True),
+        bench.Result(4096, 1024, modes["mpi4py"], 10, [1e-5], True),
+    ]
+    rows = {r["mode"]: r for r in bench.rows_for_size(results, 2, "float32", 3)}
+    ring = rows["ring"]
+    assert ring["median_us"] == "200.0" and ring["min_us"] == "100.0" and ring["max_us"] == "300.0"
+    assert ring["ratio_vs_gloo"] == "0.250" and ring["ratio_vs_mpi"] == "20.000"
+    assert ring["algbw_GBps"] == f"{4096 / 2e-4 / 1e9:.4f}"
+    assert ring["correct"] == "ok"
+    assert list(ring) == CSV_HEADER

@@ -1,0 +1,612 @@
+"""``IProcessGroup``'s public methods: argument checks before communication, and what reaches the backend."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from commlib import (
+    CommError,
+    CommTimeoutError,
+    CompletedWork,
+    FutureWork,
+    GroupClosedError,
+    PeerFailureError,
+    ReduceOp,
+)
+from commlib.process_group import IProcessGroup
+from commlib.types import FLOAT_DTYPES, INT_DTYPES, SUPPORTED_DTYPES
+from tests._fake_groups import FakeGroup, FloatOnlyGroup, NoProductGroup, RecordingWork, make_env
+
+RANK, WORLD = 1, 4
+PREFIX = "[rank 1/4] fake."
+
+
+@pytest.fixture
+def group() -> FakeGroup:
+    return FakeGroup(make_env(RANK, WORLD))
+
+
+def prefix(op: str) -> str:
+    return re.escape(f"{PREFIX}{op}: ")
+
+
+def check_refused(
+    group: FakeGroup, call: Callable[[], Any], error: type[BaseException], op: str, *fragments: str
+) -> BaseException:
+    """``call`` raises ``error`` naming rank, backend, op and ``fragments``; nothing reached the backend."""
+    with pytest.raises(error, match=rf"^{prefix(op)}") as info:
+        call()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    assert group.calls == [], f"backend was called: {[c.method for c in group.calls]}"
+    return info.value
+
+
+def all_collectives(group: FakeGroup, t: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """Every public collective, called with ``t`` where a tensor goes."""
+    return {
+        "all_reduce": lambda: group.all_reduce(t),
+        "broadcast": lambda: group.broadcast(t, 0),
+        "all_gather": lambda: group.all_gather([torch.empty_like(t) for _ in range(WORLD)], t),
+        "all_gather-flat": lambda: group.all_gather(torch.empty(WORLD * t.numel(), dtype=t.dtype), t),
+        "reduce_scatter": lambda: group.reduce_scatter(t, [torch.ones_like(t) for _ in range(WORLD)]),
+        "barrier": lambda: group.barrier(),
+    }
+
+
+# --------------------------------------------------------------- identity
+def test_identity_and_repr(group: FakeGroup) -> None:
+    assert (group.rank, group.world_size, group.backend) == (RANK, WORLD, "fake")
+    assert group.timeout == 300.0
+    assert repr(group) == "<FakeGroup backend=fake rank=1/4 open>"
+    group.close()
+    assert repr(group) == "<FakeGroup backend=fake rank=1/4 closed>"
+
+
+# ----------------------------------------------------------- not a tensor
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [([1.0, 2.0], "builtins.list"), (3.0, "builtins.float"), (None, "builtins.NoneType")],
+)
+def test_non_tensor_is_a_type_error(group: FakeGroup, value: object, shown: str) -> None:
+    error = check_refused(
+        group,
+        lambda: group.all_reduce(value),
+        TypeError,
+        "all_reduce",  # type: ignore[arg-type]
+        f"expected a torch.Tensor for 'tensor', got {shown}",
+    )
+    assert "from_numpy" not in str(error)
+
+
+def test_numpy_array_gets_a_from_numpy_hint(group: FakeGroup) -> None:
+    check_refused(
+        group,
+        lambda: group.broadcast(np.ones(3, np.float32), 0),
+        TypeError,
+        "broadcast",  # type: ignore[arg-type]
+        "got numpy.ndarray",
+        "wrap it with torch.from_numpy()",
+    )
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather", "reduce_scatter"])
+def test_every_collective_checks_its_tensor(group: FakeGroup, op: str) -> None:
+    array = np.zeros(4, np.float32)
+    calls: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: group.all_reduce(array),  # type: ignore[arg-type]
+        "broadcast": lambda: group.broadcast(array, 0),  # type: ignore[arg-type]
+        "all_gather": lambda: group.all_gather(torch.empty(16), array),  # type: ignore[arg-type]
+        "reduce_scatter": lambda: group.reduce_scatter(array, torch.ones(16)),  # type: ignore[arg-type]
+    }
+    arg = "output" if op == "reduce_scatter" else "tensor"
+    check_refused(group, calls[op], TypeError, op, f"'{arg}'", "numpy.ndarray")
+
+
+# ------------------------------------------------------------------ dtype
+@pytest.mark.parametrize(
+    "dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.complex64, torch.complex128]
+)
+def test_unsupported_dtype_is_a_type_error(group: FakeGroup, dtype: torch.dtype) -> None:
+    t = torch.zeros(4, dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    check_refused(
+        group,
+        lambda: group.all_reduce(t),
+        TypeError,
+        "all_reduce",
+        f"'tensor' has dtype {name}, which this backend does not support",
+        "supported: bfloat16, float16, float32, float64, int32, int64",
+        ".to(...)",
+    )
+
+
+@pytest.mark.parametrize("op", ["broadcast", "all_gather", "reduce_scatter"])
+def test_dtype_is_checked_by_every_collective(group: FakeGroup, op: str) -> None:
+    call = all_collectives(group, torch.zeros(4, dtype=torch.bool))[op]
+    check_refused(group, call, TypeError, op, "has dtype bool")
+
+
+def test_backend_can_narrow_the_dtypes() -> None:
+    group = FloatOnlyGroup(make_env(0, 2))
+    assert group.supports(ReduceOp.SUM, torch.float32)
+    assert not group.supports(ReduceOp.SUM, torch.float64)
+    with pytest.raises(
+        TypeError,
+        match=re.escape("[rank 0/2] floatonly.all_reduce: 'tensor' has dtype float64")
+        + r".*\(supported: float32\)",
+    ):
+        group.all_reduce(torch.zeros(2, dtype=torch.float64))
+    assert group.calls == []
+    group.all_reduce(torch.zeros(2))
+    assert len(group.calls) == 1
+
+
+# ----------------------------------------------------------- layout / device
+def test_non_contiguous_is_a_value_error(group: FakeGroup) -> None:
+    t = torch.zeros(4, 6).t()
+    check_refused(
+        group,
+        lambda: group.all_reduce(t),
+        ValueError,
+        "all_reduce",
+        "'tensor' is not contiguous (shape (6, 4), stride (1, 6))",
+        "x.contiguous()",
+    )
+
+
+def test_strided_slice_is_not_contiguous(group: FakeGroup) -> None:
+    t = torch.arange(10.0)[::2]
+    check_refused(group, lambda: group.broadcast(t, 1), ValueError, "broadcast", "shape (5,), stride (2,)")
+
+
+def test_sparse_tensor_is_refused(group: FakeGroup) -> None:
+    t = torch.zeros(3, 3).to_sparse()
+    check_refused(
+        group,
+        lambda: group.all_reduce(t),
+        TypeError,
+        "all_reduce",
+        "has layout torch.sparse_coo",
+        ".to_dense()",
+    )
+
+
+def test_wrong_device_is_a_value_error(group: FakeGroup) -> None:
+    t = torch.zeros(4, device="meta")
+    check_refused(
+        group,
+        lambda: group.all_reduce(t),
+        ValueError,
+        "all_reduce",
+        "'tensor' is on device meta, which the fake backend cannot use (devices: cpu)",
+        ".to('cpu')",
+    )
+    assert not group.supports(ReduceOp.SUM, torch.float32, "meta")
+    assert not group.supports(ReduceOp.SUM, torch.float32, "cuda")
+
+
+# --------------------------------------------------------------------- op
+@pytest.mark.parametrize("op", ["sum", 0, None, torch.distributed.ReduceOp.SUM])
+def test_op_must_be_a_commlib_reduce_op(group: FakeGroup, op: object) -> None:
+    check_refused(
+        group,
+        lambda: group.all_reduce(torch.zeros(2), op),
+        TypeError,
+        "all_reduce",  # type: ignore[arg-type]
+        "op must be a commlib.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX)",
+        f"got {op!r}",
+    )
+    check_refused(
+        group,
+        lambda: group.reduce_scatter(torch.zeros(2), torch.zeros(8), op),
+        TypeError,  # type: ignore[arg-type]
+        "reduce_scatter",
+        "op must be a commlib.ReduceOp",
+    )
+
+
+@pytest.mark.parametrize("dtype", sorted(INT_DTYPES, key=str))
+def test_avg_on_integers_is_refused(group: FakeGroup, dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    t = torch.ones(4, dtype=dtype)
+    check_refused(
+        group,
+        lambda: group.all_reduce(t, ReduceOp.AVG),
+        ValueError,
+        "all_reduce",
+        f"op AVG on {name} (cpu)",
+        "floating point tensors only",
+        "use SUM and divide",
+    )
+    out = torch.ones(1, dtype=dtype)
+    check_refused(
+        group,
+        lambda: group.reduce_scatter(out, torch.ones(WORLD, dtype=dtype), ReduceOp.AVG),
+        ValueError,
+        "reduce_scatter",
+        f"op AVG on {name}",
+    )
+    assert not group.supports(ReduceOp.AVG, dtype)
+
+
+def test_backend_can_refuse_an_op() -> None:
+    group = NoProductGroup(make_env(0, 2))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "[rank 0/2] noproduct.all_reduce: op PRODUCT on float32 (cpu): PRODUCT is not supported"
+        ),
+    ):
+        group.all_reduce(torch.ones(2), ReduceOp.PRODUCT)
+    assert group.calls == []
+
+
+VALID_COMBINATIONS = [
+    pytest.param(op, dtype, id=f"{op.name}-{str(dtype).removeprefix('torch.')}")
+    for op in ReduceOp
+    for dtype in sorted(SUPPORTED_DTYPES, key=str)
+    if not (op is ReduceOp.AVG and dtype not in FLOAT_DTYPES)  # refused, tested above
+]
+
+
+@pytest.mark.parametrize(("op", "dtype"), VALID_COMBINATIONS)
+def test_supported_combinations_reach_the_backend(group: FakeGroup, op: ReduceOp, dtype: torch.dtype) -> None:
+    assert group.supports(op, dtype)
+    t = torch.ones(3, dtype=dtype)
+    group.all_reduce(t, op)
+    (call,) = group.calls
+    assert call.method == "all_reduce" and call.args["op"] is op and call.args["tensor"].dtype == dtype
+
+
+# ---------------------------------------------------------------- src rank
+@pytest.mark.parametrize(
+    ("src", "error", "text"),
+    [
+        (-1, ValueError, "src=-1 is not a rank of this group (valid: 0..3)"),
+        (4, ValueError, "src=4 is not a rank of this group (valid: 0..3)"),
+        (True, TypeError, "src must be an int rank, got True"),
+        (1.0, TypeError, "src must be an int rank, got 1.0"),
+        ("0", TypeError, "src must be an int rank, got '0'"),
+    ],
+)
+def test_bad_src(group: FakeGroup, src: object, error: type[BaseException], text: str) -> None:
+    check_refused(group, lambda: group.broadcast(torch.zeros(2), src), error, "broadcast", text)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------- all_gather / reduce_scatter
+def test_all_gather_list_of_wrong_length(group: FakeGroup) -> None:
+    outputs = [torch.empty(2) for _ in range(3)]
+    check_refused(
+        group,
+        lambda: group.all_gather(outputs, torch.zeros(2)),
+        ValueError,
+        "all_gather",
+        "'output' has 3 tensors; expected one per rank (4)",
+    )
+
+
+def test_reduce_scatter_list_of_wrong_length(group: FakeGroup) -> None:
+    inputs = [torch.ones(2) for _ in range(5)]
+    check_refused(
+        group,
+        lambda: group.reduce_scatter(torch.zeros(2), inputs),
+        ValueError,
+        "reduce_scatter",
+        "'input' has 5 tensors; expected one per rank (4)",
+    )
+
+
+def test_all_gather_list_item_of_wrong_size(group: FakeGroup) -> None:
+    outputs = [torch.empty(6), torch.empty(6), torch.empty(5), torch.empty(6)]
+    check_refused(
+        group,
+        lambda: group.all_gather(outputs, torch.zeros(2, 3)),
+        ValueError,
+        "all_gather",
+        "'output[2]' has 5 elements, expected 6",
+    )
+
+
+def test_all_gather_flat_output_of_wrong_size(group: FakeGroup) -> None:
+    check_refused(
+        group,
+        lambda: group.all_gather(torch.empty(10), torch.zeros(3)),
+        ValueError,
+        "all_gather",
+        "'output' has 10 elements; expected world_size x 3 = 12",
+    )
+
+
+def test_reduce_scatter_flat_input_of_wrong_size(group: FakeGroup) -> None:
+    check_refused(
+        group,
+        lambda: group.reduce_scatter(torch.zeros(2), torch.ones(9)),
+        ValueError,
+        "reduce_scatter",
+        "'input' has 9 elements; expected world_size x 2 = 8",
+    )
+
+
+def test_list_items_must_share_the_dtype(group: FakeGroup) -> None:
+    outputs = [torch.empty(2), torch.empty(2, dtype=torch.float64), torch.empty(2), torch.empty(2)]
+    check_refused(
+        group,
+        lambda: group.all_gather(outputs, torch.zeros(2)),
+        TypeError,
+        "all_gather",
+        "'output[1]' is float64 on cpu, but the collective's tensor is float32 on cpu",
+    )
+    check_refused(
+        group,
+        lambda: group.reduce_scatter(torch.zeros(2), torch.ones(8, dtype=torch.int64)),
+        TypeError,
+        "reduce_scatter",
+        "'input' is int64 on cpu, but the collective's tensor is float32",
+    )
+
+
+def test_list_items_are_checked_like_tensors(group: FakeGroup) -> None:
+    outputs = [torch.empty(2), torch.empty(2), torch.empty(4)[::2], torch.empty(2)]
+    check_refused(
+        group,
+        lambda: group.all_gather(outputs, torch.zeros(2)),
+        ValueError,
+        "all_gather",
+        "'output[2]' is not contiguous",
+    )
+    outputs = [torch.empty(2), np.zeros(2, np.float32), torch.empty(2), torch.empty(2)]
+    check_refused(
+        group,
+        lambda: group.all_gather(outputs, torch.zeros(2)),
+        TypeError,
+        "all_gather",  # type: ignore[arg-type]
+        "'output[1]'",
+        "numpy.ndarray",
+    )
+
+
+@pytest.mark.parametrize("value", [{"a": 1}, "abcd", 7])
+def test_world_argument_of_wrong_type(group: FakeGroup, value: object) -> None:
+    check_refused(
+        group,
+        lambda: group.all_gather(value, torch.zeros(2)),
+        TypeError,
+        "all_gather",  # type: ignore[arg-type]
+        f"'output' must be a tensor or a list of 4 tensors, got {type(value).__name__}",
+    )
+
+
+# -------------------------------------------------------- closed / broken
+@pytest.mark.parametrize(
+    "op", ["all_reduce", "broadcast", "all_gather", "all_gather-flat", "reduce_scatter", "barrier"]
+)
+def test_closed_group_refuses_every_collective(group: FakeGroup, op: str) -> None:
+    group.close()
+    name = op.removesuffix("-flat")
+    check_refused(
+        group,
+        all_collectives(group, torch.zeros(2))[op],
+        GroupClosedError,
+        name,
+        "the process group was closed",
+        "commlib.init_process_group()",
+    )
+
+
+def test_closed_is_checked_before_the_arguments(group: FakeGroup) -> None:
+    group.close()
+    check_refused(group, lambda: group.all_reduce("not a tensor"), GroupClosedError, "all_reduce")  # type: ignore[arg-type]
+
+
+def test_close_is_idempotent_and_context_manager_closes() -> None:
+    group = FakeGroup(make_env(0, 2))
+    with group as entered:
+        assert entered is group
+    assert group.close_calls == 1
+    group.close()
+    assert group.close_calls == 1
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"])
+def test_broken_group_refuses_every_collective(group: FakeGroup, op: str) -> None:
+    cause = PeerFailureError("[rank 1/4] fake.all_reduce: peer 2 closed connection after 4096/65536 bytes")
+    group._mark_broken(cause)
+    group._mark_broken(RuntimeError("a later error does not replace the first"))
+    error = check_refused(
+        group,
+        all_collectives(group, torch.zeros(2))[op],
+        GroupClosedError,
+        op,
+        "unusable after an earlier failure",
+        "peer 2 closed connection after 4096/65536 bytes",
+        "every rank must create a new group",
+    )
+    assert error.__cause__ is cause
+    assert "broken" in repr(group)
+
+
+# ------------------------------------------------ what reaches the backend
+def test_all_reduce_passes_the_same_storage_detached(group: FakeGroup) -> None:
+    t = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    group.all_reduce(t, ReduceOp.MIN)
+    (call,) = group.calls
+    seen = call.args["tensor"]
+    assert seen.data_ptr() == t.data_ptr() and seen.shape == t.shape
+    assert not seen.requires_grad
+    assert call.args["op"] is ReduceOp.MIN and call.args["async_op"] is False
+
+
+def test_zero_dim_and_empty_tensors_are_accepted(group: FakeGroup) -> None:
+    group.all_reduce(torch.tensor(3.0))
+    group.all_reduce(torch.empty(0))
+    group.broadcast(torch.empty(0, 5), 3)
+    assert [c.method for c in group.calls] == ["all_reduce", "all_reduce", "broadcast"]
+    assert group.calls[2].args["src"] == 3
+
+
+def test_all_gather_list_becomes_flat_views_in_rank_order(group: FakeGroup) -> None:
+    tensor = torch.arange(6.0).reshape(2, 3)
+    outputs = [torch.empty(2, 3), torch.empty(6), torch.empty(3, 2), torch.empty(1, 6)]
+    group.all_gather(outputs, tensor)
+    (call,) = group.calls
+    assert call.args["flat_output"] is None
+    seen = call.args["outputs"]
+    assert len(seen) == WORLD
+    for i, (view, out) in enumerate(zip(seen, outputs, strict=True)):
+        assert view.dim() == 1 and view.numel() == 6, i
+        assert view.data_ptr() == out.data_ptr(), f"outputs[{i}] is not a view of output[{i}]"
+    assert call.args["tensor"].dim() == 1 and call.args["tensor"].data_ptr() == tensor.data_ptr()
+
+
+def test_all_gather_flat_output_is_split_into_rank_blocks(group: FakeGroup) -> None:
+    output = torch.empty(WORLD, 2, 3)
+    group.all_gather(output, torch.zeros(3, 2))
+    (call,) = group.calls
+    flat = call.args["flat_output"]
+    assert flat.dim() == 1 and flat.numel() == 24 and flat.data_ptr() == output.data_ptr()
+    element = output.element_size()
+    for i, view in enumerate(call.args["outputs"]):
+        assert view.numel() == 6
+        assert view.data_ptr() == output.data_ptr() + i * 6 * element, f"block {i} at the wrong offset"
+    # Writing through the views fills the caller's tensor in rank order.
+    for i, view in enumerate(call.args["outputs"]):
+        view.fill_(i)
+    assert torch.equal(output[:, 0, 0], torch.arange(4.0))
+
+
+def test_reduce_scatter_views(group: FakeGroup) -> None:
+    output = torch.empty(2, 2)
+    inputs = [torch.full((4,), float(i)) for i in range(WORLD)]
+    group.reduce_scatter(output, inputs, ReduceOp.MAX)
+    (call,) = group.calls
+    assert call.args["output"].dim() == 1 and call.args["output"].data_ptr() == output.data_ptr()
+    assert call.args["flat_input"] is None
+    assert [v.data_ptr() for v in call.args["inputs"]] == [t.data_ptr() for t in inputs]
+    assert call.args["op"] is ReduceOp.MAX
+
+    group.calls.clear()
+    flat = torch.arange(16.0).reshape(4, 4)
+    group.reduce_scatter(output, flat)
+    (call,) = group.calls
+    assert call.args["flat_input"].data_ptr() == flat.data_ptr()
+    assert [v.tolist() for v in call.args["inputs"]] == [
+        [0.0, 1, 2, 3],
+        [4.0, 5, 6, 7],
+        [8.0, 9, 10, 11],
+        [12.0, 13, 14, 15],
+    ]
+
+
+# ----------------------------------------------------------- sync / async
+@pytest.mark.parametrize(
+    "op", ["all_reduce", "broadcast", "all_gather", "all_gather-flat", "reduce_scatter", "barrier"]
+)
+def test_sync_call_waits_and_returns_none(group: FakeGroup, op: str) -> None:
+    assert all_collectives(group, torch.ones(2))[op]() is None
+    (call,) = group.calls
+    assert call.args["async_op"] is False
+    assert call.work.waits == [None], "a synchronous collective must wait on its Work exactly once"
+
+
+def test_async_call_returns_the_work_unwaited(group: FakeGroup) -> None:
+    t = torch.ones(2)
+    works = [
+        group.all_reduce(t, async_op=True),
+        group.broadcast(t, 2, async_op=True),
+        group.all_gather(torch.empty(8), t, async_op=True),
+        group.reduce_scatter(t, torch.ones(8), async_op=True),
+        group.barrier(async_op=True),
+    ]
+    assert [c.method for c in group.calls] == [
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "barrier",
+    ]
+    for work, call in zip(works, group.calls, strict=True):
+        assert work is call.work
+        assert call.args["async_op"] is True
+        assert call.work.waits == []
+
+
+def test_sync_call_raises_the_backend_error(group: FakeGroup) -> None:
+    group.next_error = PeerFailureError("[rank 1/4] fake.all_reduce: peer 0 closed connection")
+    with pytest.raises(PeerFailureError, match="peer 0 closed connection"):
+        group.all_reduce(torch.ones(2))
+    assert len(group.calls) == 1
+
+
+def test_async_error_surfaces_on_wait(group: FakeGroup) -> None:
+    group.next_error = CommError("boom")
+    work = group.all_reduce(torch.ones(2), async_op=True)
+    assert isinstance(work, RecordingWork)
+    with pytest.raises(CommError, match="boom"):
+        work.wait()
+
+
+# --------------------------------------------------------------- Work kinds
+def test_completed_work() -> None:
+    work = CompletedWork()
+    assert work.is_completed() and work.exception() is None
+    work.wait()
+    error = PeerFailureError("gone")
+    failed = CompletedWork(error)
+    assert failed.exception() is error
+    for _ in range(2):  # the same error on every call
+        with pytest.raises(PeerFailureError) as info:
+            failed.wait()
+        assert info.value is error
+
+
+def test_future_work_success_and_wait_timeout() -> None:
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    work = FutureWork(
+        future, "[rank 0/2] fake.all_reduce #7 (float32, 1048576 elements)", keep_alive=torch.ones(1)
+    )
+    assert not work.is_completed() and work.exception() is None
+    with pytest.raises(CommTimeoutError) as info:
+        work.wait(timeout=0.01)
+    message = str(info.value)
+    assert message.startswith(
+        "[rank 0/2] fake.all_reduce #7 (float32, 1048576 elements): Work.wait(timeout=0.01) expired"
+    )
+    assert isinstance(info.value, TimeoutError)
+    future.set_result(None)
+    work.wait()
+    assert work.is_completed() and work.exception() is None
+
+
+def test_future_work_reraises_the_collective_error() -> None:
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    error = PeerFailureError("[rank 0/2] fake.all_reduce: peer 1 closed connection after 0/64 bytes")
+    future.set_exception(error)
+    work = FutureWork(future, "[rank 0/2] fake.all_reduce #1")
+    assert work.is_completed() and work.exception() is error
+    with pytest.raises(PeerFailureError) as info:
+        work.wait()
+    assert info.value is error
+
+
+def test_future_work_keeps_a_collective_timeout_error() -> None:
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    error = CommTimeoutError("[rank 0/2] fake.all_reduce: peer 1 sent nothing for 5.0 s")
+    future.set_exception(error)
+    with pytest.raises(CommTimeoutError) as info:
+        FutureWork(future, "[rank 0/2] fake.all_reduce #1").wait()
+    assert info.value is error
+
+
+def test_fake_group_is_a_process_group() -> None:
+    assert issubclass(FakeGroup, IProcessGroup)
+    with pytest.raises(TypeError, match="abstract"):
+        IProcessGroup(make_env())  # type: ignore[abstract]
