@@ -1,0 +1,71 @@
+"""The collective bodies under the real launchers: torchrun and mpirun, on every backend they can host."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.launcher]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "distributed" / "launcher_main.py"
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str | None:
+    candidate = BIN / name
+    return str(candidate) if candidate.exists() else shutil.which(name)
+
+
+def _clean_env(backend: str) -> dict[str, str]:
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
+    env.update({"COMMLIB_BACKEND": backend, "COMMLIB_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    return env
+
+
+def _run(command: list[str], backend: str, world_size: int) -> None:
+    proc = subprocess.run(
+        command,
+        cwd=REPO,
+        env=_clean_env(backend),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{command[0]} exited {proc.returncode}:\n{output[-6000:]}"
+    ok = sorted(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("LAUNCHER-BODIES-OK"))
+    assert ok == [str(r) for r in range(world_size)], output[-6000:]
+    assert all(f" {world_size} {backend}" in line for line in proc.stdout.splitlines() if line.startswith("LAUNCHER-BODIES-OK"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("backend", "world_size"), [("ring", 2), ("ring", 3), ("gloo", 2)])
+def test_bodies_under_torchrun(backend: str, world_size: int) -> None:
+    torchrun = _tool("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    if backend == "gloo" and importlib.util.find_spec("backends.nccl") is None:
+        pytest.skip("the gloo backend (backends/nccl.py) is not present")
+    _run([torchrun, "--nproc-per-node", str(world_size), str(SCRIPT)], backend, world_size)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("backend", "world_size"), [("ring", 2), ("ring", 3), ("mpi", 2), ("mpi", 3), ("gloo", 2)])
+def test_bodies_under_mpirun(backend: str, world_size: int) -> None:
+    mpiexec = _tool("mpiexec")
+    if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpiexec / mpi4py are not installed (pip install 'commlib[mpi]')")
+    if backend == "gloo" and importlib.util.find_spec("backends.nccl") is None:
+        pytest.skip("the gloo backend (backends/nccl.py) is not present")
+    _run([mpiexec, "-n", str(world_size), sys.executable, str(SCRIPT)], backend, world_size)

@@ -1,0 +1,139 @@
+"""Single-process tests of the ring's transport pieces over socket pairs: framing, short reads, closes, aborts."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from backends._links import ShmRecvLink, ShmSendLink, TcpRecvLink, TcpSendLink, _Inbox
+from backends._wire import PeerClosed, SocketReader, recv_json, send_json
+from backends.ring import RingConfig
+from commlib import CommTimeoutError, PeerFailureError
+
+
+@pytest.fixture
+def pair():  # type: ignore[no-untyped-def]
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_json_frames_round_trip(pair) -> None:
+    a, b = pair
+    send_json(a, {"rank": 3, "peers": [1, 2]})
+    send_json(a, {"second": True})
+    reader = SocketReader(b, "rank 1")
+    assert recv_json(reader, "hello") == {"rank": 3, "peers": [1, 2]}
+    assert recv_json(reader, "hello") == {"second": True}
+
+
+def test_peer_closing_mid_message_reports_the_byte_counts(pair) -> None:
+    a, b = pair
+    a.sendall(b"12345")
+    a.close()
+    reader = SocketReader(b, "rank 2 (left neighbour)")
+    with pytest.raises(PeerClosed, match=r"rank 2 \(left neighbour\) closed the connection after 5/8 bytes \(data\)") as info:
+        reader.readinto_exact(memoryview(bytearray(8)), "data")
+    assert (info.value.received, info.value.expected) == (5, 8)
+
+
+def test_a_silent_peer_times_out_with_the_wait_named(pair) -> None:
+    _, b = pair
+    b.settimeout(0.05)
+    with pytest.raises(CommTimeoutError, match=r"timed out after 0\.1 s waiting for rank 1 \(metadata\)"):
+        SocketReader(b, "rank 1").read_byte("metadata")
+
+
+def test_spinning_reader_still_blocks_until_data_arrives(pair) -> None:
+    a, b = pair
+    reader = SocketReader(b, "rank 1", spin_s=20e-6)
+    threading.Timer(0.05, lambda: a.sendall(b"X")).start()
+    assert reader.read_byte("token") == ord("X")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_tcp_link_moves_and_reduces_chunks(pair, dtype: torch.dtype) -> None:
+    a, b = pair
+    sender = TcpSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", chunk_bytes=4096)
+    receiver = TcpRecvLink(b, SocketReader(b, "rank 0"), 0, "rank 0", chunk_bytes=4096)
+    data = torch.arange(100).to(dtype)
+    sender.send_meta(b"m" * 96, data[:10])
+    sender.send(data)
+    sender.send(data)
+    assert receiver.recv_meta() == b"m" * 96
+    small = torch.empty(10, dtype=dtype)
+    receiver.recv_into(small)
+    got = torch.empty(100, dtype=dtype)
+    receiver.recv_into(got)
+    total = torch.ones(100, dtype=dtype)
+    receiver.recv_reduce(total, lambda dst, src: dst.add_(src))
+    sender.flush()
+    assert torch.equal(small, data[:10]) and torch.equal(got, data) and torch.equal(total, data + 1)
+    sender.shutdown()
+
+
+def test_tcp_link_rejects_a_chunk_of_the_wrong_size(pair) -> None:
+    a, b = pair
+    sender = TcpSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", chunk_bytes=4096)
+    receiver = TcpRecvLink(b, SocketReader(b, "rank 0"), 0, "rank 0", chunk_bytes=4096)
+    sender.send(torch.ones(12))
+    sender.flush()
+    with pytest.raises(Exception, match=r"rank 0 sent a 48-byte chunk where this rank expected 40 bytes"):
+        receiver.recv_into(torch.empty(10))
+    sender.shutdown()
+
+
+def test_shm_link_moves_chunks_through_slots_with_flow_control(pair, tmp_path) -> None:
+    a, b = pair
+    inbox = _Inbox(str(tmp_path / "inbox"), slots=2, chunk_bytes=4096, create=True)
+    remote = _Inbox(inbox.path, slots=2, chunk_bytes=4096, create=False, token=inbox.token)
+    inbox.unlink()
+    sender = ShmSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", remote)
+    receiver = ShmRecvLink(b, SocketReader(b, "rank 0"), 0, "rank 0", inbox)
+    chunks = [torch.full((1024,), float(i)) for i in range(6)]  # 3x more chunks than slots
+
+    def send_all() -> None:
+        for c in chunks:
+            sender.send(c)
+
+    thread = threading.Thread(target=send_all)
+    thread.start()
+    out = torch.zeros(1024)
+    for i in range(6):
+        receiver.recv_reduce(out, lambda dst, src: dst.add_(src))
+    thread.join(5)
+    assert not thread.is_alive()
+    assert torch.all(out == sum(range(6)))
+
+
+def test_abort_frame_is_raised_with_the_reason(pair, tmp_path) -> None:
+    a, b = pair
+    sender = TcpSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", chunk_bytes=4096)
+    receiver = TcpRecvLink(b, SocketReader(b, "rank 0 (left neighbour)"), 0, "rank 0 (left neighbour)", chunk_bytes=4096)
+    sender.abort("rank 0 gave up: peer 3 died")
+    with pytest.raises(PeerFailureError, match=r"rank 0 \(left neighbour\) aborted the collective \(data\): rank 0 gave up: peer 3 died"):
+        receiver.recv_into(torch.empty(4))
+    sender.shutdown()
+
+
+def test_shm_inbox_refuses_a_wrong_token(tmp_path) -> None:
+    inbox = _Inbox(str(tmp_path / "inbox"), slots=1, chunk_bytes=4096, create=True)
+    with pytest.raises(OSError, match="does not hold the expected token"):
+        _Inbox(inbox.path, slots=1, chunk_bytes=4096, create=False, token=b"x" * 16)
+
+
+def test_ring_config_validates_and_reads_the_environment() -> None:
+    with pytest.raises(ValueError, match=r"RingConfig\.chunk_bytes: must be a multiple of 64 and at least 4096, got 100"):
+        RingConfig(chunk_bytes=100)
+    with pytest.raises(ValueError, match=r"RingConfig\.transport: expected 'auto', 'shm' or 'tcp', got 'udp'"):
+        RingConfig(transport="udp")  # type: ignore[arg-type]
+    config = RingConfig.from_env({"COMMLIB_RING_TRANSPORT": "TCP", "COMMLIB_RING_CHUNK_BYTES": "65600", "COMMLIB_RING_SMALL_BYTES": "0"})
+    assert (config.transport, config.chunk_bytes, config.small_bytes) == ("tcp", 65600, 0)
+    with pytest.warns(RuntimeWarning, match=r"COMMLIB_RING_TRANSPORT: unexpected value 'udp'"):
+        assert RingConfig.from_env({"COMMLIB_RING_TRANSPORT": "udp"}).transport == "auto"
