@@ -19,6 +19,7 @@ from commlib.process_group import IProcessGroup
 from commlib.registry import (
     available_backends,
     create_process_group,
+    from_torch_group,
     is_available,
     register_backend,
     unregister_backend,
@@ -68,6 +69,7 @@ __all__ = [
     "create_process_group",
     "destroy_process_group",
     "detect",
+    "from_torch_group",
     "get_default_group",
     "get_rank",
     "get_world_size",

@@ -22,6 +22,7 @@ __all__ = [
     "available_backends",
     "is_available",
     "create_process_group",
+    "from_torch_group",
 ]
 
 BackendFactory = Callable[[DistEnv, CommConfig], IProcessGroup]
@@ -176,4 +177,23 @@ def create_process_group(name: str, env: DistEnv, config: CommConfig) -> IProces
         raise TypeError(
             f"backend {key!r} factory returned {type(group).__name__}, not an IProcessGroup"
         )
+    return group
+
+
+def from_torch_group(pg: object = None, *, config: CommConfig | None = None) -> IProcessGroup:
+    """Wrap an initialised torch.distributed process group as a commlib ``IProcessGroup``.
+
+    For code that set up torch.distributed itself. The torch group stays owned
+    by the caller: closing the commlib group leaves it alone. The wrapper is the
+    ``gloo``/``nccl`` backend, loaded through this registry like any other.
+
+    Args:
+        pg: A ``torch.distributed.ProcessGroup``; default: torch's default group.
+        config: Shared settings; default from ``COMMLIB_*`` variables.
+
+    Raises:
+        CommError: torch.distributed is not initialised.
+    """
+    module = importlib.import_module(_BUILTINS["gloo"].module)
+    group: IProcessGroup = module.from_torch_group(pg, config=config)
     return group

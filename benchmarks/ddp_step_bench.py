@@ -1,0 +1,555 @@
+"""DDP step benchmark: a GPT training step under every way of synchronising gradients, in one run.
+
+Launch::
+
+    python benchmarks/ddp_step_bench.py --spawn 2              # spawns 2 local ranks itself
+    torchrun --nproc-per-node 2 benchmarks/ddp_step_bench.py   # or under a launcher
+    mpiexec -n 2 python benchmarks/ddp_step_bench.py           # adds commlib's mpi backend
+    python benchmarks/ddp_step_bench.py --spawn 2 --quick      # tiny model, seconds (CI smoke test)
+
+Modes, each with its own copy of the model (same seed) and its own AdamW:
+
+- ``none``: no gradient synchronisation (the floor: pure compute).
+- ``ddp-<backend>``: commlib's ``DistributedDataParallel`` over each backend of ``--backends``.
+- ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel`` on Gloo, same bucket cap.
+- ``naive``: after backward, one synchronous Gloo all-reduce per parameter.
+- ``flat``: after backward, ``torch.cat`` of every gradient into a fresh buffer, one all-reduce, copy back.
+- ``flat-reuse``: the same into a buffer allocated once.
+
+The modes take turns step by step (this machine drifts 20-50% between runs, so
+only figures from one run compare), rotating who goes first, each step after a
+barrier. Reported per mode: the median step time (rank 0's clock) and its
+interquartile range, the overhead over ``none`` and the ratio to ``torch-ddp``
+(each the median of per-round ratios, so drift between rounds cancels), and for
+commlib's DDP the exposed
+communication (how long backward waited at its end) beside the total
+communication time, and the overlap ``1 - exposed / comm``. For ``naive`` and
+``flat`` the whole synchronisation after backward is exposed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import datetime
+import hashlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import commlib  # noqa: E402
+from benchmarks.allreduce_bench import PORTS_VAR, agree_ports, free_ports, open_mpi_comm  # noqa: E402
+from ddp import DistributedDataParallel  # noqa: E402
+from examples.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+# torch 2.13 renamed the tensor form of all_gather; use whichever this torch has.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+FULL_MODEL = GPTConfig(vocab_size=10000, context=128, d_model=512, n_layers=8, n_heads=8)
+QUICK_MODEL = GPTConfig(vocab_size=500, context=32, d_model=64, n_layers=2, n_heads=4)
+BASELINES = ("none", "torch-ddp", "naive", "flat", "flat-reuse")
+CSV_COLUMNS = [
+    "mode",
+    "world_size",
+    "params",
+    "bucket_mb",
+    "steps",
+    "median_ms",
+    "p25_ms",
+    "p75_ms",
+    "vs_none",
+    "vs_torch_ddp",
+    "exposed_ms",
+    "comm_ms",
+    "overlap",
+    "collectives",
+    "identical",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--backends",
+        default="ring,gloo,mpi",
+        help="commlib backends for ddp-<backend> modes (default ring,gloo,mpi; mpi only under mpiexec)",
+    )
+    p.add_argument("--baselines", default=",".join(BASELINES), help=f"any of {', '.join(BASELINES)}, or none")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 8; --quick 3)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per mode first (default 2; --quick 1)"
+    )
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank (default 2)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap of both DDPs, MiB (default 25)")
+    p.add_argument(
+        "--first-bucket-mb",
+        type=float,
+        default=None,
+        help="first bucket cap of commlib's DDP (default: --bucket-mb)",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (CI smoke test)")
+    p.add_argument("--csv", type=Path, default=None, help="write the table to this CSV file (rank 0)")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds any collective may take (default 300)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spawn", type=int, default=None, metavar="N", help="start N local ranks as subprocesses")
+    p.add_argument(
+        "--spawn-timeout", type=float, default=1800.0, help="seconds before spawned ranks are killed"
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _names(text: str) -> list[str]:
+    return (
+        []
+        if text.strip().lower() in ("", "none")
+        else [n.strip().lower() for n in text.split(",") if n.strip()]
+    )
+
+
+# -------------------------------------------------------------------- modes
+@dataclasses.dataclass
+class Mode:
+    """One way to train a step: a model, its optimizer, and what happens after backward."""
+
+    name: str
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    after_backward: Callable[[], float] = lambda: 0.0  # returns seconds of exposed synchronisation
+    ddp: DistributedDataParallel | None = None
+    note: str = ""
+    times: list[float] = dataclasses.field(default_factory=list)
+    exposed: list[float] = dataclasses.field(default_factory=list)
+    comm: list[float] = dataclasses.field(default_factory=list)
+    overlap: list[float] = dataclasses.field(default_factory=list)
+    collectives: list[int] = dataclasses.field(default_factory=list)
+
+
+def fresh_model(cfg: GPTConfig, seed: int) -> GPT:
+    """Build the GPT from ``seed``: every mode starts from the same weights."""
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    """Return the optimizer every mode uses."""
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+
+
+def naive_sync(params: list[torch.nn.Parameter], world: int) -> Callable[[], float]:
+    """Return the naive baseline: one synchronous all-reduce (and a division) per parameter."""
+
+    def sync() -> float:
+        start = time.perf_counter()
+        for p in params:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        return time.perf_counter() - start
+
+    return sync
+
+
+def flat_sync(params: list[torch.nn.Parameter], world: int, *, reuse: bool) -> Callable[[], float]:
+    """Return the flat baseline: one all-reduce of all gradients, in a fresh or a reused buffer."""
+    total = sum(p.numel() for p in params)
+    buffer = torch.empty(total) if reuse else None
+
+    def sync() -> float:
+        start = time.perf_counter()
+        grads = [p.grad.view(-1) for p in params]
+        flat = torch.cat(grads, out=buffer) if buffer is not None else torch.cat(grads)
+        dist.all_reduce(flat)
+        flat.div_(world)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()])
+            offset += g.numel()
+        return time.perf_counter() - start
+
+    return sync
+
+
+def create_modes(
+    args: argparse.Namespace, cfg: GPTConfig, env: commlib.DistEnv, comm: Any, comm_why: str
+) -> tuple[list[Mode], list[str], list[Any]]:
+    """Create every requested mode; return the modes, the reasons for those skipped, and groups to close."""
+    backends, baselines = _names(args.backends), _names(args.baselines)
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown:
+        raise SystemExit(
+            f"--baselines: unknown {', '.join(unknown)} (choose from {', '.join(BASELINES)}, or none)"
+        )
+    ports = agree_ports(len(backends) + 1, env, comm)
+    world = env.world_size
+    if not dist.is_initialized():  # torch.distributed Gloo for torch's DDP and the baselines
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{env.master_addr}:{ports[-1]}",
+            rank=env.rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.timeout),
+        )
+    modes: list[Mode] = []
+    skipped: list[str] = []
+    groups: list[Any] = []
+    config = commlib.CommConfig.from_env(timeout=args.timeout)
+
+    def add(name: str, note: str = "", **kwargs: Any) -> Mode:
+        model = kwargs.pop("model", None) or fresh_model(cfg, args.seed)
+        mode = Mode(name, model, optimizer(model.parameters()), note=note, **kwargs)
+        modes.append(mode)
+        return mode
+
+    if "none" in baselines:
+        add("none", "no gradient synchronisation")
+    for i, name in enumerate(backends):
+        if name == "mpi" and comm is None:
+            skipped.append(f"ddp-mpi: {comm_why}")
+            continue
+        if name == "nccl" and not torch.cuda.is_available():
+            skipped.append("ddp-nccl: no CUDA device (CPU tensors go through Gloo: see ddp-gloo)")
+            continue
+        try:
+            group = commlib.create_process_group(name, dataclasses.replace(env, master_port=ports[i]), config)
+        except (ImportError, commlib.CommError, RuntimeError, OSError, ValueError) as e:
+            skipped.append(f"ddp-{name}: {type(e).__name__}: {e}")
+            continue
+        groups.append(group)
+        ddp = DistributedDataParallel(
+            fresh_model(cfg, args.seed),
+            group,
+            bucket_size_mb=args.bucket_mb,
+            first_bucket_size_mb=args.first_bucket_mb,
+        )
+        transports = getattr(group, "transports", None)
+        note = f"{type(group).__name__}" + (f", links {transports[0]}/{transports[1]}" if transports else "")
+        add(f"ddp-{name}", note, model=ddp, ddp=ddp)
+    params_of = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    if "torch-ddp" in baselines:
+        model = torch.nn.parallel.DistributedDataParallel(
+            fresh_model(cfg, args.seed), bucket_cap_mb=args.bucket_mb
+        )
+        add(
+            "torch-ddp",
+            f"torch.nn.parallel.DistributedDataParallel, Gloo, bucket_cap_mb={args.bucket_mb:g}",
+            model=model,
+        )
+    for name, make in (
+        ("naive", lambda ps: naive_sync(ps, world)),
+        ("flat", lambda ps: flat_sync(ps, world, reuse=False)),
+        ("flat-reuse", lambda ps: flat_sync(ps, world, reuse=True)),
+    ):
+        if name in baselines:
+            model = fresh_model(cfg, args.seed)
+            add(name, "Gloo, after backward", model=model, after_backward=make(params_of(model)))
+    return modes, skipped, groups
+
+
+# ---------------------------------------------------------------------- run
+def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, rank: int, world: int) -> float:
+    """Train ``mode`` one step on this rank's share of batch ``step``; return the seconds it took."""
+    x, y = synthetic_batch(cfg, args.batch_size * world, seed=args.seed, step=step)
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    start = time.perf_counter()
+    mode.opt.zero_grad(set_to_none=True)
+    GPT.loss(mode.model(x), y).backward()
+    exposed = mode.after_backward()
+    mode.opt.step()
+    elapsed = time.perf_counter() - start
+    if mode.ddp is not None and mode.ddp.last_step_stats is not None:
+        s = mode.ddp.last_step_stats
+        mode.exposed.append(s.exposed_wait_s)
+        mode.comm.append(s.comm_time_s)
+        mode.overlap.append(s.overlap)
+        mode.collectives.append(s.collectives)
+    elif exposed:
+        mode.exposed.append(exposed)
+        mode.comm.append(exposed)
+    return elapsed
+
+
+def digest_matches(model: torch.nn.Module, world: int) -> bool:
+    """Return True if every rank's parameters are bit-identical (one all-gather of a SHA-256 prefix)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)])
+    everyone = torch.empty(world, dtype=torch.int64)
+    _all_gather_single(everyone, mine)
+    return bool((everyone == mine).all())
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """Return the 25th percentile, the median and the 75th percentile of ``values``."""
+    if len(values) < 2:
+        v = values[0] if values else float("nan")
+        return v, v, v
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], statistics.median(values), q[2]
+
+
+def summarise(
+    modes: list[Mode], identical: dict[str, bool], cfg: GPTConfig, args: argparse.Namespace, world: int
+) -> list[dict[str, Any]]:
+    """Return one result row per mode: medians, quartiles, ratios and communication figures.
+
+    Ratios are paired: each mode's step over the reference's step of the same round,
+    then the median over rounds, so that drift between rounds cancels.
+    """
+    times = {m.name: m.times for m in modes if m.times}
+
+    def paired(name: str, ref: str) -> float | None:
+        if ref not in times:
+            return None
+        return statistics.median(a / b for a, b in zip(times[name], times[ref], strict=True))
+
+    rows = []
+    for m in modes:
+        if not m.times:
+            continue
+        p25, med, p75 = quartiles(m.times)
+        vs_none, vs_torch = paired(m.name, "none"), paired(m.name, "torch-ddp")
+        rows.append(
+            {
+                "mode": m.name,
+                "world_size": world,
+                "params": cfg.num_parameters,
+                "bucket_mb": args.bucket_mb,
+                "steps": len(m.times),
+                "median_ms": med * 1e3,
+                "p25_ms": p25 * 1e3,
+                "p75_ms": p75 * 1e3,
+                "vs_none": vs_none - 1 if vs_none is not None else None,
+                "vs_torch_ddp": vs_torch,
+                "exposed_ms": statistics.median(m.exposed) * 1e3 if m.exposed else None,
+                "comm_ms": statistics.median(m.comm) * 1e3 if m.comm else None,
+                "overlap": statistics.median(m.overlap) if m.overlap else None,
+                "collectives": statistics.median(m.collectives) if m.collectives else None,
+                "identical": identical.get(m.name),
+            }
+        )
+    return rows
+
+
+def _fmt(value: Any, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """Format the result rows as the printed table."""
+    head = (
+        f"{'mode':<11} {'step ms':>8} {'p25-p75 ms':>14} {'vs none':>8} {'/torch':>7} {'exposed ms':>10} "
+        f"{'comm ms':>8} {'overlap':>8} {'coll':>5} {'same':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        same = {True: "yes", False: "NO", None: "-"}[r["identical"]]
+        lines.append(
+            f"{r['mode']:<11} {r['median_ms']:8.1f} {r['p25_ms']:6.1f}-{r['p75_ms']:<7.1f} "
+            f"{_fmt(r['vs_none'], '+.1%'):>8} {_fmt(r['vs_torch_ddp'], '.3f'):>7} "
+            f"{_fmt(r['exposed_ms'], '.1f'):>10} {_fmt(r['comm_ms'], '.1f'):>8} "
+            f"{_fmt(r['overlap'], '.0%'):>8} {_fmt(r['collectives'], '.0f'):>5} {same:>5}"
+        )
+    return lines
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Judge the targets: ddp-gloo at most torch-ddp's step time; ddp-ring within 5% of no communication."""
+    by = {r["mode"]: r for r in rows}
+    out = []
+    if "ddp-gloo" in by and by["ddp-gloo"]["vs_torch_ddp"] is not None:
+        ratio = by["ddp-gloo"]["vs_torch_ddp"]
+        out.append(
+            f"target ddp-gloo / torch-ddp <= 1.00: {ratio:.3f} ({'met' if ratio <= 1.0 else 'NOT met'})"
+        )
+    if "ddp-ring" in by and by["ddp-ring"]["vs_none"] is not None:
+        over = by["ddp-ring"]["vs_none"]
+        out.append(
+            f"target ddp-ring within +5% of none: {over:+.1%} ({'met' if over <= 0.05 else 'NOT met'})"
+        )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark on this rank; return the exit status."""
+    torch.set_num_threads(max(1, args.threads))
+    env = commlib.detect()
+    comm, comm_why = open_mpi_comm(env)
+    cfg = QUICK_MODEL if args.quick else FULL_MODEL
+    steps = args.steps if args.steps is not None else (3 if args.quick else 8)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    rank, world, lead = env.rank, env.world_size, env.rank == 0
+
+    def say(text: str = "") -> None:
+        if lead:
+            print(text, flush=True)
+
+    say(
+        f"commlib DDP step benchmark: {world} ranks ({env.launcher}), GPT {cfg.num_parameters / 1e6:.1f}M "
+        f"params (d_model {cfg.d_model}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
+        f"context {cfg.context}), batch {args.batch_size}/rank, AdamW, bucket cap {args.bucket_mb:g} MiB, "
+        f"{args.threads} thread(s)/rank, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, {platform.node()}, "
+        f"{datetime.datetime.now().isoformat(timespec='seconds')}"
+    )
+    modes, skipped, groups = create_modes(args, cfg, env, comm, comm_why)
+    try:
+        for m in modes:
+            say(f"  {m.name:<11} {m.note}")
+        for reason in skipped:
+            say(f"  skipped {reason}")
+        say(
+            f"{warmup} warm-up + {steps} timed steps per mode; the modes take turns step by step (rotating "
+            "who goes first), each step after a barrier; step = zero_grad + forward + backward + sync + "
+            "AdamW step (rank 0's clock)"
+        )
+        for step in range(warmup + steps):
+            turn = step % len(modes)  # rotate who goes first, so no mode always follows the same one
+            for m in modes[turn:] + modes[:turn]:
+                dist.barrier()
+                elapsed = one_step(m, cfg, args, step, rank, world)
+                if step < warmup:
+                    for record in (m.exposed, m.comm, m.overlap, m.collectives):
+                        record.clear()
+                else:
+                    m.times.append(elapsed)
+            if lead and not args.quick:
+                say(
+                    f"  step {step + 1}/{warmup + steps}: "
+                    + ", ".join(f"{m.name} {m.times[-1] * 1e3:.0f}" if m.times else m.name for m in modes)
+                )
+        identical = {m.name: digest_matches(m.model, world) for m in modes if m.name != "none"}
+        rows = summarise(modes, identical, cfg, args, world)
+        say("")
+        for line in table(rows):
+            say(line)
+        say("")
+        say(
+            "step ms: median over timed steps; vs none: overhead over no synchronisation and /torch: step "
+            "time over torch-ddp's, both the median of per-round ratios; exposed: time backward (or the "
+            "sync after it) blocked on communication; comm: time a collective was in flight; overlap: "
+            "median of 1 - exposed/comm per step; same: parameters bit-identical on all ranks"
+        )
+        for line in verdicts(rows):
+            say(line)
+        if lead and args.csv is not None:
+            args.csv.parent.mkdir(parents=True, exist_ok=True)
+            with args.csv.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+            say(f"wrote {len(rows)} rows to {args.csv}")
+        ok = all(identical.values())
+        if not ok:
+            print(
+                f"[rank {rank}/{world}] parameters differ across ranks for: "
+                f"{[k for k, v in identical.items() if not v]}",
+                file=sys.stderr,
+            )
+        return 0 if ok else 1
+    finally:
+        for group in groups:
+            with contextlib.suppress(Exception):
+                group.close()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+# -------------------------------------------------------------------- spawn
+def spawn(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start ``args.spawn`` ranks of this script on loopback; if one fails, stop the others."""
+    n = args.spawn
+    if n < 1:
+        raise SystemExit("--spawn: need at least 1 rank")
+    ports = free_ports(len(_names(args.backends)) + 2)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "SLURM_", "HYDRA_"))
+    }
+    procs = []
+    for rank in range(n):
+        env = dict(
+            base,
+            RANK=str(rank),
+            WORLD_SIZE=str(n),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(ports[0]),
+            OMP_NUM_THREADS=str(args.threads),
+            **{PORTS_VAR: ",".join(map(str, ports[1:]))},
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", *argv],
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        )
+    deadline = time.monotonic() + args.spawn_timeout
+    codes: dict[int, int] = {}
+    try:
+        while len(codes) < n and time.monotonic() < deadline:
+            for rank, proc in enumerate(procs):
+                if rank not in codes and proc.poll() is not None:
+                    codes[rank] = proc.returncode
+                    if proc.returncode != 0:  # the others would wait for it until the timeout
+                        deadline = min(deadline, time.monotonic() + 10)
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    if len(codes) < n:
+        print(
+            f"--spawn: stopped ranks {[r for r in range(n) if r not in codes]} (a rank failed, or "
+            f"--spawn-timeout {args.spawn_timeout} s passed)",
+            file=sys.stderr,
+        )
+        return 1
+    return max(codes.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse arguments, then spawn ranks or run this one."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.spawn is not None and not args.worker:
+        rest, skip = [], False
+        for item in argv:  # the workers get the same arguments, less --spawn N
+            if skip:
+                skip = False
+            elif item == "--spawn":
+                skip = True
+            elif not item.startswith("--spawn="):
+                rest.append(item)
+        return spawn(args, rest)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

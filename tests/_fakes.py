@@ -1,0 +1,338 @@
+"""An in-process ``IProcessGroup`` for unit tests: N threads, one fake group each, sharing a hub.
+
+The hub really reduces: the k-th collective of every rank meets in slot k, and the
+rank that arrives last combines the contributions. Each group runs its collectives
+on one worker thread, in the order they were issued (like a backend's progress
+thread), so ``async_op=True`` really is asynchronous. An all-reduce's result lands in the
+tensor only inside ``Work.wait()`` (as with some real backends). Every wait has a
+deadline.
+
+    >>> results = run_threads(body, world_size=2)      # body(group, *args) on 2 threads
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from commlib.config import CommConfig
+from commlib.env import DistEnv
+from commlib.errors import CollectiveMismatchError, CommTimeoutError
+from commlib.process_group import IProcessGroup
+from commlib.types import INT_DTYPES, ReduceOp
+from commlib.work import FutureWork, Work
+from tests._reference import reduce_reference
+
+__all__ = ["FakeHub", "FakeProcessGroup", "Issued", "run_threads", "ThreadsFailed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Issued:
+    """One collective as a fake group saw it issued."""
+
+    seq: int
+    kind: str
+    numel: int
+    dtype: torch.dtype
+    op: ReduceOp | None
+    async_op: bool
+
+
+class FakeHub:
+    """Where the ranks' collectives meet.
+
+    Args:
+        world_size: Number of ranks.
+        timeout: Seconds a rank waits for the others in one collective.
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = 20.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._slots: dict[int, dict[int, tuple[str, Any]]] = {}
+        self._results: dict[int, Any] = {}
+        self._reads: dict[int, int] = {}
+
+    def exchange(
+        self, seq: int, rank: int, signature: str, payload: Any, combine: Callable[[list[Any]], Any]
+    ) -> Any:
+        """Deposit ``payload`` for collective ``seq``; once all arrived, return ``combine(payloads)``."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            slot = self._slots.setdefault(seq, {})
+            slot[rank] = (signature, payload)
+            if len(slot) == self.world_size:
+                signatures = {r: s for r, (s, _) in slot.items()}
+                if len(set(signatures.values())) > 1:
+                    result: Any = CollectiveMismatchError(
+                        f"fake collective #{seq}: ranks disagree: "
+                        + "; ".join(f"rank {r}: {s}" for r, s in sorted(signatures.items()))
+                    )
+                else:
+                    try:
+                        result = combine([slot[r][1] for r in range(self.world_size)])
+                    except Exception as e:  # noqa: BLE001 - handed to every rank
+                        result = e
+                self._results[seq] = result
+                self._cond.notify_all()
+            while seq not in self._results:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [r for r in range(self.world_size) if r not in slot]
+                    raise CommTimeoutError(
+                        f"[rank {rank}/{self.world_size}] fake collective #{seq} ({signature}): ranks "
+                        f"{missing} did not arrive within {self.timeout}s"
+                    )
+                self._cond.wait(remaining)
+            result = self._results[seq]
+            self._reads[seq] = self._reads.get(seq, 0) + 1
+            if self._reads[seq] == self.world_size:
+                del self._results[seq], self._slots[seq], self._reads[seq]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+def _reduce(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Combine the ranks' tensors in rank order (in float64, rounded back once)."""
+    return reduce_reference(tensors, op).to(tensors[0].dtype)
+
+
+class _FinishInWait(Work):
+    """A ``Work`` whose result lands in the tensor only inside ``wait()``.
+
+    Some real backends finish there (Gloo's AVG divides in ``wait``), so a caller that
+    reads a tensor after ``is_completed()`` without ``wait()`` gets a wrong answer here too.
+    """
+
+    def __init__(self, inner: FutureWork, finish: Callable[[], None]) -> None:
+        self._inner = inner
+        self._finish: Callable[[], None] | None = finish
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._inner.wait(timeout)
+        with self._lock:
+            if self._finish is not None:
+                self._finish()
+                self._finish = None
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def exception(self) -> BaseException | None:
+        return self._inner.exception()
+
+
+class FakeProcessGroup(IProcessGroup):
+    """One rank of a fake group (see the module docstring).
+
+    Args:
+        rank: This rank.
+        hub: The hub shared with the other ranks.
+        supports_avg: Report ``AVG`` as supported (False exercises the pre-divide path).
+        delay_s: Extra seconds each collective takes on the worker thread.
+        backend_name: Name reported as ``backend``.
+    """
+
+    backend_name = "fake"
+
+    def __init__(
+        self,
+        rank: int,
+        hub: FakeHub,
+        *,
+        supports_avg: bool = True,
+        delay_s: float = 0.0,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(
+            DistEnv(rank=rank, world_size=hub.world_size), CommConfig(timeout=timeout or hub.timeout)
+        )
+        self.hub = hub
+        self.supports_avg = supports_avg
+        self.delay_s = delay_s
+        self.issued: list[Issued] = []
+        self._seq = 0
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"fake-rank{rank}")
+
+    def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+        """Like the base class, but ``AVG`` only when ``supports_avg``."""
+        if op is ReduceOp.AVG and not self.supports_avg:
+            return False
+        return super().supports(op, dtype, device)
+
+    @property
+    def all_reduces(self) -> list[Issued]:
+        """The all-reduces issued so far."""
+        return [i for i in self.issued if i.kind == "all_reduce"]
+
+    def _run(
+        self,
+        kind: str,
+        tensor: torch.Tensor | None,
+        op: ReduceOp | None,
+        async_op: bool,
+        body: Callable[[int], None],
+    ) -> FutureWork:
+        seq = self._seq
+        self._seq += 1
+        numel = tensor.numel() if tensor is not None else 0
+        dtype = tensor.dtype if tensor is not None else torch.float32
+        self.issued.append(Issued(seq, kind, numel, dtype, op, async_op))
+
+        def task() -> None:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            body(seq)
+
+        future = self._worker.submit(task)
+        return FutureWork(future, f"{self._prefix(kind)}#{seq}", keep_alive=tensor)
+
+    def _sig(self, kind: str, tensor: torch.Tensor | None, extra: object = "") -> str:
+        if tensor is None:
+            return kind
+        return f"{kind}({tensor.dtype}, {tensor.numel()} elements{extra})"
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
+        staged: list[torch.Tensor] = []
+
+        def body(seq: int) -> None:
+            if op is ReduceOp.AVG and tensor.dtype in INT_DTYPES:
+                raise AssertionError("AVG on integers")
+            staged.append(
+                self.hub.exchange(
+                    seq,
+                    self.rank,
+                    self._sig("all_reduce", tensor, op),
+                    tensor.clone(),
+                    lambda ts: _reduce(op, ts),
+                )
+            )
+
+        work = self._run("all_reduce", tensor, op, async_op, body)
+        return _FinishInWait(work, lambda: tensor.copy_(staged[0]))  # type: ignore[arg-type]
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
+        def body(seq: int) -> None:
+            result = self.hub.exchange(
+                seq, self.rank, self._sig("broadcast", tensor, src), tensor.clone(), lambda ts: ts[src]
+            )
+            tensor.copy_(result)
+
+        return self._run("broadcast", tensor, None, async_op, body)
+
+    def _all_gather(
+        self,
+        flat_output: torch.Tensor | None,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool,
+    ) -> Work:
+        def body(seq: int) -> None:
+            parts = self.hub.exchange(
+                seq, self.rank, self._sig("all_gather", tensor), tensor.clone(), lambda ts: ts
+            )
+            for out, part in zip(outputs, parts, strict=True):
+                out.copy_(part)
+
+        return self._run("all_gather", tensor, None, async_op, body)
+
+    def _reduce_scatter(
+        self,
+        output: torch.Tensor,
+        flat_input: torch.Tensor | None,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool,
+    ) -> Work:
+        stacked = torch.cat([t.reshape(-1) for t in inputs])
+
+        def body(seq: int) -> None:
+            total = self.hub.exchange(
+                seq,
+                self.rank,
+                self._sig("reduce_scatter", output, op),
+                stacked.clone(),
+                lambda ts: _reduce(op, ts),
+            )
+            n = output.numel()
+            output.copy_(total[self.rank * n : (self.rank + 1) * n])
+
+        return self._run("reduce_scatter", output, op, async_op, body)
+
+    def _barrier(self, async_op: bool) -> Work:
+        return self._run(
+            "barrier",
+            None,
+            None,
+            async_op,
+            lambda seq: self.hub.exchange(seq, self.rank, "barrier", None, lambda _: None),
+        )
+
+    def _close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+class ThreadsFailed(AssertionError):
+    """One or more threaded ranks failed; the message has each rank's error and traceback."""
+
+
+def run_threads(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    supports_avg: bool = True,
+    delay_s: float = 0.0,
+    per_rank_args: list[tuple[Any, ...]] | None = None,
+    return_errors: bool = False,
+) -> list[Any]:
+    """Run ``fn(group, *args)`` on ``world_size`` threads, each with a ``FakeProcessGroup``.
+
+    Returns:
+        Each rank's return value (or, with ``return_errors``, the exception it raised).
+
+    Raises:
+        ThreadsFailed: A rank raised (without ``return_errors``) or did not finish in time.
+    """
+    hub = FakeHub(world_size, timeout=min(timeout, 20.0))
+    groups = [FakeProcessGroup(r, hub, supports_avg=supports_avg, delay_s=delay_s) for r in range(world_size)]
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[BaseException, str] | None] = [None] * world_size
+
+    def target(rank: int) -> None:
+        try:
+            rank_args = per_rank_args[rank] if per_rank_args is not None else args
+            results[rank] = fn(groups[rank], *rank_args)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[rank] = (e, traceback.format_exc())
+
+    threads = [
+        threading.Thread(target=target, args=(r,), name=f"fake-rank-{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for g in groups:
+        g.close()
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        raise ThreadsFailed(f"ranks {hung} did not finish within {timeout}s")
+    if return_errors:
+        return [err[0] if err is not None else res for res, err in zip(results, errors, strict=True)]
+    failed = [(r, err) for r, err in enumerate(errors) if err is not None]
+    if failed:
+        raise ThreadsFailed("\n".join(f"rank {r}: {e!r}\n{tb}" for r, (e, tb) in failed))
+    return results
