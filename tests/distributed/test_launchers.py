@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,9 +44,9 @@ def _run(command: list[str], backend: str, world_size: int) -> None:
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{command[0]} exited {proc.returncode}:\n{output[-6000:]}"
-    ok = sorted(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("LAUNCHER-BODIES-OK"))
+    # Ranks share the launcher's stdout, so their lines may interleave: match the markers anywhere.
+    ok = sorted(re.findall(rf"LAUNCHER-BODIES-OK (\d+) {world_size} {backend}", proc.stdout))
     assert ok == [str(r) for r in range(world_size)], output[-6000:]
-    assert all(f" {world_size} {backend}" in line for line in proc.stdout.splitlines() if line.startswith("LAUNCHER-BODIES-OK"))
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,908 @@
+"""``mpi`` backend: commlib collectives over mpi4py.
+
+- Rank and size come from ``MPI.COMM_WORLD``; the launcher's variables (as read
+  into ``DistEnv``) must agree, or creating the group fails with a message that
+  says how to start the job (``mpiexec -n N python ...``).
+- CPU tensors go to MPI as NumPy views (no copy). CUDA tensors go as CuPy
+  arrays (DLPack, no copy) when the MPI library is CUDA-aware, after the
+  tensor's stream is synchronised; otherwise they are staged through pinned
+  host memory (one copy each way) and a warning says so once.
+- Every collective is a non-blocking MPI call (``Iallreduce``, ``Ibcast``,
+  ``Iallgather``, ``Ireduce_scatter_block``, ``Ibarrier``). A synchronous call
+  waits on it at once; ``async_op=True`` hands the request to a progress
+  thread that tests it every ``COMMLIB_MPI_PROGRESS_US`` microseconds, so it
+  advances while the caller computes. Every wait ends at the timeout with
+  ``CommTimeoutError``; a collective that never finishes cannot be cancelled in
+  MPI, so a process that exits with one outstanding aborts the MPI job
+  (``MPI_Abort``) instead of hanging in ``MPI_Finalize``.
+- float16 uses MPI's extension type (``MPIX_C_FLOAT16``) when the library has
+  it and it reduces correctly (checked once, locally); bfloat16, and float16
+  without it, reduce through a user-defined MPI operation that adds in torch.
+  AVG is SUM, then a true division by the world size.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import mpi4py  # an ImportError here names mpi4py; the registry turns it into the pip hint
+import torch
+
+from backends._mpi_progress import ProgressThread, wait_until
+from commlib.config import CommConfig
+from commlib.env import DistEnv, read_env_var
+from commlib.errors import (
+    BackendUnavailableError,
+    CommError,
+    CommTimeoutError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    error_prefix,
+)
+from commlib.process_group import IProcessGroup
+from commlib.types import ReduceOp, dtype_name
+from commlib.work import CompletedWork, Work
+
+__all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from_mpi_comm"]
+
+_MPI: Any = None
+"""The ``mpi4py.MPI`` module, imported (and MPI initialised) on first use."""
+
+_MPI_OPS: dict[ReduceOp, str] = {
+    ReduceOp.SUM: "SUM",
+    ReduceOp.AVG: "SUM",  # then divided by the world size
+    ReduceOp.PRODUCT: "PROD",
+    ReduceOp.MIN: "MIN",
+    ReduceOp.MAX: "MAX",
+}
+"""commlib op -> name of the predefined ``MPI.Op``."""
+
+_TORCH_REDUCE: dict[str, Callable[..., Any]] = {
+    "SUM": torch.add,
+    "PROD": torch.mul,
+    "MIN": torch.minimum,
+    "MAX": torch.maximum,
+}
+"""MPI op name -> torch function used by the user-defined reductions (bfloat16)."""
+
+_MPI_TYPES: dict[torch.dtype, str] = {
+    torch.float32: "FLOAT",
+    torch.float64: "DOUBLE",
+    torch.int32: "INT32_T",
+    torch.int64: "INT64_T",
+    torch.float16: "FLOAT16_T",
+    torch.bfloat16: "BFLOAT16_T",
+}
+"""torch dtype -> predefined (or extension) MPI datatype, when the library has it."""
+
+_NO_NUMPY = frozenset({torch.bfloat16})
+"""dtypes NumPy cannot hold: handed to MPI as an int16 view of the same bytes."""
+
+_PROGRESS_MODES = ("thread", "none")
+
+_THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
+
+_LAUNCHER_VARS = {
+    "torchrun": "RANK/WORLD_SIZE",
+    "openmpi": "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE",
+    "pmix": "PMIX_RANK/PMIX_SIZE",
+    "mpich": "PMI_RANK/PMI_SIZE",
+    "slurm": "SLURM_PROCID/SLURM_NTASKS",
+    "explicit": "the rank/world_size arguments",
+}
+
+_COMPLETED = CompletedWork()
+"""Returned by a synchronous collective that finished (its caller only calls ``wait()``)."""
+
+_lock = threading.Lock()
+_live_groups: weakref.WeakSet[MPIProcessGroup] = weakref.WeakSet()
+_stuck_groups: list[MPIProcessGroup] = []
+_exit_hook_registered = False
+_warned: set[str] = set()
+
+
+# -------------------------------------------------------------------- config
+def _progress_mode(text: str) -> str:
+    value = text.strip().lower()
+    if value not in _PROGRESS_MODES:
+        raise ValueError(f"expected one of {', '.join(_PROGRESS_MODES)}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _tristate(text: str) -> bool | None:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value == "auto":
+        return None
+    raise ValueError("expected 1, 0 or auto")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MPIConfig:
+    """Settings of the ``mpi`` backend, read from ``COMMLIB_MPI_*`` variables."""
+
+    progress: str = "thread"
+    """How ``async_op=True`` collectives advance while the caller computes: ``thread``
+    (a daemon thread tests them every ``progress_interval_us``) or ``none`` (only inside
+    ``wait()`` / ``is_completed()``). ``COMMLIB_MPI_PROGRESS``; default ``thread``."""
+
+    progress_interval_us: float = 200.0
+    """Microseconds the progress thread sleeps between two polling rounds.
+    ``COMMLIB_MPI_PROGRESS_US``; default 200 (measured in docs/backends.md)."""
+
+    cuda_aware: bool | None = None
+    """Whether the MPI library reads and writes CUDA memory; None detects it
+    (``mpi_memory_alloc_kinds``, ``MPIX_Query_cuda_support``). ``COMMLIB_MPI_CUDA_AWARE``
+    = 1, 0 or auto."""
+
+    def __post_init__(self) -> None:
+        if self.progress not in _PROGRESS_MODES:
+            raise ValueError(
+                f"MPIConfig.progress: expected one of {', '.join(_PROGRESS_MODES)}, got {self.progress!r}"
+            )
+        if not self.progress_interval_us >= 0:
+            raise ValueError(
+                f"MPIConfig.progress_interval_us: must be >= 0, got {self.progress_interval_us}"
+            )
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> MPIConfig:
+        """Build the config from ``COMMLIB_MPI_PROGRESS``, ``_PROGRESS_US`` and ``_CUDA_AWARE``."""
+        return cls(
+            progress=read_env_var("COMMLIB_MPI_PROGRESS", _progress_mode, "thread", environ),
+            progress_interval_us=read_env_var("COMMLIB_MPI_PROGRESS_US", _non_negative, 200.0, environ),
+            cuda_aware=read_env_var("COMMLIB_MPI_CUDA_AWARE", _tristate, None, environ),
+        )
+
+
+# ---------------------------------------------------------------- MPI set-up
+def _load_mpi() -> Any:
+    """Import ``mpi4py.MPI`` (initialising MPI with thread level MULTIPLE) once."""
+    global _MPI
+    if _MPI is not None:
+        return _MPI
+    if "mpi4py.MPI" not in sys.modules:
+        # Ask for MULTIPLE: the progress thread calls MPI while the caller may too.
+        mpi4py.rc.thread_level = "multiple"
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as e:
+        raise BackendUnavailableError(
+            f"backend 'mpi': mpi4py is installed but its MPI library could not be loaded ({e}); "
+            "pip install 'commlib[mpi]' (brings MPICH and its mpirun), or run scripts/setup.sh"
+        ) from e
+    _MPI = MPI
+    return MPI
+
+
+@dataclasses.dataclass
+class _DtypePlan:
+    """How one torch dtype travels through MPI."""
+
+    datatype: Any
+    view: torch.dtype
+    native: bool
+    """True: MPI's predefined ops reduce it. False: a user-defined op does (host memory only)."""
+    ops: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_plans: dict[torch.dtype, _DtypePlan] = {}
+
+
+def _user_op(MPI: Any, dtype: torch.dtype, name: str) -> Any:
+    """Create an MPI op that reduces ``dtype`` buffers in torch (for types MPI cannot reduce)."""
+    reduce = _TORCH_REDUCE[name]
+
+    def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        incoming = torch.frombuffer(inbuf, dtype=dtype)
+        result = torch.frombuffer(inoutbuf, dtype=dtype)
+        reduce(result, incoming, out=result)
+
+    return MPI.Op.Create(apply, commute=True)
+
+
+def _extension_type_works(MPI: Any, datatype: Any, dtype: torch.dtype) -> bool:
+    """Check locally (no communication) that MPI reduces ``dtype`` correctly with ``datatype``."""
+    a = torch.tensor([1.5, -2.25, 3.0, 0.5], dtype=dtype)
+    b = torch.tensor([0.25, 4.0, -1.0, 2.0], dtype=dtype)
+    view = torch.int16 if dtype in _NO_NUMPY else dtype
+    try:
+        for name, expected in (("SUM", a + b), ("MAX", torch.maximum(a, b)), ("PROD", a * b)):
+            out = b.clone()
+            getattr(MPI, name).Reduce_local([a.view(view).numpy(), datatype], [out.view(view).numpy(), datatype])
+            if not torch.equal(out, expected):
+                return False
+    except Exception:  # noqa: BLE001 - the library cannot do it: use the fallback
+        return False
+    return True
+
+
+def _plan(MPI: Any, dtype: torch.dtype) -> _DtypePlan:
+    plan = _plans.get(dtype)
+    if plan is not None:
+        return plan
+    with _lock:
+        plan = _plans.get(dtype)
+        if plan is not None:
+            return plan
+        view = torch.int16 if dtype in _NO_NUMPY else dtype
+        datatype = getattr(MPI, _MPI_TYPES[dtype], MPI.DATATYPE_NULL)
+        native = datatype != MPI.DATATYPE_NULL
+        if native and dtype in (torch.float16, torch.bfloat16):
+            native = _extension_type_works(MPI, datatype, dtype)
+        if native:
+            ops = {name: getattr(MPI, name) for name in set(_MPI_OPS.values())}
+        else:
+            # Same bytes as 16-bit integers; the reduction is ours.
+            view, datatype = torch.int16, MPI.INT16_T
+            ops = {name: _user_op(MPI, dtype, name) for name in set(_MPI_OPS.values())}
+        plan = _DtypePlan(datatype=datatype, view=view, native=native, ops=ops)
+        _plans[dtype] = plan
+        return plan
+
+
+def _detect_cuda_aware(MPI: Any) -> tuple[bool, str]:
+    """Return (CUDA-aware?, how we know)."""
+    kinds = ""
+    try:
+        info = MPI.COMM_WORLD.Get_info()
+        kinds = info.Get("mpi_memory_alloc_kinds") or ""
+        info.Free()
+    except Exception:  # noqa: BLE001 - older MPI: no such info key
+        kinds = ""
+    if "cuda" in kinds.lower():
+        return True, f"mpi_memory_alloc_kinds={kinds!r}"
+    try:
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+        query.restype = ctypes.c_int
+        if query() == 1:
+            return True, "MPIX_Query_cuda_support()=1"
+        probe = "MPIX_Query_cuda_support()=0"
+    except (OSError, AttributeError):
+        probe = "no MPIX_Query_cuda_support"
+    return False, f"mpi_memory_alloc_kinds={kinds!r}, {probe}"
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+# ---------------------------------------------------------------------- work
+class _MPIWork(Work):
+    """A ``Work`` around one MPI request, plus what must happen after it (AVG, copy back)."""
+
+    def __init__(
+        self,
+        group: MPIProcessGroup,
+        op: str,
+        seq: int,
+        tensor: torch.Tensor | None,
+        request: Any,
+        finish: Callable[[], None] | None,
+        keep_alive: Any,
+    ) -> None:
+        self._group = group
+        self._op = op
+        self._seq = seq
+        self._dtype = tensor.dtype if tensor is not None else None
+        self._numel = tensor.numel() if tensor is not None else 0
+        self._request = request
+        self._finish = finish
+        self._keep_alive = keep_alive
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+        self._issued = time.monotonic()
+
+    @property
+    def describe(self) -> str:
+        """``[rank 0/2] mpi.all_reduce #7 (float32, 1024 elements)``."""
+        return _label(self._group, self._op, self._seq, self._dtype, self._numel)
+
+    def _test_locked(self) -> bool:
+        """Test once (the caller holds the lock); finish the work if the request is done."""
+        if self._done:
+            return True
+        try:
+            flag = self._request.Test()
+        except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
+            self._settle(self._group._mpi_error(self.describe, e))
+            return True
+        if flag:
+            self._complete()
+        return bool(flag)
+
+    def _complete(self) -> None:
+        """The request is done: run the finishing step (AVG, copy back) and settle."""
+        error = None
+        if self._finish is not None:
+            try:
+                self._finish()
+            except Exception as e:  # noqa: BLE001
+                error = CommError(f"{self.describe}: finishing the result failed: {e}")
+                error.__cause__ = e
+        self._settle(error)
+
+    def _settle(self, error: BaseException | None) -> None:
+        self._done = True
+        self._error = error
+        self._keep_alive = None
+        self._finish = None
+        if error is not None:
+            self._group._mark_broken(error)
+        self._group._pending.pop(self._seq, None)
+
+    def _test(self) -> bool:
+        with self._lock:
+            return self._test_locked()
+
+    def _poll_background(self) -> bool:
+        if self._done:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False  # a waiter holds it and drives the request itself
+        try:
+            return self._test_locked()
+        finally:
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the result is in the tensor (see ``Work.wait``).
+
+        The calling thread drives MPI itself while it waits (``wait_until``:
+        back-to-back tests, then yielding, then short naps), and gives up at
+        ``timeout`` (default: the group's timeout).
+        """
+        if not self._done:
+            limit = self._group.timeout if timeout is None else max(float(timeout), 0.0)
+            deadline = time.monotonic() + limit
+            # Hold the lock for the whole wait: the progress thread leaves this request
+            # alone, and each poll is one bare MPI_Test. A large collective moves one
+            # step per test on each rank, so a slower poll would slow the transfer.
+            with self._lock:
+                if not self._done:
+                    try:
+                        done = wait_until(self._request.Test, deadline)
+                    except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
+                        self._settle(self._group._mpi_error(self.describe, e))
+                    else:
+                        if done:
+                            self._complete()
+                        else:
+                            self._expired(timeout, limit)
+        if self._error is not None:
+            raise self._error
+
+    def _expired(self, timeout: float | None, limit: float) -> None:
+        if timeout is not None:
+            raise CommTimeoutError(
+                f"{self.describe}: Work.wait(timeout={timeout}) expired before the "
+                "collective finished; it is still in flight. Wait again, or look for a "
+                "rank that has not issued the same collective."
+            )
+        error = CommTimeoutError(
+            f"{self.describe}: no progress for {limit:g} s; a peer rank is missing, stuck "
+            "or called a different collective. MPI cannot cancel a collective, so the "
+            "group is unusable and this process will abort the MPI job when it exits "
+            "(MPI_Finalize would wait forever). Raise COMMLIB_TIMEOUT if the peers are "
+            "just slow."
+        )
+        self._group._mark_broken(error)
+        raise error
+
+    def is_completed(self) -> bool:
+        """Return True once the collective has finished, successfully or not (tests it once)."""
+        if self._done:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._test_locked()
+        finally:
+            self._lock.release()
+
+    def exception(self) -> BaseException | None:
+        """Return the error the collective failed with, or None (also while running)."""
+        return self._error
+
+
+# --------------------------------------------------------------------- group
+class MPIProcessGroup(IProcessGroup):
+    """commlib collectives over an MPI communicator (a duplicate of ``COMM_WORLD`` by default).
+
+    Create it with ``commlib.init_process_group("mpi")`` under ``mpiexec -n N``,
+    or with ``from_mpi_comm(comm)``.
+
+    Args:
+        env: Rank, world size (checked against the communicator) and launcher.
+        config: Shared settings (timeouts).
+        comm: The communicator to duplicate; default ``MPI.COMM_WORLD``.
+        mpi_config: Backend settings; default ``MPIConfig.from_env()``.
+    """
+
+    backend_name = "mpi"
+    supported_devices = frozenset({"cpu", "cuda"})
+
+    def __init__(
+        self,
+        env: DistEnv,
+        config: CommConfig | None = None,
+        *,
+        comm: Any = None,
+        mpi_config: MPIConfig | None = None,
+    ) -> None:
+        MPI = _load_mpi()
+        parent = MPI.COMM_WORLD if comm is None else comm
+        rank, size = parent.Get_rank(), parent.Get_size()
+        _check_env(env, rank, size, parent is MPI.COMM_WORLD)
+        if (env.rank, env.world_size) != (rank, size):
+            env = dataclasses.replace(env, rank=rank, world_size=size, local_rank=0, local_world_size=1)
+        super().__init__(env, config)
+        self._MPI = MPI
+        self._mpi_config = mpi_config if mpi_config is not None else MPIConfig.from_env()
+        self._seq = 0
+        self._pending: dict[int, _MPIWork] = {}
+        self._staging: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._cuda_aware: bool | None = self._mpi_config.cuda_aware
+        self._thread_level = MPI.Query_thread()
+        self._progress: ProgressThread | None = None
+        self._comm = self._duplicate(parent)
+        if self._mpi_config.progress == "thread":
+            if self._thread_level >= MPI.THREAD_MULTIPLE:
+                self._progress = ProgressThread(
+                    self._mpi_config.progress_interval_us * 1e-6,
+                    f"commlib-mpi-progress-rank{rank}",
+                )
+            else:
+                level = _THREAD_LEVELS.get(self._thread_level, str(self._thread_level))
+                _warn_once(
+                    "thread-level",
+                    f"{self._prefix('init')}MPI was initialised with thread level {level}, not "
+                    "MULTIPLE, so no progress thread runs: async collectives advance only inside "
+                    "Work.wait() / is_completed(). Initialise MPI with thread level MULTIPLE "
+                    "(mpi4py.rc.thread_level = 'multiple') to overlap them with compute.",
+                )
+        _register(self)
+
+    def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+        """Return True if this backend can reduce ``dtype`` tensors on ``device`` with ``op``.
+
+        Every dtype of the contract, on CPU and CUDA; AVG for floating point only.
+        """
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if dtype not in self.supported_dtypes or device_type not in self.supported_devices:
+            return False
+        return not (op is ReduceOp.AVG and not dtype.is_floating_point)
+
+    # ------------------------------------------------------------------ set-up
+    def _duplicate(self, parent: Any) -> Any:
+        """Duplicate ``parent`` (collective), bounded by the timeout."""
+        try:
+            comm, request = parent.Idup()
+        except Exception as e:  # noqa: BLE001
+            raise RendezvousError(f"{self._prefix('init')}MPI_Comm_idup failed: {e}") from e
+        if not wait_until(request.Test, time.monotonic() + self.timeout):
+            error = RendezvousTimeoutError(
+                f"{self._prefix('init')}not every one of the {self.world_size} MPI ranks created "
+                f"the mpi group within {self.timeout:g} s (MPI_Comm_idup); every rank must call "
+                "commlib.init_process_group('mpi'). This process will abort the MPI job when it exits."
+            )
+            self._mark_broken(error)
+            _stuck_groups.append(self)
+            self._pending[0] = _MPIWork(self, "init", 0, None, request, None, None)
+            _register_exit_hook()
+            raise error
+        return comm
+
+    @property
+    def comm(self) -> Any:
+        """The group's MPI communicator (a duplicate: its traffic never mixes with yours)."""
+        return self._comm
+
+    @property
+    def progress(self) -> str:
+        """``thread`` if a progress thread drives async collectives, else ``none``."""
+        return "thread" if self._progress is not None else "none"
+
+    # ------------------------------------------------------------------ buffers
+    def _buffer(self, tensor: torch.Tensor, reduce: bool) -> tuple[list[Any], Callable[[], None] | None, Any]:
+        """Return (MPI buffer spec, copy-back or None, objects to keep alive) for ``tensor``."""
+        plan = _plans.get(tensor.dtype) or _plan(self._MPI, tensor.dtype)
+        if not tensor.is_cuda:
+            view = tensor if plan.view is tensor.dtype else tensor.view(plan.view)
+            return [view.numpy(), plan.datatype], None, None
+        if self._device_direct(plan, reduce):
+            # MPI reads the memory directly: the kernels that wrote it must be done.
+            torch.cuda.current_stream(tensor.device).synchronize()
+            view = tensor if plan.view is tensor.dtype else tensor.view(plan.view)
+            cupy = _cupy()
+            array = cupy.from_dlpack(view) if cupy is not None else view
+            return [array, plan.datatype], None, array
+        host = self._stage(tensor)
+
+        def copy_back() -> None:
+            tensor.copy_(host)
+            self._unstage(tensor.dtype, host)
+
+        view = host if plan.view is tensor.dtype else host.view(plan.view)
+        return [view.numpy(), plan.datatype], copy_back, host
+
+    def _device_direct(self, plan: _DtypePlan, reduce: bool) -> bool:
+        if self._cuda_aware is None:
+            self._cuda_aware, how = _detect_cuda_aware(self._MPI)
+            if not self._cuda_aware:
+                _warn_once(
+                    "staging",
+                    f"{self._prefix('init')}the MPI library is not CUDA-aware ({how}): CUDA tensors "
+                    "are staged through pinned host memory, one copy each way per collective. Use a "
+                    "CUDA-aware MPI for zero-copy, or set COMMLIB_MPI_CUDA_AWARE=1 if it is one.",
+                )
+        # A user-defined reduction (bfloat16) runs on the host, so it needs host buffers.
+        return bool(self._cuda_aware) and (plan.native or not reduce)
+
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        free = self._staging.get((tensor.dtype, tensor.numel()))
+        host = free.pop() if free else torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor.view(-1))
+        return host.view(tensor.shape)
+
+    def _unstage(self, dtype: torch.dtype, host: torch.Tensor) -> None:
+        free = self._staging.setdefault((dtype, host.numel()), [])
+        if len(free) < 4:
+            free.append(host.view(-1))
+
+    # ------------------------------------------------------------- collectives
+    def _start(
+        self,
+        op: str,
+        tensor: torch.Tensor | None,
+        start: Callable[[], Any],
+        finish: Callable[[], None] | None,
+        keep_alive: Any,
+        async_op: bool,
+    ) -> Work:
+        self._seq += 1
+        seq = self._seq
+        if finish is not None and tensor is not None and tensor.is_cuda:
+            finish = _synchronised(finish, tensor.device)
+        try:
+            request = start()
+        except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
+            dtype, numel = (tensor.dtype, tensor.numel()) if tensor is not None else (None, 0)
+            error = self._mpi_error(_label(self, op, seq, dtype, numel), e)
+            self._mark_broken(error)
+            raise error from e
+        if not async_op:
+            # Synchronous: wait here, and build a Work only if the wait fails.
+            try:
+                done = wait_until(request.Test, time.monotonic() + self.timeout)
+            except Exception as e:  # noqa: BLE001 - MPI.Exception
+                dtype, numel = (tensor.dtype, tensor.numel()) if tensor is not None else (None, 0)
+                error = self._mpi_error(_label(self, op, seq, dtype, numel), e)
+                self._mark_broken(error)
+                raise error from e
+            if done:
+                if finish is not None:
+                    work = _MPIWork(self, op, seq, tensor, request, finish, None)
+                    work._complete()
+                    return work
+                return _COMPLETED
+        work = _MPIWork(self, op, seq, tensor, request, finish, keep_alive)
+        # Every unfinished request is listed, for the exit hook (dict ops are atomic under the GIL).
+        self._pending[seq] = work
+        if not async_op:
+            work._expired(None, self.timeout)  # raises CommTimeoutError, marks the group broken
+        if self._progress is not None:
+            self._progress.submit(work)
+        return work
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
+        buf, copy_back, keep = self._buffer(tensor, reduce=True)
+        mpi_op = _plans[tensor.dtype].ops[_MPI_OPS[op]]
+        finish = _then(copy_back, _divider(tensor, self.world_size)) if op is ReduceOp.AVG else copy_back
+        return self._start(
+            "all_reduce",
+            tensor,
+            lambda: self._comm.Iallreduce(self._MPI.IN_PLACE, buf, mpi_op),
+            finish,
+            (tensor, buf, keep),
+            async_op,
+        )
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
+        buf, copy_back, keep = self._buffer(tensor, reduce=False)
+        return self._start(
+            "broadcast",
+            tensor,
+            lambda: self._comm.Ibcast(buf, root=src),
+            copy_back,
+            (tensor, buf, keep),
+            async_op,
+        )
+
+    def _all_gather(
+        self,
+        flat_output: torch.Tensor | None,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool,
+    ) -> Work:
+        scatter_out: Callable[[], None] | None = None
+        if flat_output is None:
+            flat_output = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+            numel, gathered = tensor.numel(), flat_output
+
+            def scatter_out() -> None:
+                for i, out in enumerate(outputs):
+                    out.copy_(gathered[i * numel : (i + 1) * numel])
+
+        in_place = tensor.numel() > 0 and tensor.data_ptr() == outputs[self.rank].data_ptr() and (
+            scatter_out is None
+        )
+        if not in_place and _overlaps(tensor, flat_output):
+            tensor = tensor.clone()
+        recv, copy_back, keep_recv = self._buffer(flat_output, reduce=False)
+        if in_place:
+            send: Any = self._MPI.IN_PLACE
+            keep_send = None
+        else:
+            send, _, keep_send = self._buffer(tensor, reduce=False)
+        return self._start(
+            "all_gather",
+            tensor,
+            lambda: self._comm.Iallgather(send, recv),
+            _then(copy_back, scatter_out),
+            (tensor, flat_output, outputs, send, recv, keep_send, keep_recv),
+            async_op,
+        )
+
+    def _reduce_scatter(
+        self,
+        output: torch.Tensor,
+        flat_input: torch.Tensor | None,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool,
+    ) -> Work:
+        source = flat_input if flat_input is not None else torch.cat(inputs)
+        target = output
+        copy_out: Callable[[], None] | None = None
+        if _overlaps(output, source):
+            target = torch.empty_like(output)
+
+            def copy_out() -> None:
+                output.copy_(target)
+
+        send, _, keep_send = self._buffer(source, reduce=True)
+        recv, copy_back, keep_recv = self._buffer(target, reduce=True)
+        mpi_op = _plan(self._MPI, output.dtype).ops[_MPI_OPS[op]]
+        divide = _divider(target, self.world_size) if op is ReduceOp.AVG else None
+        return self._start(
+            "reduce_scatter",
+            output,
+            lambda: self._comm.Ireduce_scatter_block(send, recv, mpi_op),
+            _then(copy_back, divide, copy_out),
+            (output, source, target, send, recv, keep_send, keep_recv),
+            async_op,
+        )
+
+    def _barrier(self, async_op: bool) -> Work:
+        return self._start("barrier", None, self._comm.Ibarrier, None, None, async_op)
+
+    def _close(self) -> None:
+        self._stop_progress()
+        stuck = bool(self._pending)
+        if stuck:
+            # The communicator still has collectives in flight: keep it (and this
+            # group) for the exit hook, which aborts the job rather than hang.
+            _stuck_groups.append(self)
+            return
+        self._staging.clear()
+        if self._comm is not None and not self._MPI.Is_finalized():
+            try:
+                self._comm.Free()
+            except Exception:  # noqa: BLE001 - closing must not raise
+                pass
+
+    def _stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    # ------------------------------------------------------------------ errors
+    def _mpi_error(self, describe: str, error: BaseException) -> CommError:
+        MPI = self._MPI
+        if isinstance(error, MPI.Exception):
+            text = error.Get_error_string().strip().replace("\n", "; ")
+            return CommError(
+                f"{describe}: MPI error class {error.Get_error_class()}: {text}. Every rank must call "
+                "the same collectives in the same order, with tensors of the same size and dtype."
+            )
+        return CommError(f"{describe}: {type(error).__name__}: {error}")
+
+
+def _label(group: IProcessGroup, op: str, seq: int, dtype: torch.dtype | None, numel: int) -> str:
+    """``[rank 0/2] mpi.all_reduce #7 (float32, 1024 elements)``: names one collective in messages."""
+    what = f" ({dtype_name(dtype)}, {numel} elements)" if dtype is not None else ""
+    return f"{group._prefix(op).rstrip(': ')} #{seq}{what}"
+
+
+def _then(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
+    """Chain the non-None steps into one callable (None if there are none)."""
+    chosen = [s for s in steps if s is not None]
+    if not chosen:
+        return None
+    if len(chosen) == 1:
+        return chosen[0]
+
+    def run() -> None:
+        for step in chosen:
+            step()
+
+    return run
+
+
+def _synchronised(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """Run ``step`` (device copies, AVG division), then wait for the device.
+
+    The step may run on the progress thread, whose current stream is not the
+    caller's; synchronising makes the result visible to every stream before
+    ``wait()`` returns.
+    """
+
+    def run() -> None:
+        step()
+        torch.cuda.current_stream(device).synchronize()
+
+    return run
+
+
+def _divider(tensor: torch.Tensor, world: int) -> Callable[[], None]:
+    def divide() -> None:
+        tensor.div_(world)
+
+    return divide
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _check_env(env: DistEnv, rank: int, size: int, is_world: bool) -> None:
+    """Raise if the launcher's variables disagree with what MPI says."""
+    if not is_world or env.launcher in ("single", "torch.distributed"):
+        return
+    if (env.rank, env.world_size) == (rank, size):
+        return
+    source = _LAUNCHER_VARS.get(env.launcher, f"the {env.launcher} variables")
+    if size == 1:
+        hint = (
+            f"this process is an MPI singleton: it was not started by mpiexec. Start the job with "
+            f"'mpiexec -n {env.world_size} python ...' (the mpi backend cannot use ranks spawned by "
+            "torchrun or multiprocessing), or choose another backend"
+        )
+    elif size != env.world_size:
+        hint = (
+            f"mpiexec started {size} processes: start it with '-n {env.world_size}', or unset the "
+            "stale variables"
+        )
+    else:
+        hint = "the variables were not set by this MPI job: unset them, or pass matching arguments"
+    raise RendezvousError(
+        f"{error_prefix(rank, size, 'mpi', 'init')}MPI.COMM_WORLD says rank {rank} of {size}, but "
+        f"the environment ({env.launcher}: {source}) says rank {env.rank} of {env.world_size}; {hint}"
+    )
+
+
+# ------------------------------------------------------------- exit handling
+def _register(group: MPIProcessGroup) -> None:
+    _live_groups.add(group)
+    _register_exit_hook()
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    with _lock:
+        if not _exit_hook_registered:
+            _exit_hook_registered = True
+            # Registered after mpi4py's import, so it runs before MPI_Finalize.
+            atexit.register(_abort_if_unfinished)
+
+
+def _abort_if_unfinished(grace_s: float = 1.0) -> None:
+    """At exit: stop progress threads; abort the MPI job if a collective is still in flight."""
+    groups = list(dict.fromkeys([*_live_groups, *_stuck_groups]))
+    for group in groups:
+        group._stop_progress()
+    if _MPI is None or _MPI.Is_finalized():
+        return
+    deadline = time.monotonic() + grace_s
+    for group in groups:
+        works = list(group._pending.values())
+        for work in works:
+            if wait_until(work._test, deadline):
+                continue
+            MPI = group._MPI
+            if MPI.Is_finalized():
+                return
+            age = time.monotonic() - work._issued
+            count = sum(len(g._pending) for g in groups)
+            print(
+                f"{work.describe}: still unfinished at exit, {age:.1f} s after it was issued "
+                f"({count} collective(s) in flight in all). MPI_Finalize would wait for it forever, "
+                "so this rank aborts the MPI job (MPI_Abort, exit code 1).",
+                file=sys.stderr,
+                flush=True,
+            )
+            MPI.COMM_WORLD.Abort(1)
+            return
+
+
+# ---------------------------------------------------------------- factories
+def create_mpi_group(env: DistEnv, config: CommConfig) -> MPIProcessGroup:
+    """Create the ``mpi`` backend over ``MPI.COMM_WORLD``.
+
+    Run under ``mpiexec -n N`` (or ``mpirun``); a plain ``python`` process is
+    an MPI job of one.
+
+    Args:
+        env: The launcher's view (checked against MPI's rank and size).
+        config: Shared settings (timeouts).
+
+    Raises:
+        BackendUnavailableError: mpi4py or its MPI library is missing.
+        RendezvousError: MPI's rank or size disagrees with the environment.
+        RendezvousTimeoutError: Not every rank created the group in time.
+    """
+    return MPIProcessGroup(env, config)
+
+
+def from_mpi_comm(comm: Any, *, config: CommConfig | None = None) -> MPIProcessGroup:
+    """Wrap an mpi4py communicator (it is duplicated; yours stays untouched).
+
+    Every rank of ``comm`` must call this, like any collective.
+
+    Example::
+
+        >>> from mpi4py import MPI
+        >>> half = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.rank % 2)
+        >>> group = backends.mpi.from_mpi_comm(half)
+    """
+    _load_mpi()
+    env = DistEnv(rank=comm.Get_rank(), world_size=comm.Get_size(), launcher="explicit")
+    return MPIProcessGroup(env, config if config is not None else CommConfig.from_env(), comm=comm)
+
+
+BACKENDS = {"mpi": create_mpi_group}
+"""Backend name -> factory, read by ``commlib.registry``."""

@@ -1,0 +1,684 @@
+"""``nccl`` and ``gloo`` backends: commlib collectives over torch.distributed.
+
+- ``gloo``: CPU tensors through Gloo.
+- ``nccl``: CUDA tensors through NCCL and CPU tensors through Gloo, in one group
+  (torch's ``"cpu:gloo,cuda:nccl"`` backend). Without CUDA (or a torch built
+  without NCCL) it is the Gloo group, and says so once.
+
+torch.distributed is initialised from the same ``DistEnv`` as every other
+backend (``tcp://MASTER_ADDR:MASTER_PORT``, rank and world size from torchrun,
+mpirun or explicit arguments, timeout from ``CommConfig``). If torch.distributed
+is initialised already, its default group is adopted (rank and size are checked
+against the environment) and left alone on ``close()``. ``from_torch_group(pg)``
+wraps any torch process group.
+
+AVG: NCCL reduces it natively. Gloo gets SUM, then a true division by the world
+size, on the result (the same on every torch version, whether or not its Gloo
+knows AVG). Low-precision floats that a Gloo build cannot reduce are upcast to
+float32 for the collective and rounded back once (``COMMLIB_GLOO_UPCAST`` forces
+this per dtype).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commlib.config import CommConfig
+from commlib.env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, DistEnv, read_env_var
+from commlib.errors import (
+    BackendUnavailableError,
+    CommError,
+    CommTimeoutError,
+    PeerFailureError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    error_prefix,
+)
+from commlib.process_group import IProcessGroup
+from commlib.types import ReduceOp, dtype_name
+from commlib.work import Work
+
+__all__ = [
+    "BACKENDS",
+    "TorchDistProcessGroup",
+    "create_gloo_group",
+    "create_nccl_group",
+    "from_torch_group",
+]
+
+_TORCH_OPS: dict[ReduceOp, Any] = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+}
+"""commlib op -> torch.distributed op (AVG is used natively by NCCL only)."""
+
+_NATIVE_AVG_BACKENDS = frozenset({"nccl"})
+"""torch backends whose AVG we use; the others get SUM, then a division."""
+
+_DEVICE_OF_BACKEND: dict[str, tuple[str, ...]] = {
+    "gloo": ("cpu",),
+    "nccl": ("cuda",),
+    "mpi": ("cpu",),
+    "ucc": ("cpu", "cuda"),
+}
+"""Device types a torch backend named alone (``"gloo"``) serves in commlib."""
+
+_PEER_RE = re.compile(r"\[[^\]/\s]+\]:\d+")
+"""A peer address in Gloo's messages (not the ``[path/file.cc:123]`` source location)."""
+
+_UPCASTABLE = frozenset({torch.float16, torch.bfloat16})
+
+# torch renamed the tensor forms of all_gather / reduce_scatter in 2.13; use
+# whichever this torch has, without its deprecation warning.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_owner_lock = threading.Lock()
+_owner_count = 0
+"""Open commlib groups over the torch default group that commlib itself created."""
+
+_warned_no_cuda = False
+
+
+def _parse_upcast(text: str) -> frozenset[torch.dtype]:
+    names = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    chosen = set()
+    for item in filter(None, (part.strip().lower() for part in text.split(","))):
+        if item not in names:
+            raise ValueError(f"{item!r} is not float16 or bfloat16")
+        chosen.add(names[item])
+    return frozenset(chosen)
+
+
+def _device_map(pg: Any) -> dict[str, str]:
+    """Return ``{device type: torch backend}`` for a torch process group."""
+    return _parse_backend_spec(str(dist.get_backend(pg)))
+
+
+def _parse_backend_spec(spec: str) -> dict[str, str]:
+    """``"cpu:gloo,cuda:nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``; ``"gloo"`` -> ``{"cpu": "gloo"}``."""
+    spec = spec.lower()
+    mapping: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if ":" in part:
+            device, backend = part.split(":", 1)
+            mapping[device.strip()] = backend.strip()
+        else:
+            for device in _DEVICE_OF_BACKEND.get(part, ("cpu",)):
+                mapping[device] = part
+    return mapping
+
+
+class _Label:
+    """Names one collective in messages: ``[rank 0/2] gloo.all_reduce #7 (float32, 1024 elements)``.
+
+    Formatted only when a message needs it, so the hot path pays for no string.
+    """
+
+    __slots__ = ("_group", "_op", "_seq", "_dtype", "_numel")
+
+    def __init__(self, group: IProcessGroup, op: str, seq: int, tensor: torch.Tensor | None) -> None:
+        self._group = group
+        self._op = op
+        self._seq = seq
+        self._dtype = tensor.dtype if tensor is not None else None
+        self._numel = tensor.numel() if tensor is not None else 0
+
+    def __str__(self) -> str:
+        what = f" ({dtype_name(self._dtype)}, {self._numel} elements)" if self._dtype is not None else ""
+        return f"{self._group._prefix(self._op).rstrip(': ')} #{self._seq}{what}"
+
+
+class _TorchWork(Work):
+    """A ``Work`` around torch's work handle, plus what must happen after it (AVG, copy back)."""
+
+    def __init__(
+        self,
+        group: TorchDistProcessGroup,
+        op: str,
+        describe: _Label,
+        work: Any,
+        cuda: bool,
+        finish: Callable[[], None] | None = None,
+        keep_alive: Any = None,
+    ) -> None:
+        self._group = group
+        self._op = op
+        self._describe = describe
+        self._work = work
+        self._cuda = cuda
+        self._finish = finish
+        self._keep_alive = keep_alive
+        self._done = False
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the result is in the tensor (see ``Work.wait``).
+
+        CPU (Gloo) work always waits at most ``timeout`` (default: the group's
+        timeout). CUDA (NCCL) work without a ``timeout`` follows torch: the
+        current stream waits for the collective and NCCL's watchdog enforces
+        the group's timeout; with a ``timeout`` the calling thread blocks.
+        """
+        with self._lock:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return
+            limit = self._group.timeout if timeout is None else max(float(timeout), 1e-3)
+            try:
+                if self._cuda and timeout is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(datetime.timedelta(seconds=limit))
+            except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+                error = _translate(self._describe, e, limit)
+                if timeout is not None and _is_wait_expiry(e):
+                    # Only the caller's own wait ran out; the collective goes on.
+                    raise CommTimeoutError(
+                        f"{self._describe}: Work.wait(timeout={timeout}) expired before the "
+                        "collective finished; it is still running. Wait again, or look for a rank "
+                        "that has not issued the same collective."
+                    ) from e
+                self._error = error
+                self._done = True
+                self._group._mark_broken(error)
+                raise error from e
+            try:
+                if self._finish is not None:
+                    self._finish()
+            except Exception as e:  # noqa: BLE001
+                self._error = CommError(f"{self._describe}: finishing the result failed: {e}")
+                self._done = True
+                raise self._error from e
+            self._done = True
+            self._keep_alive = None
+
+    def is_completed(self) -> bool:
+        """Return True once the collective has finished, successfully or not.
+
+        The AVG division or the copy back of an upcast result happens in
+        ``wait()``; read the tensor only after ``wait()`` has returned.
+        """
+        return self._done or bool(self._work.is_completed())
+
+    def exception(self) -> BaseException | None:
+        """Return the error the collective failed with, or None (also while running)."""
+        return self._error
+
+
+def _is_wait_expiry(error: BaseException) -> bool:
+    """True for torch's "the wait(timeout) ran out" error, as opposed to a failed collective."""
+    return "Operation timed out" in str(error)
+
+
+class TorchDistProcessGroup(IProcessGroup):
+    """commlib collectives over a torch.distributed process group.
+
+    Create it with ``commlib.init_process_group("gloo")`` or ``("nccl")``, or
+    wrap an existing torch group with ``from_torch_group(pg)``. The name
+    (``backend``) is ``gloo`` or ``nccl``; the devices it accepts come from the
+    torch group (``cpu`` through Gloo, ``cuda`` through NCCL).
+
+    Args:
+        env: Rank, world size and rendezvous address of this process.
+        config: Shared settings (timeouts).
+        pg: The torch process group to run on.
+        name: ``gloo`` or ``nccl``.
+        owns_default: True if commlib created torch's default group for this
+            object (it is destroyed when the last such group closes).
+    """
+
+    backend_name = "gloo"
+
+    def __init__(
+        self,
+        env: DistEnv,
+        config: CommConfig | None,
+        *,
+        pg: Any,
+        name: str,
+        owns_default: bool = False,
+    ) -> None:
+        super().__init__(env, config)
+        self._pg = pg
+        self._name = name
+        self._owns_default = owns_default
+        self._devices = _device_map(pg)
+        # Narrow the class-wide device set to what this torch group serves.
+        self.supported_devices = frozenset(self._devices)  # type: ignore[misc]
+        self._upcast = set(
+            read_env_var("COMMLIB_GLOO_UPCAST", _parse_upcast, frozenset())
+        )
+        self._seq = 0
+        self._is_world = pg is dist.GroupMember.WORLD
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def backend(self) -> str:
+        """``nccl`` or ``gloo``: the flavour this group was created as."""
+        return self._name
+
+    @property
+    def torch_group(self) -> Any:
+        """The underlying ``torch.distributed`` process group."""
+        return self._pg
+
+    def torch_backend_for(self, device: torch.device | str) -> str | None:
+        """Return the torch backend (``gloo``, ``nccl``) that serves ``device``, or None."""
+        return self._devices.get(torch.device(device).type)
+
+    # ------------------------------------------------------------- collectives
+    def _describe(self, op: str, tensor: torch.Tensor | None) -> _Label:
+        self._seq += 1
+        return _Label(self, op, self._seq, tensor)
+
+    def _native_avg(self, tensor: torch.Tensor) -> bool:
+        return self._devices.get(tensor.device.type) in _NATIVE_AVG_BACKENDS
+
+    def _needs_upcast(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype in self._upcast and tensor.device.type == "cpu"
+
+    def _issue(
+        self,
+        op: str,
+        describe: _Label,
+        tensor: torch.Tensor | None,
+        call: Callable[[], Any],
+        finish: Callable[[], None] | None = None,
+        keep_alive: Any = None,
+        upcast_retry: Callable[[], Work] | None = None,
+    ) -> Work:
+        """Start a torch collective and wrap its handle; translate a failure to start."""
+        try:
+            handle = call()
+        except Exception as e:  # noqa: BLE001
+            if upcast_retry is not None and tensor is not None and _is_dtype_rejection(e):
+                # This Gloo cannot reduce the dtype; every rank fails the same way before
+                # sending anything, so every rank switches to float32 together.
+                self._upcast.add(tensor.dtype)
+                return upcast_retry()
+            error = _translate(describe, e, self.timeout)
+            self._mark_broken(error)
+            raise error from e
+        cuda = tensor is not None and tensor.device.type == "cuda"
+        return _TorchWork(self, op, describe, handle, cuda, finish, keep_alive)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
+        describe = self._describe("all_reduce", tensor)
+        if self._needs_upcast(tensor):
+            return self._all_reduce_upcast(tensor, op, describe)
+        divide = op is ReduceOp.AVG and not self._native_avg(tensor)
+        torch_op = _TORCH_OPS[ReduceOp.SUM if divide else op]
+        world = self.world_size
+
+        def finish() -> None:
+            tensor.div_(world)
+
+        return self._issue(
+            "all_reduce",
+            describe,
+            tensor,
+            lambda: dist.all_reduce(tensor, op=torch_op, group=self._pg, async_op=True),
+            finish if divide else None,
+            tensor,
+            upcast_retry=(lambda: self._all_reduce_upcast(tensor, op, describe))
+            if tensor.dtype in _UPCASTABLE
+            else None,
+        )
+
+    def _all_reduce_upcast(self, tensor: torch.Tensor, op: ReduceOp, describe: _Label) -> Work:
+        wide = tensor.float()
+        torch_op = _TORCH_OPS[ReduceOp.SUM if op is ReduceOp.AVG else op]
+        world = self.world_size
+
+        def finish() -> None:
+            if op is ReduceOp.AVG:
+                wide.div_(world)
+            tensor.copy_(wide)
+
+        return self._issue(
+            "all_reduce",
+            describe,
+            wide,
+            lambda: dist.all_reduce(wide, op=torch_op, group=self._pg, async_op=True),
+            finish,
+            (tensor, wide),
+        )
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
+        describe = self._describe("broadcast", tensor)
+        root = src if self._is_world else dist.get_global_rank(self._pg, src)
+        return self._issue(
+            "broadcast",
+            describe,
+            tensor,
+            lambda: dist.broadcast(tensor, src=root, group=self._pg, async_op=True),
+            None,
+            tensor,
+        )
+
+    def _all_gather(
+        self,
+        flat_output: torch.Tensor | None,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool,
+    ) -> Work:
+        describe = self._describe("all_gather", tensor)
+        if flat_output is not None:
+            call = lambda: _all_gather_single(flat_output, tensor, group=self._pg, async_op=True)  # noqa: E731
+        else:
+            call = lambda: dist.all_gather(outputs, tensor, group=self._pg, async_op=True)  # noqa: E731
+        return self._issue("all_gather", describe, tensor, call, None, (flat_output, outputs, tensor))
+
+    def _reduce_scatter(
+        self,
+        output: torch.Tensor,
+        flat_input: torch.Tensor | None,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool,
+    ) -> Work:
+        describe = self._describe("reduce_scatter", output)
+        if self._needs_upcast(output):
+            return self._reduce_scatter_upcast(output, flat_input, inputs, op, describe)
+        divide = op is ReduceOp.AVG and not self._native_avg(output)
+        torch_op = _TORCH_OPS[ReduceOp.SUM if divide else op]
+        world = self.world_size
+
+        def finish() -> None:
+            output.div_(world)
+
+        if flat_input is not None:
+            call = lambda: _reduce_scatter_single(  # noqa: E731
+                output, flat_input, op=torch_op, group=self._pg, async_op=True
+            )
+        else:
+            call = lambda: dist.reduce_scatter(  # noqa: E731
+                output, inputs, op=torch_op, group=self._pg, async_op=True
+            )
+        return self._issue(
+            "reduce_scatter",
+            describe,
+            output,
+            call,
+            finish if divide else None,
+            (output, flat_input, inputs),
+            upcast_retry=(
+                lambda: self._reduce_scatter_upcast(output, flat_input, inputs, op, describe)
+            )
+            if output.dtype in _UPCASTABLE
+            else None,
+        )
+
+    def _reduce_scatter_upcast(
+        self,
+        output: torch.Tensor,
+        flat_input: torch.Tensor | None,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+        describe: _Label,
+    ) -> Work:
+        wide_out = output.float()
+        wide_in = (flat_input if flat_input is not None else torch.cat(inputs)).float()
+        torch_op = _TORCH_OPS[ReduceOp.SUM if op is ReduceOp.AVG else op]
+        world = self.world_size
+
+        def finish() -> None:
+            if op is ReduceOp.AVG:
+                wide_out.div_(world)
+            output.copy_(wide_out)
+
+        return self._issue(
+            "reduce_scatter",
+            describe,
+            wide_out,
+            lambda: _reduce_scatter_single(wide_out, wide_in, op=torch_op, group=self._pg, async_op=True),
+            finish,
+            (output, wide_out, wide_in),
+        )
+
+    def _barrier(self, async_op: bool) -> Work:
+        describe = self._describe("barrier", None)
+        return self._issue(
+            "barrier", describe, None, lambda: dist.barrier(group=self._pg, async_op=True)
+        )
+
+    def _close(self) -> None:
+        global _owner_count
+        # Drop the torch group: a closed group must not keep its store (and rank 0's
+        # listening port) alive after torch.distributed itself is torn down.
+        self._pg = None
+        if not self._owns_default:
+            return
+        with _owner_lock:
+            _owner_count -= 1
+            last = _owner_count == 0
+        if last and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - closing must not raise
+                warnings.warn(
+                    f"{self._prefix('close')}torch.distributed.destroy_process_group() failed: {e}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def _translate(describe: _Label | str, error: BaseException, limit: float) -> CommError:
+    """Turn a torch/Gloo/NCCL error into the matching ``CommError`` with our prefix."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered or isinstance(error, TimeoutError):
+        return CommTimeoutError(
+            f"{describe}: did not finish within {limit:g} s; a peer rank is missing, stuck or "
+            f"called a different collective. Raise COMMLIB_TIMEOUT if the peers are just slow. "
+            f"(torch.distributed: {first})"
+        )
+    if any(s in lowered for s in ("connection closed", "connection reset", "broken pipe", "pair closure")):
+        peer = _peer_address(text)
+        where = f" (peer {peer})" if peer else ""
+        return PeerFailureError(
+            f"{describe}: a peer process closed its connection{where}; it crashed or exited. "
+            f"Check the other ranks' logs; every rank must create a new group. "
+            f"(torch.distributed: {first})"
+        )
+    return CommError(f"{describe}: torch.distributed failed: {first}")
+
+
+def _is_dtype_rejection(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(s in text for s in ("invalid scalar type", "unsupported dtype", "unsupported data type"))
+
+
+def _peer_address(text: str) -> str | None:
+    """Pull the peer's ``[127.0.0.1]:18838`` out of a Gloo error message."""
+    match = _PEER_RE.search(text)
+    return match.group(0) if match else None
+
+
+# ---------------------------------------------------------------- factories
+def _require_distributed(name: str, env: DistEnv) -> None:
+    if not dist.is_available():
+        raise BackendUnavailableError(
+            f"{error_prefix(env.rank, env.world_size, name, 'init')}this torch build has no "
+            "torch.distributed; install a torch wheel from pytorch.org (pip install commlib)"
+        )
+
+
+def _torch_backend_string(name: str, env: DistEnv) -> str:
+    global _warned_no_cuda
+    if name == "gloo":
+        return "gloo"
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    if not _warned_no_cuda:
+        _warned_no_cuda = True
+        reason = "no CUDA device" if not torch.cuda.is_available() else "this torch has no NCCL"
+        warnings.warn(
+            f"{error_prefix(env.rank, env.world_size, 'nccl', 'init')}{reason}: CPU tensors use "
+            "Gloo and CUDA tensors are not available (this is the gloo backend; "
+            "COMMLIB_BACKEND=gloo names it explicitly)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return "gloo"
+
+
+def _create(name: str, env: DistEnv, config: CommConfig) -> TorchDistProcessGroup:
+    global _owner_count
+    _require_distributed(name, env)
+    prefix = error_prefix(env.rank, env.world_size, name, "init")
+    if dist.is_initialized():
+        return _adopt_default(name, env, config, prefix)
+    backend = _torch_backend_string(name, env)
+    address = f"tcp://{env.master_addr}:{env.master_port}"
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=address,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=config.timeout),
+        )
+    except Exception as e:  # noqa: BLE001
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        detail = (
+            f"rendezvous at {address} as rank {env.rank} of {env.world_size} (launcher: "
+            f"{env.launcher}) failed: {text}"
+        )
+        if "timed out" in str(e).lower() or isinstance(e, TimeoutError):
+            raise RendezvousTimeoutError(
+                f"{prefix}{detail}. Not every rank arrived within {config.timeout:g} s: check that "
+                f"all {env.world_size} ranks were started and that MASTER_ADDR/MASTER_PORT name "
+                "rank 0's host and a port it can listen on"
+            ) from e
+        raise RendezvousError(
+            f"{prefix}{detail}. Check MASTER_ADDR/MASTER_PORT (a port in use gives "
+            "'address already in use': choose another MASTER_PORT)"
+        ) from e
+    with _owner_lock:
+        _owner_count += 1
+    return TorchDistProcessGroup(env, config, pg=dist.GroupMember.WORLD, name=name, owns_default=True)
+
+
+def _adopt_default(name: str, env: DistEnv, config: CommConfig, prefix: str) -> TorchDistProcessGroup:
+    global _owner_count
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if (rank, size) != (env.rank, env.world_size):
+        raise RendezvousError(
+            f"{prefix}torch.distributed is already initialised as rank {rank} of {size}, but "
+            f"commlib's environment says rank {env.rank} of {env.world_size} (launcher: "
+            f"{env.launcher}); pass a matching rank/world_size, or wrap the torch group with "
+            "backends.nccl.from_torch_group()"
+        )
+    pg = dist.GroupMember.WORLD
+    devices = _device_map(pg)
+    if name == "gloo" and "cpu" not in devices:
+        raise BackendUnavailableError(
+            f"{prefix}the torch.distributed default group (backend {dist.get_backend(pg)!r}) has no "
+            "CPU backend, so commlib's gloo backend cannot use it; choose COMMLIB_BACKEND=nccl, or "
+            "initialise torch.distributed with backend='cpu:gloo,cuda:nccl'"
+        )
+    # Adopted: commlib does not destroy it, unless commlib created it for another group.
+    with _owner_lock:
+        owned = _owner_count > 0
+        if owned:
+            _owner_count += 1
+    return TorchDistProcessGroup(env, config, pg=pg, name=name, owns_default=owned)
+
+
+def create_gloo_group(env: DistEnv, config: CommConfig) -> TorchDistProcessGroup:
+    """Create the ``gloo`` backend: CPU tensors through torch.distributed's Gloo.
+
+    Args:
+        env: Rank, world size and rendezvous address.
+        config: Shared settings; ``timeout`` becomes torch.distributed's timeout.
+
+    Raises:
+        RendezvousError: The ranks could not connect, or an already initialised
+            torch.distributed disagrees with ``env``.
+    """
+    return _create("gloo", env, config)
+
+
+def create_nccl_group(env: DistEnv, config: CommConfig) -> TorchDistProcessGroup:
+    """Create the ``nccl`` backend: NCCL for CUDA tensors, Gloo for CPU tensors.
+
+    Without a CUDA device (or without NCCL in torch) the group is Gloo only,
+    and a ``RuntimeWarning`` says so once per process.
+
+    Args:
+        env: Rank, world size and rendezvous address.
+        config: Shared settings; ``timeout`` becomes torch.distributed's timeout.
+    """
+    return _create("nccl", env, config)
+
+
+def from_torch_group(pg: Any = None, *, config: CommConfig | None = None) -> TorchDistProcessGroup:
+    """Wrap an existing torch.distributed process group as a commlib ``IProcessGroup``.
+
+    The torch group stays owned by the caller: ``close()`` leaves it alone.
+
+    Args:
+        pg: A ``torch.distributed.ProcessGroup``; default: the default group.
+        config: Shared settings (the timeout of ``Work.wait``); default
+            ``CommConfig.from_env()``. The torch group keeps its own timeout.
+
+    Returns:
+        A group named ``nccl`` if the torch group uses NCCL, else ``gloo``.
+
+    Raises:
+        CommError: torch.distributed is not initialised.
+
+    Example::
+
+        >>> torch.distributed.init_process_group("gloo")   # set up by other code
+        >>> group = backends.nccl.from_torch_group()
+        >>> group.all_reduce(torch.ones(2))                 # tensor([2., 2.]) on 2 ranks
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise CommError(
+            "from_torch_group: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group() first, or use commlib.init_process_group('gloo')"
+        )
+    pg = dist.GroupMember.WORLD if pg is None else pg
+    rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+    if rank < 0:
+        raise CommError(
+            f"from_torch_group: this process (global rank {dist.get_rank()}) is not a member of the "
+            "given torch process group; only its members can wrap it"
+        )
+    env = DistEnv(
+        rank=rank,
+        world_size=size,
+        local_rank=0,
+        local_world_size=1,
+        master_addr=os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        master_port=int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT),
+        launcher="torch.distributed",
+    )
+    name = "nccl" if "nccl" in _device_map(pg).values() else "gloo"
+    return TorchDistProcessGroup(
+        env, config if config is not None else CommConfig.from_env(), pg=pg, name=name
+    )
+
+
+BACKENDS = {"gloo": create_gloo_group, "nccl": create_nccl_group}
+"""Backend name -> factory, read by ``commlib.registry``."""

@@ -1,0 +1,150 @@
+"""Overhead of commlib's gloo and mpi wrappers against the libraries called directly, in one run.
+
+Run under MPI, one rank per core::
+
+    mpiexec -n 2 python benchmarks/wrapper_overhead.py [--sizes 4096,1048576,26214400] [--rounds 11]
+
+Each rank creates commlib's ``mpi`` group and its ``gloo`` group (torch.distributed,
+rendezvous on a port derived from the MPI job). For every message size the
+variants take turns, round after round (ours, raw, ours, raw...), each round a
+block of back-to-back synchronous float32 all-reduces:
+
+- ``gloo``: ``group.all_reduce(t)`` vs ``torch.distributed.all_reduce(t)`` on the same torch group;
+- ``mpi``: ``group.all_reduce(t)`` vs ``comm.Allreduce(MPI.IN_PLACE, t.numpy())`` on COMM_WORLD;
+- ``mpi-async``: ``group.all_reduce(t, async_op=True).wait()`` vs the same raw call.
+
+Rank 0 prints medians of the per-call time, the speed ratio raw/ours (1.0 means
+no overhead; the target is >= 0.95 at 1 MB and above) and the microseconds
+ours adds per call. ``--json PATH`` also writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import commlib  # noqa: E402
+from commlib import CommConfig  # noqa: E402
+
+
+def _block(fn: Callable[[], object], reps: int, barrier: Callable[[], object]) -> float:
+    """Seconds per call of ``fn``, over ``reps`` back-to-back calls (ranks start together)."""
+    barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def _reps(nbytes: int, backend: str) -> int:
+    # ~20 ms (MPI) or ~60 ms (Gloo) of work per block on this machine.
+    per_call = {"gloo": 7e-4 + nbytes / 0.9e9, "mpi": 5e-6 + nbytes / 4e9}[backend]
+    budget = 0.06 if backend == "gloo" else 0.02
+    return max(3, min(2000, int(budget / per_call)))
+
+
+@dataclasses.dataclass
+class Row:
+    variant: str
+    nbytes: int
+    ours_us: float
+    raw_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_us / self.ours_us
+
+    @property
+    def added_us(self) -> float:
+        return self.ours_us - self.raw_us
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4096,1048576,26214400", help="message sizes in bytes")
+    parser.add_argument("--rounds", type=int, default=11, help="turns per variant and size")
+    parser.add_argument("--json", default=None, help="also write the table to this file")
+    parser.add_argument("--skip-gloo", action="store_true", help="measure the mpi wrapper only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    env = commlib.detect()
+    config = CommConfig(timeout=120)
+    mpi_group = commlib.create_process_group("mpi", env, config)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    barrier = world.Barrier
+    gloo_group = None
+    if not args.skip_gloo:
+        gloo_env = dataclasses.replace(env, rank=mpi_group.rank, world_size=mpi_group.world_size)
+        gloo_group = commlib.create_process_group("gloo", gloo_env, config)
+
+    rows: list[Row] = []
+    for nbytes in (int(s) for s in args.sizes.split(",")):
+        t = torch.ones(nbytes // 4)
+        view = t.numpy()
+        variants: dict[str, tuple[Callable[[], object], Callable[[], object], int]] = {
+            "mpi": (lambda: mpi_group.all_reduce(t), lambda: world.Allreduce(MPI.IN_PLACE, view), _reps(nbytes, "mpi")),
+            "mpi-async": (
+                lambda: mpi_group.all_reduce(t, async_op=True).wait(),  # type: ignore[union-attr]
+                lambda: world.Allreduce(MPI.IN_PLACE, view),
+                _reps(nbytes, "mpi"),
+            ),
+        }
+        if gloo_group is not None:
+            pg = gloo_group.torch_group  # type: ignore[attr-defined]
+            variants["gloo"] = (
+                lambda: gloo_group.all_reduce(t),  # type: ignore[union-attr]
+                lambda: dist.all_reduce(t, group=pg),
+                _reps(nbytes, "gloo"),
+            )
+        samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in variants}
+        for name, (ours, raw, reps) in variants.items():  # warm up
+            _block(ours, max(1, reps // 4), barrier)
+            _block(raw, max(1, reps // 4), barrier)
+        for turn in range(args.rounds):
+            for name, (ours, raw, reps) in variants.items():
+                first, second = (ours, raw) if turn % 2 == 0 else (raw, ours)
+                a = _block(first, reps, barrier)
+                b = _block(second, reps, barrier)
+                o, r = (a, b) if turn % 2 == 0 else (b, a)
+                samples[name][0].append(o)
+                samples[name][1].append(r)
+                # Keep the values bounded (ones * world**k overflows float32 eventually).
+                t.fill_(1.0)
+        for name, (ours_s, raw_s) in samples.items():
+            # Every rank reports the slower rank's median, as the collective is that slow.
+            ours_med = world.allreduce(statistics.median(ours_s), op=MPI.MAX)
+            raw_med = world.allreduce(statistics.median(raw_s), op=MPI.MAX)
+            rows.append(Row(name, nbytes, ours_med * 1e6, raw_med * 1e6))
+
+    if mpi_group.rank == 0:
+        print(f"# {mpi_group.world_size} ranks, float32, {args.rounds} turns each, medians; "
+              f"host {os.uname().nodename}, torch {torch.__version__}, {MPI.Get_library_version().splitlines()[0]}")
+        print(f"{'variant':10s} {'size':>9s} {'ours us':>10s} {'raw us':>10s} {'raw/ours':>9s} {'added us':>9s}")
+        for row in rows:
+            print(f"{row.variant:10s} {row.nbytes:>9d} {row.ours_us:>10.1f} {row.raw_us:>10.1f} "
+                  f"{row.ratio:>9.3f} {row.added_us:>9.1f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"ratio": r.ratio} for r in rows], indent=1))
+    if gloo_group is not None:
+        gloo_group.close()
+    mpi_group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

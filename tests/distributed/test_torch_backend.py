@@ -1,0 +1,308 @@
+"""The gloo / nccl backends (torch.distributed): collectives, adoption, fallbacks and faults.
+
+Multi-rank tests spawn real ranks (``tests._launcher``), and the same bodies
+also run under ``torchrun`` and ``mpiexec`` (``tests.distributed.mpi_bodies.launch``).
+Bodies are module-level functions, as spawned children import them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlib
+from commlib import CommConfig, CommTimeoutError, DistEnv, PeerFailureError, ReduceOp
+from tests._launcher import RankPool, run_ranks, run_ranks_outcomes
+from tests.conftest import requires_mpi
+from tests.distributed import mpi_bodies
+from tests.distributed.mpi_bodies import launch
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def gloo_pool() -> Iterator[RankPool]:
+    pool = RankPool(2, "gloo", env={"COMMLIB_TIMEOUT": "30"})
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+# ------------------------------------------------------------- correctness
+def test_collectives_matrix_two_ranks(gloo_pool: RankPool) -> None:
+    for rank, matrix in enumerate(gloo_pool.run(mpi_bodies.collectives_matrix, timeout=120)):
+        assert matrix["failures"] == [], f"rank {rank}:\n" + "\n".join(matrix["failures"][:20])
+        assert matrix["checked"] == 270
+
+
+def test_async_semantics(gloo_pool: RankPool) -> None:
+    for rank, a in enumerate(gloo_pool.run(mpi_bodies.async_semantics, timeout=60)):
+        assert a["avg"] == 1.5 and a["broadcast"] == [1.0, 1.0, 1.0]
+        assert a["gathered"] == [0, 0, 0, 0, 1, 1, 1, 1]
+        assert a["reduce_scatter"] == ([0.0, 2.0] if rank == 0 else [4.0, 6.0])
+        assert a["completed"] == [True] * 5 and a["exceptions"] == [None] * 5
+        assert a["late_sum"] == 2.0
+        if rank == 0:
+            assert "[rank 0/2] gloo.all_reduce #" in a["expired_message"]
+            assert "Work.wait(timeout=0.05) expired" in a["expired_message"]
+        assert a["errors"][0].startswith(f"TypeError: [rank {rank}/2] gloo.all_reduce:")
+        assert "AVG on int32" in a["errors"][1]
+
+
+def test_collectives_matrix_three_ranks() -> None:
+    values = run_ranks(
+        mpi_bodies.collectives_matrix, 3, backend="gloo", args=((0, 7, 1000),), timeout=120,
+        env={"COMMLIB_TIMEOUT": "30"},
+    )
+    for rank, matrix in enumerate(values):
+        assert matrix["failures"] == [], f"rank {rank}:\n" + "\n".join(matrix["failures"][:20])
+
+
+def test_upcast_fallback_for_low_precision(tmp_path: Any) -> None:
+    """Where Gloo cannot reduce fp16/bf16 they go through float32 (forced here) and stay correct."""
+    values = run_ranks(
+        _upcast_body, 2, backend="gloo", timeout=90,
+        env={"COMMLIB_TIMEOUT": "30", "COMMLIB_GLOO_UPCAST": "bfloat16,float16"},
+    )
+    for matrix, upcast in values:
+        assert matrix["failures"] == [], "\n".join(matrix["failures"][:20])
+        assert upcast == ["torch.bfloat16", "torch.float16"]
+
+
+def _upcast_body(group: Any) -> tuple[dict[str, Any], list[str]]:
+    matrix = mpi_bodies.collectives_matrix(group, (0, 7, 1000), ("float16", "bfloat16"))
+    return matrix, sorted(str(d) for d in group._upcast)
+
+
+# ---------------------------------------------------------- nccl flavour
+def _nccl_on_cpu_body() -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        group = commlib.init_process_group("nccl", timeout=30)
+        t = torch.full((4,), float(group.rank + 1))
+        group.all_reduce(t, ReduceOp.AVG)
+        first = dict(
+            backend=group.backend,
+            devices=sorted(group.supported_devices),
+            cuda_ok=group.supports(ReduceOp.SUM, torch.float32, "cuda"),
+            torch_backend=group.torch_backend_for("cpu"),
+            value=t.tolist(),
+        )
+        commlib.destroy_process_group()
+        group = commlib.init_process_group("nccl", timeout=30)  # warns only once per process
+        group.barrier()
+        commlib.destroy_process_group()
+    first["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return first
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour of the nccl backend")
+def test_nccl_without_cuda_is_gloo_and_says_so_once() -> None:
+    for rank, value in enumerate(run_ranks(_nccl_on_cpu_body, 2, backend=None, init=False, timeout=90)):
+        assert value["backend"] == "nccl" and value["devices"] == ["cpu"] and not value["cuda_ok"]
+        assert value["torch_backend"] == "gloo" and value["value"] == [1.5] * 4
+        assert len(value["warnings"]) == 1, value["warnings"]
+        assert value["warnings"][0].startswith(f"[rank {rank}/2] nccl.init: no CUDA device: CPU tensors use Gloo")
+
+
+# ------------------------------------------------------ adoption and wrapping
+def _adopt_body() -> dict[str, Any]:
+    from backends.nccl import from_torch_group
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out: dict[str, Any] = {}
+    # 1. Code that set up torch.distributed itself hands the group to commlib.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    try:
+        commlib.init_process_group("gloo", rank=(rank + 1) % world, world_size=world)
+    except commlib.RendezvousError as e:
+        out["mismatch"] = str(e)
+    group = commlib.init_process_group("gloo", timeout=30)
+    t = torch.full((3,), float(rank))
+    group.all_reduce(t)
+    out["adopted_sum"] = t.tolist()
+    commlib.destroy_process_group()
+    out["torch_alive_after_close"] = dist.is_initialized()
+    # 2. A sub-group: group ranks differ from global ranks (broadcast's src is a group rank).
+    sub = dist.new_group([0, 2])
+    if rank in (0, 2):
+        wrapped = from_torch_group(sub, config=CommConfig(timeout=30))
+        b = torch.full((2,), float(rank))
+        wrapped.broadcast(b, src=1)
+        s = torch.ones(2)
+        wrapped.all_reduce(s)
+        out["sub"] = dict(rank=wrapped.rank, size=wrapped.world_size, broadcast=b.tolist(), sum=s.tolist())
+        wrapped.close()
+    dist.barrier()
+    del sub  # torch's groups hold rank 0's store; the next rendezvous reuses its port
+    dist.destroy_process_group()
+    # 3. commlib created torch's default group; a second commlib group shares it; the last close destroys it.
+    first = commlib.init_process_group("gloo", timeout=30)
+    second = commlib.create_process_group("gloo", first.env, CommConfig(timeout=30))
+    commlib.destroy_process_group()
+    u = torch.ones(2)
+    second.all_reduce(u)
+    out["shared_after_first_close"] = (dist.is_initialized(), u.tolist())
+    second.close()
+    out["destroyed_after_last_close"] = not dist.is_initialized()
+    return out
+
+
+def test_adopts_torch_default_group_and_wraps_subgroups() -> None:
+    values = run_ranks(_adopt_body, 3, backend=None, init=False, timeout=120)
+    for rank, out in enumerate(values):
+        assert out["mismatch"].startswith(
+            f"[rank {(rank + 1) % 3}/3] gloo.init: torch.distributed is already initialised as rank {rank} of 3"
+        )
+        assert "from_torch_group" in out["mismatch"]
+        assert out["adopted_sum"] == [3.0] * 3
+        assert out["torch_alive_after_close"] is True
+        if rank in (0, 2):
+            assert out["sub"] == dict(rank=rank // 2, size=2, broadcast=[2.0, 2.0], sum=[2.0, 2.0])
+        assert out["shared_after_first_close"] == (True, [3.0, 3.0])
+        assert out["destroyed_after_last_close"] is True
+
+
+# ------------------------------------------------------------------- faults
+def test_dead_peer_raises_peer_failure_fast() -> None:
+    outcomes = run_ranks_outcomes(mpi_bodies.die_after_first, 2, backend="gloo", timeout=60,
+                                  env={"COMMLIB_TIMEOUT": "30"})
+    survivor = outcomes[0]
+    assert survivor.ok, survivor
+    value = survivor.value
+    assert value["error_type"] == "PeerFailureError", value
+    assert value["error"].startswith("[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): a peer process closed")
+    assert "(peer [127.0.0.1]:" in value["error"]
+    assert value["after_s"] < 5, value  # measured: ~0.02 s
+    assert value["next"].startswith("GroupClosedError: [rank 0/2] gloo.all_reduce: the process group is unusable")
+    assert outcomes[1].exitcode == 3
+
+
+def test_missing_rank_times_out() -> None:
+    outcomes = run_ranks_outcomes(mpi_bodies.skip_collective, 2, backend="gloo", args=(3.5, True), timeout=60,
+                                  env={"COMMLIB_TIMEOUT": "2"})
+    value = outcomes[0].value
+    assert outcomes[0].ok and value["error_type"] == "CommTimeoutError", outcomes[0]
+    assert value["error"].startswith("[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): did not finish within 2 s")
+    assert 1.5 < value["after_s"] < 6, value
+    assert value["next"].startswith("GroupClosedError")
+
+
+def _rendezvous_alone(timeout: float) -> dict[str, Any]:
+    if int(os.environ["RANK"]) != 0:
+        time.sleep(timeout + 1.5)
+        return {}
+    start = time.perf_counter()
+    try:
+        commlib.init_process_group("gloo", timeout=timeout)
+    except commlib.RendezvousError as e:
+        return {"type": type(e).__name__, "error": str(e), "after_s": time.perf_counter() - start}
+    return {"type": None}
+
+
+def test_rank_missing_at_rendezvous_times_out() -> None:
+    outcomes = run_ranks_outcomes(_rendezvous_alone, 2, backend=None, init=False, args=(2.0,), timeout=60)
+    value = outcomes[0].value
+    assert value["type"] == "RendezvousTimeoutError", outcomes[0]
+    assert value["error"].startswith("[rank 0/2] gloo.init: rendezvous at tcp://127.0.0.1:")
+    assert "all 2 ranks were started" in value["error"]
+    assert value["after_s"] < 10, value
+
+
+def test_torch_distributed_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends import nccl
+
+    monkeypatch.setattr(nccl.dist, "is_available", lambda: False)
+    with pytest.raises(commlib.BackendUnavailableError, match=r"\[rank 0/1\] gloo.init: this torch build has no"):
+        nccl.create_gloo_group(DistEnv(rank=0, world_size=1), CommConfig())
+
+
+# ------------------------------------------------------------- launchers
+@pytest.mark.launcher
+def test_bodies_under_torchrun() -> None:
+    result = launch(["collectives_matrix", "async_semantics"], 2, [], launcher="torchrun", backend="gloo",
+                    env={"COMMLIB_TIMEOUT": "30"}, timeout=150)
+    assert result.returncode == 0, result.describe()
+    assert sorted(result.results) == [0, 1]
+    for values in result.results.values():
+        assert values["collectives_matrix"]["failures"] == []
+        assert values["async_semantics"]["avg"] == 1.5
+
+
+@pytest.mark.launcher
+@pytest.mark.mpi
+@requires_mpi
+def test_gloo_under_mpiexec() -> None:
+    """The gloo backend takes rank and size from mpirun's variables (rendezvous port from the job)."""
+    result = launch("collectives_matrix", 2, [[0, 7, 1000]], backend="gloo", env={"COMMLIB_TIMEOUT": "30"},
+                    timeout=120)
+    assert result.returncode == 0, result.describe()
+    for values in result.results.values():
+        assert values["collectives_matrix"]["failures"] == []
+
+
+# --------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="no CUDA device (torch.cuda.is_available() is False)" if not torch.cuda.is_available()
+    else "NCCL needs one GPU per rank: fewer than 2 CUDA devices",
+)
+def test_nccl_on_cuda_tensors() -> None:
+    values = run_ranks(mpi_bodies.cuda_collectives, 2, backend="nccl", timeout=120)
+    for value in values:
+        assert value["failures"] == []
+
+
+# ------------------------------------------------- in-process unit tests
+def test_error_translation_and_parsing() -> None:
+    from backends.nccl import _parse_backend_spec, _parse_upcast, _translate
+
+    closed = RuntimeError(
+        "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18838. This is typically caused"
+    )
+    error = _translate("[rank 0/2] gloo.all_reduce #3", closed, 30)
+    assert isinstance(error, PeerFailureError) and "(peer [127.0.0.1]:18838)" in str(error)
+    timeout = RuntimeError("[../unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete")
+    error = _translate("[rank 1/2] gloo.broadcast #1", timeout, 3)
+    assert isinstance(error, CommTimeoutError) and "did not finish within 3 s" in str(error)
+    assert type(_translate("x", RuntimeError("boom"), 1)) is commlib.CommError
+    assert _parse_backend_spec("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert _parse_backend_spec("gloo") == {"cpu": "gloo"}
+    assert _parse_backend_spec("NCCL") == {"cuda": "nccl"}
+    assert _parse_upcast("bf16, float16") == {torch.bfloat16, torch.float16}
+    with pytest.raises(ValueError, match="'int8' is not float16 or bfloat16"):
+        _parse_upcast("int8")
+
+
+def test_reference_checker_catches_wrong_answers() -> None:
+    """The tolerance of the matrix is tight enough to see a wrong reduction."""
+    from tests.distributed.mpi_bodies import check_close, reference, seeded_input
+
+    inputs = [seeded_input(1, r, 1000, torch.bfloat16, ReduceOp.SUM, False) for r in range(3)]
+    ref = reference(ReduceOp.SUM, inputs)
+    right = (inputs[0].float() + inputs[1].float() + inputs[2].float()).bfloat16()
+    assert check_close("ok", right, ref, inputs, ReduceOp.SUM, exact=False) is None
+    wrong = right.clone()
+    wrong[5] += 0.25
+    assert "1/1000 elements off" in check_close("bad", wrong, ref, inputs, ReduceOp.SUM, exact=False)
+    two_of_three = (inputs[0].float() + inputs[1].float()).bfloat16()
+    assert check_close("bad", two_of_three, ref, inputs, ReduceOp.SUM, exact=False) is not None
+    ints = [seeded_input(1, r, 10, torch.float16, ReduceOp.SUM, True) for r in range(2)]
+    off_by_one = ints[0] + ints[1] + 1
+    assert check_close("bad", off_by_one, reference(ReduceOp.SUM, ints), ints, ReduceOp.SUM, exact=True)
