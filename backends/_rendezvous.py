@@ -32,6 +32,7 @@ from backends._wire import SocketReader, connect_with_retry, recv_json, send_jso
 __all__ = ["Peer", "RingSockets", "rendezvous", "host_id"]
 
 _PROTOCOL = 1
+_VERDICT_GRACE_S = 2.0
 _store_generation = 0  # groups created through torchrun's store so far (every rank counts alike)
 
 
@@ -305,7 +306,9 @@ def _follow(
                 "pid": os.getpid(),
             },
         )
-        conn.settimeout(max(0.1, deadline - time.monotonic()))
+        # Rank 0 answers by its own deadline, with the table or with the names of the missing
+        # ranks; wait a little past it so that this rank reports those names, not a bare timeout.
+        conn.settimeout(max(0.1, deadline - time.monotonic()) + _VERDICT_GRACE_S)
         try:
             reply = recv_json(SocketReader(conn, "rank 0"), "the peer table")
         except TimeoutError as e:
