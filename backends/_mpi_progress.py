@@ -22,11 +22,12 @@ _yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 __all__ = ["Pollable", "ProgressThread", "wait_until", "PURE_SPIN_S", "SPIN_S", "NAP_S"]
 
-PURE_SPIN_S = 2e-4
-"""Seconds a waiter tests back to back, holding its core (a small collective ends in microseconds)."""
+PURE_SPIN_S = 5e-5
+"""Seconds a waiter tests back to back before it yields its core between tests, where ranks
+outnumber cores (a small collective ends in microseconds; then the peer needs the core)."""
 
 SPIN_S = 0.02
-"""Seconds after which a waiter naps between tests; until then it yields its core between tests."""
+"""Seconds after which a waiter naps between tests (until then it spins, or yields)."""
 
 NAP_S = 1e-4
 """Seconds a waiter sleeps between tests once the spin phase is over."""
@@ -51,6 +52,7 @@ class ProgressThread:
             collective in a handful of such calls, so a pause of 0.1-1 ms keeps
             it moving at a few percent of one core.
         name: Thread name (shows in debuggers and ``py-spy``).
+
     """
 
     def __init__(self, interval_s: float, name: str) -> None:
@@ -58,6 +60,7 @@ class ProgressThread:
         self._name = name
         self._cond = threading.Condition()
         self._items: list[Pollable] = []
+        self._waiters = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -79,6 +82,32 @@ class ProgressThread:
                 # The thread may be idle on the condition; a busy one finds the item next round.
                 self._cond.notify()
 
+    def discard(self, item: Pollable) -> None:
+        """Stop polling ``item`` (its waiter finished it)."""
+        with self._cond:
+            if item in self._items:
+                self._items.remove(item)
+
+    def waiter_enter(self) -> None:
+        """Pause polling: a thread waits on a request, and so drives MPI itself.
+
+        MPI's progress is global (a test of one request advances all of them), so
+        while someone waits the thread would only take the core and the GIL from it.
+        """
+        with self._cond:
+            self._waiters += 1
+
+    def waiter_exit(self) -> None:
+        """Resume polling what is still outstanding: the waiter is done."""
+        with self._cond:
+            self._waiters -= 1
+            if self._waiters == 0 and self._items:
+                self._cond.notify()
+
+    def idle(self) -> bool:
+        """Return True if nothing is being polled (a lock-free read, for hot paths)."""
+        return not self._items
+
     def pending(self) -> int:
         """Return the number of items still being polled."""
         with self._cond:
@@ -97,7 +126,7 @@ class ProgressThread:
         interval = self._interval
         while True:
             with self._cond:
-                while not self._items and not self._stopping:
+                while (not self._items or self._waiters) and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -106,6 +135,8 @@ class ProgressThread:
             # thread never competes with the caller for the GIL or the MPI lock.
             time.sleep(interval)
             with self._cond:
+                if self._waiters:
+                    continue
                 items = list(self._items)
             finished = [item for item in items if item._poll_background()]
             if finished:
@@ -130,6 +161,7 @@ def wait_until(
 
     Returns:
         True if ``test()`` returned True, False if the deadline passed first.
+
     """
     if test():
         return True

@@ -26,18 +26,18 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import os
 import sys
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import mpi4py  # an ImportError here names mpi4py; the registry turns it into the pip hint
 import torch
 
-from backends._mpi_progress import ProgressThread, wait_until
+from backends._mpi_progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
@@ -104,8 +104,11 @@ _COMPLETED = CompletedWork()
 """Returned by a synchronous collective that finished (its caller only calls ``wait()``)."""
 
 _lock = threading.Lock()
-_live_groups: weakref.WeakSet[MPIProcessGroup] = weakref.WeakSet()
-_stuck_groups: list[MPIProcessGroup] = []
+_live_groups: dict[int, MPIProcessGroup] = {}
+"""Open groups, and closed ones with collectives still in flight, held for the exit hook.
+
+Strong references: a group that failed sits in a reference cycle once its caller's
+frames are gone, and must not be collected before the hook has looked at it."""
 _exit_hook_registered = False
 _warned: set[str] = set()
 
@@ -160,9 +163,7 @@ class MPIConfig:
                 f"MPIConfig.progress: expected one of {', '.join(_PROGRESS_MODES)}, got {self.progress!r}"
             )
         if not self.progress_interval_us >= 0:
-            raise ValueError(
-                f"MPIConfig.progress_interval_us: must be >= 0, got {self.progress_interval_us}"
-            )
+            raise ValueError(f"MPIConfig.progress_interval_us: must be >= 0, got {self.progress_interval_us}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> MPIConfig:
@@ -213,6 +214,8 @@ def _user_op(MPI: Any, dtype: torch.dtype, name: str) -> Any:
     reduce = _TORCH_REDUCE[name]
 
     def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        if len(inoutbuf) == 0:  # torch.frombuffer refuses empty buffers
+            return
         incoming = torch.frombuffer(inbuf, dtype=dtype)
         result = torch.frombuffer(inoutbuf, dtype=dtype)
         reduce(result, incoming, out=result)
@@ -228,7 +231,9 @@ def _extension_type_works(MPI: Any, datatype: Any, dtype: torch.dtype) -> bool:
     try:
         for name, expected in (("SUM", a + b), ("MAX", torch.maximum(a, b)), ("PROD", a * b)):
             out = b.clone()
-            getattr(MPI, name).Reduce_local([a.view(view).numpy(), datatype], [out.view(view).numpy(), datatype])
+            getattr(MPI, name).Reduce_local(
+                [a.view(view).numpy(), datatype], [out.view(view).numpy(), datatype]
+            )
             if not torch.equal(out, expected):
                 return False
     except Exception:  # noqa: BLE001 - the library cannot do it: use the fallback
@@ -309,6 +314,7 @@ class _MPIWork(Work):
         request: Any,
         finish: Callable[[], None] | None,
         keep_alive: Any,
+        issued: float | None = None,
     ) -> None:
         self._group = group
         self._op = op
@@ -321,7 +327,7 @@ class _MPIWork(Work):
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
-        self._issued = time.monotonic()
+        self._issued = time.monotonic() if issued is None else issued
 
     @property
     def describe(self) -> str:
@@ -342,7 +348,7 @@ class _MPIWork(Work):
         return bool(flag)
 
     def _complete(self) -> None:
-        """The request is done: run the finishing step (AVG, copy back) and settle."""
+        """Run the finishing step (AVG, copy back) of a finished request, and settle."""
         error = None
         if self._finish is not None:
             try:
@@ -388,10 +394,13 @@ class _MPIWork(Work):
             # Hold the lock for the whole wait: the progress thread leaves this request
             # alone, and each poll is one bare MPI_Test. A large collective moves one
             # step per test on each rank, so a slower poll would slow the transfer.
+            progress = self._group._progress
             with self._lock:
                 if not self._done:
+                    if progress is not None:
+                        progress.waiter_enter()
                     try:
-                        done = wait_until(self._request.Test, deadline)
+                        done = wait_until(self._request.Test, deadline, pure_spin_s=self._group._pure_spin_s)
                     except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
                         self._settle(self._group._mpi_error(self.describe, e))
                     else:
@@ -399,6 +408,11 @@ class _MPIWork(Work):
                             self._complete()
                         else:
                             self._expired(timeout, limit)
+                    finally:
+                        if progress is not None:
+                            progress.waiter_exit()
+                            if self._done:
+                                progress.discard(self)
         if self._error is not None:
             raise self._error
 
@@ -447,6 +461,7 @@ class MPIProcessGroup(IProcessGroup):
         config: Shared settings (timeouts).
         comm: The communicator to duplicate; default ``MPI.COMM_WORLD``.
         mpi_config: Backend settings; default ``MPIConfig.from_env()``.
+
     """
 
     backend_name = "mpi"
@@ -476,6 +491,13 @@ class MPIProcessGroup(IProcessGroup):
         self._thread_level = MPI.Query_thread()
         self._progress: ProgressThread | None = None
         self._comm = self._duplicate(parent)
+        # Spin like MPI while every rank has a core; with more ranks than cores on this
+        # host, yield between tests so that the rank we wait for can run.
+        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self._ranks_here = local.Get_size()
+        local.Free()
+        self._oversubscribed = self._ranks_here > (os.cpu_count() or 1)
+        self._pure_spin_s = PURE_SPIN_S if self._oversubscribed else SPIN_S
         if self._mpi_config.progress == "thread":
             if self._thread_level >= MPI.THREAD_MULTIPLE:
                 self._progress = ProgressThread(
@@ -506,6 +528,7 @@ class MPIProcessGroup(IProcessGroup):
     # ------------------------------------------------------------------ set-up
     def _duplicate(self, parent: Any) -> Any:
         """Duplicate ``parent`` (collective), bounded by the timeout."""
+        started = time.monotonic()
         try:
             comm, request = parent.Idup()
         except Exception as e:  # noqa: BLE001
@@ -517,9 +540,8 @@ class MPIProcessGroup(IProcessGroup):
                 "commlib.init_process_group('mpi'). This process will abort the MPI job when it exits."
             )
             self._mark_broken(error)
-            _stuck_groups.append(self)
-            self._pending[0] = _MPIWork(self, "init", 0, None, request, None, None)
-            _register_exit_hook()
+            self._pending[0] = _MPIWork(self, "init", 0, None, request, None, None, issued=started)
+            _register(self)
             raise error
         return comm
 
@@ -592,6 +614,7 @@ class MPIProcessGroup(IProcessGroup):
     ) -> Work:
         self._seq += 1
         seq = self._seq
+        issued = time.monotonic()
         if finish is not None and tensor is not None and tensor.is_cuda:
             finish = _synchronised(finish, tensor.device)
         try:
@@ -603,20 +626,26 @@ class MPIProcessGroup(IProcessGroup):
             raise error from e
         if not async_op:
             # Synchronous: wait here, and build a Work only if the wait fails.
+            progress = self._progress if self._progress is not None and not self._progress.idle() else None
+            if progress is not None:
+                progress.waiter_enter()  # this wait drives the outstanding async work too
             try:
-                done = wait_until(request.Test, time.monotonic() + self.timeout)
+                done = wait_until(request.Test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception
                 dtype, numel = (tensor.dtype, tensor.numel()) if tensor is not None else (None, 0)
                 error = self._mpi_error(_label(self, op, seq, dtype, numel), e)
                 self._mark_broken(error)
                 raise error from e
+            finally:
+                if progress is not None:
+                    progress.waiter_exit()
             if done:
                 if finish is not None:
                     work = _MPIWork(self, op, seq, tensor, request, finish, None)
                     work._complete()
                     return work
                 return _COMPLETED
-        work = _MPIWork(self, op, seq, tensor, request, finish, keep_alive)
+        work = _MPIWork(self, op, seq, tensor, request, finish, keep_alive, issued)
         # Every unfinished request is listed, for the exit hook (dict ops are atomic under the GIL).
         self._pending[seq] = work
         if not async_op:
@@ -658,15 +687,19 @@ class MPIProcessGroup(IProcessGroup):
     ) -> Work:
         scatter_out: Callable[[], None] | None = None
         if flat_output is None:
-            flat_output = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+            flat_output = torch.empty(
+                self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device
+            )
             numel, gathered = tensor.numel(), flat_output
 
             def scatter_out() -> None:
                 for i, out in enumerate(outputs):
                     out.copy_(gathered[i * numel : (i + 1) * numel])
 
-        in_place = tensor.numel() > 0 and tensor.data_ptr() == outputs[self.rank].data_ptr() and (
-            scatter_out is None
+        in_place = (
+            tensor.numel() > 0
+            and tensor.data_ptr() == outputs[self.rank].data_ptr()
+            and (scatter_out is None)
         )
         if not in_place and _overlaps(tensor, flat_output):
             tensor = tensor.clone()
@@ -720,12 +753,11 @@ class MPIProcessGroup(IProcessGroup):
 
     def _close(self) -> None:
         self._stop_progress()
-        stuck = bool(self._pending)
-        if stuck:
+        if self._pending:
             # The communicator still has collectives in flight: keep it (and this
-            # group) for the exit hook, which aborts the job rather than hang.
-            _stuck_groups.append(self)
+            # group, in _live_groups) for the exit hook, which aborts the job rather than hang.
             return
+        _live_groups.pop(id(self), None)
         self._staging.clear()
         if self._comm is not None and not self._MPI.Is_finalized():
             try:
@@ -827,7 +859,7 @@ def _check_env(env: DistEnv, rank: int, size: int, is_world: bool) -> None:
 
 # ------------------------------------------------------------- exit handling
 def _register(group: MPIProcessGroup) -> None:
-    _live_groups.add(group)
+    _live_groups[id(group)] = group
     _register_exit_hook()
 
 
@@ -842,7 +874,7 @@ def _register_exit_hook() -> None:
 
 def _abort_if_unfinished(grace_s: float = 1.0) -> None:
     """At exit: stop progress threads; abort the MPI job if a collective is still in flight."""
-    groups = list(dict.fromkeys([*_live_groups, *_stuck_groups]))
+    groups = list(_live_groups.values())
     for group in groups:
         group._stop_progress()
     if _MPI is None or _MPI.Is_finalized():
@@ -865,6 +897,7 @@ def _abort_if_unfinished(grace_s: float = 1.0) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+            time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
             MPI.COMM_WORLD.Abort(1)
             return
 
@@ -884,6 +917,7 @@ def create_mpi_group(env: DistEnv, config: CommConfig) -> MPIProcessGroup:
         BackendUnavailableError: mpi4py or its MPI library is missing.
         RendezvousError: MPI's rank or size disagrees with the environment.
         RendezvousTimeoutError: Not every rank created the group in time.
+
     """
     return MPIProcessGroup(env, config)
 

@@ -49,6 +49,7 @@ STRATEGIES = {
 
 
 def main() -> int:
+    """Measure and print the table (rank 0); return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=25.0)
     parser.add_argument("--compute-ms", default="5,20")
@@ -63,7 +64,9 @@ def main() -> int:
     world = MPI.COMM_WORLD
     env = commlib.detect()
     config = CommConfig(timeout=120)
-    groups = {name: MPIProcessGroup(env, config, mpi_config=STRATEGIES[name]) for name in args.strategies.split(",")}
+    groups = {
+        name: MPIProcessGroup(env, config, mpi_config=STRATEGIES[name]) for name in args.strategies.split(",")
+    }
     data = torch.ones(int(args.mb * (1 << 20)) // 4)
     x = torch.randn(192, 192)
 
@@ -78,12 +81,18 @@ def main() -> int:
     matmuls(200)
     per = (time.perf_counter() - t0) / 200
     if world.rank == 0:
-        print(f"# {world.size} ranks, {args.mb:g} MB float32 all_reduce, {args.rounds} turns, medians of the slower "
-              f"rank {args.label}")
-        print(f"{'strategy':14s} {'compute':>14s} {'comm':>7s} {'compute':>8s} {'overlap':>8s} {'hidden':>7s} "
-              f"{'wait':>7s} {'compute':>8s} {'done at':>8s} {'cpu/turn':>9s}")
-        print(f"{'':14s} {'':>14s} {'alone':>7s} {'alone':>8s} {'total':>8s} {'':>7s} {'after':>7s} "
-              f"{'slowdown':>8s} {'compute':>8s} {'':>9s}")
+        print(
+            f"# {world.size} ranks, {args.mb:g} MB float32 all_reduce, {args.rounds} turns, "
+            f"medians of the slower rank {args.label}"
+        )
+        print(
+            f"{'strategy':14s} {'compute':>14s} {'comm':>7s} {'compute':>8s} {'overlap':>8s} {'hidden':>7s} "
+            f"{'wait':>7s} {'compute':>8s} {'done at':>8s} {'cpu/turn':>9s}"
+        )
+        print(
+            f"{'':14s} {'':>14s} {'alone':>7s} {'alone':>8s} {'total':>8s} {'':>7s} {'after':>7s} "
+            f"{'slowdown':>8s} {'compute':>8s} {'':>9s}"
+        )
     cases = [(kind, float(ms)) for kind in args.compute.split(",") for ms in args.compute_ms.split(",")]
     for kind, target_ms in cases:
         if kind == "sleep":
@@ -91,7 +100,7 @@ def main() -> int:
         else:
             compute, k = matmuls, world.bcast(max(1, round(target_ms * 1e-3 / per)), root=0)
         samples: dict[str, dict[str, list[float]]] = {n: {} for n in groups}
-        for turn in range(args.rounds):
+        for _ in range(args.rounds):
             for name, group in groups.items():
                 s = samples[name]
                 world.Barrier()
@@ -125,9 +134,12 @@ def main() -> int:
             if world.rank == 0:
                 hidden = (med["comm"] + med["compute"] - med["overlap"]) / med["comm"]
                 slowdown = med["compute_in_overlap"] / med["compute"] - 1
-                print(f"{name:14s} {kind:>7s} {target_ms:>4.0f}ms {med['comm'] * 1e3:>5.1f}ms {med['compute'] * 1e3:>6.1f}ms "
-                      f"{med['overlap'] * 1e3:>6.1f}ms {hidden * 100:>6.0f}% {med['wait'] * 1e3:>5.2f}ms "
-                      f"{slowdown * 100:>7.0f}% {med['done'] * 100:>7.0f}% {med['cpu'] * 1e3:>7.1f}ms")
+                print(
+                    f"{name:14s} {kind:>7s} {target_ms:>4.0f}ms {med['comm'] * 1e3:>5.1f}ms "
+                    f"{med['compute'] * 1e3:>6.1f}ms "
+                    f"{med['overlap'] * 1e3:>6.1f}ms {hidden * 100:>6.0f}% {med['wait'] * 1e3:>5.2f}ms "
+                    f"{slowdown * 100:>7.0f}% {med['done'] * 100:>7.0f}% {med['cpu'] * 1e3:>7.1f}ms"
+                )
     for group in groups.values():
         group.close()
     return 0

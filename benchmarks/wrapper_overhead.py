@@ -57,6 +57,8 @@ def _reps(nbytes: int, backend: str) -> int:
 
 @dataclasses.dataclass
 class Row:
+    """One line of the table: a variant at one size, ours and raw (medians, microseconds)."""
+
     variant: str
     nbytes: int
     ours_us: float
@@ -64,14 +66,17 @@ class Row:
 
     @property
     def ratio(self) -> float:
+        """Speed of ours relative to raw: raw time / our time (1.0: no overhead)."""
         return self.raw_us / self.ours_us
 
     @property
     def added_us(self) -> float:
+        """Microseconds ours adds per call."""
         return self.ours_us - self.raw_us
 
 
 def main() -> int:
+    """Measure and print the table (rank 0); return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4096,1048576,26214400", help="message sizes in bytes")
     parser.add_argument("--rounds", type=int, default=11, help="turns per variant and size")
@@ -97,22 +102,26 @@ def main() -> int:
         t = torch.ones(nbytes // 4)
         view = t.numpy()
         variants: dict[str, tuple[Callable[[], object], Callable[[], object], int]] = {
-            "mpi": (lambda: mpi_group.all_reduce(t), lambda: world.Allreduce(MPI.IN_PLACE, view), _reps(nbytes, "mpi")),
+            "mpi": (
+                lambda t=t: mpi_group.all_reduce(t),
+                lambda view=view: world.Allreduce(MPI.IN_PLACE, view),
+                _reps(nbytes, "mpi"),
+            ),
             "mpi-async": (
-                lambda: mpi_group.all_reduce(t, async_op=True).wait(),  # type: ignore[union-attr]
-                lambda: world.Allreduce(MPI.IN_PLACE, view),
+                lambda t=t: mpi_group.all_reduce(t, async_op=True).wait(),  # type: ignore[union-attr]
+                lambda view=view: world.Allreduce(MPI.IN_PLACE, view),
                 _reps(nbytes, "mpi"),
             ),
         }
         if gloo_group is not None:
             pg = gloo_group.torch_group  # type: ignore[attr-defined]
             variants["gloo"] = (
-                lambda: gloo_group.all_reduce(t),  # type: ignore[union-attr]
-                lambda: dist.all_reduce(t, group=pg),
+                lambda t=t: gloo_group.all_reduce(t),  # type: ignore[union-attr]
+                lambda t=t, pg=pg: dist.all_reduce(t, group=pg),
                 _reps(nbytes, "gloo"),
             )
         samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in variants}
-        for name, (ours, raw, reps) in variants.items():  # warm up
+        for ours, raw, reps in variants.values():  # warm up
             _block(ours, max(1, reps // 4), barrier)
             _block(raw, max(1, reps // 4), barrier)
         for turn in range(args.rounds):
@@ -132,14 +141,23 @@ def main() -> int:
             rows.append(Row(name, nbytes, ours_med * 1e6, raw_med * 1e6))
 
     if mpi_group.rank == 0:
-        print(f"# {mpi_group.world_size} ranks, float32, {args.rounds} turns each, medians; "
-              f"host {os.uname().nodename}, torch {torch.__version__}, {MPI.Get_library_version().splitlines()[0]}")
-        print(f"{'variant':10s} {'size':>9s} {'ours us':>10s} {'raw us':>10s} {'raw/ours':>9s} {'added us':>9s}")
+        print(
+            f"# {mpi_group.world_size} ranks, float32, {args.rounds} turns each, medians; "
+            f"host {os.uname().nodename}, torch {torch.__version__}, "
+            f"{MPI.Get_library_version().splitlines()[0]}"
+        )
+        print(
+            f"{'variant':10s} {'size':>9s} {'ours us':>10s} {'raw us':>10s} {'raw/ours':>9s} {'added us':>9s}"
+        )
         for row in rows:
-            print(f"{row.variant:10s} {row.nbytes:>9d} {row.ours_us:>10.1f} {row.raw_us:>10.1f} "
-                  f"{row.ratio:>9.3f} {row.added_us:>9.1f}")
+            print(
+                f"{row.variant:10s} {row.nbytes:>9d} {row.ours_us:>10.1f} {row.raw_us:>10.1f} "
+                f"{row.ratio:>9.3f} {row.added_us:>9.1f}"
+            )
         if args.json:
-            Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"ratio": r.ratio} for r in rows], indent=1))
+            Path(args.json).write_text(
+                json.dumps([dataclasses.asdict(r) | {"ratio": r.ratio} for r in rows], indent=1)
+            )
     if gloo_group is not None:
         gloo_group.close()
     mpi_group.close()

@@ -98,7 +98,10 @@ def default_step(group: IProcessGroup, inputs: dict[str, torch.Tensor]) -> dict[
 
 def _diff(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, int]:
     if a.shape != b.shape or a.dtype != b.dtype:
-        raise ValueError(f"output {name!r}: {tuple(a.shape)} {a.dtype} on one backend, {tuple(b.shape)} {b.dtype} on the other")
+        raise ValueError(
+            f"output {name!r}: {tuple(a.shape)} {a.dtype} on one backend, "
+            f"{tuple(b.shape)} {b.dtype} on the other"
+        )
     same = (a == b) | (a.isnan() & b.isnan()) if a.dtype.is_floating_point else a == b
     mismatches = int((~same).sum())
     if a.numel() == 0:
@@ -136,7 +139,10 @@ def compare_backends(
     if len(backends) != 2:
         raise ValueError(f"compare_backends: name two backends, got {list(backends)}")
     if set(backends) <= _TORCH_BACKENDS:
-        raise ValueError("compare_backends: gloo and nccl share torch's default group in one process; compare them in two runs")
+        raise ValueError(
+            "compare_backends: gloo and nccl share torch's default group in one process; "
+            "compare them in two runs"
+        )
     env = commlib.detect()
     config = CommConfig(timeout=timeout)
     outputs: list[dict[str, torch.Tensor]] = []
@@ -152,7 +158,9 @@ def compare_backends(
             outputs.append({k: v.detach().cpu().clone() for k, v in result.items()})
         first, second = outputs
         if first.keys() != second.keys():
-            raise ValueError(f"the step returned {sorted(first)} on {backends[0]} but {sorted(second)} on {backends[1]}")
+            raise ValueError(
+                f"the step returned {sorted(first)} on {backends[0]} but {sorted(second)} on {backends[1]}"
+            )
         diffs = []
         for name in first:
             max_abs, max_rel, mismatches = _diff(name, first[name], second[name])
@@ -161,7 +169,11 @@ def compare_backends(
             groups[0].all_reduce(stats, ReduceOp.MAX)
             count = torch.tensor([mismatches, first[name].numel()], dtype=torch.int64)
             groups[0].all_reduce(count)
-            diffs.append(TensorDiff(name, first[name].dtype, int(count[1]), float(stats[0]), float(stats[1]), int(count[0])))
+            diffs.append(
+                TensorDiff(
+                    name, first[name].dtype, int(count[1]), float(stats[0]), float(stats[1]), int(count[0])
+                )
+            )
         return diffs
     finally:
         for group in groups:
@@ -178,7 +190,9 @@ def _load(spec: str) -> Callable[..., object]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="mpi,gloo", help="two backend names, comma-separated")
-    parser.add_argument("--step", default=None, help="module:function running one step (default: a small DDP step)")
+    parser.add_argument(
+        "--step", default=None, help="module:function running one step (default: a small DDP step)"
+    )
     parser.add_argument("--inputs", default=None, help="module:function making one rank's inputs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strict", action="store_true", help="exit 1 unless every output is identical")

@@ -56,7 +56,9 @@ _EPS = {
 
 
 # ------------------------------------------------------------ inputs and refs
-def seeded_input(seed: int, rank: int, numel: int, dtype: torch.dtype, op: ReduceOp, integral: bool) -> torch.Tensor:
+def seeded_input(
+    seed: int, rank: int, numel: int, dtype: torch.dtype, op: ReduceOp, integral: bool
+) -> torch.Tensor:
     """Rank ``rank``'s input; any rank can regenerate any other rank's input from the seed.
 
     ``integral`` gives integer values in [-8, 8] (sums are exact in every
@@ -86,7 +88,12 @@ def reference(op: ReduceOp, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def check_close(
-    name: str, result: torch.Tensor, ref: torch.Tensor, inputs: Sequence[torch.Tensor], op: ReduceOp, exact: bool
+    name: str,
+    result: torch.Tensor,
+    ref: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    op: ReduceOp,
+    exact: bool,
 ) -> str | None:
     """Return None if ``result`` matches ``ref``, else a line describing the worst element.
 
@@ -161,7 +168,9 @@ def collectives_matrix(
                     failures.append(check_close(f"all_reduce(async) {tag}", t, ref, inputs, op, exact) or "")
                     # reduce_scatter, one flat input and a list; block `rank` of the reference
                     if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX) and size <= 1000:
-                        blocks = [seeded_input(key + 1, r, size * world, dtype, op, integral) for r in range(world)]
+                        blocks = [
+                            seeded_input(key + 1, r, size * world, dtype, op, integral) for r in range(world)
+                        ]
                         block_ref = reference(op, blocks)[rank * size : (rank + 1) * size]
                         block_in = [b[rank * size : (rank + 1) * size] for b in blocks]
                         out = torch.full((size,), -1, dtype=dtype)
@@ -173,17 +182,23 @@ def collectives_matrix(
                         pieces = [blocks[rank][r * size : (r + 1) * size].clone() for r in range(world)]
                         group.reduce_scatter(out, pieces, op)
                         failures.append(
-                            check_close(f"reduce_scatter(list) {tag}", out, block_ref, block_in, op, exact) or ""
+                            check_close(f"reduce_scatter(list) {tag}", out, block_ref, block_in, op, exact)
+                            or ""
                         )
                     checked += 1
             # all_gather (flat and list) and broadcast from every source, once per dtype and size
         for size in sizes:
             mine = seeded_input(seed + size, rank, size, dtype, ReduceOp.SUM, True)
-            expected = torch.cat([seeded_input(seed + size, r, size, dtype, ReduceOp.SUM, True) for r in range(world)])
+            expected = torch.cat(
+                [seeded_input(seed + size, r, size, dtype, ReduceOp.SUM, True) for r in range(world)]
+            )
             flat = torch.empty(world * size, dtype=dtype)
             group.all_gather(flat, mine)
             if not torch.equal(flat, expected):
-                failures.append(f"all_gather {dtype} n={size}: got {flat[:8].tolist()}..., expected {expected[:8].tolist()}...")
+                failures.append(
+                    f"all_gather {dtype} n={size}: got {flat[:8].tolist()}..., "
+                    f"expected {expected[:8].tolist()}..."
+                )
             outs = [torch.empty(size, dtype=dtype) for _ in range(world)]
             group.all_gather(outs, mine)
             if not torch.equal(torch.cat(outs), expected):
@@ -239,9 +254,11 @@ def async_semantics(group: IProcessGroup) -> dict[str, Any]:
     out["late_sum"] = late[0].item()
     # Unsupported dtype and op: clear errors before any communication.
     errors = []
-    for bad in (lambda: group.all_reduce(torch.zeros(2, dtype=torch.uint8)),
-                lambda: group.all_reduce(torch.zeros(2, dtype=torch.int32), ReduceOp.AVG),
-                lambda: group.all_reduce(torch.zeros(2, dtype=torch.complex64))):
+    for bad in (
+        lambda: group.all_reduce(torch.zeros(2, dtype=torch.uint8)),
+        lambda: group.all_reduce(torch.zeros(2, dtype=torch.int32), ReduceOp.AVG),
+        lambda: group.all_reduce(torch.zeros(2, dtype=torch.complex64)),
+    ):
         try:
             bad()
             errors.append(None)
@@ -487,8 +504,15 @@ def launch(
     if launcher == "mpiexec":
         cmd = [*mpiexec_command(nprocs), *launcher_args, sys.executable, *script]
     elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
-               f"--master-port={free_port()}", *launcher_args, *script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nprocs}",
+            f"--master-port={free_port()}",
+            *launcher_args,
+            *script,
+        ]
     elif launcher == "python":
         cmd = [sys.executable, *script]
     else:
@@ -503,7 +527,12 @@ def launch(
         )
         start = time.monotonic()
         proc = subprocess.Popen(
-            cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            cmd,
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             stdout, stderr = proc.communicate(timeout=timeout)

@@ -37,7 +37,7 @@ def _ok(result: LaunchResult, nprocs: int) -> dict[int, dict]:
     return result.results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_hydra() -> bool:
     exe = find_mpiexec()
     try:
@@ -142,7 +142,9 @@ def test_dead_peer_survivor_times_out_when_the_launcher_keeps_it() -> None:
     assert survivor["error_type"] == "CommTimeoutError"
     assert survivor["error"].startswith("[rank 0/2] mpi.all_reduce #")
     assert 2.5 < survivor["after_s"] < 10
-    assert survivor["next"].startswith("GroupClosedError: [rank 0/2] mpi.all_reduce: the process group is unusable")
+    assert survivor["next"].startswith(
+        "GroupClosedError: [rank 0/2] mpi.all_reduce: the process group is unusable"
+    )
     assert "aborts the MPI job" in result.stderr
 
 
@@ -164,7 +166,9 @@ def test_spawned_ranks_are_singletons_with_a_clear_error() -> None:
     outcomes = run_ranks_outcomes(_noop, 2, backend="mpi", timeout=60)
     for o in outcomes:
         assert o.error_type == "RendezvousError", o
-        assert f"[rank 0/1] mpi.init: MPI.COMM_WORLD says rank 0 of 1, but the environment (torchrun" in o.error
+        assert (
+            "[rank 0/1] mpi.init: MPI.COMM_WORLD says rank 0 of 1, but the environment (torchrun" in o.error
+        )
         assert "MPI singleton" in o.error and "mpiexec -n 2 python" in o.error
 
 
@@ -253,7 +257,10 @@ def test_compare_backends_example(repo_root: object) -> None:
     script = str(repo_root / "examples" / "compare_backends.py")  # type: ignore[operator]
     proc = subprocess.run(
         [*mpiexec_command(2), sys.executable, script, "--backends", "mpi,gloo", "--strict"],
-        env=scrubbed_env(OMP_NUM_THREADS="1", COMMLIB_TIMEOUT="30"), capture_output=True, text=True, timeout=120,
+        env=scrubbed_env(OMP_NUM_THREADS="1", COMMLIB_TIMEOUT="30"),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mpi vs gloo on 2 ranks, seed 0:" in proc.stdout

@@ -60,7 +60,11 @@ def test_async_semantics(gloo_pool: RankPool) -> None:
 
 def test_collectives_matrix_three_ranks() -> None:
     values = run_ranks(
-        mpi_bodies.collectives_matrix, 3, backend="gloo", args=((0, 7, 1000),), timeout=120,
+        mpi_bodies.collectives_matrix,
+        3,
+        backend="gloo",
+        args=((0, 7, 1000),),
+        timeout=120,
         env={"COMMLIB_TIMEOUT": "30"},
     )
     for rank, matrix in enumerate(values):
@@ -70,7 +74,10 @@ def test_collectives_matrix_three_ranks() -> None:
 def test_upcast_fallback_for_low_precision(tmp_path: Any) -> None:
     """Where Gloo cannot reduce fp16/bf16 they go through float32 (forced here) and stay correct."""
     values = run_ranks(
-        _upcast_body, 2, backend="gloo", timeout=90,
+        _upcast_body,
+        2,
+        backend="gloo",
+        timeout=90,
         env={"COMMLIB_TIMEOUT": "30", "COMMLIB_GLOO_UPCAST": "bfloat16,float16"},
     )
     for matrix, upcast in values:
@@ -111,7 +118,9 @@ def test_nccl_without_cuda_is_gloo_and_says_so_once() -> None:
         assert value["backend"] == "nccl" and value["devices"] == ["cpu"] and not value["cuda_ok"]
         assert value["torch_backend"] == "gloo" and value["value"] == [1.5] * 4
         assert len(value["warnings"]) == 1, value["warnings"]
-        assert value["warnings"][0].startswith(f"[rank {rank}/2] nccl.init: no CUDA device: CPU tensors use Gloo")
+        assert value["warnings"][0].startswith(
+            f"[rank {rank}/2] nccl.init: no CUDA device: CPU tensors use Gloo"
+        )
 
 
 # ------------------------------------------------------ adoption and wrapping
@@ -167,7 +176,8 @@ def test_adopts_torch_default_group_and_wraps_subgroups() -> None:
     values = run_ranks(_adopt_body, 3, backend=None, init=False, timeout=120)
     for rank, out in enumerate(values):
         assert out["mismatch"].startswith(
-            f"[rank {(rank + 1) % 3}/3] gloo.init: torch.distributed is already initialised as rank {rank} of 3"
+            f"[rank {(rank + 1) % 3}/3] gloo.init: torch.distributed is already initialised "
+            f"as rank {rank} of 3"
         )
         assert "from_torch_group" in out["mismatch"]
         assert out["adopted_sum"] == [3.0] * 3
@@ -180,25 +190,38 @@ def test_adopts_torch_default_group_and_wraps_subgroups() -> None:
 
 # ------------------------------------------------------------------- faults
 def test_dead_peer_raises_peer_failure_fast() -> None:
-    outcomes = run_ranks_outcomes(mpi_bodies.die_after_first, 2, backend="gloo", timeout=60,
-                                  env={"COMMLIB_TIMEOUT": "30"})
+    outcomes = run_ranks_outcomes(
+        mpi_bodies.die_after_first, 2, backend="gloo", timeout=60, env={"COMMLIB_TIMEOUT": "30"}
+    )
     survivor = outcomes[0]
     assert survivor.ok, survivor
     value = survivor.value
     assert value["error_type"] == "PeerFailureError", value
-    assert value["error"].startswith("[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): a peer process closed")
+    assert value["error"].startswith(
+        "[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): a peer process closed"
+    )
     assert "(peer [127.0.0.1]:" in value["error"]
     assert value["after_s"] < 5, value  # measured: ~0.02 s
-    assert value["next"].startswith("GroupClosedError: [rank 0/2] gloo.all_reduce: the process group is unusable")
+    assert value["next"].startswith(
+        "GroupClosedError: [rank 0/2] gloo.all_reduce: the process group is unusable"
+    )
     assert outcomes[1].exitcode == 3
 
 
 def test_missing_rank_times_out() -> None:
-    outcomes = run_ranks_outcomes(mpi_bodies.skip_collective, 2, backend="gloo", args=(3.5, True), timeout=60,
-                                  env={"COMMLIB_TIMEOUT": "2"})
+    outcomes = run_ranks_outcomes(
+        mpi_bodies.skip_collective,
+        2,
+        backend="gloo",
+        args=(3.5, True),
+        timeout=60,
+        env={"COMMLIB_TIMEOUT": "2"},
+    )
     value = outcomes[0].value
     assert outcomes[0].ok and value["error_type"] == "CommTimeoutError", outcomes[0]
-    assert value["error"].startswith("[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): did not finish within 2 s")
+    assert value["error"].startswith(
+        "[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): did not finish within 2 s"
+    )
     assert 1.5 < value["after_s"] < 6, value
     assert value["next"].startswith("GroupClosedError")
 
@@ -228,15 +251,24 @@ def test_torch_distributed_unavailable_is_a_clear_error(monkeypatch: pytest.Monk
     from backends import nccl
 
     monkeypatch.setattr(nccl.dist, "is_available", lambda: False)
-    with pytest.raises(commlib.BackendUnavailableError, match=r"\[rank 0/1\] gloo.init: this torch build has no"):
+    with pytest.raises(
+        commlib.BackendUnavailableError, match=r"\[rank 0/1\] gloo.init: this torch build has no"
+    ):
         nccl.create_gloo_group(DistEnv(rank=0, world_size=1), CommConfig())
 
 
 # ------------------------------------------------------------- launchers
 @pytest.mark.launcher
 def test_bodies_under_torchrun() -> None:
-    result = launch(["collectives_matrix", "async_semantics"], 2, [], launcher="torchrun", backend="gloo",
-                    env={"COMMLIB_TIMEOUT": "30"}, timeout=150)
+    result = launch(
+        ["collectives_matrix", "async_semantics"],
+        2,
+        [],
+        launcher="torchrun",
+        backend="gloo",
+        env={"COMMLIB_TIMEOUT": "30"},
+        timeout=150,
+    )
     assert result.returncode == 0, result.describe()
     assert sorted(result.results) == [0, 1]
     for values in result.results.values():
@@ -249,8 +281,9 @@ def test_bodies_under_torchrun() -> None:
 @requires_mpi
 def test_gloo_under_mpiexec() -> None:
     """The gloo backend takes rank and size from mpirun's variables (rendezvous port from the job)."""
-    result = launch("collectives_matrix", 2, [[0, 7, 1000]], backend="gloo", env={"COMMLIB_TIMEOUT": "30"},
-                    timeout=120)
+    result = launch(
+        "collectives_matrix", 2, [[0, 7, 1000]], backend="gloo", env={"COMMLIB_TIMEOUT": "30"}, timeout=120
+    )
     assert result.returncode == 0, result.describe()
     for values in result.results.values():
         assert values["collectives_matrix"]["failures"] == []
@@ -260,7 +293,8 @@ def test_gloo_under_mpiexec() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2,
-    reason="no CUDA device (torch.cuda.is_available() is False)" if not torch.cuda.is_available()
+    reason="no CUDA device (torch.cuda.is_available() is False)"
+    if not torch.cuda.is_available()
     else "NCCL needs one GPU per rank: fewer than 2 CUDA devices",
 )
 def test_nccl_on_cuda_tensors() -> None:
@@ -274,11 +308,14 @@ def test_error_translation_and_parsing() -> None:
     from backends.nccl import _parse_backend_spec, _parse_upcast, _translate
 
     closed = RuntimeError(
-        "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18838. This is typically caused"
+        "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18838. "
+        "This is typically caused"
     )
     error = _translate("[rank 0/2] gloo.all_reduce #3", closed, 30)
     assert isinstance(error, PeerFailureError) and "(peer [127.0.0.1]:18838)" in str(error)
-    timeout = RuntimeError("[../unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete")
+    timeout = RuntimeError(
+        "[../unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+    )
     error = _translate("[rank 1/2] gloo.broadcast #1", timeout, 3)
     assert isinstance(error, CommTimeoutError) and "did not finish within 3 s" in str(error)
     assert type(_translate("x", RuntimeError("boom"), 1)) is commlib.CommError
