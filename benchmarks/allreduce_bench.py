@@ -33,9 +33,7 @@ import datetime
 import functools
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +47,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import commlib  # noqa: E402
+from benchmarks._spawn import PORTS_VAR, free_ports, spawn_ranks, without_spawn  # noqa: E402
 from commlib.env import DistEnv  # noqa: E402
 
 DEFAULT_SIZES = "4K,64K,1M,4M,25M,100M"
@@ -56,7 +55,6 @@ QUICK_SIZES = "4K,64K,1M"
 MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
 REFERENCES = ("torch-gloo", "mpi4py")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
-PORTS_VAR = "COMMLIB_BENCH_PORTS"
 CSV_COLUMNS = [
     "size_bytes",
     "size",
@@ -193,17 +191,6 @@ def _names(text: str) -> list[str]:
 
 
 # -------------------------------------------------------------------- ports
-def free_ports(count: int) -> list[int]:
-    """Return ``count`` distinct TCP ports on 127.0.0.1 that are free right now."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind(("127.0.0.1", 0))
-            ports.append(int(s.getsockname()[1]))
-        return ports
-
-
 def agree_ports(count: int, env: DistEnv, comm: Any) -> list[int]:
     """Ports every rank agrees on: from the spawner, broadcast over MPI, or after ``MASTER_PORT``."""
     given = os.environ.get(PORTS_VAR, "").strip()
@@ -613,78 +600,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------- spawn
-LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "SLURM_", "HYDRA_")
-
-
-def spawn(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start ``args.spawn`` ranks of this script as subprocesses on loopback and wait for them."""
-    n = args.spawn
-    if n < 1:
-        raise SystemExit("--spawn: need at least 1 rank")
-    ports = free_ports(len(_names(args.backends)) + 2)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-    procs = []
-    for rank in range(n):
-        env = dict(
-            base,
-            RANK=str(rank),
-            WORLD_SIZE=str(n),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(n),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(ports[0]),
-            OMP_NUM_THREADS=str(args.threads),
-            **{PORTS_VAR: ",".join(map(str, ports[1:]))},
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", *argv],
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-        )
-    deadline = time.monotonic() + args.spawn_timeout
-    codes: dict[int, int] = {}
-    try:
-        while len(codes) < n:
-            for rank, proc in enumerate(procs):
-                if rank not in codes and proc.poll() is not None:
-                    codes[rank] = proc.returncode
-            failed = [r for r, c in codes.items() if c != 0]
-            if failed and len(codes) < n:
-                # A rank failed: give the others a moment to finish or fail on their own, then stop them.
-                deadline = min(deadline, time.monotonic() + 30)
-            if time.monotonic() > deadline:
-                print(
-                    f"--spawn: stopping ranks {[r for r in range(n) if r not in codes]} "
-                    f"(failed ranks: {failed}, or --spawn-timeout {args.spawn_timeout} s)",
-                    file=sys.stderr,
-                )
-                break
-            time.sleep(0.1)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    worst = max((c for c in codes.values()), default=1)
-    return worst if len(codes) == n else 1
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse arguments, then spawn ranks or run this one."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.spawn is not None and not args.worker:
-        rest, skip = [], False
-        for item in argv:  # the workers get the same arguments, less --spawn N
-            if skip:
-                skip = False
-            elif item == "--spawn":
-                skip = True
-            elif not item.startswith("--spawn="):
-                rest.append(item)
-        return spawn(args, rest)
+        return spawn_ranks(
+            __file__,
+            args.spawn,
+            without_spawn(argv),
+            extra_ports=len(_names(args.backends)) + 1,
+            threads=args.threads,
+            timeout_s=args.spawn_timeout,
+        )
     return run(args)
 
 

@@ -38,7 +38,6 @@ import hashlib
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -53,7 +52,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import commlib  # noqa: E402
-from benchmarks.allreduce_bench import PORTS_VAR, agree_ports, free_ports, open_mpi_comm  # noqa: E402
+from benchmarks._spawn import spawn_ranks, without_spawn  # noqa: E402
+from benchmarks.allreduce_bench import agree_ports, open_mpi_comm  # noqa: E402
 from ddp import DistributedDataParallel  # noqa: E402
 from examples.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
@@ -477,77 +477,19 @@ def run(args: argparse.Namespace) -> int:
                 dist.destroy_process_group()
 
 
-# -------------------------------------------------------------------- spawn
-def spawn(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start ``args.spawn`` ranks of this script on loopback; if one fails, stop the others."""
-    n = args.spawn
-    if n < 1:
-        raise SystemExit("--spawn: need at least 1 rank")
-    ports = free_ports(len(_names(args.backends)) + 2)
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "SLURM_", "HYDRA_"))
-    }
-    procs = []
-    for rank in range(n):
-        env = dict(
-            base,
-            RANK=str(rank),
-            WORLD_SIZE=str(n),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(n),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(ports[0]),
-            OMP_NUM_THREADS=str(args.threads),
-            **{PORTS_VAR: ",".join(map(str, ports[1:]))},
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", *argv],
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-        )
-    deadline = time.monotonic() + args.spawn_timeout
-    codes: dict[int, int] = {}
-    try:
-        while len(codes) < n and time.monotonic() < deadline:
-            for rank, proc in enumerate(procs):
-                if rank not in codes and proc.poll() is not None:
-                    codes[rank] = proc.returncode
-                    if proc.returncode != 0:  # the others would wait for it until the timeout
-                        deadline = min(deadline, time.monotonic() + 10)
-            time.sleep(0.1)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    if len(codes) < n:
-        print(
-            f"--spawn: stopped ranks {[r for r in range(n) if r not in codes]} (a rank failed, or "
-            f"--spawn-timeout {args.spawn_timeout} s passed)",
-            file=sys.stderr,
-        )
-        return 1
-    return max(codes.values())
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse arguments, then spawn ranks or run this one."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.spawn is not None and not args.worker:
-        rest, skip = [], False
-        for item in argv:  # the workers get the same arguments, less --spawn N
-            if skip:
-                skip = False
-            elif item == "--spawn":
-                skip = True
-            elif not item.startswith("--spawn="):
-                rest.append(item)
-        return spawn(args, rest)
+        return spawn_ranks(
+            __file__,
+            args.spawn,
+            without_spawn(argv),
+            extra_ports=len(_names(args.backends)) + 1,
+            threads=args.threads,
+            timeout_s=args.spawn_timeout,
+        )
     return run(args)
 
 

@@ -56,6 +56,9 @@ class IProcessGroup(abc.ABC):
         self._config = config if config is not None else CommConfig()
         self._closed = False
         self._broken: BaseException | None = None
+        # (op, dtype, device, layout) combinations that passed the full checks: the hot path
+        # of a training loop reduces the same kinds of tensor every step.
+        self._accepted: set[tuple[object, ...]] = set()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -135,11 +138,16 @@ class IProcessGroup(abc.ABC):
             >>> t  # on every rank of 2
             tensor([3.])
         """
-        name = "all_reduce"
-        self._check_usable(name)
-        self._check_tensor(name, tensor, "tensor")
-        self._check_op(name, op, tensor)
-        return self._finish(self._all_reduce(tensor.detach(), op, async_op), async_op)
+        if self._closed or self._broken is not None:
+            self._check_usable("all_reduce")
+        self._check_reduction("all_reduce", tensor, op)
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        work = self._all_reduce(tensor, op, async_op)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank.
@@ -334,6 +342,18 @@ class IProcessGroup(abc.ABC):
                 f"stride {tensor.stride()}); the result is written in place, so pass a "
                 "contiguous tensor (x = x.contiguous()) and read the result from it"
             )
+
+    def _check_reduction(self, name: str, tensor: object, op: object) -> None:
+        """Check a reduction's tensor and op; a kind of tensor seen before costs a set lookup."""
+        kind = None
+        if isinstance(tensor, torch.Tensor) and isinstance(op, ReduceOp):
+            kind = (op, tensor.dtype, tensor.device, tensor.layout)
+            if kind in self._accepted and tensor.is_contiguous():
+                return
+        self._check_tensor(name, tensor, "tensor")
+        self._check_op(name, op, tensor)  # type: ignore[arg-type]
+        if kind is not None:
+            self._accepted.add(kind)
 
     def _check_op(self, name: str, op: object, tensor: torch.Tensor) -> None:
         if not isinstance(op, ReduceOp):

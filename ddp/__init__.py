@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from ddp.auto_bucket import AutoBucketReport
 from ddp.bucket import GradientBucket
 from ddp.bucket_manager import GradientBucketManager, plan_buckets
 from ddp.config import DDPConfig
+from ddp.cost_model import CommCostModel, calibrate, fit_cost_model
 from ddp.distributed import DistributedDataParallel, MissingGradientsError
 from ddp.replicas import ModelMismatchError, broadcast_module_states, verify_same_model
 from ddp.stats import BucketTiming, StepStats
+from ddp.timeline import TimelineWriter
 
 __all__ = [
+    "AutoBucketReport",
     "BucketTiming",
+    "CommCostModel",
     "DDPConfig",
     "DistributedDataParallel",
     "GradientBucket",
@@ -18,7 +23,10 @@ __all__ = [
     "MissingGradientsError",
     "ModelMismatchError",
     "StepStats",
+    "TimelineWriter",
     "broadcast_module_states",
+    "calibrate",
+    "fit_cost_model",
     "plan_buckets",
     "verify_same_model",
 ]

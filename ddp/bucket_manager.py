@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import types
 from collections.abc import Mapping, Sequence
@@ -132,6 +133,8 @@ class GradientBucketManager:
         """1 for each parameter whose gradient arrived since ``end_window`` (the last sync)."""
         self.arrival_order: list[int] = []
         """Parameter indices in the order their gradients arrived in this iteration."""
+        self.arrival_times: list[float] = []
+        """``time.perf_counter()`` at each arrival of ``arrival_order`` (same positions)."""
         self.recorder = StepRecorder()
         self._buckets: list[GradientBucket] = []
         self._slot: list[tuple[int, int]] = []
@@ -154,7 +157,7 @@ class GradientBucketManager:
         if missing:
             raise ValueError(f"GradientBucketManager: order leaves out parameters {missing}")
         old = self._buckets
-        self._buckets, self._slot, self._plan = buckets, slot, plan
+        self._buckets, self._slot, self._plan, self._order = buckets, slot, plan, order
         # Keep every gradient's value: point .grad at the new views.
         for i, p in enumerate(self._params):
             if p.grad is not None:
@@ -181,9 +184,29 @@ class GradientBucketManager:
                 f"got {len(order)} indices"
             )
         if plan_buckets(self._params, order, self.bucket_bytes, self.first_bucket_bytes) == self._plan:
+            self._order = order
             return False
         self._layout(order)
         return True
+
+    def set_bucket_size(self, bucket_size_mb: float, first_bucket_size_mb: float | None = None) -> bool:
+        """Change the bucket caps and lay the buckets out again in the current ``order``.
+
+        Must not be called while collectives are in flight.
+
+        Returns:
+            False if the layout did not change.
+        """
+        if not (math.isfinite(bucket_size_mb) and bucket_size_mb >= 0):
+            raise ValueError(f"GradientBucketManager.set_bucket_size: bucket_size_mb must be >= 0, got {bucket_size_mb!r}")
+        self.bucket_bytes = int(bucket_size_mb * MB)
+        self.first_bucket_bytes = None if first_bucket_size_mb is None else int(first_bucket_size_mb * MB)
+        return self.rebuild(self._order)
+
+    @property
+    def order(self) -> list[int]:
+        """The gradient order the current layout was planned for (parameter indices)."""
+        return list(self._order)
 
     @property
     def buckets(self) -> tuple[GradientBucket, ...]:
@@ -256,6 +279,7 @@ class GradientBucketManager:
             self.recorder.grads_copied += 1
         self.arrived[index] = 1
         self.arrival_order.append(index)
+        self.arrival_times.append(time.perf_counter())
         if bucket.mark_ready(s):
             self.recorder.ready(b)
             self._launch_in_order()
@@ -310,6 +334,7 @@ class GradientBucketManager:
             bucket.reset()
         self._next_launch = self._next_done = self._next_waited = 0
         self.arrival_order.clear()
+        self.arrival_times.clear()
         self.recorder.begin(len(self._buckets))
 
     def _launch_in_order(self) -> None:

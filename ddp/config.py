@@ -7,7 +7,10 @@ import math
 
 from commlib.types import ReduceOp
 
-__all__ = ["DDPConfig", "DEFAULT_BUCKET_SIZE_MB", "MB"]
+__all__ = ["AUTO", "DDPConfig", "DEFAULT_BUCKET_SIZE_MB", "MB"]
+
+AUTO = "auto"
+"""``bucket_size_mb="auto"``: size buckets from a measured cost model (see ``ddp.cost_model``)."""
 
 DEFAULT_BUCKET_SIZE_MB = 25.0
 """Default bucket cap, in MiB (the same default as torch's DDP)."""
@@ -34,9 +37,12 @@ class DDPConfig:
         >>> DDPConfig(bucket_size_mb=10, find_unused_parameters=True)
     """
 
-    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB
+    bucket_size_mb: float | str = DEFAULT_BUCKET_SIZE_MB
     """Cap of one gradient bucket in MiB (default 25). A parameter is never split: one
-    larger than the cap gets a bucket of its own; ``0`` gives one parameter per bucket."""
+    larger than the cap gets a bucket of its own; ``0`` gives one parameter per bucket.
+    ``"auto"``: measure the group's per-call overhead and bandwidth at construction,
+    start from the cost model's optimum ``sqrt(s*o*w)``, then re-size once from the
+    gradient arrival times of the second synchronised backward (see ``ddp.cost_model``)."""
 
     first_bucket_size_mb: float | None = None
     """Cap of the first bucket (the gradients that arrive first in backward), in MiB.
@@ -69,7 +75,13 @@ class DDPConfig:
     ``CommTimeoutError``. Default: the process group's timeout."""
 
     def __post_init__(self) -> None:
-        _check_number("bucket_size_mb", self.bucket_size_mb)
+        if isinstance(self.bucket_size_mb, str):
+            if self.bucket_size_mb != AUTO:
+                raise ValueError(
+                    f"DDPConfig.bucket_size_mb: expected a number of MiB or \"auto\", got {self.bucket_size_mb!r}"
+                )
+        else:
+            _check_number("bucket_size_mb", self.bucket_size_mb)
         _check_number("first_bucket_size_mb", self.first_bucket_size_mb, allow_none=True)
         for field in ("find_unused_parameters", "broadcast_buffers", "rebuild_buckets", "check_models"):
             value = getattr(self, field)
@@ -96,12 +108,24 @@ class DDPConfig:
         )
 
     @property
+    def auto_bucket_size(self) -> bool:
+        """True if the bucket size is chosen from the cost model (``bucket_size_mb="auto"``)."""
+        return self.bucket_size_mb == AUTO
+
+    @property
     def bucket_bytes(self) -> int:
-        """The bucket cap in bytes."""
+        """The bucket cap in bytes.
+
+        Raises:
+            ValueError: The size is ``"auto"`` (ask the DDP module for the chosen size).
+        """
+        if isinstance(self.bucket_size_mb, str):
+            raise ValueError("DDPConfig.bucket_bytes: bucket_size_mb is 'auto'; see DistributedDataParallel.auto_bucket")
         return int(self.bucket_size_mb * MB)
 
     @property
     def first_bucket_bytes(self) -> int:
         """The first bucket's cap in bytes."""
-        size = self.bucket_size_mb if self.first_bucket_size_mb is None else self.first_bucket_size_mb
-        return int(size * MB)
+        if self.first_bucket_size_mb is None:
+            return self.bucket_bytes
+        return int(self.first_bucket_size_mb * MB)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -16,11 +17,14 @@ import commlib
 from commlib.errors import CommError, error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp, dtype_name
+from ddp.auto_bucket import AutoBucketReport, AutoBucketSizer
 from ddp.bucket_manager import GradientBucketManager
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig
+from ddp.cost_model import CommCostModel
 from ddp.graph import used_parameters
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import StepStats
+from ddp.timeline import TimelineWriter, timeline_path_from_env
 
 __all__ = ["DistributedDataParallel", "MissingGradientsError", "resolve_group"]
 
@@ -89,7 +93,9 @@ class DistributedDataParallel(nn.Module):
             ``torch.distributed.ProcessGroup``; None: commlib's default group, else
             torch.distributed's default group (wrapped).
         bucket_size_mb: Cap of a gradient bucket in MiB (default 25); 0: one
-            parameter per bucket.
+            parameter per bucket; ``"auto"``: chosen from the group's measured
+            per-call overhead and bandwidth and one measured backward (see
+            ``auto_bucket``).
         first_bucket_size_mb: Cap of the first bucket (default ``bucket_size_mb``).
         find_unused_parameters: Find the parameters a forward did not use and mark
             them ready so their buckets still complete (see ``DDPConfig``).
@@ -100,6 +106,11 @@ class DistributedDataParallel(nn.Module):
         rebuild_buckets: Re-lay buckets after the first step in arrival order.
         check_models: Check that every rank has the same model at construction.
         timeout_s: Seconds the end-of-backward wait may take (default: the group's).
+        cost_model: With ``bucket_size_mb="auto"``: use this ``CommCostModel``
+            instead of calibrating the group (every rank must pass the same).
+        timeline: Write a Chrome trace of every step's backward and bucket
+            communication to this path (per rank; see ``ddp.timeline``). Default:
+            the ``COMMLIB_TIMELINE`` environment variable, if set.
 
     Raises:
         ModelMismatchError: The ranks' models differ (on every rank).
@@ -123,7 +134,7 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         process_group: IProcessGroup | Any = None,
         *,
-        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+        bucket_size_mb: float | str = DEFAULT_BUCKET_SIZE_MB,
         first_bucket_size_mb: float | None = None,
         find_unused_parameters: bool = False,
         reduce_op: ReduceOp = ReduceOp.AVG,
@@ -131,6 +142,8 @@ class DistributedDataParallel(nn.Module):
         rebuild_buckets: bool = True,
         check_models: bool = True,
         timeout_s: float | None = None,
+        cost_model: CommCostModel | None = None,
+        timeline: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -156,11 +169,22 @@ class DistributedDataParallel(nn.Module):
         if self.config.broadcast_buffers:
             states += list(module.buffers())
         broadcast_module_states(group, states)
+        self._auto: AutoBucketSizer | None = None
+        if cost_model is not None and not self.config.auto_bucket_size:
+            raise ValueError(
+                f"{self._prefix('init')}cost_model is used only with bucket_size_mb='auto' "
+                f"(got bucket_size_mb={bucket_size_mb!r}); pass bucket_size_mb='auto' or drop cost_model"
+            )
+        if self.config.auto_bucket_size:
+            self._auto = AutoBucketSizer(
+                group, [p for _, p in trainable], reduce_op=self.config.reduce_op, cost_model=cost_model
+            )
+        bucket_mb = self._auto.cap_mb if self._auto is not None else self.config.bucket_size_mb
         self._manager = GradientBucketManager(
             [p for _, p in trainable],
             group,
             names=[n for n, _ in trainable],
-            bucket_size_mb=self.config.bucket_size_mb,
+            bucket_size_mb=bucket_mb,  # type: ignore[arg-type]
             first_bucket_size_mb=self.config.first_bucket_size_mb,
             reduce_op=self.config.reduce_op,
         )
@@ -175,6 +199,13 @@ class DistributedDataParallel(nn.Module):
         """Statistics of the latest backward (see ``StepStats``), or None before the first."""
         self.stats_history: collections.deque[StepStats] = collections.deque(maxlen=_HISTORY)
         """Statistics of the latest backwards (up to 1000), oldest first."""
+        path = timeline if timeline is not None else timeline_path_from_env()
+        self.timeline: TimelineWriter | None = (
+            TimelineWriter(path, rank=group.rank, world_size=group.world_size, backend=group.backend)
+            if path is not None
+            else None
+        )
+        """The Chrome-trace writer when a timeline was asked for (``timeline=`` or ``COMMLIB_TIMELINE``)."""
         self._hooks: list[Any] = []
         ref = weakref.ref(self)
         for i, (_, p) in enumerate(trainable):
@@ -185,6 +216,16 @@ class DistributedDataParallel(nn.Module):
     def bucket_manager(self) -> GradientBucketManager:
         """The gradient buckets (layout, buffers, readiness)."""
         return self._manager
+
+    @property
+    def auto_bucket(self) -> AutoBucketReport | None:
+        """With ``bucket_size_mb="auto"``: the fitted cost model and the cap chosen (else None)."""
+        return self._auto.report if self._auto is not None else None
+
+    @property
+    def auto_bucket_sizer(self) -> AutoBucketSizer | None:
+        """With ``bucket_size_mb="auto"``: the sizer (its ``predict(cap_bytes)`` simulates other caps)."""
+        return self._auto
 
     @property
     def unused_parameters(self) -> list[str]:
@@ -299,6 +340,8 @@ class DistributedDataParallel(nn.Module):
             stats = self._manager.recorder.finish(synced=self._backward_synced, exposed_wait_s=exposed)
             self.last_step_stats = stats
             self.stats_history.append(stats)
+            if self.timeline is not None:
+                self.timeline.record(stats)
 
     def _finish_synced(self) -> float:
         manager = self._manager
@@ -335,6 +378,8 @@ class DistributedDataParallel(nn.Module):
                 manager.release_grads(nobody)
         manager.end_window()
         self._maybe_rebuild()
+        if self._auto is not None:
+            self._auto.after_synced_backward(manager)
         return exposed
 
     def _missing_message(self, missing: list[tuple[int, int]]) -> str:
@@ -400,6 +445,10 @@ class DistributedDataParallel(nn.Module):
         for handle in getattr(self, "_hooks", ()):
             with contextlib.suppress(Exception):  # also at interpreter exit
                 handle.remove()
+        timeline = getattr(self, "timeline", None)
+        if timeline is not None:
+            with contextlib.suppress(Exception):
+                timeline.close()
 
 
 def _make_hook(ref: weakref.ReferenceType[DistributedDataParallel], index: int) -> Any:

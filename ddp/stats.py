@@ -138,6 +138,24 @@ class StepRecorder:
         if math.isnan(self._done[index]):
             self._done[index] = time.perf_counter()
 
+    def service_times(self) -> list[tuple[int, float]]:
+        """``(bytes, seconds)`` each launched bucket's all-reduce took, in launch order.
+
+        Buckets are served one after another, so bucket ``i`` is counted from its launch
+        or the previous one's completion, whichever is later, to its completion. A
+        completion is seen at the next gradient hook or the final wait, so these are
+        upper bounds. Buckets not seen complete are left out.
+        """
+        out: list[tuple[int, float]] = []
+        previous_done = -math.inf
+        for i in self._order:
+            done = self._done[i]
+            if math.isnan(done):
+                continue
+            out.append((self._nbytes[i], done - max(self._launch[i], previous_done)))
+            previous_done = done
+        return out
+
     def extra_collective(self) -> None:
         """Count a collective that is not a bucket (the used-parameters map)."""
         self.collectives += 1

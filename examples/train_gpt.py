@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:  # run as a script: make commlib, ddp and examples
 import commlib  # noqa: E402
 from commlib.env import detect  # noqa: E402
 from ddp import DistributedDataParallel  # noqa: E402
+from ddp.auto_bucket import TUNE_AFTER_BACKWARDS  # noqa: E402
 from examples.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 try:
@@ -59,9 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=64)
     p.add_argument(
         "--bucket-mb",
-        type=float,
+        type=_bucket_size,
         default=1.0,
-        help="DDP bucket cap in MiB (small: this model has 2.6 MB of gradients)",
+        help="DDP bucket cap in MiB (small: this model has 2.6 MB of gradients), or 'auto' "
+        "(sized from the measured cost of the backend)",
+    )
+    p.add_argument(
+        "--timeline",
+        default=None,
+        metavar="PATH",
+        help="write a Chrome trace of each rank's backward and bucket all-reduces (PATH.rankR.json)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
@@ -162,7 +170,7 @@ def train(args: argparse.Namespace) -> int:
             n_heads=args.heads,
         )
         torch.manual_seed(args.seed + rank)  # different on every rank: DDP broadcasts rank 0's weights
-        model = DistributedDataParallel(GPT(cfg), group, bucket_size_mb=args.bucket_mb)
+        model = DistributedDataParallel(GPT(cfg), group, bucket_size_mb=args.bucket_mb, timeline=args.timeline)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         if lead:
             shape = (
@@ -171,7 +179,7 @@ def train(args: argparse.Namespace) -> int:
             print(
                 f"train_gpt: {world} ranks, backend {group.backend}, GPT {cfg.num_parameters / 1e6:.2f}M "
                 f"params ({shape}), batch {args.batch_size} x {world} ranks, "
-                f"{model.bucket_manager.num_buckets} buckets of <= {args.bucket_mb:g} MiB, "
+                f"{model.bucket_manager.num_buckets} buckets of <= {model.bucket_manager.bucket_bytes / 2**20:g} MiB, "
                 f"{args.steps} steps",
                 flush=True,
             )
@@ -195,6 +203,9 @@ def train(args: argparse.Namespace) -> int:
             loss_sum.fill_(loss.item())
             group.all_reduce(loss_sum, commlib.ReduceOp.AVG)  # the loss over the whole batch
             losses.append(loss_sum.item())
+            report = model.auto_bucket
+            if lead and report is not None and (step == 0 or step + 1 == TUNE_AFTER_BACKWARDS):
+                say(f"train_gpt: {report.summary()}")
             if lead:
                 ms = step_times[-1] * 1e3
                 say(f"step {step + 1:3d}/{args.steps}  loss {losses[-1]:.4f}  {ms:6.1f} ms  | {s.summary()}")
@@ -203,6 +214,10 @@ def train(args: argparse.Namespace) -> int:
                     bar.update()
         if bar is not None:
             bar.close()
+        if model.timeline is not None:
+            path = model.timeline.save()
+            if lead:
+                print(f"train_gpt: timeline written to {path} (python -m ddp.timeline_plot {path})")
         same, detail = check_identical(group, model.module)
         if lead:
             n = len(stats)
@@ -222,6 +237,16 @@ def train(args: argparse.Namespace) -> int:
         return 0 if same else 1
     finally:
         commlib.destroy_process_group()
+
+
+def _bucket_size(text: str) -> float | str:
+    """``--bucket-mb``: a number of MiB, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or 'auto', got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

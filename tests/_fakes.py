@@ -295,8 +295,12 @@ def run_threads(
     delay_s: float = 0.0,
     per_rank_args: list[tuple[Any, ...]] | None = None,
     return_errors: bool = False,
+    group_factory: Callable[..., FakeProcessGroup] | None = None,
 ) -> list[Any]:
     """Run ``fn(group, *args)`` on ``world_size`` threads, each with a ``FakeProcessGroup``.
+
+    ``group_factory(rank, hub, supports_avg=..., delay_s=...)`` makes the groups
+    instead (a ``FakeProcessGroup`` subclass).
 
     Returns:
         Each rank's return value (or, with ``return_errors``, the exception it raised).
@@ -305,7 +309,8 @@ def run_threads(
         ThreadsFailed: A rank raised (without ``return_errors``) or did not finish in time.
     """
     hub = FakeHub(world_size, timeout=min(timeout, 20.0))
-    groups = [FakeProcessGroup(r, hub, supports_avg=supports_avg, delay_s=delay_s) for r in range(world_size)]
+    make = group_factory if group_factory is not None else FakeProcessGroup
+    groups = [make(r, hub, supports_avg=supports_avg, delay_s=delay_s) for r in range(world_size)]
     results: list[Any] = [None] * world_size
     errors: list[tuple[BaseException, str] | None] = [None] * world_size
 

@@ -1,0 +1,436 @@
+"""A fitted cost model of gradient all-reduce, and the bucket size it predicts.
+
+An all-reduce of ``n`` bytes costs ``o + n / w``: a fixed overhead ``o`` per call
+(Python, the backend, the transport's latency) plus the bytes over the bandwidth
+``w`` the group achieves. ``calibrate`` measures both on the group in use with a
+few all-reduces of three sizes, every rank fitting the same numbers.
+
+Two uses of the model:
+
+- The seed's closed form (``CommCostModel.seed_overhead``): with ``n_b`` equal
+  buckets and a backward as fast as communication, the time left after backward
+  is ``s / (n_b * w) + n_b * o``, smallest for buckets of ``sqrt(s * o * w)``.
+  It ignores backward's own duration, which decides how much there is to hide.
+- The schedule simulation (``simulate_schedule``): the real bucket layout and
+  the times gradients actually arrived in a measured backward; buckets are
+  reduced one after another, each starting when it is complete and the previous
+  one is done, at the bandwidth measured during backward until backward ends
+  and at the quiet bandwidth after. What the last one runs past the end of
+  backward is exposed. ``choose_bucket_size`` picks the cap that minimises the
+  exposed time plus ``n_b * o`` (the calls' fixed cost, which overlap does not
+  hide on CPU); ties go to the larger cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from commlib.process_group import IProcessGroup
+from commlib.types import ReduceOp
+from ddp.bucket_manager import plan_buckets
+
+__all__ = [
+    "CALIBRATION_SIZES",
+    "CommCostModel",
+    "ScheduleResult",
+    "calibrate",
+    "candidate_caps",
+    "choose_bucket_size",
+    "fit_cost_model",
+    "in_backward",
+    "measure_busy_overhead",
+    "simulate_schedule",
+]
+
+CALIBRATION_SIZES = (256 * 1024, 2 * 1024 * 1024, 16 * 1024 * 1024)
+"""Bytes of the calibration all-reduces: one where the overhead dominates, two where bandwidth does."""
+
+MIN_AUTO_CAP = 64 * 1024
+"""Smallest bucket cap ``auto`` chooses, in bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CommCostModel:
+    """``time(n) = overhead_s + n / bandwidth_Bps``: the cost of one all-reduce of ``n`` bytes.
+
+    Attributes:
+        overhead_s: Fixed cost per call ``o``, in seconds.
+        bandwidth_Bps: Bytes of tensor reduced per second ``w`` (algorithm bandwidth).
+        samples: The ``(bytes, seconds)`` measurements the model was fitted to.
+        backend: Backend of the group it was measured on ("" if synthetic).
+        world_size: World size it was measured at (0 if synthetic).
+    """
+
+    overhead_s: float
+    bandwidth_Bps: float
+    samples: tuple[tuple[int, float], ...] = ()
+    backend: str = ""
+    world_size: int = 0
+    busy_overhead_s: float | None = None
+    """What one call issued during compute costs that compute (``measure_busy_overhead``);
+    None: assume ``overhead_s``."""
+
+    @property
+    def call_cost_s(self) -> float:
+        """Seconds one all-reduce adds to a step even when overlapped: the busy overhead, or ``o``."""
+        return self.overhead_s if self.busy_overhead_s is None else max(self.busy_overhead_s, self.overhead_s)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
+            raise ValueError(f"CommCostModel: overhead_s must be a finite number >= 0, got {self.overhead_s!r}")
+        if not (math.isfinite(self.bandwidth_Bps) and self.bandwidth_Bps > 0):
+            raise ValueError(
+                f"CommCostModel: bandwidth_Bps must be a finite number > 0, got {self.bandwidth_Bps!r}"
+            )
+        if self.busy_overhead_s is not None and not (
+            math.isfinite(self.busy_overhead_s) and self.busy_overhead_s >= 0
+        ):
+            raise ValueError(
+                f"CommCostModel: busy_overhead_s must be a finite number >= 0 or None, got {self.busy_overhead_s!r}"
+            )
+
+    def time(self, nbytes: float) -> float:
+        """Predicted seconds of one all-reduce of ``nbytes`` bytes."""
+        return self.overhead_s + nbytes / self.bandwidth_Bps
+
+    def seed_overhead(self, model_bytes: float, num_buckets: float) -> float:
+        """The seed's exposed communication with ``num_buckets`` equal buckets: ``s/(n_b w) + n_b o``."""
+        return model_bytes / (num_buckets * self.bandwidth_Bps) + num_buckets * self.overhead_s
+
+    def seed_optimal_num_buckets(self, model_bytes: float) -> float:
+        """``sqrt(s / (o w))``, the bucket count minimising ``seed_overhead`` (at least 1)."""
+        if self.overhead_s == 0:
+            return math.inf
+        return max(1.0, math.sqrt(model_bytes / (self.overhead_s * self.bandwidth_Bps)))
+
+    def seed_optimal_bucket_bytes(self, model_bytes: float) -> float:
+        """``sqrt(s o w)``, the bucket size minimising ``seed_overhead`` (at most ``s``)."""
+        return min(float(model_bytes), math.sqrt(model_bytes * self.overhead_s * self.bandwidth_Bps))
+
+    def summary(self) -> str:
+        """``o = 190 us, w = 4.31 GB/s, o during compute = 950 us (ring, 2 ranks)``."""
+        where = f" ({self.backend}, {self.world_size} ranks)" if self.backend else ""
+        busy = "" if self.busy_overhead_s is None else f", o during compute = {self.busy_overhead_s * 1e6:.0f} us"
+        return f"o = {self.overhead_s * 1e6:.0f} us, w = {self.bandwidth_Bps / 1e9:.2f} GB/s{busy}{where}"
+
+
+def fit_cost_model(
+    samples: Sequence[tuple[float, float]], *, backend: str = "", world_size: int = 0
+) -> CommCostModel:
+    """Fit ``t = o + n / w`` to ``(nbytes, seconds)`` samples, minimising the relative error.
+
+    Each sample is weighted by ``1 / t``, so a 40 us call counts as much as a
+    40 ms one. A negative intercept (noise at tiny sizes) is clamped to 0 and
+    the slope refitted through the origin.
+
+    Raises:
+        ValueError: Fewer than two distinct sizes, a non-positive time, or times
+            that do not grow with size (no bandwidth can be fitted).
+    """
+    points = [(float(n), float(t)) for n, t in samples]
+    if len({n for n, _ in points}) < 2:
+        raise ValueError(f"fit_cost_model: need samples of at least two sizes, got sizes {sorted({n for n, _ in points})}")
+    if any(not (math.isfinite(t) and t > 0) for _, t in points):
+        raise ValueError(f"fit_cost_model: every time must be a finite number > 0, got {[t for _, t in points]}")
+    # Weighted least squares for t = o + b n with weights 1/t: minimise sum((t - o - b n) / t)^2.
+    a11 = sum(1 / t**2 for _, t in points)
+    a12 = sum(n / t**2 for n, t in points)
+    a22 = sum(n * n / t**2 for n, t in points)
+    r1 = sum(1 / t for _, t in points)
+    r2 = sum(n / t for n, t in points)
+    det = a11 * a22 - a12 * a12
+    o = (r1 * a22 - r2 * a12) / det
+    b = (a11 * r2 - a12 * r1) / det
+    if o < 0:
+        o, b = 0.0, r2 / a22
+    if not b > 0:
+        raise ValueError(
+            "fit_cost_model: the time does not grow with the size "
+            f"({', '.join(f'{n / 1e6:g} MB: {t * 1e3:.3f} ms' for n, t in points)}); "
+            "the measurements are too noisy to fit a bandwidth. Calibrate on a quiet machine "
+            "or with larger sizes"
+        )
+    return CommCostModel(
+        overhead_s=o,
+        bandwidth_Bps=1 / b,
+        samples=tuple((int(n), t) for n, t in points),
+        backend=backend,
+        world_size=world_size,
+    )
+
+
+def calibrate(
+    group: IProcessGroup,
+    *,
+    sizes: Sequence[int] = CALIBRATION_SIZES,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
+    op: ReduceOp = ReduceOp.AVG,
+    clock: Callable[[], float] = time.perf_counter,
+    busy: bool = True,
+) -> CommCostModel:
+    """Measure ``o`` and ``w`` of ``group`` with a few all-reduces; every rank gets the same model.
+
+    Each size is reduced once to warm up, then ``repeats`` times back to back;
+    a rank's figure is the median. If the times do not grow with the size (a noisy
+    machine), it measures again with more repeats, up to three times in all. One more all-reduce takes each size's slowest
+    rank (a collective is as slow as its slowest rank), so every rank fits the
+    same numbers and makes the same decisions from them. Collective: every rank
+    of ``group`` must call it.
+
+    Args:
+        group: The process group to measure.
+        sizes: Message sizes in bytes (at least two distinct).
+        repeats: Timed all-reduces per size.
+        dtype: Element type (the gradients' dtype).
+        op: Reduction (DDP averages).
+        clock: Seconds clock (tests pass a fake one).
+        busy: Also measure what a call costs a computation it overlaps
+            (``measure_busy_overhead``).
+
+    Returns:
+        The fitted model, its ``samples`` the agreed per-size times.
+
+    Raises:
+        ValueError: Even the third measurement could not be fitted.
+    """
+    if repeats < 1:
+        raise ValueError(f"calibrate: repeats must be >= 1, got {repeats}")
+    element = torch.empty((), dtype=dtype).element_size()
+    if not group.supports(op, dtype, "cpu"):
+        op = ReduceOp.SUM
+    busy_s = measure_busy_overhead(group, dtype=dtype, op=op, clock=clock) if busy else math.nan
+    for attempt in range(_CALIBRATION_ATTEMPTS):
+        # Every rank fits the same agreed numbers, so every rank retries, or not, alike.
+        times = _agreed_medians(group, sizes, repeats * (attempt + 1), element, dtype, op, clock, busy_s)
+        *medians, busy_agreed = times
+        samples = [(max(1, int(n) // element) * element, t) for n, t in zip(sizes, medians)]
+        try:
+            model = fit_cost_model(samples, backend=group.backend, world_size=group.world_size)
+        except ValueError:
+            if attempt + 1 == _CALIBRATION_ATTEMPTS:
+                raise
+            continue
+        if busy and math.isfinite(busy_agreed):
+            model = dataclasses.replace(model, busy_overhead_s=max(0.0, busy_agreed))
+        return model
+    raise AssertionError("unreachable")
+
+
+_CALIBRATION_ATTEMPTS = 3
+"""Measurements ``calibrate`` makes (more repeats each time) before it gives up on a noisy machine."""
+
+
+def _agreed_medians(
+    group: IProcessGroup,
+    sizes: Sequence[int],
+    repeats: int,
+    element: int,
+    dtype: torch.dtype,
+    op: ReduceOp,
+    clock: Callable[[], float],
+    extra: float,
+) -> list[float]:
+    """This rank's median time per size, then the slowest rank's (plus ``extra``, also maxed)."""
+    medians = []
+    for nbytes in sizes:
+        buffer = torch.zeros(max(1, int(nbytes) // element), dtype=dtype)
+        group.all_reduce(buffer, op)
+        times = []
+        for _ in range(repeats):
+            start = clock()
+            group.all_reduce(buffer, op)
+            times.append(clock() - start)
+        medians.append(statistics.median(times))
+    agreed = torch.tensor(medians + [extra], dtype=torch.float64)
+    group.all_reduce(agreed, ReduceOp.MAX)
+    return agreed.tolist()
+
+
+def measure_busy_overhead(
+    group: IProcessGroup,
+    *,
+    calls: int = 12,
+    nbytes: int = 256 * 1024,
+    chunk_s: float = 2e-3,
+    rounds: int = 3,
+    dtype: torch.dtype = torch.float32,
+    op: ReduceOp = ReduceOp.AVG,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds one async all-reduce issued during compute adds to that compute (this rank's median).
+
+    Mimics DDP's backward: ``calls`` chunks of matrix products of about ``chunk_s``
+    each, timed alone and then with an ``nbytes`` all-reduce launched after each
+    chunk; the difference per call is what overlap cannot hide on this machine
+    (the call's CPU work, a progress thread and the GIL competing with compute).
+    Collective: every rank issues the same all-reduces.
+    """
+    a = torch.randn(256, 256)
+    out = torch.empty_like(a)
+    start = clock()
+    torch.mm(a, a, out=out)
+    one = max(clock() - start, 1e-6)
+    reps = max(1, min(64, round(chunk_s / one)))
+    buffers = [torch.zeros(max(1, nbytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype) for _ in range(calls)]
+
+    def compute(launch: bool) -> float:
+        works = []
+        start = clock()
+        for buffer in buffers:
+            for _ in range(reps):
+                torch.mm(a, a, out=out)
+            if launch:
+                works.append(group.all_reduce(buffer, op, async_op=True))
+        elapsed = clock() - start
+        for work in works:
+            work.wait()  # type: ignore[union-attr]
+        return elapsed
+
+    compute(True)  # warm up both paths
+    slowdowns = []
+    for _ in range(rounds):
+        alone = compute(False)
+        loaded = compute(True)
+        slowdowns.append((loaded - alone) / calls)
+    return max(0.0, statistics.median(slowdowns))
+
+
+def in_backward(model: CommCostModel, service_times: Sequence[tuple[int, float]]) -> CommCostModel:
+    """The model with the bandwidth the buckets actually got during a measured backward.
+
+    When backward runs on the same cores as communication (CPU training, a
+    progress thread, the GIL), an all-reduce during backward is slower than in a
+    quiet calibration. Keeps ``o`` and takes ``w`` from the buckets' service times
+    (bytes over seconds, less ``o`` per call), never above the calibrated ``w``.
+
+    Args:
+        model: The calibrated model.
+        service_times: ``(bytes, seconds)`` per bucket (``StepRecorder.service_times``).
+    """
+    nbytes = sum(n for n, _ in service_times)
+    busy = sum(t for _, t in service_times) - len(service_times) * model.overhead_s
+    if nbytes <= 0 or busy <= 0:
+        return model
+    return dataclasses.replace(model, bandwidth_Bps=min(model.bandwidth_Bps, nbytes / busy))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleResult:
+    """What ``simulate_schedule`` predicts for one bucket cap."""
+
+    cap_bytes: int
+    num_buckets: int
+    finish_s: float
+    """When the last bucket's all-reduce ends, from the first gradient."""
+    exposed_s: float
+    """How long past the end of backward it ends (0 if fully hidden)."""
+    calls_s: float = 0.0
+    """``num_buckets * model.call_cost_s``: the calls' fixed cost, charged to the step (see ``cost_s``)."""
+
+    @property
+    def cost_s(self) -> float:
+        """What the cap adds to a step: ``exposed_s + num_buckets * o``.
+
+        The fixed cost of a call (Python, the backend, waking a progress thread, the
+        GIL) is work on the cores backward runs on, so overlap does not hide it: it
+        is the seed's ``n_b * o`` term, with ``o`` as measured during compute
+        (``CommCostModel.call_cost_s``). The bytes are hidden except what
+        ``exposed_s`` leaves.
+        """
+        return self.exposed_s + self.calls_s
+
+
+def simulate_schedule(
+    model: CommCostModel,
+    params: Sequence[torch.Tensor],
+    order: Sequence[int],
+    arrival_s: Sequence[float],
+    backward_s: float,
+    cap_bytes: int,
+    *,
+    busy_bandwidth_Bps: float | None = None,
+) -> ScheduleResult:
+    """Predict when the buckets of a ``cap_bytes`` layout finish, given measured gradient arrival times.
+
+    Buckets are laid out exactly as DDP lays them (``plan_buckets`` over the arrival
+    ``order``); a bucket is ready when its last gradient arrives and is reduced after
+    the previous bucket: ``o``, then its bytes at ``busy_bandwidth_Bps`` while
+    backward still runs (communication shares the cores with it) and at the model's
+    bandwidth once backward is over.
+
+    Args:
+        model: The cost of one all-reduce (calibrated on a quiet group).
+        params: The parameters (sizes and dtypes).
+        order: Parameter indices in arrival order.
+        arrival_s: ``arrival_s[i]``: seconds from the first gradient to parameter ``i``'s.
+        backward_s: Seconds from the first gradient to the end of backward.
+        cap_bytes: The bucket cap to simulate.
+        busy_bandwidth_Bps: Bandwidth during backward (default: the model's).
+    """
+    quiet = model.bandwidth_Bps
+    busy = quiet if busy_bandwidth_Bps is None else min(busy_bandwidth_Bps, quiet)
+    buckets = plan_buckets(params, order, cap_bytes)
+    finish = 0.0
+    for members in buckets:
+        ready = max(arrival_s[i] for i in members)
+        nbytes = sum(params[i].numel() * params[i].element_size() for i in members)
+        t = max(finish, ready) + model.overhead_s
+        if t < backward_s:
+            busy_end = t + nbytes / busy
+            if busy_end <= backward_s:
+                finish = busy_end
+                continue
+            nbytes -= (backward_s - t) * busy
+            t = backward_s
+        finish = t + nbytes / quiet
+    return ScheduleResult(
+        cap_bytes, len(buckets), finish, max(0.0, finish - backward_s), len(buckets) * model.call_cost_s
+    )
+
+
+def candidate_caps(total_bytes: int, *, per_octave: int = 4, smallest: int = MIN_AUTO_CAP) -> list[int]:
+    """Bucket caps to consider: geometric from ``smallest`` to ``total_bytes``, ``per_octave`` per doubling."""
+    caps, cap = [], float(smallest)
+    while cap < total_bytes:
+        caps.append(int(cap))
+        cap *= 2 ** (1 / per_octave)
+    caps.append(max(int(total_bytes), 1))
+    return caps
+
+
+def choose_bucket_size(
+    model: CommCostModel,
+    params: Sequence[torch.Tensor],
+    order: Sequence[int],
+    arrival_s: Sequence[float],
+    backward_s: float,
+    *,
+    caps: Sequence[int] | None = None,
+    tolerance_s: float | None = None,
+    busy_bandwidth_Bps: float | None = None,
+) -> tuple[ScheduleResult, list[ScheduleResult]]:
+    """Pick the cap whose simulated schedule adds the least to a step (``ScheduleResult.cost_s``).
+
+    Caps whose cost is within ``tolerance_s`` of the best (default: one call's
+    cost, or 0.5% of backward if larger) count as equal; of those the largest
+    wins: fewer calls, and a layout less sensitive to arrival jitter.
+
+    Returns:
+        The chosen result and the results for every cap tried.
+    """
+    total = sum(p.numel() * p.element_size() for p in params)
+    tried = [
+        simulate_schedule(model, params, order, arrival_s, backward_s, cap, busy_bandwidth_Bps=busy_bandwidth_Bps)
+        for cap in (caps if caps is not None else candidate_caps(total))
+    ]
+    best = min(r.cost_s for r in tried)
+    slack = tolerance_s if tolerance_s is not None else max(model.call_cost_s, 0.005 * backward_s)
+    chosen = max((r for r in tried if r.cost_s <= best + slack), key=lambda r: r.cap_bytes)
+    return chosen, tried
