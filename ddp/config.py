@@ -77,7 +77,7 @@ class DDPConfig:
     def __post_init__(self) -> None:
         if isinstance(self.bucket_size_mb, str):
             if self.bucket_size_mb != AUTO:
-                raise ValueError(
+                raise TypeError(
                     f"DDPConfig.bucket_size_mb: expected a number of MiB or \"auto\", got {self.bucket_size_mb!r}"
                 )
         else:

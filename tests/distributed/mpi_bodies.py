@@ -269,6 +269,11 @@ def async_semantics(group: IProcessGroup) -> dict[str, Any]:
     return out
 
 
+def _address(buffer: Any) -> int:
+    """Start address of an MPI buffer object (``MPI.memory``) or a NumPy array."""
+    return int(buffer.address) if hasattr(buffer, "address") else int(buffer.ctypes.data)
+
+
 def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float = 0.2) -> dict[str, Any]:
     """MPI only: dtype plans, zero-copy NumPy views, and progress of an async 25 MB all_reduce.
 
@@ -281,7 +286,7 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
     plans = {str(d): mpi_backend._plan(mpi_backend._load_mpi(), d).native for d in ALL_DTYPES}
     t = torch.arange(10, dtype=torch.float32)
     spec, copy_back, _ = group._buffer(t, reduce=True)  # type: ignore[attr-defined]
-    zero_copy = spec[0].ctypes.data == t.data_ptr() and copy_back is None
+    zero_copy = _address(spec[0]) == t.data_ptr() and len(spec[0]) == t.nbytes and copy_back is None
     tb = torch.arange(10, dtype=torch.bfloat16)
     spec_b, _, _ = group._buffer(tb, reduce=True)  # type: ignore[attr-defined]
     big = torch.ones(nbytes // 4)
@@ -298,7 +303,7 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
     return {
         "native": plans,
         "zero_copy": zero_copy,
-        "bf16_zero_copy": spec_b[0].ctypes.data == tb.data_ptr(),
+        "bf16_zero_copy": _address(spec_b[0]) == tb.data_ptr(),
         "progress": group.progress,  # type: ignore[attr-defined]
         "done_during_compute": done_during_compute,
         "wait_after_compute_s": waited,
