@@ -662,12 +662,8 @@ class MPIProcessGroup(IProcessGroup):
         return work
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
-        plan = _plans.get(tensor.dtype) or _plan(self._MPI, tensor.dtype)
-        if tensor.is_cuda:
-            buf, copy_back, keep = self._buffer(tensor, reduce=True)
-        else:
-            buf, copy_back, keep = self._host_buffer(tensor, plan), None, None
-        mpi_op = plan.ops[_MPI_OPS[op]]
+        buf, copy_back, keep = self._buffer(tensor, reduce=True)
+        mpi_op = _plans[tensor.dtype].ops[_MPI_OPS[op]]
         finish = _then(copy_back, _divider(tensor, self.world_size)) if op is ReduceOp.AVG else copy_back
         return self._start(
             "all_reduce",

@@ -9,15 +9,26 @@ finish or fail on their own, then they are stopped; every child is killed on exi
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["LAUNCHER_PREFIXES", "PORTS_VAR", "free_ports", "spawn_ranks", "without_spawn"]
+__all__ = [
+    "LAUNCHER_PREFIXES",
+    "PORTS_VAR",
+    "add_spawn_arguments",
+    "backend_names",
+    "free_ports",
+    "spawn_or_run",
+    "spawn_ranks",
+    "without_spawn",
+]
 
 PORTS_VAR = "COMMLIB_BENCH_PORTS"
 """Comma-separated ports the spawner reserved for a benchmark's extra process groups."""
@@ -35,6 +46,42 @@ def free_ports(count: int) -> list[int]:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
         return ports
+
+
+def backend_names(text: str) -> list[str]:
+    """``"ring, Gloo"`` -> ``["ring", "gloo"]``; ``""`` or ``"none"`` -> ``[]``."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    return [n.strip().lower() for n in text.split(",") if n.strip()]
+
+
+def add_spawn_arguments(
+    parser: argparse.ArgumentParser, *, spawn_help: str = "start N local ranks as subprocesses", spawn_timeout_s: float = 1800.0
+) -> None:
+    """Add ``--threads``, ``--spawn N``, ``--spawn-timeout`` and the hidden ``--worker`` to ``parser``."""
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--spawn", type=int, default=None, metavar="N", help=spawn_help)
+    parser.add_argument(
+        "--spawn-timeout", type=float, default=spawn_timeout_s, help="seconds before spawned ranks are killed"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def spawn_or_run(script: str | Path, argv: list[str], args: argparse.Namespace, run: Callable[[argparse.Namespace], int]) -> int:
+    """With ``--spawn N`` (and not a worker): start N ranks of ``script``; otherwise ``run(args)`` on this rank.
+
+    One extra port is reserved per backend of ``args.backends``, plus one.
+    """
+    if args.spawn is not None and not args.worker:
+        return spawn_ranks(
+            script,
+            args.spawn,
+            without_spawn(argv),
+            extra_ports=len(backend_names(args.backends)) + 1,
+            threads=args.threads,
+            timeout_s=args.spawn_timeout,
+        )
+    return run(args)
 
 
 def without_spawn(argv: list[str]) -> list[str]:

@@ -47,7 +47,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import commlib  # noqa: E402
-from benchmarks._spawn import PORTS_VAR, free_ports, spawn_ranks, without_spawn  # noqa: E402
+from benchmarks._spawn import PORTS_VAR, add_spawn_arguments, backend_names, free_ports, spawn_or_run  # noqa: E402
 from commlib.env import DistEnv  # noqa: E402
 
 DEFAULT_SIZES = "4K,64K,1M,4M,25M,100M"
@@ -167,27 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=120.0, help="commlib/Gloo timeout in seconds (default 120)"
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument(
-        "--spawn",
-        type=int,
-        default=None,
-        metavar="N",
-        help="start N local ranks as subprocesses (no MPI launcher needed; no raw MPI reference)",
+    add_spawn_arguments(
+        p, spawn_help="start N local ranks as subprocesses (no MPI launcher needed; no raw MPI reference)"
     )
-    p.add_argument(
-        "--spawn-timeout", type=float, default=1800.0, help="seconds before spawned ranks are killed"
-    )
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
-
-
-def _names(text: str) -> list[str]:
-    return (
-        []
-        if text.strip().lower() in ("", "none")
-        else [n.strip().lower() for n in text.split(",") if n.strip()]
-    )
 
 
 # -------------------------------------------------------------------- ports
@@ -488,7 +471,7 @@ def create_modes(
     args: argparse.Namespace, env: DistEnv, comm: Any, comm_why: str
 ) -> tuple[list[Mode], list[str]]:
     """Create every requested mode; return the modes and the printed reasons for those skipped."""
-    backends, references = _names(args.backends), _names(args.references)
+    backends, references = backend_names(args.backends), backend_names(args.references)
     unknown = sorted(set(references) - set(REFERENCES))
     if unknown:
         raise SystemExit(
@@ -604,16 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: parse arguments, then spawn ranks or run this one."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.spawn is not None and not args.worker:
-        return spawn_ranks(
-            __file__,
-            args.spawn,
-            without_spawn(argv),
-            extra_ports=len(_names(args.backends)) + 1,
-            threads=args.threads,
-            timeout_s=args.spawn_timeout,
-        )
-    return run(args)
+    return spawn_or_run(__file__, argv, args, run)
 
 
 if __name__ == "__main__":

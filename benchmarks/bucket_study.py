@@ -60,7 +60,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import commlib  # noqa: E402
-from benchmarks._spawn import spawn_ranks, without_spawn  # noqa: E402
+from benchmarks._spawn import add_spawn_arguments, backend_names, spawn_or_run  # noqa: E402
 from benchmarks.allreduce_bench import agree_ports, open_mpi_comm  # noqa: E402
 from commlib.process_group import IProcessGroup  # noqa: E402
 from ddp import DistributedDataParallel  # noqa: E402
@@ -143,16 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot-only", action="store_true", help="only redraw the PNG from the CSVs already in --out"
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may take")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--spawn", type=int, default=None, metavar="N", help="start N local ranks as subprocesses")
-    p.add_argument("--spawn-timeout", type=float, default=3600.0, help="seconds before spawned ranks are killed")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_spawn_arguments(p, spawn_timeout_s=3600.0)
     return p
-
-
-def _names(text: str) -> list[str]:
-    return [n.strip().lower() for n in text.split(",") if n.strip()]
 
 
 # ------------------------------------------------------------ implementations
@@ -473,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
         if lead:
             print(text, flush=True)
 
-    backends = _names(args.backends)
+    backends = backend_names(args.backends)
     ports = agree_ports(len(backends) + 1, env, comm)
     if not dist.is_initialized():  # torch.distributed Gloo: torch's DDP and the step barrier
         dist.init_process_group(
@@ -597,16 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot_only:
         return replot(args.out)
-    if args.spawn is not None and not args.worker:
-        return spawn_ranks(
-            __file__,
-            args.spawn,
-            without_spawn(argv),
-            extra_ports=len(_names(args.backends)) + 1,
-            threads=args.threads,
-            timeout_s=args.spawn_timeout,
-        )
-    return run(args)
+    return spawn_or_run(__file__, argv, args, run)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import commlib  # noqa: E402
-from benchmarks._spawn import spawn_ranks, without_spawn  # noqa: E402
+from benchmarks._spawn import add_spawn_arguments, backend_names, spawn_or_run  # noqa: E402
 from benchmarks.allreduce_bench import agree_ports, open_mpi_comm  # noqa: E402
 from ddp import DistributedDataParallel  # noqa: E402
 from examples.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
@@ -110,22 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds any collective may take (default 300)"
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--spawn", type=int, default=None, metavar="N", help="start N local ranks as subprocesses")
-    p.add_argument(
-        "--spawn-timeout", type=float, default=1800.0, help="seconds before spawned ranks are killed"
-    )
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_spawn_arguments(p)
     return p
-
-
-def _names(text: str) -> list[str]:
-    return (
-        []
-        if text.strip().lower() in ("", "none")
-        else [n.strip().lower() for n in text.split(",") if n.strip()]
-    )
 
 
 # -------------------------------------------------------------------- modes
@@ -194,7 +181,7 @@ def create_modes(
     args: argparse.Namespace, cfg: GPTConfig, env: commlib.DistEnv, comm: Any, comm_why: str
 ) -> tuple[list[Mode], list[str], list[Any]]:
     """Create every requested mode; return the modes, the reasons for those skipped, and groups to close."""
-    backends, baselines = _names(args.backends), _names(args.baselines)
+    backends, baselines = backend_names(args.backends), backend_names(args.baselines)
     unknown = sorted(set(baselines) - set(BASELINES))
     if unknown:
         raise SystemExit(
@@ -481,16 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: parse arguments, then spawn ranks or run this one."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.spawn is not None and not args.worker:
-        return spawn_ranks(
-            __file__,
-            args.spawn,
-            without_spawn(argv),
-            extra_ports=len(_names(args.backends)) + 1,
-            threads=args.threads,
-            timeout_s=args.spawn_timeout,
-        )
-    return run(args)
+    return spawn_or_run(__file__, argv, args, run)
 
 
 if __name__ == "__main__":

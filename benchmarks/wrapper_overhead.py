@@ -102,6 +102,7 @@ def main() -> int:
         gloo_env = dataclasses.replace(env, rank=mpi_group.rank, world_size=mpi_group.world_size)
         gloo_group = commlib.create_process_group("gloo", gloo_env, config)
 
+    list_max = _elementwise_max(MPI)
     rows: list[Row] = []
     for nbytes in (int(s) for s in args.sizes.split(",")):
         t = torch.ones(nbytes // 4)
@@ -144,8 +145,8 @@ def main() -> int:
             ours_med = world.allreduce(statistics.median(ours_s), op=MPI.MAX)
             raw_med = world.allreduce(statistics.median(raw_s), op=MPI.MAX)
             # A turn is as slow as its slowest rank; rank 0's pairing of the two is the turn's ratio.
-            slowest_ours = world.allreduce(ours_s, op=_elementwise_max(MPI))
-            slowest_raw = world.allreduce(raw_s, op=_elementwise_max(MPI))
+            slowest_ours = world.allreduce(ours_s, op=list_max)
+            slowest_raw = world.allreduce(raw_s, op=list_max)
             ratio = statistics.median(r / o for o, r in zip(slowest_ours, slowest_raw))
             rows.append(Row(name, nbytes, ours_med * 1e6, raw_med * 1e6, ratio))
 
@@ -169,6 +170,7 @@ def main() -> int:
             )
     if gloo_group is not None:
         gloo_group.close()
+    list_max.Free()
     mpi_group.close()
     return 0
 

@@ -143,11 +143,7 @@ class IProcessGroup(abc.ABC):
         self._check_reduction("all_reduce", tensor, op)
         if tensor.requires_grad:
             tensor = tensor.detach()
-        work = self._all_reduce(tensor, op, async_op)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return self._finish(self._all_reduce(tensor, op, async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank.
@@ -216,8 +212,7 @@ class IProcessGroup(abc.ABC):
         """
         name = "reduce_scatter"
         self._check_usable(name)
-        self._check_tensor(name, output, "output")
-        self._check_op(name, op, output)
+        self._check_reduction(name, output, op, "output")
         flat_input, inputs = self._split_world(name, input, "input", output)
         work = self._reduce_scatter(output.detach().view(-1), flat_input, inputs, op, async_op)
         return self._finish(work, async_op)
@@ -343,14 +338,14 @@ class IProcessGroup(abc.ABC):
                 "contiguous tensor (x = x.contiguous()) and read the result from it"
             )
 
-    def _check_reduction(self, name: str, tensor: object, op: object) -> None:
+    def _check_reduction(self, name: str, tensor: object, op: object, arg: str = "tensor") -> None:
         """Check a reduction's tensor and op; a kind of tensor seen before costs a set lookup."""
         kind = None
         if isinstance(tensor, torch.Tensor) and isinstance(op, ReduceOp):
             kind = (op, tensor.dtype, tensor.device, tensor.layout)
             if kind in self._accepted and tensor.is_contiguous():
                 return
-        self._check_tensor(name, tensor, "tensor")
+        self._check_tensor(name, tensor, arg)
         self._check_op(name, op, tensor)  # type: ignore[arg-type]
         if kind is not None:
             self._accepted.add(kind)
