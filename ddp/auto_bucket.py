@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from commlib.errors import error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket_manager import GradientBucketManager
@@ -116,7 +117,14 @@ class AutoBucketSizer:
         total = sum(p.numel() * p.element_size() for p in params)
         if cost_model is None:
             dtype = _dominant_dtype(params)
-            cost_model = calibrate(group, dtype=dtype, op=reduce_op)
+            try:
+                cost_model = calibrate(group, dtype=dtype, op=reduce_op)
+            except ValueError as e:
+                prefix = error_prefix(group.rank, group.world_size, "ddp", "auto_bucket")
+                raise ValueError(
+                    f"{prefix}calibrating the {group.backend} group failed: {e}. Pass a number as "
+                    "bucket_size_mb (25 is torch's default) or a cost_model to skip calibration"
+                ) from e
         seed = cost_model.seed_optimal_bucket_bytes(total)
         seed_cap = round(min(max(seed, MIN_AUTO_CAP), max(total, 1)))
         self.report = AutoBucketReport(cost_model=cost_model, model_bytes=total, seed_cap_bytes=seed_cap, cap_bytes=seed_cap)

@@ -11,7 +11,7 @@ from torch import nn
 
 from commlib.types import ReduceOp
 from ddp import DistributedDataParallel
-from ddp.auto_bucket import TUNE_AFTER_BACKWARDS
+from ddp.auto_bucket import TUNE_AFTER_BACKWARDS, AutoBucketSizer
 from ddp.config import MB, DDPConfig
 from ddp.cost_model import (
     CommCostModel,
@@ -187,6 +187,24 @@ def test_calibrate_gives_up_after_three_measurements_with_a_clear_error():
             return super()._all_reduce(tensor, op, async_op)
 
     assert run_threads(body, 2, group_factory=lambda r, h, **kw: Inverted(r, h, o=1e-4, w=1e9, **kw)) == [True, True]
+
+
+def test_auto_names_rank_backend_and_the_way_out_when_calibration_fails(monkeypatch):
+    import ddp.auto_bucket as auto_bucket
+
+    def failing_calibrate(group, **kwargs):
+        raise ValueError("fit_cost_model: the time does not grow with the size (...)")
+
+    monkeypatch.setattr(auto_bucket, "calibrate", failing_calibrate)
+
+    def body(group):
+        with pytest.raises(ValueError) as info:
+            AutoBucketSizer(group, [torch.zeros(16)])
+        return str(info.value)
+
+    for rank, message in enumerate(run_threads(body, 2)):
+        assert message.startswith(f"[rank {rank}/2] ddp.auto_bucket: calibrating the fake group failed: ")
+        assert "does not grow with the size" in message and "bucket_size_mb" in message
 
 
 def test_calibrate_rejects_zero_repeats():
