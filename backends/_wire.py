@@ -19,6 +19,7 @@ __all__ = [
     "send_json",
     "recv_json",
     "connect_with_retry",
+    "is_self_connected",
     "tune_socket",
     "PeerClosed",
 ]
@@ -211,8 +212,26 @@ def connect_with_retry(addr: str, port: int, deadline: float, what: str) -> sock
             if e.errno not in _RETRY_ERRNOS and not isinstance(e, TimeoutError):
                 raise
             last = e
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.2)
-            continue
-        tune_socket(sock)
-        return sock
+        else:
+            if not is_self_connected(sock):
+                tune_socket(sock)
+                return sock
+            # Nothing listens yet and the kernel gave this connect the destination port as its
+            # source: TCP's simultaneous open joined the socket to itself. Dropping it frees the
+            # port for the listener.
+            sock.close()
+            last = ConnectionRefusedError(errno.ECONNREFUSED, f"connected to itself on port {port}; nothing listens there yet")
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.2)
+
+
+def is_self_connected(sock: socket.socket) -> bool:
+    """True if ``sock`` is connected to itself (same address and port at both ends).
+
+    Happens on loopback when a connect to a port nobody listens on is handed that
+    same port as its source; the socket then talks to itself.
+    """
+    try:
+        return bool(sock.getsockname() == sock.getpeername())
+    except OSError:
+        return False

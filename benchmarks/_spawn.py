@@ -10,21 +10,20 @@ finish or fail on their own, then they are stopped; every child is killed on exi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from commlib.ports import free_ports
+
 __all__ = [
     "LAUNCHER_PREFIXES",
     "PORTS_VAR",
     "add_spawn_arguments",
     "backend_names",
-    "free_ports",
     "spawn_or_run",
     "spawn_ranks",
     "without_spawn",
@@ -35,17 +34,6 @@ PORTS_VAR = "COMMLIB_BENCH_PORTS"
 
 LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "SLURM_", "HYDRA_")
 """Variables of an enclosing launcher, removed so the children do not think they run under it."""
-
-
-def free_ports(count: int) -> list[int]:
-    """Return ``count`` distinct TCP ports on 127.0.0.1 that are free right now."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-        return ports
 
 
 def backend_names(text: str) -> list[str]:

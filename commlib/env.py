@@ -8,6 +8,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from commlib.ports import port_from_key
+
 __all__ = [
     "DistEnv",
     "detect",
@@ -176,12 +178,14 @@ def _default_port(launcher: str, environ: Mapping[str, str], local_world_size: i
 
     Under an MPI launcher with every rank on this host, the ranks share an
     ancestor (the launcher's proxy process), so a port derived from its pid lets
-    two jobs run side by side without choosing ports by hand. Otherwise: 29500.
+    two jobs run side by side without choosing ports by hand. It is taken from
+    outside the kernel's ephemeral range (see ``commlib.ports``), where no
+    outgoing connection can be holding it. Otherwise: 29500.
     """
     if launcher in _MPI_LAUNCHERS and local_world_size == world_size and "MASTER_ADDR" not in environ:
         pid = launcher_pid()
         if pid is not None:
-            return 20000 + pid % 20000
+            return port_from_key(pid)
     return DEFAULT_MASTER_PORT
 
 

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ if str(ROOT) not in sys.path:  # run as a script: make commlib, ddp and examples
 
 import commlib  # noqa: E402
 from commlib.env import detect  # noqa: E402
+from commlib.ports import free_port  # noqa: E402
 from ddp import DistributedDataParallel  # noqa: E402
 from ddp.auto_bucket import TUNE_AFTER_BACKWARDS  # noqa: E402
 from examples.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
@@ -82,12 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------- launching
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def spawn_local_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``--nproc`` copies of this script as ranks of one job on this host; return the exit code.
 

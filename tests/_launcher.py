@@ -9,30 +9,31 @@ Two ways to run a test body on N ranks:
 - ``RankPool`` keeps N ranks (and their group) alive across many calls, so a
   large test matrix pays the start-up (importing torch) once.
 
-Every wait has a deadline; every child is killed on the way out.
+Every wait has a deadline; every child is killed on the way out. A rank still
+running at the deadline first prints every thread's Python stack (faulthandler,
+on SIGUSR1) into a file; the stacks go into the failure report, so a hang in CI
+says where each rank was stuck.
 Test bodies must be module-level functions (spawned children import them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
+import shutil
+import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from commlib.ports import free_port
+
 _CTX = multiprocessing.get_context("spawn")
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_env(rank: int, world_size: int, port: int, backend: str | None, extra: Mapping[str, str] | None) -> dict[str, str]:
@@ -73,11 +74,65 @@ class RanksFailed(AssertionError):
     """One or more ranks failed; the message has every rank's error and traceback."""
 
 
+_STACKS_VAR = "COMMLIB_TEST_STACKS_FILE"
+"""Where a spawned rank writes its threads' stacks when the parent sends SIGUSR1."""
+_stacks_file: Any = None  # kept open in the child for faulthandler
+
+
 def _apply_env(env: Mapping[str, str]) -> None:
+    global _stacks_file
     os.environ.update(env)
+    if env.get(_STACKS_VAR) and hasattr(signal, "SIGUSR1"):
+        _stacks_file = open(env[_STACKS_VAR], "w")  # noqa: SIM115 - open for the process's life
+        faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+
+
+class _StackDumps:
+    """One stacks file per rank, and the SIGUSR1 that fills it before a stuck rank is killed."""
+
+    def __init__(self, world_size: int) -> None:
+        self._dir = tempfile.mkdtemp(prefix="commlib-stacks-")
+        self.paths = [os.path.join(self._dir, f"rank{r}.txt") for r in range(world_size)]
+
+    def env(self, rank: int) -> dict[str, str]:
+        return {_STACKS_VAR: self.paths[rank]}
+
+    def collect(self, procs: list[Any], ranks: list[int], outcomes: list[RankOutcome]) -> None:
+        """Ask each stuck rank for its stacks and put them in its outcome's traceback."""
+        if not hasattr(signal, "SIGUSR1"):
+            return
+        asked = [r for r in ranks if procs[r].is_alive()]
+        for r in asked:
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                continue
+        deadline = time.monotonic() + 3.0
+        for r in asked:
+            text = self._read_when_written(self.paths[r], deadline)
+            if text:
+                outcomes[r].traceback = f"Python stacks of rank {r} when it was killed:\n{text}"
+
+    @staticmethod
+    def _read_when_written(path: str, deadline: float) -> str:
+        size = -1
+        while time.monotonic() < deadline:  # faulthandler writes from its signal handler; wait until it stops
+            now = os.path.getsize(path) if os.path.exists(path) else 0
+            if now and now == size:
+                break
+            size = now
+            time.sleep(0.05)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def remove(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _child_once(conn: Any, env: Mapping[str, str], fn: Callable[..., Any], args: tuple[Any, ...], init: bool, backend_kwargs: Mapping[str, Any]) -> None:
@@ -132,9 +187,10 @@ def run_ranks_outcomes(
         port: Rendezvous port (default: a free one).
     """
     port = free_port() if port is None else port
+    stacks = _StackDumps(world_size)
     procs, conns, child_conns = [], [], []
     for rank in range(world_size):
-        rank_extra = dict(env or {})
+        rank_extra = dict(env or {}, **stacks.env(rank))
         if per_rank_env is not None:
             rank_extra.update(per_rank_env[rank])
         child_env = rank_env(rank, world_size, port, backend, rank_extra)
@@ -176,6 +232,7 @@ def run_ranks_outcomes(
                     outcomes[rank].error, outcomes[rank].error_type, outcomes[rank].traceback = value, error_type, tb
         for rank in pending:
             outcomes[rank].timed_out = True
+        stacks.collect(procs, list(pending), outcomes)
         for rank, proc in enumerate(procs):
             proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if rank not in pending else 0)
             if proc.is_alive():
@@ -194,6 +251,7 @@ def run_ranks_outcomes(
                 proc.join(5)
         for conn in conns:
             conn.close()
+        stacks.remove()
 
 
 def describe_failures(outcomes: list[RankOutcome]) -> str:
@@ -201,7 +259,7 @@ def describe_failures(outcomes: list[RankOutcome]) -> str:
     lines = []
     for o in outcomes:
         if o.timed_out:
-            lines.append(f"rank {o.rank}: timed out (killed)")
+            lines.append(f"rank {o.rank}: timed out (killed)\n{o.traceback or ''}")
         elif o.error is not None:
             lines.append(f"rank {o.rank}: {o.error}\n{o.traceback or ''}")
     return "\n".join(lines)
@@ -258,14 +316,17 @@ class RankPool:
         self._start_timeout = start_timeout
         self._procs: list[Any] = []
         self._conns: list[Any] = []
+        self._stacks: _StackDumps | None = None
 
     def _start(self) -> None:
         port = free_port()
+        self._stacks = _StackDumps(self.world_size)
         for rank in range(self.world_size):
             parent_conn, child_conn = _CTX.Pipe()
+            env = rank_env(rank, self.world_size, port, self.backend, {**self._env, **self._stacks.env(rank)})
             proc = _CTX.Process(
                 target=_child_pool,
-                args=(child_conn, rank_env(rank, self.world_size, port, self.backend, self._env), {}),
+                args=(child_conn, env, {}),
                 name=f"commlib-pool-{self.backend}-rank{rank}",
                 daemon=True,
             )
@@ -273,12 +334,13 @@ class RankPool:
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        replies = self._collect(self._start_timeout, "start")
+        # Once one rank fails to join, the others cannot: stop waiting for them soon after.
+        replies = self._collect(self._start_timeout, "start", grace_after_error=2.0)
         if not all(o.ok for o in replies):
             self.close()
             raise RanksFailed(f"RankPool({self.backend}, {self.world_size}) failed to start:\n{describe_failures(replies)}")
 
-    def _collect(self, timeout: float, what: str) -> list[RankOutcome]:
+    def _collect(self, timeout: float, what: str, grace_after_error: float | None = None) -> list[RankOutcome]:
         deadline = time.monotonic() + timeout
         outcomes = [RankOutcome(rank=r) for r in range(self.world_size)]
         pending = dict(enumerate(self._conns))
@@ -298,8 +360,12 @@ class RankPool:
                     outcomes[rank].value = value
                 else:
                     outcomes[rank].error, outcomes[rank].error_type, outcomes[rank].traceback = value, error_type, tb
+                    if grace_after_error is not None:
+                        deadline = min(deadline, time.monotonic() + grace_after_error)
         for rank in pending:
             outcomes[rank].timed_out = True
+        if pending and self._stacks is not None:
+            self._stacks.collect(self._procs, list(pending), outcomes)
         return outcomes
 
     def run_outcomes(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, per_rank_args: list[tuple[Any, ...]] | None = None) -> list[RankOutcome]:
@@ -336,3 +402,6 @@ class RankPool:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        if self._stacks is not None:
+            self._stacks.remove()
+            self._stacks = None

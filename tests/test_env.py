@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
@@ -18,6 +17,7 @@ from commlib.env import (
     get_env_or_raise,
     read_env_var,
 )
+from commlib.ports import ephemeral_port_range, port_from_key
 from tests.conftest import REPO_ROOT, mpiexec_command, requires_mpi, scrubbed_env
 
 TORCHRUN = {
@@ -233,7 +233,7 @@ def test_read_env_var_warns_on_bad_value_and_uses_default() -> None:
 # ------------------------------------------------------- default port (MPI)
 def expected_mpi_port() -> int:
     pid = launcher_pid()
-    return 29500 if pid is None else 20000 + pid % 20000
+    return 29500 if pid is None else port_from_key(pid)
 
 
 @pytest.mark.parametrize(
@@ -249,7 +249,8 @@ def expected_mpi_port() -> int:
 def test_mpi_launcher_on_one_host_derives_port_from_the_launcher_process(environ: dict[str, str]) -> None:
     port = detect(environ=environ).master_port
     assert port == expected_mpi_port()
-    assert 20000 <= port < 40000 or port == 29500
+    low, high = ephemeral_port_range()
+    assert (20000 <= port < 65536 and not low <= port <= high) or port == 29500
 
 
 @pytest.mark.parametrize(
@@ -304,4 +305,5 @@ def test_real_mpiexec_ranks_agree_on_the_derived_port(wrapped: bool) -> None:
     assert launcher0 == launcher1 != "single"
     assert [rank0[:4], rank1[:4]] == [["0", "2", "0", "2"], ["1", "2", "1", "2"]]
     assert rank0[4] == rank1[4], f"ranks derived different ports: {lines}"
-    assert 20000 <= int(rank0[4]) < 40000
+    low, high = ephemeral_port_range()
+    assert 20000 <= int(rank0[4]) < 65536 and not low <= int(rank0[4]) <= high

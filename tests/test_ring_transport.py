@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
 
 from backends._links import ShmRecvLink, ShmSendLink, TcpRecvLink, TcpSendLink, _Inbox
-from backends._wire import PeerClosed, SocketReader, recv_json, send_json
+from backends import _wire
+from backends._wire import PeerClosed, SocketReader, connect_with_retry, is_self_connected, recv_json, send_json
 from backends.ring import RingConfig
 from commlib import CommTimeoutError, PeerFailureError
+from commlib.ports import free_port
 
 
 @pytest.fixture
@@ -137,3 +140,57 @@ def test_ring_config_validates_and_reads_the_environment() -> None:
     assert (config.transport, config.chunk_bytes, config.small_bytes) == ("tcp", 65600, 0)
     with pytest.warns(RuntimeWarning, match=r"COMMLIB_RING_TRANSPORT: unexpected value 'udp'"):
         assert RingConfig.from_env({"COMMLIB_RING_TRANSPORT": "udp"}).transport == "auto"
+
+
+def _self_connected_socket() -> socket.socket:
+    """A socket connected to itself: bound to a port nobody listens on, then connected to it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", free_port()))
+    sock.connect(sock.getsockname())  # TCP simultaneous open with itself
+    return sock
+
+
+def test_a_socket_connected_to_itself_is_recognised() -> None:
+    sock = _self_connected_socket()
+    try:
+        assert is_self_connected(sock)
+    finally:
+        sock.close()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with socket.create_connection(listener.getsockname(), timeout=5) as client:
+            assert not is_self_connected(client)
+    with socket.socket() as unconnected:
+        assert not is_self_connected(unconnected)
+
+
+def test_connect_retries_when_a_connect_joins_itself(monkeypatch) -> None:
+    """A self-connected attempt (the destination port handed out as source) is dropped and retried."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    real_connect = socket.create_connection
+    attempts: list[socket.socket] = []
+
+    def connect(address, timeout=None):  # type: ignore[no-untyped-def]
+        sock = _self_connected_socket() if not attempts else real_connect(address, timeout=timeout)
+        attempts.append(sock)
+        return sock
+
+    monkeypatch.setattr(_wire.socket, "create_connection", connect)
+    try:
+        sock = connect_with_retry("127.0.0.1", port, time.monotonic() + 10, "rank 0")
+        with sock:
+            assert len(attempts) == 2
+            assert attempts[0].fileno() == -1, "the self-connected socket was not closed"
+            assert sock is attempts[1] and sock.getpeername()[1] == port
+    finally:
+        listener.close()
+
+
+def test_connect_gives_up_at_the_deadline_naming_the_self_connection(monkeypatch) -> None:
+    monkeypatch.setattr(_wire.socket, "create_connection", lambda address, timeout=None: _self_connected_socket())
+    with pytest.raises(TimeoutError, match=r"could not connect to rank 0 at 127\.0\.0\.1:\d+: .*connected to itself"):
+        connect_with_retry("127.0.0.1", 1, time.monotonic() + 0.3, "rank 0")

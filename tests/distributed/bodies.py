@@ -11,7 +11,6 @@ import torch
 
 from commlib import IProcessGroup, ReduceOp
 from tests._reference import (
-    DTYPES,
     assert_close_to_reference,
     digest,
     rank_input,

@@ -501,7 +501,7 @@ def launch(
         env: Extra environment (``COMMLIB_TIMEOUT``...).
         launcher_args: Extra launcher flags (``-disable-auto-cleanup``).
     """
-    from tests._launcher import free_port
+    from commlib.ports import free_port
     from tests.conftest import mpiexec_command, scrubbed_env
 
     names = bodies if isinstance(bodies, str) else ",".join(bodies)

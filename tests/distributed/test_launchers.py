@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from commlib.ports import free_port
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.launcher]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +59,7 @@ def test_bodies_under_torchrun(backend: str, world_size: int) -> None:
         pytest.skip("torchrun is not installed")
     if backend == "gloo" and importlib.util.find_spec("backends.nccl") is None:
         pytest.skip("the gloo backend (backends/nccl.py) is not present")
-    _run([torchrun, "--nproc-per-node", str(world_size), str(SCRIPT)], backend, world_size)
+    _run([torchrun, "--nproc-per-node", str(world_size), f"--master-port={free_port()}", str(SCRIPT)], backend, world_size)
 
 
 @pytest.mark.mpi

@@ -124,19 +124,21 @@ def test_nccl_without_cuda_is_gloo_and_says_so_once() -> None:
 
 
 # ------------------------------------------------------ adoption and wrapping
-def _adopt_body() -> dict[str, Any]:
-    from backends.nccl import from_torch_group
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out: dict[str, Any] = {}
-    # 1. Code that set up torch.distributed itself hands the group to commlib.
+def _init_torch_gloo(rank: int, world: int) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=10),
+        timeout=datetime.timedelta(seconds=30),
     )
+
+
+def _adopt_body() -> dict[str, Any]:
+    """Code that set up torch.distributed itself hands the default group to commlib."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out: dict[str, Any] = {}
+    _init_torch_gloo(rank, world)
     try:
         commlib.init_process_group("gloo", rank=(rank + 1) % world, world_size=world)
     except commlib.RendezvousError as e:
@@ -147,33 +149,12 @@ def _adopt_body() -> dict[str, Any]:
     out["adopted_sum"] = t.tolist()
     commlib.destroy_process_group()
     out["torch_alive_after_close"] = dist.is_initialized()
-    # 2. A sub-group: group ranks differ from global ranks (broadcast's src is a group rank).
-    sub = dist.new_group([0, 2])
-    if rank in (0, 2):
-        wrapped = from_torch_group(sub, config=CommConfig(timeout=30))
-        b = torch.full((2,), float(rank))
-        wrapped.broadcast(b, src=1)
-        s = torch.ones(2)
-        wrapped.all_reduce(s)
-        out["sub"] = dict(rank=wrapped.rank, size=wrapped.world_size, broadcast=b.tolist(), sum=s.tolist())
-        wrapped.close()
-    dist.barrier()
-    del sub  # torch's groups hold rank 0's store; the next rendezvous reuses its port
     dist.destroy_process_group()
-    # 3. commlib created torch's default group; a second commlib group shares it; the last close destroys it.
-    first = commlib.init_process_group("gloo", timeout=30)
-    second = commlib.create_process_group("gloo", first.env, CommConfig(timeout=30))
-    commlib.destroy_process_group()
-    u = torch.ones(2)
-    second.all_reduce(u)
-    out["shared_after_first_close"] = (dist.is_initialized(), u.tolist())
-    second.close()
-    out["destroyed_after_last_close"] = not dist.is_initialized()
     return out
 
 
-def test_adopts_torch_default_group_and_wraps_subgroups() -> None:
-    values = run_ranks(_adopt_body, 3, backend=None, init=False, timeout=120)
+def test_adopts_torch_default_group() -> None:
+    values = run_ranks(_adopt_body, 3, backend=None, init=False, timeout=90)
     for rank, out in enumerate(values):
         assert out["mismatch"].startswith(
             f"[rank {(rank + 1) % 3}/3] gloo.init: torch.distributed is already initialised "
@@ -182,8 +163,51 @@ def test_adopts_torch_default_group_and_wraps_subgroups() -> None:
         assert "from_torch_group" in out["mismatch"]
         assert out["adopted_sum"] == [3.0] * 3
         assert out["torch_alive_after_close"] is True
-        if rank in (0, 2):
-            assert out["sub"] == dict(rank=rank // 2, size=2, broadcast=[2.0, 2.0], sum=[2.0, 2.0])
+
+
+def _subgroup_body() -> dict[str, Any] | None:
+    """A torch sub-group wrapped by commlib: group ranks differ from global ranks (broadcast's src is a group rank)."""
+    from backends.nccl import from_torch_group
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _init_torch_gloo(rank, world)
+    sub = dist.new_group([0, 2])
+    out = None
+    if rank in (0, 2):
+        wrapped = from_torch_group(sub, config=CommConfig(timeout=30))
+        b = torch.full((2,), float(rank))
+        wrapped.broadcast(b, src=1)
+        s = torch.ones(2)
+        wrapped.all_reduce(s)
+        out = dict(rank=wrapped.rank, size=wrapped.world_size, broadcast=b.tolist(), sum=s.tolist())
+        wrapped.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def test_wraps_a_torch_subgroup() -> None:
+    values = run_ranks(_subgroup_body, 3, backend=None, init=False, timeout=90)
+    assert values[1] is None
+    for rank in (0, 2):
+        assert values[rank] == dict(rank=rank // 2, size=2, broadcast=[2.0, 2.0], sum=[2.0, 2.0])
+
+
+def _shared_default_group_body() -> dict[str, Any]:
+    """commlib created torch's default group; a second commlib group shares it; the last close destroys it."""
+    first = commlib.init_process_group("gloo", timeout=30)
+    second = commlib.create_process_group("gloo", first.env, CommConfig(timeout=30))
+    commlib.destroy_process_group()
+    u = torch.ones(2)
+    second.all_reduce(u)
+    out: dict[str, Any] = {"shared_after_first_close": (dist.is_initialized(), u.tolist())}
+    second.close()
+    out["destroyed_after_last_close"] = not dist.is_initialized()
+    return out
+
+
+def test_groups_sharing_torchs_default_group_destroy_it_on_the_last_close() -> None:
+    for out in run_ranks(_shared_default_group_body, 3, backend=None, init=False, timeout=90):
         assert out["shared_after_first_close"] == (True, [3.0, 3.0])
         assert out["destroyed_after_last_close"] is True
 

@@ -1,0 +1,51 @@
+"""The test launcher itself: a stuck rank is reported with its stacks, a pool that cannot start fails fast."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from tests import _launcher
+from tests._launcher import RankPool, RanksFailed, run_ranks_outcomes
+
+
+def hang_in_a_named_function(rank_to_hang: int) -> str:
+    import os
+
+    if int(os.environ["RANK"]) == rank_to_hang:
+        threading.Event().wait()  # never set: the launcher must kill this rank
+    return "done"
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_rank_is_reported_with_where_it_was_stuck() -> None:
+    outcomes = run_ranks_outcomes(hang_in_a_named_function, 2, args=(1,), init=False, timeout=10)
+    assert outcomes[0].ok and outcomes[0].value == "done"
+    stuck = outcomes[1]
+    assert stuck.timed_out and not stuck.ok
+    assert stuck.traceback is not None and stuck.traceback.startswith("Python stacks of rank 1 when it was killed:")
+    assert "hang_in_a_named_function" in stuck.traceback
+    report = _launcher.describe_failures(outcomes)
+    assert "rank 1: timed out (killed)\nPython stacks of rank 1" in report
+    assert "rank 0" not in report
+
+
+@pytest.mark.timeout(90)
+def test_a_pool_whose_rank_0_cannot_listen_fails_without_waiting_for_the_others(monkeypatch) -> None:
+    """Rank 0 cannot bind the port (a silent listener holds it); rank 1, connected to that listener,
+    would wait for its whole start timeout: the pool gives up 2 s after rank 0's error instead."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", _launcher.free_port()))
+        squatter.listen(8)
+        port = squatter.getsockname()[1]
+        monkeypatch.setattr(_launcher, "free_port", lambda: port)
+        pool = RankPool(2, "ring", env={"COMMLIB_TIMEOUT": "600"}, start_timeout=600)
+        with pytest.raises(RanksFailed) as failed:
+            pool.run(hang_in_a_named_function, -1)
+    message = str(failed.value)
+    assert message.startswith("RankPool(ring, 2) failed to start:\nrank 0: RendezvousError: [rank 0/2] ring.rendezvous: ")
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in message
+    assert "rank 1: timed out (killed)\nPython stacks of rank 1 when it was killed:" in message
+    assert "rendezvous" in message.split("rank 1: timed out")[1]
