@@ -105,6 +105,7 @@ MODEL_COLUMNS = [
     "model_mb",
     "o_us",
     "o_busy_us",
+    "busy_byte_GBps",
     "w_GBps",
     "w_backward_GBps",
     "seed_optimum_mb",
@@ -340,6 +341,7 @@ def rows_for_backend(
         "model_mb": model_bytes / MB,
         "o_us": report.cost_model.overhead_s * 1e6,
         "o_busy_us": report.cost_model.call_cost_s * 1e6,
+        "busy_byte_GBps": 1 / report.cost_model.busy_byte_s / 1e9 if report.cost_model.busy_byte_s > 0 else math.inf,
         "w_GBps": report.cost_model.bandwidth_Bps / 1e9,
         "w_backward_GBps": report.backward_bandwidth_Bps / 1e9,
         "seed_optimum_mb": report.seed_cap_bytes / MB,
@@ -528,11 +530,13 @@ def run(args: argparse.Namespace) -> int:
         say(
             "step ms: median of timed steps (rank 0); vs none: median of per-step ratios to no synchronisation; "
             "exposed: time the end of backward (or the sync after it) waited for communication; model ms: "
-            "step time of none + the simulated exposed communication + n_b * o at that bucket size"
+            "step time of none + the simulated exposed communication + n_b * o + the compute the bytes reduced "
+            "during backward take from it"
         )
         for s in summaries:
             say(
-                f"{s['backend']}: o = {s['o_us']:.0f} us ({s['o_busy_us']:.0f} us during compute), w = "
+                f"{s['backend']}: o = {s['o_us']:.0f} us ({s['o_busy_us']:.0f} us during compute), compute lost "
+                f"per byte = 1/({s['busy_byte_GBps']:.2f} GB/s), w = "
                 f"{s['w_GBps']:.2f} GB/s ({s['w_backward_GBps']:.2f} during backward); sqrt(s*o*w) = {s['seed_optimum_mb']:.2f} MiB; auto {s['auto_mb']:.2f} MiB "
                 f"{s['auto_step_ms']:.1f} ms vs best swept {s['best_swept_mb']:g} MiB {s['best_swept_step_ms']:.1f} ms: "
                 f"auto/best (paired) = {s['auto_vs_best']:.3f} ({'met' if s['auto_within_5pct'] else 'NOT met'}: <= 1.05); "

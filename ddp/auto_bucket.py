@@ -55,7 +55,8 @@ class AutoBucketReport:
         backward_bandwidth_Bps: The bandwidth the buckets got during that backward
             (``cost_model.in_backward``); the simulation uses it with ``o``.
         predicted_cost_s: What the simulation says ``cap_bytes`` adds to a step:
-            communication left after backward plus ``n_b * o`` (``ScheduleResult.cost_s``).
+            communication left after backward, plus ``n_b * o``, plus the compute the bytes reduced
+            during backward take from it (``ScheduleResult.cost_s``).
         seed_predicted_cost_s: The same at ``seed_cap_bytes``, for comparison.
         candidates: ``(cap_bytes, num_buckets, cost_s)`` of every cap simulated (rank 0).
     """

@@ -17,8 +17,11 @@ Two uses of the model:
   one is done, at the bandwidth measured during backward until backward ends
   and at the quiet bandwidth after. What the last one runs past the end of
   backward is exposed. ``choose_bucket_size`` picks the cap that minimises the
-  exposed time plus ``n_b * o`` (the calls' fixed cost, which overlap does not
-  hide on CPU); ties go to the larger cap.
+  exposed time, plus ``n_b * o`` (the calls' fixed cost, which overlap does not
+  hide on CPU), plus ``c`` times the bytes reduced during backward (the compute
+  they take, ``measure_busy_costs``: near ``1 / w`` where communication shares
+  backward's cores, near 0 where it has engines of its own); ties go to the
+  larger cap.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -44,6 +48,7 @@ __all__ = [
     "choose_bucket_size",
     "fit_cost_model",
     "in_backward",
+    "measure_busy_costs",
     "measure_busy_overhead",
     "simulate_schedule",
 ]
@@ -73,8 +78,11 @@ class CommCostModel:
     backend: str = ""
     world_size: int = 0
     busy_overhead_s: float | None = None
-    """What one call issued during compute costs that compute (``measure_busy_overhead``);
+    """What one call issued during compute costs that compute (``measure_busy_costs``);
     None: assume ``overhead_s``."""
+    busy_byte_s: float = 0.0
+    """Seconds of compute each byte all-reduced during compute takes from it (``measure_busy_costs``):
+    about ``1 / w`` where communication shares the compute's cores, 0 where it has its own engines."""
 
     @property
     def call_cost_s(self) -> float:
@@ -88,6 +96,8 @@ class CommCostModel:
             raise ValueError(
                 f"CommCostModel: bandwidth_Bps must be a finite number > 0, got {self.bandwidth_Bps!r}"
             )
+        if not (math.isfinite(self.busy_byte_s) and self.busy_byte_s >= 0):
+            raise ValueError(f"CommCostModel: busy_byte_s must be a finite number >= 0, got {self.busy_byte_s!r}")
         if self.busy_overhead_s is not None and not (
             math.isfinite(self.busy_overhead_s) and self.busy_overhead_s >= 0
         ):
@@ -117,6 +127,8 @@ class CommCostModel:
         """``o = 190 us, w = 4.31 GB/s, o during compute = 950 us (ring, 2 ranks)``."""
         where = f" ({self.backend}, {self.world_size} ranks)" if self.backend else ""
         busy = "" if self.busy_overhead_s is None else f", o during compute = {self.busy_overhead_s * 1e6:.0f} us"
+        if self.busy_byte_s > 0:
+            busy += f", compute lost per byte = 1/({1 / self.busy_byte_s / 1e9:.2f} GB/s)"
         return f"o = {self.overhead_s * 1e6:.0f} us, w = {self.bandwidth_Bps / 1e9:.2f} GB/s{busy}{where}"
 
 
@@ -191,8 +203,8 @@ def calibrate(
         dtype: Element type (the gradients' dtype).
         op: Reduction (DDP averages).
         clock: Seconds clock (tests pass a fake one).
-        busy: Also measure what a call costs a computation it overlaps
-            (``measure_busy_overhead``).
+        busy: Also measure what a call, and each byte, cost a backward they
+            overlap (``measure_busy_costs``).
 
     Returns:
         The fitted model, its ``samples`` the agreed per-size times.
@@ -205,11 +217,11 @@ def calibrate(
     element = torch.empty((), dtype=dtype).element_size()
     if not group.supports(op, dtype, "cpu"):
         op = ReduceOp.SUM
-    busy_s = measure_busy_overhead(group, dtype=dtype, op=op, clock=clock) if busy else math.nan
+    busy_costs = measure_busy_costs(group, dtype=dtype, op=op, clock=clock) if busy else (math.nan, math.nan)
     for attempt in range(_CALIBRATION_ATTEMPTS):
         # Every rank fits the same agreed numbers, so every rank retries, or not, alike.
-        times = _agreed_medians(group, sizes, repeats * (attempt + 1), element, dtype, op, clock, busy_s)
-        *medians, busy_agreed = times
+        times = _agreed_medians(group, sizes, repeats * (attempt + 1), element, dtype, op, clock, busy_costs)
+        *medians, busy_call, busy_byte = times
         samples = [(max(1, int(n) // element) * element, t) for n, t in zip(sizes, medians)]
         try:
             model = fit_cost_model(samples, backend=group.backend, world_size=group.world_size)
@@ -217,8 +229,8 @@ def calibrate(
             if attempt + 1 == _CALIBRATION_ATTEMPTS:
                 raise
             continue
-        if busy and math.isfinite(busy_agreed):
-            model = dataclasses.replace(model, busy_overhead_s=max(0.0, busy_agreed))
+        if busy and math.isfinite(busy_call) and math.isfinite(busy_byte):
+            model = dataclasses.replace(model, busy_overhead_s=max(0.0, busy_call), busy_byte_s=max(0.0, busy_byte))
         return model
     raise AssertionError("unreachable")
 
@@ -235,7 +247,7 @@ def _agreed_medians(
     dtype: torch.dtype,
     op: ReduceOp,
     clock: Callable[[], float],
-    extra: float,
+    extra: Sequence[float],
 ) -> list[float]:
     """This rank's median time per size, then the slowest rank's (plus ``extra``, also maxed)."""
     medians = []
@@ -248,7 +260,7 @@ def _agreed_medians(
             group.all_reduce(buffer, op)
             times.append(clock() - start)
         medians.append(statistics.median(times))
-    agreed = torch.tensor(medians + [extra], dtype=torch.float64)
+    agreed = torch.tensor(medians + list(extra), dtype=torch.float64)
     group.all_reduce(agreed, ReduceOp.MAX)
     return agreed.tolist()
 
@@ -259,47 +271,104 @@ def measure_busy_overhead(
     calls: int = 12,
     nbytes: int = 256 * 1024,
     chunk_s: float = 2e-3,
-    rounds: int = 3,
+    rounds: int = 5,
     dtype: torch.dtype = torch.float32,
     op: ReduceOp = ReduceOp.AVG,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Seconds one async all-reduce issued during compute adds to that compute (this rank's median).
+    """Seconds one async all-reduce launched during backward adds to that backward (this rank's median).
 
-    Mimics DDP's backward: ``calls`` chunks of matrix products of about ``chunk_s``
-    each, timed alone and then with an ``nbytes`` all-reduce launched after each
-    chunk; the difference per call is what overlap cannot hide on this machine
-    (the call's CPU work, a progress thread and the GIL competing with compute).
-    Collective: every rank issues the same all-reduces.
+    Mimics DDP: a chain of ``calls`` linear layers, each layer's backward taking
+    about ``chunk_s``, runs backward through the autograd engine twice: once as
+    it is, and once with a gradient hook on every layer that launches an
+    ``nbytes`` all-reduce, as DDP's hooks launch buckets. The difference per call
+    is what overlap cannot hide on this machine: the launch from inside the
+    engine, the GIL, a progress thread's wake-ups and the communication's own
+    CPU work, all competing with backward. (Timing plain matrix products between
+    launches measured about half of it on a 2-core machine.) Collective: every
+    rank issues the same all-reduces.
     """
-    a = torch.randn(256, 256)
-    out = torch.empty_like(a)
-    start = clock()
-    torch.mm(a, a, out=out)
-    one = max(clock() - start, 1e-6)
-    reps = max(1, min(64, round(chunk_s / one)))
-    buffers = [torch.zeros(max(1, nbytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype) for _ in range(calls)]
+    width = 256
+    generator = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(width, width) for _ in range(calls)]
+    element = torch.empty((), dtype=dtype).element_size()
+    buffers = [torch.zeros(max(1, nbytes // element), dtype=dtype) for _ in range(calls)]
+    works: list[Any] = []
+    launching = False
 
-    def compute(launch: bool) -> float:
-        works = []
-        start = clock()
-        for buffer in buffers:
-            for _ in range(reps):
-                torch.mm(a, a, out=out)
-            if launch:
+    def launcher(buffer: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if launching:
                 works.append(group.all_reduce(buffer, op, async_op=True))
+
+        return hook
+
+    handles = [layer.weight.register_hook(launcher(b)) for layer, b in zip(layers, buffers)]
+
+    def backward(x: torch.Tensor, launch: bool) -> float:
+        nonlocal launching
+        launching = launch
+        h = x
+        for layer in layers:
+            h = torch.tanh(layer(h))
+        loss = h.sum()
+        start = clock()
+        loss.backward()
         elapsed = clock() - start
         for work in works:
-            work.wait()  # type: ignore[union-attr]
+            work.wait()
+        works.clear()
+        for layer in layers:
+            layer.weight.grad = layer.bias.grad = None
         return elapsed
 
-    compute(True)  # warm up both paths
-    slowdowns = []
-    for _ in range(rounds):
-        alone = compute(False)
-        loaded = compute(True)
-        slowdowns.append((loaded - alone) / calls)
+    try:
+        probe = torch.randn(64, width, generator=generator)
+        start = time.perf_counter()
+        backward(probe, False)
+        per_layer = max((time.perf_counter() - start) / calls, 1e-7)
+        batch = int(min(8192, max(1, 64 * chunk_s / per_layer)))
+        x = torch.randn(batch, width, generator=generator)
+        backward(x, True)  # warm up both paths
+        slowdowns = []
+        for _ in range(rounds):
+            alone = backward(x, False)
+            loaded = backward(x, True)
+            slowdowns.append((loaded - alone) / calls)
+    finally:
+        for handle in handles:
+            handle.remove()
     return max(0.0, statistics.median(slowdowns))
+
+
+BUSY_SIZES = (256 * 1024, 2 * 1024 * 1024)
+"""Message sizes ``measure_busy_costs`` launches during backward."""
+
+
+def measure_busy_costs(
+    group: IProcessGroup,
+    *,
+    sizes: tuple[int, int] = BUSY_SIZES,
+    chunk_s: float = 6e-3,
+    dtype: torch.dtype = torch.float32,
+    op: ReduceOp = ReduceOp.AVG,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[float, float]:
+    """What all-reduces launched during backward cost it: ``(seconds per call, seconds per byte)``.
+
+    ``measure_busy_overhead`` at two sizes, and the line through them: the
+    intercept is the calls' fixed cost, the slope the compute each byte takes
+    (on a CPU box, close to ``1 / w``: the bytes are moved and summed on
+    backward's cores; on a GPU with NCCL, close to 0). Layers of ``chunk_s``
+    give the larger messages time to finish inside backward. Collective.
+    """
+    small, large = sizes
+    if not 0 < small < large:
+        raise ValueError(f"measure_busy_costs: sizes must be two increasing byte counts, got {sizes}")
+    at_small = measure_busy_overhead(group, nbytes=small, chunk_s=chunk_s, dtype=dtype, op=op, clock=clock)
+    at_large = measure_busy_overhead(group, nbytes=large, chunk_s=chunk_s, dtype=dtype, op=op, clock=clock)
+    per_byte = max(0.0, (at_large - at_small) / (large - small))
+    return max(0.0, at_small - per_byte * small), per_byte
 
 
 def in_backward(model: CommCostModel, service_times: Sequence[tuple[int, float]]) -> CommCostModel:
@@ -333,6 +402,8 @@ class ScheduleResult:
     """How long past the end of backward it ends (0 if fully hidden)."""
     calls_s: float = 0.0
     """``num_buckets * model.call_cost_s``: the calls' fixed cost, charged to the step (see ``cost_s``)."""
+    stolen_s: float = 0.0
+    """``model.busy_byte_s`` times the bytes reduced while backward runs: the compute they take."""
 
     @property
     def cost_s(self) -> float:
@@ -341,10 +412,11 @@ class ScheduleResult:
         The fixed cost of a call (Python, the backend, waking a progress thread, the
         GIL) is work on the cores backward runs on, so overlap does not hide it: it
         is the seed's ``n_b * o`` term, with ``o`` as measured during compute
-        (``CommCostModel.call_cost_s``). The bytes are hidden except what
-        ``exposed_s`` leaves.
+        (``CommCostModel.call_cost_s``). The bytes cost what ``exposed_s`` leaves
+        after backward, plus, for those reduced during it, the compute they take
+        (``stolen_s``).
         """
-        return self.exposed_s + self.calls_s
+        return self.exposed_s + self.calls_s + self.stolen_s
 
 
 def simulate_schedule(
@@ -363,7 +435,8 @@ def simulate_schedule(
     ``order``); a bucket is ready when its last gradient arrives and is reduced after
     the previous bucket: ``o``, then its bytes at ``busy_bandwidth_Bps`` while
     backward still runs (communication shares the cores with it) and at the model's
-    bandwidth once backward is over.
+    bandwidth once backward is over. The bytes moved while backward runs are
+    charged ``model.busy_byte_s`` each (``ScheduleResult.stolen_s``).
 
     Args:
         model: The cost of one all-reduce (calibrated on a quiet group).
@@ -378,6 +451,7 @@ def simulate_schedule(
     busy = quiet if busy_bandwidth_Bps is None else min(busy_bandwidth_Bps, quiet)
     buckets = plan_buckets(params, order, cap_bytes)
     finish = 0.0
+    during_backward = 0.0
     for members in buckets:
         ready = max(arrival_s[i] for i in members)
         nbytes = sum(params[i].numel() * params[i].element_size() for i in members)
@@ -386,12 +460,19 @@ def simulate_schedule(
             busy_end = t + nbytes / busy
             if busy_end <= backward_s:
                 finish = busy_end
+                during_backward += nbytes
                 continue
+            during_backward += (backward_s - t) * busy
             nbytes -= (backward_s - t) * busy
             t = backward_s
         finish = t + nbytes / quiet
     return ScheduleResult(
-        cap_bytes, len(buckets), finish, max(0.0, finish - backward_s), len(buckets) * model.call_cost_s
+        cap_bytes,
+        len(buckets),
+        finish,
+        max(0.0, finish - backward_s),
+        len(buckets) * model.call_cost_s,
+        model.busy_byte_s * during_backward,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -19,6 +20,7 @@ from ddp.cost_model import (
     candidate_caps,
     choose_bucket_size,
     fit_cost_model,
+    measure_busy_costs,
     measure_busy_overhead,
     simulate_schedule,
 )
@@ -140,7 +142,7 @@ def test_busy_overhead_is_what_each_call_adds_to_the_compute_it_overlaps():
     for busy, issued in results:
         # The fake clock advances only in all-reduces: each costs o + n / w on top of the compute.
         assert busy == pytest.approx(o + 64 * KiB / w, rel=1e-9)
-        assert issued == 4 * 3  # a warm-up round and 2 measured rounds, 4 calls each
+        assert issued == 4 * 3  # a warm-up backward and 2 measured ones, a call per layer in each
     model = CommCostModel(o, w, busy_overhead_s=results[0][0])
     assert model.call_cost_s == results[0][0] > o
     assert CommCostModel(o, w).call_cost_s == o and CommCostModel(o, w, busy_overhead_s=0.0).call_cost_s == o
@@ -207,6 +209,32 @@ def test_auto_names_rank_backend_and_the_way_out_when_calibration_fails(monkeypa
         assert "does not grow with the size" in message and "bucket_size_mb" in message
 
 
+def test_busy_costs_split_into_a_per_call_and_a_per_byte_part():
+    # Fake all-reduces advance the clock by o + n / w on top of the compute: per call o, per byte 1 / w.
+    o, w = 300e-6, 2e9
+
+    def body(group):
+        costs = measure_busy_costs(group, clock=group.clock, chunk_s=0.0, sizes=(64 * KiB, 1 * MB))
+        model = calibrate(group, clock=group.clock, repeats=2, sizes=(64 * KiB, 1 * MB))
+        with pytest.raises(ValueError, match=r"two increasing byte counts, got \(1048576, 65536\)"):
+            measure_busy_costs(group, sizes=(1 * MB, 64 * KiB))
+        return costs, model
+
+    slowest = 1.5
+    for (per_call, per_byte), model in run_threads(
+        body, 2, group_factory=costed(o, w, slowdown=lambda rank: 1 + rank / 2)
+    ):
+        assert per_call > 0 and per_byte > 0
+        # calibrate agrees the slowest rank's figures (rank 1: o * 1.5, w / 1.5) on every rank.
+        assert model.busy_overhead_s == pytest.approx(o * slowest, rel=1e-6)
+        assert model.busy_byte_s == pytest.approx(slowest / w, rel=1e-6)
+        assert "compute lost per byte = 1/(1.33 GB/s)" in model.summary()
+    (rank0_call, rank0_byte), _ = run_threads(body, 2, group_factory=costed(o, w))[0]
+    assert rank0_call == pytest.approx(o, rel=1e-6) and rank0_byte == pytest.approx(1 / w, rel=1e-6)
+    with pytest.raises(ValueError, match="busy_byte_s"):
+        CommCostModel(o, w, busy_byte_s=-1.0)
+
+
 def test_calibrate_rejects_zero_repeats():
     def body(group):
         with pytest.raises(ValueError, match="repeats"):
@@ -251,6 +279,40 @@ def test_two_speed_schedule_uses_the_busy_bandwidth_until_backward_ends():
     r = simulate_schedule(model, params, order, [0.008, 0.0], 0.010, 2 * MB, busy_bandwidth_Bps=1 * MB / 0.004)
     # One 2 MiB bucket ready at 8 ms: 2 ms busy moves 0.5 MiB, then 1.5 MiB quiet takes 1.5 ms.
     assert r.num_buckets == 1 and r.finish_s == pytest.approx(0.0115)
+
+
+def test_bytes_reduced_during_backward_are_charged_the_compute_they_take():
+    params = _equal_params(2, 1 * MB)
+    order = [1, 0]
+    model = CommCostModel(0.0, 1 * MB / 0.001, busy_byte_s=0.002 / MB)  # each MiB during backward: 2 ms of compute
+    # Two buckets: param 1's reduced at 4 ms/MiB from 0 to 4 ms (inside backward), param 0's after it.
+    r = simulate_schedule(model, params, order, [0.010, 0.0], 0.010, 1 * MB, busy_bandwidth_Bps=1 * MB / 0.004)
+    assert r.stolen_s == pytest.approx(0.002) and r.exposed_s == pytest.approx(0.001)
+    assert r.cost_s == pytest.approx(0.003)
+    # One 2 MiB bucket ready at 8 ms: 0.5 MiB moves before backward ends (1 ms taken), 1.5 MiB after.
+    r = simulate_schedule(model, params, order, [0.008, 0.0], 0.010, 2 * MB, busy_bandwidth_Bps=1 * MB / 0.004)
+    assert r.stolen_s == pytest.approx(0.001) and r.exposed_s == pytest.approx(0.0015)
+
+
+def test_when_communication_costs_compute_as_much_as_waiting_for_it_fewer_buckets_win():
+    # 16 gradients of 1 MiB, one per ms; reducing 1 MiB takes 0.5 ms. Communication that is
+    # free for compute (a GPU) is best overlapped in small buckets; communication that takes
+    # backward's core byte for byte (busy_byte_s = 1 / w) gains nothing from overlap, so the
+    # fewest calls win: one bucket.
+    n, p, dt = 16, 1 * MB, 1e-3
+    params = _equal_params(n, p)
+    order = list(reversed(range(n)))
+    arrival_s = [0.0] * n
+    for k, i in enumerate(order):
+        arrival_s[i] = (k + 1) * dt
+    caps = [m * p for m in (1, 2, 4, 8, 16)]
+    free = CommCostModel(50e-6, p / 0.5e-3)
+    shared = dataclasses.replace(free, busy_byte_s=0.5e-3 / p)
+    overlapped, _ = choose_bucket_size(free, params, order, arrival_s, n * dt, caps=caps, tolerance_s=0.0)
+    serial, tried = choose_bucket_size(shared, params, order, arrival_s, n * dt, caps=caps, tolerance_s=0.0)
+    assert overlapped.num_buckets > 1
+    assert serial.num_buckets == 1 and serial.stolen_s == 0.0
+    assert all(r.cost_s >= serial.cost_s for r in tried)
 
 
 def test_choose_bucket_size_finds_the_known_optimum():
