@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -182,6 +183,41 @@ def clean_commlib(clean_launcher_env: None) -> Iterator[None]:
 def repo_root() -> Path:
     """The repository root."""
     return REPO_ROOT
+
+
+def run_job(
+    cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: str | Path | None = REPO_ROOT
+) -> subprocess.CompletedProcess[str]:
+    """Run a command that starts ranks (mpiexec, torchrun, ``--spawn N``) and capture its output.
+
+    Like ``subprocess.run(cmd, capture_output=True, text=True, timeout=...)``, but
+    the command gets a session of its own and, on timeout, the whole session is
+    killed: the launcher and every rank it started (``subprocess.run`` kills only
+    the launcher, leaving the ranks to hold CPU and ports for the next tests).
+
+    Raises:
+        subprocess.TimeoutExpired: After the kill, with the output so far.
+    """
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate(timeout=30)
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def scrubbed_env(**extra: str) -> dict[str, str]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, scrubbed_env
+from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, run_job, scrubbed_env
 
 BENCH = REPO_ROOT / "benchmarks" / "allreduce_bench.py"
 TABLE_HEADER = [
@@ -66,24 +64,11 @@ def bench() -> Iterator[ModuleType]:
 
 
 def run_bench(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run the benchmark in its own session; on timeout kill every rank, not just the launcher."""
-    proc = subprocess.Popen(
-        args,
-        cwd=REPO_ROOT,
-        env=scrubbed_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    """Run the benchmark; on timeout every rank is killed, not just the launcher."""
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"benchmark did not finish within {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+        return run_job(args, timeout=timeout, env=scrubbed_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"benchmark did not finish within {timeout} s:\n{e.stdout}\n{e.stderr}")
 
 
 def check_output(proc: subprocess.CompletedProcess[str], csv_path: Path, expected_modes: set[str]) -> None:

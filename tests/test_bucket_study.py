@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT, scrubbed_env
+from tests.conftest import REPO_ROOT, run_job, scrubbed_env
 
 STUDY = REPO_ROOT / "benchmarks" / "bucket_study.py"
 SEED_COLUMNS = ["bucket_size_mb", "num_buckets", "model_size", "d_model", "num_layers", "world_size", "avg_step_time_ms"]
@@ -18,13 +18,10 @@ IMPLEMENTATIONS = {"none", "naive", "flat", "per-param", "bucketed", "auto"}
 @pytest.mark.timeout(240)
 def test_quick_study_writes_csvs_table_and_plot(tmp_path):
     out = tmp_path / "study"
-    proc = subprocess.run(
+    proc = run_job(
         [sys.executable, str(STUDY), "--spawn", "2", "--quick", "--backends", "ring,gloo", "--out", str(out)],
-        cwd=REPO_ROOT,
-        env=scrubbed_env(),
-        capture_output=True,
-        text=True,
         timeout=220,
+        env=scrubbed_env(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with (out / "bucket_study.csv").open() as f:

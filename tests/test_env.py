@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import warnings
 
@@ -18,7 +17,7 @@ from commlib.env import (
     read_env_var,
 )
 from commlib.ports import ephemeral_port_range, port_from_key
-from tests.conftest import REPO_ROOT, mpiexec_command, requires_mpi, scrubbed_env
+from tests.conftest import REPO_ROOT, mpiexec_command, requires_mpi, run_job, scrubbed_env
 
 TORCHRUN = {
     "RANK": "3",
@@ -289,15 +288,7 @@ def test_real_mpiexec_ranks_agree_on_the_derived_port(wrapped: bool) -> None:
     command = [sys.executable, "-c", _PRINT_ENV]
     if wrapped:  # each rank gets a parent of its own; the launcher's proxy is the shared ancestor
         command = ["bash", "-c", f"{sys.executable} -c \"{_PRINT_ENV}\"; true"]
-    proc = subprocess.run(
-        [*mpiexec_command(2), *command],
-        cwd=REPO_ROOT,
-        env=scrubbed_env(PYTHONPATH=str(REPO_ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=100,
-        stdin=subprocess.DEVNULL,
-    )
+    proc = run_job([*mpiexec_command(2), *command], timeout=100, env=scrubbed_env(PYTHONPATH=str(REPO_ROOT)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("DETECT"))
     assert len(lines) == 2, proc.stdout

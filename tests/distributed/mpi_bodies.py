@@ -24,7 +24,6 @@ import importlib
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import tempfile
@@ -502,7 +501,7 @@ def launch(
         launcher_args: Extra launcher flags (``-disable-auto-cleanup``).
     """
     from commlib.ports import free_port
-    from tests.conftest import mpiexec_command, scrubbed_env
+    from tests.conftest import mpiexec_command, run_job, scrubbed_env
 
     names = bodies if isinstance(bodies, str) else ",".join(bodies)
     script = [str(Path(__file__).resolve()), names, json.dumps(list(args))]
@@ -531,21 +530,12 @@ def launch(
             **(env or {}),
         )
         start = time.monotonic()
-        proc = subprocess.Popen(
-            cmd,
-            env=child_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            proc = run_job(cmd, timeout=timeout, env=child_env, cwd=None)
             code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-            stdout, stderr = proc.communicate(timeout=30)
-            code = None
+            stdout, stderr = proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as e:  # run_job killed the launcher and every rank it started
+            code, stdout, stderr = None, e.stdout or "", e.stderr or ""
         elapsed = time.monotonic() - start
         results = {}
         for path in Path(result_dir).glob("rank*.pkl"):

@@ -28,7 +28,7 @@ from ddp import DistributedDataParallel, MissingGradientsError, ModelMismatchErr
 from ddp.config import MB
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 from tests._launcher import RankPool, run_ranks
-from tests.conftest import available_backend_names, scrubbed_env
+from tests.conftest import available_backend_names, run_job, scrubbed_env
 
 # ----------------------------------------------------------------- models
 PER_RANK = 4
@@ -445,15 +445,7 @@ def test_mpi_backend_under_mpiexec(mpiexec, repo_root, tmp_path):
         OMP_NUM_THREADS="1",
         **{_OUT_VAR: str(tmp_path)},
     )
-    proc = subprocess.run(
-        [*mpiexec(2), sys.executable, "-m", "tests.distributed.test_ddp"],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        stdin=subprocess.DEVNULL,
-    )
+    proc = run_job([*mpiexec(2), sys.executable, "-m", "tests.distributed.test_ddp"], timeout=180, env=env, cwd=repo_root)
     files = sorted(tmp_path.glob("rank*.json"))
     assert proc.returncode == 0 and len(files) == 2, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     ranks = [json.loads(f.read_text()) for f in files]
@@ -488,16 +480,8 @@ def _main() -> None:
 def _run_script(args: list[str], repo_root, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = scrubbed_env(PYTHONPATH=str(repo_root), OMP_NUM_THREADS="1")
     try:
-        return subprocess.run(
-            [sys.executable, *args],
-            cwd=repo_root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as e:  # the script kills its own ranks when it is killed
+        return run_job([sys.executable, *args], timeout=timeout, env=env, cwd=repo_root)
+    except subprocess.TimeoutExpired as e:  # run_job killed the script and the ranks it started
         pytest.fail(f"{args} did not finish within {timeout} s:\n{e.stdout}\n{e.stderr}")
 
 

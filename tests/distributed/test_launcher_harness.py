@@ -1,14 +1,17 @@
-"""The test launcher itself: a stuck rank is reported with its stacks, a pool that cannot start fails fast."""
+"""The test launchers themselves: a stuck rank is reported with its stacks, a pool that cannot start fails
+fast, a job past its timeout is killed with every process it started."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 
 import pytest
 
 from tests import _launcher
 from tests._launcher import RankPool, RanksFailed, run_ranks_outcomes
+from tests.conftest import run_job
 
 
 def hang_in_a_named_function(rank_to_hang: int) -> str:
@@ -49,3 +52,21 @@ def test_a_pool_whose_rank_0_cannot_listen_fails_without_waiting_for_the_others(
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in message
     assert "rank 1: timed out (killed)\nPython stacks of rank 1 when it was killed:" in message
     assert "rendezvous" in message.split("rank 1: timed out")[1]
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for its new parent to reap it counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_a_job_past_its_timeout_is_killed_with_every_process_it_started() -> None:
+    """``run_job`` kills the launcher's whole session, not just the launcher (``subprocess.run``'s way)."""
+    with pytest.raises(subprocess.TimeoutExpired) as expired:
+        run_job(["bash", "-c", "sleep 600 & echo $!; wait"], timeout=2)
+    rank_pid = int(expired.value.stdout.split()[0])
+    assert not _alive(rank_pid), f"process {rank_pid}, started by the job, survived the timeout"

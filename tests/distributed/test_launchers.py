@@ -6,13 +6,13 @@ import importlib.util
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from commlib.ports import free_port
+from tests.conftest import run_job
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.launcher]
 
@@ -34,16 +34,7 @@ def _clean_env(backend: str) -> dict[str, str]:
 
 
 def _run(command: list[str], backend: str, world_size: int) -> None:
-    proc = subprocess.run(
-        command,
-        cwd=REPO,
-        env=_clean_env(backend),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = run_job(command, timeout=240, env=_clean_env(backend), cwd=REPO)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{command[0]} exited {proc.returncode}:\n{output[-6000:]}"
     # Ranks share the launcher's stdout, so their lines may interleave: match the markers anywhere.
