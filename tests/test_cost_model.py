@@ -249,6 +249,15 @@ def _equal_params(n: int, nbytes: int) -> list[torch.Tensor]:
     return [torch.zeros(nbytes // 4) for _ in range(n)]
 
 
+def _last_parameter_first(n: int, dt: float) -> tuple[list[int], list[float]]:
+    """Backward's order over ``n`` parameters (the last first) and arrival times, one gradient every ``dt``."""
+    order = list(reversed(range(n)))
+    arrival_s = [0.0] * n
+    for k, i in enumerate(order):
+        arrival_s[i] = (k + 1) * dt
+    return order, arrival_s
+
+
 def test_simulation_of_a_comm_bound_and_a_compute_bound_schedule():
     params = _equal_params(4, 1 * MB)
     order = [3, 2, 1, 0]
@@ -301,10 +310,7 @@ def test_when_communication_costs_compute_as_much_as_waiting_for_it_fewer_bucket
     # fewest calls win: one bucket.
     n, p, dt = 16, 1 * MB, 1e-3
     params = _equal_params(n, p)
-    order = list(reversed(range(n)))
-    arrival_s = [0.0] * n
-    for k, i in enumerate(order):
-        arrival_s[i] = (k + 1) * dt
+    order, arrival_s = _last_parameter_first(n, dt)
     caps = [m * p for m in (1, 2, 4, 8, 16)]
     free = CommCostModel(50e-6, p / 0.5e-3)
     shared = dataclasses.replace(free, busy_byte_s=0.5e-3 / p)
@@ -321,10 +327,7 @@ def test_choose_bucket_size_finds_the_known_optimum():
     # then what is exposed is the last bucket's call, 1.8 + 0.1 m ms.
     n, p, dt = 64, 64 * KiB, 1e-3
     params = _equal_params(n, p)
-    order = list(reversed(range(n)))
-    arrival_s = [0.0] * n
-    for k, i in enumerate(order):
-        arrival_s[i] = (k + 1) * dt
+    order, arrival_s = _last_parameter_first(n, dt)
     model = CommCostModel(1.8e-3, p / 1e-4)
     caps = [m * p for m in range(1, n + 1)]
     chosen, tried = choose_bucket_size(model, params, order, arrival_s, n * dt, caps=caps, tolerance_s=0.0)
