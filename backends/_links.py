@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from commlib.errors import CommError, PeerFailureError, RendezvousError
-
 from backends._rendezvous import RingSockets, host_id
 from backends._wire import SocketReader, recv_json, send_json
+from commlib.errors import CommError, PeerFailureError, RendezvousError
 
 __all__ = ["SendLink", "RecvLink", "connect_links", "META_BYTES", "Reducer"]
 
@@ -150,7 +149,9 @@ class RecvLink(_Link):
 class TcpSendLink(SendLink):
     """Frames written by a dedicated thread, in order."""
 
-    def __init__(self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, chunk_bytes: int) -> None:
+    def __init__(
+        self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, chunk_bytes: int
+    ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "tcp"
         self.chunk_bytes = chunk_bytes
@@ -181,7 +182,9 @@ class TcpSendLink(SendLink):
         if self._error is not None:
             error = self._error
             if isinstance(error, TimeoutError):
-                raise CommError(f"timed out sending to {self.describe} ({what}): it stopped reading") from error
+                raise CommError(
+                    f"timed out sending to {self.describe} ({what}): it stopped reading"
+                ) from error
             raise PeerFailureError(f"sending to {self.describe} failed ({what}): {error}") from error
 
     def _enqueue(self, parts: tuple[Any, ...]) -> None:
@@ -196,7 +199,9 @@ class TcpSendLink(SendLink):
             self._enqueue((bytes([_FRAME_META]) + record,))
         else:
             view = byte_view(payload)
-            self._enqueue((bytes([_FRAME_META]) + record + bytes([_FRAME_PAYLOAD]) + _U64.pack(len(view)), view))
+            self._enqueue(
+                (bytes([_FRAME_META]) + record + bytes([_FRAME_PAYLOAD]) + _U64.pack(len(view)), view)
+            )
 
     def send(self, chunk: torch.Tensor) -> None:
         """Queue a chunk for the sender thread; it must not change until ``flush``."""
@@ -224,7 +229,9 @@ class TcpSendLink(SendLink):
 class TcpRecvLink(RecvLink):
     """Reads frames; reductions go through a scratch buffer allocated once."""
 
-    def __init__(self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, chunk_bytes: int) -> None:
+    def __init__(
+        self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, chunk_bytes: int
+    ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "tcp"
         self.chunk_bytes = chunk_bytes
@@ -278,7 +285,9 @@ class _Inbox:
             self.base.zero_()  # touch every page now, not during the first collective
             self.map[: len(_SHM_MAGIC) + 16] = _SHM_MAGIC + self.token
         elif bytes(self.map[: len(_SHM_MAGIC) + 16]) != _SHM_MAGIC + token:
-            raise OSError(f"shared-memory file {path} does not hold the expected token (another host's /dev/shm?)")
+            raise OSError(
+                f"shared-memory file {path} does not hold the expected token (another host's /dev/shm?)"
+            )
         else:
             self.token = token
         self.slots = slots
@@ -305,7 +314,9 @@ class _Inbox:
 class ShmSendLink(SendLink):
     """Copies chunks into the right neighbour's inbox."""
 
-    def __init__(self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, inbox: _Inbox) -> None:
+    def __init__(
+        self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, inbox: _Inbox
+    ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "shm"
         self.inbox = inbox
@@ -314,7 +325,7 @@ class ShmSendLink(SendLink):
         self._acked = 0
 
     def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
-        """Send one metadata record over the socket; a payload goes into a slot, announced in the same write."""
+        """Send one metadata record over the socket; a payload goes into a slot, announced in one write."""
         if payload is None:
             self._send_token(bytes([_FRAME_META]) + record)
         else:
@@ -349,7 +360,9 @@ class ShmSendLink(SendLink):
 class ShmRecvLink(RecvLink):
     """Reads chunks out of this rank's own inbox."""
 
-    def __init__(self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, inbox: _Inbox) -> None:
+    def __init__(
+        self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, inbox: _Inbox
+    ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "shm"
         self.inbox = inbox
@@ -437,7 +450,10 @@ def connect_links(
         except OSError as e:
             why_not = f"cannot create shared memory at {path}: {e}"
     if inbox is None and forced and "tcp" not in (transport, proposal["transport"]):
-        message = f"{prefix}COMMLIB_RING_TRANSPORT=shm, but the link from rank {left_rank} cannot use shared memory: {why_not}"
+        message = (
+            f"{prefix}COMMLIB_RING_TRANSPORT=shm, but the link from rank {left_rank} cannot use "
+            f"shared memory: {why_not}"
+        )
         send_json(left, {"transport": "error", "why": message})
         raise RendezvousError(message)
     if inbox is not None:
@@ -452,7 +468,9 @@ def connect_links(
     problem = ""
     if offer["transport"] == "shm":
         try:
-            remote = _Inbox(offer["path"], slots, chunk_bytes, create=False, token=bytes.fromhex(offer["token"]))
+            remote = _Inbox(
+                offer["path"], slots, chunk_bytes, create=False, token=bytes.fromhex(offer["token"])
+            )
         except OSError as e:
             problem = f"cannot open rank {right_rank}'s shared memory: {e}"
     send_json(right, {"ok": remote is not None, "why": problem})
@@ -460,7 +478,10 @@ def connect_links(
     if inbox is not None:
         inbox.unlink()  # both ends have it mapped; nothing is left behind if a rank crashes
     if forced and (problem or (inbox is not None and not reply["ok"])):
-        raise RendezvousError(f"{prefix}COMMLIB_RING_TRANSPORT=shm, but a link cannot use shared memory: {problem or reply['why']}")
+        raise RendezvousError(
+            f"{prefix}COMMLIB_RING_TRANSPORT=shm, but a link cannot use shared memory: "
+            f"{problem or reply['why']}"
+        )
 
     right_reader.spin_s = left_reader.spin_s = spin_s
     send_link: SendLink

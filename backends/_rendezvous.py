@@ -24,10 +24,9 @@ import socket
 import time
 from typing import Any
 
+from backends._wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
-
-from backends._wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 
 __all__ = ["Peer", "RingSockets", "rendezvous", "host_id"]
 
@@ -91,7 +90,9 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
     """
     prefix = error_prefix(env.rank, env.world_size, backend, "rendezvous")
     if env.world_size == 1:
-        return RingSockets(peers=[Peer(0, host_id(), "", 0, os.getpid())], settings=settings, right=None, left=None)
+        return RingSockets(
+            peers=[Peer(0, host_id(), "", 0, os.getpid())], settings=settings, right=None, left=None
+        )
     deadline = time.monotonic() + timeout
     loopback = _is_loopback(env.master_addr)
     try:
@@ -104,9 +105,13 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
     data_listener.listen(8)
     try:
         if _use_torchrun_store(env):
-            peers, shared = _exchange_through_store(env, prefix, deadline, timeout, master_ip, data_listener, settings)
+            peers, shared = _exchange_through_store(
+                env, prefix, deadline, timeout, master_ip, data_listener, settings
+            )
         elif env.rank == 0:
-            peers, shared = _lead(env, prefix, deadline, timeout, master_ip, loopback, data_listener, settings)
+            peers, shared = _lead(
+                env, prefix, deadline, timeout, master_ip, loopback, data_listener, settings
+            )
         else:
             peers, shared = _follow(env, prefix, deadline, timeout, master_ip, data_listener)
         right, left, left_reader = _link_neighbours(env, prefix, deadline, timeout, peers, data_listener)
@@ -149,12 +154,20 @@ def _exchange_through_store(
     base = f"commlib/ring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
     wait = datetime.timedelta(seconds=max(0.1, deadline - time.monotonic()))
     try:
-        store = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=wait, wait_for_workers=False)
+        store = TCPStore(
+            env.master_addr, env.master_port, is_master=False, timeout=wait, wait_for_workers=False
+        )
     except Exception as e:  # noqa: BLE001 - torch raises several types here
         raise RendezvousTimeoutError(
             f"{prefix}cannot reach torchrun's store at {env.master_addr}:{env.master_port}: {e}"
         ) from e
-    me = Peer(env.rank, host_id(), _reachable_addr(data_listener, master_ip), data_listener.getsockname()[1], os.getpid())
+    me = Peer(
+        env.rank,
+        host_id(),
+        _reachable_addr(data_listener, master_ip),
+        data_listener.getsockname()[1],
+        os.getpid(),
+    )
     if store.add(f"{base}/claims/{env.rank}", 1) != 1:
         raise RendezvousError(f"{prefix}two processes claim rank {env.rank}; every rank needs its own RANK")
     record = dataclasses.asdict(me) | {"world_size": env.world_size}
@@ -174,7 +187,9 @@ def _exchange_through_store(
     for r in range(env.world_size):
         data = json.loads(store.get(f"{base}/peer/{r}"))
         if data.pop("world_size") != env.world_size:
-            raise RendezvousError(f"{prefix}rank {r} was started with another WORLD_SIZE than {env.world_size}")
+            raise RendezvousError(
+                f"{prefix}rank {r} was started with another WORLD_SIZE than {env.world_size}"
+            )
         peers.append(Peer(**data))
     return peers, json.loads(store.get(f"{base}/settings"))
 
@@ -240,7 +255,13 @@ def _lead(
                 raise RendezvousError(message)
             rank = int(hello["rank"])
             conns[rank] = conn
-            peers[rank] = Peer(rank, hello["host"], hello["addr"] or conn.getpeername()[0], int(hello["port"]), int(hello["pid"]))
+            peers[rank] = Peer(
+                rank,
+                hello["host"],
+                hello["addr"] or conn.getpeername()[0],
+                int(hello["port"]),
+                int(hello["pid"]),
+            )
         table = [dataclasses.asdict(peers[r]) for r in range(env.world_size)]
         for conn in conns.values():
             send_json(conn, {"peers": table, "settings": settings})
@@ -289,7 +310,9 @@ def _follow(
             f"({env.master_addr}:{env.master_port}) the same on every rank?"
         ) from None
     except OSError as e:
-        raise RendezvousError(f"{prefix}cannot reach rank 0 at {env.master_addr}:{env.master_port}: {e}") from e
+        raise RendezvousError(
+            f"{prefix}cannot reach rank 0 at {env.master_addr}:{env.master_port}: {e}"
+        ) from e
     with conn:
         my_addr = data_listener.getsockname()[0]
         if my_addr == "0.0.0.0":
@@ -325,7 +348,12 @@ def _follow(
 
 
 def _link_neighbours(
-    env: DistEnv, prefix: str, deadline: float, timeout: float, peers: list[Peer], data_listener: socket.socket
+    env: DistEnv,
+    prefix: str,
+    deadline: float,
+    timeout: float,
+    peers: list[Peer],
+    data_listener: socket.socket,
 ) -> tuple[socket.socket, socket.socket, SocketReader]:
     right_rank = (env.rank + 1) % env.world_size
     left_rank = (env.rank - 1) % env.world_size

@@ -27,7 +27,14 @@ __all__ = [
 _JSON_HEADER = struct.Struct("!I")
 _MAX_JSON_BYTES = 16 * 1024 * 1024
 _RETRY_ERRNOS = frozenset(
-    {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH}
+    {
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ETIMEDOUT,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+    }
 )
 
 
@@ -99,7 +106,9 @@ class SocketReader:
                 "it may be stuck, slower, or calling a different collective"
             ) from None
         except OSError as e:
-            raise PeerClosed(f"{self.describe} reset the connection ({what}): {e}", self.buffered(), need) from e
+            raise PeerClosed(
+                f"{self.describe} reset the connection ({what}): {e}", self.buffered(), need
+            ) from e
         if not data:
             raise PeerClosed(
                 f"{self.describe} closed the connection ({what}; got {self.buffered()}/{need} bytes): "
@@ -154,7 +163,11 @@ class SocketReader:
                     f"({what}; got {got}/{total} bytes)"
                 ) from None
             except OSError as e:
-                raise PeerClosed(f"{self.describe} reset the connection ({what}) after {got}/{total} bytes: {e}", got, total) from e
+                raise PeerClosed(
+                    f"{self.describe} reset the connection ({what}) after {got}/{total} bytes: {e}",
+                    got,
+                    total,
+                ) from e
             if n == 0:
                 raise PeerClosed(
                     f"{self.describe} closed the connection after {got}/{total} bytes ({what}): "
@@ -220,7 +233,9 @@ def connect_with_retry(addr: str, port: int, deadline: float, what: str) -> sock
             # source: TCP's simultaneous open joined the socket to itself. Dropping it frees the
             # port for the listener.
             sock.close()
-            last = ConnectionRefusedError(errno.ECONNREFUSED, f"connected to itself on port {port}; nothing listens there yet")
+            last = ConnectionRefusedError(
+                errno.ECONNREFUSED, f"connected to itself on port {port}; nothing listens there yet"
+            )
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.2)
 

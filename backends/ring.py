@@ -31,6 +31,8 @@ from typing import Literal
 
 import torch
 
+from backends._links import META_BYTES, RecvLink, Reducer, SendLink, connect_links
+from backends._rendezvous import rendezvous
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
@@ -43,9 +45,6 @@ from commlib.errors import (
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp, dtype_name
 from commlib.work import CompletedWork, FutureWork, Work
-
-from backends._links import META_BYTES, RecvLink, Reducer, SendLink, connect_links
-from backends._rendezvous import rendezvous
 
 __all__ = ["RingConfig", "RingProcessGroup", "BACKENDS"]
 
@@ -131,7 +130,9 @@ class RingConfig:
             chunk_bytes=chunk - chunk % 64,
             shm_slots=read_env_var("COMMLIB_RING_SHM_SLOTS", _int_at_least(1), default.shm_slots, environ),
             shm_dir=environ.get("COMMLIB_RING_SHM_DIR") or None,
-            small_bytes=read_env_var("COMMLIB_RING_SMALL_BYTES", _int_at_least(0), default.small_bytes, environ),
+            small_bytes=read_env_var(
+                "COMMLIB_RING_SMALL_BYTES", _int_at_least(0), default.small_bytes, environ
+            ),
             spin_us=read_env_var("COMMLIB_RING_SPIN_US", _spin, default.spin_us, environ),
         )
 
@@ -188,7 +189,12 @@ class _Meta:
         )
 
     def tensor_text(self) -> str:
-        shape = "(" + ", ".join("..." if d < 0 else str(d) for d in self.shape) + ("," if len(self.shape) == 1 else "") + ")"
+        shape = (
+            "("
+            + ", ".join("..." if d < 0 else str(d) for d in self.shape)
+            + ("," if len(self.shape) == 1 else "")
+            + ")"
+        )
         dtype = dtype_name(self.dtype) if self.dtype is not None else "?"
         return f"{dtype} {shape} [{self.numel} elements]"
 
@@ -253,7 +259,9 @@ class RingProcessGroup(IProcessGroup):
     backend_name = "ring"
     supported_devices = frozenset({"cpu", "cuda"})
 
-    def __init__(self, env: DistEnv, config: CommConfig | None = None, ring_config: RingConfig | None = None) -> None:
+    def __init__(
+        self, env: DistEnv, config: CommConfig | None = None, ring_config: RingConfig | None = None
+    ) -> None:
         super().__init__(env, config)
         self._ring_config = ring_config if ring_config is not None else RingConfig.from_env()
         settings = {
@@ -305,12 +313,16 @@ class RingProcessGroup(IProcessGroup):
         return self._chunk_bytes
 
     # ------------------------------------------------------------- execution
-    def _submit(self, describe: str, body: Callable[[], None], async_op: bool, keep_alive: object = None) -> Work:
+    def _submit(
+        self, describe: str, body: Callable[[], None], async_op: bool, keep_alive: object = None
+    ) -> Work:
         with self._state_lock:
             inline = not async_op and self._inflight == 0
             if not inline:
                 if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="commlib-ring-progress")
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="commlib-ring-progress"
+                    )
                 self._inflight += 1
         if inline:
             self._execute(describe, body)
@@ -354,7 +366,14 @@ class RingProcessGroup(IProcessGroup):
             text += f" ({dtype_name(tensor.dtype)}, {tensor.numel()} elements)"
         return text
 
-    def _next_meta(self, kind: str, tensor: torch.Tensor | None, op: ReduceOp | None = None, src: int = -1, shape: tuple[int, ...] | None = None) -> _Meta:
+    def _next_meta(
+        self,
+        kind: str,
+        tensor: torch.Tensor | None,
+        op: ReduceOp | None = None,
+        src: int = -1,
+        shape: tuple[int, ...] | None = None,
+    ) -> _Meta:
         self._seq += 1
         return _Meta(
             seq=self._seq,
@@ -390,7 +409,10 @@ class RingProcessGroup(IProcessGroup):
             outgoing = None
             if meta.payload_numel is not None:
                 if meta.dtype is None:
-                    raise CommError(f"rank {meta.rank} sent a payload of unknown dtype; is it running another commlib version?")
+                    raise CommError(
+                        f"rank {meta.rank} sent a payload of unknown dtype; is it running another "
+                        "commlib version?"
+                    )
                 outgoing = torch.empty(meta.payload_numel, dtype=meta.dtype)
                 recv.recv_into(outgoing)
                 payloads[meta.rank] = outgoing
@@ -502,7 +524,11 @@ class RingProcessGroup(IProcessGroup):
         self._flush()
 
     def _all_gather(
-        self, flat_output: torch.Tensor | None, outputs: list[torch.Tensor], tensor: torch.Tensor, async_op: bool
+        self,
+        flat_output: torch.Tensor | None,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool,
     ) -> Work:
         n, r = self.world_size, self.rank
         meta = self._next_meta("all_gather", tensor)
@@ -594,14 +620,16 @@ class _staged:
 
     def __enter__(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
         self._host = tuple(
-            t if t.device.type == "cpu" else (t.to("cpu") if self._copy_in else torch.empty_like(t, device="cpu"))
+            t
+            if t.device.type == "cpu"
+            else (t.to("cpu") if self._copy_in else torch.empty_like(t, device="cpu"))
             for t in self._tensors
         )
         return self._host[0] if len(self._host) == 1 else self._host
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is None:
-            for original, host in zip(self._tensors, self._host):
+            for original, host in zip(self._tensors, self._host, strict=False):
                 if original is not host:
                     original.copy_(host)
 

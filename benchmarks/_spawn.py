@@ -44,7 +44,10 @@ def backend_names(text: str) -> list[str]:
 
 
 def add_spawn_arguments(
-    parser: argparse.ArgumentParser, *, spawn_help: str = "start N local ranks as subprocesses", spawn_timeout_s: float = 1800.0
+    parser: argparse.ArgumentParser,
+    *,
+    spawn_help: str = "start N local ranks as subprocesses",
+    spawn_timeout_s: float = 1800.0,
 ) -> None:
     """Add ``--threads``, ``--spawn N``, ``--spawn-timeout`` and the hidden ``--worker`` to ``parser``."""
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
@@ -55,8 +58,10 @@ def add_spawn_arguments(
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
-def spawn_or_run(script: str | Path, argv: list[str], args: argparse.Namespace, run: Callable[[argparse.Namespace], int]) -> int:
-    """With ``--spawn N`` (and not a worker): start N ranks of ``script``; otherwise ``run(args)`` on this rank.
+def spawn_or_run(
+    script: str | Path, argv: list[str], args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
+) -> int:
+    """With ``--spawn N`` (not in a worker): start N ranks of ``script``; else ``run(args)`` on this rank.
 
     One extra port is reserved per backend of ``args.backends``, plus one.
     """

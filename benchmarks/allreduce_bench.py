@@ -48,8 +48,8 @@ import torch  # noqa: E402
 
 import commlib  # noqa: E402
 from benchmarks._spawn import PORTS_VAR, add_spawn_arguments, backend_names, spawn_or_run  # noqa: E402
-from commlib.ports import free_ports  # noqa: E402
 from commlib.env import DistEnv  # noqa: E402
+from commlib.ports import free_ports  # noqa: E402
 
 DEFAULT_SIZES = "4K,64K,1M,4M,25M,100M"
 QUICK_SIZES = "4K,64K,1M"

@@ -130,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(MODELS), default="gpt-35m", help="GPT size (default gpt-35m)")
     p.add_argument("--sizes", default=None, help=f"bucket sizes in MiB (default {DEFAULT_SIZES})")
     p.add_argument("--steps", type=int, default=None, help="timed steps per implementation (default 10)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps of every implementation (default 3, at least 2)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps of every implementation (default 3, at least 2)",
+    )
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank (default 2)")
     p.add_argument(
         "--torch-sizes",
@@ -202,7 +207,11 @@ def _sync_flat(group: IProcessGroup, params: list[torch.nn.Parameter]) -> Callab
 
 
 def build_impls(
-    group: IProcessGroup, cfg: GPTConfig, sizes: list[float], args: argparse.Namespace, torch_sizes: list[float]
+    group: IProcessGroup,
+    cfg: GPTConfig,
+    sizes: list[float],
+    args: argparse.Namespace,
+    torch_sizes: list[float],
 ) -> list[Impl]:
     """Every implementation of one backend's block."""
 
@@ -217,7 +226,9 @@ def build_impls(
     for name in ("none", "naive", "flat"):
         model = fresh()
         params = [p for p in model.parameters() if p.requires_grad]
-        after = {"none": lambda: 0.0, "naive": _sync_naive(group, params), "flat": _sync_flat(group, params)}[name]
+        after = {"none": lambda: 0.0, "naive": _sync_naive(group, params), "flat": _sync_flat(group, params)}[
+            name
+        ]
         impls.append(Impl(name, None, model, sgd(model), after_backward=after))
     for implementation, size in [("per-param", 0.0)] + [("bucketed", s) for s in sizes] + [("auto", None)]:
         ddp = DistributedDataParallel(fresh(), group, bucket_size_mb="auto" if size is None else size)
@@ -269,6 +280,7 @@ def rows_for_backend(
     auto = next(i for i in impls if i.implementation == "auto")
     report = auto.ddp.auto_bucket if auto.ddp is not None else None
     assert report is not None and report.tuned, "auto did not settle before the timed steps"
+
     def predicted(cap_bytes: float) -> float:
         """T_none + the exposed time simulated from auto's measured backward (rank 0; NaN elsewhere)."""
         sizer = auto.ddp.auto_bucket_sizer if auto.ddp is not None else None
@@ -315,7 +327,7 @@ def rows_for_backend(
                 "median_step_time_ms": med * 1e3,
                 "p25_step_time_ms": p25 * 1e3,
                 "p75_step_time_ms": p75 * 1e3,
-                "vs_none": statistics.median(a / b for a, b in zip(impl.times, none.times)) - 1,
+                "vs_none": statistics.median(a / b for a, b in zip(impl.times, none.times, strict=False)) - 1,
                 "comm_ms": statistics.median(impl.comm) * 1e3 if impl.comm else None,
                 "params": cfg.num_parameters,
                 "model_mb": model_bytes / MB,
@@ -327,11 +339,11 @@ def rows_for_backend(
         )
     # The best swept size, by the paired ratio to no synchronisation (steps of one round
     # share the machine's state); auto against it, also paired round by round.
-    swept = [(impl, row) for impl, row in zip(impls, rows) if impl.implementation == "bucketed"]
+    swept = [(impl, row) for impl, row in zip(impls, rows, strict=False) if impl.implementation == "bucketed"]
     best_impl, best = min(swept, key=lambda ir: ir[1]["vs_none"])
     auto_row = next(r for r in rows if r["implementation"] == "auto")
     default = next((r for _, r in swept if r["bucket_size_mb"] == 25), None)
-    auto_vs_best = statistics.median(a / b for a, b in zip(auto.times, best_impl.times))
+    auto_vs_best = statistics.median(a / b for a, b in zip(auto.times, best_impl.times, strict=False))
     # A cap at or above the model's size is one bucket: compare effective sizes.
     predicted_mb, measured_mb = (min(x, model_bytes / MB) for x in (report.cap_mb, best["bucket_size_mb"]))
     factor = max(predicted_mb, measured_mb) / max(min(predicted_mb, measured_mb), 1e-9)
@@ -341,7 +353,9 @@ def rows_for_backend(
         "model_mb": model_bytes / MB,
         "o_us": report.cost_model.overhead_s * 1e6,
         "o_busy_us": report.cost_model.call_cost_s * 1e6,
-        "busy_byte_GBps": 1 / report.cost_model.busy_byte_s / 1e9 if report.cost_model.busy_byte_s > 0 else math.inf,
+        "busy_byte_GBps": 1 / report.cost_model.busy_byte_s / 1e9
+        if report.cost_model.busy_byte_s > 0
+        else math.inf,
         "w_GBps": report.cost_model.bandwidth_Bps / 1e9,
         "w_backward_GBps": report.backward_bandwidth_Bps / 1e9,
         "seed_optimum_mb": report.seed_cap_bytes / MB,
@@ -399,10 +413,12 @@ def plot(path: Path, rows: list[dict[str, Any]], summaries: list[dict[str, Any]]
 
     backends = [s["backend"] for s in summaries]
     fig, axes = plt.subplots(1, len(backends), figsize=(5.2 * len(backends), 4.8), squeeze=False)
-    for ax, summary in zip(axes[0], summaries):
+    for ax, summary in zip(axes[0], summaries, strict=False):
         b = summary["backend"]
         mine = [r for r in rows if r["backend"] == b]
-        swept = sorted((r for r in mine if r["implementation"] == "bucketed"), key=lambda r: r["bucket_size_mb"])
+        swept = sorted(
+            (r for r in mine if r["implementation"] == "bucketed"), key=lambda r: r["bucket_size_mb"]
+        )
         xs = [r["bucket_size_mb"] for r in swept]
         ys = [r["median_step_time_ms"] for r in swept]
         err = [
@@ -410,7 +426,9 @@ def plot(path: Path, rows: list[dict[str, Any]], summaries: list[dict[str, Any]]
             [r["p75_step_time_ms"] - r["median_step_time_ms"] for r in swept],
         ]
         ax.errorbar(xs, ys, yerr=err, fmt="o-", color="C0", capsize=3, label="commlib DDP (median, p25-p75)")
-        torch_rows = sorted((r for r in mine if r["implementation"] == "torch-ddp"), key=lambda r: r["bucket_size_mb"])
+        torch_rows = sorted(
+            (r for r in mine if r["implementation"] == "torch-ddp"), key=lambda r: r["bucket_size_mb"]
+        )
         if torch_rows:
             ax.plot(
                 [r["bucket_size_mb"] for r in torch_rows],
@@ -419,11 +437,36 @@ def plot(path: Path, rows: list[dict[str, Any]], summaries: list[dict[str, Any]]
                 color="C5",
                 label="torch DDP (Gloo)",
             )
-        ax.plot(xs, [r["predicted_step_time_ms"] for r in swept], "-", color="C3", lw=2, label="model: simulated schedule")
-        ax.plot(xs, [r["seed_predicted_step_time_ms"] for r in swept], ":", color="C3", label="model: seed s/(n w)+n o")
+        ax.plot(
+            xs,
+            [r["predicted_step_time_ms"] for r in swept],
+            "-",
+            color="C3",
+            lw=2,
+            label="model: simulated schedule",
+        )
+        ax.plot(
+            xs,
+            [r["seed_predicted_step_time_ms"] for r in swept],
+            ":",
+            color="C3",
+            label="model: seed s/(n w)+n o",
+        )
         auto = next(r for r in mine if r["implementation"] == "auto")
-        ax.plot([auto["bucket_size_mb"]], [auto["median_step_time_ms"]], "*", ms=16, color="C2", label="auto (chosen size)")
-        for name, color, ls in (("none", "k", "-"), ("naive", "C1", "--"), ("flat", "C4", "-."), ("per-param", "C7", ":")):
+        ax.plot(
+            [auto["bucket_size_mb"]],
+            [auto["median_step_time_ms"]],
+            "*",
+            ms=16,
+            color="C2",
+            label="auto (chosen size)",
+        )
+        for name, color, ls in (
+            ("none", "k", "-"),
+            ("naive", "C1", "--"),
+            ("flat", "C4", "-."),
+            ("per-param", "C7", ":"),
+        ):
             row = next((r for r in mine if r["implementation"] == name), None)
             if row is not None:
                 ax.axhline(row["median_step_time_ms"], color=color, ls=ls, lw=1, label=name)
@@ -438,7 +481,7 @@ def plot(path: Path, rows: list[dict[str, Any]], summaries: list[dict[str, Any]]
         ax.grid(True, which="both", alpha=0.3)
     legend: dict[str, Any] = {}
     for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=False):
             legend.setdefault(label, handle)
     fig.legend(list(legend.values()), list(legend.keys()), loc="lower center", ncol=5, fontsize=8)
     fig.suptitle(title, fontsize=10)
@@ -495,7 +538,9 @@ def run(args: argparse.Namespace) -> int:
             say(f"skipped mpi: {comm_why}")
             continue
         try:
-            group = commlib.create_process_group(backend, dataclasses.replace(env, master_port=ports[i]), config)
+            group = commlib.create_process_group(
+                backend, dataclasses.replace(env, master_port=ports[i]), config
+            )
         except (ImportError, commlib.CommError, RuntimeError, OSError, ValueError) as e:
             say(f"skipped {backend}: {type(e).__name__}: {e}")
             continue
@@ -518,7 +563,9 @@ def run(args: argparse.Namespace) -> int:
             all_rows += rows
             summaries.append(summary)
             auto = next(i for i in impls if i.implementation == "auto")
-            say(f"{backend}: {len(impls)} implementations in {time.perf_counter() - started:.0f} s; {auto.ddp.auto_bucket.summary()}")  # type: ignore[union-attr]
+            elapsed = time.perf_counter() - started
+            summary_text = auto.ddp.auto_bucket.summary()  # type: ignore[union-attr]
+            say(f"{backend}: {len(impls)} implementations in {elapsed:.0f} s; {summary_text}")
         finally:
             del impls
             group.close()
@@ -528,24 +575,28 @@ def run(args: argparse.Namespace) -> int:
             say(line)
         say("")
         say(
-            "step ms: median of timed steps (rank 0); vs none: median of per-step ratios to no synchronisation; "
-            "exposed: time the end of backward (or the sync after it) waited for communication; model ms: "
-            "step time of none + the simulated exposed communication + n_b * o + the compute the bytes reduced "
-            "during backward take from it"
+            "step ms: median of timed steps (rank 0); vs none: median of per-step ratios to no "
+            "synchronisation; exposed: time the end of backward (or the sync after it) waited for "
+            "communication; model ms: step time of none + the simulated exposed communication + n_b * o "
+            "+ the compute the bytes reduced during backward take from it"
         )
         for s in summaries:
             say(
-                f"{s['backend']}: o = {s['o_us']:.0f} us ({s['o_busy_us']:.0f} us during compute), compute lost "
-                f"per byte = 1/({s['busy_byte_GBps']:.2f} GB/s), w = "
-                f"{s['w_GBps']:.2f} GB/s ({s['w_backward_GBps']:.2f} during backward); sqrt(s*o*w) = {s['seed_optimum_mb']:.2f} MiB; auto {s['auto_mb']:.2f} MiB "
-                f"{s['auto_step_ms']:.1f} ms vs best swept {s['best_swept_mb']:g} MiB {s['best_swept_step_ms']:.1f} ms: "
-                f"auto/best (paired) = {s['auto_vs_best']:.3f} ({'met' if s['auto_within_5pct'] else 'NOT met'}: <= 1.05); "
+                f"{s['backend']}: o = {s['o_us']:.0f} us ({s['o_busy_us']:.0f} us during compute), "
+                f"compute lost per byte = 1/({s['busy_byte_GBps']:.2f} GB/s), w = "
+                f"{s['w_GBps']:.2f} GB/s ({s['w_backward_GBps']:.2f} during backward); "
+                f"sqrt(s*o*w) = {s['seed_optimum_mb']:.2f} MiB; auto {s['auto_mb']:.2f} MiB "
+                f"{s['auto_step_ms']:.1f} ms vs best swept {s['best_swept_mb']:g} MiB "
+                f"{s['best_swept_step_ms']:.1f} ms: auto/best (paired) = {s['auto_vs_best']:.3f} "
+                f"({'met' if s['auto_within_5pct'] else 'NOT met'}: <= 1.05); "
                 f"optimum predicted/measured within {s['predicted_vs_measured_optimum']:.2f}x "
                 f"({'met' if s['predicted_within_2x'] else 'NOT met'}: <= 2x)"
             )
         write_csv(args.out / "bucket_study.csv", CSV_COLUMNS, all_rows)
         write_csv(args.out / "cost_models.csv", MODEL_COLUMNS, summaries)
-        say(f"wrote {args.out / 'bucket_study.csv'} ({len(all_rows)} rows) and {args.out / 'cost_models.csv'}")
+        say(
+            f"wrote {args.out / 'bucket_study.csv'} ({len(all_rows)} rows) and {args.out / 'cost_models.csv'}"
+        )
         if not args.no_plot and summaries:
             plot(args.out / "bucket_study.png", all_rows, summaries, title)
             say(f"wrote {args.out / 'bucket_study.png'}")
@@ -576,11 +627,15 @@ def replot(out: Path) -> int:
     try:
         rows, summaries = read_csv(out / "bucket_study.csv"), read_csv(out / "cost_models.csv")
     except FileNotFoundError as e:
-        print(f"bucket_study --plot-only: {e.filename} is missing; run the study with --out {out} first", file=sys.stderr)
+        print(
+            f"bucket_study --plot-only: {e.filename} is missing; run the study with --out {out} first",
+            file=sys.stderr,
+        )
         return 2
     first = rows[0]
     title = (
-        f"GPT {first['model_size']} ({first['params'] / 1e6:.1f}M params, {first['model_mb']:.0f} MiB of gradients), "
+        f"GPT {first['model_size']} ({first['params'] / 1e6:.1f}M params, "
+        f"{first['model_mb']:.0f} MiB of gradients), "
         f"{first['world_size']:.0f} ranks"
     )
     plot(out / "bucket_study.png", rows, summaries, title)

@@ -77,7 +77,11 @@ class Row:
 
 def _elementwise_max(MPI: object) -> object:
     """An MPI op taking the element-wise maximum of two Python lists (pickled reductions)."""
-    return MPI.Op.Create(lambda a, b, _datatype: [max(x, y) for x, y in zip(a, b)], commute=True)  # type: ignore[attr-defined]
+
+    def elementwise_max(a: list[float], b: list[float], _datatype: object) -> list[float]:
+        return [max(x, y) for x, y in zip(a, b, strict=True)]
+
+    return MPI.Op.Create(elementwise_max, commute=True)  # type: ignore[attr-defined]
 
 
 def main() -> int:
@@ -147,7 +151,7 @@ def main() -> int:
             # A turn is as slow as its slowest rank; rank 0's pairing of the two is the turn's ratio.
             slowest_ours = world.allreduce(ours_s, op=list_max)
             slowest_raw = world.allreduce(raw_s, op=list_max)
-            ratio = statistics.median(r / o for o, r in zip(slowest_ours, slowest_raw))
+            ratio = statistics.median(r / o for o, r in zip(slowest_ours, slowest_raw, strict=False))
             rows.append(Row(name, nbytes, ours_med * 1e6, raw_med * 1e6, ratio))
 
     if mpi_group.rank == 0:

@@ -138,7 +138,13 @@ _LAUNCHERS: tuple[tuple[str, str, str, tuple[str, ...], tuple[str, ...]], ...] =
         ("OMPI_COMM_WORLD_LOCAL_SIZE",),
     ),
     ("pmix", "PMIX_RANK", "PMIX_SIZE", ("PMIX_LOCAL_RANK",), ("PMIX_LOCAL_SIZE",)),
-    ("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")),
+    (
+        "mpich",
+        "PMI_RANK",
+        "PMI_SIZE",
+        ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+        ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
+    ),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
 )
 
@@ -146,7 +152,17 @@ _MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
 
 
 _LAUNCHER_PROCESSES = frozenset(
-    {"hydra_pmi_proxy", "mpiexec", "mpiexec.hydra", "mpirun", "prted", "orted", "prterun", "srun", "slurmstepd"}
+    {
+        "hydra_pmi_proxy",
+        "mpiexec",
+        "mpiexec.hydra",
+        "mpirun",
+        "prted",
+        "orted",
+        "prterun",
+        "srun",
+        "slurmstepd",
+    }
 )
 
 

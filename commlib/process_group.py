@@ -402,8 +402,7 @@ class IProcessGroup(abc.ABC):
             )
         if len(value) != world:
             raise ValueError(
-                f"{self._prefix(op)}'{arg}' has {len(value)} tensors; expected one per rank "
-                f"({world})"
+                f"{self._prefix(op)}'{arg}' has {len(value)} tensors; expected one per rank ({world})"
             )
         views = []
         for i, item in enumerate(value):

@@ -78,8 +78,7 @@ def register_backend(name: str, factory: BackendFactory, *, replace: bool = Fals
     with _lock:
         if key in _registry and not replace:
             raise ValueError(
-                f"register_backend: backend {key!r} is already registered; pass replace=True "
-                "to override it"
+                f"register_backend: backend {key!r} is already registered; pass replace=True to override it"
             )
         _registry[key] = factory
 
@@ -174,9 +173,7 @@ def create_process_group(name: str, env: DistEnv, config: CommConfig) -> IProces
     key = _normalise(name)
     group = _resolve(key)(env, config)
     if not isinstance(group, IProcessGroup):
-        raise TypeError(
-            f"backend {key!r} factory returned {type(group).__name__}, not an IProcessGroup"
-        )
+        raise TypeError(f"backend {key!r} factory returned {type(group).__name__}, not an IProcessGroup")
     return group
 
 

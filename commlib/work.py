@@ -71,9 +71,7 @@ class FutureWork(Work):
         keep_alive: Objects (tensors, staging buffers) to hold until done.
     """
 
-    def __init__(
-        self, future: concurrent.futures.Future[Any], describe: str, keep_alive: Any = None
-    ) -> None:
+    def __init__(self, future: concurrent.futures.Future[Any], describe: str, keep_alive: Any = None) -> None:
         self._future = future
         self._describe = describe
         self._keep_alive = keep_alive

@@ -128,7 +128,9 @@ class AutoBucketSizer:
                 ) from e
         seed = cost_model.seed_optimal_bucket_bytes(total)
         seed_cap = round(min(max(seed, MIN_AUTO_CAP), max(total, 1)))
-        self.report = AutoBucketReport(cost_model=cost_model, model_bytes=total, seed_cap_bytes=seed_cap, cap_bytes=seed_cap)
+        self.report = AutoBucketReport(
+            cost_model=cost_model, model_bytes=total, seed_cap_bytes=seed_cap, cap_bytes=seed_cap
+        )
         self._params = list(params)
         self._synced = 0
         self._measured: tuple[float, list[int], list[float], float] | None = None
@@ -139,7 +141,13 @@ class AutoBucketSizer:
             return None
         busy_w, order, arrival, backward = self._measured
         return simulate_schedule(
-            self.report.cost_model, self._params, order, arrival, backward, cap_bytes, busy_bandwidth_Bps=busy_w
+            self.report.cost_model,
+            self._params,
+            order,
+            arrival,
+            backward,
+            cap_bytes,
+            busy_bandwidth_Bps=busy_w,
         )
 
     @property
@@ -199,7 +207,13 @@ def _simulate(
         report.cost_model, params, order, arrival, backward, busy_bandwidth_Bps=busy.bandwidth_Bps
     )
     seed_result = simulate_schedule(
-        report.cost_model, params, order, arrival, backward, report.seed_cap_bytes, busy_bandwidth_Bps=busy.bandwidth_Bps
+        report.cost_model,
+        params,
+        order,
+        arrival,
+        backward,
+        report.seed_cap_bytes,
+        busy_bandwidth_Bps=busy.bandwidth_Bps,
     )
     return chosen, tried, seed_result, backward, busy
 
@@ -208,7 +222,7 @@ def _arrivals(manager: GradientBucketManager) -> list[float]:
     """Seconds from the first gradient to each parameter's (0 for those that got none: ready at once)."""
     start = manager.recorder.start
     arrival = [0.0] * len(manager.names)
-    for index, at in zip(manager.arrival_order, manager.arrival_times):
+    for index, at in zip(manager.arrival_order, manager.arrival_times, strict=False):
         arrival[index] = at - start
     return arrival
 

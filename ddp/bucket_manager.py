@@ -198,7 +198,9 @@ class GradientBucketManager:
             False if the layout did not change.
         """
         if not (math.isfinite(bucket_size_mb) and bucket_size_mb >= 0):
-            raise ValueError(f"GradientBucketManager.set_bucket_size: bucket_size_mb must be >= 0, got {bucket_size_mb!r}")
+            raise ValueError(
+                f"GradientBucketManager.set_bucket_size: bucket_size_mb must be >= 0, got {bucket_size_mb!r}"
+            )
         self.bucket_bytes = int(bucket_size_mb * MB)
         self.first_bucket_bytes = None if first_bucket_size_mb is None else int(first_bucket_size_mb * MB)
         return self.rebuild(self._order)

@@ -78,7 +78,8 @@ class DDPConfig:
         if isinstance(self.bucket_size_mb, str):
             if self.bucket_size_mb != AUTO:
                 raise TypeError(
-                    f"DDPConfig.bucket_size_mb: expected a number of MiB or \"auto\", got {self.bucket_size_mb!r}"
+                    'DDPConfig.bucket_size_mb: expected a number of MiB or "auto", '
+                    f"got {self.bucket_size_mb!r}"
                 )
         else:
             _check_number("bucket_size_mb", self.bucket_size_mb)
@@ -120,7 +121,9 @@ class DDPConfig:
             ValueError: The size is ``"auto"`` (ask the DDP module for the chosen size).
         """
         if isinstance(self.bucket_size_mb, str):
-            raise ValueError("DDPConfig.bucket_bytes: bucket_size_mb is 'auto'; see DistributedDataParallel.auto_bucket")
+            raise ValueError(
+                "DDPConfig.bucket_bytes: bucket_size_mb is 'auto'; see DistributedDataParallel.auto_bucket"
+            )
         return int(self.bucket_size_mb * MB)
 
     @property

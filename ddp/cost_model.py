@@ -91,18 +91,23 @@ class CommCostModel:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
-            raise ValueError(f"CommCostModel: overhead_s must be a finite number >= 0, got {self.overhead_s!r}")
+            raise ValueError(
+                f"CommCostModel: overhead_s must be a finite number >= 0, got {self.overhead_s!r}"
+            )
         if not (math.isfinite(self.bandwidth_Bps) and self.bandwidth_Bps > 0):
             raise ValueError(
                 f"CommCostModel: bandwidth_Bps must be a finite number > 0, got {self.bandwidth_Bps!r}"
             )
         if not (math.isfinite(self.busy_byte_s) and self.busy_byte_s >= 0):
-            raise ValueError(f"CommCostModel: busy_byte_s must be a finite number >= 0, got {self.busy_byte_s!r}")
+            raise ValueError(
+                f"CommCostModel: busy_byte_s must be a finite number >= 0, got {self.busy_byte_s!r}"
+            )
         if self.busy_overhead_s is not None and not (
             math.isfinite(self.busy_overhead_s) and self.busy_overhead_s >= 0
         ):
             raise ValueError(
-                f"CommCostModel: busy_overhead_s must be a finite number >= 0 or None, got {self.busy_overhead_s!r}"
+                "CommCostModel: busy_overhead_s must be a finite number >= 0 or None, "
+                f"got {self.busy_overhead_s!r}"
             )
 
     def time(self, nbytes: float) -> float:
@@ -126,7 +131,11 @@ class CommCostModel:
     def summary(self) -> str:
         """``o = 190 us, w = 4.31 GB/s, o during compute = 950 us (ring, 2 ranks)``."""
         where = f" ({self.backend}, {self.world_size} ranks)" if self.backend else ""
-        busy = "" if self.busy_overhead_s is None else f", o during compute = {self.busy_overhead_s * 1e6:.0f} us"
+        busy = (
+            ""
+            if self.busy_overhead_s is None
+            else f", o during compute = {self.busy_overhead_s * 1e6:.0f} us"
+        )
         if self.busy_byte_s > 0:
             busy += f", compute lost per byte = 1/({1 / self.busy_byte_s / 1e9:.2f} GB/s)"
         return f"o = {self.overhead_s * 1e6:.0f} us, w = {self.bandwidth_Bps / 1e9:.2f} GB/s{busy}{where}"
@@ -147,9 +156,13 @@ def fit_cost_model(
     """
     points = [(float(n), float(t)) for n, t in samples]
     if len({n for n, _ in points}) < 2:
-        raise ValueError(f"fit_cost_model: need samples of at least two sizes, got sizes {sorted({n for n, _ in points})}")
+        raise ValueError(
+            f"fit_cost_model: need samples of at least two sizes, got sizes {sorted({n for n, _ in points})}"
+        )
     if any(not (math.isfinite(t) and t > 0) for _, t in points):
-        raise ValueError(f"fit_cost_model: every time must be a finite number > 0, got {[t for _, t in points]}")
+        raise ValueError(
+            f"fit_cost_model: every time must be a finite number > 0, got {[t for _, t in points]}"
+        )
     # Weighted least squares for t = o + b n with weights 1/t: minimise sum((t - o - b n) / t)^2.
     a11 = sum(1 / t**2 for _, t in points)
     a12 = sum(n / t**2 for n, t in points)
@@ -191,10 +204,10 @@ def calibrate(
 
     Each size is reduced once to warm up, then ``repeats`` times back to back;
     a rank's figure is the median. If the times do not grow with the size (a noisy
-    machine), it measures again with more repeats, up to three times in all. One more all-reduce takes each size's slowest
-    rank (a collective is as slow as its slowest rank), so every rank fits the
-    same numbers and makes the same decisions from them. Collective: every rank
-    of ``group`` must call it.
+    machine), it measures again with more repeats, up to three times in all. One
+    more all-reduce takes each size's slowest rank (a collective is as slow as its
+    slowest rank), so every rank fits the same numbers and makes the same
+    decisions from them. Collective: every rank of ``group`` must call it.
 
     Args:
         group: The process group to measure.
@@ -222,7 +235,7 @@ def calibrate(
         # Every rank fits the same agreed numbers, so every rank retries, or not, alike.
         times = _agreed_medians(group, sizes, repeats * (attempt + 1), element, dtype, op, clock, busy_costs)
         *medians, busy_call, busy_byte = times
-        samples = [(max(1, int(n) // element) * element, t) for n, t in zip(sizes, medians)]
+        samples = [(max(1, int(n) // element) * element, t) for n, t in zip(sizes, medians, strict=False)]
         try:
             model = fit_cost_model(samples, backend=group.backend, world_size=group.world_size)
         except ValueError:
@@ -230,7 +243,9 @@ def calibrate(
                 raise
             continue
         if busy and math.isfinite(busy_call) and math.isfinite(busy_byte):
-            model = dataclasses.replace(model, busy_overhead_s=max(0.0, busy_call), busy_byte_s=max(0.0, busy_byte))
+            model = dataclasses.replace(
+                model, busy_overhead_s=max(0.0, busy_call), busy_byte_s=max(0.0, busy_byte)
+            )
         return model
     raise AssertionError("unreachable")
 
@@ -303,7 +318,7 @@ def measure_busy_overhead(
 
         return hook
 
-    handles = [layer.weight.register_hook(launcher(b)) for layer, b in zip(layers, buffers)]
+    handles = [layer.weight.register_hook(launcher(b)) for layer, b in zip(layers, buffers, strict=False)]
 
     def backward(x: torch.Tensor, launch: bool) -> float:
         nonlocal launching
@@ -477,7 +492,7 @@ def simulate_schedule(
 
 
 def candidate_caps(total_bytes: int, *, per_octave: int = 4, smallest: int = MIN_AUTO_CAP) -> list[int]:
-    """Bucket caps to consider: geometric from ``smallest`` to ``total_bytes``, ``per_octave`` per doubling."""
+    """Bucket caps to consider: geometric from ``smallest`` to ``total_bytes``, ``per_octave`` a doubling."""
     caps, cap = [], float(smallest)
     while cap < total_bytes:
         caps.append(int(cap))
@@ -508,7 +523,9 @@ def choose_bucket_size(
     """
     total = sum(p.numel() * p.element_size() for p in params)
     tried = [
-        simulate_schedule(model, params, order, arrival_s, backward_s, cap, busy_bandwidth_Bps=busy_bandwidth_Bps)
+        simulate_schedule(
+            model, params, order, arrival_s, backward_s, cap, busy_bandwidth_Bps=busy_bandwidth_Bps
+        )
         for cap in (caps if caps is not None else candidate_caps(total))
     ]
     best = min(r.cost_s for r in tried)

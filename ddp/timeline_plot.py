@@ -221,7 +221,7 @@ def render_timeline(
                 )
             lanes, nlanes = _lanes(step.comm)
             lane_h = _ROW_HEIGHT / nlanes
-            for (ts_c, dur_c, bucket), lane in zip(step.comm, lanes):
+            for (ts_c, dur_c, bucket), lane in zip(step.comm, lanes, strict=False):
                 y = y_comm - half + lane * lane_h
                 ax.broken_barh(
                     [(ms(ts_c), dur_c / 1e3)],

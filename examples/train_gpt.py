@@ -164,7 +164,9 @@ def train(args: argparse.Namespace) -> int:
             n_heads=args.heads,
         )
         torch.manual_seed(args.seed + rank)  # different on every rank: DDP broadcasts rank 0's weights
-        model = DistributedDataParallel(GPT(cfg), group, bucket_size_mb=args.bucket_mb, timeline=args.timeline)
+        model = DistributedDataParallel(
+            GPT(cfg), group, bucket_size_mb=args.bucket_mb, timeline=args.timeline
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         if lead:
             shape = (
@@ -173,7 +175,8 @@ def train(args: argparse.Namespace) -> int:
             print(
                 f"train_gpt: {world} ranks, backend {group.backend}, GPT {cfg.num_parameters / 1e6:.2f}M "
                 f"params ({shape}), batch {args.batch_size} x {world} ranks, "
-                f"{model.bucket_manager.num_buckets} buckets of <= {model.bucket_manager.bucket_bytes / 2**20:g} MiB, "
+                f"{model.bucket_manager.num_buckets} buckets of <= "
+                f"{model.bucket_manager.bucket_bytes / 2**20:g} MiB, "
                 f"{args.steps} steps",
                 flush=True,
             )

@@ -36,7 +36,9 @@ from commlib.ports import free_port
 _CTX = multiprocessing.get_context("spawn")
 
 
-def rank_env(rank: int, world_size: int, port: int, backend: str | None, extra: Mapping[str, str] | None) -> dict[str, str]:
+def rank_env(
+    rank: int, world_size: int, port: int, backend: str | None, extra: Mapping[str, str] | None
+) -> dict[str, str]:
     """Environment of one spawned rank, as torchrun would set it."""
     env = {
         "RANK": str(rank),
@@ -135,7 +137,14 @@ class _StackDumps:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _child_once(conn: Any, env: Mapping[str, str], fn: Callable[..., Any], args: tuple[Any, ...], init: bool, backend_kwargs: Mapping[str, Any]) -> None:
+def _child_once(
+    conn: Any,
+    env: Mapping[str, str],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    init: bool,
+    backend_kwargs: Mapping[str, Any],
+) -> None:
     _apply_env(env)
     try:
         if init:
@@ -229,7 +238,11 @@ def run_ranks_outcomes(
                 if status == "ok":
                     outcomes[rank].value = value
                 else:
-                    outcomes[rank].error, outcomes[rank].error_type, outcomes[rank].traceback = value, error_type, tb
+                    outcomes[rank].error, outcomes[rank].error_type, outcomes[rank].traceback = (
+                        value,
+                        error_type,
+                        tb,
+                    )
         for rank in pending:
             outcomes[rank].timed_out = True
         stacks.collect(procs, list(pending), outcomes)
@@ -240,7 +253,9 @@ def run_ranks_outcomes(
                 proc.join(5)
             outcomes[rank].exitcode = proc.exitcode
             if outcomes[rank].error == "died without reporting" or (
-                proc.exitcode not in (0, None) and outcomes[rank].error is None and not outcomes[rank].timed_out
+                proc.exitcode not in (0, None)
+                and outcomes[rank].error is None
+                and not outcomes[rank].timed_out
             ):
                 outcomes[rank].error = f"exited with code {proc.exitcode} without reporting"
         return outcomes
@@ -309,7 +324,14 @@ class RankPool:
     the next.
     """
 
-    def __init__(self, world_size: int, backend: str, *, env: Mapping[str, str] | None = None, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        backend: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
         self.world_size = world_size
         self.backend = backend
         self._env = dict(env or {})
@@ -338,9 +360,13 @@ class RankPool:
         replies = self._collect(self._start_timeout, "start", grace_after_error=2.0)
         if not all(o.ok for o in replies):
             self.close()
-            raise RanksFailed(f"RankPool({self.backend}, {self.world_size}) failed to start:\n{describe_failures(replies)}")
+            raise RanksFailed(
+                f"RankPool({self.backend}, {self.world_size}) failed to start:\n{describe_failures(replies)}"
+            )
 
-    def _collect(self, timeout: float, what: str, grace_after_error: float | None = None) -> list[RankOutcome]:
+    def _collect(
+        self, timeout: float, what: str, grace_after_error: float | None = None
+    ) -> list[RankOutcome]:
         deadline = time.monotonic() + timeout
         outcomes = [RankOutcome(rank=r) for r in range(self.world_size)]
         pending = dict(enumerate(self._conns))
@@ -354,12 +380,18 @@ class RankPool:
                 try:
                     status, value, error_type, tb = conn.recv()
                 except EOFError:
-                    outcomes[rank].error = f"rank process died during {what} (exit code {self._procs[rank].exitcode})"
+                    outcomes[
+                        rank
+                    ].error = f"rank process died during {what} (exit code {self._procs[rank].exitcode})"
                     continue
                 if status in ("ok", "ready"):
                     outcomes[rank].value = value
                 else:
-                    outcomes[rank].error, outcomes[rank].error_type, outcomes[rank].traceback = value, error_type, tb
+                    outcomes[rank].error, outcomes[rank].error_type, outcomes[rank].traceback = (
+                        value,
+                        error_type,
+                        tb,
+                    )
                     if grace_after_error is not None:
                         deadline = min(deadline, time.monotonic() + grace_after_error)
         for rank in pending:
@@ -368,7 +400,13 @@ class RankPool:
             self._stacks.collect(self._procs, list(pending), outcomes)
         return outcomes
 
-    def run_outcomes(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, per_rank_args: list[tuple[Any, ...]] | None = None) -> list[RankOutcome]:
+    def run_outcomes(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 60.0,
+        per_rank_args: list[tuple[Any, ...]] | None = None,
+    ) -> list[RankOutcome]:
         """Run ``fn(group, *args)`` on every rank; return how each call ended."""
         if not self._procs:
             self._start()
@@ -379,7 +417,13 @@ class RankPool:
             self.close()
         return outcomes
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, per_rank_args: list[tuple[Any, ...]] | None = None) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 60.0,
+        per_rank_args: list[tuple[Any, ...]] | None = None,
+    ) -> list[Any]:
         """Run ``fn(group, *args)`` on every rank and return the values; raise ``RanksFailed`` on failure."""
         outcomes = self.run_outcomes(fn, *args, timeout=timeout, per_rank_args=per_rank_args)
         if not all(o.ok for o in outcomes):

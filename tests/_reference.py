@@ -23,7 +23,9 @@ _EPS = {
 }
 
 
-def rank_input(rank: int, numel: int, dtype: torch.dtype, op: ReduceOp, seed: int, integer_valued: bool) -> torch.Tensor:
+def rank_input(
+    rank: int, numel: int, dtype: torch.dtype, op: ReduceOp, seed: int, integer_valued: bool
+) -> torch.Tensor:
     """The tensor rank ``rank`` contributes.
 
     Integer-valued inputs make every dtype exact (sums of small integers are
@@ -33,7 +35,9 @@ def rank_input(rank: int, numel: int, dtype: torch.dtype, op: ReduceOp, seed: in
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     if integer_valued or not dtype.is_floating_point:
         if op is ReduceOp.PRODUCT:
-            values = torch.randint(1, 3, (numel,), generator=gen) * (torch.randint(0, 2, (numel,), generator=gen) * 2 - 1)
+            values = torch.randint(1, 3, (numel,), generator=gen) * (
+                torch.randint(0, 2, (numel,), generator=gen) * 2 - 1
+            )
         else:
             values = torch.randint(-8, 9, (numel,), generator=gen)
         return values.to(dtype)
@@ -80,7 +84,9 @@ def tolerance(inputs: list[torch.Tensor], op: ReduceOp, dtype: torch.dtype) -> t
     return (n + 2) * eps * magnitude + torch.finfo(dtype).tiny
 
 
-def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor | float, what: str) -> None:
+def assert_close_to_reference(
+    actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor | float, what: str
+) -> None:
     """Raise AssertionError naming the worst element when ``actual`` is off by more than ``tol``."""
     if actual.numel() == 0:
         assert expected.numel() == 0, f"{what}: empty result, expected {expected.numel()} elements"

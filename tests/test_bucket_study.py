@@ -11,7 +11,15 @@ import pytest
 from tests.conftest import REPO_ROOT, run_job, scrubbed_env
 
 STUDY = REPO_ROOT / "benchmarks" / "bucket_study.py"
-SEED_COLUMNS = ["bucket_size_mb", "num_buckets", "model_size", "d_model", "num_layers", "world_size", "avg_step_time_ms"]
+SEED_COLUMNS = [
+    "bucket_size_mb",
+    "num_buckets",
+    "model_size",
+    "d_model",
+    "num_layers",
+    "world_size",
+    "avg_step_time_ms",
+]
 IMPLEMENTATIONS = {"none", "naive", "flat", "per-param", "bucketed", "auto"}
 
 
@@ -29,11 +37,22 @@ def test_quick_study_writes_csvs_table_and_plot(tmp_path):
         rows = list(reader)
         columns = reader.fieldnames or []
     assert columns[: len(SEED_COLUMNS)] == SEED_COLUMNS
-    assert {"backend", "implementation", "exposed_comm_ms", "overlap", "seed", "predicted_step_time_ms"} <= set(columns)
+    assert {
+        "backend",
+        "implementation",
+        "exposed_comm_ms",
+        "overlap",
+        "seed",
+        "predicted_step_time_ms",
+    } <= set(columns)
     for backend in ("ring", "gloo"):
         mine = [r for r in rows if r["backend"] == backend]
         assert {r["implementation"] for r in mine} >= IMPLEMENTATIONS
-        assert sorted(float(r["bucket_size_mb"]) for r in mine if r["implementation"] == "bucketed") == [0.01, 0.05, 1000]
+        assert sorted(float(r["bucket_size_mb"]) for r in mine if r["implementation"] == "bucketed") == [
+            0.01,
+            0.05,
+            1000,
+        ]
         for r in mine:
             assert float(r["avg_step_time_ms"]) > 0 and r["world_size"] == "2" and r["model_size"] == "tiny"
         auto = next(r for r in mine if r["implementation"] == "auto")
@@ -52,7 +71,10 @@ def test_quick_study_writes_csvs_table_and_plot(tmp_path):
     # The plot can be redrawn from the CSVs alone; without them, a one-line error.
     (out / "bucket_study.png").unlink()
     again = subprocess.run(
-        [sys.executable, str(STUDY), "--plot-only", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True
+        [sys.executable, str(STUDY), "--plot-only", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
     )
     assert again.returncode == 0 and (out / "bucket_study.png").read_bytes()[:4] == b"\x89PNG", again.stderr
     missing = subprocess.run(

@@ -134,7 +134,9 @@ def test_busy_overhead_is_what_each_call_adds_to_the_compute_it_overlaps():
     o, w = 300e-6, 2e9
 
     def body(group):
-        busy = measure_busy_overhead(group, clock=group.clock, chunk_s=0.0, calls=4, rounds=2, nbytes=64 * KiB)
+        busy = measure_busy_overhead(
+            group, clock=group.clock, chunk_s=0.0, calls=4, rounds=2, nbytes=64 * KiB
+        )
         issued = len(group.all_reduces)
         return busy, issued
 
@@ -188,7 +190,10 @@ def test_calibrate_gives_up_after_three_measurements_with_a_clear_error():
                 return FakeProcessGroup._all_reduce(self, tensor, op, async_op)
             return super()._all_reduce(tensor, op, async_op)
 
-    assert run_threads(body, 2, group_factory=lambda r, h, **kw: Inverted(r, h, o=1e-4, w=1e9, **kw)) == [True, True]
+    assert run_threads(body, 2, group_factory=lambda r, h, **kw: Inverted(r, h, o=1e-4, w=1e9, **kw)) == [
+        True,
+        True,
+    ]
 
 
 def test_auto_names_rank_backend_and_the_way_out_when_calibration_fails(monkeypatch):
@@ -250,7 +255,7 @@ def _equal_params(n: int, nbytes: int) -> list[torch.Tensor]:
 
 
 def _last_parameter_first(n: int, dt: float) -> tuple[list[int], list[float]]:
-    """Backward's order over ``n`` parameters (the last first) and arrival times, one gradient every ``dt``."""
+    """Backward's order over ``n`` parameters (last first) and arrival times, a gradient every ``dt``."""
     order = list(reversed(range(n)))
     arrival_s = [0.0] * n
     for k, i in enumerate(order):
@@ -282,10 +287,13 @@ def test_two_speed_schedule_uses_the_busy_bandwidth_until_backward_ends():
     arrival_s = [0.010, 0.0]  # param 1 at 0 ms, param 0 at 10 ms; backward ends at 10 ms
     model = CommCostModel(0.0, 1 * MB / 0.001)  # quiet: 1 ms per MiB
     r = simulate_schedule(model, params, order, arrival_s, 0.010, 1 * MB, busy_bandwidth_Bps=1 * MB / 0.004)
-    # Bucket 1 (param 1): 4 ms at the busy speed, done at 4 ms. Bucket 2: ready at 10 ms = end of backward: 1 ms.
+    # Bucket 1 (param 1): 4 ms at the busy speed, done at 4 ms.
+    # Bucket 2: ready at 10 ms = end of backward: 1 ms.
     assert r.finish_s == pytest.approx(0.011) and r.exposed_s == pytest.approx(0.001)
     # A bucket straddling the end of backward: half its bytes at each speed.
-    r = simulate_schedule(model, params, order, [0.008, 0.0], 0.010, 2 * MB, busy_bandwidth_Bps=1 * MB / 0.004)
+    r = simulate_schedule(
+        model, params, order, [0.008, 0.0], 0.010, 2 * MB, busy_bandwidth_Bps=1 * MB / 0.004
+    )
     # One 2 MiB bucket ready at 8 ms: 2 ms busy moves 0.5 MiB, then 1.5 MiB quiet takes 1.5 ms.
     assert r.num_buckets == 1 and r.finish_s == pytest.approx(0.0115)
 
@@ -293,13 +301,19 @@ def test_two_speed_schedule_uses_the_busy_bandwidth_until_backward_ends():
 def test_bytes_reduced_during_backward_are_charged_the_compute_they_take():
     params = _equal_params(2, 1 * MB)
     order = [1, 0]
-    model = CommCostModel(0.0, 1 * MB / 0.001, busy_byte_s=0.002 / MB)  # each MiB during backward: 2 ms of compute
+    model = CommCostModel(
+        0.0, 1 * MB / 0.001, busy_byte_s=0.002 / MB
+    )  # each MiB during backward: 2 ms of compute
     # Two buckets: param 1's reduced at 4 ms/MiB from 0 to 4 ms (inside backward), param 0's after it.
-    r = simulate_schedule(model, params, order, [0.010, 0.0], 0.010, 1 * MB, busy_bandwidth_Bps=1 * MB / 0.004)
+    r = simulate_schedule(
+        model, params, order, [0.010, 0.0], 0.010, 1 * MB, busy_bandwidth_Bps=1 * MB / 0.004
+    )
     assert r.stolen_s == pytest.approx(0.002) and r.exposed_s == pytest.approx(0.001)
     assert r.cost_s == pytest.approx(0.003)
     # One 2 MiB bucket ready at 8 ms: 0.5 MiB moves before backward ends (1 ms taken), 1.5 MiB after.
-    r = simulate_schedule(model, params, order, [0.008, 0.0], 0.010, 2 * MB, busy_bandwidth_Bps=1 * MB / 0.004)
+    r = simulate_schedule(
+        model, params, order, [0.008, 0.0], 0.010, 2 * MB, busy_bandwidth_Bps=1 * MB / 0.004
+    )
     assert r.stolen_s == pytest.approx(0.001) and r.exposed_s == pytest.approx(0.0015)
 
 
@@ -355,7 +369,7 @@ def test_choose_bucket_size_finds_the_known_optimum():
 def test_candidate_caps_are_geometric_and_end_at_the_model():
     caps = candidate_caps(100 * MB, per_octave=2, smallest=1 * MB)
     assert caps[0] == 1 * MB and caps[-1] == 100 * MB
-    assert all(b > a for a, b in zip(caps, caps[1:]))
+    assert all(b > a for a, b in zip(caps, caps[1:], strict=False))
     assert caps[1] == pytest.approx(math.sqrt(2) * MB, rel=1e-6)
     assert candidate_caps(1000) == [1000]
 
@@ -409,10 +423,19 @@ def test_auto_resizes_once_from_a_measured_backward_identically_on_every_rank():
             reports.append(ddp.auto_bucket)
             caps.append(ddp.bucket_manager.bucket_bytes)
         prediction = ddp.auto_bucket_sizer.predict(ddp.auto_bucket.cap_bytes)
-        return first, reports, caps, ddp.bucket_manager.layout, [p.grad.clone() for p in ddp.parameters()], prediction
+        return (
+            first,
+            reports,
+            caps,
+            ddp.bucket_manager.layout,
+            [p.grad.clone() for p in ddp.parameters()],
+            prediction,
+        )
 
     results = run_threads(body, 2)
-    (first0, reports0, caps0, layout0, grads0, pred0), (first1, reports1, caps1, layout1, grads1, pred1) = results
+    (first0, reports0, caps0, layout0, grads0, pred0), (first1, reports1, caps1, layout1, grads1, pred1) = (
+        results
+    )
     assert first0 == first1 == 1  # sqrt(s o w) >= s: one bucket
     assert [r.tuned for r in reports0] == [False] * (TUNE_AFTER_BACKWARDS - 1) + [True] * 3
     tuned0, tuned1 = reports0[TUNE_AFTER_BACKWARDS - 1], reports1[TUNE_AFTER_BACKWARDS - 1]
@@ -425,7 +448,7 @@ def test_auto_resizes_once_from_a_measured_backward_identically_on_every_rank():
     assert reports0[-1] == tuned0
     # Rank 0 kept the measured backward, so it can simulate other caps; rank 1 did not measure.
     assert pred0 is not None and pred0.cap_bytes == tuned0.cap_bytes and pred1 is None
-    for a, b in zip(grads0, grads1):
+    for a, b in zip(grads0, grads1, strict=False):
         assert torch.equal(a, b)
     assert "simulated on a measured backward" in tuned0.summary()
 

@@ -8,12 +8,12 @@ import warnings
 import pytest
 
 from commlib.env import (
-    launcher_pid,
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
     DistEnv,
     detect,
     get_env_or_raise,
+    launcher_pid,
     read_env_var,
 )
 from commlib.ports import ephemeral_port_range, port_from_key
@@ -287,7 +287,7 @@ _PRINT_ENV = (
 def test_real_mpiexec_ranks_agree_on_the_derived_port(wrapped: bool) -> None:
     command = [sys.executable, "-c", _PRINT_ENV]
     if wrapped:  # each rank gets a parent of its own; the launcher's proxy is the shared ancestor
-        command = ["bash", "-c", f"{sys.executable} -c \"{_PRINT_ENV}\"; true"]
+        command = ["bash", "-c", f'{sys.executable} -c "{_PRINT_ENV}"; true']
     proc = run_job([*mpiexec_command(2), *command], timeout=100, env=scrubbed_env(PYTHONPATH=str(REPO_ROOT)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("DETECT"))

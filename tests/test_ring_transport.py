@@ -1,4 +1,4 @@
-"""Single-process tests of the ring's transport pieces over socket pairs: framing, short reads, closes, aborts."""
+"""Single-process tests of the ring's transport over socket pairs: framing, short reads, closes, aborts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,16 @@ import time
 import pytest
 import torch
 
-from backends._links import ShmRecvLink, ShmSendLink, TcpRecvLink, TcpSendLink, _Inbox
 from backends import _wire
-from backends._wire import PeerClosed, SocketReader, connect_with_retry, is_self_connected, recv_json, send_json
+from backends._links import ShmRecvLink, ShmSendLink, TcpRecvLink, TcpSendLink, _Inbox
+from backends._wire import (
+    PeerClosed,
+    SocketReader,
+    connect_with_retry,
+    is_self_connected,
+    recv_json,
+    send_json,
+)
 from backends.ring import RingConfig
 from commlib import CommTimeoutError, PeerFailureError
 from commlib.ports import free_port
@@ -41,7 +48,9 @@ def test_peer_closing_mid_message_reports_the_byte_counts(pair) -> None:
     a.sendall(b"12345")
     a.close()
     reader = SocketReader(b, "rank 2 (left neighbour)")
-    with pytest.raises(PeerClosed, match=r"rank 2 \(left neighbour\) closed the connection after 5/8 bytes \(data\)") as info:
+    with pytest.raises(
+        PeerClosed, match=r"rank 2 \(left neighbour\) closed the connection after 5/8 bytes \(data\)"
+    ) as info:
         reader.readinto_exact(memoryview(bytearray(8)), "data")
     assert (info.value.received, info.value.expected) == (5, 8)
 
@@ -108,7 +117,7 @@ def test_shm_link_moves_chunks_through_slots_with_flow_control(pair, tmp_path) -
     thread = threading.Thread(target=send_all)
     thread.start()
     out = torch.zeros(1024)
-    for i in range(6):
+    for _ in range(6):
         receiver.recv_reduce(out, lambda dst, src: dst.add_(src))
     thread.join(5)
     assert not thread.is_alive()
@@ -118,9 +127,14 @@ def test_shm_link_moves_chunks_through_slots_with_flow_control(pair, tmp_path) -
 def test_abort_frame_is_raised_with_the_reason(pair, tmp_path) -> None:
     a, b = pair
     sender = TcpSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", chunk_bytes=4096)
-    receiver = TcpRecvLink(b, SocketReader(b, "rank 0 (left neighbour)"), 0, "rank 0 (left neighbour)", chunk_bytes=4096)
+    receiver = TcpRecvLink(
+        b, SocketReader(b, "rank 0 (left neighbour)"), 0, "rank 0 (left neighbour)", chunk_bytes=4096
+    )
     sender.abort("rank 0 gave up: peer 3 died")
-    with pytest.raises(PeerFailureError, match=r"rank 0 \(left neighbour\) aborted the collective \(data\): rank 0 gave up: peer 3 died"):
+    with pytest.raises(
+        PeerFailureError,
+        match=r"rank 0 \(left neighbour\) aborted the collective \(data\): rank 0 gave up: peer 3 died",
+    ):
         receiver.recv_into(torch.empty(4))
     sender.shutdown()
 
@@ -132,11 +146,21 @@ def test_shm_inbox_refuses_a_wrong_token(tmp_path) -> None:
 
 
 def test_ring_config_validates_and_reads_the_environment() -> None:
-    with pytest.raises(ValueError, match=r"RingConfig\.chunk_bytes: must be a multiple of 64 and at least 4096, got 100"):
+    with pytest.raises(
+        ValueError, match=r"RingConfig\.chunk_bytes: must be a multiple of 64 and at least 4096, got 100"
+    ):
         RingConfig(chunk_bytes=100)
-    with pytest.raises(ValueError, match=r"RingConfig\.transport: expected 'auto', 'shm' or 'tcp', got 'udp'"):
+    with pytest.raises(
+        ValueError, match=r"RingConfig\.transport: expected 'auto', 'shm' or 'tcp', got 'udp'"
+    ):
         RingConfig(transport="udp")  # type: ignore[arg-type]
-    config = RingConfig.from_env({"COMMLIB_RING_TRANSPORT": "TCP", "COMMLIB_RING_CHUNK_BYTES": "65600", "COMMLIB_RING_SMALL_BYTES": "0"})
+    config = RingConfig.from_env(
+        {
+            "COMMLIB_RING_TRANSPORT": "TCP",
+            "COMMLIB_RING_CHUNK_BYTES": "65600",
+            "COMMLIB_RING_SMALL_BYTES": "0",
+        }
+    )
     assert (config.transport, config.chunk_bytes, config.small_bytes) == ("tcp", 65600, 0)
     with pytest.warns(RuntimeWarning, match=r"COMMLIB_RING_TRANSPORT: unexpected value 'udp'"):
         assert RingConfig.from_env({"COMMLIB_RING_TRANSPORT": "udp"}).transport == "auto"
@@ -191,6 +215,10 @@ def test_connect_retries_when_a_connect_joins_itself(monkeypatch) -> None:
 
 
 def test_connect_gives_up_at_the_deadline_naming_the_self_connection(monkeypatch) -> None:
-    monkeypatch.setattr(_wire.socket, "create_connection", lambda address, timeout=None: _self_connected_socket())
-    with pytest.raises(TimeoutError, match=r"could not connect to rank 0 at 127\.0\.0\.1:\d+: .*connected to itself"):
+    monkeypatch.setattr(
+        _wire.socket, "create_connection", lambda address, timeout=None: _self_connected_socket()
+    )
+    with pytest.raises(
+        TimeoutError, match=r"could not connect to rank 0 at 127\.0\.0\.1:\d+: .*connected to itself"
+    ):
         connect_with_retry("127.0.0.1", 1, time.monotonic() + 0.3, "rank 0")

@@ -39,10 +39,14 @@ EXPOSED_S = 0.020
 
 
 def make_stats(step, start, *, synced=True, buckets=BUCKETS, backward_s=BACKWARD_S, exposed_s=EXPOSED_S):
-    timings = tuple(
-        BucketTiming(index=i, params=p, nbytes=n, ready_s=r, launch_s=lo, done_s=hi)
-        for i, ((r, lo, hi), p, n) in enumerate(buckets)
-    ) if synced else ()
+    timings = (
+        tuple(
+            BucketTiming(index=i, params=p, nbytes=n, ready_s=r, launch_s=lo, done_s=hi)
+            for i, ((r, lo, hi), p, n) in enumerate(buckets)
+        )
+        if synced
+        else ()
+    )
     return StepStats(
         step=step,
         synced=synced,

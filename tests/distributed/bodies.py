@@ -26,7 +26,9 @@ def _ops_for(dtype: torch.dtype) -> list[ReduceOp]:
     return [op for op in ReduceOp if not (op is ReduceOp.AVG and not dtype.is_floating_point)]
 
 
-def body_all_reduce(group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 1) -> list[str]:
+def body_all_reduce(
+    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 1
+) -> list[str]:
     """Every op x size for one dtype, with integer-valued and random inputs."""
     dtype = getattr(torch, dtype_name)
     n, r = group.world_size, group.rank
@@ -40,13 +42,18 @@ def body_all_reduce(group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...
                 expected = reduce_reference(inputs, op)
                 exact = integer_valued and op is not ReduceOp.AVG
                 tol = 0.0 if exact else tolerance(inputs, op, dtype)
-                what = f"all_reduce {op.name} {dtype_name} numel={numel} integer_valued={integer_valued} world={n}"
+                what = (
+                    f"all_reduce {op.name} {dtype_name} numel={numel} "
+                    f"integer_valued={integer_valued} world={n}"
+                )
                 assert_close_to_reference(tensor, expected, tol, what)
                 digests.append(digest(tensor))
     return digests
 
 
-def body_broadcast(group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 2) -> list[str]:
+def body_broadcast(
+    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 2
+) -> list[str]:
     """Broadcast from every source rank; the result must equal the source's tensor exactly."""
     dtype = getattr(torch, dtype_name)
     n, r = group.world_size, group.rank
@@ -55,11 +62,15 @@ def body_broadcast(group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...]
             inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed + src, False) for k in range(n)]
             tensor = inputs[r].clone()
             group.broadcast(tensor, src)
-            assert torch.equal(tensor, inputs[src]), f"broadcast src={src} {dtype_name} numel={numel}: wrong data"
+            assert torch.equal(tensor, inputs[src]), (
+                f"broadcast src={src} {dtype_name} numel={numel}: wrong data"
+            )
     return []
 
 
-def body_all_gather(group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 3) -> list[str]:
+def body_all_gather(
+    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 3
+) -> list[str]:
     """All-gather into one tensor and into a list; both must hold every rank's input exactly."""
     dtype = getattr(torch, dtype_name)
     n, r = group.world_size, group.rank
@@ -67,15 +78,21 @@ def body_all_gather(group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...
         inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed, False) for k in range(n)]
         flat = torch.full((n * numel,), 7, dtype=dtype)
         group.all_gather(flat, inputs[r])
-        assert torch.equal(flat, torch.cat(inputs)), f"all_gather(tensor) {dtype_name} numel={numel}: wrong data"
+        assert torch.equal(flat, torch.cat(inputs)), (
+            f"all_gather(tensor) {dtype_name} numel={numel}: wrong data"
+        )
         as_list = [torch.zeros(numel, dtype=dtype) for _ in range(n)]
         group.all_gather(as_list, inputs[r])
         for k in range(n):
-            assert torch.equal(as_list[k], inputs[k]), f"all_gather(list)[{k}] {dtype_name} numel={numel}: wrong data"
+            assert torch.equal(as_list[k], inputs[k]), (
+                f"all_gather(list)[{k}] {dtype_name} numel={numel}: wrong data"
+            )
     return []
 
 
-def body_reduce_scatter(group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 4) -> list[str]:
+def body_reduce_scatter(
+    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 4
+) -> list[str]:
     """Reduce-scatter from one tensor and from a list; the input must be left untouched.
 
     Each rank holds a different block, so there is nothing to compare across ranks.
@@ -86,7 +103,11 @@ def body_reduce_scatter(group: IProcessGroup, dtype_name: str, sizes: tuple[int,
         for numel in sizes:
             inputs = [rank_input(k, n * numel, dtype, op, seed, True) for k in range(n)]
             expected = reduce_reference(inputs, op)[r * numel : (r + 1) * numel]
-            tol = 0.0 if op is not ReduceOp.AVG else tolerance([t[r * numel : (r + 1) * numel] for t in inputs], op, dtype)
+            tol = (
+                0.0
+                if op is not ReduceOp.AVG
+                else tolerance([t[r * numel : (r + 1) * numel] for t in inputs], op, dtype)
+            )
             for as_list in (False, True):
                 source = inputs[r].clone()
                 arg = list(source.split(numel)) if as_list and numel else source
@@ -112,7 +133,7 @@ def body_async_order(group: IProcessGroup, count: int = 6, numel: int = 50_000) 
     group.all_reduce(sync_after)  # a synchronous call waits for the queued ones
     assert barrier is not None
     barrier.wait()
-    for i, (t, w) in enumerate(zip(tensors, works)):
+    for i, (t, w) in enumerate(zip(tensors, works, strict=False)):
         assert w is not None
         w.wait()
         assert w.is_completed() and w.exception() is None
@@ -125,7 +146,7 @@ def body_async_order(group: IProcessGroup, count: int = 6, numel: int = 50_000) 
 
 
 def body_shapes_and_views(group: IProcessGroup) -> list[str]:
-    """Multi-dimensional tensors and contiguous views are reduced in place, leaving the base's other elements alone."""
+    """N-d tensors and contiguous views are reduced in place; the rest of the base is untouched."""
     n, r = group.world_size, group.rank
     t = torch.full((4, 5, 3), float(r))
     group.all_reduce(t)
@@ -134,7 +155,11 @@ def body_shapes_and_views(group: IProcessGroup) -> list[str]:
     view = base[2:7]
     view.fill_(r + 1)
     group.all_reduce(view, ReduceOp.MAX)
-    assert torch.equal(base[2:7], torch.full((5,), float(n))) and torch.all(base[:2] == -1) and torch.all(base[7:] == -1)
+    assert (
+        torch.equal(base[2:7], torch.full((5,), float(n)))
+        and torch.all(base[:2] == -1)
+        and torch.all(base[7:] == -1)
+    )
     return [digest(t)]
 
 

@@ -11,7 +11,11 @@ from tests._launcher import RankPool
 
 # Ring variants run with tiny chunks so that moderate sizes stream through many
 # chunks (pipelining, slot reuse) and the small-message path covers tiny tensors.
-_SMALL_CHUNKS = {"COMMLIB_RING_CHUNK_BYTES": "4096", "COMMLIB_RING_SMALL_BYTES": "1024", "COMMLIB_TIMEOUT": "60"}
+_SMALL_CHUNKS = {
+    "COMMLIB_RING_CHUNK_BYTES": "4096",
+    "COMMLIB_RING_SMALL_BYTES": "1024",
+    "COMMLIB_TIMEOUT": "60",
+}
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "ring-shm": ("ring", {**_SMALL_CHUNKS, "COMMLIB_RING_TRANSPORT": "shm"}),
     "ring-tcp": ("ring", {**_SMALL_CHUNKS, "COMMLIB_RING_TRANSPORT": "tcp"}),

@@ -31,7 +31,7 @@ def main() -> int:
     group = commlib.init_process_group()
     label = f"rank {group.rank}/{group.world_size} backend {group.backend}"
     try:
-        for name, body in bodies.ALL_BODIES.items():
+        for body in bodies.ALL_BODIES.values():
             for dtype_name in DTYPES:
                 body(group, dtype_name)
         bodies.body_async_order(group)

@@ -13,7 +13,10 @@ pytestmark = pytest.mark.multiprocess
 DTYPE_NAMES = [str(d).removeprefix("torch.") for d in DTYPES]
 # (variant, world size): every world size on the default transports; TCP on 2 and 3 ranks
 # (a world of 1 has no links, and 4 adds nothing over 3 for the framing it tests).
-CASES = [(v, w) for v in VARIANTS if v != "ring-tcp" for w in (1, 2, 3, 4)] + [("ring-tcp", 2), ("ring-tcp", 3)]
+CASES = [(v, w) for v in VARIANTS if v != "ring-tcp" for w in (1, 2, 3, 4)] + [
+    ("ring-tcp", 2),
+    ("ring-tcp", 3),
+]
 
 
 @pytest.mark.parametrize(("variant", "world_size"), CASES)

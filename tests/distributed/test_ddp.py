@@ -445,7 +445,9 @@ def test_mpi_backend_under_mpiexec(mpiexec, repo_root, tmp_path):
         OMP_NUM_THREADS="1",
         **{_OUT_VAR: str(tmp_path)},
     )
-    proc = run_job([*mpiexec(2), sys.executable, "-m", "tests.distributed.test_ddp"], timeout=180, env=env, cwd=repo_root)
+    proc = run_job(
+        [*mpiexec(2), sys.executable, "-m", "tests.distributed.test_ddp"], timeout=180, env=env, cwd=repo_root
+    )
     files = sorted(tmp_path.glob("rank*.json"))
     assert proc.returncode == 0 and len(files) == 2, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     ranks = [json.loads(f.read_text()) for f in files]

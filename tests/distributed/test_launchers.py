@@ -28,8 +28,14 @@ def _tool(name: str) -> str | None:
 
 def _clean_env(backend: str) -> dict[str, str]:
     launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
-    env.update({"COMMLIB_BACKEND": backend, "COMMLIB_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in launcher_vars and not k.startswith(("OMPI_", "PMIX_", "SLURM_"))
+    }
+    env.update(
+        {"COMMLIB_BACKEND": backend, "COMMLIB_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    )
     return env
 
 
@@ -50,12 +56,18 @@ def test_bodies_under_torchrun(backend: str, world_size: int) -> None:
         pytest.skip("torchrun is not installed")
     if backend == "gloo" and importlib.util.find_spec("backends.nccl") is None:
         pytest.skip("the gloo backend (backends/nccl.py) is not present")
-    _run([torchrun, "--nproc-per-node", str(world_size), f"--master-port={free_port()}", str(SCRIPT)], backend, world_size)
+    _run(
+        [torchrun, "--nproc-per-node", str(world_size), f"--master-port={free_port()}", str(SCRIPT)],
+        backend,
+        world_size,
+    )
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("backend", "world_size"), [("ring", 2), ("ring", 3), ("mpi", 2), ("mpi", 3), ("gloo", 2)])
+@pytest.mark.parametrize(
+    ("backend", "world_size"), [("ring", 2), ("ring", 3), ("mpi", 2), ("mpi", 3), ("gloo", 2)]
+)
 def test_bodies_under_mpirun(backend: str, world_size: int) -> None:
     mpiexec = _tool("mpiexec")
     if mpiexec is None or importlib.util.find_spec("mpi4py") is None:

@@ -114,7 +114,9 @@ def test_mismatched_sizes_raise_on_every_rank_naming_both_shapes(world_size: int
 
 
 def test_mismatched_dtypes_raise_on_every_rank() -> None:
-    results = run_ranks(_mismatched_all_reduce, 2, per_rank_args=[(6, "float32"), (6, "float64")], env=FAST, timeout=60)
+    results = run_ranks(
+        _mismatched_all_reduce, 2, per_rank_args=[(6, "float32"), (6, "float64")], env=FAST, timeout=60
+    )
     for _, message, _ in results:
         assert "rank 0: float32 (6,)" in message and "rank 1: float64 (6,)" in message
 
@@ -151,7 +153,9 @@ def test_missing_rank_at_rendezvous_names_it() -> None:
     assert "ranks [2] never did" in (outcomes[0].error or "")
     assert "2/3 ranks arrived" in (outcomes[0].error or "")
     assert outcomes[1].error_type == RendezvousTimeoutError.__name__
-    assert "rendezvous failed on rank 0" in (outcomes[1].error or "")  # rank 0 tells the others who is missing
+    assert "rendezvous failed on rank 0" in (
+        outcomes[1].error or ""
+    )  # rank 0 tells the others who is missing
     assert "ranks [2] never did" in (outcomes[1].error or "")
 
 
@@ -160,7 +164,9 @@ def test_port_in_use_is_reported_with_the_fix() -> None:
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", port))
         squatter.listen(4)
-        outcomes = run_ranks_outcomes(_init_only, 2, init=False, port=port, env={"COMMLIB_TIMEOUT": "3"}, timeout=60)
+        outcomes = run_ranks_outcomes(
+            _init_only, 2, init=False, port=port, env={"COMMLIB_TIMEOUT": "3"}, timeout=60
+        )
     assert outcomes[0].error_type == RendezvousError.__name__
     assert f"cannot listen on 127.0.0.1:{port}" in (outcomes[0].error or "")
     assert "set MASTER_PORT" in (outcomes[0].error or "")
@@ -169,7 +175,12 @@ def test_port_in_use_is_reported_with_the_fix() -> None:
 
 def test_world_size_disagreement_is_refused() -> None:
     outcomes = run_ranks_outcomes(
-        _init_only, 2, init=False, per_rank_env=[{}, {"WORLD_SIZE": "3"}], env={"COMMLIB_TIMEOUT": "5"}, timeout=60
+        _init_only,
+        2,
+        init=False,
+        per_rank_env=[{}, {"WORLD_SIZE": "3"}],
+        env={"COMMLIB_TIMEOUT": "5"},
+        timeout=60,
     )
     assert "rank 1 was started with world size 3, rank 0 with 2" in (outcomes[0].error or "")
     assert "rank 1 was started with world size 3" in (outcomes[1].error or "")
@@ -192,7 +203,10 @@ def test_transport_can_be_forced(transport: str) -> None:
     assert all(r == (transport, transport) for r in results)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the host-staging path for CUDA tensors is not exercised")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: the host-staging path for CUDA tensors is not exercised",
+)
 def test_cuda_tensors_are_staged_through_host_memory() -> None:
     results = run_ranks(_cuda_all_reduce, 2, env=FAST, timeout=60)
     assert results == [[3.0] * 5] * 2

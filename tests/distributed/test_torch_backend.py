@@ -166,7 +166,7 @@ def test_adopts_torch_default_group() -> None:
 
 
 def _subgroup_body() -> dict[str, Any] | None:
-    """A torch sub-group wrapped by commlib: group ranks differ from global ranks (broadcast's src is a group rank)."""
+    """A torch sub-group wrapped by commlib: group ranks differ from global ranks (src is a group rank)."""
     from backends.nccl import from_torch_group
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
