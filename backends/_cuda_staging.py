@@ -510,6 +510,28 @@ class StagingPipeline:
         """Bytes of the tensor."""
         return self._nbytes
 
+    def element_range(self, view: torch.Tensor) -> tuple[int, int]:
+        """Return ``(start, stop)``: where ``view``, a contiguous slice of ``host``, lies in it (elements).
+
+        Lets code that works on views (a ring's segments and chunks) call
+        ``wait_host(*pipeline.element_range(view))`` and ``publish(...)``.
+
+        Raises:
+            ValueError: ``view`` is not inside the host tensor.
+        """
+        host = self.host
+        size = host.element_size()
+        offset, rest = divmod(view.data_ptr() - host.data_ptr(), size)
+        if view.numel() == 0:
+            return (0, 0)
+        if rest or offset < 0 or offset + view.numel() > host.numel() or not view.is_contiguous():
+            raise ValueError(
+                f"{self._describe}: the view ({view.numel()} elements at byte offset "
+                f"{view.data_ptr() - host.data_ptr()}) is not a contiguous slice of the host tensor "
+                f"({host.numel()} elements)"
+            )
+        return offset, offset + view.numel()
+
     # ----------------------------------------------------------- the steps
     def start(self) -> torch.Tensor:
         """Take a pinned buffer, queue every device-to-host copy (``copy_in``); return the host tensor."""

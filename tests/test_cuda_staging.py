@@ -356,6 +356,18 @@ def test_pipeline_fetches_the_ranges_asked_first_and_publishes_across_chunks() -
         p.publish(0, 1)
 
 
+def test_element_range_places_a_view_of_the_host_tensor() -> None:
+    ops = FakeOps()
+    p = pipeline(torch.zeros(3, 10), ops)
+    host = p.start().view(-1)
+    assert p.element_range(host[7:19]) == (7, 19)
+    assert p.element_range(host) == (0, 30) and p.element_range(host[5:5]) == (0, 0)
+    with pytest.raises(ValueError, match="not a contiguous slice"):
+        p.element_range(torch.zeros(4))
+    with pytest.raises(ValueError, match="not a contiguous slice"):
+        p.element_range(host[::2])
+
+
 def test_pipeline_refuses_an_element_published_twice() -> None:
     ops = FakeOps()
     p = pipeline(torch.zeros(10), ops)
