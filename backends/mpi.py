@@ -18,7 +18,7 @@
 - float16 uses MPI's extension type (``MPIX_C_FLOAT16``) when the library has
   it and it reduces correctly (checked once, locally); bfloat16, and float16
   without it, reduce through a user-defined MPI operation that adds in torch.
-  AVG is SUM, then a true division by the world size.
+  AVG is SUM, then a true division by the world size (done by the interface).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from commlib.errors import (
     error_prefix,
 )
 from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp, dtype_name
-from commlib.work import CompletedWork, Work
+from commlib.types import ReduceOp
+from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from_mpi_comm"]
 
@@ -59,12 +59,11 @@ _MPI: Any = None
 
 _MPI_OPS: dict[ReduceOp, str] = {
     ReduceOp.SUM: "SUM",
-    ReduceOp.AVG: "SUM",  # then divided by the world size
     ReduceOp.PRODUCT: "PROD",
     ReduceOp.MIN: "MIN",
     ReduceOp.MAX: "MAX",
 }
-"""commlib op -> name of the predefined ``MPI.Op``."""
+"""commlib op -> name of the predefined ``MPI.Op`` (AVG never reaches the backend: it sums)."""
 
 _TORCH_REDUCE: dict[str, Callable[..., Any]] = {
     "SUM": torch.add,
@@ -100,8 +99,6 @@ _LAUNCHER_VARS = {
     "explicit": "the rank/world_size arguments",
 }
 
-_COMPLETED = CompletedWork()
-"""Returned by a synchronous collective that finished (its caller only calls ``wait()``)."""
 
 _lock = threading.Lock()
 _live_groups: dict[int, MPIProcessGroup] = {}
@@ -303,40 +300,50 @@ def _cupy() -> Any:
 
 # ---------------------------------------------------------------------- work
 class _MPIWork(Work):
-    """A ``Work`` around one MPI request, plus what must happen after it (AVG, copy back)."""
+    """A ``Work`` around one MPI request.
+
+    Whoever sees the request finished settles the work: a waiter, a test from
+    ``is_completed()``, or the progress thread. The progress thread also fails
+    a request that has run past the group's timeout, so a future that nobody
+    waits on still completes (with ``CommTimeoutError``).
+    """
 
     def __init__(
         self,
         group: MPIProcessGroup,
-        op: str,
-        seq: int,
-        tensor: torch.Tensor | None,
+        label: CollectiveLabel,
         request: Any,
-        finish: Callable[[], None] | None,
         keep_alive: Any,
         issued: float | None = None,
     ) -> None:
+        super().__init__(label, keep_alive)
         self._group = group
-        self._op = op
-        self._seq = seq
-        self._dtype = tensor.dtype if tensor is not None else None
-        self._numel = tensor.numel() if tensor is not None else 0
         self._request = request
-        self._finish = finish
-        self._keep_alive = keep_alive
-        self._lock = threading.Lock()
-        self._done = False
-        self._error: BaseException | None = None
+        self._drive_lock = threading.Lock()
         self._issued = time.monotonic() if issued is None else issued
+        self._abandoned = False
 
     @property
     def describe(self) -> str:
         """``[rank 0/2] mpi.all_reduce #7 (float32, 1024 elements)``."""
-        return _label(self._group, self._op, self._seq, self._dtype, self._numel)
+        return str(self._label)
+
+    def _settle(self, error: BaseException | None = None) -> None:
+        if self._done:
+            return
+        super()._settle(error)
+        if self._error is not None:
+            self._group._mark_broken(self._error)
+        if not self._abandoned:
+            self._group._pending.pop(self._label.seq, None)  # type: ignore[union-attr]
 
     def _test_locked(self) -> bool:
-        """Test once (the caller holds the lock); finish the work if the request is done."""
-        if self._done:
+        """Test once (the caller holds the drive lock); settle the work if the request is done.
+
+        A work abandoned at its timeout is settled already, but its request is
+        tested on (the exit hook asks whether it ever finished).
+        """
+        if self._done and not self._abandoned:
             return True
         try:
             flag = self._request.Test()
@@ -344,77 +351,85 @@ class _MPIWork(Work):
             self._settle(self._group._mpi_error(self.describe, e))
             return True
         if flag:
-            self._complete()
+            if self._abandoned:
+                self._group._pending.pop(self._label.seq, None)  # type: ignore[union-attr]
+            self._settle()
         return bool(flag)
 
-    def _complete(self) -> None:
-        """Run the finishing step (AVG, copy back) of a finished request, and settle."""
-        error = None
-        if self._finish is not None:
-            try:
-                self._finish()
-            except Exception as e:  # noqa: BLE001
-                error = CommError(f"{self.describe}: finishing the result failed: {e}")
-                error.__cause__ = e
-        self._settle(error)
-
-    def _settle(self, error: BaseException | None) -> None:
-        self._done = True
-        self._error = error
-        self._keep_alive = None
-        self._finish = None
-        if error is not None:
-            self._group._mark_broken(error)
-        self._group._pending.pop(self._seq, None)
-
     def _test(self) -> bool:
-        with self._lock:
+        with self._drive_lock:
             return self._test_locked()
 
     def _poll_background(self) -> bool:
         if self._done:
-            return True
-        if not self._lock.acquire(blocking=False):
+            return True  # an abandoned request is left to the exit hook
+        if not self._drive_lock.acquire(blocking=False):
             return False  # a waiter holds it and drives the request itself
         try:
-            return self._test_locked()
+            if self._test_locked():
+                return True
+            if time.monotonic() - self._issued > self._group.timeout:
+                # The request is still in flight (MPI cannot cancel it): it stays listed for
+                # the exit hook, which aborts the job rather than hang in MPI_Finalize.
+                self._abandoned = True
+                self._settle(self._timeout_error(self._group.timeout))
+                return True
+            return False
         finally:
-            self._lock.release()
+            self._drive_lock.release()
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the result is in the tensor (see ``Work.wait``).
+    def _wait_for_backend(self, timeout: float | None) -> None:
+        """Drive MPI on the calling thread until the request ends (see ``Work.wait``).
 
-        The calling thread drives MPI itself while it waits (``wait_until``:
-        back-to-back tests, then yielding, then short naps), and gives up at
-        ``timeout`` (default: the group's timeout).
+        The calling thread tests the request itself (``wait_until``: back-to-back
+        tests, then yielding, then short naps) and gives up at ``timeout``
+        (default: the group's timeout).
         """
-        if not self._done:
-            limit = self._group.timeout if timeout is None else max(float(timeout), 0.0)
-            deadline = time.monotonic() + limit
-            # Hold the lock for the whole wait: the progress thread leaves this request
-            # alone, and each poll is one bare MPI_Test. A large collective moves one
-            # step per test on each rank, so a slower poll would slow the transfer.
-            progress = self._group._progress
-            with self._lock:
-                if not self._done:
-                    if progress is not None:
-                        progress.waiter_enter()
-                    try:
-                        done = wait_until(self._request.Test, deadline, pure_spin_s=self._group._pure_spin_s)
-                    except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-                        self._settle(self._group._mpi_error(self.describe, e))
-                    else:
-                        if done:
-                            self._complete()
-                        else:
-                            self._expired(timeout, limit)
-                    finally:
-                        if progress is not None:
-                            progress.waiter_exit()
-                            if self._done:
-                                progress.discard(self)
-        if self._error is not None:
-            raise self._error
+        limit = self._group.timeout if timeout is None else max(float(timeout), 0.0)
+        deadline = time.monotonic() + limit
+        # Hold the lock for the whole wait: the progress thread leaves this request
+        # alone, and each poll is one bare MPI_Test. A large collective moves one
+        # step per test on each rank, so a slower poll would slow the transfer.
+        progress = self._group._progress
+        with self._drive_lock:
+            if self._done:
+                return
+            if progress is not None:
+                progress.waiter_enter()
+            try:
+                done = wait_until(self._request.Test, deadline, pure_spin_s=self._group._pure_spin_s)
+            except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
+                self._settle(self._group._mpi_error(self.describe, e))
+            else:
+                if done:
+                    self._settle()
+                else:
+                    self._expired(timeout, limit)
+            finally:
+                if progress is not None:
+                    progress.waiter_exit()
+                    if self._done:
+                        progress.discard(self)
+
+    def _test_backend(self) -> None:
+        if not self._drive_lock.acquire(blocking=False):
+            return
+        try:
+            self._test_locked()
+        finally:
+            self._drive_lock.release()
+
+    def _arm_future(self) -> None:
+        self._group._ensure_polled(self)
+
+    def _timeout_error(self, limit: float) -> CommTimeoutError:
+        return CommTimeoutError(
+            f"{self.describe}: no progress for {limit:g} s; a peer rank is missing, stuck "
+            "or called a different collective. MPI cannot cancel a collective, so the "
+            "group is unusable and this process will abort the MPI job when it exits "
+            "(MPI_Finalize would wait forever). Raise COMMLIB_TIMEOUT if the peers are "
+            "just slow."
+        )
 
     def _expired(self, timeout: float | None, limit: float) -> None:
         if timeout is not None:
@@ -423,30 +438,9 @@ class _MPIWork(Work):
                 "collective finished; it is still in flight. Wait again, or look for a "
                 "rank that has not issued the same collective."
             )
-        error = CommTimeoutError(
-            f"{self.describe}: no progress for {limit:g} s; a peer rank is missing, stuck "
-            "or called a different collective. MPI cannot cancel a collective, so the "
-            "group is unusable and this process will abort the MPI job when it exits "
-            "(MPI_Finalize would wait forever). Raise COMMLIB_TIMEOUT if the peers are "
-            "just slow."
-        )
+        error = self._timeout_error(limit)
         self._group._mark_broken(error)
         raise error
-
-    def is_completed(self) -> bool:
-        """Return True once the collective has finished, successfully or not (tests it once)."""
-        if self._done:
-            return True
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            return self._test_locked()
-        finally:
-            self._lock.release()
-
-    def exception(self) -> BaseException | None:
-        """Return the error the collective failed with, or None (also while running)."""
-        return self._error
 
 
 # --------------------------------------------------------------------- group
@@ -484,7 +478,6 @@ class MPIProcessGroup(IProcessGroup):
         super().__init__(env, config)
         self._MPI = MPI
         self._mpi_config = mpi_config if mpi_config is not None else MPIConfig.from_env()
-        self._seq = 0
         self._pending: dict[int, _MPIWork] = {}
         self._staging: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._cuda_aware: bool | None = self._mpi_config.cuda_aware
@@ -540,7 +533,8 @@ class MPIProcessGroup(IProcessGroup):
                 "commlib.init_process_group('mpi'). This process will abort the MPI job when it exits."
             )
             self._mark_broken(error)
-            self._pending[0] = _MPIWork(self, "init", 0, None, request, None, None, issued=started)
+            label = CollectiveLabel(self.rank, self.world_size, self.backend_name, "init", 0)
+            self._pending[0] = _MPIWork(self, label, request, None, issued=started)
             _register(self)
             raise error
         return comm
@@ -619,7 +613,6 @@ class MPIProcessGroup(IProcessGroup):
         keep_alive: Any,
         async_op: bool,
     ) -> Work:
-        self._seq += 1
         seq = self._seq
         issued = time.monotonic()
         if finish is not None and tensor is not None and tensor.is_cuda:
@@ -627,32 +620,31 @@ class MPIProcessGroup(IProcessGroup):
         try:
             request = start()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
-            dtype, numel = (tensor.dtype, tensor.numel()) if tensor is not None else (None, 0)
-            error = self._mpi_error(_label(self, op, seq, dtype, numel), e)
+            error = self._mpi_error(self._label(op, tensor), e)
             self._mark_broken(error)
             raise error from e
         if not async_op:
-            # Synchronous: wait here, and build a Work only if the wait fails.
+            # Synchronous: wait here, and build a pending Work only if the wait fails.
             progress = self._progress if self._progress is not None and not self._progress.idle() else None
             if progress is not None:
                 progress.waiter_enter()  # this wait drives the outstanding async work too
             try:
                 done = wait_until(request.Test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception
-                dtype, numel = (tensor.dtype, tensor.numel()) if tensor is not None else (None, 0)
-                error = self._mpi_error(_label(self, op, seq, dtype, numel), e)
+                error = self._mpi_error(self._label(op, tensor), e)
                 self._mark_broken(error)
                 raise error from e
             finally:
                 if progress is not None:
                     progress.waiter_exit()
             if done:
+                completed = CompletedWork()
                 if finish is not None:
-                    work = _MPIWork(self, op, seq, tensor, request, finish, None)
-                    work._complete()
-                    return work
-                return _COMPLETED
-        work = _MPIWork(self, op, seq, tensor, request, finish, keep_alive, issued)
+                    completed.add_finisher(finish)
+                return completed
+        work = _MPIWork(self, self._label(op, tensor), request, keep_alive, issued)
+        if finish is not None:
+            work.add_finisher(finish)
         # Every unfinished request is listed, for the exit hook (dict ops are atomic under the GIL).
         self._pending[seq] = work
         if not async_op:
@@ -661,15 +653,30 @@ class MPIProcessGroup(IProcessGroup):
             self._progress.submit(work)
         return work
 
+    def _ensure_polled(self, work: _MPIWork) -> None:
+        """Have a thread poll ``work`` even without a waiter (its future must complete)."""
+        if self._progress is None:
+            if self._thread_level < self._MPI.THREAD_MULTIPLE:
+                _warn_once(
+                    "future-without-progress",
+                    f"{self._prefix('get_future')}MPI runs without thread level MULTIPLE, so no "
+                    "thread can drive requests in the background: a future completes only when "
+                    "Work.wait() or Work.is_completed() is called on its work",
+                )
+                return
+            self._progress = ProgressThread(
+                self._mpi_config.progress_interval_us * 1e-6, f"commlib-mpi-progress-rank{self.rank}"
+            )
+        self._progress.submit(work)
+
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         buf, copy_back, keep = self._buffer(tensor, reduce=True)
         mpi_op = _plans[tensor.dtype].ops[_MPI_OPS[op]]
-        finish = _then(copy_back, _divider(tensor, self.world_size)) if op is ReduceOp.AVG else copy_back
         return self._start(
             "all_reduce",
             tensor,
             lambda: self._comm.Iallreduce(self._MPI.IN_PLACE, buf, mpi_op),
-            finish,
+            copy_back,
             (tensor, buf, keep),
             async_op,
         )
@@ -745,12 +752,11 @@ class MPIProcessGroup(IProcessGroup):
         send, _, keep_send = self._buffer(source, reduce=True)
         recv, copy_back, keep_recv = self._buffer(target, reduce=True)
         mpi_op = _plan(self._MPI, output.dtype).ops[_MPI_OPS[op]]
-        divide = _divider(target, self.world_size) if op is ReduceOp.AVG else None
         return self._start(
             "reduce_scatter",
             output,
             lambda: self._comm.Ireduce_scatter_block(send, recv, mpi_op),
-            _then(copy_back, divide, copy_out),
+            _then(copy_back, copy_out),
             (output, source, target, send, recv, keep_send, keep_recv),
             async_op,
         )
@@ -788,12 +794,6 @@ class MPIProcessGroup(IProcessGroup):
         return CommError(f"{describe}: {type(error).__name__}: {error}")
 
 
-def _label(group: IProcessGroup, op: str, seq: int, dtype: torch.dtype | None, numel: int) -> str:
-    """``[rank 0/2] mpi.all_reduce #7 (float32, 1024 elements)``: names one collective in messages."""
-    what = f" ({dtype_name(dtype)}, {numel} elements)" if dtype is not None else ""
-    return f"{group._prefix(op).rstrip(': ')} #{seq}{what}"
-
-
 def _then(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
     """Chain the non-None steps into one callable (None if there are none)."""
     chosen = [s for s in steps if s is not None]
@@ -822,13 +822,6 @@ def _synchronised(step: Callable[[], None], device: torch.device) -> Callable[[]
         torch.cuda.current_stream(device).synchronize()
 
     return run
-
-
-def _divider(tensor: torch.Tensor, world: int) -> Callable[[], None]:
-    def divide() -> None:
-        tensor.div_(world)
-
-    return divide
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

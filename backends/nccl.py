@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import re
 import threading
 import warnings
@@ -44,8 +45,8 @@ from commlib.errors import (
     error_prefix,
 )
 from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp, dtype_name
-from commlib.work import Work
+from commlib.types import ReduceOp
+from commlib.work import CollectiveLabel, Work
 
 __all__ = [
     "BACKENDS",
@@ -74,6 +75,9 @@ _DEVICE_OF_BACKEND: dict[str, tuple[str, ...]] = {
     "ucc": ("cpu", "cuda"),
 }
 """Device types a torch backend named alone (``"gloo"``) serves in commlib."""
+
+_TORCH_DEFAULT_BACKENDS = "cpu:gloo,cuda:nccl"
+"""What ``torch.distributed.init_process_group()`` without a backend runs when CUDA is there."""
 
 _PEER_RE = re.compile(r"\[[^\]/\s]+\]:\d+")
 """A peer address in Gloo's messages (not the ``[path/file.cc:123]`` source location)."""
@@ -109,8 +113,28 @@ def _parse_upcast(text: str) -> frozenset[torch.dtype]:
 
 
 def _device_map(pg: Any) -> dict[str, str]:
-    """Return ``{device type: torch backend}`` for a torch process group."""
-    return _parse_backend_spec(str(dist.get_backend(pg)))
+    """Return ``{device type: torch backend}`` for a torch process group.
+
+    torch names a group created without a backend ``"undefined"``; its backend
+    config (``"cpu:gloo,cuda:nccl"`` with CUDA, else ``"cpu:gloo"``) says what
+    it really runs, so that is read first.
+    """
+    get_config = getattr(dist, "get_backend_config", None)
+    config = ""
+    if get_config is not None:
+        try:
+            config = str(get_config(pg))
+        except (RuntimeError, ValueError):
+            config = ""
+    if not config or config == "undefined":
+        name = str(dist.get_backend(pg))
+        if name == "undefined":
+            name = _TORCH_DEFAULT_BACKENDS if torch.cuda.is_available() else "cpu:gloo"
+        config = name
+    devices = _parse_backend_spec(config)
+    if "cuda" in devices and not torch.cuda.is_available():
+        del devices["cuda"]  # torch lists Gloo for CUDA even where there is no CUDA device
+    return devices
 
 
 def _parse_backend_spec(spec: str) -> dict[str, str]:
@@ -127,106 +151,74 @@ def _parse_backend_spec(spec: str) -> dict[str, str]:
     return mapping
 
 
-class _Label:
-    """Names one collective in messages: ``[rank 0/2] gloo.all_reduce #7 (float32, 1024 elements)``.
+class _TorchWork(Work):
+    """A ``Work`` around torch's work handle.
 
-    Formatted only when a message needs it, so the hot path pays for no string.
+    Waiting: for CPU tensors (Gloo) the calling thread blocks in torch's
+    ``wait``, which Gloo bounds by the group's timeout. For CUDA tensors (NCCL)
+    ``wait()`` makes the current CUDA stream wait for the collective, as torch's
+    DDP does, and returns without blocking the host; the group's timeout is
+    enforced by NCCL's watchdog, not by the host.
     """
 
-    __slots__ = ("_group", "_op", "_seq", "_dtype", "_numel")
-
-    def __init__(self, group: IProcessGroup, op: str, seq: int, tensor: torch.Tensor | None) -> None:
-        self._group = group
-        self._op = op
-        self._seq = seq
-        self._dtype = tensor.dtype if tensor is not None else None
-        self._numel = tensor.numel() if tensor is not None else 0
-
-    def __str__(self) -> str:
-        what = f" ({dtype_name(self._dtype)}, {self._numel} elements)" if self._dtype is not None else ""
-        return f"{self._group._prefix(self._op).rstrip(': ')} #{self._seq}{what}"
-
-
-class _TorchWork(Work):
-    """A ``Work`` around torch's work handle, plus what must happen after it (AVG, copy back)."""
-
     def __init__(
-        self,
-        group: TorchDistProcessGroup,
-        op: str,
-        describe: _Label,
-        work: Any,
-        cuda: bool,
-        finish: Callable[[], None] | None = None,
-        keep_alive: Any = None,
+        self, group: TorchDistProcessGroup, label: CollectiveLabel, handle: Any, cuda: bool, keep_alive: Any
     ) -> None:
+        super().__init__(label, keep_alive)
         self._group = group
-        self._op = op
-        self._describe = describe
-        self._work = work
+        self._handle = handle
         self._cuda = cuda
-        self._finish = finish
-        self._keep_alive = keep_alive
-        self._done = False
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
+        self._wait_lock = threading.Lock()
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the result is in the tensor (see ``Work.wait``).
-
-        Without ``timeout`` the torch group's own timeout bounds the wait (Gloo
-        fails the operation; for CUDA tensors the current stream waits for the
-        collective, as in torch, and NCCL's watchdog aborts it). With
-        ``timeout`` the calling thread blocks at most that long.
-        """
-        with self._lock:
+    def _wait_for_backend(self, timeout: float | None) -> None:
+        with self._wait_lock:
             if self._done:
-                if self._error is not None:
-                    raise self._error
                 return
-            limit = self._group.timeout if timeout is None else max(float(timeout), 1e-3)
             try:
-                if timeout is None:
-                    # Bounded all the same: Gloo fails any operation after the group's timeout
-                    # (torch.distributed's, set from CommConfig), and NCCL's watchdog aborts it.
-                    # A timed wait would cost ~15 us more per call.
-                    self._work.wait()
+                if timeout is None or self._cuda:
+                    # Gloo fails any operation after the group's timeout (torch.distributed's,
+                    # set from CommConfig) and NCCL's watchdog aborts it, so this is bounded.
+                    # For CUDA it is a stream dependency: torch's WorkNCCL.wait(timeout) would
+                    # block the host and abort the communicator when it expires.
+                    self._handle.wait()
                 else:
-                    self._work.wait(datetime.timedelta(seconds=limit))
+                    self._handle.wait(datetime.timedelta(seconds=max(float(timeout), 1e-3)))
             except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
-                error = _translate(self._describe, e, limit)
-                if timeout is not None and _is_wait_expiry(e):
-                    # Only the caller's own wait ran out; the collective goes on.
+                if timeout is not None and not self._cuda and _is_wait_expiry(e):
                     raise CommTimeoutError(
-                        f"{self._describe}: Work.wait(timeout={timeout}) expired before the "
+                        f"{self._label}: Work.wait(timeout={timeout}) expired before the "
                         "collective finished; it is still running. Wait again, or look for a rank "
                         "that has not issued the same collective."
                     ) from e
-                self._error = error
-                self._done = True
-                self._group._mark_broken(error)
-                raise error from e
-            try:
-                if self._finish is not None:
-                    self._finish()
-            except Exception as e:  # noqa: BLE001
-                self._error = CommError(f"{self._describe}: finishing the result failed: {e}")
-                self._done = True
-                raise self._error from e
-            self._done = True
-            self._keep_alive = None
+                self._fail(e)
+                return
+            self._settle()
 
-    def is_completed(self) -> bool:
-        """Return True once the collective has finished, successfully or not.
+    def _test_backend(self) -> None:
+        if self._handle.is_completed():
+            self._wait_for_backend(None)
 
-        The AVG division or the copy back of an upcast result happens in
-        ``wait()``; read the tensor only after ``wait()`` has returned.
-        """
-        return self._done or bool(self._work.is_completed())
+    def _arm_future(self) -> None:
+        try:
+            torch_future = self._handle.get_future()
+        except RuntimeError:  # some torch Work kinds (Gloo's reduce_scatter) have no future
+            self._group._wait_in_background(self)
+        else:
+            torch_future.then(self._on_torch_future)
 
-    def exception(self) -> BaseException | None:
-        """Return the error the collective failed with, or None (also while running)."""
-        return self._error
+    def _on_torch_future(self, future: torch.futures.Future[Any]) -> None:
+        try:
+            future.wait()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        else:
+            self._settle()
+
+    def _fail(self, cause: BaseException) -> None:
+        error = _translate(self._label, cause, self._group.timeout)
+        error.__cause__ = cause
+        self._group._mark_broken(error)
+        self._settle(error)
 
 
 def _is_wait_expiry(error: BaseException) -> bool:
@@ -272,8 +264,10 @@ class TorchDistProcessGroup(IProcessGroup):
         self.supported_devices = frozenset(self._devices)  # type: ignore[misc]
         no_upcast: frozenset[torch.dtype] = frozenset()
         self._upcast: set[torch.dtype] = set(read_env_var("COMMLIB_GLOO_UPCAST", _parse_upcast, no_upcast))
-        self._seq = 0
         self._is_world = pg is dist.GroupMember.WORLD
+        self._waiter: threading.Thread | None = None
+        self._waiter_lock = threading.Lock()
+        self._waiting: queue.SimpleQueue[_TorchWork | None] = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -290,12 +284,31 @@ class TorchDistProcessGroup(IProcessGroup):
         """Return the torch backend (``gloo``, ``nccl``) that serves ``device``, or None."""
         return self._devices.get(torch.device(device).type)
 
-    # ------------------------------------------------------------- collectives
-    def _describe(self, op: str, tensor: torch.Tensor | None) -> _Label:
-        self._seq += 1
-        return _Label(self, op, self._seq, tensor)
+    def _wait_in_background(self, work: _TorchWork) -> None:
+        """Have a daemon thread wait on ``work`` (in issue order), so that its future completes."""
+        with self._waiter_lock:
+            if self._waiter is None:
+                self._waiter = threading.Thread(
+                    target=self._background_waits,
+                    name=f"commlib-{self._name}-waiter-rank{self.rank}",
+                    daemon=True,
+                )
+                self._waiter.start()
+        self._waiting.put(work)
 
+    def _background_waits(self) -> None:
+        while True:
+            work = self._waiting.get()
+            if work is None:
+                return
+            try:
+                work.wait()
+            except CommError:
+                pass  # the error is in the work and its future
+
+    # ------------------------------------------------------------- collectives
     def _native_avg(self, tensor: torch.Tensor) -> bool:
+        """NCCL averages natively; Gloo sums and the interface divides."""
         return self._devices.get(tensor.device.type) in _NATIVE_AVG_BACKENDS
 
     def _needs_upcast(self, tensor: torch.Tensor) -> bool:
@@ -303,12 +316,11 @@ class TorchDistProcessGroup(IProcessGroup):
 
     def _issue(
         self,
-        op: str,
-        describe: _Label,
+        label: CollectiveLabel,
         tensor: torch.Tensor | None,
         call: Callable[[], Any],
-        finish: Callable[[], None] | None = None,
         keep_alive: Any = None,
+        finish: Callable[[], None] | None = None,
         upcast_retry: Callable[[], Work] | None = None,
     ) -> Work:
         """Start a torch collective and wrap its handle; translate a failure to start."""
@@ -320,64 +332,45 @@ class TorchDistProcessGroup(IProcessGroup):
                 # sending anything, so every rank switches to float32 together.
                 self._upcast.add(tensor.dtype)
                 return upcast_retry()
-            error = _translate(describe, e, self.timeout)
+            error = _translate(label, e, self.timeout)
             self._mark_broken(error)
             raise error from e
         cuda = tensor is not None and tensor.device.type == "cuda"
-        return _TorchWork(self, op, describe, handle, cuda, finish, keep_alive)
+        work = _TorchWork(self, label, handle, cuda, keep_alive)
+        if finish is not None:
+            work.add_finisher(finish)
+        return work
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
-        describe = self._describe("all_reduce", tensor)
+        label = self._label("all_reduce", tensor)
         if self._needs_upcast(tensor):
-            return self._all_reduce_upcast(tensor, op, describe)
-        divide = op is ReduceOp.AVG and not self._native_avg(tensor)
-        torch_op = _TORCH_OPS[ReduceOp.SUM if divide else op]
-        world = self.world_size
-
-        def finish() -> None:
-            tensor.div_(world)
-
+            return self._all_reduce_upcast(tensor, op, label)
+        torch_op = _TORCH_OPS[op]
         return self._issue(
-            "all_reduce",
-            describe,
+            label,
             tensor,
             lambda: dist.all_reduce(tensor, op=torch_op, group=self._pg, async_op=True),
-            finish if divide else None,
             tensor,
-            upcast_retry=(lambda: self._all_reduce_upcast(tensor, op, describe))
+            upcast_retry=(lambda: self._all_reduce_upcast(tensor, op, label))
             if tensor.dtype in _UPCASTABLE
             else None,
         )
 
-    def _all_reduce_upcast(self, tensor: torch.Tensor, op: ReduceOp, describe: _Label) -> Work:
+    def _all_reduce_upcast(self, tensor: torch.Tensor, op: ReduceOp, label: CollectiveLabel) -> Work:
         wide = tensor.float()
-        torch_op = _TORCH_OPS[ReduceOp.SUM if op is ReduceOp.AVG else op]
-        world = self.world_size
-
-        def finish() -> None:
-            if op is ReduceOp.AVG:
-                wide.div_(world)
-            tensor.copy_(wide)
-
         return self._issue(
-            "all_reduce",
-            describe,
+            label,
             wide,
-            lambda: dist.all_reduce(wide, op=torch_op, group=self._pg, async_op=True),
-            finish,
+            lambda: dist.all_reduce(wide, op=_TORCH_OPS[op], group=self._pg, async_op=True),
             (tensor, wide),
+            finish=lambda: tensor.copy_(wide),
         )
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
-        describe = self._describe("broadcast", tensor)
+        label = self._label("broadcast", tensor)
         root = src if self._is_world else dist.get_global_rank(self._pg, src)
         return self._issue(
-            "broadcast",
-            describe,
-            tensor,
-            lambda: dist.broadcast(tensor, src=root, group=self._pg, async_op=True),
-            None,
-            tensor,
+            label, tensor, lambda: dist.broadcast(tensor, src=root, group=self._pg, async_op=True), tensor
         )
 
     def _all_gather(
@@ -387,12 +380,12 @@ class TorchDistProcessGroup(IProcessGroup):
         tensor: torch.Tensor,
         async_op: bool,
     ) -> Work:
-        describe = self._describe("all_gather", tensor)
+        label = self._label("all_gather", tensor)
         if flat_output is not None:
             call = lambda: _all_gather_single(flat_output, tensor, group=self._pg, async_op=True)  # noqa: E731
         else:
             call = lambda: dist.all_gather(outputs, tensor, group=self._pg, async_op=True)  # noqa: E731
-        return self._issue("all_gather", describe, tensor, call, None, (flat_output, outputs, tensor))
+        return self._issue(label, tensor, call, (flat_output, outputs, tensor))
 
     def _reduce_scatter(
         self,
@@ -402,16 +395,10 @@ class TorchDistProcessGroup(IProcessGroup):
         op: ReduceOp,
         async_op: bool,
     ) -> Work:
-        describe = self._describe("reduce_scatter", output)
+        label = self._label("reduce_scatter", output)
         if self._needs_upcast(output):
-            return self._reduce_scatter_upcast(output, flat_input, inputs, op, describe)
-        divide = op is ReduceOp.AVG and not self._native_avg(output)
-        torch_op = _TORCH_OPS[ReduceOp.SUM if divide else op]
-        world = self.world_size
-
-        def finish() -> None:
-            output.div_(world)
-
+            return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
+        torch_op = _TORCH_OPS[op]
         if flat_input is not None:
             call = lambda: _reduce_scatter_single(  # noqa: E731
                 output, flat_input, op=torch_op, group=self._pg, async_op=True
@@ -421,13 +408,11 @@ class TorchDistProcessGroup(IProcessGroup):
                 output, inputs, op=torch_op, group=self._pg, async_op=True
             )
         return self._issue(
-            "reduce_scatter",
-            describe,
+            label,
             output,
             call,
-            finish if divide else None,
             (output, flat_input, inputs),
-            upcast_retry=(lambda: self._reduce_scatter_upcast(output, flat_input, inputs, op, describe))
+            upcast_retry=(lambda: self._reduce_scatter_upcast(output, flat_input, inputs, op, label))
             if output.dtype in _UPCASTABLE
             else None,
         )
@@ -438,33 +423,27 @@ class TorchDistProcessGroup(IProcessGroup):
         flat_input: torch.Tensor | None,
         inputs: list[torch.Tensor],
         op: ReduceOp,
-        describe: _Label,
+        label: CollectiveLabel,
     ) -> Work:
         wide_out = output.float()
         wide_in = (flat_input if flat_input is not None else torch.cat(inputs)).float()
-        torch_op = _TORCH_OPS[ReduceOp.SUM if op is ReduceOp.AVG else op]
-        world = self.world_size
-
-        def finish() -> None:
-            if op is ReduceOp.AVG:
-                wide_out.div_(world)
-            output.copy_(wide_out)
-
         return self._issue(
-            "reduce_scatter",
-            describe,
+            label,
             wide_out,
-            lambda: _reduce_scatter_single(wide_out, wide_in, op=torch_op, group=self._pg, async_op=True),
-            finish,
+            lambda: _reduce_scatter_single(
+                wide_out, wide_in, op=_TORCH_OPS[op], group=self._pg, async_op=True
+            ),
             (output, wide_out, wide_in),
+            finish=lambda: output.copy_(wide_out),
         )
 
     def _barrier(self, async_op: bool) -> Work:
-        describe = self._describe("barrier", None)
-        return self._issue("barrier", describe, None, lambda: dist.barrier(group=self._pg, async_op=True))
+        return self._issue(self._label("barrier"), None, lambda: dist.barrier(group=self._pg, async_op=True))
 
     def _close(self) -> None:
         global _owner_count
+        if self._waiter is not None:
+            self._waiting.put(None)
         # Drop the torch group: a closed group must not keep its store (and rank 0's
         # listening port) alive after torch.distributed itself is torn down.
         self._pg = None
@@ -484,7 +463,7 @@ class TorchDistProcessGroup(IProcessGroup):
                 )
 
 
-def _translate(describe: _Label | str, error: BaseException, limit: float) -> CommError:
+def _translate(describe: CollectiveLabel | str, error: BaseException, limit: float) -> CommError:
     """Turn a torch/Gloo/NCCL error into the matching ``CommError`` with our prefix."""
     text = str(error).strip()
     first = text.splitlines()[0] if text else type(error).__name__

@@ -44,7 +44,7 @@ from commlib.errors import (
 )
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp, dtype_name
-from commlib.work import CompletedWork, FutureWork, Work
+from commlib.work import CollectiveLabel, CompletedWork, EventWork, Work
 
 __all__ = ["RingConfig", "RingProcessGroup", "BACKENDS"]
 
@@ -292,7 +292,6 @@ class RingProcessGroup(IProcessGroup):
                 if sock is not None:
                     sock.close()
             raise
-        self._seq = 0
         self._run_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._inflight = 0
@@ -313,8 +312,12 @@ class RingProcessGroup(IProcessGroup):
         return self._chunk_bytes
 
     # ------------------------------------------------------------- execution
+    def _native_avg(self, tensor: torch.Tensor) -> bool:
+        """The ring averages itself: each rank divides its reduced segment before the all-gather."""
+        return True
+
     def _submit(
-        self, describe: str, body: Callable[[], None], async_op: bool, keep_alive: object = None
+        self, label: CollectiveLabel, body: Callable[[], None], async_op: bool, keep_alive: object = None
     ) -> Work:
         with self._state_lock:
             inline = not async_op and self._inflight == 0
@@ -325,17 +328,26 @@ class RingProcessGroup(IProcessGroup):
                     )
                 self._inflight += 1
         if inline:
-            self._execute(describe, body)
-            return CompletedWork()
-        future = self._executor.submit(self._execute, describe, body)  # type: ignore[union-attr]
-        future.add_done_callback(self._on_done)
-        return FutureWork(future, describe, keep_alive)
+            self._execute(label, body)
+            return CompletedWork(label=label)
+        # Every step of a collective waits at most the group's timeout; the bound only
+        # catches a progress thread that stopped.
+        work = EventWork(label, bound_s=self.timeout * 2 + 30.0, keep_alive=keep_alive)
+        self._executor.submit(self._run_async, work, body)  # type: ignore[union-attr]
+        return work
 
-    def _on_done(self, _: concurrent.futures.Future[None]) -> None:
-        with self._state_lock:
-            self._inflight -= 1
+    def _run_async(self, work: EventWork, body: Callable[[], None]) -> None:
+        error: BaseException | None = None
+        try:
+            self._execute(work.label, body)  # type: ignore[arg-type]
+        except BaseException as e:  # noqa: BLE001 - handed to the work
+            error = e
+        finally:
+            with self._state_lock:
+                self._inflight -= 1
+        work._settle(error)  # noqa: SLF001 - the progress thread completes its work
 
-    def _execute(self, describe: str, body: Callable[[], None]) -> None:
+    def _execute(self, describe: CollectiveLabel | str, body: Callable[[], None]) -> None:
         with self._run_lock:
             if self._closed or self._broken is not None:
                 reason = "closed" if self._closed else f"unusable after an earlier failure ({self._broken})"
@@ -353,18 +365,12 @@ class RingProcessGroup(IProcessGroup):
                 raise error from e
 
     @staticmethod
-    def _wrap(describe: str, e: BaseException) -> CommError:
+    def _wrap(describe: CollectiveLabel | str, e: BaseException) -> CommError:
         if isinstance(e, CommTimeoutError) or isinstance(e, TimeoutError):
             return CommTimeoutError(f"{describe}: {e}")
         if isinstance(e, PeerFailureError):
             return PeerFailureError(f"{describe}: {e}")
         return CommError(f"{describe}: {e}")
-
-    def _describe(self, kind: str, tensor: torch.Tensor | None = None) -> str:
-        text = f"[rank {self.rank}/{self.world_size}] {self.backend}.{kind} #{self._seq}"
-        if tensor is not None:
-            text += f" ({dtype_name(tensor.dtype)}, {tensor.numel()} elements)"
-        return text
 
     def _next_meta(
         self,
@@ -374,7 +380,6 @@ class RingProcessGroup(IProcessGroup):
         src: int = -1,
         shape: tuple[int, ...] | None = None,
     ) -> _Meta:
-        self._seq += 1
         return _Meta(
             seq=self._seq,
             kind=kind,
@@ -457,9 +462,9 @@ class RingProcessGroup(IProcessGroup):
     # ------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         meta = self._next_meta("all_reduce", tensor, op)
-        describe = self._describe("all_reduce", tensor)
+        describe = self._label("all_reduce", tensor)
         if self.world_size == 1:
-            return CompletedWork()
+            return CompletedWork(label=describe)
 
         def body() -> None:
             with _staged(tensor) as host:
@@ -493,9 +498,9 @@ class RingProcessGroup(IProcessGroup):
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         meta = self._next_meta("broadcast", tensor, src=src)
-        describe = self._describe("broadcast", tensor)
+        describe = self._label("broadcast", tensor)
         if self.world_size == 1:
-            return CompletedWork()
+            return CompletedWork(label=describe)
 
         def body() -> None:
             with _staged(tensor, copy_in=self.rank == src) as host:
@@ -532,7 +537,7 @@ class RingProcessGroup(IProcessGroup):
     ) -> Work:
         n, r = self.world_size, self.rank
         meta = self._next_meta("all_gather", tensor)
-        describe = self._describe("all_gather", tensor)
+        describe = self._label("all_gather", tensor)
 
         def body() -> None:
             with _staged(*outputs, copy_in=False) as host_outputs, _staged(tensor) as host_tensor:
@@ -564,7 +569,7 @@ class RingProcessGroup(IProcessGroup):
     ) -> Work:
         n, r = self.world_size, self.rank
         meta = self._next_meta("reduce_scatter", output, op)
-        describe = self._describe("reduce_scatter", output)
+        describe = self._label("reduce_scatter", output)
 
         def body() -> None:
             work = torch.cat([t.to("cpu") for t in inputs]) if inputs else output.new_empty(0)
@@ -591,9 +596,9 @@ class RingProcessGroup(IProcessGroup):
 
     def _barrier(self, async_op: bool) -> Work:
         meta = self._next_meta("barrier", None)
-        describe = self._describe("barrier")
+        describe = self._label("barrier")
         if self.world_size == 1:
-            return CompletedWork()
+            return CompletedWork(label=describe)
         return self._submit(describe, lambda: self._check_meta(meta), async_op)
 
     def _close(self) -> None:

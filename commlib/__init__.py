@@ -25,7 +25,7 @@ from commlib.registry import (
     unregister_backend,
 )
 from commlib.types import ReduceOp
-from commlib.work import CompletedWork, FutureWork, Work
+from commlib.work import CollectiveLabel, CompletedWork, EventWork, Work
 from commlib.world import (
     DEFAULT_BACKEND,
     all_gather,
@@ -45,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "CollectiveLabel",
     "CollectiveMismatchError",
     "CommConfig",
     "CommError",
@@ -52,7 +53,7 @@ __all__ = [
     "CompletedWork",
     "DEFAULT_BACKEND",
     "DistEnv",
-    "FutureWork",
+    "EventWork",
     "GroupClosedError",
     "IProcessGroup",
     "NotInitializedError",

@@ -17,7 +17,7 @@ from commlib.config import CommConfig
 from commlib.env import DistEnv
 from commlib.errors import GroupClosedError, error_prefix
 from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, ReduceOp, dtype_name
-from commlib.work import Work
+from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
 
@@ -35,7 +35,10 @@ class IProcessGroup(abc.ABC):
     Subclasses set ``backend_name`` and implement ``_all_reduce``,
     ``_broadcast``, ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and
     ``_close``. They may narrow ``supported_dtypes`` and ``supported_devices``
-    or override ``supports``.
+    or override ``supports``. What every backend needs is here: argument checks,
+    the sequence number and label of each collective (``_seq``, ``_label``), and
+    ``ReduceOp.AVG`` for backends that cannot average natively (``_native_avg``
+    False: the backend sums, then the interface divides once).
 
     Args:
         env: Rank, world size and rendezvous address of this process.
@@ -59,6 +62,8 @@ class IProcessGroup(abc.ABC):
         # (op, dtype, device, layout) combinations that passed the full checks: the hot path
         # of a training loop reduces the same kinds of tensor every step.
         self._accepted: set[tuple[object, ...]] = set()
+        self._seq = 0
+        """Collectives issued on this group so far; the current one's sequence number."""
 
     # ------------------------------------------------------------------ identity
     @property
@@ -91,6 +96,30 @@ class IProcessGroup(abc.ABC):
         """Seconds a blocking wait may take before it raises ``CommTimeoutError``."""
         return self._config.timeout
 
+    @property
+    def devices(self) -> frozenset[str]:
+        """Device types (``cpu``, ``cuda``) whose tensors this group accepts."""
+        return frozenset(self.supported_devices)
+
+    def preferred_device(self) -> torch.device:
+        """Return the device for small control tensors (flags, counts) sent through this group.
+
+        ``cpu`` when the group takes CPU tensors; otherwise the current CUDA device
+        (a group of NCCL alone takes only CUDA tensors).
+
+        Raises:
+            ValueError: The group takes neither CPU nor CUDA tensors.
+        """
+        devices = self.devices
+        if "cpu" in devices:
+            return torch.device("cpu")
+        if "cuda" in devices:
+            return torch.device("cuda", torch.cuda.current_device())
+        raise ValueError(
+            f"{self._prefix('preferred_device')}the group takes tensors on {sorted(devices)} only; "
+            "commlib knows no control-tensor device for it"
+        )
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
         return f"<{type(self).__name__} backend={self.backend} rank={self.rank}/{self.world_size} {state}>"
@@ -111,6 +140,24 @@ class IProcessGroup(abc.ABC):
         if dtype not in self.supported_dtypes or device_type not in self.supported_devices:
             return False
         return not (op is ReduceOp.AVG and dtype in INT_DTYPES)
+
+    def alloc_buffer(
+        self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """Return a zeroed flat tensor that this group can communicate from cheaply.
+
+        The default is ordinary memory (``torch.zeros``). A backend that can
+        communicate from memory of its own without a copy (shared memory on one
+        host, registered buffers) overrides this; callers that reuse a buffer
+        for every step (DDP's gradient buckets) should allocate it here. The
+        buffer is valid for the life of the group.
+
+        Args:
+            numel: Number of elements.
+            dtype: Element type.
+            device: Where the buffer lives.
+        """
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     # ------------------------------------------------------------- collectives
     def all_reduce(
@@ -143,7 +190,13 @@ class IProcessGroup(abc.ABC):
         self._check_reduction("all_reduce", tensor, op)
         if tensor.requires_grad:
             tensor = tensor.detach()
-        return self._finish(self._all_reduce(tensor, op, async_op), async_op)
+        self._seq += 1
+        if op is ReduceOp.AVG and not self._native_avg(tensor):
+            work = self._all_reduce(tensor, ReduceOp.SUM, async_op)
+            work.add_finisher(_Divide(tensor, self.world_size))
+        else:
+            work = self._all_reduce(tensor, op, async_op)
+        return self._finish(work, async_op, [tensor])
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank.
@@ -160,7 +213,8 @@ class IProcessGroup(abc.ABC):
         self._check_usable(name)
         self._check_tensor(name, tensor, "tensor")
         self._check_rank(name, src, "src")
-        return self._finish(self._broadcast(tensor.detach(), src, async_op), async_op)
+        self._seq += 1
+        return self._finish(self._broadcast(tensor.detach(), src, async_op), async_op, [tensor])
 
     def all_gather(
         self,
@@ -186,8 +240,9 @@ class IProcessGroup(abc.ABC):
         self._check_usable(name)
         self._check_tensor(name, tensor, "tensor")
         flat_output, outputs = self._split_world(name, output, "output", tensor)
+        self._seq += 1
         work = self._all_gather(flat_output, outputs, tensor.detach().view(-1), async_op)
-        return self._finish(work, async_op)
+        return self._finish(work, async_op, output)
 
     def reduce_scatter(
         self,
@@ -214,8 +269,14 @@ class IProcessGroup(abc.ABC):
         self._check_usable(name)
         self._check_reduction(name, output, op, "output")
         flat_input, inputs = self._split_world(name, input, "input", output)
-        work = self._reduce_scatter(output.detach().view(-1), flat_input, inputs, op, async_op)
-        return self._finish(work, async_op)
+        self._seq += 1
+        flat = output.detach().view(-1)
+        if op is ReduceOp.AVG and not self._native_avg(output):
+            work = self._reduce_scatter(flat, flat_input, inputs, ReduceOp.SUM, async_op)
+            work.add_finisher(_Divide(flat, self.world_size))
+        else:
+            work = self._reduce_scatter(flat, flat_input, inputs, op, async_op)
+        return self._finish(work, async_op, [output])
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
         """Block until every rank of the group has called ``barrier``.
@@ -224,7 +285,8 @@ class IProcessGroup(abc.ABC):
             async_op: Return a ``Work`` handle instead of waiting.
         """
         self._check_usable("barrier")
-        return self._finish(self._barrier(async_op), async_op)
+        self._seq += 1
+        return self._finish(self._barrier(async_op), async_op, None)
 
     def close(self) -> None:
         """Release connections and buffers; later collectives raise ``GroupClosedError``.
@@ -237,9 +299,17 @@ class IProcessGroup(abc.ABC):
         self._close()
 
     # --------------------------------------------------- backend implementation
+    def _native_avg(self, tensor: torch.Tensor) -> bool:
+        """Return True if the backend averages ``tensor`` itself when given ``ReduceOp.AVG``.
+
+        The default is False: the backend never sees AVG; it sums, and the
+        interface divides the result by the world size once.
+        """
+        return False
+
     @abc.abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
-        """Run the all-reduce; arguments are already checked."""
+        """Run the all-reduce; arguments are already checked and ``_seq`` counts this call."""
 
     @abc.abstractmethod
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
@@ -283,13 +353,18 @@ class IProcessGroup(abc.ABC):
     def _prefix(self, op: str) -> str:
         return error_prefix(self.rank, self.world_size, self.backend, op)
 
+    def _label(self, op: str, tensor: torch.Tensor | None = None) -> CollectiveLabel:
+        """Name the current collective (sequence number ``_seq``) for messages."""
+        return CollectiveLabel(self.rank, self.world_size, self.backend, op, self._seq, tensor)
+
     def _mark_broken(self, error: BaseException) -> None:
         """Record that the group cannot be used any more (a peer died, a wait timed out)."""
         if self._broken is None:
             self._broken = error
 
-    def _finish(self, work: Work, async_op: bool) -> Work | None:
+    def _finish(self, work: Work, async_op: bool, value: object) -> Work | None:
         if async_op:
+            work._set_value(value)  # noqa: SLF001 - what the work's future completes with
             return work
         work.wait()
         return None
@@ -423,3 +498,16 @@ class IProcessGroup(abc.ABC):
                 f"but the collective's tensor is {dtype_name(like.dtype)} on {like.device}; "
                 "all tensors of one collective must share dtype and device"
             )
+
+
+class _Divide:
+    """The second half of an emulated AVG: divide the summed tensor by the world size, in place."""
+
+    __slots__ = ("_tensor", "_world")
+
+    def __init__(self, tensor: torch.Tensor, world: int) -> None:
+        self._tensor = tensor
+        self._world = world
+
+    def __call__(self) -> None:
+        self._tensor.div_(self._world)

@@ -1,99 +1,333 @@
-"""``Work``: the handle an asynchronous collective returns, and two ready-made kinds."""
+"""``Work``: the handle a collective returns, with completion, finishing steps and a torch future.
+
+Every backend's handle is a ``Work``. The base class owns what they share: the
+completion state, the error, the steps that must run once the data has arrived
+(AVG's division, a copy back from a staging buffer), and the
+``torch.futures.Future`` that ``get_future()`` hands out. A backend supplies only
+how to wait for its collective (``_wait_for_backend``) and, if it can, how to test
+it without blocking (``_test_backend``); whoever learns that the collective ended
+calls ``_settle()`` exactly once in effect (later calls are ignored).
+"""
 
 from __future__ import annotations
 
-import abc
-import concurrent.futures
+import threading
+from collections.abc import Callable
 from typing import Any
 
-from commlib.errors import CommTimeoutError
+import torch
 
-__all__ = ["Work", "CompletedWork", "FutureWork"]
+from commlib.errors import CommError, CommTimeoutError
+from commlib.types import dtype_name
+
+__all__ = ["CollectiveLabel", "CompletedWork", "EventWork", "Work"]
 
 
-class Work(abc.ABC):
-    """Handle of an asynchronous collective (``async_op=True``).
+class CollectiveLabel:
+    """Names one collective in messages: ``[rank 0/2] gloo.all_reduce #7 (float32, 1024 elements)``.
 
-    The tensors of the collective must not be read or written until ``wait()``
-    has returned. The handle keeps them alive until then.
+    It is formatted only when a message needs it, so the hot path pays for no string.
+
+    Args:
+        rank: This rank.
+        world_size: Ranks in the group.
+        backend: Backend name.
+        op: Collective name (``all_reduce``...).
+        seq: The collective's sequence number in its group (1 for the first).
+        tensor: The tensor the collective works on, if any (its dtype and size are named).
     """
 
-    @abc.abstractmethod
+    __slots__ = ("rank", "world_size", "backend", "op", "seq", "dtype", "numel")
+
+    def __init__(
+        self, rank: int, world_size: int, backend: str, op: str, seq: int, tensor: torch.Tensor | None = None
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.op = op
+        self.seq = seq
+        self.dtype = tensor.dtype if tensor is not None else None
+        self.numel = tensor.numel() if tensor is not None else 0
+
+    def __str__(self) -> str:
+        what = f" ({dtype_name(self.dtype)}, {self.numel} elements)" if self.dtype is not None else ""
+        return f"[rank {self.rank}/{self.world_size}] {self.backend}.{self.op} #{self.seq}{what}"
+
+    def __repr__(self) -> str:
+        return f"CollectiveLabel({self})"
+
+
+class Work:
+    """Handle of a collective (returned with ``async_op=True``).
+
+    The tensors of the collective must not be read or written until ``wait()``
+    has returned (or the future from ``get_future()`` has completed). The handle
+    keeps them alive until then.
+
+    Example::
+
+        >>> work = group.all_reduce(t, async_op=True)
+        >>> fut = work.get_future().then(lambda f: f.value()[0] * 2)
+        >>> work.wait()                 # t holds the sum
+        >>> fut.wait()                  # the sum, doubled
+
+    Args:
+        label: What the collective is, for messages (a ``CollectiveLabel`` or text).
+        keep_alive: Objects (tensors, staging buffers) to hold until the collective ends.
+    """
+
+    def __init__(self, label: CollectiveLabel | str = "collective", keep_alive: Any = None) -> None:
+        self._label = label
+        self._keep_alive = keep_alive
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+        self._finishers: list[Callable[[], None]] | None = None
+        self._future: torch.futures.Future[Any] | None = None
+        self._value: Any = None
+        self._observers: list[Callable[[Work], None]] | None = None
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else ("done" if self._done else "pending")
+        return f"<{type(self).__name__} {self._label} {state}>"
+
+    @property
+    def label(self) -> CollectiveLabel | str:
+        """What the collective is (``[rank 0/2] ring.all_reduce #7 (float32, 1024 elements)``)."""
+        return self._label
+
+    # ------------------------------------------------------------------ public
     def wait(self, timeout: float | None = None) -> None:
         """Block until the result is in the tensor.
 
         Args:
             timeout: Seconds to wait for this handle; ``None`` waits until the
                 collective ends, which the backend bounds by the group's own
-                timeout (a stuck peer raises ``CommTimeoutError`` there).
+                timeout (a stuck peer raises ``CommTimeoutError`` there). On
+                CUDA tensors of the ``nccl`` backend the wait is a stream
+                dependency and does not block the host; see docs/backends.md.
 
         Raises:
-            CommTimeoutError: The collective did not finish within ``timeout``.
+            CommTimeoutError: The collective did not finish within ``timeout``
+                (it goes on; wait again), or within the group's timeout.
             CommError: The collective failed (the same error on every call).
         """
-
-    @abc.abstractmethod
-    def is_completed(self) -> bool:
-        """Return True once the collective has finished, successfully or not."""
-
-    @abc.abstractmethod
-    def exception(self) -> BaseException | None:
-        """Return the error the collective failed with, or None (also while running)."""
-
-
-class CompletedWork(Work):
-    """A ``Work`` that is already done: for collectives that finished inline."""
-
-    def __init__(self, error: BaseException | None = None) -> None:
-        self._error = error
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Return at once, or raise the error the collective failed with."""
+        if not self._done:
+            self._wait_for_backend(timeout)
         if self._error is not None:
             raise self._error
 
     def is_completed(self) -> bool:
-        """Return True: the collective has finished."""
-        return True
-
-    def exception(self) -> BaseException | None:
-        """Return the error the collective failed with, or None."""
-        return self._error
-
-
-class FutureWork(Work):
-    """A ``Work`` backed by a ``concurrent.futures.Future`` run by a progress thread.
-
-    Args:
-        future: The future that completes when the collective does.
-        describe: Text naming the collective, for the timeout message
-            (``"[rank 0/2] ring.all_reduce #7 (float32, 1048576 elements)"``).
-        keep_alive: Objects (tensors, staging buffers) to hold until done.
-    """
-
-    def __init__(self, future: concurrent.futures.Future[Any], describe: str, keep_alive: Any = None) -> None:
-        self._future = future
-        self._describe = describe
-        self._keep_alive = keep_alive
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the result is in the tensor (see ``Work.wait``)."""
-        done, _ = concurrent.futures.wait([self._future], timeout=timeout)
-        if not done:
-            raise CommTimeoutError(
-                f"{self._describe}: Work.wait(timeout={timeout}) expired before the collective "
-                "finished; it is still running on the progress thread. Wait longer, or look "
-                "for a rank that has not issued the same collective."
-            )
-        self._future.result()  # raises the collective's own error, timeouts included
-        self._keep_alive = None
-
-    def is_completed(self) -> bool:
-        """Return True once the collective has finished, successfully or not."""
-        return self._future.done()
+        """Return True once the collective has finished, successfully or not (never blocks)."""
+        if not self._done:
+            self._test_backend()
+        return self._done
 
     def exception(self) -> BaseException | None:
         """Return the error the collective failed with, or None (also while running)."""
-        if not self._future.done():
-            return None
-        return self._future.exception()
+        return self._error
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """Return a ``torch.futures.Future`` that completes when the collective does.
+
+        Its value is what torch's gives for the same collective: for
+        ``all_reduce``, ``broadcast`` and ``reduce_scatter`` a list holding the
+        tensor, so communication hooks written for torch port unchanged; for
+        ``all_gather`` the output (the tensor, or the list of tensors); for
+        ``barrier`` None. A failed or timed-out collective completes the future
+        with its ``CommError``. Chain work with ``fut.then(callback)``; callbacks
+        may run on the backend's progress thread.
+
+        Every call returns the same future.
+        """
+        with self._lock:
+            future = self._future
+            if future is None:
+                future = self._future = torch.futures.Future()
+                settled = self._done
+            else:
+                return future
+        if settled:
+            self._complete_future(future)
+        else:
+            self._arm_future()
+        return future
+
+    # ------------------------------------------------------- for the interface
+    def add_finisher(self, step: Callable[[], None]) -> None:
+        """Run ``step`` once the collective has succeeded, before the result is visible.
+
+        Steps run in the order added, on whichever thread settles the work; a
+        step added after the work succeeded runs at once, on the caller's thread.
+        A step that raises fails the work with a ``CommError``.
+        """
+        with self._lock:
+            if not self._done:
+                if self._finishers is None:
+                    self._finishers = []
+                self._finishers.append(step)
+                return
+            if self._error is not None:
+                return
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - becomes the work's error
+                self._error = self._finishing_failed(e)
+                raise self._error from e
+
+    def add_observer(self, observer: Callable[[Work], None]) -> None:
+        """Call ``observer(work)`` once the work has settled (at once if it has)."""
+        with self._lock:
+            if not self._done:
+                if self._observers is None:
+                    self._observers = []
+                self._observers.append(observer)
+                return
+        observer(self)
+
+    def _set_value(self, value: Any) -> None:
+        """Set what the future completes with (the interface does, for async collectives)."""
+        self._value = value
+
+    # --------------------------------------------------------- for backends
+    def _wait_for_backend(self, timeout: float | None) -> None:
+        """Block until the collective has ended and ``_settle`` was called.
+
+        Raise ``CommTimeoutError`` when an explicit ``timeout`` expires first
+        (without settling: the collective goes on). Backends override this.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement waiting")
+
+    def _test_backend(self) -> None:
+        """Test the collective once without blocking; settle the work if it ended."""
+
+    def _arm_future(self) -> None:
+        """Make sure ``_settle`` runs even if nobody waits (a future was asked for)."""
+
+    def _settle(self, error: BaseException | None = None) -> None:
+        """Record that the collective ended: run the finishing steps, complete the future.
+
+        Called by whoever learns it first (a waiter, a progress thread, a torch
+        callback); later calls do nothing.
+        """
+        with self._lock:
+            if self._done:
+                return
+            finishers, self._finishers = self._finishers, None
+            if error is None and finishers:
+                for step in finishers:
+                    try:
+                        step()
+                    except Exception as e:  # noqa: BLE001 - becomes the work's error
+                        error = self._finishing_failed(e)
+                        break
+            self._error = error
+            self._done = True
+            self._keep_alive = None
+            future, observers = self._future, self._observers
+            self._observers = None
+        if future is not None:
+            self._complete_future(future)
+        if observers:
+            for observer in observers:
+                observer(self)
+
+    def _finishing_failed(self, cause: BaseException) -> CommError:
+        error = CommError(f"{self._label}: finishing the result failed: {type(cause).__name__}: {cause}")
+        error.__cause__ = cause
+        return error
+
+    def _complete_future(self, future: torch.futures.Future[Any]) -> None:
+        if future.done():
+            return
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._value)
+
+
+class CompletedWork(Work):
+    """A ``Work`` that is already done: for collectives that finished inline.
+
+    Cheap to create (no lock): a synchronous collective may return one per call.
+
+    Args:
+        error: The error the collective failed with, if it did.
+        label: What the collective was.
+    """
+
+    def __init__(
+        self, error: BaseException | None = None, label: CollectiveLabel | str = "collective"
+    ) -> None:
+        self._label = label
+        self._keep_alive = None
+        self._done = True
+        self._error = error
+        self._finishers = None
+        self._future = None
+        self._value = None
+        self._observers = None
+
+    def add_finisher(self, step: Callable[[], None]) -> None:
+        """Run ``step`` at once (the collective has finished), unless it failed."""
+        if self._error is not None:
+            return
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - becomes the work's error
+            self._error = self._finishing_failed(e)
+            raise self._error from e
+
+    def add_observer(self, observer: Callable[[Work], None]) -> None:
+        """Call ``observer(work)`` at once."""
+        observer(self)
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """Return a completed ``torch.futures.Future`` (see ``Work.get_future``)."""
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._complete_future(self._future)
+        return self._future
+
+    def _wait_for_backend(self, timeout: float | None) -> None:
+        return
+
+    def _settle(self, error: BaseException | None = None) -> None:
+        return
+
+
+class EventWork(Work):
+    """A ``Work`` settled by another thread (a progress thread); waiters sleep on an event.
+
+    Args:
+        label: What the collective is, for messages.
+        bound_s: How long ``wait()`` without a timeout waits before it reports the
+            progress thread stuck. The collective bounds itself by the group's
+            timeout, so this fires only if the thread itself stops.
+        keep_alive: Objects to hold until the collective ends.
+    """
+
+    def __init__(self, label: CollectiveLabel | str, bound_s: float, keep_alive: Any = None) -> None:
+        super().__init__(label, keep_alive)
+        self._event = threading.Event()
+        self._bound_s = bound_s
+
+    def _settle(self, error: BaseException | None = None) -> None:
+        super()._settle(error)
+        self._event.set()
+
+    def _wait_for_backend(self, timeout: float | None) -> None:
+        limit = self._bound_s if timeout is None else max(float(timeout), 0.0)
+        if self._event.wait(limit):
+            return
+        if timeout is not None:
+            raise CommTimeoutError(
+                f"{self._label}: Work.wait(timeout={timeout}) expired before the collective finished; "
+                "it is still running on the progress thread. Wait again, or look for a rank that has "
+                "not issued the same collective."
+            )
+        raise CommTimeoutError(
+            f"{self._label}: not finished after {limit:g} s, although every step of a collective is "
+            "bounded by the group's timeout: the backend's progress thread is stuck or gone"
+        )

@@ -7,12 +7,14 @@ from ddp.bucket import GradientBucket
 from ddp.bucket_manager import GradientBucketManager, plan_buckets
 from ddp.config import DDPConfig
 from ddp.cost_model import CommCostModel, calibrate, fit_cost_model
-from ddp.distributed import DistributedDataParallel, MissingGradientsError
-from ddp.replicas import ModelMismatchError, broadcast_module_states, verify_same_model
+from ddp.distributed import DistributedDataParallel
+from ddp.errors import AbandonedBackwardError, MissingGradientsError, ModelMismatchError
+from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import BucketTiming, StepStats
 from ddp.timeline import TimelineWriter
 
 __all__ = [
+    "AbandonedBackwardError",
     "AutoBucketReport",
     "BucketTiming",
     "CommCostModel",

@@ -162,9 +162,7 @@ class GradientBucket:
     def reduce_async(self, group: IProcessGroup, op: ReduceOp = ReduceOp.SUM) -> Work:
         """Launch the all-reduce of the buffer and return its handle.
 
-        ``ReduceOp.AVG`` runs in the collective where ``group.supports`` it for this
-        dtype and device; otherwise the buffer is divided by the world size here and
-        then summed. An empty buffer (parameters of zero elements) communicates nothing.
+        An empty buffer (parameters of zero elements) communicates nothing.
 
         Raises:
             RuntimeError: The bucket was already launched in this iteration.
@@ -176,9 +174,6 @@ class GradientBucket:
         if self.numel == 0:
             self.work = CompletedWork()
             return self.work
-        if op is ReduceOp.AVG and not group.supports(op, self.dtype, self.device):
-            self.buffer.div_(group.world_size)
-            op = ReduceOp.SUM
         work = group.all_reduce(self.buffer, op, async_op=True)
         assert work is not None  # async_op=True always returns a handle
         self.work = work

@@ -21,19 +21,16 @@ from ddp.auto_bucket import AutoBucketReport, AutoBucketSizer
 from ddp.bucket_manager import GradientBucketManager
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig
 from ddp.cost_model import CommCostModel
+from ddp.errors import AbandonedBackwardError, MissingGradientsError
 from ddp.graph import used_parameters
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import StepStats
 from ddp.timeline import TimelineWriter, timeline_path_from_env
 
-__all__ = ["DistributedDataParallel", "MissingGradientsError", "resolve_group"]
+__all__ = ["DistributedDataParallel", "resolve_group"]
 
 _MAX_NAMES = 8
 _HISTORY = 1000
-
-
-class MissingGradientsError(RuntimeError):
-    """Backward ended without some parameters' gradients, and ``find_unused_parameters`` was off."""
 
 
 def resolve_group(process_group: Any) -> IProcessGroup:
@@ -249,10 +246,7 @@ class DistributedDataParallel(nn.Module):
     def _check_reducible(self, group: IProcessGroup, params: list[torch.Tensor]) -> None:
         op = self.config.reduce_op
         for dtype, device in sorted({(p.dtype, p.device) for p in params}, key=str):
-            ok = group.supports(op, dtype, device) or (
-                op is ReduceOp.AVG and group.supports(ReduceOp.SUM, dtype, device)
-            )
-            if not ok:
+            if not group.supports(op, dtype, device):
                 raise ValueError(
                     f"{self._prefix('init')}the {group.backend} backend cannot reduce "
                     f"{dtype_name(dtype)} gradients on {device} with {op.name}; convert the model "
@@ -435,7 +429,7 @@ class DistributedDataParallel(nn.Module):
         with contextlib.suppress(CommError):
             manager.wait_all(self.config.timeout_s)
         manager.end_window()
-        raise RuntimeError(
+        raise AbandonedBackwardError(
             f"{self._prefix('forward')}the previous backward did not finish (it raised before its end, "
             f"after launching {launched} of {manager.num_buckets} buckets); the ranks may now disagree "
             "on which collectives were issued. Recreate the process group and the model on every rank"

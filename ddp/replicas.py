@@ -8,9 +8,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from commlib.errors import CollectiveMismatchError, error_prefix
+from commlib.errors import error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import SUPPORTED_DTYPES, dtype_name
+from ddp.errors import ModelMismatchError
 
 __all__ = ["ModelMismatchError", "describe_tensors", "verify_same_model", "broadcast_module_states"]
 
@@ -21,10 +22,6 @@ _WIDEN = {
     torch.int8: torch.int32,
     torch.int16: torch.int32,
 }
-
-
-class ModelMismatchError(CollectiveMismatchError):
-    """The ranks' models differ (parameter names, shapes, dtypes or count)."""
 
 
 def describe_tensors(module: nn.Module) -> list[str]:

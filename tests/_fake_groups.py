@@ -11,7 +11,7 @@ from commlib.config import CommConfig
 from commlib.env import DistEnv
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
-from commlib.work import Work
+from commlib.work import CompletedWork, Work
 
 __all__ = [
     "Call",
@@ -32,26 +32,18 @@ def make_env(rank: int = 0, world_size: int = 1, **kwargs: Any) -> DistEnv:
     return DistEnv(rank=rank, world_size=world_size, **kwargs)
 
 
-class RecordingWork(Work):
+class RecordingWork(CompletedWork):
     """A finished ``Work`` that counts how often it was waited on."""
 
     def __init__(self, error: BaseException | None = None) -> None:
+        super().__init__(error)
         self.waits: list[float | None] = []
         self.error = error
 
     def wait(self, timeout: float | None = None) -> None:
         """Record the call; raise ``error`` if one was given."""
         self.waits.append(timeout)
-        if self.error is not None:
-            raise self.error
-
-    def is_completed(self) -> bool:
-        """Return True."""
-        return True
-
-    def exception(self) -> BaseException | None:
-        """Return ``error``."""
-        return self.error
+        super().wait(timeout)
 
 
 @dataclasses.dataclass

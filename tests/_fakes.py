@@ -3,17 +3,15 @@
 The hub really reduces: the k-th collective of every rank meets in slot k, and the
 rank that arrives last combines the contributions. Each group runs its collectives
 on one worker thread, in the order they were issued (like a backend's progress
-thread), so ``async_op=True`` really is asynchronous. An all-reduce's result lands in the
-tensor only inside ``Work.wait()`` (as with some real backends). Every wait has a
-deadline.
+thread), so ``async_op=True`` really is asynchronous. Every wait has a deadline.
 
     >>> results = run_threads(body, world_size=2)      # body(group, *args) on 2 threads
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import queue
 import threading
 import time
 import traceback
@@ -27,7 +25,7 @@ from commlib.env import DistEnv
 from commlib.errors import CollectiveMismatchError, CommTimeoutError
 from commlib.process_group import IProcessGroup
 from commlib.types import INT_DTYPES, ReduceOp
-from commlib.work import FutureWork, Work
+from commlib.work import EventWork, Work
 from tests._reference import reduce_reference
 
 __all__ = ["FakeHub", "FakeProcessGroup", "Issued", "run_threads", "ThreadsFailed"]
@@ -106,39 +104,13 @@ def _reduce(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
     return reduce_reference(tensors, op).to(tensors[0].dtype)
 
 
-class _FinishInWait(Work):
-    """A ``Work`` whose result lands in the tensor only inside ``wait()``.
-
-    Some real backends finish there (Gloo's AVG divides in ``wait``), so a caller that
-    reads a tensor after ``is_completed()`` without ``wait()`` gets a wrong answer here too.
-    """
-
-    def __init__(self, inner: FutureWork, finish: Callable[[], None]) -> None:
-        self._inner = inner
-        self._finish: Callable[[], None] | None = finish
-        self._lock = threading.Lock()
-
-    def wait(self, timeout: float | None = None) -> None:
-        self._inner.wait(timeout)
-        with self._lock:
-            if self._finish is not None:
-                self._finish()
-                self._finish = None
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def exception(self) -> BaseException | None:
-        return self._inner.exception()
-
-
 class FakeProcessGroup(IProcessGroup):
     """One rank of a fake group (see the module docstring).
 
     Args:
         rank: This rank.
         hub: The hub shared with the other ranks.
-        supports_avg: Report ``AVG`` as supported (False exercises the pre-divide path).
+        supports_avg: Average natively (False: the interface sums, then divides).
         delay_s: Extra seconds each collective takes on the worker thread.
         backend_name: Name reported as ``backend``.
     """
@@ -161,14 +133,22 @@ class FakeProcessGroup(IProcessGroup):
         self.supports_avg = supports_avg
         self.delay_s = delay_s
         self.issued: list[Issued] = []
-        self._seq = 0
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"fake-rank{rank}")
+        self._queue: queue.Queue[tuple[EventWork, Callable[[], None]] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._serve, name=f"fake-rank{rank}", daemon=True)
+        self._worker.start()
 
-    def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-        """Like the base class, but ``AVG`` only when ``supports_avg``."""
-        if op is ReduceOp.AVG and not self.supports_avg:
-            return False
-        return super().supports(op, dtype, device)
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, task = item
+            error: BaseException | None = None
+            try:
+                task()
+            except BaseException as e:  # noqa: BLE001 - handed to the work
+                error = e
+            work._settle(error)
 
     @property
     def all_reduces(self) -> list[Issued]:
@@ -182,9 +162,8 @@ class FakeProcessGroup(IProcessGroup):
         op: ReduceOp | None,
         async_op: bool,
         body: Callable[[int], None],
-    ) -> FutureWork:
+    ) -> Work:
         seq = self._seq
-        self._seq += 1
         numel = tensor.numel() if tensor is not None else 0
         dtype = tensor.dtype if tensor is not None else torch.float32
         self.issued.append(Issued(seq, kind, numel, dtype, op, async_op))
@@ -194,32 +173,33 @@ class FakeProcessGroup(IProcessGroup):
                 time.sleep(self.delay_s)
             body(seq)
 
-        future = self._worker.submit(task)
-        return FutureWork(future, f"{self._prefix(kind)}#{seq}", keep_alive=tensor)
+        work = EventWork(self._label(kind, tensor), bound_s=60.0, keep_alive=tensor)
+        self._queue.put((work, task))
+        return work
 
     def _sig(self, kind: str, tensor: torch.Tensor | None, extra: object = "") -> str:
         if tensor is None:
             return kind
         return f"{kind}({tensor.dtype}, {tensor.numel()} elements{extra})"
 
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
-        staged: list[torch.Tensor] = []
+    def _native_avg(self, tensor: torch.Tensor) -> bool:
+        """Average in the hub when ``supports_avg``; else the interface sums, then divides."""
+        return self.supports_avg
 
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         def body(seq: int) -> None:
             if op is ReduceOp.AVG and tensor.dtype in INT_DTYPES:
                 raise AssertionError("AVG on integers")
-            staged.append(
-                self.hub.exchange(
-                    seq,
-                    self.rank,
-                    self._sig("all_reduce", tensor, op),
-                    tensor.clone(),
-                    lambda ts: _reduce(op, ts),
-                )
+            result = self.hub.exchange(
+                seq,
+                self.rank,
+                self._sig("all_reduce", tensor, op),
+                tensor.clone(),
+                lambda ts: _reduce(op, ts),
             )
+            tensor.copy_(result)
 
-        work = self._run("all_reduce", tensor, op, async_op, body)
-        return _FinishInWait(work, lambda: tensor.copy_(staged[0]))  # type: ignore[arg-type]
+        return self._run("all_reduce", tensor, op, async_op, body)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         def body(seq: int) -> None:
@@ -279,7 +259,7 @@ class FakeProcessGroup(IProcessGroup):
         )
 
     def _close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._queue.put(None)
 
 
 class ThreadsFailed(AssertionError):

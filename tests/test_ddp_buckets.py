@@ -149,7 +149,7 @@ def _avg_body(group, supports_avg):
 
 
 @pytest.mark.parametrize("supports_avg", [True, False])
-def test_bucket_average_in_collective_or_predivided(supports_avg):
+def test_bucket_average_in_collective_or_emulated_by_the_interface(supports_avg):
     results = run_threads(_avg_body, 4, supports_avg=supports_avg, per_rank_args=[(supports_avg,)] * 4)
     for grads, ops in results:
         assert grads == [2.5] * 4

@@ -11,7 +11,7 @@ from torch import nn
 import commlib
 from commlib.env import DistEnv
 from commlib.types import ReduceOp
-from ddp import DistributedDataParallel
+from ddp import AbandonedBackwardError, DistributedDataParallel
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed.test_ddp import (
     Branches,
@@ -262,7 +262,7 @@ def test_backward_that_raised_is_reported_at_next_forward():
     with pytest.raises(RuntimeError, match="boom"):
         nn.functional.mse_loss(ddp(x), y).backward()
     handle.remove()
-    with pytest.raises(RuntimeError, match="previous backward did not finish"):
+    with pytest.raises(AbandonedBackwardError, match="previous backward did not finish"):
         ddp(x)
     nn.functional.mse_loss(ddp(x), y).backward()  # usable again
     assert ddp.last_step_stats.collectives == 8

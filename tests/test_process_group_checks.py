@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from commlib import (
+    CollectiveLabel,
     CommError,
     CommTimeoutError,
     CompletedWork,
-    FutureWork,
+    EventWork,
     GroupClosedError,
     PeerFailureError,
     ReduceOp,
@@ -264,7 +265,9 @@ def test_supported_combinations_reach_the_backend(group: FakeGroup, op: ReduceOp
     t = torch.ones(3, dtype=dtype)
     group.all_reduce(t, op)
     (call,) = group.calls
-    assert call.method == "all_reduce" and call.args["op"] is op and call.args["tensor"].dtype == dtype
+    # AVG reaches a backend that cannot average natively as SUM; the interface divides.
+    expected = ReduceOp.SUM if op is ReduceOp.AVG else op
+    assert call.method == "all_reduce" and call.args["op"] is expected and call.args["tensor"].dtype == dtype
 
 
 # ---------------------------------------------------------------- src rank
@@ -568,11 +571,16 @@ def test_completed_work() -> None:
         assert info.value is error
 
 
-def test_future_work_success_and_wait_timeout() -> None:
-    future: concurrent.futures.Future[None] = concurrent.futures.Future()
-    work = FutureWork(
-        future, "[rank 0/2] fake.all_reduce #7 (float32, 1048576 elements)", keep_alive=torch.ones(1)
-    )
+def _settle_later(work: EventWork, error: BaseException | None = None) -> threading.Thread:
+    """Settle ``work`` from another thread, as a progress thread does, once the caller waits."""
+    thread = threading.Thread(target=work._settle, args=(error,))
+    thread.start()
+    return thread
+
+
+def test_event_work_success_and_wait_timeout() -> None:
+    label = CollectiveLabel(0, 2, "fake", "all_reduce", 7, torch.ones(1048576))
+    work = EventWork(label, bound_s=5.0, keep_alive=torch.ones(1))
     assert not work.is_completed() and work.exception() is None
     with pytest.raises(CommTimeoutError) as info:
         work.wait(timeout=0.01)
@@ -581,32 +589,151 @@ def test_future_work_success_and_wait_timeout() -> None:
         "[rank 0/2] fake.all_reduce #7 (float32, 1048576 elements): Work.wait(timeout=0.01) expired"
     )
     assert isinstance(info.value, TimeoutError)
-    future.set_result(None)
+    _settle_later(work).join()
     work.wait()
-    assert work.is_completed() and work.exception() is None
+    assert work.is_completed() and work.exception() is None and work._keep_alive is None
 
 
-def test_future_work_reraises_the_collective_error() -> None:
-    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+def test_event_work_reraises_the_collective_error() -> None:
+    work = EventWork("[rank 0/2] fake.all_reduce #1", bound_s=5.0)
     error = PeerFailureError("[rank 0/2] fake.all_reduce: peer 1 closed connection after 0/64 bytes")
-    future.set_exception(error)
-    work = FutureWork(future, "[rank 0/2] fake.all_reduce #1")
+    _settle_later(work, error).join()
     assert work.is_completed() and work.exception() is error
-    with pytest.raises(PeerFailureError) as info:
+    for _ in range(2):  # the same error on every call
+        with pytest.raises(PeerFailureError) as info:
+            work.wait()
+        assert info.value is error
+
+
+def test_event_work_without_timeout_reports_a_stuck_progress_thread() -> None:
+    work = EventWork("[rank 0/2] fake.all_reduce #1", bound_s=0.01)
+    with pytest.raises(CommTimeoutError, match="progress thread is stuck or gone"):
         work.wait()
-    assert info.value is error
 
 
-def test_future_work_keeps_a_collective_timeout_error() -> None:
-    future: concurrent.futures.Future[None] = concurrent.futures.Future()
-    error = CommTimeoutError("[rank 0/2] fake.all_reduce: peer 1 sent nothing for 5.0 s")
-    future.set_exception(error)
-    with pytest.raises(CommTimeoutError) as info:
-        FutureWork(future, "[rank 0/2] fake.all_reduce #1").wait()
-    assert info.value is error
+def test_finishers_run_once_in_order_before_the_result_is_visible() -> None:
+    t = torch.tensor([6.0])
+    work = EventWork("w", bound_s=5.0)
+    work.add_finisher(lambda: t.div_(2))
+    work.add_finisher(lambda: t.add_(1))
+    assert t.item() == 6.0
+    work._settle()
+    work._settle()  # a second settle is ignored
+    assert work.is_completed() and t.item() == 4.0
+    work.add_finisher(lambda: t.mul_(10))  # after success: runs at once
+    assert t.item() == 40.0
+
+
+def test_no_finisher_runs_after_a_failure() -> None:
+    t = torch.tensor([6.0])
+    work = EventWork("w", bound_s=5.0)
+    work.add_finisher(lambda: t.div_(2))
+    work._settle(CommError("lost a peer"))
+    work.add_finisher(lambda: t.div_(2))
+    assert t.item() == 6.0
+    with pytest.raises(CommError, match="lost a peer"):
+        work.wait()
+
+
+def test_a_failing_finisher_fails_the_work() -> None:
+    work = EventWork("[rank 0/2] fake.all_reduce #3", bound_s=5.0)
+    work.add_finisher(lambda: 1 / 0)
+    work._settle()
+    with pytest.raises(
+        CommError, match=r"fake.all_reduce #3: finishing the result failed: ZeroDivisionError"
+    ):
+        work.wait()
+
+
+def test_future_completes_with_the_value_and_chains() -> None:
+    t = torch.ones(3)
+    work = EventWork("w", bound_s=5.0)
+    work._set_value([t])
+    fut = work.get_future()
+    assert work.get_future() is fut
+    doubled = fut.then(lambda f: f.value()[0] * 2)
+    assert not fut.done()
+    t.fill_(5.0)
+    _settle_later(work).join()
+    assert fut.wait()[0] is t
+    assert torch.equal(doubled.wait(), torch.full((3,), 10.0))
+
+
+def test_future_of_a_settled_work_is_complete_at_once() -> None:
+    work = CompletedWork()
+    work._set_value(None)
+    assert work.get_future().done() and work.get_future().wait() is None
+    failed = CompletedWork(PeerFailureError("gone"))
+    with pytest.raises(PeerFailureError, match="gone"):
+        failed.get_future().wait()
+
+
+def test_future_carries_errors_and_timeouts() -> None:
+    work = EventWork("w", bound_s=5.0)
+    fut = work.get_future()
+    error = CommTimeoutError("[rank 0/2] fake.all_reduce #1: peer 1 sent nothing for 5.0 s")
+    _settle_later(work, error).join()
+    with pytest.raises(CommTimeoutError, match="peer 1 sent nothing"):
+        fut.wait()
+
+
+def test_an_error_inside_a_callback_reaches_the_chained_future() -> None:
+    work = CompletedWork()
+    chained = work.get_future().then(lambda f: 1 / 0)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        chained.wait()
+
+
+def test_observers_see_the_settled_work() -> None:
+    seen: list[object] = []
+    work = EventWork("w", bound_s=5.0)
+    work.add_observer(seen.append)
+    assert seen == []
+    work._settle()
+    assert seen == [work]
+    work.add_observer(seen.append)  # after settling: at once
+    assert seen == [work, work]
+
+
+def test_avg_is_emulated_once_in_the_interface(group: FakeGroup) -> None:
+    t = torch.full((4,), 6.0)
+    group.all_reduce(t, ReduceOp.AVG)
+    assert group.calls[-1].args["op"] is ReduceOp.SUM
+    # The fake backend leaves the "sum" as it was; the interface divides it by the world size.
+    assert torch.equal(t, torch.full((4,), 6.0 / group.world_size))
+    out = torch.empty(2)
+    work = group.reduce_scatter(out.fill_(8.0), torch.ones(2 * group.world_size), ReduceOp.AVG, async_op=True)
+    assert group.calls[-1].args["op"] is ReduceOp.SUM
+    work.wait()
+    assert torch.equal(out, torch.full((2,), 8.0 / group.world_size))
+
+
+def test_sequence_numbers_count_every_collective(group: FakeGroup) -> None:
+    group.all_reduce(torch.ones(1))
+    group.broadcast(torch.ones(1), 0)
+    group.barrier()
+    assert group._seq == 3 and str(group._label("barrier")) == "[rank 1/4] fake.barrier #3"
 
 
 def test_fake_group_is_a_process_group() -> None:
     assert issubclass(FakeGroup, IProcessGroup)
     with pytest.raises(TypeError, match="abstract"):
         IProcessGroup(make_env())  # type: ignore[abstract]
+
+
+def test_alloc_buffer_default_is_zeroed_ordinary_memory(group: FakeGroup) -> None:
+    buffer = group.alloc_buffer(10, torch.bfloat16)
+    assert buffer.shape == (10,) and buffer.dtype == torch.bfloat16 and not buffer.any()
+
+
+def test_devices_and_the_control_tensor_device(group: FakeGroup) -> None:
+    assert group.devices == frozenset({"cpu"})
+    assert group.preferred_device() == torch.device("cpu")
+
+
+def test_a_group_without_cpu_or_cuda_has_no_control_device() -> None:
+    class MetaOnly(FakeGroup):
+        supported_devices = frozenset({"meta"})
+
+    with pytest.raises(ValueError, match=r"takes tensors on \['meta'\] only"):
+        MetaOnly().preferred_device()

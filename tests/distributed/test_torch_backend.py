@@ -367,3 +367,79 @@ def test_reference_checker_catches_wrong_answers() -> None:
     ints = [seeded_input(1, r, 10, torch.float16, ReduceOp.SUM, True) for r in range(2)]
     off_by_one = ints[0] + ints[1] + 1
     assert check_close("bad", off_by_one, reference(ReduceOp.SUM, ints), ints, ReduceOp.SUM, exact=True)
+
+
+def _undefined_backend_body() -> dict[str, Any]:
+    """torch's init_process_group() without a backend names its group "undefined"; we read what it runs."""
+    from backends.nccl import from_torch_group
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=world
+    )
+    try:
+        wrapped = from_torch_group(config=CommConfig(timeout=30))
+        t = torch.ones(3)
+        wrapped.all_reduce(t, ReduceOp.AVG)
+        return dict(
+            torch_name=str(dist.get_backend()),
+            name=wrapped.backend,
+            devices=sorted(wrapped.devices),
+            preferred=str(wrapped.preferred_device()),
+            mean=t.tolist(),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_wraps_a_group_created_without_a_backend() -> None:
+    for value in run_ranks(_undefined_backend_body, 2, backend=None, init=False, timeout=90):
+        assert value == dict(
+            torch_name="undefined", name="gloo", devices=["cpu"], preferred="cpu", mean=[1.0, 1.0, 1.0]
+        )
+
+
+@pytest.mark.parametrize(
+    ("config", "name", "expected"),
+    [
+        ("cuda:nccl", "nccl", {}),
+        ("cpu:gloo", "gloo", {"cpu": "gloo"}),
+        ("cpu:gloo,cuda:nccl", "undefined", {"cpu": "gloo"}),  # no CUDA device here: CUDA is dropped
+        (None, "nccl", {}),
+        (None, "undefined", {"cpu": "gloo"}),  # torch's default without CUDA (this machine's case)
+    ],
+)
+def test_device_map_of_every_kind_of_torch_group(monkeypatch, config, name, expected) -> None:
+    """What each kind of torch group serves, on a machine without CUDA (this one)."""
+    import backends.nccl as nccl
+
+    if config is None:
+        monkeypatch.delattr(nccl.dist, "get_backend_config", raising=False)
+    else:
+        monkeypatch.setattr(nccl.dist, "get_backend_config", lambda pg: config)
+    monkeypatch.setattr(nccl.dist, "get_backend", lambda pg: name)
+    monkeypatch.setattr(nccl.torch.cuda, "is_available", lambda: False)
+    assert nccl._device_map(object()) == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "name", "expected"),
+    [
+        ("cuda:nccl", "nccl", {"cuda": "nccl"}),
+        ("cpu:gloo,cuda:gloo", "gloo", {"cpu": "gloo", "cuda": "gloo"}),
+        ("cpu:gloo,cuda:nccl", "undefined", {"cpu": "gloo", "cuda": "nccl"}),
+        (None, "undefined", {"cpu": "gloo", "cuda": "nccl"}),
+        (None, "nccl", {"cuda": "nccl"}),
+    ],
+)
+def test_device_map_with_cuda(monkeypatch, config, name, expected) -> None:
+    """The same groups where CUDA is available (faked): an NCCL-only group takes CUDA tensors only."""
+    import backends.nccl as nccl
+
+    if config is None:
+        monkeypatch.delattr(nccl.dist, "get_backend_config", raising=False)
+    else:
+        monkeypatch.setattr(nccl.dist, "get_backend_config", lambda pg: config)
+    monkeypatch.setattr(nccl.dist, "get_backend", lambda pg: name)
+    monkeypatch.setattr(nccl.torch.cuda, "is_available", lambda: True)
+    assert nccl._device_map(object()) == expected
