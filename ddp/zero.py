@@ -16,7 +16,7 @@ from ddp.errors import ModelMismatchError
 from ddp.partition import ParameterPartition, ParamPiece
 from ddp.zero_state import ShardPayload, exchange_objects, merge_payloads, piece_state
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ParameterPartition", "ZeroRedundancyOptimizer"]
 
 _HYPER_SKIP = ("params", "param_names")
 """Param-group keys that are not hyperparameters."""
