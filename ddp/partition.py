@@ -161,7 +161,7 @@ class ParameterPartition:
 
     @classmethod
     def from_buckets(
-        cls, params: Sequence[torch.Tensor], buckets: Sequence[Sequence[int]], world_size: int
+        cls, params: Sequence[torch.Tensor], buckets: Sequence[Sequence[int | torch.Tensor]], world_size: int
     ) -> ParameterPartition:
         """Lay each bucket out in order and cut it into ``world_size`` equal shards.
 
@@ -173,18 +173,28 @@ class ParameterPartition:
 
         Args:
             params: The optimizer's parameters, in its order.
-            buckets: Parameter indices per bucket, in layout order; one dtype and
-                device type per bucket.
+            buckets: The parameters of each bucket, in layout order, as tensors
+                (found in ``params`` by identity) or indices into ``params``; one
+                dtype and device type per bucket.
             world_size: Number of ranks.
 
         Raises:
             ValueError: A bucket mixes dtypes or device types, or names a
-                parameter twice or out of range.
+                parameter twice, out of range or not in ``params``.
         """
+        position = {id(p): i for i, p in enumerate(params)}
         layouts = []
         seen: set[int] = set()
-        for b, bucket in enumerate(buckets):
-            bad = [i for i in bucket if not 0 <= i < len(params) or i in seen]
+        for b, entries in enumerate(buckets):
+            bucket = [position.get(id(e), -1) if isinstance(e, torch.Tensor) else e for e in entries]
+            if -1 in bucket and any(isinstance(e, torch.Tensor) for e in entries):
+                raise ValueError(
+                    f"ParameterPartition.from_buckets: bucket {b} holds a tensor that is not one of the "
+                    f"{len(params)} parameters"
+                )
+            bad = [
+                i for k, i in enumerate(bucket) if not 0 <= i < len(params) or i in seen or i in bucket[:k]
+            ]
             if bad:
                 raise ValueError(
                     f"ParameterPartition.from_buckets: bucket {b} names parameter {bad[0]}, which is out of "

@@ -89,7 +89,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         partition: ParameterPartition | None = None,
         **defaults: Any,
     ) -> None:
-        self._group: IProcessGroup = resolve_group(process_group)
+        try:
+            self._group: IProcessGroup = resolve_group(process_group)
+        except TypeError as e:  # its message names DDP, which shares the rule
+            raise TypeError(str(e).replace("DistributedDataParallel", "ZeroRedundancyOptimizer", 1)) from e
         self._ready = False
         _check_optimizer_class(self._prefix("init"), optimizer_class)
         if not parameters_as_bucket_view:
@@ -109,7 +112,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._external = partition is not None
         super().__init__(params, defaults)
         self._params = [p for group in self.param_groups for p in group["params"]]
-        self._check_communicable(self._params)
+        self._check_communicable("init", self._params)
         if partition is None:
             partition = ParameterPartition.balanced([g["params"] for g in self.param_groups], self.world_size)
         self._lay_out(partition, "init")
@@ -185,7 +188,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer goes back to the balanced partition over all groups
         (``set_partition``: the state moves through every rank once).
         """
-        op = "add_param_group"
+        op = "add_param_group" if self._ready else "init"
         params = param_group.get("params")
         if isinstance(params, Iterable) and not isinstance(params, torch.Tensor | set):
             param_group = {**param_group, "params": list(dict.fromkeys(params))}
@@ -197,7 +200,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         new_params = self.param_groups[-1]["params"]
         try:
-            self._check_communicable(new_params, len(self._params))
+            self._check_communicable(op, new_params, len(self._params))
         except TypeError:
             self.param_groups.pop()
             raise
@@ -313,13 +316,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _prefix(self, op: str) -> str:
         return error_prefix(self._group.rank, self._group.world_size, "zero", op)
 
-    def _check_communicable(self, params: list[torch.Tensor], first_index: int = 0) -> None:
+    def _check_communicable(self, op: str, params: list[torch.Tensor], first_index: int = 0) -> None:
         """Raise TypeError for a parameter whose dtype or device the group cannot all-gather."""
         group = self._group
         for i, p in enumerate(params, first_index):
             if p.dtype not in group.supported_dtypes or p.device.type not in group.devices:
                 raise TypeError(
-                    f"{self._prefix('init')}parameter {i} ({dtype_name(p.dtype)} {tuple(p.shape)} on "
+                    f"{self._prefix(op)}parameter {i} ({dtype_name(p.dtype)} {tuple(p.shape)} on "
                     f"{p.device}) cannot be all-gathered by the {group.backend} backend (it takes "
                     f"{', '.join(sorted(dtype_name(d) for d in group.supported_dtypes))} on "
                     f"{', '.join(sorted(group.devices))}); convert the parameter or use another backend"

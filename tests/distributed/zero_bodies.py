@@ -127,14 +127,17 @@ def optimizer_kwargs(name: str) -> tuple[type[torch.optim.Optimizer], dict[str, 
 
 
 def bucket_partition(params: list[torch.Tensor], world: int) -> ParameterPartition:
-    """DDP's reduce-scatter layout: last parameter first, about two buckets per dtype; parameters split."""
-    by_kind: dict[tuple[torch.dtype, str], list[int]] = {}
-    for i in reversed(range(len(params))):
-        by_kind.setdefault((params[i].dtype, params[i].device.type), []).append(i)
+    """DDP's reduce-scatter layout: last parameter first, about two buckets per dtype; parameters split.
+
+    The buckets are given as tensors, as DDP would hand its own over.
+    """
+    by_kind: dict[tuple[torch.dtype, str], list[torch.Tensor]] = {}
+    for p in reversed(params):
+        by_kind.setdefault((p.dtype, p.device.type), []).append(p)
     buckets = []
-    for indices in by_kind.values():
-        half = max(1, len(indices) // 2)
-        buckets += [indices[:half], indices[half:]] if len(indices) > 1 else [indices]
+    for same in by_kind.values():
+        half = max(1, len(same) // 2)
+        buckets += [same[:half], same[half:]] if len(same) > 1 else [same]
     return ParameterPartition.from_buckets(params, buckets, world)
 
 
@@ -167,7 +170,7 @@ def case_train(
     opt_name: str,
     grads: str = "local",
     partition: str = "balanced",
-    scheduler: bool = False,
+    scheduler: str = "",
     steps: int = STEPS,
 ) -> dict[str, Any]:
     """ZeRO against the plain optimizer, step by step; see the module docstring for ``grads``."""
@@ -185,9 +188,13 @@ def case_train(
     layout = bucket_partition(list(model.parameters()), world) if partition == "buckets" else None
     zero = ZeroRedundancyOptimizer(params, optimizer_class, group, partition=layout, **kwargs)
     plain = optimizer_class(reference.parameters(), **kwargs)
-    schedulers = []
-    if scheduler:
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
+    if scheduler == "step":
         schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (zero, plain)]
+    elif scheduler == "onecycle":  # cycles betas too: they must reach the local optimizer
+        schedulers = [
+            torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=steps) for o in (zero, plain)
+        ]
     diffs, hashes, lrs = [max_diff(model, reference)], [], []
     for step in range(steps):
         x, y = batch(kind, step, PER_RANK * world)
@@ -197,7 +204,10 @@ def case_train(
         else:
             loss_of(kind, model, x, y, step).backward()
         zero.step()
-        lrs.append((zero.param_groups[0]["lr"], zero.optim.param_groups[0]["lr"]))  # the lr this step used
+        used = zero.optim.param_groups[0]  # the hyperparameters this step used
+        lrs.append(
+            (zero.param_groups[0]["lr"], used["lr"], used.get("betas") == zero.param_groups[0].get("betas"))
+        )
         plain.zero_grad()
         loss_of(kind, reference, x, y, step).backward()
         plain.step()
@@ -391,7 +401,8 @@ def _closure(
 
 
 TRAIN_CASES: dict[str, tuple[Any, ...]] = {
-    "ddp_adamw": ("net", "adamw", "ddp", "balanced", True),
+    "ddp_adamw": ("net", "adamw", "ddp", "balanced", "step"),
+    "onecycle_buckets": ("net", "adamw", "local", "buckets", "onecycle"),
     "ddp_sgd": ("net", "sgd", "ddp"),
     "ddp_gpt_tied": ("gpt_tied", "adamw", "ddp"),
     "big": ("big", "adamw"),
@@ -454,7 +465,8 @@ def check_suite(results: list[dict[str, Any]]) -> None:
         check_train([r[name] for r in results], tolerance(name), name)
     for r in results:
         lrs = r["ddp_adamw"]["lrs"]
-        assert [a for a, _ in lrs] == [b for _, b in lrs] == [1e-2, 5e-3, 2.5e-3], lrs
+        assert [a for a, _, _ in lrs] == [b for _, b, _ in lrs] == [1e-2, 5e-3, 2.5e-3], lrs
+        assert all(same_betas for _, _, same_betas in r["onecycle_buckets"]["lrs"])
         assert r["ddp_adamw"]["plain_lrs"] == [1.25e-3]
         assert r["big"]["whole"] and r["buckets_adamw"]["whole"] is (world == 1)
     # The 1600-element weight is owned alone: its rank holds nothing else.
