@@ -328,8 +328,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     f"{', '.join(sorted(group.devices))}); convert the parameter or use another backend"
                 )
 
-    def _lay_out(self, partition: ParameterPartition, op: str) -> None:
-        """Make ``partition`` current: allocate its buffers and make every parameter a view into them."""
+    def _check_partition(self, partition: ParameterPartition, op: str) -> None:
+        """Raise ValueError unless ``partition`` fits the parameters and the group."""
         try:
             partition.check_params(self._params)
             if partition.world_size != self.world_size:
@@ -338,6 +338,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 )
         except ValueError as e:
             raise ValueError(f"{self._prefix(op)}{e}") from e
+
+    def _lay_out(self, partition: ParameterPartition, op: str) -> None:
+        """Make ``partition`` current: allocate its buffers and make every parameter a view into them."""
+        self._check_partition(partition, op)
         buffers = []
         with torch.no_grad():
             for layout in partition.layouts:
@@ -353,12 +357,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._buffers = buffers
         self._index = {p: i for i, p in enumerate(self._params)}
         self._linked = [p.data_ptr() for p in self._params]
+        # This rank's split pieces: flat views of the owned elements, whose .grad is set at each step.
         self._pieces: list[tuple[torch.Tensor, ParamPiece]] = []
-        """This rank's split pieces: a flat view of the owned elements, whose .grad is set at each step."""
+        # id(local tensor) -> what it is: a whole parameter or a piece of one.
         self._piece_of: dict[int, ParamPiece] = {}
-        """``id(local tensor)`` -> what it is: a whole parameter or a piece of one."""
+        # Parameter index -> the tensor the local optimizer steps for it (the parameter, or a piece).
         self._local_tensor: dict[int, torch.Tensor] = {}
-        """Parameter index -> the tensor the local optimizer steps for it (the parameter, or a piece)."""
         for piece in partition.pieces(self.rank):
             tensor = self._params[piece.index]
             if not piece.is_whole:
@@ -395,10 +399,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _repartition(self, partition: ParameterPartition, op: str) -> None:
         """Install ``partition``, moving state between ranks through a whole state dict (collective)."""
-        try:
-            partition.check_params(self._params)
-        except ValueError as e:
-            raise ValueError(f"{self._prefix(op)}{e}") from e
+        self._check_partition(partition, op)
         device = self._group.preferred_device()
         has_state = torch.zeros(self.world_size, dtype=torch.int64, device=device)
         mine = torch.tensor([int(any(self.optim.state.values()))], dtype=torch.int64, device=device)

@@ -117,6 +117,12 @@ def test_misuse_after_construction():
     with pytest.raises(TypeError, match=r"zero.add_param_group: .*cannot be all-gathered"):
         zero.add_param_group({"params": [nn.Parameter(torch.zeros(2, dtype=torch.complex64))]})
     assert len(zero.param_groups) == 1
+    issued = len(group.issued)
+    with pytest.raises(
+        ValueError, match=r"zero.set_partition: the partition is for 2 ranks, the group has 1"
+    ):
+        zero.set_partition(ParameterPartition.balanced(list(model.parameters()), 2))
+    assert len(group.issued) == issued  # checked before communicating
     model.fc2.weight.data = model.fc2.weight.data.clone()  # the parameter leaves the flat buffer
     with pytest.raises(
         RuntimeError, match=r"zero.step: parameter 2 \(float32 \(5, 8\) on cpu\) no longer lives"
