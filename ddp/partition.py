@@ -110,7 +110,7 @@ class ParameterPartition:
         self.layouts: tuple[FlatLayout, ...] = tuple(layouts)
         self.numels: tuple[int, ...] = tuple(numels)
         self._check()
-        self._pieces = tuple(self._pieces_of(rank) for rank in range(world_size))
+        self._pieces: dict[int, tuple[ParamPiece, ...]] = {}  # by rank, computed when first asked for
 
     # ------------------------------------------------------------ the two rules
     @classmethod
@@ -226,16 +226,25 @@ class ParameterPartition:
     # ------------------------------------------------------------------ queries
     def pieces(self, rank: int) -> tuple[ParamPiece, ...]:
         """What ``rank`` owns, buffer by buffer, in buffer order."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"ParameterPartition.pieces: rank {rank} is not in 0..{self.world_size - 1}")
+        if rank not in self._pieces:
+            self._pieces[rank] = self._pieces_of(rank)
         return self._pieces[rank]
 
     @property
     def is_whole(self) -> bool:
-        """True when no parameter is split between ranks."""
-        return all(piece.is_whole for pieces in self._pieces for piece in pieces)
+        """True when no parameter is split between ranks (none crosses a shard boundary)."""
+        return all(
+            slot.numel == 0
+            or slot.offset // la.shard_numel == (slot.offset + slot.numel - 1) // la.shard_numel
+            for la in self.layouts
+            for slot in la.slots
+        )
 
     def owned_numel(self, rank: int) -> int:
         """Parameter elements ``rank`` owns (and steps)."""
-        return sum(piece.numel for piece in self._pieces[rank])
+        return sum(piece.numel for piece in self.pieces(rank))
 
     def padding_numel(self) -> int:
         """Elements of all buffers together that hold no parameter."""

@@ -124,6 +124,9 @@ def test_from_buckets_cuts_each_bucket_into_equal_shards(world):
             low = rank * layout.shard_numel
             assert low <= piece.offset and piece.offset + piece.numel <= low + layout.shard_numel
     assert partition.is_whole is (world == 1)
+    assert partition.is_whole == all(p.is_whole for r in range(world) for p in partition.pieces(r))
+    with pytest.raises(ValueError, match=f"rank {world} is not in 0..{world - 1}"):
+        partition.pieces(world)
 
 
 def test_from_buckets_rejects_mixed_dtypes_and_repeats():
