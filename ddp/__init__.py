@@ -12,6 +12,7 @@ from ddp.errors import AbandonedBackwardError, MissingGradientsError, ModelMisma
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import BucketTiming, StepStats
 from ddp.timeline import TimelineWriter
+from ddp.zero import ParameterPartition, ZeroRedundancyOptimizer
 
 __all__ = [
     "AbandonedBackwardError",
@@ -24,8 +25,10 @@ __all__ = [
     "GradientBucketManager",
     "MissingGradientsError",
     "ModelMismatchError",
+    "ParameterPartition",
     "StepStats",
     "TimelineWriter",
+    "ZeroRedundancyOptimizer",
     "broadcast_module_states",
     "calibrate",
     "fit_cost_model",
