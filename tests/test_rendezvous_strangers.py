@@ -117,7 +117,7 @@ def test_a_stranger_on_the_rendezvous_port_is_dropped_alone(kind: str, commlib_l
     port = free_port()
     rank0 = _start_rank0(pool, port)
     stranger = socket.create_connection(("127.0.0.1", port))
-    address = "127.0.0.1:%d" % stranger.getsockname()[1]
+    address = f"127.0.0.1:{stranger.getsockname()[1]}"
     STRANGERS[kind](stranger)
     start = time.monotonic()
     rank1 = pool.submit(rendezvous, _env(1, port), TIMEOUT, {})
@@ -149,7 +149,7 @@ def test_a_stranger_on_a_data_listener_is_dropped_alone(kind: str, commlib_log, 
     data_ports = listening_ports() - before - {port}
     assert len(data_ports) == 1, f"expected rank 0's data listener among {data_ports}"
     stranger = socket.create_connection(("127.0.0.1", data_ports.pop()))
-    address = "127.0.0.1:%d" % stranger.getsockname()[1]
+    address = f"127.0.0.1:{stranger.getsockname()[1]}"
     {**STRANGERS, **LINK_IMPOSTORS}[kind](stranger)
     start = time.monotonic()
     rank1 = pool.submit(rendezvous, _env(1, port), TIMEOUT, {})
@@ -182,7 +182,7 @@ def test_a_silent_stranger_is_dropped_at_its_own_deadline(commlib_log, pool, mon
     logging.getLogger("commlib").addHandler(watch)
     try:
         with socket.create_connection(("127.0.0.1", port)) as stranger:
-            address = "127.0.0.1:%d" % stranger.getsockname()[1]
+            address = f"127.0.0.1:{stranger.getsockname()[1]}"
             assert dropped.wait(10), "the silent stranger was not dropped at its 0.3 s deadline"
             assert stranger.recv(1) == b""  # rank 0 closed it
         rank1 = pool.submit(rendezvous, _env(1, port), TIMEOUT, {})
@@ -209,7 +209,7 @@ def test_many_strangers_at_once_do_not_delay_the_ranks(commlib_log, pool) -> Non
         logged = " ".join(r.getMessage() for r in commlib_log.records if r.levelno == logging.DEBUG)
         for s in strangers:
             if s.fileno() != -1:
-                assert "from 127.0.0.1:%d:" % s.getsockname()[1] in logged
+                assert f"from 127.0.0.1:{s.getsockname()[1]}:" in logged
     finally:
         for s in strangers:
             s.close()
