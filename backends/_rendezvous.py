@@ -381,7 +381,15 @@ class _Leader:
     def _refuse(self, visitor: _lobby.Visitor, hello: dict[str, Any]) -> None:
         rank, ctx = hello["rank"], self.ctx
         who = f"pid {hello['pid']} on {hello['host'].split('/')[0]} claiming rank {rank}"
-        self.lobby.reply(visitor, {"refused": "token", "identity": ctx.token.identity})
+        self.lobby.reply(
+            visitor,
+            {
+                "refused": "token",
+                "identity": ctx.token.identity,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            },
+        )
         first = not any(entry.startswith(who) for entry in self.refused)
         self.refused.append(f"{who} (its job: {hello['identity']})")
         self.lobby.drop(
@@ -540,8 +548,9 @@ def _read_table(
         )
     if answer.get("refused") == "token":
         message = (
-            f"rank 0 at {ctx.master} refused this rank: it holds another job token. Rank 0's job: "
-            f"{answer.get('identity', '?')}; this rank's job: {ctx.token.identity}."
+            f"rank 0 at {ctx.master} (pid {answer.get('pid', '?')} on {answer.get('host', '?')}) refused "
+            f"this rank (pid {os.getpid()} on {socket.gethostname()}): it holds another job token. "
+            f"Rank 0's job: {answer.get('identity', '?')}; this rank's job: {ctx.token.identity}."
         )
         logger.warning(
             "%s%s Trying again until the timeout, in case this job's own rank 0 takes the port",

@@ -96,7 +96,8 @@ def test_two_jobs_on_one_port_never_pair_across_jobs() -> None:
     assert b1["error_type"] == "RendezvousError", b1
     message = b1["error"]
     assert message.startswith("RendezvousError: [rank 1/2] ring.rendezvous: rank 0 at 127.0.0.1:")
-    assert "refused this rank" in message and "it holds another job token" in message
+    assert f"rank 0 at 127.0.0.1:{port} (pid " in message and "refused this rank (pid " in message
+    assert "it holds another job token" in message
     assert f"Rank 0's job: local job started by pid {job_a['parent']} (python" in message
     assert f"this rank's job: local job started by pid {job_b['parent']} (python" in message
     assert "give each job its own MASTER_PORT" in message and "COMMLIB_JOB_TOKEN" in message
@@ -165,7 +166,7 @@ def test_an_impostor_with_another_token_is_refused_and_the_job_waits_for_its_ran
     assert rank0.value["sum"] == rank1.value["sum"] == 3.0
     assert impostor.error_type == "RendezvousError"
     message = impostor.error or ""
-    assert "refused this rank" in message and "it holds another job token" in message
+    assert "refused this rank (pid " in message and "it holds another job token" in message
     assert "Rank 0's job: COMMLIB_JOB_TOKEN (value not shown)" in message
     assert "this rank's job: COMMLIB_JOB_TOKEN (value not shown)" in message
     assert "secret" not in message
