@@ -13,7 +13,9 @@ Where the token comes from, first match wins:
    by ``multiprocessing``, ``subprocess`` or a shell script; the nearest MPI
    launcher process (``hydra_pmi_proxy``, ``prted``...) under mpirun. Two jobs
    started by two processes on one port hold different tokens; rank 0 also
-   accepts ranks it started itself.
+   accepts ranks it started itself. Not under torchrun's agent store: it
+   serves one job already, and torchrun's entry point may be a wrapper script
+   per rank.
 4. Otherwise the token is the same for every commlib job: it still keeps out
    strangers (other programs, port scanners) but cannot tell two commlib jobs
    on one ``MASTER_ADDR:MASTER_PORT`` apart; set ``COMMLIB_JOB_TOKEN``.
@@ -155,12 +157,16 @@ def _local_token(env: DistEnv, where: str) -> JobToken:
     )
 
 
-def job_token(env: DistEnv, environ: Mapping[str, str] | None = None) -> JobToken:
+def job_token(
+    env: DistEnv, environ: Mapping[str, str] | None = None, *, local_parent: bool = True
+) -> JobToken:
     """Work out this rank's job token (see the module docstring for the rules).
 
     Args:
         env: This rank's place in the job (its launcher decides which job ids count).
         environ: Mapping to read instead of ``os.environ``.
+        local_parent: Apply rule 3 (the process that started the ranks); off
+            where something else already keeps jobs apart.
     """
     environ = os.environ if environ is None else environ
     where = f"rendezvous {env.master_addr}:{env.master_port}"
@@ -180,7 +186,7 @@ def job_token(env: DistEnv, environ: Mapping[str, str] | None = None) -> JobToke
     ]
     if ids:
         return JobToken(key=_derive_key("launcher", "\0".join(ids)), identity=f"{' '.join(ids)}, {where}")
-    if _is_loopback(env.master_addr):
+    if local_parent and _is_loopback(env.master_addr):
         return _local_token(env, where)
     return JobToken(
         key=_derive_key("anonymous", ""),

@@ -142,13 +142,14 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
         master_ip = socket.gethostbyname(env.master_addr)
     except OSError as e:
         raise RendezvousError(f"{prefix}cannot resolve MASTER_ADDR {env.master_addr!r}: {e}") from e
-    ctx = _Context(env, prefix, deadline, timeout, master_ip, job_token(env))
+    through_store = _use_torchrun_store(env)
+    ctx = _Context(env, prefix, deadline, timeout, master_ip, job_token(env, local_parent=not through_store))
 
     data_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         data_listener.bind((master_ip if loopback else "0.0.0.0", 0))
         data_listener.listen(64)
-        if _use_torchrun_store(env):
+        if through_store:
             peers, shared, session = _exchange_through_store(ctx, data_listener, settings)
         elif env.rank == 0:
             peers, shared, session = _lead(ctx, loopback, data_listener, settings)

@@ -121,3 +121,12 @@ def test_proofs_hold_only_for_the_same_key_and_the_same_words() -> None:
     assert token.matching_key(sign_with(b"c" * 32, "x"), "x") == b"c" * 32
     assert token.matching_key(sign_with(b"z" * 32, "x"), "x") is None
     assert token.matching_key(12, "x") is None
+
+
+def test_under_torchrun_s_store_the_starting_process_does_not_count() -> None:
+    """The agent's store serves one job; its entry point may be a wrapper script per rank."""
+    token = job_token(_env(1, "torchrun"), {}, local_parent=False)
+    assert not token.distinguishes_jobs and token.identity.startswith("no job id")
+    assert job_token(
+        _env(1, "torchrun"), {"TORCHELASTIC_RUN_ID": "r9"}, local_parent=False
+    ).distinguishes_jobs
