@@ -2,11 +2,11 @@
 
 Usage::
 
-    python tests/distributed/rendezvous_job_main.py --port 29500 --base 100 [--hold-rank-1]
+    python tests/distributed/rendezvous_job_main.py --port 29500 --base 100 [--hold 1]
 
 Each rank all-reduces ``base + rank + 1`` (the job's correct sum is ``2 * base + 3``).
-With ``--hold-rank-1``, rank 1 starts its rendezvous only once a line arrives on
-stdin, so a test can let another job act first. Prints one JSON line: each rank's
+The ranks named by ``--hold`` (e.g. ``1`` or ``0,1``) start their rendezvous only once
+a line arrives on stdin, so a test can let another job act first. Prints one JSON line: each rank's
 value, or its error type and message.
 """
 
@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests._launcher import _CTX, run_ranks_outcomes  # noqa: E402
+from tests._launcher import run_ranks_outcomes  # noqa: E402
 
 
 def job_rank(base: int, gate: object | None) -> float:
     """Body of one rank: wait for the gate (if any), join the ring, all-reduce ``base + rank + 1``."""
     if gate is not None and not gate.wait(120):  # type: ignore[attr-defined]
-        raise TimeoutError("rank 1 was never released")
+        raise TimeoutError("this rank was never released")
     import torch
 
     import commlib
@@ -44,16 +45,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--base", type=int, required=True)
-    parser.add_argument("--hold-rank-1", action="store_true")
+    parser.add_argument("--hold", default="", help="comma-separated ranks that wait for a line on stdin")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole job")
     args = parser.parse_args()
-    gate = _CTX.Event() if args.hold_rank_1 else None
-    if gate is not None:
+    held = {int(r) for r in args.hold.split(",") if r}
+    gate = multiprocessing.get_context("spawn").Event()
+    if held:
         threading.Thread(target=lambda: (sys.stdin.readline(), gate.set()), daemon=True).start()
     outcomes = run_ranks_outcomes(
         job_rank,
         2,
-        per_rank_args=[(args.base, None), (args.base, gate)],
+        per_rank_args=[(args.base, gate if rank in held else None) for rank in range(2)],
         port=args.port,
         init=False,
         timeout=args.timeout,

@@ -14,6 +14,7 @@ no iproute2, a container without the capability).
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import socket
 import threading
@@ -24,11 +25,11 @@ import pytest
 import torch
 
 from tests import _netns
-from tests._launcher import _CTX, run_ranks_outcomes
+from tests._launcher import run_ranks_outcomes
 
 pytestmark = pytest.mark.multiprocess
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 2.0
 SLACK_S = 3.0
 """Past the timeout: the failing rank's abort notice to its other neighbour may wait up to 1 s on a full
 send buffer, and a loaded machine schedules late."""
@@ -68,11 +69,12 @@ def _remote_addresses() -> list[str]:
     return remote
 
 
-def _all_reduce_until_cut(namespace: str, hostname: str, running: Any) -> dict[str, Any]:
+def _all_reduce_until_cut(namespace: str, hostname: str, start: Any, running: Any) -> dict[str, Any]:
     """On its own host: join the ring, all-reduce until the link is cut, report the error and when."""
     _netns.enter_host(namespace, hostname)
     import commlib
 
+    start.wait(60)  # every rank has imported torch: the short timeout only has the cut to time
     group = commlib.init_process_group("ring")
     report: dict[str, Any] = {"transports": group.transports, "hostname": socket.gethostname()}
     report["peers_at"] = sorted(set(_remote_addresses()))
@@ -93,7 +95,9 @@ def _all_reduce_until_cut(namespace: str, hostname: str, running: Any) -> dict[s
 
 def _run_and_cut(hosts: _netns.Hosts, victim: int) -> tuple[list[dict[str, Any]], float]:
     world = len(hosts.namespaces)
-    running = [_CTX.Event() for _ in range(world)]
+    spawn = multiprocessing.get_context("spawn")
+    start = spawn.Barrier(world)
+    running = [spawn.Event() for _ in range(world)]
     cut_at: list[float] = []
 
     def cut_when_all_run() -> None:
@@ -107,7 +111,7 @@ def _run_and_cut(hosts: _netns.Hosts, victim: int) -> tuple[list[dict[str, Any]]
         _all_reduce_until_cut,
         world,
         init=False,
-        per_rank_args=[(hosts.namespaces[r], hosts.hostnames[r], running[r]) for r in range(world)],
+        per_rank_args=[(hosts.namespaces[r], hosts.hostnames[r], start, running[r]) for r in range(world)],
         env={
             "MASTER_ADDR": hosts.addresses[0],
             "COMMLIB_TIMEOUT": str(TIMEOUT_S),
@@ -168,11 +172,11 @@ def test_a_host_cut_off_from_a_ring_of_three(hosts_available: None) -> None:
         _check_separate_hosts(reports, hosts)
     for rank, report in enumerate(reports):
         _check_raised_in_time(report, rank, 3, cut_at)
-    assert "timed out after 3.0 s waiting for rank 2 (left neighbour)" in reports[0]["error"]
-    assert "timed out after 3.0 s waiting for rank 1 (left neighbour)" in reports[2]["error"]
+    assert f"timed out after {TIMEOUT_S:.1f} s waiting for rank 2 (left neighbour)" in reports[0]["error"]
+    assert f"timed out after {TIMEOUT_S:.1f} s waiting for rank 1 (left neighbour)" in reports[2]["error"]
     relayed = "rank 0 (left neighbour) aborted the collective" in reports[1]["error"]
     assert (relayed and "waiting for rank 2 (left neighbour)" in reports[1]["error"]) or (
-        "timed out after 3.0 s waiting for rank 0 (left neighbour)" in reports[1]["error"]
+        f"timed out after {TIMEOUT_S:.1f} s waiting for rank 0 (left neighbour)" in reports[1]["error"]
     ), reports[1]["error"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from commlib.ports import free_port
-from tests._launcher import _CTX, run_ranks_outcomes
+from tests._launcher import run_ranks_outcomes
 from tests._listeners import port_is_listening, wait_until
 from tests.conftest import REPO_ROOT, scrubbed_env
 
@@ -29,11 +30,11 @@ JOB = Path(__file__).with_name("rendezvous_job_main.py")
 class _Job:
     """A job script run as its own process (its own parent of its ranks), killed with its ranks on exit."""
 
-    def __init__(self, port: int, base: int, *, hold_rank_1: bool = False, timeout_s: float = 10.0) -> None:
+    def __init__(self, port: int, base: int, *, hold: str = "", timeout_s: float = 10.0) -> None:
         self.base = base
         command = [sys.executable, str(JOB), "--port", str(port), "--base", str(base), "--timeout", "90"]
         self.proc = subprocess.Popen(
-            command + (["--hold-rank-1"] if hold_rank_1 else []),
+            command + ["--hold", hold],
             cwd=REPO_ROOT,
             env=scrubbed_env(COMMLIB_TIMEOUT=str(timeout_s), OMP_NUM_THREADS="1"),
             stdin=subprocess.PIPE,
@@ -43,7 +44,8 @@ class _Job:
             start_new_session=True,
         )
 
-    def release_rank_1(self) -> None:
+    def release(self) -> None:
+        """Let the held ranks start their rendezvous."""
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
@@ -78,18 +80,17 @@ def test_two_jobs_on_one_port_never_pair_across_jobs() -> None:
     Now B's rank 1 is refused (it names both jobs) and A waits for its own rank 1.
     """
     port = free_port()
-    a = _Job(port, 0, hold_rank_1=True, timeout_s=60)
-    b = None
+    a = _Job(port, 0, hold="1", timeout_s=60)
+    b = _Job(port, 100, hold="0,1", timeout_s=4)  # starts (imports torch) meanwhile, joins when released
     try:
         wait_until(lambda: port_is_listening(port) or a.proc.poll() is not None, 90, "job A's rank 0 listens")
-        b = _Job(port, 100, timeout_s=6)
+        b.release()
         job_b = b.result()
-        a.release_rank_1()
+        a.release()
         job_a = a.result()
     finally:
         for job in (a, b):
-            if job is not None:
-                job.kill()
+            job.kill()
     assert [r["value"] for r in job_a["ranks"]] == [3.0, 3.0], job_a
     b0, b1 = job_b["ranks"]
     assert b0["error_type"] == "RendezvousError" and f"cannot listen on 127.0.0.1:{port}" in b0["error"]
@@ -106,7 +107,7 @@ def test_two_jobs_on_one_port_never_pair_across_jobs() -> None:
 @pytest.mark.timeout(240)
 def test_two_jobs_started_at_once_on_one_port_each_compute_their_own_sum_or_fail() -> None:
     port = free_port()
-    jobs = [_Job(port, 0, timeout_s=8), _Job(port, 100, timeout_s=8)]
+    jobs = [_Job(port, 0, timeout_s=6), _Job(port, 100, timeout_s=6)]
     try:
         results = [job.result() for job in jobs]
     finally:
@@ -130,6 +131,9 @@ def _rank_with_log(gate: Any, release: Any) -> dict[str, Any]:
 
     if gate is not None and not gate.wait(60):
         raise TimeoutError("never released")
+    if release is not None:  # the impostor: its short timeout starts once rank 0 listens
+        port = int(os.environ["MASTER_PORT"])
+        wait_until(lambda: port_is_listening(port), 60, "rank 0 listens")
     try:
         group = commlib.init_process_group("ring")
     except commlib.RendezvousError:
@@ -147,7 +151,7 @@ def _rank_with_log(gate: Any, release: Any) -> dict[str, Any]:
 @pytest.mark.timeout(180)
 def test_an_impostor_with_another_token_is_refused_and_the_job_waits_for_its_rank() -> None:
     """A process claims rank 1 with another COMMLIB_JOB_TOKEN before the real rank 1 starts."""
-    impostor_refused = _CTX.Event()
+    impostor_refused = multiprocessing.get_context("spawn").Event()
     outcomes = run_ranks_outcomes(
         _rank_with_log,
         3,
