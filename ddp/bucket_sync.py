@@ -142,7 +142,7 @@ class BucketSync:
     def _call_hook(self, bucket: GradientBucket) -> torch.futures.Future[Any]:
         assert self.hook is not None
         future = self.hook(self.hook_state, bucket)
-        if not isinstance(future, torch.futures.Future):
+        if not _is_torch_future(future):
             hint = (
                 "; it returned a commlib Work: return work.get_future() (a torch future) instead"
                 if isinstance(future, Work)
@@ -214,6 +214,11 @@ class BucketSync:
 
 
 _NO_SCALING = GradientScaling()
+
+
+def _is_torch_future(value: object) -> bool:
+    """True for a ``torch.futures.Future``, including those ``then()`` returns (torch's C++ class)."""
+    return all(callable(getattr(value, name, None)) for name in ("add_done_callback", "wait", "done", "value"))
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ from ddp.config import MB
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 from tests._launcher import RankPool, run_ranks
 from tests.conftest import available_backend_names, run_job, scrubbed_env
+from tests.distributed import ddp_feature_bodies as features
 
 # ----------------------------------------------------------------- models
 PER_RANK = 4
@@ -431,6 +432,10 @@ MPI_CASES = {
     "no_sync": (case_no_sync, (True,)),
     "missing": (case_missing_gradients, (False,)),
     "mismatch": (case_mismatch, ()),
+    "hook_allreduce": (features.case_hook_gradients, ("allreduce",)),
+    "hook_bf16": (features.case_hook_gradients, ("bf16",)),
+    "powersgd": (features.case_powersgd_training, ()),
+    "nonfinite": (features.case_nonfinite, ("nan", 1)),
 }
 _OUT_VAR = "COMMLIB_DDP_CASES_OUT"
 
@@ -460,6 +465,9 @@ def test_mpi_backend_under_mpiexec(mpiexec, repo_root, tmp_path):
     check_no_sync(by_case["no_sync"])
     check_missing(by_case["missing"])
     check_mismatch(by_case["mismatch"])
+    features.check_hooks({"allreduce": by_case["hook_allreduce"], "bf16": by_case["hook_bf16"]})
+    features.check_powersgd(by_case["powersgd"])
+    features.check_nonfinite(by_case["nonfinite"], 1)
 
 
 def _main() -> None:
