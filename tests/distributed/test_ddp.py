@@ -521,12 +521,27 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
         repo_root,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for mode in ("none", "ddp-ring", "torch-ddp", "naive", "flat", "flat-reuse"):
+    modes = [
+        "none",
+        "ddp-ring",
+        "ddp-ring+bf16",
+        "ddp-ring+powersgd",
+        "ddp-null",
+        "torch-ddp",
+        "naive",
+        "flat",
+    ]
+    modes.append("flat-reuse")
+    for mode in modes:
         assert f"\n{mode} " in proc.stdout, proc.stdout
-    assert "target ddp-ring within +5% of none" in proc.stdout
-    rows = list(csv.DictReader(csv_path.open()))
-    assert [r["mode"] for r in rows] == ["none", "ddp-ring", "torch-ddp", "naive", "flat", "flat-reuse"]
-    assert all(r["identical"] == "True" for r in rows[1:])
+    assert "target ddp-ring within +8% of none" in proc.stdout
+    assert "ddp-ring+bf16: bytes x0.500 of ddp-ring (bf16 target: half: met)" in proc.stdout
+    rows = {r["mode"]: r for r in csv.DictReader(csv_path.open())}
+    assert list(rows) == modes
+    assert all(r["identical"] == "True" for name, r in rows.items() if name not in ("none", "ddp-null"))
+    assert float(rows["ddp-ring+bf16"]["bytes_sent_mb"]) * 2 == pytest.approx(
+        float(rows["ddp-ring"]["bytes_sent_mb"])
+    )
 
 
 if __name__ == "__main__":
