@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="first bucket cap of commlib's DDP (default: --bucket-mb)",
     )
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (CI smoke test)")
+    p.add_argument(
+        "--costs",
+        action="store_true",
+        help="first time DDP's own steps on this model's gradients on rank 0 alone (copies, scaling, "
+        "NaN check, compression, hook overhead, the optimizer on fresh or bucketed gradients)",
+    )
     p.add_argument("--csv", type=Path, default=None, help="write the table to this CSV file (rank 0)")
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds any collective may take (default 300)"
@@ -332,6 +338,94 @@ def register_hook(ddp: DistributedDataParallel, group: Any, hook: str, args: arg
     return f"{hook}_compress_hook"
 
 
+# -------------------------------------------------------------------- costs
+def local_costs(cfg: GPTConfig, args: argparse.Namespace, world: int, repeats: int = 7) -> list[str]:
+    """Time DDP's own steps on the model's gradients in this process alone; return the printed lines.
+
+    Each repetition runs a fresh forward and backward after ``zero_grad(set_to_none=True)``
+    (so the gradients are autograd's fresh tensors, as DDP's hooks see them), then
+    times one operation. Medians of ``repeats``.
+    """
+    from ddp import GradientBucketManager
+
+    model = fresh_model(cfg, args.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer(params)
+    x, y = synthetic_batch(cfg, args.batch_size, seed=args.seed, step=0)
+    total = sum(p.numel() for p in params)
+    buffer = torch.zeros(total)
+    half = torch.zeros(total, dtype=torch.bfloat16)
+    views, offset = [], 0
+    for p in params:
+        views.append(buffer[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+
+    def fresh() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        GPT.loss(model(x), y).backward()
+        return [p.grad for p in params]
+
+    def timed(step: Callable[[list[torch.Tensor]], Any], *, bucketed: bool = False) -> float:
+        times = []
+        for _ in range(repeats):
+            grads = fresh()
+            if bucketed:
+                for p, g, v in zip(params, grads, views, strict=True):
+                    v.copy_(g)
+                    p.grad = v
+            start = time.perf_counter()
+            step(grads)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    def copy(grads: list[torch.Tensor]) -> None:
+        for g, v in zip(grads, views, strict=True):
+            v.copy_(g)
+
+    def divided_copy(grads: list[torch.Tensor]) -> None:
+        for g, v in zip(grads, views, strict=True):
+            torch.div(g, world, out=v)
+
+    null = NullGroup(commlib.DistEnv(rank=0, world_size=world), commlib.CommConfig())
+    manager = GradientBucketManager(
+        params, null, bucket_size_mb=args.bucket_mb, reduce_op=commlib.ReduceOp.SUM
+    )
+
+    def hooks(_: list[torch.Tensor]) -> None:
+        manager.reset()
+        for index in range(len(params)):
+            manager.register_grad_ready(index)
+        manager.finish_grad_sync()
+
+    copying = timed(hooks)  # fresh gradients: each is copied into its view
+    hook_only = []  # now every .grad is its view: the hooks copy nothing
+    for _ in range(repeats):
+        start = time.perf_counter()
+        hooks([])
+        hook_only.append(time.perf_counter() - start)
+    mb = total * 4 / 2**20
+    rows = [
+        ("copy fresh gradients into the buckets", timed(copy)),
+        (f"the same, divided by {world} in the same pass (DDP's average)", timed(divided_copy)),
+        (f"a separate pass dividing the buckets by {world}", timed(lambda g: buffer.div_(world))),
+        ("NaN/Inf check: one sum over the buckets", timed(lambda g: buffer.sum())),
+        ("the same with torch.isfinite(buffer).all()", timed(lambda g: torch.isfinite(buffer).all())),
+        ("bf16 compression: divide, then cast into bf16", timed(lambda g: half.copy_(buffer.div_(world)))),
+        ("the same as one mixed-dtype division", timed(lambda g: torch.div(buffer, world, out=half))),
+        ("bf16 decompression: cast back into the buckets", timed(lambda g: buffer.copy_(half))),
+        ("DDP's hooks, fresh gradients (register_grad_ready each)", copying),
+        (
+            f"DDP's hooks, gradients already views: {len(params)} gradients",
+            statistics.median(hook_only) * 1e3,
+        ),
+        ("AdamW step, fresh gradients", timed(lambda g: opt.step())),
+        ("AdamW step, gradients in the buckets", timed(lambda g: opt.step(), bucketed=True)),
+    ]
+    lines = [f"DDP's own costs on {len(params)} gradients, {mb:.1f} MiB (one process, medians of {repeats}):"]
+    lines += [f"  {what:<62} {ms:8.2f} ms" for what, ms in rows]
+    return lines
+
+
 # ---------------------------------------------------------------------- run
 def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, rank: int, world: int) -> float:
     """Train ``mode`` one step on this rank's share of batch ``step``; return the seconds it took."""
@@ -512,6 +606,11 @@ def run(args: argparse.Namespace) -> int:
         f"{datetime.datetime.now().isoformat(timespec='seconds')}"
     )
     modes, skipped, groups = create_modes(args, cfg, env, comm, comm_why)
+    if args.costs:
+        if lead:
+            for line in local_costs(cfg, args, world):
+                say(line)
+        dist.barrier()
     try:
         for m in modes:
             say(f"  {m.name:<11} {m.note}")

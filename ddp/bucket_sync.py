@@ -218,7 +218,7 @@ _NO_SCALING = GradientScaling()
 
 def _is_torch_future(value: object) -> bool:
     """True for a ``torch.futures.Future``, including those ``then()`` returns (torch's C++ class)."""
-    return all(callable(getattr(value, name, None)) for name in ("add_done_callback", "wait", "done", "value"))
+    return all(callable(getattr(value, m, None)) for m in ("add_done_callback", "wait", "done", "value"))
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

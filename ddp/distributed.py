@@ -23,7 +23,7 @@ from ddp.bucket_sync import CommHook, check_comm_hook
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig
 from ddp.cost_model import CommCostModel
 from ddp.devices import comm_device, control_buffer, control_tensor, to_host
-from ddp.errors import AbandonedBackwardError, CommHookError, MissingGradientsError
+from ddp.errors import AbandonedBackwardError, CommHookError, MissingGradientsError, NonFiniteGradientError
 from ddp.graph import used_parameters
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import StepStats
@@ -467,8 +467,12 @@ class DistributedDataParallel(nn.Module):
             manager.local_grad_flags(self._used_flags)
             used_work = self.process_group.all_reduce(self._used_flags, ReduceOp.SUM, async_op=True)
             manager.recorder.extra_collective()
+        nonfinite: NonFiniteGradientError | None = None
         try:
             exposed = manager.finish_grad_sync(timeout)
+        except NonFiniteGradientError as e:
+            # Every rank raises it in this backward: finish the step's bookkeeping alike, then raise.
+            nonfinite, exposed = e, 0.0
         finally:
             if used_work is not None:  # waited for even when a bucket failed: it was issued
                 start = time.perf_counter()
@@ -484,6 +488,8 @@ class DistributedDataParallel(nn.Module):
         if self._auto is not None:
             if self._auto.after_synced_backward(manager) or self._auto.report.tuned:
                 manager.record_arrival_times = False
+        if nonfinite is not None:
+            raise nonfinite
         return exposed
 
     def _missing_message(self, missing: list[tuple[int, int]]) -> str:

@@ -213,8 +213,8 @@ def test_manager_launches_strictly_in_bucket_order():
     assert m.launched == 3
 
 
-def test_manager_spec_flow_reduce_all_wait_all_copy_back():
-    # The spec's eager path: backward, reduce_all_async, wait_all, copy_back_all.
+def test_manager_spec_flow_reduce_all_finish_copy_back():
+    # The spec's eager path: backward, reduce_all_async, finish_grad_sync, copy_back_all.
     def body(group):
         torch.manual_seed(0)
         model = nn.Linear(3, 2)
