@@ -15,7 +15,7 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
 from ddp.bucket_sync import BucketSync, CommHook, PendingSync
-from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig
+from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
 from ddp.nonfinite import NonFiniteCheck
 from ddp.stats import StepRecorder
@@ -227,10 +227,8 @@ class GradientBucketManager:
 
     def _make_bucket(self, index: int, members: list[int], is_last: bool) -> GradientBucket:
         params = [self._params[i] for i in members]
-        dtype, device = params[0].dtype, params[0].device
-        wide = self.grad_reduce_dtype
-        if wide is not None and _itemsize(wide) > _itemsize(dtype):
-            dtype = wide  # summed in the wider dtype; gradients already as wide keep theirs
+        dtype = reduce_dtype_for(params[0].dtype, self.grad_reduce_dtype)
+        device = params[0].device
         return GradientBucket(
             index,
             params,
@@ -589,10 +587,6 @@ class GradientBucketManager:
 
     def _prefix(self, op: str) -> str:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", op)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _with_context(error: CommError, context: str) -> CommError:

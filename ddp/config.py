@@ -9,7 +9,7 @@ import torch
 
 from commlib.types import SUPPORTED_DTYPES, ReduceOp, dtype_name
 
-__all__ = ["AUTO", "DDPConfig", "DEFAULT_BUCKET_SIZE_MB", "GradientScaling", "MB"]
+__all__ = ["AUTO", "DDPConfig", "DEFAULT_BUCKET_SIZE_MB", "GradientScaling", "MB", "reduce_dtype_for"]
 
 AUTO = "auto"
 """``bucket_size_mb="auto"``: size buckets from a measured cost model (see ``ddp.cost_model``)."""
@@ -54,6 +54,13 @@ class GradientScaling:
             tensor.div_(self.divisor)
         elif self.factor != 1.0:
             tensor.mul_(self.factor)
+
+
+def reduce_dtype_for(dtype: torch.dtype, grad_reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype gradients of ``dtype`` are summed in: ``grad_reduce_dtype`` if wider, else their own."""
+    if grad_reduce_dtype is not None and grad_reduce_dtype.itemsize > dtype.itemsize:
+        return grad_reduce_dtype
+    return dtype
 
 
 def _check_number(field: str, value: object, *, allow_none: bool = False) -> None:

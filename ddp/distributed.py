@@ -20,7 +20,7 @@ from commlib.types import ReduceOp, dtype_name
 from ddp.auto_bucket import AutoBucketReport, AutoBucketSizer
 from ddp.bucket_manager import GradientBucketManager
 from ddp.bucket_sync import CommHook, check_comm_hook
-from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig
+from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig, reduce_dtype_for
 from ddp.cost_model import CommCostModel
 from ddp.devices import comm_device, control_buffer, control_tensor, to_host
 from ddp.errors import AbandonedBackwardError, CommHookError, MissingGradientsError, NonFiniteGradientError
@@ -279,9 +279,8 @@ class DistributedDataParallel(nn.Module):
 
     def _check_reducible(self, group: IProcessGroup, params: list[torch.Tensor]) -> None:
         op = self._collective_op()
-        wide = self.config.grad_reduce_dtype
         for dtype, device in sorted({(p.dtype, p.device) for p in params}, key=str):
-            reduce_dtype = wide if wide is not None and _itemsize(wide) > _itemsize(dtype) else dtype
+            reduce_dtype = reduce_dtype_for(dtype, self.config.grad_reduce_dtype)
             try:
                 where = comm_device(group, reduce_dtype, device)
             except ValueError:
@@ -559,10 +558,6 @@ class DistributedDataParallel(nn.Module):
         if timeline is not None:
             with contextlib.suppress(Exception):
                 timeline.close()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _make_hook(ref: weakref.ReferenceType[DistributedDataParallel], index: int) -> Any:
