@@ -121,9 +121,10 @@ class BucketSync:
     def launch(self, bucket: GradientBucket) -> PendingSync:
         """Start communicating ``bucket`` (all its gradients are in its views).
 
-        A bucket of zero elements (empty parameters) communicates nothing.
+        A bucket of zero elements (empty parameters) communicates nothing, unless
+        a hook is registered (it is called for every bucket, as torch calls it).
         """
-        if bucket.numel == 0:
+        if bucket.numel == 0 and self.hook is None:
             return PendingSync(work=CompletedWork())
         with self.streams.launching(bucket.comm_device):
             data = bucket.comm_data
