@@ -29,6 +29,7 @@ from ddp.config import MB
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 from tests._launcher import RankPool, run_ranks
 from tests.conftest import available_backend_names, run_job, scrubbed_env
+from tests.distributed import ddp_feature_bodies as features
 
 # ----------------------------------------------------------------- models
 PER_RANK = 4
@@ -437,6 +438,10 @@ MPI_CASES = {
     "no_sync": (case_no_sync, (True,)),
     "missing": (case_missing_gradients, (False,)),
     "mismatch": (case_mismatch, ()),
+    "hook_allreduce": (features.case_hook_gradients, ("allreduce",)),
+    "hook_bf16": (features.case_hook_gradients, ("bf16",)),
+    "powersgd": (features.case_powersgd_training, ()),
+    "nonfinite": (features.case_nonfinite, ("nan", 1)),
 }
 _OUT_VAR = "COMMLIB_DDP_CASES_OUT"
 
@@ -466,6 +471,9 @@ def test_mpi_backend_under_mpiexec(mpiexec, repo_root, tmp_path):
     check_no_sync(by_case["no_sync"])
     check_missing(by_case["missing"])
     check_mismatch(by_case["mismatch"])
+    features.check_hooks({"allreduce": by_case["hook_allreduce"], "bf16": by_case["hook_bf16"]})
+    features.check_powersgd(by_case["powersgd"])
+    features.check_nonfinite(by_case["nonfinite"], 1)
 
 
 def _main() -> None:
@@ -519,12 +527,27 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
         repo_root,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for mode in ("none", "ddp-ring", "torch-ddp", "naive", "flat", "flat-reuse"):
+    modes = [
+        "none",
+        "ddp-ring",
+        "ddp-ring+bf16",
+        "ddp-ring+powersgd",
+        "ddp-null",
+        "torch-ddp",
+        "naive",
+        "flat",
+    ]
+    modes.append("flat-reuse")
+    for mode in modes:
         assert f"\n{mode} " in proc.stdout, proc.stdout
-    assert "target ddp-ring within +5% of none" in proc.stdout
-    rows = list(csv.DictReader(csv_path.open()))
-    assert [r["mode"] for r in rows] == ["none", "ddp-ring", "torch-ddp", "naive", "flat", "flat-reuse"]
-    assert all(r["identical"] == "True" for r in rows[1:])
+    assert "target ddp-ring within +8% of none" in proc.stdout
+    assert "ddp-ring+bf16: bytes x0.500 of ddp-ring (bf16 target: half: met)" in proc.stdout
+    rows = {r["mode"]: r for r in csv.DictReader(csv_path.open())}
+    assert list(rows) == modes
+    assert all(r["identical"] == "True" for name, r in rows.items() if name not in ("none", "ddp-null"))
+    assert float(rows["ddp-ring+bf16"]["bytes_sent_mb"]) * 2 == pytest.approx(
+        float(rows["ddp-ring"]["bytes_sent_mb"])
+    )
 
 
 if __name__ == "__main__":
