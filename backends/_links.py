@@ -1,52 +1,58 @@
 """The two one-way links of a ring rank: shared memory on one host, TCP across hosts.
 
-A link carries, in order, metadata records (``M``), data chunks and aborts (``X``).
+A link carries, in order, metadata records (with small payloads), data chunks
+and aborts.
 
-- TCP: ``P`` + length + payload frames; a sender thread writes them so that a
-  rank sending to its right never blocks the receive from its left (all ranks
-  send at once in a ring step; blocking sends would deadlock once chunks
-  outgrow the kernel's socket buffers).
-- Shared memory: the receiver owns an mmap'd inbox of ``slots`` chunk-sized
-  slots. The sender copies a chunk into the next free slot and sends a 1-byte
-  ``D`` token over the TCP socket; the receiver reduces straight out of the
-  slot and answers with an ``A`` token that frees it. Waiting happens in the
-  kernel (a blocking ``recv``), so an idle rank burns no CPU, and a peer that
-  dies closes its socket, which wakes its neighbours with an error.
+- TCP: ``M`` + record, ``P`` + length + payload frames; a sender thread writes
+  them so that a rank sending to its right never blocks the receive from its
+  left (all ranks send at once in a ring step; blocking sends would deadlock
+  once chunks outgrow the kernel's socket buffers).
+- Shared memory: the receiver owns an inbox of ``slots`` message slots, each a
+  192-byte header (kind, sizes, the metadata record) followed by up to
+  ``chunk_bytes`` of payload, and a control block with two doorbells
+  (``backends._doorbell``): the sender's count of messages posted and the
+  receiver's count of messages consumed. The sender writes a message into the
+  next free slot and advances its count; the receiver polls that count briefly,
+  then sleeps in the kernel, reads (or reduces) straight out of the slot and
+  advances its own count, which frees the slot. The TCP connection between
+  them carries only wake-up bytes, aborts and the end-of-file of a peer that
+  died, which wakes a sleeping neighbour with an error.
+- Lent chunks: a sender whose tensor lives in a shared buffer
+  (``backends._buffers``) posts only a header naming the buffer and the
+  chunk's offset, and the receiver reads the chunk straight from the sender's
+  memory. The sender must not write that memory again until the receiver's
+  count shows it has read it (``ShmSendLink.wait_returned``).
 """
 
 from __future__ import annotations
 
-import mmap
+import collections
 import os
 import queue
 import secrets
 import socket
 import struct
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from backends import _kernels
+from backends._doorbell import ABORT, Doorbell, abort_frame
+from backends._kernels import Reducer
 from backends._rendezvous import RingSockets, host_id
+from backends._shm import HEADER_BYTES, Region, RegionId, can_share_descriptors
 from backends._wire import SocketReader, recv_json, send_json
 from commlib.errors import CommError, PeerFailureError, RendezvousError
 
 __all__ = ["SendLink", "RecvLink", "connect_links", "META_BYTES", "Reducer"]
 
-Reducer = Callable[[torch.Tensor, torch.Tensor], None]
-"""``reduce(dst, incoming)``: combine ``incoming`` into ``dst`` in place."""
-
 META_BYTES = 96
-_TOKEN_DATA = ord("D")
-_TOKEN_ACK = ord("A")
 _FRAME_PAYLOAD = ord("P")
 _FRAME_META = ord("M")
-_FRAME_ABORT = ord("X")
+_FRAME_ABORT = ABORT
 _U64 = struct.Struct("!Q")
 _U32 = struct.Struct("!I")
-_SHM_HEADER_BYTES = 4096
-_SHM_MAGIC = b"commlib-ring-v1\0"
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -79,10 +85,9 @@ class _Link:
 
     def abort(self, reason: str) -> None:
         """Tell the peer this rank gave up, with the reason (best effort, never raises)."""
-        payload = reason.encode()[:4000]
         try:
             self.sock.settimeout(1.0)
-            self.sock.sendall(bytes([_FRAME_ABORT]) + _U32.pack(len(payload)) + payload)
+            self.sock.sendall(abort_frame(reason))
         except OSError:
             pass
 
@@ -112,6 +117,8 @@ class SendLink(_Link):
     """The link to the right neighbour: this rank writes data into it."""
 
     chunk_bytes: int
+    can_lend = False
+    """True if the receiver can read chunks straight from this rank's shared buffers (``lend``)."""
 
     def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
         """Send one metadata record (``META_BYTES`` long), optionally followed by a small payload chunk."""
@@ -123,6 +130,13 @@ class SendLink(_Link):
 
     def flush(self) -> None:
         """Block until every chunk sent so far has left this rank's tensors (they may be modified after)."""
+
+    def lend(self, chunk: torch.Tensor, region: RegionId, offset: int) -> None:
+        """Let the receiver read ``chunk`` in place: it lies at data byte ``offset`` of ``region``."""
+        raise CommError(f"the link to {self.describe} cannot lend buffers")
+
+    def wait_returned(self) -> None:
+        """Block until the receiver has read every chunk lent so far."""
 
 
 class RecvLink(_Link):
@@ -263,93 +277,152 @@ class TcpRecvLink(RecvLink):
 
 
 # ------------------------------------------------------------ shared memory
-class _Inbox:
-    """A receiver-owned shared-memory file of ``slots`` chunk-sized slots."""
+# Control words of an inbox (indices of 64-bit words in its region's header),
+# each on its own cache line.
+_POSTED = 8  # messages the sender has posted
+_RECV_SLEEPING = 16  # the receiver sleeps, waiting for _POSTED
+_CONSUMED = 24  # messages the receiver has finished with (their slots are free)
+_SEND_SLEEPING = 32  # the sender sleeps, waiting for _CONSUMED
 
-    def __init__(self, path: str, slots: int, chunk_bytes: int, *, create: bool, token: bytes = b"") -> None:
-        self.path = path
-        size = _SHM_HEADER_BYTES + slots * chunk_bytes
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise OSError(f"shared-memory file {path} has {os.fstat(fd).st_size} bytes, expected {size}")
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.base = torch.frombuffer(self.map, dtype=torch.uint8)
-        if create:
-            self.token = secrets.token_bytes(16)
-            self.base.zero_()  # touch every page now, not during the first collective
-            self.map[: len(_SHM_MAGIC) + 16] = _SHM_MAGIC + self.token
-        elif bytes(self.map[: len(_SHM_MAGIC) + 16]) != _SHM_MAGIC + token:
-            raise OSError(
-                f"shared-memory file {path} does not hold the expected token (another host's /dev/shm?)"
-            )
-        else:
-            self.token = token
+# A slot: header, the metadata record, then the payload.
+# kind, has payload, payload bytes, lent offset, lent fd, lent size, lent token
+_SLOT_HEADER = struct.Struct("=IIQQqQ16s")
+_RECORD_AT = 64
+_PAYLOAD_AT = 192
+_KIND_META = 1  # a metadata record, and a payload of `bytes` in the slot
+_KIND_DATA = 2  # a chunk in the slot
+_KIND_LENT = 3  # a chunk at `offset` of the sender's region (fd, size, token)
+_KIND_RETIRED = 4  # the sender's region (fd, token) is gone: unmap it
+_KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data", _KIND_RETIRED: "retired"}
+
+
+class _Inbox:
+    """A receiver-owned region of ``slots`` message slots, and the control words of the link."""
+
+    def __init__(self, region: Region, slots: int, chunk_bytes: int) -> None:
+        self.region = region
         self.slots = slots
         self.chunk_bytes = chunk_bytes
+        stride = _PAYLOAD_AT + chunk_bytes
+        self._starts = [i * stride for i in range(slots)]
+        self.payloads = [region.data[s + _PAYLOAD_AT : s + stride] for s in self._starts]
 
-    def slot(self, index: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        start = _SHM_HEADER_BYTES + (index % self.slots) * self.chunk_bytes
-        return self.base[start : start + numel * dtype.itemsize].view(dtype)
+    @staticmethod
+    def region_bytes(slots: int, chunk_bytes: int) -> int:
+        """Data bytes of the region an inbox of this shape needs."""
+        return slots * (_PAYLOAD_AT + chunk_bytes)
 
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+    def header_at(self, index: int) -> int:
+        """Offset of slot ``index``'s header in the region's mapping."""
+        return HEADER_BYTES + self._starts[index % self.slots]
+
+    def payload(self, index: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``index``'s payload, as ``dtype``."""
+        return self.payloads[index % self.slots][:nbytes].view(dtype)
 
     def close(self) -> None:
-        del self.base
-        try:
-            self.map.close()
-        except BufferError:  # a tensor view is still alive; the mapping goes when it does
-            pass
+        self.payloads = []
+        self.region.close()
 
 
 class ShmSendLink(SendLink):
-    """Copies chunks into the right neighbour's inbox."""
+    """Writes messages into the right neighbour's inbox, or lends it chunks of a shared buffer."""
 
     def __init__(
-        self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, inbox: _Inbox
+        self,
+        sock: socket.socket,
+        reader: SocketReader,
+        peer: int,
+        describe: str,
+        inbox: _Inbox,
+        *,
+        spin_s: float = 0.0,
+        can_lend: bool = False,
     ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "shm"
         self.inbox = inbox
         self.chunk_bytes = inbox.chunk_bytes
-        self._sent = 0
-        self._acked = 0
+        self.can_lend = can_lend
+        self.bell = Doorbell(
+            inbox.region.words,
+            mine=_POSTED,
+            theirs=_CONSUMED,
+            my_flag=_SEND_SLEEPING,
+            their_flag=_RECV_SLEEPING,
+            reader=reader,
+            spin_s=spin_s,
+        )
+        self._lent_until = 0
+        self._retired: collections.deque[tuple[int, bytes]] = collections.deque()
+
+    def _claim(
+        self,
+        kind: int,
+        nbytes: int,
+        offset: int = 0,
+        region: RegionId | None = None,
+        *,
+        payload: bool = False,
+    ) -> int:
+        """Wait for a free slot, write its header, and return its index (the message's number)."""
+        bell, inbox = self.bell, self.inbox
+        if nbytes > inbox.chunk_bytes and kind != _KIND_LENT:
+            raise CommError(
+                f"a {nbytes}-byte message does not fit a {inbox.chunk_bytes}-byte slot of {self.describe}"
+            )
+        index = bell.count
+        bell.wait_for(index + 1 - inbox.slots, "a free slot")
+        fd, size, token = (region.fd, region.size, region.token) if region is not None else (-1, 0, b"")
+        _SLOT_HEADER.pack_into(
+            inbox.region.map, inbox.header_at(index), kind, payload, nbytes, offset, fd, size, token
+        )
+        return index
+
+    def _post_retired(self) -> None:
+        while self._retired:
+            fd, token = self._retired.popleft()
+            index = self._claim(_KIND_RETIRED, 0)
+            _SLOT_HEADER.pack_into(
+                self.inbox.region.map, self.inbox.header_at(index), _KIND_RETIRED, 0, 0, 0, fd, 0, token
+            )
+            self.bell.advance()
 
     def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
-        """Send one metadata record over the socket; a payload goes into a slot, announced in one write."""
-        if payload is None:
-            self._send_token(bytes([_FRAME_META]) + record)
-        else:
-            self._fill_slot(payload)
-            self._send_token(bytes([_FRAME_META]) + record + b"D")
-
-    def _send_token(self, data: bytes) -> None:
-        try:
-            self.sock.sendall(data)
-        except OSError as e:
-            raise PeerFailureError(f"{self.describe} closed the connection ({e}); its process ended?") from e
-
-    def _fill_slot(self, chunk: torch.Tensor) -> None:
-        while self._sent - self._acked >= self.inbox.slots:
-            kind = self.reader.read_byte("a free slot")
-            self._check_frame(kind, _TOKEN_ACK, "a free slot")
-            self._acked += 1
-        self.inbox.slot(self._sent, chunk.dtype, chunk.numel()).copy_(chunk)
-        self._sent += 1
+        """Post one metadata record, with ``payload`` (at most ``chunk_bytes``) in the same slot."""
+        if self._retired:
+            self._post_retired()
+        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+        index = self._claim(_KIND_META, nbytes, payload=payload is not None)
+        start = self.inbox.header_at(index) + _RECORD_AT
+        self.inbox.region.map[start : start + META_BYTES] = record
+        if nbytes:
+            _kernels.copy(self.inbox.payload(index, payload.dtype, nbytes), payload)  # type: ignore[union-attr]
+        self.bell.advance()
 
     def send(self, chunk: torch.Tensor) -> None:
-        """Copy ``chunk`` into the next free slot and ring the peer's doorbell."""
-        self._fill_slot(chunk)
-        self._send_token(b"D")
+        """Copy ``chunk`` into the next free slot and post it."""
+        nbytes = chunk.numel() * chunk.element_size()
+        index = self._claim(_KIND_DATA, nbytes)
+        if nbytes:
+            _kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
+        self.bell.advance()
+
+    def lend(self, chunk: torch.Tensor, region: RegionId, offset: int) -> None:
+        """Post where ``chunk`` lies in ``region``; the receiver reads it from there."""
+        if not self.can_lend:
+            super().lend(chunk, region, offset)
+        self._claim(_KIND_LENT, chunk.numel() * chunk.element_size(), offset, region)
+        self.bell.advance()
+        self._lent_until = self.bell.count
+
+    def wait_returned(self) -> None:
+        """Wait until the receiver has consumed every message up to the last lent chunk."""
+        self.bell.wait_for(self._lent_until, f"{self.describe} to finish reading this rank's buffer")
+
+    def retire(self, fd: int, token: bytes) -> None:
+        """Tell the receiver, with the next metadata record, that a lent region is gone (any thread)."""
+        self._retired.append((fd, token))
 
     def close(self, linger: float) -> None:
         """Unmap the inbox and close the connection."""
@@ -358,42 +431,119 @@ class ShmSendLink(SendLink):
 
 
 class ShmRecvLink(RecvLink):
-    """Reads chunks out of this rank's own inbox."""
+    """Reads messages out of this rank's own inbox, and lent chunks out of the sender's buffers."""
 
     def __init__(
-        self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, inbox: _Inbox
+        self,
+        sock: socket.socket,
+        reader: SocketReader,
+        peer: int,
+        describe: str,
+        inbox: _Inbox,
+        *,
+        spin_s: float = 0.0,
+        peer_pid: int = 0,
     ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "shm"
         self.inbox = inbox
         self.chunk_bytes = inbox.chunk_bytes
-        self._received = 0
+        self.peer_pid = peer_pid
+        self.bell = Doorbell(
+            inbox.region.words,
+            mine=_CONSUMED,
+            theirs=_POSTED,
+            my_flag=_RECV_SLEEPING,
+            their_flag=_SEND_SLEEPING,
+            reader=reader,
+            spin_s=spin_s,
+        )
+        self._held_nbytes = -1  # payload bytes of a metadata message not yet read
+        self._lent: dict[tuple[int, bytes], Region] = {}
 
-    def _next_slot(self, dst: torch.Tensor) -> torch.Tensor:
-        kind = self.reader.read_byte("data")
-        self._check_frame(kind, _TOKEN_DATA, "data")
-        return self.inbox.slot(self._received, dst.dtype, dst.numel())
+    @property
+    def lent_regions(self) -> int:
+        """How many of the sender's regions this rank has mapped."""
+        return len(self._lent)
 
-    def _release_slot(self) -> None:
-        self._received += 1
-        try:
-            self.sock.send(b"A")
-        except OSError:
-            pass  # the sender is gone; its absence surfaces on the next wait
+    def _next(self, what: str) -> tuple[int, int, int, int, int, int, bytes]:
+        """Wait for the next message and return its header (see ``_SLOT_HEADER``)."""
+        bell = self.bell
+        bell.wait_for(bell.count + 1, what)
+        return _SLOT_HEADER.unpack_from(self.inbox.region.map, self.inbox.header_at(bell.count))
+
+    def _unexpected(self, kind: int, what: str) -> CommError:
+        return CommError(
+            f"protocol error from {self.describe} ({what}): got a {_KIND_NAMES.get(kind, repr(kind))} "
+            "message. The ranks disagree on the sequence of collectives; every rank must issue the same "
+            "ones in the same order"
+        )
+
+    def recv_meta(self) -> bytes:
+        """Receive one metadata record; a payload that came with it is read by the next ``recv_*``."""
+        while True:
+            kind, has_payload, nbytes, _, fd, _, token = self._next("metadata")
+            if kind == _KIND_RETIRED:
+                region = self._lent.pop((fd, token), None)
+                if region is not None:
+                    region.close()
+                self.bell.advance()
+                continue
+            if kind != _KIND_META:
+                raise self._unexpected(kind, "metadata")
+            start = self.inbox.header_at(self.bell.count) + _RECORD_AT
+            record = bytes(self.inbox.region.map[start : start + META_BYTES])
+            if has_payload:
+                self._held_nbytes = nbytes
+            else:
+                self.bell.advance()
+            return record
+
+    def _incoming(self, dst: torch.Tensor) -> torch.Tensor:
+        """A view of the next chunk, which must have ``dst``'s size and dtype."""
+        expected = dst.numel() * dst.element_size()
+        if self._held_nbytes >= 0:
+            nbytes, self._held_nbytes = self._held_nbytes, -1
+            kind, offset, fd, size, token = _KIND_DATA, 0, -1, 0, b""
+        else:
+            kind, _, nbytes, offset, fd, size, token = self._next("data")
+        if nbytes != expected:
+            raise CommError(
+                f"{self.describe} sent a {nbytes}-byte chunk where this rank expected {expected} bytes; "
+                "the ranks disagree on the collective's tensor sizes"
+            )
+        if kind == _KIND_DATA:
+            return self.inbox.payload(self.bell.count, dst.dtype, nbytes)
+        if kind == _KIND_LENT:
+            return self._lent_region(fd, size, token).data[offset : offset + nbytes].view(dst.dtype)
+        raise self._unexpected(kind, "data")
+
+    def _lent_region(self, fd: int, size: int, token: bytes) -> Region:
+        region = self._lent.get((fd, token))
+        if region is None:
+            try:
+                region = Region.open_descriptor(self.peer_pid, fd, size, token)
+            except OSError as e:
+                raise CommError(f"cannot map the shared buffer of {self.describe}: {e}") from e
+            self._lent[(fd, token)] = region
+        return region
 
     def recv_into(self, dst: torch.Tensor) -> None:
-        """Copy the next chunk out of the inbox into ``dst``."""
-        dst.copy_(self._next_slot(dst))
-        self._release_slot()
+        """Copy the next chunk into ``dst``."""
+        _kernels.copy(dst, self._incoming(dst))
+        self.bell.advance()
 
     def recv_reduce(self, dst: torch.Tensor, reduce: Reducer) -> None:
-        """Reduce the next chunk straight out of the inbox into ``dst``."""
-        reduce(dst, self._next_slot(dst))
-        self._release_slot()
+        """Reduce the next chunk straight out of the slot (or the sender's buffer) into ``dst``."""
+        reduce(dst, self._incoming(dst))
+        self.bell.advance()
 
     def close(self, linger: float) -> None:
-        """Unmap the inbox and close the connection."""
+        """Unmap the inbox and the sender's buffers, and close the connection."""
         self.inbox.close()
+        for region in self._lent.values():
+            region.close()
+        self._lent.clear()
         super().close(linger)
 
 
@@ -405,6 +555,29 @@ def _shm_dir(preferred: str | None) -> str:
     import tempfile
 
     return tempfile.gettempdir()
+
+
+def _probe_region() -> Region | None:
+    """A tiny ``memfd`` region the right neighbour tries to open, to learn whether buffers can be lent."""
+    if not can_share_descriptors():
+        return None
+    try:
+        return Region.create_anonymous(0, "commlib-ring-probe")
+    except OSError:
+        return None
+
+
+def _can_open(proposal: dict[str, Any]) -> bool:
+    probe = proposal.get("probe")
+    if not probe:
+        return False
+    try:
+        Region.open_descriptor(
+            int(proposal["pid"]), int(probe["fd"]), 0, bytes.fromhex(probe["token"])
+        ).close()
+    except (OSError, ValueError, KeyError):
+        return False
+    return True
 
 
 def connect_links(
@@ -423,7 +596,9 @@ def connect_links(
 
     A link uses shared memory when both ends are on one host and neither end
     asked for TCP; ``transport="shm"`` on either end makes a link that cannot
-    use shared memory an error rather than a fallback.
+    use shared memory an error rather than a fallback. A shared-memory link can
+    also lend buffers when the receiver can open the sender's ``memfd``
+    descriptors (a probe region is tried here).
     """
     if world_size == 1 or sockets.right is None or sockets.left is None or sockets.left_reader is None:
         return None, None
@@ -434,7 +609,16 @@ def connect_links(
     right_reader, left_reader = SocketReader(right, right_name), sockets.left_reader
     me = host_id()
 
-    send_json(right, {"transport": transport, "host": me})
+    probe = _probe_region() if transport != "tcp" else None
+    send_json(
+        right,
+        {
+            "transport": transport,
+            "host": me,
+            "pid": os.getpid(),
+            "probe": {"fd": probe.fd, "token": probe.token.hex()} if probe is not None else None,
+        },
+    )
     proposal = recv_json(left_reader, "link set-up")
     forced = "shm" in (transport, proposal["transport"])
     inbox: _Inbox | None = None
@@ -446,7 +630,9 @@ def connect_links(
     else:
         path = os.path.join(_shm_dir(shm_dir), f"commlib-ring-{os.getpid()}-{secrets.token_hex(6)}")
         try:
-            inbox = _Inbox(path, slots, chunk_bytes, create=True)
+            inbox = _Inbox(
+                Region.create_file(path, _Inbox.region_bytes(slots, chunk_bytes)), slots, chunk_bytes
+            )
         except OSError as e:
             why_not = f"cannot create shared memory at {path}: {e}"
     if inbox is None and forced and "tcp" not in (transport, proposal["transport"]):
@@ -455,28 +641,41 @@ def connect_links(
             f"shared memory: {why_not}"
         )
         send_json(left, {"transport": "error", "why": message})
+        if probe is not None:
+            probe.close()
         raise RendezvousError(message)
     if inbox is not None:
-        send_json(left, {"transport": "shm", "path": inbox.path, "token": inbox.token.hex()})
+        send_json(
+            left,
+            {
+                "transport": "shm",
+                "path": inbox.region.path,
+                "token": inbox.region.token.hex(),
+                "lend": _can_open(proposal),
+            },
+        )
     else:
         send_json(left, {"transport": "tcp", "why": why_not})
 
     offer = recv_json(right_reader, "link set-up")
+    if probe is not None:
+        probe.close()  # the right neighbour has tried it by now
     if offer["transport"] == "error":
         raise RendezvousError(f"{prefix}{offer['why']}")
     remote: _Inbox | None = None
     problem = ""
     if offer["transport"] == "shm":
         try:
-            remote = _Inbox(
-                offer["path"], slots, chunk_bytes, create=False, token=bytes.fromhex(offer["token"])
+            region = Region.open_path(
+                offer["path"], _Inbox.region_bytes(slots, chunk_bytes), bytes.fromhex(offer["token"])
             )
+            remote = _Inbox(region, slots, chunk_bytes)
         except OSError as e:
             problem = f"cannot open rank {right_rank}'s shared memory: {e}"
     send_json(right, {"ok": remote is not None, "why": problem})
     reply = recv_json(left_reader, "link set-up")
     if inbox is not None:
-        inbox.unlink()  # both ends have it mapped; nothing is left behind if a rank crashes
+        inbox.region.unlink()  # both ends have it mapped; nothing is left behind if a rank crashes
     if forced and (problem or (inbox is not None and not reply["ok"])):
         raise RendezvousError(
             f"{prefix}COMMLIB_RING_TRANSPORT=shm, but a link cannot use shared memory: "
@@ -486,12 +685,22 @@ def connect_links(
     right_reader.spin_s = left_reader.spin_s = spin_s
     send_link: SendLink
     if remote is not None:
-        send_link = ShmSendLink(right, right_reader, right_rank, right_name, remote)
+        send_link = ShmSendLink(
+            right,
+            right_reader,
+            right_rank,
+            right_name,
+            remote,
+            spin_s=spin_s,
+            can_lend=bool(offer.get("lend")),
+        )
     else:
         send_link = TcpSendLink(right, right_reader, right_rank, right_name, chunk_bytes)
     recv_link: RecvLink
     if inbox is not None and reply["ok"]:
-        recv_link = ShmRecvLink(left, left_reader, left_rank, left_name, inbox)
+        recv_link = ShmRecvLink(
+            left, left_reader, left_rank, left_name, inbox, spin_s=spin_s, peer_pid=int(proposal["pid"])
+        )
     else:
         if inbox is not None:
             inbox.close()
