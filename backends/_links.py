@@ -524,7 +524,9 @@ class ShmRecvLink(RecvLink):
             try:
                 region = Region.open_descriptor(self.peer_pid, fd, size, token)
             except OSError as e:
-                raise CommError(f"cannot map the shared buffer of {self.describe}: {e}") from e
+                raise PeerFailureError(
+                    f"cannot map the shared buffer of {self.describe} ({e}); its process ended?"
+                ) from e
             self._lent[(fd, token)] = region
         return region
 

@@ -302,6 +302,11 @@ class RingProcessGroup(IProcessGroup):
         """True if ``alloc_buffer`` returns shared memory that the right neighbour reads in place."""
         return self._buffers is not None
 
+    @property
+    def mapped_peer_buffers(self) -> int:
+        """How many of the left neighbour's shared buffers this rank has mapped to read in place."""
+        return getattr(self._recv, "lent_regions", 0)
+
     # ---------------------------------------------------------------- buffers
     def alloc_buffer(
         self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu"
@@ -578,17 +583,15 @@ class RingProcessGroup(IProcessGroup):
         if op is ReduceOp.AVG:
             _kernels.divide(segs[(r + 1) % n], n)
         self._flush()
-        if lent is not None:
-            self._wait_returned()  # the all-gather overwrites what the right neighbour read so far
+        # With a lent buffer, the right neighbour reads segment (r - t) of it in reduce-scatter step t;
+        # the all-gather overwrites that segment in its step t, but only with the segment's final
+        # value, which exists only after the neighbour has read and passed it on: no wait is needed.
         for t in range(n - 1):
             self._exchange(segs[(r + 1 - t) % n], segs[(r - t) % n], None, lent)
         self._flush()
-        if lent is not None:
-            self._wait_returned()  # done only when nobody reads this rank's buffer any more
-
-    def _wait_returned(self) -> None:
-        assert self._send is not None
-        self._send.wait_returned()
+        if lent is not None:  # done only when nobody reads this rank's buffer any more
+            assert self._send is not None
+            self._send.wait_returned()
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         meta = self._next_meta("broadcast", tensor, src=src)
