@@ -4,11 +4,15 @@ Two neighbours on one host share a control block (64-bit words, each on its
 own cache line). Each end of a link owns one counter and one sleep flag:
 
 - ``advance()`` stores the new count, then, if the other end has flagged that it
-  sleeps, sends it one wake byte (``W``) over the TCP connection between them;
+  sleeps, writes it one wake byte (``W``): into the other end's wake pipe (a
+  FIFO both ends opened) where there is one, else over the TCP connection
+  between them (a pipe write costs the poster a few microseconds, a TCP send
+  several times that);
 - ``wait_for(target)`` returns as soon as the other end's counter reaches
   ``target``. It polls the counter for up to the spin window, then raises its
   sleep flag, checks the counter once more and sleeps in the kernel (``poll``
-  on the socket) until a wake byte, an abort or end-of-file arrives.
+  on its wake pipe and the socket) until a wake byte, an abort or end-of-file
+  arrives.
 
 With a full fence between each side's store and load (``_shm.fence``), at least
 one of the two sees the other's store, so a sleeper is always woken: the
@@ -25,6 +29,7 @@ reason) or end-of-file (the peer's process ended) wakes the waiter with a
 
 from __future__ import annotations
 
+import os
 import select
 import struct
 import time
@@ -57,9 +62,12 @@ class Doorbell:
         theirs: Index of the counter the other end advances.
         my_flag: Index of this end's sleep flag.
         their_flag: Index of the other end's sleep flag.
-        reader: Buffered reader of the socket to the other end (wake bytes,
-            aborts, end-of-file arrive on it; its timeout bounds every wait).
+        reader: Buffered reader of the socket to the other end (aborts and
+            end-of-file arrive on it, and wake bytes without wake pipes; its
+            timeout bounds every wait).
         spin_s: Seconds to poll before sleeping.
+        wake_in: Non-blocking descriptor of this end's wake pipe (-1: none).
+        wake_out: Non-blocking descriptor of the other end's wake pipe (-1: none).
     """
 
     def __init__(
@@ -72,6 +80,8 @@ class Doorbell:
         their_flag: int,
         reader: SocketReader,
         spin_s: float,
+        wake_in: int = -1,
+        wake_out: int = -1,
     ) -> None:
         self._words = words
         self._mine, self._theirs = mine, theirs
@@ -80,8 +90,13 @@ class Doorbell:
         self._sock = reader.sock
         self.spin_s = spin_s
         self.count = int(words[mine])
+        self._wake_in, self._wake_out = wake_in, wake_out
+        self._socket_poller = select.poll()
+        self._socket_poller.register(self._sock, select.POLLIN)
         self._poller = select.poll()
         self._poller.register(self._sock, select.POLLIN)
+        if wake_in >= 0:
+            self._poller.register(wake_in, select.POLLIN)
 
     @property
     def peer_count(self) -> int:
@@ -97,9 +112,12 @@ class Doorbell:
         fence()  # the count is visible before the flag is read
         if words[self._their_flag]:
             try:
-                self._sock.send(_WAKE_BYTE)
+                if self._wake_out >= 0:
+                    os.write(self._wake_out, _WAKE_BYTE)
+                else:
+                    self._sock.send(_WAKE_BYTE)
             except OSError:
-                pass  # the other end is gone; it no longer waits
+                pass  # a full pipe already holds a wake byte; a closed socket: the other end is gone
 
     def wait_for(self, target: int, what: str) -> None:
         """Return once the other end's counter is at least ``target``.
@@ -150,9 +168,12 @@ class Doorbell:
                         "it may be stuck, slower, or calling a different collective"
                     )
                 period = min(period, left)
-            if not self._poller.poll(period * 1000.0):
+            ready = self._poller.poll(period * 1000.0)
+            if not ready:
                 return
-        # Something arrived: wake bytes (consumed here), an abort, or end-of-file.
+            if self._wake_in >= 0 and any(fd == self._wake_in for fd, _ in ready):
+                self._empty_wake_pipe()
+        # On the socket: wake bytes (without pipes), an abort, or end-of-file.
         words, theirs = self._words, self._theirs
         while words[theirs] < target and (reader.buffered() or self._readable()):
             kind = reader.read_byte(what)
@@ -166,5 +187,12 @@ class Doorbell:
                     "shared-memory link"
                 )
 
+    def _empty_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_in, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
     def _readable(self) -> bool:
-        return bool(self._poller.poll(0))
+        return bool(self._socket_poller.poll(0))

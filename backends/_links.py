@@ -14,9 +14,10 @@ and aborts.
   receiver's count of messages consumed. The sender writes a message into the
   next free slot and advances its count; the receiver polls that count briefly,
   then sleeps in the kernel, reads (or reduces) straight out of the slot and
-  advances its own count, which frees the slot. The TCP connection between
-  them carries only wake-up bytes, aborts and the end-of-file of a peer that
-  died, which wakes a sleeping neighbour with an error.
+  advances its own count, which frees the slot. A sleeping end is woken
+  through its wake pipe (a FIFO next to the inbox, opened by both ends); the
+  TCP connection between them carries aborts and the end-of-file of a peer
+  that died, which wakes a sleeping neighbour with an error.
 - Lent chunks: a sender whose tensor lives in a shared buffer
   (``backends._buffers``) posts only a header naming the buffer and the
   chunk's offset, and the receiver reads the chunk straight from the sender's
@@ -325,6 +326,51 @@ class _Inbox:
         self.region.close()
 
 
+class _WakePipes:
+    """The two FIFOs of a shared-memory link: one wakes the receiver, one the sender.
+
+    Both ends open both for reading and writing (never blocking), so neither
+    ever sees end-of-file or a broken pipe; the creator unlinks them once the
+    other end has opened them.
+    """
+
+    def __init__(self, paths: tuple[str, str], *, create: bool) -> None:
+        self.paths = paths
+        self.fds: list[int] = []
+        try:
+            for path in paths:
+                if create:
+                    os.mkfifo(path, 0o600)
+                self.fds.append(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+        except OSError:
+            self.close()
+            if create:
+                self.unlink()
+            raise
+
+    @property
+    def receiver(self) -> int:
+        """The pipe that wakes the receiver (written by the sender)."""
+        return self.fds[0]
+
+    @property
+    def sender(self) -> int:
+        """The pipe that wakes the sender (written by the receiver)."""
+        return self.fds[1]
+
+    def unlink(self) -> None:
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
 class ShmSendLink(SendLink):
     """Writes messages into the right neighbour's inbox, or lends it chunks of a shared buffer."""
 
@@ -338,12 +384,14 @@ class ShmSendLink(SendLink):
         *,
         spin_s: float = 0.0,
         can_lend: bool = False,
+        wake: _WakePipes | None = None,
     ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "shm"
         self.inbox = inbox
         self.chunk_bytes = inbox.chunk_bytes
         self.can_lend = can_lend
+        self.wake = wake
         self.bell = Doorbell(
             inbox.region.words,
             mine=_POSTED,
@@ -352,6 +400,8 @@ class ShmSendLink(SendLink):
             their_flag=_RECV_SLEEPING,
             reader=reader,
             spin_s=spin_s,
+            wake_in=wake.sender if wake is not None else -1,
+            wake_out=wake.receiver if wake is not None else -1,
         )
         self._lent_until = 0
         self._retired: collections.deque[tuple[int, bytes]] = collections.deque()
@@ -427,6 +477,8 @@ class ShmSendLink(SendLink):
     def close(self, linger: float) -> None:
         """Unmap the inbox and close the connection."""
         self.inbox.close()
+        if self.wake is not None:
+            self.wake.close()
         super().close(linger)
 
 
@@ -443,12 +495,14 @@ class ShmRecvLink(RecvLink):
         *,
         spin_s: float = 0.0,
         peer_pid: int = 0,
+        wake: _WakePipes | None = None,
     ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "shm"
         self.inbox = inbox
         self.chunk_bytes = inbox.chunk_bytes
         self.peer_pid = peer_pid
+        self.wake = wake
         self.bell = Doorbell(
             inbox.region.words,
             mine=_CONSUMED,
@@ -457,6 +511,8 @@ class ShmRecvLink(RecvLink):
             their_flag=_SEND_SLEEPING,
             reader=reader,
             spin_s=spin_s,
+            wake_in=wake.receiver if wake is not None else -1,
+            wake_out=wake.sender if wake is not None else -1,
         )
         self._held_nbytes = -1  # payload bytes of a metadata message not yet read
         self._lent: dict[tuple[int, bytes], Region] = {}
@@ -546,6 +602,8 @@ class ShmRecvLink(RecvLink):
         for region in self._lent.values():
             region.close()
         self._lent.clear()
+        if self.wake is not None:
+            self.wake.close()
         super().close(linger)
 
 
@@ -624,6 +682,7 @@ def connect_links(
     proposal = recv_json(left_reader, "link set-up")
     forced = "shm" in (transport, proposal["transport"])
     inbox: _Inbox | None = None
+    my_wake: _WakePipes | None = None
     why_not = ""
     if "tcp" in (transport, proposal["transport"]):
         why_not = "COMMLIB_RING_TRANSPORT=tcp on one end"
@@ -637,6 +696,11 @@ def connect_links(
             )
         except OSError as e:
             why_not = f"cannot create shared memory at {path}: {e}"
+        else:
+            try:
+                my_wake = _WakePipes((f"{path}.wake-recv", f"{path}.wake-send"), create=True)
+            except OSError:
+                my_wake = None  # wake-ups go over the socket
     if inbox is None and forced and "tcp" not in (transport, proposal["transport"]):
         message = (
             f"{prefix}COMMLIB_RING_TRANSPORT=shm, but the link from rank {left_rank} cannot use "
@@ -654,6 +718,7 @@ def connect_links(
                 "path": inbox.region.path,
                 "token": inbox.region.token.hex(),
                 "lend": _can_open(proposal),
+                "wake": list(my_wake.paths) if my_wake is not None else None,
             },
         )
     else:
@@ -665,6 +730,7 @@ def connect_links(
     if offer["transport"] == "error":
         raise RendezvousError(f"{prefix}{offer['why']}")
     remote: _Inbox | None = None
+    their_wake: _WakePipes | None = None
     problem = ""
     if offer["transport"] == "shm":
         try:
@@ -674,11 +740,24 @@ def connect_links(
             remote = _Inbox(region, slots, chunk_bytes)
         except OSError as e:
             problem = f"cannot open rank {right_rank}'s shared memory: {e}"
-    send_json(right, {"ok": remote is not None, "why": problem})
+        if remote is not None and offer.get("wake"):
+            try:
+                their_wake = _WakePipes(tuple(offer["wake"]), create=False)  # type: ignore[arg-type]
+            except OSError:
+                their_wake = None
+    send_json(right, {"ok": remote is not None, "wake": their_wake is not None, "why": problem})
     reply = recv_json(left_reader, "link set-up")
     if inbox is not None:
         inbox.region.unlink()  # both ends have it mapped; nothing is left behind if a rank crashes
+    if my_wake is not None:
+        my_wake.unlink()
+        if not reply.get("wake"):
+            my_wake.close()  # the sender could not open them: both ends wake over the socket
+            my_wake = None
     if forced and (problem or (inbox is not None and not reply["ok"])):
+        for opened in (inbox, remote, my_wake, their_wake):
+            if opened is not None:
+                opened.close()
         raise RendezvousError(
             f"{prefix}COMMLIB_RING_TRANSPORT=shm, but a link cannot use shared memory: "
             f"{problem or reply['why']}"
@@ -695,16 +774,26 @@ def connect_links(
             remote,
             spin_s=spin_s,
             can_lend=bool(offer.get("lend")),
+            wake=their_wake,
         )
     else:
         send_link = TcpSendLink(right, right_reader, right_rank, right_name, chunk_bytes)
     recv_link: RecvLink
     if inbox is not None and reply["ok"]:
         recv_link = ShmRecvLink(
-            left, left_reader, left_rank, left_name, inbox, spin_s=spin_s, peer_pid=int(proposal["pid"])
+            left,
+            left_reader,
+            left_rank,
+            left_name,
+            inbox,
+            spin_s=spin_s,
+            peer_pid=int(proposal["pid"]),
+            wake=my_wake,
         )
     else:
         if inbox is not None:
             inbox.close()
+        if my_wake is not None:
+            my_wake.close()
         recv_link = TcpRecvLink(left, left_reader, left_rank, left_name, chunk_bytes)
     return send_link, recv_link

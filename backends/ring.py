@@ -4,7 +4,13 @@ All-reduce is a reduce-scatter followed by an all-gather around the ring, so
 each rank sends ``2 (n - 1) / n`` of the tensor; the tensor streams through
 the ring in chunks (``COMMLIB_RING_CHUNK_BYTES``), so sending, receiving and
 reducing overlap. Between ranks on one host the chunks move through shared
-memory; across hosts over TCP (``backends._links``).
+memory; across hosts over TCP (``backends._links``). A tensor from
+``alloc_buffer`` lives in shared memory itself: the right neighbour reads its
+chunks in place, so an all-reduce costs one add and one copy per byte.
+
+Copies and reductions never start torch's intra-op thread team
+(``backends._kernels``), so the ring runs as fast under torch's default thread
+count as under one thread, and it never changes the caller's thread setting.
 
 Every collective starts by passing a small record (operation, dtype, shape,
 sequence number) around the ring, so ranks that disagree all raise the same
@@ -91,7 +97,7 @@ class RingConfig:
     (also the size of one shared-memory slot). ``COMMLIB_RING_CHUNK_BYTES``."""
 
     shm_slots: int = 4
-    """Chunks in flight per shared-memory link. ``COMMLIB_RING_SHM_SLOTS``."""
+    """Messages (chunks or records) in flight per shared-memory link. ``COMMLIB_RING_SHM_SLOTS``."""
 
     shm_dir: str | None = None
     """Where shared-memory files are created (default ``/dev/shm``); they are
@@ -104,9 +110,10 @@ class RingConfig:
     ``chunk_bytes``; 0 disables it. ``COMMLIB_RING_SMALL_BYTES``."""
 
     spin_us: float = 50.0
-    """Microseconds a rank polls its socket before it sleeps in the kernel while
-    waiting for a neighbour; polling keeps the core across the short waits
-    inside a collective. ``COMMLIB_RING_SPIN_US``."""
+    """Microseconds a rank waiting for a neighbour polls (the shared-memory
+    counter on one host, the socket across hosts) before it sleeps in the
+    kernel; polling keeps the core across the short waits inside a collective.
+    ``COMMLIB_RING_SPIN_US``."""
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):

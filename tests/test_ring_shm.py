@@ -46,10 +46,29 @@ def words(tmp_path):  # type: ignore[no-untyped-def]
     region.close()
 
 
+@pytest.fixture(params=["pipe", "socket"])
+def wake(request):  # type: ignore[no-untyped-def]
+    """How a sleeper is woken: through a pipe of its own, or over the socket."""
+    if request.param == "socket":
+        yield None
+        return
+    pipes = [os.pipe(), os.pipe()]  # wakes the waiter, wakes the poster
+    for fd in (fd for pipe in pipes for fd in pipe):
+        os.set_blocking(fd, False)
+    yield pipes
+    for fd in (fd for pipe in pipes for fd in pipe):
+        os.close(fd)
+
+
 def _bells(
-    words: memoryview, a: socket.socket, b: socket.socket, spin_s: float = 0.0
+    words: memoryview,
+    a: socket.socket,
+    b: socket.socket,
+    spin_s: float = 0.0,
+    wake: list[tuple[int, int]] | None = None,
 ) -> tuple[Doorbell, Doorbell]:
     """The poster's and the waiter's ends of one counter pair, on the two ends of a socket pair."""
+    (to_waiter_r, to_waiter_w), (to_poster_r, to_poster_w) = wake or [(-1, -1), (-1, -1)]
     poster = Doorbell(
         words,
         mine=POSTED,
@@ -58,6 +77,8 @@ def _bells(
         their_flag=POSTED_FLAG,
         reader=SocketReader(a, "rank 1 (waiter)"),
         spin_s=spin_s,
+        wake_in=to_poster_r,
+        wake_out=to_waiter_w,
     )
     waiter = Doorbell(
         words,
@@ -67,6 +88,8 @@ def _bells(
         their_flag=CONSUMED_FLAG,
         reader=SocketReader(b, "rank 0 (poster)"),
         spin_s=spin_s,
+        wake_in=to_waiter_r,
+        wake_out=to_poster_w,
     )
     return poster, waiter
 
@@ -101,8 +124,8 @@ def test_a_posted_count_is_seen_without_waiting(pair, words) -> None:
     assert (poster.count, waiter.peer_count, words[POSTED_FLAG]) == (2, 2, 0)
 
 
-def test_a_sleeping_waiter_is_woken_by_a_wake_byte(pair, words) -> None:
-    poster, waiter = _bells(words, *pair)
+def test_a_sleeping_waiter_is_woken_by_a_wake_byte(pair, words, wake) -> None:
+    poster, waiter = _bells(words, *pair, wake=wake)
     thread, errors = _wait_in_thread(waiter, 1)
     _until_asleep(words, POSTED_FLAG, thread)
     poster.advance()  # sees the flag: sends a wake byte
@@ -111,8 +134,8 @@ def test_a_sleeping_waiter_is_woken_by_a_wake_byte(pair, words) -> None:
     assert words[POSTED_FLAG] == 0  # cleared on the way out
 
 
-def test_wake_bytes_left_over_do_not_confuse_the_next_wait(pair, words) -> None:
-    poster, waiter = _bells(words, *pair)
+def test_wake_bytes_left_over_do_not_confuse_the_next_wait(pair, words, wake) -> None:
+    poster, waiter = _bells(words, *pair, wake=wake)
     words[POSTED_FLAG] = 1  # as if the waiter were asleep: the next advances each send a wake byte
     poster.advance()
     poster.advance()
@@ -126,9 +149,9 @@ def test_wake_bytes_left_over_do_not_confuse_the_next_wait(pair, words) -> None:
     assert not thread.is_alive() and not errors
 
 
-def test_a_peer_that_exits_wakes_the_sleeper_with_an_error(pair, words) -> None:
+def test_a_peer_that_exits_wakes_the_sleeper_with_an_error(pair, words, wake) -> None:
     a, b = pair
-    _, waiter = _bells(words, a, b)
+    _, waiter = _bells(words, a, b, wake=wake)
     thread, errors = _wait_in_thread(waiter, 1)
     _until_asleep(words, POSTED_FLAG, thread)
     a.close()
@@ -138,9 +161,9 @@ def test_a_peer_that_exits_wakes_the_sleeper_with_an_error(pair, words) -> None:
     assert "rank 0 (poster) closed the connection (data" in str(errors[0])
 
 
-def test_a_message_posted_before_the_peer_exits_is_still_taken(pair, words) -> None:
+def test_a_message_posted_before_the_peer_exits_is_still_taken(pair, words, wake) -> None:
     a, b = pair
-    poster, waiter = _bells(words, a, b)
+    poster, waiter = _bells(words, a, b, wake=wake)
     words[POSTED_FLAG] = 1
     poster.advance()  # posts, rings
     a.close()  # then the process ends
@@ -150,9 +173,9 @@ def test_a_message_posted_before_the_peer_exits_is_still_taken(pair, words) -> N
         waiter.wait_for(2, "data")  # then the failure
 
 
-def test_an_abort_wakes_the_sleeper_with_the_reason(pair, words) -> None:
+def test_an_abort_wakes_the_sleeper_with_the_reason(pair, words, wake) -> None:
     a, b = pair
-    _, waiter = _bells(words, a, b)
+    _, waiter = _bells(words, a, b, wake=wake)
     thread, errors = _wait_in_thread(waiter, 1)
     _until_asleep(words, POSTED_FLAG, thread)
     a.sendall(abort_frame("rank 0 gave up: peer 3 died"))
