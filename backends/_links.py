@@ -432,10 +432,7 @@ class ShmSendLink(SendLink):
     def _post_retired(self) -> None:
         while self._retired:
             fd, token = self._retired.popleft()
-            index = self._claim(_KIND_RETIRED, 0)
-            _SLOT_HEADER.pack_into(
-                self.inbox.region.map, self.inbox.header_at(index), _KIND_RETIRED, 0, 0, 0, fd, 0, token
-            )
+            self._claim(_KIND_RETIRED, 0, region=RegionId(fd, 0, token))
             self.bell.advance()
 
     def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
