@@ -19,10 +19,14 @@ and aborts.
   TCP connection between them carries aborts and the end-of-file of a peer
   that died, which wakes a sleeping neighbour with an error.
 - Lent chunks: a sender whose tensor lives in a shared buffer
-  (``backends._buffers``) posts only a header naming the buffer and the
+  (``backends._shared_buffers``) posts only a header naming the buffer and the
   chunk's offset, and the receiver reads the chunk straight from the sender's
   memory. The sender must not write that memory again until the receiver's
-  count shows it has read it (``ShmSendLink.wait_returned``).
+  count shows it has read it (``ShmSendLink.wait_returned``). A buffer that is
+  gone is announced in the header of a later metadata message (one per
+  message: a separate message could fill the slots of two ranks that both
+  announce, each waiting for the other to free one), and the receiver unmaps
+  it.
 """
 
 from __future__ import annotations
@@ -286,15 +290,15 @@ _CONSUMED = 24  # messages the receiver has finished with (their slots are free)
 _SEND_SLEEPING = 32  # the sender sleeps, waiting for _CONSUMED
 
 # A slot: header, the metadata record, then the payload.
-# kind, has payload, payload bytes, lent offset, lent fd, lent size, lent token
+# kind, has payload, payload bytes, lent offset, lent fd, lent size, lent token. In a metadata
+# message, fd >= 0 and the token name a lent region that is gone.
 _SLOT_HEADER = struct.Struct("=IIQQqQ16s")
 _RECORD_AT = 64
 _PAYLOAD_AT = 192
 _KIND_META = 1  # a metadata record, and a payload of `bytes` in the slot
 _KIND_DATA = 2  # a chunk in the slot
 _KIND_LENT = 3  # a chunk at `offset` of the sender's region (fd, size, token)
-_KIND_RETIRED = 4  # the sender's region (fd, token) is gone: unmap it
-_KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data", _KIND_RETIRED: "retired"}
+_KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data"}
 
 
 class _Inbox:
@@ -429,18 +433,17 @@ class ShmSendLink(SendLink):
         )
         return index
 
-    def _post_retired(self) -> None:
-        while self._retired:
-            fd, token = self._retired.popleft()
-            self._claim(_KIND_RETIRED, 0, region=RegionId(fd, 0, token))
-            self.bell.advance()
-
     def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
-        """Post one metadata record, with ``payload`` (at most ``chunk_bytes``) in the same slot."""
-        if self._retired:
-            self._post_retired()
+        """Post one metadata record, with ``payload`` (at most ``chunk_bytes``) in the same slot.
+
+        The header also names one retired region, if any is waiting to be announced.
+        """
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-        index = self._claim(_KIND_META, nbytes, payload=payload is not None)
+        retired = None
+        if self._retired:
+            fd, token = self._retired.popleft()
+            retired = RegionId(fd, 0, token)
+        index = self._claim(_KIND_META, nbytes, region=retired, payload=payload is not None)
         start = self.inbox.header_at(index) + _RECORD_AT
         self.inbox.region.map[start : start + META_BYTES] = record
         if nbytes:
@@ -468,7 +471,7 @@ class ShmSendLink(SendLink):
         self.bell.wait_for(self._lent_until, f"{self.describe} to finish reading this rank's buffer")
 
     def retire(self, fd: int, token: bytes) -> None:
-        """Tell the receiver, with the next metadata record, that a lent region is gone (any thread)."""
+        """Tell the receiver, in a coming metadata record, that a lent region is gone (any thread)."""
         self._retired.append((fd, token))
 
     def close(self, linger: float) -> None:
@@ -534,23 +537,20 @@ class ShmRecvLink(RecvLink):
 
     def recv_meta(self) -> bytes:
         """Receive one metadata record; a payload that came with it is read by the next ``recv_*``."""
-        while True:
-            kind, has_payload, nbytes, _, fd, _, token = self._next("metadata")
-            if kind == _KIND_RETIRED:
-                region = self._lent.pop((fd, token), None)
-                if region is not None:
-                    region.close()
-                self.bell.advance()
-                continue
-            if kind != _KIND_META:
-                raise self._unexpected(kind, "metadata")
-            start = self.inbox.header_at(self.bell.count) + _RECORD_AT
-            record = bytes(self.inbox.region.map[start : start + META_BYTES])
-            if has_payload:
-                self._held_nbytes = nbytes
-            else:
-                self.bell.advance()
-            return record
+        kind, has_payload, nbytes, _, fd, _, token = self._next("metadata")
+        if kind != _KIND_META:
+            raise self._unexpected(kind, "metadata")
+        if fd >= 0:  # the sender's region is gone
+            region = self._lent.pop((fd, token), None)
+            if region is not None:
+                region.close()
+        start = self.inbox.header_at(self.bell.count) + _RECORD_AT
+        record = bytes(self.inbox.region.map[start : start + META_BYTES])
+        if has_payload:
+            self._held_nbytes = nbytes
+        else:
+            self.bell.advance()
+        return record
 
     def _incoming(self, dst: torch.Tensor) -> torch.Tensor:
         """A view of the next chunk, which must have ``dst``'s size and dtype."""

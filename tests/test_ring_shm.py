@@ -279,11 +279,26 @@ def test_lent_chunks_are_read_in_place_and_returned(pair, tmp_path) -> None:
     receiver.recv_into(rest)
     thread.join(5)
     assert returned.is_set() and torch.equal(rest, torch.arange(300, 1000, dtype=torch.float32))
-    sender.retire(region.fd, region.token)
-    sender.send_meta(b"r" * 96)  # a retired region is announced before the next record
-    assert receiver.recv_meta() == b"r" * 96
-    assert receiver.lent_regions == 0
     region.close()
+
+
+@needs_memfd
+def test_retired_regions_are_announced_one_per_record_and_unmapped(pair, tmp_path) -> None:
+    """More regions retire than there are slots: each record carries one, none needs a slot of its own."""
+    sender, receiver = _links(pair, tmp_path, slots=1, can_lend=True)
+    regions = [Region.create_anonymous(64) for _ in range(3)]
+    for region in regions:
+        sender.lend(region.data[:16].view(torch.float32), region.id, 0)
+        receiver.recv_into(torch.empty(4))
+    assert receiver.lent_regions == 3
+    for region in regions:
+        sender.retire(region.fd, region.token)
+    for left in (2, 1, 0, 0):
+        sender.send_meta(b"r" * 96)  # with one slot, a separate announcement would block here
+        assert receiver.recv_meta() == b"r" * 96
+        assert receiver.lent_regions == left
+    for region in regions:
+        region.close()
 
 
 def test_a_link_that_cannot_lend_says_so(pair, tmp_path) -> None:

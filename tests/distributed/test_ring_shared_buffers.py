@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -98,6 +99,26 @@ def _ordinary_memory(group) -> tuple[bool, bool, list[float]]:  # type: ignore[n
     return group.shares_buffers, bool(empty.numel() == 0), bucket.unique().tolist()
 
 
+def _churn_buffers(group, count: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Allocate, all-reduce and drop buffers; the neighbour unmaps each one, and nothing blocks."""
+    keep = group.alloc_buffer(10_000, torch.float32)
+    keep.fill_(1.0)
+    group.all_reduce(keep)
+    for i in range(count):
+        bucket = group.alloc_buffer(10_000 + 64 * i, torch.float32)
+        bucket.fill_(1.0)
+        group.all_reduce(bucket)
+        assert torch.equal(bucket, torch.full_like(bucket, group.world_size))
+        del bucket
+        gc.collect()
+    most = group.mapped_peer_buffers
+    for _ in range(count + 1):  # every collective's record announces one retired buffer
+        keep.fill_(1.0)
+        group.all_reduce(keep)
+        assert torch.equal(keep, torch.full_like(keep, group.world_size))
+    return most, group.mapped_peer_buffers
+
+
 def _die_with_a_shared_bucket(group, victim: int, numel: int) -> tuple[str, float]:  # type: ignore[no-untyped-def]
     bucket = group.alloc_buffer(numel, torch.float32)
     bucket.fill_(1.0)
@@ -125,6 +146,17 @@ def test_shared_buckets_reused_every_step_stay_exact(pools, world_size: int) -> 
 def test_views_of_shared_buffers_are_reduced_in_place(pools) -> None:
     sums = pools(2).run(_views_of_a_bucket, timeout=60)
     assert sums == [[1.0 * 11_000 + 3.0 * 9_000], [2.0 * 11_000 + 3.0 * 9_000]]
+
+
+def test_buffers_dropped_on_every_rank_are_unmapped_without_blocking() -> None:
+    """One slot per link: announcing the dropped buffers must not need slots of its own."""
+    pool = RankPool(2, "ring", env={**_ENV, "COMMLIB_RING_SHM_SLOTS": "1"})
+    try:
+        for most, left in pool.run(_churn_buffers, 6, timeout=120):
+            assert most >= 2, f"the neighbour's dropped buffers were unmapped at once? ({most} mapped)"
+            assert left == 1, f"{left} of the neighbour's buffers still mapped; only one is alive"
+    finally:
+        pool.close()
 
 
 def test_buffers_over_tcp_are_ordinary_memory(pools) -> None:
