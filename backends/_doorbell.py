@@ -90,6 +90,8 @@ class Doorbell:
         self._sock = reader.sock
         self.spin_s = spin_s
         self.count = int(words[mine])
+        self.sleeps = 0
+        """Waits that outlasted the spin window and slept in the kernel (a diagnostic)."""
         self._wake_in, self._wake_out = wake_in, wake_out
         self._socket_poller = select.poll()
         self._socket_poller.register(self._sock, select.POLLIN)
@@ -137,6 +139,7 @@ class Doorbell:
 
     def _sleep_until(self, target: int, what: str) -> None:
         words, theirs, flag = self._words, self._theirs, self._my_flag
+        self.sleeps += 1
         timeout = self._sock.gettimeout()
         start = time.monotonic()
         try:
