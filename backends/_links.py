@@ -125,8 +125,18 @@ class SendLink(_Link):
     can_lend = False
     """True if the receiver can read chunks straight from this rank's shared buffers (``lend``)."""
 
-    def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
-        """Send one metadata record (``META_BYTES`` long), optionally followed by a small payload chunk."""
+    def send_meta(
+        self, record: bytes, payload: torch.Tensor | None = None, lent: tuple[RegionId, int] | None = None
+    ) -> None:
+        """Send one metadata record (``META_BYTES`` long), optionally followed by a payload chunk.
+
+        Args:
+            record: The record.
+            payload: A chunk that travels with the record; the receiver reads it
+                with its next ``recv_into`` / ``recv_reduce``.
+            lent: Where ``payload`` lies in a shared buffer (region, data byte
+                offset), if the link may lend it instead of copying it.
+        """
         raise NotImplementedError
 
     def send(self, chunk: torch.Tensor) -> None:
@@ -212,8 +222,10 @@ class TcpSendLink(SendLink):
             self._pending += 1
         self._queue.put(parts)
 
-    def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
-        """Queue one metadata record (and payload frame) as a single write."""
+    def send_meta(
+        self, record: bytes, payload: torch.Tensor | None = None, lent: tuple[RegionId, int] | None = None
+    ) -> None:
+        """Queue one metadata record (and payload frame) as a single write; nothing is lent over TCP."""
         if payload is None:
             self._enqueue((bytes([_FRAME_META]) + record,))
         else:
@@ -289,16 +301,20 @@ _RECV_SLEEPING = 16  # the receiver sleeps, waiting for _POSTED
 _CONSUMED = 24  # messages the receiver has finished with (their slots are free)
 _SEND_SLEEPING = 32  # the sender sleeps, waiting for _CONSUMED
 
-# A slot: header, the metadata record, then the payload.
-# kind, has payload, payload bytes, lent offset, lent fd, lent size, lent token. In a metadata
-# message, fd >= 0 and the token name a lent region that is gone.
+# A slot: a header, then (metadata messages) the record and a retired region, then the payload.
+# Header: kind, where a metadata message's payload is (_NO_PAYLOAD, _KIND_DATA: in the slot,
+# _KIND_LENT: lent), payload bytes, and for a lent chunk its offset and region (fd, size, token).
 _SLOT_HEADER = struct.Struct("=IIQQqQ16s")
 _RECORD_AT = 64
+_RETIRED = struct.Struct("=q16s")  # a lent region that is gone (fd -1: none)
+_RETIRED_AT = _RECORD_AT + META_BYTES
 _PAYLOAD_AT = 192
-_KIND_META = 1  # a metadata record, and a payload of `bytes` in the slot
+_KIND_META = 1  # a metadata record, maybe with a payload
 _KIND_DATA = 2  # a chunk in the slot
 _KIND_LENT = 3  # a chunk at `offset` of the sender's region (fd, size, token)
+_NO_PAYLOAD = 0
 _KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data"}
+assert _RETIRED_AT + _RETIRED.size <= _PAYLOAD_AT
 
 
 class _Inbox:
@@ -417,11 +433,11 @@ class ShmSendLink(SendLink):
         offset: int = 0,
         region: RegionId | None = None,
         *,
-        payload: bool = False,
+        payload: int = _NO_PAYLOAD,
     ) -> int:
         """Wait for a free slot, write its header, and return its index (the message's number)."""
         bell, inbox = self.bell, self.inbox
-        if nbytes > inbox.chunk_bytes and kind != _KIND_LENT:
+        if nbytes > inbox.chunk_bytes and _KIND_LENT not in (kind, payload):
             raise CommError(
                 f"a {nbytes}-byte message does not fit a {inbox.chunk_bytes}-byte slot of {self.describe}"
             )
@@ -433,22 +449,30 @@ class ShmSendLink(SendLink):
         )
         return index
 
-    def send_meta(self, record: bytes, payload: torch.Tensor | None = None) -> None:
-        """Post one metadata record, with ``payload`` (at most ``chunk_bytes``) in the same slot.
+    def send_meta(
+        self, record: bytes, payload: torch.Tensor | None = None, lent: tuple[RegionId, int] | None = None
+    ) -> None:
+        """Post one metadata record with its payload in the same message: copied into the slot, or lent.
 
         The header also names one retired region, if any is waiting to be announced.
         """
+        inbox = self.inbox
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-        retired = None
-        if self._retired:
-            fd, token = self._retired.popleft()
-            retired = RegionId(fd, 0, token)
-        index = self._claim(_KIND_META, nbytes, region=retired, payload=payload is not None)
-        start = self.inbox.header_at(index) + _RECORD_AT
-        self.inbox.region.map[start : start + META_BYTES] = record
-        if nbytes:
-            _kernels.copy(self.inbox.payload(index, payload.dtype, nbytes), payload)  # type: ignore[union-attr]
+        if payload is None:
+            index = self._claim(_KIND_META, 0)
+        elif lent is not None and self.can_lend:
+            index = self._claim(_KIND_META, nbytes, lent[1], lent[0], payload=_KIND_LENT)
+        else:
+            index = self._claim(_KIND_META, nbytes, payload=_KIND_DATA)
+            if nbytes:
+                _kernels.copy(inbox.payload(index, payload.dtype, nbytes), payload)  # type: ignore[union-attr]
+        start = inbox.header_at(index)
+        inbox.region.map[start + _RECORD_AT : start + _RECORD_AT + META_BYTES] = record
+        fd, token = self._retired.popleft() if self._retired else (-1, b"")
+        _RETIRED.pack_into(inbox.region.map, start + _RETIRED_AT, fd, token)
         self.bell.advance()
+        if lent is not None and self.can_lend:
+            self._lent_until = self.bell.count
 
     def send(self, chunk: torch.Tensor) -> None:
         """Copy ``chunk`` into the next free slot and post it."""
@@ -514,7 +538,7 @@ class ShmRecvLink(RecvLink):
             wake_in=wake.receiver if wake is not None else -1,
             wake_out=wake.sender if wake is not None else -1,
         )
-        self._held_nbytes = -1  # payload bytes of a metadata message not yet read
+        self._held: tuple[int, int, int, int, int, bytes] | None = None  # a metadata message's payload
         self._lent: dict[tuple[int, bytes], Region] = {}
 
     @property
@@ -537,27 +561,27 @@ class ShmRecvLink(RecvLink):
 
     def recv_meta(self) -> bytes:
         """Receive one metadata record; a payload that came with it is read by the next ``recv_*``."""
-        kind, has_payload, nbytes, _, fd, _, token = self._next("metadata")
+        kind, payload, nbytes, offset, fd, size, token = self._next("metadata")
         if kind != _KIND_META:
             raise self._unexpected(kind, "metadata")
-        if fd >= 0:  # the sender's region is gone
-            region = self._lent.pop((fd, token), None)
+        start = self.inbox.header_at(self.bell.count)
+        record = bytes(self.inbox.region.map[start + _RECORD_AT : start + _RECORD_AT + META_BYTES])
+        gone_fd, gone_token = _RETIRED.unpack_from(self.inbox.region.map, start + _RETIRED_AT)
+        if gone_fd >= 0:  # a region of the sender's is gone
+            region = self._lent.pop((gone_fd, gone_token), None)
             if region is not None:
                 region.close()
-        start = self.inbox.header_at(self.bell.count) + _RECORD_AT
-        record = bytes(self.inbox.region.map[start : start + META_BYTES])
-        if has_payload:
-            self._held_nbytes = nbytes
-        else:
+        if payload == _NO_PAYLOAD:
             self.bell.advance()
+        else:
+            self._held = (payload, nbytes, offset, fd, size, token)
         return record
 
     def _incoming(self, dst: torch.Tensor) -> torch.Tensor:
         """A view of the next chunk, which must have ``dst``'s size and dtype."""
         expected = dst.numel() * dst.element_size()
-        if self._held_nbytes >= 0:
-            nbytes, self._held_nbytes = self._held_nbytes, -1
-            kind, offset, fd, size, token = _KIND_DATA, 0, -1, 0, b""
+        if self._held is not None:
+            (kind, nbytes, offset, fd, size, token), self._held = self._held, None
         else:
             kind, _, nbytes, offset, fd, size, token = self._next("data")
         if nbytes != expected:

@@ -42,6 +42,7 @@ from backends._kernels import Reducer
 from backends._links import META_BYTES, RecvLink, SendLink, connect_links
 from backends._rendezvous import rendezvous
 from backends._shared_buffers import SharedBuffers, Span
+from backends._shm import RegionId
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
@@ -152,10 +153,11 @@ _KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8
-# seq, kind, dtype, op, ndim, src, numel, dims, then what differs between ranks that agree:
-# rank, payload elements + 1 (0: none).
-_META = struct.Struct(f"!QBBBBiQ{_MAX_DIMS}qiI")
-_COMMON_BYTES = _META.size - 8
+# What every rank of one collective must agree on (seq, kind, dtype, op, src, numel), then what
+# may differ: ndim, dims (a shape of the same element count), rank, payload elements + 1 (0: none).
+_COMMON = struct.Struct("!QBBBiQ")
+_META = struct.Struct(f"!QBBBiQB{_MAX_DIMS}qiI")
+_COMMON_BYTES = _COMMON.size
 assert _META.size == META_BYTES
 
 
@@ -178,9 +180,9 @@ class _Meta:
             _KINDS.index(self.kind),
             _DTYPES.index(self.dtype) if self.dtype is not None else 255,
             _OPS.index(self.op) if self.op is not None else 255,
-            len(self.shape),
             self.src,
             self.numel,
+            len(self.shape),
             *dims,
             self.rank,
             0 if payload is None else payload.numel() + 1,
@@ -188,7 +190,7 @@ class _Meta:
 
     @classmethod
     def unpack(cls, data: bytes) -> _Meta:
-        seq, kind, dtype, op, ndim, src, numel, *values = _META.unpack(data)
+        seq, kind, dtype, op, src, numel, ndim, *values = _META.unpack(data)
         dims, rank, payload = values[:_MAX_DIMS], values[_MAX_DIMS], values[_MAX_DIMS + 1]
         return cls(
             seq=seq,
@@ -446,7 +448,12 @@ class RingProcessGroup(IProcessGroup):
         return tensor.numel() * tensor.element_size() <= self._small_bytes
 
     def _check_meta(
-        self, mine: _Meta, payload: torch.Tensor | None = None, *, hold_last: bool = False
+        self,
+        mine: _Meta,
+        payload: torch.Tensor | None = None,
+        *,
+        hold_last: bool = False,
+        lent: tuple[RegionId, int] | None = None,
     ) -> dict[int, torch.Tensor]:
         """Pass every rank's record (and small payload) around the ring; raise on every rank if they disagree.
 
@@ -456,6 +463,7 @@ class RingProcessGroup(IProcessGroup):
             hold_last: With two ranks, leave the neighbour's payload in the link
                 when its record agrees with ``mine``; the caller then reads it
                 with ``recv_reduce`` / ``recv_into`` (straight out of shared memory).
+            lent: Where ``payload`` lies in a shared buffer, to lend it rather than copy it.
 
         Returns:
             The payloads that travelled with the records and were read, by
@@ -470,7 +478,8 @@ class RingProcessGroup(IProcessGroup):
         outgoing = payload
         hold = hold_last and self.world_size == 2
         for _ in range(self.world_size - 1):
-            send.send_meta(record, outgoing)
+            send.send_meta(record, outgoing, lent)
+            lent = None  # only this rank's own payload lies in its buffer
             record = recv.recv_meta()
             records.append(record)
             outgoing = None
@@ -489,7 +498,7 @@ class RingProcessGroup(IProcessGroup):
             payloads[meta.rank] = outgoing
         send.flush()  # a queued payload may be a view of the caller's tensor, about to be overwritten
         if all(r[:_COMMON_BYTES] == common for r in records):
-            return payloads
+            return payloads  # shapes may differ: the calls agree on the element count
         metas = sorted((_Meta.unpack(r) for r in records), key=lambda m: m.rank)
         if len({(m.kind, m.seq) for m in metas}) > 1:
             raise CollectiveMismatchError(
@@ -503,10 +512,8 @@ class RingProcessGroup(IProcessGroup):
                 + _group_ranks(metas, _Meta.tensor_text)
                 + ". Every rank must pass a tensor of the same size and dtype"
             )
-        if len({(m.op, m.src) for m in metas}) > 1:
-            detail = _group_ranks(metas, lambda m: f"op={m.op.name if m.op else None} src={m.src}")
-            raise CollectiveMismatchError(f"ranks disagree on the op or source rank: {detail}")
-        return payloads  # the records differ only in shape (same element count): the calls agree
+        detail = _group_ranks(metas, lambda m: f"op={m.op.name if m.op else None} src={m.src}")
+        raise CollectiveMismatchError(f"ranks disagree on the op or source rank: {detail}")
 
     def _exchange(
         self,
@@ -514,18 +521,20 @@ class RingProcessGroup(IProcessGroup):
         incoming: torch.Tensor,
         reduce: Reducer | None,
         lent: Span | None = None,
+        sent: int = 0,
     ) -> None:
         """One ring step: stream ``outgoing`` to the right while ``incoming`` arrives from the left.
 
         With ``lent`` (``outgoing`` lies in a shared buffer), the right
-        neighbour reads ``outgoing`` in place instead of receiving a copy.
+        neighbour reads ``outgoing`` in place instead of receiving a copy. The
+        first ``sent`` elements (one chunk) already went with the metadata record.
         """
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
         step = max(1, self._chunk_bytes // outgoing.element_size())
         n_out, n_in = outgoing.numel(), incoming.numel()
         for start in range(0, max(n_out, n_in), step):
-            if start < n_out:
+            if sent <= start < n_out:
                 chunk = outgoing[start : start + step]
                 if lent is None:
                     send.send(chunk)
@@ -554,8 +563,7 @@ class RingProcessGroup(IProcessGroup):
                 if self._is_small(flat):
                     self._small_all_reduce(meta, flat, op)
                 else:
-                    self._check_meta(meta)
-                    self._ring_all_reduce(flat, op)
+                    self._ring_all_reduce(flat, op, meta)
 
         return self._submit(describe, body, async_op, tensor)
 
@@ -580,13 +588,25 @@ class RingProcessGroup(IProcessGroup):
         if op is ReduceOp.AVG:
             _kernels.divide(flat, n)
 
-    def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp) -> None:
+    def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, meta: _Meta) -> None:
         n, r = self.world_size, self.rank
         segs = _segments(flat, n)
         reduce = _kernels.reducer(op, flat.dtype)
         lent = self._lendable(flat)
+        first = segs[r][: max(1, self._chunk_bytes // flat.element_size())]
+        carried = 0
+        if n == 2 and first.numel():
+            # The record carries the first chunk of the reduce-scatter: the neighbour has checked
+            # the records (two ranks: one hop) before it reads the chunk, and one message is saved.
+            lend_first = (lent.region, lent.offset(first)) if lent is not None else None
+            self._check_meta(meta, first, hold_last=True, lent=lend_first)
+            carried = first.numel()
+        else:
+            self._check_meta(meta)
         for s in range(n - 1):
-            self._exchange(segs[(r - s) % n], segs[(r - s - 1) % n], reduce, lent)
+            self._exchange(
+                segs[(r - s) % n], segs[(r - s - 1) % n], reduce, lent, sent=carried if s == 0 else 0
+            )
         if op is ReduceOp.AVG:
             _kernels.divide(segs[(r + 1) % n], n)
         self._flush()

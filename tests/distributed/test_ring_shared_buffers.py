@@ -90,6 +90,17 @@ def _views_of_a_bucket(group) -> list[float]:  # type: ignore[no-untyped-def]
     return [float(bucket.sum())]
 
 
+def _shapes_of_one_size(group) -> list[float]:  # type: ignore[no-untyped-def]
+    """Ranks may pass different shapes of one element count (the records differ only in shape)."""
+    shape = (200, 50) if group.rank == 0 else (10_000,)
+    results = []
+    for tensor in (torch.ones(shape), group.alloc_buffer(10_000, torch.float32).view(shape)):
+        tensor.fill_(float(group.rank + 1))
+        group.all_reduce(tensor)
+        results.append(float(tensor.sum()))
+    return results
+
+
 def _ordinary_memory(group) -> tuple[bool, bool, list[float]]:  # type: ignore[no-untyped-def]
     """Where buffers cannot be shared, alloc_buffer gives ordinary zeroed memory that works the same."""
     bucket = group.alloc_buffer(5_000, torch.float32)
@@ -157,6 +168,10 @@ def test_buffers_dropped_on_every_rank_are_unmapped_without_blocking() -> None:
             assert left == 1, f"{left} of the neighbour's buffers still mapped; only one is alive"
     finally:
         pool.close()
+
+
+def test_different_shapes_of_one_size_reduce_alike(pools) -> None:
+    assert pools(2).run(_shapes_of_one_size, timeout=60) == [[30_000.0, 30_000.0]] * 2
 
 
 def test_buffers_over_tcp_are_ordinary_memory(pools) -> None:
