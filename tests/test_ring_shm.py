@@ -301,6 +301,23 @@ def test_retired_regions_are_announced_one_per_record_and_unmapped(pair, tmp_pat
         region.close()
 
 
+@needs_memfd
+def test_a_record_can_carry_a_lent_chunk(pair, tmp_path) -> None:
+    sender, receiver = _links(pair, tmp_path, slots=1, can_lend=True)
+    region = Region.create_anonymous(4 * 100)
+    buffer = region.data.view(torch.float32)
+    buffer.copy_(torch.arange(100, dtype=torch.float32))
+    sender.send_meta(b"m" * 96, buffer[10:20], lent=(region.id, 40))
+    assert receiver.recv_meta() == b"m" * 96
+    assert sender.bell.peer_count == 0  # the slot stays taken until the chunk is read
+    got = torch.ones(10)
+    receiver.recv_reduce(got, _kernels.reducer(ReduceOp.SUM, torch.float32))
+    assert torch.equal(got, torch.arange(10, 20, dtype=torch.float32) + 1)
+    sender.wait_returned()  # read: returns at once
+    assert receiver.lent_regions == 1
+    region.close()
+
+
 def test_a_link_that_cannot_lend_says_so(pair, tmp_path) -> None:
     sender, _ = _links(pair, tmp_path, can_lend=False)
     with pytest.raises(CommError, match=r"the link to rank 1 cannot lend buffers"):
