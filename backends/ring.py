@@ -4,7 +4,7 @@ All-reduce is a reduce-scatter followed by an all-gather around the ring, so
 each rank sends ``2 (n - 1) / n`` of the tensor; the tensor streams through
 the ring in chunks (``COMMLIB_RING_CHUNK_BYTES``), so sending, receiving and
 reducing overlap. Between ranks on one host the chunks move through shared
-memory; across hosts over TCP (``backends._links``). A tensor from
+memory; across hosts over TCP (``backends._link_setup``). A tensor from
 ``alloc_buffer`` lives in shared memory itself: the right neighbour reads its
 chunks in place, so an all-reduce costs one add and one copy per byte.
 
@@ -39,7 +39,8 @@ import torch
 
 from backends import _kernels
 from backends._kernels import Reducer
-from backends._links import META_BYTES, RecvLink, SendLink, connect_links
+from backends._link_setup import connect_links
+from backends._links import META_BYTES, RecvLink, SendLink
 from backends._rendezvous import rendezvous
 from backends._shared_buffers import SharedBuffers, Span
 from backends._shm import RegionId

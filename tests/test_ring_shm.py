@@ -16,9 +16,9 @@ import torch
 
 from backends import _kernels
 from backends._doorbell import Doorbell, abort_frame
-from backends._links import ShmRecvLink, ShmSendLink, _Inbox
 from backends._shared_buffers import SharedBuffers
 from backends._shm import HEADER_BYTES, Region, can_share_descriptors
+from backends._shm_links import Inbox, ShmRecvLink, ShmSendLink
 from backends._wire import PeerClosed, SocketReader
 from commlib import CommError, CommTimeoutError, PeerFailureError, ReduceOp
 
@@ -205,15 +205,15 @@ def test_the_spin_window_finds_a_count_posted_meanwhile(pair, words) -> None:
 # ------------------------------------------------------------- slot messages
 def _links(pair, tmp_path, slots: int = 2, chunk_bytes: int = 4096, **send_kwargs):  # type: ignore[no-untyped-def]
     a, b = pair
-    size = _Inbox.region_bytes(slots, chunk_bytes)
+    size = Inbox.region_bytes(slots, chunk_bytes)
     mine = Region.create_file(str(tmp_path / "inbox"), size)
     theirs = Region.open_path(mine.path, size, mine.token)
     mine.unlink()
     sender = ShmSendLink(
-        a, SocketReader(a, "rank 1"), 1, "rank 1", _Inbox(theirs, slots, chunk_bytes), **send_kwargs
+        a, SocketReader(a, "rank 1"), 1, "rank 1", Inbox(theirs, slots, chunk_bytes), **send_kwargs
     )
     receiver = ShmRecvLink(
-        b, SocketReader(b, "rank 0"), 0, "rank 0", _Inbox(mine, slots, chunk_bytes), peer_pid=os.getpid()
+        b, SocketReader(b, "rank 0"), 0, "rank 0", Inbox(mine, slots, chunk_bytes), peer_pid=os.getpid()
     )
     return sender, receiver
 

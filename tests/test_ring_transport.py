@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from backends import _wire
-from backends._links import ShmRecvLink, ShmSendLink, TcpRecvLink, TcpSendLink, _Inbox
+from backends._links import TcpRecvLink, TcpSendLink
 from backends._shm import Region
+from backends._shm_links import Inbox, ShmRecvLink, ShmSendLink
 from backends._wire import (
     PeerClosed,
     SocketReader,
@@ -102,13 +103,13 @@ def test_tcp_link_rejects_a_chunk_of_the_wrong_size(pair) -> None:
     sender.shutdown()
 
 
-def _inbox_pair(path: str, slots: int, chunk_bytes: int) -> tuple[_Inbox, _Inbox]:
+def _inbox_pair(path: str, slots: int, chunk_bytes: int) -> tuple[Inbox, Inbox]:
     """The receiver's inbox and the sender's mapping of it, as two ranks would hold them."""
-    size = _Inbox.region_bytes(slots, chunk_bytes)
+    size = Inbox.region_bytes(slots, chunk_bytes)
     mine = Region.create_file(path, size)
     theirs = Region.open_path(path, size, mine.token)
     mine.unlink()
-    return _Inbox(mine, slots, chunk_bytes), _Inbox(theirs, slots, chunk_bytes)
+    return Inbox(mine, slots, chunk_bytes), Inbox(theirs, slots, chunk_bytes)
 
 
 def test_shm_link_moves_chunks_through_slots_with_flow_control(pair, tmp_path) -> None:
