@@ -19,6 +19,7 @@ NumPy conversion, and torch does not start its team for them either.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -68,6 +69,7 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
 
+@functools.cache
 def combine(op: ReduceOp, dtype: torch.dtype) -> Combine:
     """Return ``combine(out, a, b)`` computing ``out = a op b`` for flat contiguous tensors of ``dtype``."""
     func, ufunc = _TORCH_FUNCS[op], _NUMPY_UFUNCS[op]
@@ -92,6 +94,7 @@ def combine(op: ReduceOp, dtype: torch.dtype) -> Combine:
     return torch_combine
 
 
+@functools.cache
 def reducer(op: ReduceOp, dtype: torch.dtype) -> Reducer:
     """Return ``reduce(dst, incoming)``: ``dst = dst op incoming``, in place."""
     both = combine(op, dtype)

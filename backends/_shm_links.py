@@ -60,6 +60,7 @@ _KIND_META = 1  # a metadata record, maybe with a payload
 _KIND_DATA = 2  # a chunk in the slot
 _KIND_LENT = 3  # a chunk at `offset` of the sender's region (fd, size, token)
 _NO_PAYLOAD = 0
+_MAX_VIEWS = 256  # typed views of slot payloads kept per inbox (one per slot, dtype and size)
 _KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data"}
 assert _RETIRED_AT + _RETIRED.size <= _PAYLOAD_AT
 
@@ -74,6 +75,7 @@ class Inbox:
         stride = _PAYLOAD_AT + chunk_bytes
         self._starts = [i * stride for i in range(slots)]
         self.payloads = [region.data[s + _PAYLOAD_AT : s + stride] for s in self._starts]
+        self._views: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
     @staticmethod
     def region_bytes(slots: int, chunk_bytes: int) -> int:
@@ -85,11 +87,18 @@ class Inbox:
         return HEADER_BYTES + self._starts[index % self.slots]
 
     def payload(self, index: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of slot ``index``'s payload, as ``dtype``."""
-        return self.payloads[index % self.slots][:nbytes].view(dtype)
+        """The first ``nbytes`` of slot ``index``'s payload, as ``dtype`` (views are kept for reuse)."""
+        key = (index % self.slots, dtype, nbytes)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            view = self._views[key] = self.payloads[key[0]][:nbytes].view(dtype)
+        return view
 
     def close(self) -> None:
         self.payloads = []
+        self._views.clear()
         self.region.close()
 
 

@@ -559,14 +559,19 @@ class RingProcessGroup(IProcessGroup):
             return CompletedWork(label=describe)
 
         def body() -> None:
-            with _staged(tensor) as host:
-                flat = host.view(-1)
-                if self._is_small(flat):
-                    self._small_all_reduce(meta, flat, op)
-                else:
-                    self._ring_all_reduce(flat, op, meta)
+            if tensor.device.type == "cpu":
+                self._all_reduce_host(tensor.view(-1), op, meta)
+            else:
+                with _staged(tensor) as host:
+                    self._all_reduce_host(host.view(-1), op, meta)
 
         return self._submit(describe, body, async_op, tensor)
+
+    def _all_reduce_host(self, flat: torch.Tensor, op: ReduceOp, meta: _Meta) -> None:
+        if self._is_small(flat):
+            self._small_all_reduce(meta, flat, op)
+        else:
+            self._ring_all_reduce(flat, op, meta)
 
     def _small_all_reduce(self, meta: _Meta, flat: torch.Tensor, op: ReduceOp) -> None:
         """Every rank's tensor travels with the records; each rank reduces them in rank order."""
