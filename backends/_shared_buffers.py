@@ -10,6 +10,7 @@ the neighbour that mapped the region can unmap it too.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import weakref
@@ -53,10 +54,22 @@ class SharedBuffers:
         self._on_retire = on_retire
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
+        # Buffers that are gone, (start, token): the finalizer may run inside the garbage
+        # collector while this thread holds the lock, so it only queues; the owner of the
+        # lock removes them.
+        self._gone: collections.deque[tuple[int, bytes]] = collections.deque()
 
     def __len__(self) -> int:
         with self._lock:
+            self._forget_gone()
             return len(self._entries)
+
+    def _forget_gone(self) -> None:
+        while self._gone:
+            start, token = self._gone.popleft()
+            entry = self._entries.get(start)
+            if entry is not None and entry.region.token == token:
+                del self._entries[start]
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Return a zeroed flat tensor of ``numel`` ``dtype`` elements in a new shared region.
@@ -72,6 +85,7 @@ class SharedBuffers:
         region.words.release()
         del region  # the tensor holds the mapping; the descriptor stays open for the neighbour
         with self._lock:
+            self._forget_gone()
             self._entries[start] = _Entry(start, start + nbytes, weakref.ref(mapping), ident)
         weakref.finalize(mapping, self._retire, start, ident.fd, ident.token)
         return tensor
@@ -81,6 +95,7 @@ class SharedBuffers:
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
         with self._lock:
+            self._forget_gone()
             entry = self._entries.get(start)
             if entry is None:
                 entry = next((e for e in self._entries.values() if e.start <= start < e.end), None)
@@ -89,8 +104,7 @@ class SharedBuffers:
         return Span(entry.region, entry.start)
 
     def _retire(self, start: int, fd: int, token: bytes) -> None:
-        with self._lock:
-            self._entries.pop(start, None)
+        self._gone.append((start, token))
         try:
             os.close(fd)
         except OSError:

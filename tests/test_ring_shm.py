@@ -349,6 +349,27 @@ def test_shared_buffers_are_zeroed_found_by_address_and_retired_with_their_last_
 
 
 @needs_memfd
+def test_a_buffer_collected_while_the_registry_is_locked_does_not_deadlock() -> None:
+    """The collector may run a buffer's finalizer inside find(); the finalizer must not take the lock."""
+    retired: list[int] = []
+    buffers = SharedBuffers(lambda fd, token: retired.append(fd))
+    holder = [buffers.alloc(100, torch.float32)]
+    done = threading.Event()
+
+    def collect_inside_the_lock() -> None:
+        with buffers._lock:  # noqa: SLF001 - as if the collector ran inside find()
+            holder.clear()
+            gc.collect()
+        done.set()
+
+    thread = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert done.is_set(), "dropping a buffer inside the registry's lock deadlocked"
+    assert len(retired) == 1 and len(buffers) == 0
+
+
+@needs_memfd
 def test_a_region_opened_through_proc_shares_the_creators_memory() -> None:
     region = Region.create_anonymous(64)
     other = Region.open_descriptor(os.getpid(), region.fd, 64, region.token)
