@@ -4,7 +4,13 @@ All-reduce is a reduce-scatter followed by an all-gather around the ring, so
 each rank sends ``2 (n - 1) / n`` of the tensor; the tensor streams through
 the ring in chunks (``COMMLIB_RING_CHUNK_BYTES``), so sending, receiving and
 reducing overlap. Between ranks on one host the chunks move through shared
-memory; across hosts over TCP (``backends._links``).
+memory; across hosts over TCP (``backends._link_setup``). A tensor from
+``alloc_buffer`` lives in shared memory itself: the right neighbour reads its
+chunks in place, so an all-reduce costs one add and one copy per byte.
+
+Copies and reductions never start torch's intra-op thread team
+(``backends._kernels``), so the ring runs as fast under torch's default thread
+count as under one thread, and it never changes the caller's thread setting.
 
 Every collective starts by passing a small record (operation, dtype, shape,
 sequence number) around the ring, so ranks that disagree all raise the same
@@ -31,8 +37,13 @@ from typing import Literal
 
 import torch
 
-from backends._links import META_BYTES, RecvLink, Reducer, SendLink, connect_links
+from backends import _kernels
+from backends._kernels import Reducer
+from backends._link_setup import connect_links
+from backends._links import META_BYTES, RecvLink, SendLink
 from backends._rendezvous import rendezvous
+from backends._shared_buffers import SharedBuffers, Span
+from backends._shm import RegionId
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
@@ -88,7 +99,7 @@ class RingConfig:
     (also the size of one shared-memory slot). ``COMMLIB_RING_CHUNK_BYTES``."""
 
     shm_slots: int = 4
-    """Chunks in flight per shared-memory link. ``COMMLIB_RING_SHM_SLOTS``."""
+    """Messages (chunks or records) in flight per shared-memory link. ``COMMLIB_RING_SHM_SLOTS``."""
 
     shm_dir: str | None = None
     """Where shared-memory files are created (default ``/dev/shm``); they are
@@ -101,9 +112,10 @@ class RingConfig:
     ``chunk_bytes``; 0 disables it. ``COMMLIB_RING_SMALL_BYTES``."""
 
     spin_us: float = 50.0
-    """Microseconds a rank polls its socket before it sleeps in the kernel while
-    waiting for a neighbour; polling keeps the core across the short waits
-    inside a collective. ``COMMLIB_RING_SPIN_US``."""
+    """Microseconds a rank waiting for a neighbour polls (the shared-memory
+    counter on one host, the socket across hosts) before it sleeps in the
+    kernel; polling keeps the core across the short waits inside a collective.
+    ``COMMLIB_RING_SPIN_US``."""
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):
@@ -142,7 +154,11 @@ _KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8
-_META = struct.Struct(f"!QBBBBiiQ{_MAX_DIMS}qI")  # ..., payload elements + 1 (0: none)
+# What every rank of one collective must agree on (seq, kind, dtype, op, src, numel), then what
+# may differ: ndim, dims (a shape of the same element count), rank, payload elements + 1 (0: none).
+_COMMON = struct.Struct("!QBBBiQ")
+_META = struct.Struct(f"!QBBBiQB{_MAX_DIMS}qiI")
+_COMMON_BYTES = _COMMON.size
 assert _META.size == META_BYTES
 
 
@@ -165,17 +181,18 @@ class _Meta:
             _KINDS.index(self.kind),
             _DTYPES.index(self.dtype) if self.dtype is not None else 255,
             _OPS.index(self.op) if self.op is not None else 255,
-            len(self.shape),
             self.src,
-            self.rank,
             self.numel,
+            len(self.shape),
             *dims,
+            self.rank,
             0 if payload is None else payload.numel() + 1,
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> _Meta:
-        seq, kind, dtype, op, ndim, src, rank, numel, *dims, payload = _META.unpack(data)
+        seq, kind, dtype, op, src, numel, ndim, *values = _META.unpack(data)
+        dims, rank, payload = values[:_MAX_DIMS], values[_MAX_DIMS], values[_MAX_DIMS + 1]
         return cls(
             seq=seq,
             kind=_KINDS[kind] if kind < len(_KINDS) else f"unknown({kind})",
@@ -208,32 +225,6 @@ def _group_ranks(metas: list[_Meta], key: Callable[[_Meta], str]) -> str:
         label = "rank" if len(ranks) == 1 else "ranks"
         parts.append(f"{label} {', '.join(map(str, ranks))}: {value}")
     return "; ".join(parts)
-
-
-# ---------------------------------------------------------------- reducers
-def _sum(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.add_(src)
-
-
-def _product(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.mul_(src)
-
-
-def _min(dst: torch.Tensor, src: torch.Tensor) -> None:
-    torch.minimum(dst, src, out=dst)
-
-
-def _max(dst: torch.Tensor, src: torch.Tensor) -> None:
-    torch.maximum(dst, src, out=dst)
-
-
-_REDUCERS: dict[ReduceOp, Reducer] = {
-    ReduceOp.SUM: _sum,
-    ReduceOp.AVG: _sum,
-    ReduceOp.PRODUCT: _product,
-    ReduceOp.MIN: _min,
-    ReduceOp.MAX: _max,
-}
 
 
 def _segments(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -296,6 +287,11 @@ class RingProcessGroup(IProcessGroup):
         self._state_lock = threading.Lock()
         self._inflight = 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._buffers = (
+            SharedBuffers(self._send.retire)  # type: ignore[attr-defined]
+            if self._send is not None and self._send.can_lend
+            else None
+        )
 
     # ----------------------------------------------------------- introspection
     @property
@@ -310,6 +306,64 @@ class RingProcessGroup(IProcessGroup):
     def chunk_bytes(self) -> int:
         """Pipeline chunk size in bytes, agreed by all ranks (rank 0's setting)."""
         return self._chunk_bytes
+
+    @property
+    def shares_buffers(self) -> bool:
+        """True if ``alloc_buffer`` returns shared memory that the right neighbour reads in place."""
+        return self._buffers is not None
+
+    @property
+    def mapped_peer_buffers(self) -> int:
+        """How many of the left neighbour's shared buffers this rank has mapped to read in place."""
+        return getattr(self._recv, "lent_regions", 0)
+
+    # ---------------------------------------------------------------- buffers
+    def alloc_buffer(
+        self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """Return a zeroed flat tensor in shared memory that the ring all-reduces without a copy.
+
+        On one host the right neighbour maps the buffer, so an ``all_reduce`` of
+        the whole buffer, or of a contiguous view into it, moves no bytes
+        through the links' slots: the reduce-scatter adds the left neighbour's
+        part straight from its buffer, and the all-gather copies the reduced
+        parts straight out of it (one add and one copy per byte). Such a
+        collective completes only when the right neighbour has finished
+        reading this rank's buffer, so the buffer may be written as soon as it
+        returns (or its ``Work`` completes).
+
+        Tensors from elsewhere, other devices, a world of one rank and links
+        that cannot share memory (TCP) get ordinary memory (``torch.zeros``)
+        and take the normal path. The buffer lives as long as the returned
+        tensor or any view of it.
+
+        Args:
+            numel: Number of elements (>= 0).
+            dtype: Element type.
+            device: Where the buffer lives; only ``cpu`` buffers are shared.
+
+        Raises:
+            ValueError: ``numel`` is negative.
+        """
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"{self._prefix('alloc_buffer')}numel must be a non-negative int, got {numel!r}")
+        buffers = self._buffers
+        if (
+            buffers is None
+            or self._closed
+            or numel == 0
+            or torch.device(device).type != "cpu"
+            or dtype not in self.supported_dtypes
+        ):
+            return super().alloc_buffer(numel, dtype, device)
+        try:
+            return buffers.alloc(numel, dtype)
+        except OSError:  # no memfd, or out of shared memory: ordinary memory works everywhere
+            return super().alloc_buffer(numel, dtype, device)
+
+    def _lendable(self, flat: torch.Tensor) -> Span | None:
+        buffers = self._buffers
+        return buffers.find(flat) if buffers is not None else None
 
     # ------------------------------------------------------------- execution
     def _native_avg(self, tensor: torch.Tensor) -> bool:
@@ -394,61 +448,99 @@ class RingProcessGroup(IProcessGroup):
     def _is_small(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() * tensor.element_size() <= self._small_bytes
 
-    def _check_meta(self, mine: _Meta, payload: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+    def _check_meta(
+        self,
+        mine: _Meta,
+        payload: torch.Tensor | None = None,
+        *,
+        hold_last: bool = False,
+        lent: tuple[RegionId, int] | None = None,
+    ) -> dict[int, torch.Tensor]:
         """Pass every rank's record (and small payload) around the ring; raise on every rank if they disagree.
 
+        Args:
+            mine: This rank's record.
+            payload: This rank's small payload, sent with the record.
+            hold_last: With two ranks, leave the neighbour's payload in the link
+                when its record agrees with ``mine``; the caller then reads it
+                with ``recv_reduce`` / ``recv_into`` (straight out of shared memory).
+            lent: Where ``payload`` lies in a shared buffer, to lend it rather than copy it.
+
         Returns:
-            The payloads that travelled with the records, by source rank
-            (this rank's own included).
+            The payloads that travelled with the records and were read, by
+            source rank (this rank's own included).
         """
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
-        metas: dict[int, _Meta] = {self.rank: mine}
+        record = mine.pack(payload)
+        common = record[:_COMMON_BYTES]
+        records = [record]
         payloads: dict[int, torch.Tensor] = {} if payload is None else {self.rank: payload}
-        record, outgoing = mine.pack(payload), payload
+        outgoing = payload
+        hold = hold_last and self.world_size == 2
         for _ in range(self.world_size - 1):
-            send.send_meta(record, outgoing)
+            send.send_meta(record, outgoing, lent)
+            lent = None  # only this rank's own payload lies in its buffer
             record = recv.recv_meta()
-            meta = _Meta.unpack(record)
-            metas[meta.rank] = meta
+            records.append(record)
             outgoing = None
-            if meta.payload_numel is not None:
-                if meta.dtype is None:
-                    raise CommError(
-                        f"rank {meta.rank} sent a payload of unknown dtype; is it running another "
-                        "commlib version?"
-                    )
-                outgoing = torch.empty(meta.payload_numel, dtype=meta.dtype)
-                recv.recv_into(outgoing)
-                payloads[meta.rank] = outgoing
+            if record[-4:] == b"\0\0\0\0":  # no payload
+                continue
+            if hold and record[:_COMMON_BYTES] == common:
+                continue  # agreed; the caller reads the payload
+            meta = _Meta.unpack(record)
+            if meta.dtype is None or meta.payload_numel is None:
+                raise CommError(
+                    f"rank {meta.rank} sent a payload of unknown dtype; is it running another "
+                    "commlib version?"
+                )
+            outgoing = torch.empty(meta.payload_numel, dtype=meta.dtype)
+            recv.recv_into(outgoing)
+            payloads[meta.rank] = outgoing
         send.flush()  # a queued payload may be a view of the caller's tensor, about to be overwritten
-        ordered = [metas[r] for r in sorted(metas)]
-        if len({(m.kind, m.seq) for m in ordered}) > 1:
+        if all(r[:_COMMON_BYTES] == common for r in records):
+            return payloads  # shapes may differ: the calls agree on the element count
+        metas = sorted((_Meta.unpack(r) for r in records), key=lambda m: m.rank)
+        if len({(m.kind, m.seq) for m in metas}) > 1:
             raise CollectiveMismatchError(
                 "ranks called different collectives: "
-                + _group_ranks(ordered, lambda m: f"{m.kind} #{m.seq}")
+                + _group_ranks(metas, lambda m: f"{m.kind} #{m.seq}")
                 + ". Every rank must issue the same collectives in the same order"
             )
-        if len({(m.dtype, m.numel) for m in ordered}) > 1:
+        if len({(m.dtype, m.numel) for m in metas}) > 1:
             raise CollectiveMismatchError(
                 "ranks passed tensors of different sizes or dtypes: "
-                + _group_ranks(ordered, _Meta.tensor_text)
+                + _group_ranks(metas, _Meta.tensor_text)
                 + ". Every rank must pass a tensor of the same size and dtype"
             )
-        if len({(m.op, m.src) for m in ordered}) > 1:
-            detail = _group_ranks(ordered, lambda m: f"op={m.op.name if m.op else None} src={m.src}")
-            raise CollectiveMismatchError(f"ranks disagree on the op or source rank: {detail}")
-        return payloads
+        detail = _group_ranks(metas, lambda m: f"op={m.op.name if m.op else None} src={m.src}")
+        raise CollectiveMismatchError(f"ranks disagree on the op or source rank: {detail}")
 
-    def _exchange(self, outgoing: torch.Tensor, incoming: torch.Tensor, reduce: Reducer | None) -> None:
-        """One ring step: stream ``outgoing`` to the right while ``incoming`` arrives from the left."""
+    def _exchange(
+        self,
+        outgoing: torch.Tensor,
+        incoming: torch.Tensor,
+        reduce: Reducer | None,
+        lent: Span | None = None,
+        sent: int = 0,
+    ) -> None:
+        """One ring step: stream ``outgoing`` to the right while ``incoming`` arrives from the left.
+
+        With ``lent`` (``outgoing`` lies in a shared buffer), the right
+        neighbour reads ``outgoing`` in place instead of receiving a copy. The
+        first ``sent`` elements (one chunk) already went with the metadata record.
+        """
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
         step = max(1, self._chunk_bytes // outgoing.element_size())
         n_out, n_in = outgoing.numel(), incoming.numel()
         for start in range(0, max(n_out, n_in), step):
-            if start < n_out:
-                send.send(outgoing[start : start + step])
+            if sent <= start < n_out:
+                chunk = outgoing[start : start + step]
+                if lent is None:
+                    send.send(chunk)
+                else:
+                    send.lend(chunk, lent.region, lent.offset(chunk))
             if start < n_in:
                 if reduce is None:
                     recv.recv_into(incoming[start : start + step])
@@ -467,34 +559,72 @@ class RingProcessGroup(IProcessGroup):
             return CompletedWork(label=describe)
 
         def body() -> None:
-            with _staged(tensor) as host:
-                flat = host.view(-1)
-                if self._is_small(flat):
-                    payloads = self._check_meta(meta, flat)
-                    result = payloads[0].clone()
-                    for source in range(1, self.world_size):
-                        _REDUCERS[op](result, payloads[source])
-                    if op is ReduceOp.AVG:
-                        result.div_(self.world_size)
-                    flat.copy_(result)
-                else:
-                    self._check_meta(meta)
-                    self._ring_all_reduce(flat, op)
+            if tensor.device.type == "cpu":
+                self._all_reduce_host(tensor.view(-1), op, meta)
+            else:
+                with _staged(tensor) as host:
+                    self._all_reduce_host(host.view(-1), op, meta)
 
         return self._submit(describe, body, async_op, tensor)
 
-    def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp) -> None:
+    def _all_reduce_host(self, flat: torch.Tensor, op: ReduceOp, meta: _Meta) -> None:
+        if self._is_small(flat):
+            self._small_all_reduce(meta, flat, op)
+        else:
+            self._ring_all_reduce(flat, op, meta)
+
+    def _small_all_reduce(self, meta: _Meta, flat: torch.Tensor, op: ReduceOp) -> None:
+        """Every rank's tensor travels with the records; each rank reduces them in rank order."""
+        n = self.world_size
+        combine = _kernels.combine(op, flat.dtype)
+        payloads = self._check_meta(meta, flat, hold_last=True)
+        if n == 2 and len(payloads) == 1:  # the neighbour's tensor waits in the link
+            recv = self._recv
+            assert recv is not None
+            if self.rank == 0:
+                recv.recv_reduce(flat, lambda mine, theirs: combine(mine, mine, theirs))
+            else:
+                recv.recv_reduce(flat, lambda mine, theirs: combine(mine, theirs, mine))
+        else:
+            result = torch.empty_like(flat)
+            combine(result, payloads[0], payloads[1])
+            for source in range(2, n):
+                combine(result, result, payloads[source])
+            _kernels.copy(flat, result)
+        if op is ReduceOp.AVG:
+            _kernels.divide(flat, n)
+
+    def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, meta: _Meta) -> None:
         n, r = self.world_size, self.rank
         segs = _segments(flat, n)
-        reduce = _REDUCERS[op]
+        reduce = _kernels.reducer(op, flat.dtype)
+        lent = self._lendable(flat)
+        first = segs[r][: max(1, self._chunk_bytes // flat.element_size())]
+        carried = 0
+        if n == 2 and first.numel():
+            # The record carries the first chunk of the reduce-scatter: the neighbour has checked
+            # the records (two ranks: one hop) before it reads the chunk, and one message is saved.
+            lend_first = (lent.region, lent.offset(first)) if lent is not None else None
+            self._check_meta(meta, first, hold_last=True, lent=lend_first)
+            carried = first.numel()
+        else:
+            self._check_meta(meta)
         for s in range(n - 1):
-            self._exchange(segs[(r - s) % n], segs[(r - s - 1) % n], reduce)
+            self._exchange(
+                segs[(r - s) % n], segs[(r - s - 1) % n], reduce, lent, sent=carried if s == 0 else 0
+            )
         if op is ReduceOp.AVG:
-            segs[(r + 1) % n].div_(n)
+            _kernels.divide(segs[(r + 1) % n], n)
         self._flush()
+        # With a lent buffer, the right neighbour reads segment (r - t) of it in reduce-scatter step t;
+        # the all-gather overwrites that segment in its step t, but only with the segment's final
+        # value, which exists only after the neighbour has read and passed it on: no wait is needed.
         for t in range(n - 1):
-            self._exchange(segs[(r + 1 - t) % n], segs[(r - t) % n], None)
+            self._exchange(segs[(r + 1 - t) % n], segs[(r - t) % n], None, lent)
         self._flush()
+        if lent is not None:  # done only when nobody reads this rank's buffer any more
+            assert self._send is not None
+            self._send.wait_returned()
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         meta = self._next_meta("broadcast", tensor, src=src)
@@ -508,7 +638,7 @@ class RingProcessGroup(IProcessGroup):
                 if self._is_small(flat):
                     payloads = self._check_meta(meta, flat if self.rank == src else None)
                     if self.rank != src:
-                        flat.copy_(payloads[src])
+                        _kernels.copy(flat, payloads[src])
                 else:
                     self._check_meta(meta)
                     self._chain_broadcast(flat, src)
@@ -543,14 +673,14 @@ class RingProcessGroup(IProcessGroup):
             with _staged(*outputs, copy_in=False) as host_outputs, _staged(tensor) as host_tensor:
                 blocks = list(host_outputs) if isinstance(host_outputs, tuple) else [host_outputs]
                 if blocks[r].data_ptr() != host_tensor.data_ptr() or blocks[r].numel() == 0:
-                    blocks[r].copy_(host_tensor)
+                    _kernels.copy(blocks[r].view(-1), host_tensor.view(-1))
                 if n == 1:
                     return
                 if self._is_small(host_tensor):
                     payloads = self._check_meta(meta, host_tensor)
                     for source, block in enumerate(blocks):
                         if source != r:
-                            block.copy_(payloads[source])
+                            _kernels.copy(block.view(-1), payloads[source].view(-1))
                     return
                 self._check_meta(meta)
                 for s in range(n - 1):
@@ -572,16 +702,23 @@ class RingProcessGroup(IProcessGroup):
         describe = self._label("reduce_scatter", output)
 
         def body() -> None:
-            work = torch.cat([t.to("cpu") for t in inputs]) if inputs else output.new_empty(0)
+            work = torch.empty(n * output.numel(), dtype=output.dtype)
             blocks = _segments(work, n)
+            for block, source in zip(blocks, inputs, strict=True):
+                if source.device.type == "cpu":
+                    _kernels.copy(block, source)
+                else:
+                    block.copy_(source)
             if n > 1 and self._is_small(work):
                 payloads = self._check_meta(meta, work)
-                mine = _segments(payloads[0], n)[r].clone()
-                for source in range(1, n):
-                    _REDUCERS[op](mine, _segments(payloads[source], n)[r])
+                combine = _kernels.combine(op, work.dtype)
+                mine = torch.empty_like(blocks[r])
+                combine(mine, _segments(payloads[0], n)[r], _segments(payloads[1], n)[r])
+                for source in range(2, n):
+                    combine(mine, mine, _segments(payloads[source], n)[r])
             elif n > 1:
                 self._check_meta(meta)
-                reduce = _REDUCERS[op]
+                reduce = _kernels.reducer(op, work.dtype)
                 for s in range(n - 1):
                     self._exchange(blocks[(r - s - 1) % n], blocks[(r - s - 2) % n], reduce)
                 self._flush()
@@ -589,8 +726,11 @@ class RingProcessGroup(IProcessGroup):
             else:
                 mine = blocks[r]
             if op is ReduceOp.AVG and n > 1:
-                mine.div_(n)
-            output.copy_(mine)
+                _kernels.divide(mine, n)
+            if output.device.type == "cpu":
+                _kernels.copy(output, mine)
+            else:
+                output.copy_(mine)
 
         return self._submit(describe, body, async_op, (output, inputs))
 

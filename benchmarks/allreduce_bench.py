@@ -10,7 +10,14 @@ In one run, size by size, every mode takes its turn: the commlib backends named
 by ``--backends`` (each through ``commlib.create_process_group`` on its own
 port, so the groups coexist), raw ``torch.distributed`` Gloo
 (``dist.all_reduce``) and raw mpi4py (``COMM_WORLD.Allreduce(MPI.IN_PLACE, buf)``,
-only under an MPI launcher). For each size, each mode first checks one result
+only under an MPI launcher). A backend whose ``alloc_buffer`` gives memory it
+communicates from without a copy (the ring's shared buffers) is measured twice:
+on an ordinary tensor (``ring``) and on a buffer from ``alloc_buffer``
+(``ring+buf``), as DDP's buckets would be. ``--thread-counts 1,2,default``
+measures every mode at each of torch's intra-op thread counts (``default``: what
+torch picks in a process without ``OMP_NUM_THREADS``); the mode names then end
+in ``@1t``, ``@2t``, and each mode is compared with the references at its own
+count. For each size, each mode first checks one result
 (rank ``r`` contributes ``(r + 1) * pattern``; every rank must get
 ``n (n + 1) / 2 * pattern``), warms up, then the modes take turns over
 ``--rounds`` timing blocks of ``--iters`` all-reduces, each block after the
@@ -34,6 +41,7 @@ import functools
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -48,9 +56,11 @@ import torch  # noqa: E402
 
 import commlib  # noqa: E402
 from benchmarks._spawn import PORTS_VAR, add_spawn_arguments, backend_names, spawn_or_run  # noqa: E402
+from commlib import IProcessGroup  # noqa: E402
 from commlib.env import DistEnv  # noqa: E402
 from commlib.ports import free_ports  # noqa: E402
 
+DEFAULT_THREADS = torch.get_num_threads()  # before this script sets any
 DEFAULT_SIZES = "4K,64K,1M,4M,25M,100M"
 QUICK_SIZES = "4K,64K,1M"
 MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
@@ -74,6 +84,8 @@ CSV_COLUMNS = [
     "ratio_vs_gloo",
     "ratio_vs_mpi",
     "correct",
+    "threads",
+    "buffer",
 ]
 TABLE_COLUMNS = [
     "size",
@@ -168,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=120.0, help="commlib/Gloo timeout in seconds (default 120)"
     )
+    p.add_argument(
+        "--thread-counts",
+        default=None,
+        help="torch intra-op thread counts to measure every mode at, e.g. 1,2,default "
+        "(default: just --threads); 'default' is torch's own choice without OMP_NUM_THREADS",
+    )
+    p.add_argument(
+        "--buffers",
+        choices=("plain", "alloc", "both"),
+        default="both",
+        help="tensors to all-reduce for backends with their own alloc_buffer: ordinary ones (plain), "
+        "the backend's (alloc, mode name +buf) or both (default)",
+    )
     add_spawn_arguments(
         p, spawn_help="start N local ranks as subprocesses (no MPI launcher needed; no raw MPI reference)"
     )
@@ -191,7 +216,7 @@ def agree_ports(count: int, env: DistEnv, comm: Any) -> list[int]:
 # -------------------------------------------------------------------- modes
 @dataclasses.dataclass
 class Mode:
-    """One way to all-reduce a tensor: a commlib backend or a raw reference."""
+    """One way to all-reduce a tensor: a commlib backend or a raw reference, at one thread count."""
 
     name: str
     kind: str  # "commlib" or "reference"
@@ -201,17 +226,34 @@ class Mode:
     note: str = ""
     prepare: Callable[[torch.Tensor], None] = lambda buf: None
     failed: str | None = None
+    base: str = ""
+    """The backend or reference this mode measures (``name`` without suffixes)."""
+    threads: int = 0
+    """torch intra-op threads while this mode runs (0: leave as is)."""
+    make_buffer: Callable[[int, torch.dtype], torch.Tensor] | None = None
+    """Allocates the mode's own tensor (``alloc_buffer``); None: the tensor all modes share."""
+
+    def __post_init__(self) -> None:
+        self.base = self.base or self.name
+
+    def variant(self, name: str, threads: int) -> Mode:
+        """This mode under another name and thread count."""
+        return dataclasses.replace(self, name=name, threads=threads)
 
 
-def commlib_mode(name: str, env: DistEnv, port: int, timeout: float) -> Mode:
-    """Create backend ``name`` with ``commlib.create_process_group`` on its own port."""
+def commlib_modes(name: str, env: DistEnv, port: int, timeout: float, buffers: str) -> list[Mode]:
+    """Create backend ``name`` with ``commlib.create_process_group`` on its own port.
+
+    Returns one mode on ordinary tensors (``buffers`` plain or both) and, if the
+    backend has its own ``alloc_buffer``, one on its buffers (alloc or both).
+    """
     config = commlib.CommConfig.from_env(timeout=timeout)
     group = commlib.create_process_group(name, dataclasses.replace(env, master_port=port), config)
     note = f"{type(group).__name__} via commlib.create_process_group({name!r}), port {port}"
     transports = getattr(group, "transports", None)
     if transports is not None:
         note += f"; send/recv links: {transports[0]}/{transports[1]}"
-    return Mode(
+    plain = Mode(
         name=name,
         kind="commlib",
         all_reduce=lambda buf: group.all_reduce(buf),
@@ -219,6 +261,24 @@ def commlib_mode(name: str, env: DistEnv, port: int, timeout: float) -> Mode:
         close=group.close,
         note=note,
     )
+    own_buffers = type(group).alloc_buffer is not IProcessGroup.alloc_buffer
+    modes = [plain] if buffers in ("plain", "both") or not own_buffers else []
+    if own_buffers and buffers in ("alloc", "both"):
+        shared = getattr(group, "shares_buffers", None)
+        modes.append(
+            dataclasses.replace(
+                plain,
+                name=f"{name}+buf",
+                base=f"{name}+buf",
+                close=lambda: None,  # the plain mode's close closes the group
+                note=f"the {name} group on tensors from group.alloc_buffer()"
+                + ("" if shared is None else f" (shared memory: {'yes' if shared else 'no'})"),
+                make_buffer=lambda numel, dtype: group.alloc_buffer(numel, dtype),
+            )
+        )
+    if plain not in modes:
+        modes[0].close = group.close
+    return modes
 
 
 def torch_gloo_mode(env: DistEnv, port: int, timeout: float) -> Mode:
@@ -308,8 +368,8 @@ def bandwidths(nbytes: int, seconds: float, world_size: int) -> tuple[float, flo
 
 
 def rows_for_size(results: list[Result], world_size: int, dtype: str, rounds: int) -> list[dict[str, Any]]:
-    """CSV rows for the results of one size, with the ratios to the references."""
-    refs = {r.mode.name: r.median for r in results}
+    """CSV rows for the results of one size, with the ratios to the references at the same thread count."""
+    refs = {(r.mode.base, r.mode.threads): r.median for r in results}
     rows = []
     for r in results:
         median = r.median
@@ -326,10 +386,12 @@ def rows_for_size(results: list[Result], world_size: int, dtype: str, rounds: in
             "correct": {True: "ok", False: "WRONG", None: "n/a"}[r.correct]
             if r.error is None
             else f"error: {r.error}",
+            "threads": r.mode.threads or "",
+            "buffer": "alloc_buffer" if r.mode.make_buffer is not None else "plain",
         }
         if median is not None:
             algbw, busbw = bandwidths(r.nbytes, median, world_size)
-            gloo, mpi = refs.get("torch-gloo"), refs.get("mpi4py")
+            gloo, mpi = refs.get(("torch-gloo", r.mode.threads)), refs.get(("mpi4py", r.mode.threads))
             row.update(
                 median_us=f"{median * 1e6:.1f}",
                 min_us=f"{min(r.per_call_s) * 1e6:.1f}",
@@ -345,7 +407,7 @@ def rows_for_size(results: list[Result], world_size: int, dtype: str, rounds: in
 
 def table_line(values: Sequence[str]) -> str:
     """One fixed-width table line."""
-    widths = [9, 11, 10, 6, 11, 11, 11, 11, 8, 8, 0]
+    widths = [9, 15, 10, 6, 11, 11, 11, 11, 8, 8, 0]
     cells = [
         v.ljust(w) if i in (1, 2, 10) else v.rjust(w)
         for i, (v, w) in enumerate(zip(values, widths, strict=True))
@@ -403,15 +465,31 @@ def check_and_warm_up(
         mode.all_reduce(buf)
 
 
+def use_threads(mode: Mode) -> None:
+    """Give torch the mode's intra-op thread count (process-wide; the benchmark plays the user here)."""
+    if mode.threads and torch.get_num_threads() != mode.threads:
+        torch.set_num_threads(mode.threads)
+
+
 def measure_size(
     modes: list[Mode], nbytes: int, dtype: torch.dtype, iters: int, rounds: int, warmup: int, env: DistEnv
 ) -> list[Result]:
     """Check, warm up and time every live mode at one size, the modes taking turns block by block."""
     numel = nbytes // torch.empty(0, dtype=dtype).element_size()
-    buf = torch.zeros(numel, dtype=dtype)
+    shared = torch.zeros(numel, dtype=dtype)
     pattern = (torch.arange(numel, dtype=torch.int64) % 251).to(dtype)
     results = {m.name: Result(nbytes, numel, m, iters, [], None) for m in modes}
     live = [m for m in modes if m.failed is None]
+    own: dict[Any, torch.Tensor] = {}  # one buffer per allocator, shared by its thread variants
+    buffers = {}
+    for m in live:
+        if m.make_buffer is None:
+            buffers[m.name] = shared
+        else:
+            key = id(m.make_buffer)
+            if key not in own:
+                own[key] = m.make_buffer(numel, dtype)
+            buffers[m.name] = own[key]
 
     def guarded(mode: Mode, step: Callable[[], None]) -> None:
         try:
@@ -427,6 +505,8 @@ def measure_size(
             )
 
     for mode in live:
+        use_threads(mode)
+        buf = buffers[mode.name]
         step = functools.partial(check_and_warm_up, mode, buf, pattern, warmup, env, results[mode.name])
         guarded(mode, step)
     del pattern
@@ -436,7 +516,8 @@ def measure_size(
             if mode.failed is not None:
                 continue
 
-            def block(mode: Mode = mode) -> None:
+            def block(mode: Mode = mode, buf: torch.Tensor = buffers[mode.name]) -> None:
+                use_threads(mode)
                 mode.barrier()
                 start = time.perf_counter()
                 for _ in range(iters):
@@ -496,7 +577,7 @@ def create_modes(
             skipped.append(f"mpi: {comm_why}")
             continue
         try:
-            modes.append(commlib_mode(name, env, ports[i], args.timeout))
+            modes.extend(commlib_modes(name, env, ports[i], args.timeout, args.buffers))
         except (ImportError, commlib.CommError, RuntimeError, OSError, ValueError, TypeError) as e:
             skipped.append(f"{name}: {type(e).__name__}: {e}")
     if "mpi4py" in references:
@@ -508,9 +589,60 @@ def create_modes(
     return modes, skipped
 
 
+def torch_default_threads() -> int:
+    """The intra-op thread count torch picks without ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS``."""
+    if not any(k in os.environ for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        return DEFAULT_THREADS
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return int(out.stdout.split()[-1])
+
+
+def parse_thread_counts(text: str | None, threads: int) -> tuple[list[int], int | None]:
+    """``"1,2,default"`` -> ([1, 2], 2) (duplicates dropped); None -> ([threads], None).
+
+    Returns:
+        The thread counts, and torch's default count if ``default`` was asked for.
+    """
+    if text is None:
+        return [max(1, threads)], None
+    counts: list[int] = []
+    default = None
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item == "default":
+            default = torch_default_threads()
+            value = default
+        else:
+            try:
+                value = int(item)
+            except ValueError:
+                raise SystemExit(f"--thread-counts: expected numbers or 'default', got {item!r}") from None
+            if value < 1:
+                raise SystemExit(f"--thread-counts: {value} threads; need at least 1")
+        if value not in counts:
+            counts.append(value)
+    return counts, default
+
+
+def with_thread_counts(modes: list[Mode], counts: list[int]) -> list[Mode]:
+    """Every mode at every count, named ``mode@Nt`` when there is more than one count."""
+    if len(counts) == 1:
+        return [dataclasses.replace(m, threads=counts[0]) for m in modes]
+    return [m.variant(f"{m.name}@{n}t", n) for n in counts for m in modes]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark on this rank; return the exit status."""
-    torch.set_num_threads(max(1, args.threads))
+    counts, default = parse_thread_counts(args.thread_counts, args.threads)
+    torch.set_num_threads(counts[0])
     env = commlib.detect()
     comm, comm_why = open_mpi_comm(env)
     dtype = DTYPES[args.dtype]
@@ -531,7 +663,8 @@ def run(args: argparse.Namespace) -> int:
 
     say(
         f"commlib all-reduce benchmark: {env.world_size} ranks ({env.launcher}), {args.dtype}, "
-        f"torch {torch.__version__}, {args.threads} thread(s)/rank, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {'/'.join(map(str, counts))} thread(s)/rank"
+        f"{'' if default is None else f' (torch default: {default})'}, {os.cpu_count()} CPUs, "
         f"{platform.node()}, {datetime.datetime.now().isoformat(timespec='seconds')}"
     )
     if env.world_size == 1:
@@ -539,6 +672,7 @@ def run(args: argparse.Namespace) -> int:
     modes, skipped = create_modes(args, env, comm, comm_why)
     for mode in modes:
         say(f"  {mode.name:<11} {mode.kind:<10} {mode.note}")
+    modes = with_thread_counts(modes, counts)
     for reason in skipped:
         say(f"  skipped {reason}")
     if not modes:

@@ -47,6 +47,8 @@ CSV_HEADER = [
     "ratio_vs_gloo",
     "ratio_vs_mpi",
     "correct",
+    "threads",
+    "buffer",
 ]
 
 
@@ -109,7 +111,7 @@ def test_quick_benchmark_on_two_ranks(tmp_path: Path) -> None:
         cmd = [sys.executable, str(BENCH), "--spawn", "2", "--quick", "--csv", str(csv_path)]
         expected = {"torch-gloo"}
     if importlib.util.find_spec("backends.ring") is not None:
-        expected.add("ring")
+        expected |= {"ring", "ring+buf"}  # on ordinary tensors and on its own shared buffers
     check_output(run_bench(cmd), csv_path, expected)
 
 
@@ -209,3 +211,38 @@ def test_rows_report_ratios_to_the_references(bench: ModuleType) -> None:
     assert ring["algbw_GBps"] == f"{4096 / 2e-4 / 1e9:.4f}"
     assert ring["correct"] == "ok"
     assert list(ring) == CSV_HEADER
+
+
+def test_thread_variants_are_compared_with_the_references_at_their_own_count(bench: ModuleType) -> None:
+    base = [
+        bench.Mode(name=name, kind=kind, all_reduce=None, barrier=None, close=None)
+        for name, kind in (("ring", "commlib"), ("torch-gloo", "reference"))
+    ]
+    modes = {m.name: m for m in bench.with_thread_counts(base, [1, 2])}
+    assert sorted(modes) == ["ring@1t", "ring@2t", "torch-gloo@1t", "torch-gloo@2t"]
+    results = [
+        bench.Result(4096, 1024, modes[name], 10, [seconds], True)
+        for name, seconds in (
+            ("ring@1t", 1e-4),
+            ("ring@2t", 3e-4),
+            ("torch-gloo@1t", 4e-4),
+            ("torch-gloo@2t", 6e-4),
+        )
+    ]
+    rows = {r["mode"]: r for r in bench.rows_for_size(results, 2, "float32", 1)}
+    assert (rows["ring@1t"]["ratio_vs_gloo"], rows["ring@2t"]["ratio_vs_gloo"]) == ("0.250", "0.500")
+    assert (rows["ring@2t"]["threads"], rows["ring@2t"]["buffer"]) == (2, "plain")
+    assert [m.threads for m in bench.with_thread_counts(base, [3])] == [3, 3]
+    assert [m.name for m in bench.with_thread_counts(base, [3])] == ["ring", "torch-gloo"]
+
+
+def test_thread_counts_are_parsed_with_torchs_default(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert bench.parse_thread_counts(None, 3) == ([3], None)
+    monkeypatch.setattr(bench, "torch_default_threads", lambda: 2)
+    assert bench.parse_thread_counts("1, 2,default", 1) == ([1, 2], 2)
+    with pytest.raises(SystemExit, match=r"--thread-counts: expected numbers or 'default', got 'one'"):
+        bench.parse_thread_counts("one", 1)
+    with pytest.raises(SystemExit, match=r"--thread-counts: 0 threads; need at least 1"):
+        bench.parse_thread_counts("0", 1)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from backends import _wire
-from backends._links import ShmRecvLink, ShmSendLink, TcpRecvLink, TcpSendLink, _Inbox
+from backends._links import TcpRecvLink, TcpSendLink
+from backends._shm import Region
+from backends._shm_links import Inbox, ShmRecvLink, ShmSendLink
 from backends._wire import (
     PeerClosed,
     SocketReader,
@@ -101,11 +103,18 @@ def test_tcp_link_rejects_a_chunk_of_the_wrong_size(pair) -> None:
     sender.shutdown()
 
 
+def _inbox_pair(path: str, slots: int, chunk_bytes: int) -> tuple[Inbox, Inbox]:
+    """The receiver's inbox and the sender's mapping of it, as two ranks would hold them."""
+    size = Inbox.region_bytes(slots, chunk_bytes)
+    mine = Region.create_file(path, size)
+    theirs = Region.open_path(path, size, mine.token)
+    mine.unlink()
+    return Inbox(mine, slots, chunk_bytes), Inbox(theirs, slots, chunk_bytes)
+
+
 def test_shm_link_moves_chunks_through_slots_with_flow_control(pair, tmp_path) -> None:
     a, b = pair
-    inbox = _Inbox(str(tmp_path / "inbox"), slots=2, chunk_bytes=4096, create=True)
-    remote = _Inbox(inbox.path, slots=2, chunk_bytes=4096, create=False, token=inbox.token)
-    inbox.unlink()
+    inbox, remote = _inbox_pair(str(tmp_path / "inbox"), slots=2, chunk_bytes=4096)
     sender = ShmSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", remote)
     receiver = ShmRecvLink(b, SocketReader(b, "rank 0"), 0, "rank 0", inbox)
     chunks = [torch.full((1024,), float(i)) for i in range(6)]  # 3x more chunks than slots
@@ -139,10 +148,14 @@ def test_abort_frame_is_raised_with_the_reason(pair, tmp_path) -> None:
     sender.shutdown()
 
 
-def test_shm_inbox_refuses_a_wrong_token(tmp_path) -> None:
-    inbox = _Inbox(str(tmp_path / "inbox"), slots=1, chunk_bytes=4096, create=True)
+def test_shm_region_refuses_a_wrong_token_or_size(tmp_path) -> None:
+    region = Region.create_file(str(tmp_path / "inbox"), 4096)
     with pytest.raises(OSError, match="does not hold the expected token"):
-        _Inbox(inbox.path, slots=1, chunk_bytes=4096, create=False, token=b"x" * 16)
+        Region.open_path(region.path, 4096, b"x" * 16)
+    with pytest.raises(OSError, match=r"has 8192 bytes, expected 12288"):
+        Region.open_path(region.path, 8192, region.token)
+    region.unlink()
+    region.close()
 
 
 def test_ring_config_validates_and_reads_the_environment() -> None:

@@ -1,0 +1,384 @@
+"""Links between ranks on one host: message slots in shared memory, doorbells, lent chunks.
+
+- The receiver owns an inbox of ``slots`` message slots, each a 192-byte
+  header (kind, sizes, the metadata record) followed by up to ``chunk_bytes``
+  of payload, and a control block with two doorbells (``backends._doorbell``):
+  the sender's count of messages posted and the receiver's count of messages
+  consumed. The sender writes a message into the next free slot and advances
+  its count; the receiver polls that count briefly, then sleeps in the kernel,
+  reads (or reduces) straight out of the slot and advances its own count,
+  which frees the slot. A sleeping end is woken through its wake pipe (a FIFO
+  next to the inbox, opened by both ends); the TCP connection between them
+  carries aborts and the end-of-file of a peer that died, which wakes a
+  sleeping neighbour with an error.
+- Lent chunks: a sender whose tensor lives in a shared buffer
+  (``backends._shared_buffers``) posts only a header naming the buffer and the
+  chunk's offset, and the receiver reads the chunk straight from the sender's
+  memory. The sender must not write that memory again until the receiver's
+  count shows it has read it (``ShmSendLink.wait_returned``). A buffer that is
+  gone is announced in the header of a later metadata message (one per
+  message: a separate message could fill the slots of two ranks that both
+  announce, each waiting for the other to free one), and the receiver unmaps
+  it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import struct
+
+import torch
+
+from backends import _kernels
+from backends._doorbell import Doorbell
+from backends._kernels import Reducer
+from backends._links import META_BYTES, RecvLink, SendLink
+from backends._shm import HEADER_BYTES, Region, RegionId
+from backends._wire import SocketReader
+from commlib.errors import CommError, PeerFailureError
+
+__all__ = ["ShmSendLink", "ShmRecvLink", "Inbox", "WakePipes"]
+
+# Control words of an inbox (indices of 64-bit words in its region's header),
+# each on its own cache line.
+_POSTED = 8  # messages the sender has posted
+_RECV_SLEEPING = 16  # the receiver sleeps, waiting for _POSTED
+_CONSUMED = 24  # messages the receiver has finished with (their slots are free)
+_SEND_SLEEPING = 32  # the sender sleeps, waiting for _CONSUMED
+
+# A slot: a header, then (metadata messages) the record and a retired region, then the payload.
+# Header: kind, where a metadata message's payload is (_NO_PAYLOAD, _KIND_DATA: in the slot,
+# _KIND_LENT: lent), payload bytes, and for a lent chunk its offset and region (fd, size, token).
+_SLOT_HEADER = struct.Struct("=IIQQqQ16s")
+_RECORD_AT = 64
+_RETIRED = struct.Struct("=q16s")  # a lent region that is gone (fd -1: none)
+_RETIRED_AT = _RECORD_AT + META_BYTES
+_PAYLOAD_AT = 192
+_KIND_META = 1  # a metadata record, maybe with a payload
+_KIND_DATA = 2  # a chunk in the slot
+_KIND_LENT = 3  # a chunk at `offset` of the sender's region (fd, size, token)
+_NO_PAYLOAD = 0
+_MAX_VIEWS = 256  # typed views of slot payloads kept per inbox (one per slot, dtype and size)
+_KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data"}
+assert _RETIRED_AT + _RETIRED.size <= _PAYLOAD_AT
+
+
+class Inbox:
+    """A receiver-owned region of ``slots`` message slots, and the control words of the link."""
+
+    def __init__(self, region: Region, slots: int, chunk_bytes: int) -> None:
+        self.region = region
+        self.slots = slots
+        self.chunk_bytes = chunk_bytes
+        stride = _PAYLOAD_AT + chunk_bytes
+        self._starts = [i * stride for i in range(slots)]
+        self.payloads = [region.data[s + _PAYLOAD_AT : s + stride] for s in self._starts]
+        self._views: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
+
+    @staticmethod
+    def region_bytes(slots: int, chunk_bytes: int) -> int:
+        """Data bytes of the region an inbox of this shape needs."""
+        return slots * (_PAYLOAD_AT + chunk_bytes)
+
+    def header_at(self, index: int) -> int:
+        """Offset of slot ``index``'s header in the region's mapping."""
+        return HEADER_BYTES + self._starts[index % self.slots]
+
+    def payload(self, index: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``index``'s payload, as ``dtype`` (views are kept for reuse)."""
+        key = (index % self.slots, dtype, nbytes)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            view = self._views[key] = self.payloads[key[0]][:nbytes].view(dtype)
+        return view
+
+    def close(self) -> None:
+        self.payloads = []
+        self._views.clear()
+        self.region.close()
+
+
+class WakePipes:
+    """The two FIFOs of a shared-memory link: one wakes the receiver, one the sender.
+
+    Both ends open both for reading and writing (never blocking), so neither
+    ever sees end-of-file or a broken pipe; the creator unlinks them once the
+    other end has opened them.
+    """
+
+    def __init__(self, paths: tuple[str, str], *, create: bool) -> None:
+        self.paths = paths
+        self.fds: list[int] = []
+        try:
+            for path in paths:
+                if create:
+                    os.mkfifo(path, 0o600)
+                self.fds.append(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+        except OSError:
+            self.close()
+            if create:
+                self.unlink()
+            raise
+
+    @property
+    def receiver(self) -> int:
+        """The pipe that wakes the receiver (written by the sender)."""
+        return self.fds[0]
+
+    @property
+    def sender(self) -> int:
+        """The pipe that wakes the sender (written by the receiver)."""
+        return self.fds[1]
+
+    def unlink(self) -> None:
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+class ShmSendLink(SendLink):
+    """Writes messages into the right neighbour's inbox, or lends it chunks of a shared buffer."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        reader: SocketReader,
+        peer: int,
+        describe: str,
+        inbox: Inbox,
+        *,
+        spin_s: float = 0.0,
+        can_lend: bool = False,
+        wake: WakePipes | None = None,
+    ) -> None:
+        super().__init__(sock, reader, peer, describe)
+        self.transport = "shm"
+        self.inbox = inbox
+        self.chunk_bytes = inbox.chunk_bytes
+        self.can_lend = can_lend
+        self.wake = wake
+        self.bell = Doorbell(
+            inbox.region.words,
+            mine=_POSTED,
+            theirs=_CONSUMED,
+            my_flag=_SEND_SLEEPING,
+            their_flag=_RECV_SLEEPING,
+            reader=reader,
+            spin_s=spin_s,
+            wake_in=wake.sender if wake is not None else -1,
+            wake_out=wake.receiver if wake is not None else -1,
+        )
+        self._lent_until = 0
+        self._retired: collections.deque[tuple[int, bytes]] = collections.deque()
+
+    def _claim(
+        self,
+        kind: int,
+        nbytes: int,
+        offset: int = 0,
+        region: RegionId | None = None,
+        *,
+        payload: int = _NO_PAYLOAD,
+    ) -> int:
+        """Wait for a free slot, write its header, and return its index (the message's number)."""
+        bell, inbox = self.bell, self.inbox
+        if nbytes > inbox.chunk_bytes and _KIND_LENT not in (kind, payload):
+            raise CommError(
+                f"a {nbytes}-byte message does not fit a {inbox.chunk_bytes}-byte slot of {self.describe}"
+            )
+        index = bell.count
+        bell.wait_for(index + 1 - inbox.slots, "a free slot")
+        fd, size, token = (region.fd, region.size, region.token) if region is not None else (-1, 0, b"")
+        _SLOT_HEADER.pack_into(
+            inbox.region.map, inbox.header_at(index), kind, payload, nbytes, offset, fd, size, token
+        )
+        return index
+
+    def send_meta(
+        self, record: bytes, payload: torch.Tensor | None = None, lent: tuple[RegionId, int] | None = None
+    ) -> None:
+        """Post one metadata record with its payload in the same message: copied into the slot, or lent.
+
+        The header also names one retired region, if any is waiting to be announced.
+        """
+        inbox = self.inbox
+        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+        if payload is None:
+            index = self._claim(_KIND_META, 0)
+        elif lent is not None and self.can_lend:
+            index = self._claim(_KIND_META, nbytes, lent[1], lent[0], payload=_KIND_LENT)
+        else:
+            index = self._claim(_KIND_META, nbytes, payload=_KIND_DATA)
+            if nbytes:
+                _kernels.copy(inbox.payload(index, payload.dtype, nbytes), payload)  # type: ignore[union-attr]
+        start = inbox.header_at(index)
+        inbox.region.map[start + _RECORD_AT : start + _RECORD_AT + META_BYTES] = record
+        fd, token = self._retired.popleft() if self._retired else (-1, b"")
+        _RETIRED.pack_into(inbox.region.map, start + _RETIRED_AT, fd, token)
+        self.bell.advance()
+        if lent is not None and self.can_lend:
+            self._lent_until = self.bell.count
+
+    def send(self, chunk: torch.Tensor) -> None:
+        """Copy ``chunk`` into the next free slot and post it."""
+        nbytes = chunk.numel() * chunk.element_size()
+        index = self._claim(_KIND_DATA, nbytes)
+        if nbytes:
+            _kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
+        self.bell.advance()
+
+    def lend(self, chunk: torch.Tensor, region: RegionId, offset: int) -> None:
+        """Post where ``chunk`` lies in ``region``; the receiver reads it from there."""
+        if not self.can_lend:
+            super().lend(chunk, region, offset)
+        self._claim(_KIND_LENT, chunk.numel() * chunk.element_size(), offset, region)
+        self.bell.advance()
+        self._lent_until = self.bell.count
+
+    def wait_returned(self) -> None:
+        """Wait until the receiver has consumed every message up to the last lent chunk."""
+        self.bell.wait_for(self._lent_until, f"{self.describe} to finish reading this rank's buffer")
+
+    def retire(self, fd: int, token: bytes) -> None:
+        """Tell the receiver, in a coming metadata record, that a lent region is gone (any thread)."""
+        self._retired.append((fd, token))
+
+    def close(self, linger: float) -> None:
+        """Unmap the inbox and close the connection."""
+        self.inbox.close()
+        if self.wake is not None:
+            self.wake.close()
+        super().close(linger)
+
+
+class ShmRecvLink(RecvLink):
+    """Reads messages out of this rank's own inbox, and lent chunks out of the sender's buffers."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        reader: SocketReader,
+        peer: int,
+        describe: str,
+        inbox: Inbox,
+        *,
+        spin_s: float = 0.0,
+        peer_pid: int = 0,
+        wake: WakePipes | None = None,
+    ) -> None:
+        super().__init__(sock, reader, peer, describe)
+        self.transport = "shm"
+        self.inbox = inbox
+        self.chunk_bytes = inbox.chunk_bytes
+        self.peer_pid = peer_pid
+        self.wake = wake
+        self.bell = Doorbell(
+            inbox.region.words,
+            mine=_CONSUMED,
+            theirs=_POSTED,
+            my_flag=_RECV_SLEEPING,
+            their_flag=_SEND_SLEEPING,
+            reader=reader,
+            spin_s=spin_s,
+            wake_in=wake.receiver if wake is not None else -1,
+            wake_out=wake.sender if wake is not None else -1,
+        )
+        self._held: tuple[int, int, int, int, int, bytes] | None = None  # a metadata message's payload
+        self._lent: dict[tuple[int, bytes], Region] = {}
+
+    @property
+    def lent_regions(self) -> int:
+        """How many of the sender's regions this rank has mapped."""
+        return len(self._lent)
+
+    def _next(self, what: str) -> tuple[int, int, int, int, int, int, bytes]:
+        """Wait for the next message and return its header (see ``_SLOT_HEADER``)."""
+        bell = self.bell
+        bell.wait_for(bell.count + 1, what)
+        return _SLOT_HEADER.unpack_from(self.inbox.region.map, self.inbox.header_at(bell.count))
+
+    def _unexpected(self, kind: int, what: str) -> CommError:
+        return CommError(
+            f"protocol error from {self.describe} ({what}): got a {_KIND_NAMES.get(kind, repr(kind))} "
+            "message. The ranks disagree on the sequence of collectives; every rank must issue the same "
+            "ones in the same order"
+        )
+
+    def recv_meta(self) -> bytes:
+        """Receive one metadata record; a payload that came with it is read by the next ``recv_*``."""
+        kind, payload, nbytes, offset, fd, size, token = self._next("metadata")
+        if kind != _KIND_META:
+            raise self._unexpected(kind, "metadata")
+        start = self.inbox.header_at(self.bell.count)
+        record = bytes(self.inbox.region.map[start + _RECORD_AT : start + _RECORD_AT + META_BYTES])
+        gone_fd, gone_token = _RETIRED.unpack_from(self.inbox.region.map, start + _RETIRED_AT)
+        if gone_fd >= 0:  # a region of the sender's is gone
+            region = self._lent.pop((gone_fd, gone_token), None)
+            if region is not None:
+                region.close()
+        if payload == _NO_PAYLOAD:
+            self.bell.advance()
+        else:
+            self._held = (payload, nbytes, offset, fd, size, token)
+        return record
+
+    def _incoming(self, dst: torch.Tensor) -> torch.Tensor:
+        """A view of the next chunk, which must have ``dst``'s size and dtype."""
+        expected = dst.numel() * dst.element_size()
+        if self._held is not None:
+            (kind, nbytes, offset, fd, size, token), self._held = self._held, None
+        else:
+            kind, _, nbytes, offset, fd, size, token = self._next("data")
+        if nbytes != expected:
+            raise CommError(
+                f"{self.describe} sent a {nbytes}-byte chunk where this rank expected {expected} bytes; "
+                "the ranks disagree on the collective's tensor sizes"
+            )
+        if kind == _KIND_DATA:
+            return self.inbox.payload(self.bell.count, dst.dtype, nbytes)
+        if kind == _KIND_LENT:
+            return self._lent_region(fd, size, token).data[offset : offset + nbytes].view(dst.dtype)
+        raise self._unexpected(kind, "data")
+
+    def _lent_region(self, fd: int, size: int, token: bytes) -> Region:
+        region = self._lent.get((fd, token))
+        if region is None:
+            try:
+                region = Region.open_descriptor(self.peer_pid, fd, size, token)
+            except OSError as e:
+                raise PeerFailureError(
+                    f"cannot map the shared buffer of {self.describe} ({e}); its process ended?"
+                ) from e
+            self._lent[(fd, token)] = region
+        return region
+
+    def recv_into(self, dst: torch.Tensor) -> None:
+        """Copy the next chunk into ``dst``."""
+        _kernels.copy(dst, self._incoming(dst))
+        self.bell.advance()
+
+    def recv_reduce(self, dst: torch.Tensor, reduce: Reducer) -> None:
+        """Reduce the next chunk straight out of the slot (or the sender's buffer) into ``dst``."""
+        reduce(dst, self._incoming(dst))
+        self.bell.advance()
+
+    def close(self, linger: float) -> None:
+        """Unmap the inbox and the sender's buffers, and close the connection."""
+        self.inbox.close()
+        for region in self._lent.values():
+            region.close()
+        self._lent.clear()
+        if self.wake is not None:
+            self.wake.close()
+        super().close(linger)

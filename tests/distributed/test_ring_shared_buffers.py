@@ -1,0 +1,199 @@
+"""Ring all-reduces of buffers from ``alloc_buffer``: read in place by the neighbour, reused every step."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import torch
+
+from commlib import PeerFailureError, ReduceOp
+from tests._launcher import RankPool, run_ranks_outcomes
+
+pytestmark = pytest.mark.multiprocess
+
+# Small chunks and no small-message path: a 10_000-element bucket streams through many lent chunks.
+_ENV = {"COMMLIB_RING_CHUNK_BYTES": "4096", "COMMLIB_RING_SMALL_BYTES": "1024", "COMMLIB_TIMEOUT": "60"}
+
+
+@pytest.fixture(scope="module")
+def pools():  # type: ignore[no-untyped-def]
+    cache: dict[tuple[int, str], RankPool] = {}
+
+    def get(world_size: int, transport: str = "auto") -> RankPool:
+        key = (world_size, transport)
+        if key not in cache:
+            cache[key] = RankPool(world_size, "ring", env={**_ENV, "COMMLIB_RING_TRANSPORT": transport})
+        return cache[key]
+
+    yield get
+    for pool in cache.values():
+        pool.close()
+
+
+# ------------------------------------------------------------ bodies (spawned)
+def _busy(units: int) -> None:
+    """Compute for a while, so that the ranks reach each collective at different times."""
+    x = torch.ones(64, 64)
+    for _ in range(units * 20):
+        x = x @ x.clamp(max=1.0) / 64
+
+
+def _values(numel: int, rank: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    return ((torch.arange(numel) * 7 + step) % 1000 + 1000 * rank).to(dtype)
+
+
+def _reuse_buckets(group, steps: int, numel: int) -> tuple[bool, int]:  # type: ignore[no-untyped-def]
+    """Fill, all-reduce and overwrite the same buckets every step; every result must be exact."""
+    n, r = group.world_size, group.rank
+    cases = [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.float64, ReduceOp.AVG)]
+    buckets = [group.alloc_buffer(numel, dtype) for dtype, _ in cases]
+    assert all(b.shape == (numel,) and not b.any() for b in buckets)
+    for step in range(steps):
+        for i, (bucket, (dtype, op)) in enumerate(zip(buckets, cases, strict=True)):
+            bucket.copy_(_values(numel, r, step, dtype))
+            contributions = torch.stack([_values(numel, k, step, torch.float64) for k in range(n)])
+            expected = {
+                ReduceOp.SUM: contributions.sum(0),
+                ReduceOp.MAX: contributions.max(0).values,
+                ReduceOp.AVG: contributions.sum(0) / n,
+            }[op].to(dtype)
+            _busy((r + step + i) % n * 3)  # a different rank arrives last each time
+            if (step + i) % 2:
+                group.all_reduce(bucket, op)
+            else:
+                work = group.all_reduce(bucket, op, async_op=True)
+                _busy(r)
+                work.wait()
+            assert torch.equal(bucket, expected), f"step {step}, {dtype}: {bucket[:8]} != {expected[:8]}"
+            bucket.fill_(-1)  # at once: a neighbour still reading this buffer would see it
+    return group.shares_buffers, group.mapped_peer_buffers
+
+
+def _views_of_a_bucket(group) -> list[float]:  # type: ignore[no-untyped-def]
+    """All-reduce parts of one buffer (at different offsets on different ranks) and leave the rest alone."""
+    r = group.rank
+    bucket = group.alloc_buffer(20_000, torch.float32)
+    bucket.fill_(float(r + 1))
+    start = 1000 + 64 * r  # the neighbour's chunk lies elsewhere in its buffer
+    part = bucket[start : start + 9_000]
+    group.all_reduce(part)
+    expected = torch.full((20_000,), float(r + 1))
+    expected[start : start + 9_000] = group.world_size * (group.world_size + 1) / 2
+    assert torch.equal(bucket, expected)
+    matrix = group.alloc_buffer(6_000, torch.float32).view(60, 100)  # a reshaped buffer is still the buffer
+    matrix.fill_(1.0)
+    group.all_reduce(matrix)
+    assert torch.equal(matrix, torch.full((60, 100), float(group.world_size)))
+    return [float(bucket.sum())]
+
+
+def _shapes_of_one_size(group) -> list[float]:  # type: ignore[no-untyped-def]
+    """Ranks may pass different shapes of one element count (the records differ only in shape)."""
+    shape = (200, 50) if group.rank == 0 else (10_000,)
+    results = []
+    for tensor in (torch.ones(shape), group.alloc_buffer(10_000, torch.float32).view(shape)):
+        tensor.fill_(float(group.rank + 1))
+        group.all_reduce(tensor)
+        results.append(float(tensor.sum()))
+    return results
+
+
+def _ordinary_memory(group) -> tuple[bool, bool, list[float]]:  # type: ignore[no-untyped-def]
+    """Where buffers cannot be shared, alloc_buffer gives ordinary zeroed memory that works the same."""
+    bucket = group.alloc_buffer(5_000, torch.float32)
+    bucket.fill_(float(group.rank + 1))
+    group.all_reduce(bucket)
+    empty = group.alloc_buffer(0, torch.float32)
+    return group.shares_buffers, bool(empty.numel() == 0), bucket.unique().tolist()
+
+
+def _churn_buffers(group, count: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Allocate, all-reduce and drop buffers; the neighbour unmaps each one, and nothing blocks."""
+    keep = group.alloc_buffer(10_000, torch.float32)
+    keep.fill_(1.0)
+    group.all_reduce(keep)
+    for i in range(count):
+        bucket = group.alloc_buffer(10_000 + 64 * i, torch.float32)
+        bucket.fill_(1.0)
+        group.all_reduce(bucket)
+        assert torch.equal(bucket, torch.full_like(bucket, group.world_size))
+        del bucket
+        gc.collect()
+    most = group.mapped_peer_buffers
+    for _ in range(count + 1):  # every collective's record announces one retired buffer
+        keep.fill_(1.0)
+        group.all_reduce(keep)
+        assert torch.equal(keep, torch.full_like(keep, group.world_size))
+    return most, group.mapped_peer_buffers
+
+
+def _die_with_a_shared_bucket(group, victim: int, numel: int) -> tuple[str, float]:  # type: ignore[no-untyped-def]
+    bucket = group.alloc_buffer(numel, torch.float32)
+    bucket.fill_(1.0)
+    group.all_reduce(bucket)  # one good step: the neighbour has mapped the buffer
+    if group.rank == victim:
+        group.all_reduce(bucket, async_op=True)
+        os._exit(17)  # die with the collective in flight
+    start = time.monotonic()
+    try:
+        group.all_reduce(bucket)
+    except PeerFailureError as e:
+        return str(e), time.monotonic() - start
+    raise AssertionError("all_reduce with a dead peer did not raise")
+
+
+# ----------------------------------------------------------------- the tests
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shared_buckets_reused_every_step_stay_exact(pools, world_size: int) -> None:
+    results = pools(world_size).run(_reuse_buckets, 12, 10_000, timeout=180)
+    for shares, mapped in results:
+        assert shares, "alloc_buffer did not return shared memory on one host"
+        assert mapped == 3, f"the neighbour's 3 buckets were not read in place (mapped {mapped})"
+
+
+def test_views_of_shared_buffers_are_reduced_in_place(pools) -> None:
+    sums = pools(2).run(_views_of_a_bucket, timeout=60)
+    assert sums == [[1.0 * 11_000 + 3.0 * 9_000], [2.0 * 11_000 + 3.0 * 9_000]]
+
+
+def test_buffers_dropped_on_every_rank_are_unmapped_without_blocking() -> None:
+    """One slot per link: announcing the dropped buffers must not need slots of its own."""
+    pool = RankPool(2, "ring", env={**_ENV, "COMMLIB_RING_SHM_SLOTS": "1"})
+    try:
+        for most, left in pool.run(_churn_buffers, 6, timeout=120):
+            assert most >= 2, f"the neighbour's dropped buffers were unmapped at once? ({most} mapped)"
+            assert left == 1, f"{left} of the neighbour's buffers still mapped; only one is alive"
+    finally:
+        pool.close()
+
+
+def test_different_shapes_of_one_size_reduce_alike(pools) -> None:
+    assert pools(2).run(_shapes_of_one_size, timeout=60) == [[30_000.0, 30_000.0]] * 2
+
+
+def test_buffers_over_tcp_are_ordinary_memory(pools) -> None:
+    for shares, empty_ok, values in pools(2, "tcp").run(_ordinary_memory, timeout=60):
+        assert (shares, empty_ok, values) == (False, True, [3.0])
+
+
+@pytest.mark.parametrize(("world_size", "victim"), [(2, 1), (3, 2)])
+def test_peer_dying_with_shared_buckets_is_detected(world_size: int, victim: int) -> None:
+    outcomes = run_ranks_outcomes(
+        _die_with_a_shared_bucket,
+        world_size,
+        args=(victim, 2_000_000),
+        env={**_ENV, "COMMLIB_TIMEOUT": "60", "COMMLIB_RING_CHUNK_BYTES": "65536"},
+        timeout=90,
+    )
+    assert outcomes[victim].exitcode == 17
+    for o in outcomes:
+        if o.rank == victim:
+            continue
+        assert o.ok, o.error
+        failure, elapsed = o.value
+        assert elapsed < 30, f"rank {o.rank} took {elapsed:.1f} s to notice"
+        assert failure.startswith(f"[rank {o.rank}/{world_size}] ring.all_reduce #2"), failure
+        assert f"rank {victim}" in failure, failure
