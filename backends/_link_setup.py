@@ -117,52 +117,60 @@ def connect_links(
                 my_wake = WakePipes((f"{path}.wake-recv", f"{path}.wake-send"), create=True)
             except OSError:
                 my_wake = None  # wake-ups go over the socket
-    if inbox is None and forced and "tcp" not in (transport, proposal["transport"]):
-        message = (
-            f"{prefix}COMMLIB_RING_TRANSPORT=shm, but the link from rank {left_rank} cannot use "
-            f"shared memory: {why_not}"
-        )
-        send_json(left, {"transport": "error", "why": message})
-        if probe is not None:
-            probe.close()
-        raise RendezvousError(message)
-    if inbox is not None:
-        send_json(
-            left,
-            {
-                "transport": "shm",
-                "path": inbox.region.path,
-                "token": inbox.region.token.hex(),
-                "lend": _can_open(proposal),
-                "wake": list(my_wake.paths) if my_wake is not None else None,
-            },
-        )
-    else:
-        send_json(left, {"transport": "tcp", "why": why_not})
-
-    offer = recv_json(right_reader, "link set-up")
-    if probe is not None:
-        probe.close()  # the right neighbour has tried it by now
-    if offer["transport"] == "error":
-        raise RendezvousError(f"{prefix}{offer['why']}")
-    remote: Inbox | None = None
-    their_wake: WakePipes | None = None
-    problem = ""
-    if offer["transport"] == "shm":
-        try:
-            region = Region.open_path(
-                offer["path"], Inbox.region_bytes(slots, chunk_bytes), bytes.fromhex(offer["token"])
+    try:
+        if inbox is None and forced and "tcp" not in (transport, proposal["transport"]):
+            message = (
+                f"{prefix}COMMLIB_RING_TRANSPORT=shm, but the link from rank {left_rank} cannot use "
+                f"shared memory: {why_not}"
             )
-            remote = Inbox(region, slots, chunk_bytes)
-        except OSError as e:
-            problem = f"cannot open rank {right_rank}'s shared memory: {e}"
-        if remote is not None and offer.get("wake"):
+            send_json(left, {"transport": "error", "why": message})
+            if probe is not None:
+                probe.close()
+            raise RendezvousError(message)
+        if inbox is not None:
+            send_json(
+                left,
+                {
+                    "transport": "shm",
+                    "path": inbox.region.path,
+                    "token": inbox.region.token.hex(),
+                    "lend": _can_open(proposal),
+                    "wake": list(my_wake.paths) if my_wake is not None else None,
+                },
+            )
+        else:
+            send_json(left, {"transport": "tcp", "why": why_not})
+
+        offer = recv_json(right_reader, "link set-up")
+        if probe is not None:
+            probe.close()  # the right neighbour has tried it by now
+        if offer["transport"] == "error":
+            raise RendezvousError(f"{prefix}{offer['why']}")
+        remote: Inbox | None = None
+        their_wake: WakePipes | None = None
+        problem = ""
+        if offer["transport"] == "shm":
             try:
-                their_wake = WakePipes(tuple(offer["wake"]), create=False)  # type: ignore[arg-type]
-            except OSError:
-                their_wake = None
-    send_json(right, {"ok": remote is not None, "wake": their_wake is not None, "why": problem})
-    reply = recv_json(left_reader, "link set-up")
+                region = Region.open_path(
+                    offer["path"], Inbox.region_bytes(slots, chunk_bytes), bytes.fromhex(offer["token"])
+                )
+                remote = Inbox(region, slots, chunk_bytes)
+            except OSError as e:
+                problem = f"cannot open rank {right_rank}'s shared memory: {e}"
+            if remote is not None and offer.get("wake"):
+                try:
+                    their_wake = WakePipes(tuple(offer["wake"]), create=False)  # type: ignore[arg-type]
+                except OSError:
+                    their_wake = None
+        send_json(right, {"ok": remote is not None, "wake": their_wake is not None, "why": problem})
+        reply = recv_json(left_reader, "link set-up")
+    except BaseException:
+        # A neighbour that dies during set-up must not leave our files in /dev/shm.
+        if inbox is not None:
+            inbox.region.unlink()
+        if my_wake is not None:
+            my_wake.unlink()
+        raise
     if inbox is not None:
         inbox.region.unlink()  # both ends have it mapped; nothing is left behind if a rank crashes
     if my_wake is not None:

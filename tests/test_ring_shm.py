@@ -456,3 +456,41 @@ def test_numpy_views_of_kernels_write_through() -> None:
     big = torch.zeros(_kernels.PIECE * 2, dtype=torch.int32)
     _kernels.reducer(ReduceOp.MAX, torch.int32)(big, torch.arange(big.numel(), dtype=torch.int32))
     assert np.array_equal(big.numpy(), np.arange(big.numel(), dtype=np.int32))
+
+
+def test_a_neighbour_lost_during_link_set_up_leaves_no_shared_memory_files(tmp_path) -> None:
+    """The inbox and wake files are unlinked even when set-up fails before the neighbour confirms."""
+    import socket
+    import threading
+
+    from backends._link_setup import connect_links
+    from backends._rendezvous import RingSockets, host_id
+    from backends._wire import PeerClosed, SocketReader, recv_json, send_json
+
+    left, left_peer = socket.socketpair()
+    right, right_peer = socket.socketpair()
+    for sock in (left, right, left_peer, right_peer):
+        sock.settimeout(10)
+
+    def neighbour() -> None:
+        # As the left neighbour: propose shared memory, read our offer, then vanish.
+        send_json(left_peer, {"transport": "auto", "host": host_id(), "pid": 0, "probe": None})
+        recv_json(SocketReader(left_peer, "rank 0"), "offer")
+        # As the right neighbour: read our proposal, then vanish without an offer.
+        recv_json(SocketReader(right_peer, "rank 0"), "proposal")
+        left_peer.close()
+        right_peer.close()
+
+    thread = threading.Thread(target=neighbour)
+    thread.start()
+    sockets = RingSockets(
+        peers=[], settings={}, right=right, left=left, left_reader=SocketReader(left, "rank 1")
+    )
+    with pytest.raises(PeerClosed):
+        connect_links(
+            sockets, 0, 2, transport="auto", chunk_bytes=4096, slots=2, shm_dir=str(tmp_path), prefix=""
+        )
+    thread.join(10)
+    assert list(tmp_path.iterdir()) == []
+    left.close()
+    right.close()
