@@ -364,7 +364,11 @@ class GradientBucketManager:
             )
         bucket = self._buckets[index]
         start = time.perf_counter()
-        bucket.reduce_async(self.group, self.reduce_op)
+        bucket.reduce_async(self.group, self.reduce_op).annotate(
+            lambda: (
+                f"DDP bucket {index}, {len(bucket.names)} parameters, first: {', '.join(bucket.names[:3])}"
+            )
+        )
         self.recorder.launched(index, bucket.nbytes, len(bucket.params), start)
         self._next_launch += 1
 
