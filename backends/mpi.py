@@ -100,6 +100,10 @@ _LAUNCHER_VARS = {
 }
 
 
+_BACKGROUND_SPIN_S = 2e-3
+"""Seconds the launcher thread tests a fingerprint exchange between yields before it naps: a
+rank that arrives together with its peers finishes in microseconds, one far ahead sleeps."""
+
 _lock = threading.Lock()
 _live_groups: dict[int, MPIProcessGroup] = {}
 """Open groups, and closed ones with collectives still in flight, held for the exit hook.
@@ -569,9 +573,9 @@ class MPIProcessGroup(IProcessGroup):
         def exchange(mine: bytes, timeout: float, label: object, background: bool) -> bytes:
             everyone = bytearray(len(mine) * self.world_size)
             issued = time.monotonic()
-            # On the launcher thread, nap between tests: spinning there would take the core
-            # (and Python's lock) from the caller's compute.
-            spin = (0.0, 0.0) if background else (self._pure_spin_s, SPIN_S)
+            # On the launcher thread, yield between tests for a moment, then nap: spinning there
+            # would take the core (and Python's lock) from the caller's compute.
+            spin = (0.0, _BACKGROUND_SPIN_S) if background else (self._pure_spin_s, SPIN_S)
             try:
                 request = side.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])
                 done = wait_until(request.Test, issued + timeout, pure_spin_s=spin[0], spin_s=spin[1])

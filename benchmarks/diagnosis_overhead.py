@@ -109,6 +109,7 @@ def measure(
     nbytes: int,
     rounds: int,
     slowest: Callable[[float], float],
+    args_async: bool = False,
 ) -> list[Row]:
     """Time every mode at ``nbytes``, modes taking turns."""
     t = torch.ones(nbytes // 4)
@@ -128,14 +129,18 @@ def measure(
             barrier()
             start = time.perf_counter()
             for _ in range(reps):
-                group.all_reduce(t)
+                if args_async:
+                    group.all_reduce(t, async_op=True).wait()  # type: ignore[union-attr]
+                else:
+                    group.all_reduce(t)
             samples[mode].append(slowest((time.perf_counter() - start) / reps))
     rows = []
     base = samples["off"]
     for mode, times in samples.items():
         ratio = statistics.median(m / o for m, o in zip(times, base, strict=True))
         us = statistics.median(times) * 1e6
-        rows.append(Row(backend, nbytes, mode, us, us - statistics.median(base) * 1e6, ratio, rounds))
+        name = f"{mode}-async" if args_async else mode
+        rows.append(Row(backend, nbytes, name, us, us - statistics.median(base) * 1e6, ratio, rounds))
     return rows
 
 
@@ -168,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         for nbytes in (parse_size(s) for s in args.sizes.split(",")):
             rounds = args.rounds if nbytes <= (1 << 20) else max(5, args.rounds // 2)
             rows.extend(measure(groups, backend, nbytes, rounds, slowest))
+            if args.async_too:
+                rows.extend(measure(groups, backend, nbytes, rounds, slowest, args_async=True))
         for group in reversed(list(groups.values())):
             group.close()
     if env.rank == 0:
@@ -197,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="the groups' timeout, seconds")
     parser.add_argument("--json", default=None, help="also write the table to this file")
+    parser.add_argument(
+        "--async-too", action="store_true", help="also time all_reduce(async_op=True).wait() per mode"
+    )
     add_spawn_arguments(parser)
     args = parser.parse_args(argv)
     if args.spawn is not None and not args.worker:

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         )
         for name, rows in results.items():
             for case, seconds, text in rows:
-                print(f"{name:5s} | {case:28s} | {seconds:7.3f} s | {text[:150]}")
+                print(f"{name:5s} | {case:33s} | {seconds * 1e3:9.1f} ms | {text[:150]}")
     sys.stdout.flush()
     if "mpi" in results:
         os._exit(0)  # the timed-out request can never finish; MPI_Finalize would wait for it
