@@ -5,9 +5,10 @@
 and then routes every collective through ``Diagnostics.run``. With all three off
 there is no ``Diagnostics`` and a collective pays one attribute test.
 
-The side channel (``commlib.sidechannel``) is set up here: rank 0 starts the hub
-and broadcasts its address and token once, over the backend itself (the data
-path is in step at creation by construction); every rank then joins it.
+Set-up is one broadcast over the backend itself (the data path is in step at
+creation by construction), on every group of more than one rank: rank 0's
+settings, and, if they need the side channel (``commlib.sidechannel``), the
+address and token of the hub rank 0 starts; every rank then joins it.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ FingerprintExchange = Callable[[bytes, float, object, bool], bytes]
 ``background`` is True on the launcher thread: there, wait without spinning (the
 caller is computing meanwhile)."""
 
-_ADDRESS = struct.Struct("!8sq16sH")
-"""Set-up broadcast: magic, hub port (0: no hub), token, length of the text that follows
-(the hub's host, or why rank 0 has no hub)."""
+_ADDRESS = struct.Struct("!8s?dq16sH")
+"""Set-up broadcast: magic, rank 0's DETAIL flag and stall seconds, hub port (0: no hub),
+token, length of the text that follows (the hub's host, or why rank 0 has no hub)."""
 _ADDRESS_MAGIC = b"CLDGADDR"
 _ADDRESS_WORDS = 48
 """Size of the set-up broadcast in int64 words (384 bytes)."""
@@ -84,46 +85,64 @@ class Diagnostics:
     # --------------------------------------------------------------- set-up
     @classmethod
     def start(cls, group: IProcessGroup) -> Diagnostics | None:
-        """Set up what ``group.config`` asks for; None if it asks for nothing.
+        """Set up what the group's config asks for; None if it asks for nothing.
 
-        Every rank of the group must call this (it broadcasts once).
+        Every rank of the group must call this: with more than one rank it
+        broadcasts once, always, so that the ranks agree even when their
+        environments differ. Rank 0's ``COMMLIB_DEBUG`` and ``COMMLIB_STALL_S``
+        apply to the whole group (a rank whose own differ logs a warning); the
+        flight recorder is each rank's own choice.
 
         Raises:
-            CommError: ``COMMLIB_DEBUG=DETAIL`` is on and the side channel could not be set up.
+            CommError: The fingerprint check is on and its side channel could not be set up.
         """
         config = group.config
         world = group.world_size
-        debug = config.debug if config.debug is not None else group.default_debug
-        detail = debug == "detail" and world > 1
-        stall = config.stall_s > 0 and world > 1
         recorder = (
             FlightRecorder(config.flight_recorder, group.backend, group.rank, world, config.dump_dir)
             if config.flight_recorder > 0
             else None
         )
-        if not (detail or stall or recorder):
+        if world == 1:
+            return cls(tracker=None, recorder=recorder, exchange=None, world_size=1) if recorder else None
+        debug = config.debug if config.debug is not None else group.default_debug
+        agreed = _agree(group, debug == "detail", config.stall_s)
+        detail, stall_s = agreed.detail, agreed.stall_s
+        if (detail, stall_s) != (debug == "detail", config.stall_s):
+            logger.warning(
+                "%sCOMMLIB_DEBUG / COMMLIB_STALL_S here (%s, %g s) differ from rank 0's (%s, %g s); rank 0's "
+                "apply to the group",
+                group._prefix("diagnostics"),
+                debug,
+                config.stall_s,
+                "detail" if detail else "off",
+                stall_s,
+            )
+        if not (detail or stall_s > 0 or recorder):
             return None
         exchange = group._fingerprint_exchange() if detail else None
-        needs_hub = stall or (detail and exchange is None)
-        hub = client = None
-        if needs_hub:
+        needs_hub = detail and exchange is None
+        client = None
+        if stall_s > 0 or needs_hub:
             try:
-                hub, client = _join_side_channel(group, control=stall)
+                client = agreed.join(group, control=stall_s > 0)
             except CommError as e:
-                if detail and exchange is None:
+                if needs_hub:
+                    if agreed.hub is not None:
+                        agreed.hub.close()
                     raise
                 logger.warning("%s; stall reports will not name the other ranks", e)
-        if detail and exchange is None:
+        if needs_hub:
             assert client is not None
             exchange = client.exchange
-        tracker = CollectiveTracker() if stall else None
-        watchdog = None
-        if tracker is not None:
+        watchdog = tracker = None
+        if stall_s > 0:
+            tracker = CollectiveTracker()
             testable = group._works_testable_from_any_thread
             watchdog = Watchdog(
                 tracker,
                 client.control if client is not None else None,
-                stall_s=config.stall_s,
+                stall_s=stall_s,
                 timeout_s=group.timeout,
                 label=f"[rank {group.rank}/{world}] {group.backend}",
                 may_test=lambda work: testable,
@@ -137,7 +156,7 @@ class Diagnostics:
             recorder=recorder,
             exchange=exchange,
             world_size=world,
-            hub=hub,
+            hub=agreed.hub,
             client=client,
             watchdog=watchdog,
             launcher=launcher,
@@ -306,45 +325,37 @@ class Diagnostics:
                 return
 
 
-def _join_side_channel(
-    group: IProcessGroup, *, control: bool
-) -> tuple[SideChannelHub | None, SideChannelClient]:
-    """Rank 0 starts the hub and broadcasts where it is; every rank joins it.
+class _Agreement:
+    """What rank 0 broadcast at set-up: its settings, and where its hub listens."""
 
-    Raises:
-        CommError: Rank 0 could not start the hub, or this rank could not join it.
-    """
-    env = group.env
-    prefix = group._prefix("diagnostics")
-    hub = None
-    words = torch.zeros(_ADDRESS_WORDS, dtype=torch.int64)
-    if group.rank == 0:
-        token = secrets.token_bytes(16)
-        host = hub_host(env.master_addr, env.local_world_size >= env.world_size)
-        try:
-            hub = SideChannelHub(group.world_size, host, token, name=f"{group.backend}-rank0")
-            port, text = hub.port, host
-        except OSError as e:
-            port, text = 0, f"rank 0 could not listen on {host}: {e}"
-        _pack_address(words, port, token, text)
-    try:
-        device = group.preferred_device()
-        shared = words.to(device)
-        group._broadcast(shared, 0, False).wait()
-        words = shared.cpu()
-    except BaseException:
-        if hub is not None:
-            hub.close()
-        raise
-    try:
-        port, token, text = _unpack_address(words)
-    except ValueError as e:
-        raise CommError(f"{prefix}the side channel's address from rank 0 is garbled ({e})") from e
-    if port == 0:
-        raise CommError(f"{prefix}no diagnosis side channel: {text}")
-    try:
-        client = SideChannelClient(
-            text,
+    def __init__(
+        self,
+        detail: bool,
+        stall_s: float,
+        hub: SideChannelHub | None,
+        address: tuple[str, int, bytes] | None,
+        problem: str,
+    ) -> None:
+        self.detail = detail
+        self.stall_s = stall_s
+        self.hub = hub
+        """The hub itself, on rank 0 (None elsewhere)."""
+        self.address = address
+        self.problem = problem
+        """Why there is no hub, when there is none."""
+
+    def join(self, group: IProcessGroup, *, control: bool) -> SideChannelClient:
+        """Connect this rank to the hub.
+
+        Raises:
+            CommError: There is no hub, or it cannot be reached.
+        """
+        prefix = group._prefix("diagnostics")
+        if self.address is None:
+            raise CommError(f"{prefix}no diagnosis side channel: {self.problem}")
+        host, port, token = self.address
+        return SideChannelClient(
+            host,
             port,
             token,
             group.rank,
@@ -353,23 +364,57 @@ def _join_side_channel(
             timeout=min(group.timeout, 60.0),
             prefix=prefix,
         )
+
+
+def _agree(group: IProcessGroup, detail: bool, stall_s: float) -> _Agreement:
+    """Broadcast rank 0's settings and, if they need one, the address of the hub it starts."""
+    env = group.env
+    hub = None
+    words = torch.zeros(_ADDRESS_WORDS, dtype=torch.int64)
+    if group.rank == 0:
+        token = secrets.token_bytes(16)
+        port, text = 0, "rank 0 runs without stall reports and without COMMLIB_DEBUG=DETAIL"
+        if detail or stall_s > 0:
+            host = hub_host(env.master_addr, env.local_world_size >= env.world_size)
+            try:
+                hub = SideChannelHub(group.world_size, host, token, name=f"{group.backend}-rank0")
+                port, text = hub.port, host
+            except OSError as e:
+                text = f"rank 0 could not listen on {host}: {e}"
+        _pack_address(words, detail, stall_s, port, token, text)
+    try:
+        shared = words.to(group.preferred_device())
+        group._broadcast(shared, 0, False).wait()
+        words = shared.cpu()
+        detail, stall_s, port, token, text = _unpack_address(words)
+    except ValueError as e:
+        # Only a backend whose broadcast moves nothing (a test double) gets here: go on with
+        # this rank's own settings and no side channel.
+        if hub is not None:
+            hub.close()
+        return _Agreement(
+            detail, stall_s, None, None, f"the set-up broadcast from rank 0 came back garbled ({e})"
+        )
     except BaseException:
         if hub is not None:
             hub.close()
         raise
-    return hub, client
+    address = (text, port, token) if port else None
+    return _Agreement(detail, stall_s, hub, address, "" if port else text)
 
 
-def _pack_address(words: torch.Tensor, port: int, token: bytes, text: str) -> None:
+def _pack_address(
+    words: torch.Tensor, detail: bool, stall_s: float, port: int, token: bytes, text: str
+) -> None:
     raw = text.encode()[: _ADDRESS_WORDS * 8 - _ADDRESS.size]
-    data = _ADDRESS.pack(_ADDRESS_MAGIC, port, token, len(raw)) + raw
+    data = _ADDRESS.pack(_ADDRESS_MAGIC, detail, stall_s, port, token, len(raw)) + raw
     data += bytes(_ADDRESS_WORDS * 8 - len(data))
     words.copy_(torch.frombuffer(bytearray(data), dtype=torch.int64))
 
 
-def _unpack_address(words: torch.Tensor) -> tuple[int, bytes, str]:
+def _unpack_address(words: torch.Tensor) -> tuple[bool, float, int, bytes, str]:
     data = words.numpy().tobytes()
-    magic, port, token, length = _ADDRESS.unpack_from(data)
+    magic, detail, stall_s, port, token, length = _ADDRESS.unpack_from(data)
     if magic != _ADDRESS_MAGIC:
         raise ValueError(f"magic {magic!r}")
-    return port, token, data[_ADDRESS.size : _ADDRESS.size + length].decode(errors="replace")
+    return detail, stall_s, port, token, data[_ADDRESS.size : _ADDRESS.size + length].decode(errors="replace")

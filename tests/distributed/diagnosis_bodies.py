@@ -146,6 +146,12 @@ def async_under_check(group: IProcessGroup, late_s: float = 1.0) -> dict[str, An
     }
 
 
+def settings_of_rank0(group: IProcessGroup) -> dict[str, Any]:
+    """Whatever this rank's environment says, rank 0's COMMLIB_DEBUG applies: a mismatch raises everywhere."""
+    checked = group._diagnostics is not None and group._diagnostics.exchange is not None  # type: ignore[union-attr]
+    return {"checked": checked, **desync(group, "op")}
+
+
 def desyncs(group: IProcessGroup) -> dict[str, Any]:
     """Every desync case in turn (for one launcher run)."""
     return {case: desync(group, case) for case in DESYNCS}

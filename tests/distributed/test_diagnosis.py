@@ -113,6 +113,19 @@ def test_async_collectives_do_not_wait_for_the_check(pools: dict[str, RankPool],
         assert value["after"] == 2.0
 
 
+def test_rank0s_settings_apply_to_the_group() -> None:
+    """Rank 1 asks for no check and no stall reports; rank 0 for both: the group checks, on both ranks."""
+    per_rank_env = [{"COMMLIB_DEBUG": "DETAIL"}, {"COMMLIB_DEBUG": "OFF", "COMMLIB_STALL_S": "0"}]
+    outcomes = run_ranks_outcomes(
+        bodies.settings_of_rank0, 2, backend="gloo", per_rank_env=per_rank_env, timeout=90
+    )
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    for outcome in outcomes:
+        assert outcome.value["checked"] is True
+        assert outcome.value["error"][0] == "CollectiveMismatchError"
+        assert outcome.value["after"] == 2.0
+
+
 # ------------------------------------------------------------------ stalls
 def _check_stall(value: dict[str, Any], backend: str) -> None:
     warnings, seq = value["warnings"], value["seq"]
