@@ -6,11 +6,11 @@ Run on 2 ranks, under MPI for all three backends or spawned for ring and gloo::
     python benchmarks/failure_times.py --spawn 2 --backends ring,gloo
 
 For each backend, one group with ``COMMLIB_DEBUG=DETAIL``, stall reports after
-1 s and a 5 s timeout runs, in turn: the mismatched calls of issue 12 (size,
+1 s and a 5 s timeout runs, in turn: mismatched calls (size,
 dtype, reduce op, broadcast root, all_reduce against broadcast), a rank 3 s
 late (the stall warning), and last a rank that skips a collective (the timeout,
-which leaves the group unusable). Rank 0 prints, per case, the seconds from the
-call to the error (or to the first warning) on each rank and the start of the message.
+which leaves the group unusable). Rank 0 prints, per case, the milliseconds from
+its call to the error (or to the first warning) and the start of the message.
 """
 
 from __future__ import annotations
@@ -115,9 +115,7 @@ def run(args: argparse.Namespace) -> int:
             if name != "mpi":  # the mpi group has a request in flight: leave it to the exit hook
                 group.close()
     if env.rank == 0:
-        print(
-            f"# 2 ranks, COMMLIB_DEBUG=DETAIL, COMMLIB_STALL_S=1, COMMLIB_TIMEOUT={args.timeout:g}; rank 0"
-        )
+        print(f"# 2 ranks, COMMLIB_DEBUG=DETAIL, COMMLIB_STALL_S=1, COMMLIB_TIMEOUT={args.timeout:g}; rank 0")
         for name, rows in results.items():
             for case, seconds, text in rows:
                 print(f"{name:5s} | {case:33s} | {seconds * 1e3:9.1f} ms | {text[:150]}")

@@ -519,6 +519,7 @@ class SideChannelClient:
             if self._broken is not None:
                 raise CommError(f"{label}: the diagnosis side channel is unusable: {self._broken}")
             try:
+                self.calls.settimeout(timeout)
                 send_frame(self.calls, T_FINGERPRINT, fingerprint)
                 kind, payload = read_frame(self.calls, time.monotonic() + timeout)
             except TimeoutError as e:

@@ -81,7 +81,7 @@ DESYNCS: dict[str, Callable[[IProcessGroup, int], None]] = {
     "root": _root,
     "collective": _collective,
 }
-"""Rank 0 and the other ranks disagree on one thing each: the scenarios of the issue."""
+"""Rank 0 and the other ranks disagree on one thing each (size, dtype, op, root, collective)."""
 
 
 def desync(group: IProcessGroup, case: str) -> dict[str, Any]:
