@@ -67,7 +67,7 @@ def _timed(call: Callable[[], object]) -> tuple[float, str]:
     return time.monotonic() - start, "no error"
 
 
-def scenarios(group: IProcessGroup) -> list[tuple[str, float, str]]:
+def scenarios(group: IProcessGroup, late_s: float = 3.0) -> list[tuple[str, float, str]]:
     """Run every case on this rank; return (case, seconds, message)."""
     rank, rows = group.rank, []
     for name, call in MISMATCHES.items():
@@ -78,12 +78,14 @@ def scenarios(group: IProcessGroup) -> list[tuple[str, float, str]]:
     seen = _FirstWarning()
     logging.getLogger("commlib").addHandler(seen)
     if rank == 1:
-        time.sleep(3.0)
+        time.sleep(late_s)
     start = time.monotonic()
     group.all_reduce(torch.ones(1000))
     logging.getLogger("commlib").removeHandler(seen)
     if rank == 0:
-        rows.append(("stall 3 s (first warning)", (seen.at or start) - start, seen.text or "no warning"))
+        rows.append(
+            (f"stall {late_s:g} s (first warning)", (seen.at or start) - start, seen.text or "no warning")
+        )
     group.barrier()
     if rank == 1:
         time.sleep(group.timeout + 2.0)
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     for name, port in zip(names, ports, strict=False):
         group = commlib.create_process_group(name, dataclasses.replace(env, master_port=port), config)
         try:
-            results[name] = scenarios(group)
+            results[name] = scenarios(group, args.late)
         finally:
             if name != "mpi":  # the mpi group has a request in flight: leave it to the exit hook
                 group.close()
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="ring,gloo,mpi")
     parser.add_argument("--timeout", type=float, default=5.0, help="COMMLIB_TIMEOUT of the groups, seconds")
+    parser.add_argument(
+        "--late", type=float, default=3.0, help="seconds rank 1 arrives late (below the timeout)"
+    )
     add_spawn_arguments(parser)
     args = parser.parse_args(argv)
     if args.spawn is not None and not args.worker:

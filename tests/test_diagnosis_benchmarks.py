@@ -44,7 +44,8 @@ def test_diagnosis_overhead_prints_every_mode() -> None:
 
 def test_failure_times_reports_every_case() -> None:
     script = str(REPO_ROOT / "benchmarks" / "failure_times.py")
-    out = _run([sys.executable, script, "--spawn", "2", "--backends", "ring", "--timeout", "1"]).stdout
+    cmd = [sys.executable, script, "--spawn", "2", "--backends", "ring", "--timeout", "3", "--late", "2"]
+    out = _run(cmd).stdout
     lines = [line for line in out.splitlines() if line.startswith("ring ")]
     assert len(lines) == 8, out
     assert sum("CollectiveMismatchError" in line for line in lines) == 6, out
