@@ -1,37 +1,62 @@
 """Ring rendezvous: rank 0 collects every rank's address, then each rank links to its neighbours.
 
-Protocol (JSON frames over TCP):
+Protocol 2 (length-prefixed JSON frames over TCP):
 
 1. Every rank opens a data listener on an ephemeral port.
-2. Rank 0 listens at ``MASTER_ADDR:MASTER_PORT``; the others connect (retrying
-   until the deadline) and send ``hello`` (rank, world size, host id, data
-   address). Rank 0 checks them and answers everyone with the peer table and
-   the ring settings all ranks must share (rank 0's), or with an error.
+2. Rank 0 listens at ``MASTER_ADDR:MASTER_PORT``. Every other rank connects
+   (retrying until the deadline) and sends ``hello``: rank, world size, host
+   id, data address, pid, its job's description and a nonce. Rank 0 answers
+   with a challenge (a nonce of its own); the rank answers with a proof, an
+   HMAC under its job token (``backends._jobtoken``) over both nonces and its
+   hello. The token itself never travels.
+3. A rank whose proof fails holds another job's token: rank 0 refuses it (the
+   answer names both jobs) and goes on waiting for the real one. A refused
+   rank retries until its deadline, in case its own rank 0 takes the port
+   later, then raises.
+4. Once every rank is in, rank 0 sends each the peer table, the ring settings
+   all ranks must share (rank 0's) and a fresh session key, signed with that
+   rank's proof key, so a rank also knows it reached its own rank 0.
    Under torchrun, whose agent already serves a key-value store on
-   ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), the same records
-   are exchanged through that store instead.
-3. Each rank connects to its right neighbour's data listener and accepts its
-   left neighbour's connection: two sockets per rank (one when world size is 2
-   counts twice: 0->1 and 1->0 are separate links).
+   ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), the same records,
+   signed over a nonce rank 0 publishes, are exchanged through that store, and
+   the session key is derived from the token.
+5. Each rank connects to its right neighbour's data listener with a hello
+   signed by the session key, and accepts its left neighbour's: two sockets
+   per rank (at world size 2, 0->1 and 1->0 are separate links). Nothing else
+   is accepted, and the listener closes once the left neighbour is in.
+
+Whoever else connects to rank 0's port or to a data listener (garbage, a
+silent connection, a huge length prefix, a close at once) is dropped on its
+own and logged at DEBUG on the ``commlib`` logger (``backends._lobby``); it
+never holds or aborts the rendezvous. What the token protects, and what it does
+not (no encryption: traffic is readable on the wire): see ``backends._jobtoken``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import os
+import secrets
 import socket
 import time
 from typing import Any
 
+from backends import _lobby
+from backends._jobtoken import JobToken, job_token, sign_with, verify_with
 from backends._wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
-from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
+from commlib.errors import CommError, RendezvousError, RendezvousTimeoutError, error_prefix
 
 __all__ = ["Peer", "RingSockets", "rendezvous", "host_id"]
 
-_PROTOCOL = 1
+logger = logging.getLogger("commlib")
+
+_PROTOCOL = 2
 _VERDICT_GRACE_S = 2.0
+_HELLO_BYTES = 64 * 1024  # a hello or a link hello is a few hundred bytes
+_REFUSED_RETRY_S = (0.5, 2.0)  # first and longest pause before a refused rank tries again
 _store_generation = 0  # groups created through torchrun's store so far (every rank counts alike)
 
 
@@ -75,6 +100,22 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What every step of one rendezvous needs."""
+
+    env: DistEnv
+    prefix: str
+    deadline: float
+    timeout: float
+    master_ip: str
+    token: JobToken
+
+    @property
+    def master(self) -> str:
+        return f"{self.env.master_addr}:{self.env.master_port}"
+
+
 def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: str = "ring") -> RingSockets:
     """Connect this rank into the ring.
 
@@ -85,7 +126,9 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
         backend: Name used in messages.
 
     Raises:
-        RendezvousError: Port in use, world sizes disagree, duplicate rank, bad peer.
+        RendezvousError: Port in use, world sizes disagree, duplicate rank, bad
+            peer, or this rank holds another job's token (the message says
+            ``token`` and names both jobs).
         RendezvousTimeoutError: Some ranks never arrived (they are named).
     """
     prefix = error_prefix(env.rank, env.world_size, backend, "rendezvous")
@@ -99,22 +142,24 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
         master_ip = socket.gethostbyname(env.master_addr)
     except OSError as e:
         raise RendezvousError(f"{prefix}cannot resolve MASTER_ADDR {env.master_addr!r}: {e}") from e
+    through_store = _use_torchrun_store(env)
+    ctx = _Context(env, prefix, deadline, timeout, master_ip, job_token(env, local_parent=not through_store))
 
     data_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    data_listener.bind((master_ip if loopback else "0.0.0.0", 0))
-    data_listener.listen(8)
     try:
-        if _use_torchrun_store(env):
-            peers, shared = _exchange_through_store(
-                env, prefix, deadline, timeout, master_ip, data_listener, settings
-            )
+        data_listener.bind((master_ip if loopback else "0.0.0.0", 0))
+        data_listener.listen(64)
+        if through_store:
+            peers, shared, session = _exchange_through_store(ctx, data_listener, settings)
         elif env.rank == 0:
-            peers, shared = _lead(
-                env, prefix, deadline, timeout, master_ip, loopback, data_listener, settings
-            )
+            peers, shared, session = _lead(ctx, loopback, data_listener, settings)
         else:
-            peers, shared = _follow(env, prefix, deadline, timeout, master_ip, data_listener)
-        right, left, left_reader = _link_neighbours(env, prefix, deadline, timeout, peers, data_listener)
+            peers, shared, session = _follow(ctx, data_listener)
+        right, left, left_reader = _link_neighbours(ctx, peers, data_listener, session)
+    except CommError:
+        raise
+    except OSError as e:  # a socket call outside the waits above failed; say where we were
+        raise RendezvousError(f"{prefix}socket error during the rendezvous at {ctx.master}: {e}") from e
     finally:
         data_listener.close()
     return RingSockets(peers=peers, settings=shared, right=right, left=left, left_reader=left_reader)
@@ -134,262 +179,452 @@ def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:
         return str(probe.getsockname()[0])
 
 
+def _token_mismatch_advice(ctx: _Context) -> str:
+    return (
+        f"Two jobs were started on one rendezvous port ({ctx.master}): give each job its own MASTER_PORT. "
+        "If these ranks are one job, set COMMLIB_JOB_TOKEN to the same value on every rank"
+    )
+
+
+# ------------------------------------------------------------ torchrun store
 def _exchange_through_store(
-    env: DistEnv,
-    prefix: str,
-    deadline: float,
-    timeout: float,
-    master_ip: str,
-    data_listener: socket.socket,
-    settings: dict[str, Any],
-) -> tuple[list[Peer], dict[str, Any]]:
-    """Publish this rank's record in torchrun's agent store and read everyone's."""
+    ctx: _Context, data_listener: socket.socket, settings: dict[str, Any]
+) -> tuple[list[Peer], dict[str, Any], bytes]:
+    """Publish this rank's signed record in torchrun's agent store and read everyone's."""
     import datetime
     import json
 
     from torch.distributed import TCPStore
 
+    env, prefix = ctx.env, ctx.prefix
+
+    def remaining() -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(0.1, ctx.deadline - time.monotonic()))
+
     global _store_generation
     _store_generation += 1
     base = f"commlib/ring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
-    wait = datetime.timedelta(seconds=max(0.1, deadline - time.monotonic()))
     try:
         store = TCPStore(
-            env.master_addr, env.master_port, is_master=False, timeout=wait, wait_for_workers=False
+            env.master_addr, env.master_port, is_master=False, timeout=remaining(), wait_for_workers=False
         )
     except Exception as e:  # noqa: BLE001 - torch raises several types here
-        raise RendezvousTimeoutError(
-            f"{prefix}cannot reach torchrun's store at {env.master_addr}:{env.master_port}: {e}"
-        ) from e
+        raise RendezvousTimeoutError(f"{prefix}cannot reach torchrun's store at {ctx.master}: {e}") from e
     me = Peer(
         env.rank,
         host_id(),
-        _reachable_addr(data_listener, master_ip),
+        _reachable_addr(data_listener, ctx.master_ip),
         data_listener.getsockname()[1],
         os.getpid(),
     )
     if store.add(f"{base}/claims/{env.rank}", 1) != 1:
         raise RendezvousError(f"{prefix}two processes claim rank {env.rank}; every rank needs its own RANK")
-    record = dataclasses.asdict(me) | {"world_size": env.world_size}
-    store.set(f"{base}/peer/{env.rank}", json.dumps(record))
+    if env.rank == 0:
+        store.set(f"{base}/challenge", secrets.token_hex(16))
+    try:
+        store.wait([f"{base}/challenge"], remaining())
+    except Exception:  # noqa: BLE001
+        raise RendezvousTimeoutError(
+            f"{prefix}timed out after {ctx.timeout:.1f} s in torchrun's store at {ctx.master}: rank 0 never "
+            "arrived"
+        ) from None
+    challenge = store.get(f"{base}/challenge").decode()
+    record = dataclasses.asdict(me) | {"world_size": env.world_size, "identity": ctx.token.identity}
+    store.set(
+        f"{base}/peer/{env.rank}",
+        json.dumps(record | {"proof": ctx.token.sign("store", base, challenge, record)}),
+    )
     if env.rank == 0:
         store.set(f"{base}/settings", json.dumps(settings))
     keys = [f"{base}/peer/{r}" for r in range(env.world_size)] + [f"{base}/settings"]
     try:
-        store.wait(keys, datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        store.wait(keys, remaining())
     except Exception as e:  # noqa: BLE001
         missing = [r for r in range(env.world_size) if not store.check([f"{base}/peer/{r}"])]
         raise RendezvousTimeoutError(
-            f"{prefix}timed out after {timeout:.1f} s in torchrun's store at {env.master_addr}:"
-            f"{env.master_port}: ranks {missing} never arrived ({e})"
+            f"{prefix}timed out after {ctx.timeout:.1f} s in torchrun's store at {ctx.master}: ranks "
+            f"{missing} never arrived ({e})"
         ) from None
     peers = []
     for r in range(env.world_size):
         data = json.loads(store.get(f"{base}/peer/{r}"))
+        proof = data.pop("proof", None)
+        if not verify_with(ctx.token.key, proof, "store", base, challenge, data):
+            raise RendezvousError(
+                f"{prefix}rank {r} in torchrun's store holds another job token. Its job: "
+                f"{data.get('identity', '?')}; this rank's job: {ctx.token.identity}. Set COMMLIB_JOB_TOKEN "
+                "to the same value on every rank, or to none"
+            )
         if data.pop("world_size") != env.world_size:
             raise RendezvousError(
                 f"{prefix}rank {r} was started with another WORLD_SIZE than {env.world_size}"
             )
+        data.pop("identity", None)
         peers.append(Peer(**data))
-    return peers, json.loads(store.get(f"{base}/settings"))
+    session = bytes.fromhex(ctx.token.sign("session", base, challenge))
+    return peers, json.loads(store.get(f"{base}/settings")), session
 
 
-def _lead(
-    env: DistEnv,
-    prefix: str,
-    deadline: float,
-    timeout: float,
-    master_ip: str,
-    loopback: bool,
-    data_listener: socket.socket,
-    settings: dict[str, Any],
-) -> tuple[list[Peer], dict[str, Any]]:
-    master = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    master.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        master.bind((master_ip if loopback else "0.0.0.0", env.master_port))
-    except OSError as e:
-        master.close()
-        raise RendezvousError(
-            f"{prefix}cannot listen on {env.master_addr}:{env.master_port}: {e.strerror or e}. "
-            "Another job (or a previous run that is still exiting) holds this port: set MASTER_PORT "
-            "to a free port, or stop the other job"
-        ) from e
-    master.listen(max(16, env.world_size))
-    my_addr = data_listener.getsockname()[0]
-    if my_addr == "0.0.0.0":
-        my_addr = master_ip
-    peers: dict[int, Peer] = {0: Peer(0, host_id(), my_addr, data_listener.getsockname()[1], os.getpid())}
-    conns: dict[int, socket.socket] = {}
-    try:
-        while len(peers) < env.world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(env.world_size)) - set(peers))
-                message = (
-                    f"{prefix}timed out after {timeout:.1f} s at {env.master_addr}:{env.master_port}: "
-                    f"{len(peers)}/{env.world_size} ranks arrived; ranks {missing} never did. Check that "
-                    f"every rank was started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE="
-                    f"{env.world_size}, and that none crashed at start-up"
-                )
-                _broadcast_error(conns, message)
-                raise RendezvousTimeoutError(message)
-            master.settimeout(remaining)
-            try:
-                conn, _ = master.accept()
-            except TimeoutError:
-                continue
-            tune_socket(conn)
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                hello = recv_json(SocketReader(conn, "a connecting rank"), "hello")
-            except Exception:  # noqa: BLE001 - a stray client; ignore it
-                conn.close()
-                continue
-            problem = _check_hello(hello, env, peers)
-            if problem:
-                send_json(conn, {"error": f"rank 0 refused rank {hello.get('rank')}: {problem}"})
-                conn.close()
-                message = f"{prefix}{problem}"
-                _broadcast_error(conns, message)
-                raise RendezvousError(message)
-            rank = int(hello["rank"])
-            conns[rank] = conn
-            peers[rank] = Peer(
-                rank,
-                hello["host"],
-                hello["addr"] or conn.getpeername()[0],
-                int(hello["port"]),
-                int(hello["pid"]),
-            )
-        table = [dataclasses.asdict(peers[r]) for r in range(env.world_size)]
-        for conn in conns.values():
-            send_json(conn, {"peers": table, "settings": settings})
-        return [peers[r] for r in range(env.world_size)], settings
-    finally:
-        for conn in conns.values():
-            conn.close()
-        master.close()
-
-
-def _check_hello(hello: Any, env: DistEnv, peers: dict[int, Peer]) -> str | None:
-    if not isinstance(hello, dict) or hello.get("protocol") != _PROTOCOL:
-        return f"a peer spoke an unknown protocol ({hello!r:.80}); is another program using this port?"
-    rank, world = hello.get("rank"), hello.get("world_size")
-    if world != env.world_size:
-        return (
-            f"rank {rank} was started with world size {world}, rank 0 with {env.world_size}; "
-            "start every rank with the same WORLD_SIZE"
-        )
-    if not isinstance(rank, int) or not 0 < rank < env.world_size:
-        return f"a peer announced rank {rank!r}, outside 1..{env.world_size - 1}"
-    if rank in peers:
-        return (
-            f"two processes announced rank {rank} (pids {peers[rank].pid} and {hello.get('pid')}); "
-            "every rank needs its own RANK"
-        )
+# -------------------------------------------------------------------- rank 0
+def _hello_problem(hello: Any) -> str | None:
+    """Why ``hello`` is not a well-formed protocol-2 hello, or None."""
+    if not isinstance(hello, dict):
+        return f"sent {type(hello).__name__} {hello!r:.60}, not a commlib hello"
+    if hello.get("protocol") != _PROTOCOL:
+        return f"spoke ring rendezvous protocol {hello.get('protocol')!r:.20}, not {_PROTOCOL}"
+    fields = {
+        "rank": int,
+        "world_size": int,
+        "host": str,
+        "addr": str,
+        "port": int,
+        "pid": int,
+        "identity": str,
+        "nonce": str,
+    }
+    for name, kind in fields.items():
+        value = hello.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"sent a hello whose {name!r} is {value!r:.40}"
+    if not 0 < hello["port"] < 65536 or len(hello["nonce"]) > 128:
+        return "sent a hello with an impossible port or nonce"
     return None
 
 
-def _broadcast_error(conns: dict[int, socket.socket], message: str) -> None:
-    for conn in conns.values():
+class _Leader:
+    """Rank 0's side of the rendezvous: lets ranks in, one handshake step at a time, until all are in."""
+
+    def __init__(self, ctx: _Context, master: socket.socket, me: Peer) -> None:
+        self.ctx = ctx
+        self.lobby = _lobby.Lobby(master, f"{ctx.prefix}rendezvous port {ctx.master}", _HELLO_BYTES)
+        self.peers: dict[int, Peer] = {0: me}
+        self.conns: dict[int, socket.socket] = {}
+        self.keys: dict[int, bytes] = {}
+        self.nonces: dict[int, str] = {}
+        self.refused: list[str] = []
+
+    def run(self, settings: dict[str, Any]) -> tuple[list[Peer], dict[str, Any], bytes]:
+        env = self.ctx.env
         try:
-            send_json(conn, {"error": message})
-        except OSError:
-            pass
+            while len(self.peers) < env.world_size:
+                arrival = self.lobby.next_frame(self.ctx.deadline)
+                if arrival is None:
+                    self._fail(RendezvousTimeoutError(self._timeout_message()))
+                visitor, frame = arrival
+                if visitor.state == "new":
+                    self._on_hello(visitor, frame)
+                else:
+                    self._on_proof(visitor, frame)
+            session = secrets.token_bytes(32)
+            table = [dataclasses.asdict(self.peers[r]) for r in range(env.world_size)]
+            for rank, conn in self.conns.items():
+                proof = sign_with(self.keys[rank], "table", self.nonces[rank], table, settings, session.hex())
+                try:
+                    send_json(
+                        conn, {"peers": table, "settings": settings, "session": session.hex(), "proof": proof}
+                    )
+                except OSError as e:
+                    self._fail(
+                        RendezvousError(
+                            f"{self.ctx.prefix}rank {rank} left before rank 0 could send it the peer table "
+                            f"({e}); did it crash at start-up?"
+                        )
+                    )
+            return [self.peers[r] for r in range(env.world_size)], settings, session
+        finally:
+            self.lobby.close()
+            for conn in self.conns.values():
+                conn.close()
+
+    def _on_hello(self, visitor: _lobby.Visitor, hello: Any) -> None:
+        problem = _hello_problem(hello)
+        if problem is not None:
+            if isinstance(hello, dict) and "protocol" in hello and "rank" in hello:  # another commlib version
+                self.lobby.reply(
+                    visitor,
+                    {
+                        "error": f"rank 0 speaks ring rendezvous protocol {_PROTOCOL}, this rank "
+                        f"{hello.get('protocol')!r:.20}: run the same commlib version on every rank"
+                    },
+                )
+            self.lobby.drop(visitor, problem)
+            return
+        challenge = secrets.token_hex(16)
+        visitor.data.update(hello=hello, challenge=challenge)
+        if self.lobby.reply(visitor, {"challenge": challenge}):
+            visitor.state = f"challenged (claims rank {hello['rank']})"
+
+    def _on_proof(self, visitor: _lobby.Visitor, frame: Any) -> None:
+        hello, challenge = visitor.data["hello"], visitor.data["challenge"]
+        proof = frame.get("proof") if isinstance(frame, dict) else None
+        if not isinstance(proof, str):
+            self.lobby.drop(visitor, f"answered the challenge with {frame!r:.60}, not a proof")
+            return
+        key = self.ctx.token.matching_key(proof, "join", challenge, hello)
+        rank = hello["rank"]
+        if key is None:
+            self._refuse(visitor, hello)
+            return
+        problem = self._check(hello)
+        if problem is not None:
+            self.lobby.reply(visitor, {"error": f"rank 0 refused rank {rank}: {problem}"})
+            self.lobby.drop(visitor, problem)
+            self._fail(RendezvousError(f"{self.ctx.prefix}{problem}"))
+        conn = self.lobby.keep(visitor)
+        conn.settimeout(max(0.1, self.ctx.deadline - time.monotonic()) + _VERDICT_GRACE_S)
+        self.conns[rank] = conn
+        self.keys[rank] = key
+        self.nonces[rank] = hello["nonce"]
+        self.peers[rank] = Peer(
+            rank, hello["host"], hello["addr"] or visitor.address.split(":")[0], hello["port"], hello["pid"]
+        )
+
+    def _refuse(self, visitor: _lobby.Visitor, hello: dict[str, Any]) -> None:
+        rank, ctx = hello["rank"], self.ctx
+        who = f"pid {hello['pid']} on {hello['host'].split('/')[0]} claiming rank {rank}"
+        self.lobby.reply(
+            visitor,
+            {
+                "refused": "token",
+                "identity": ctx.token.identity,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            },
+        )
+        first = not any(entry.startswith(who) for entry in self.refused)
+        self.refused.append(f"{who} (its job: {hello['identity']})")
+        self.lobby.drop(
+            visitor,
+            f"{who} holds another job token (its job: {hello['identity']}; this job: "
+            f"{ctx.token.identity}); still waiting for this job's rank {rank}",
+            level=logging.WARNING if first else logging.DEBUG,
+        )
+
+    def _check(self, hello: dict[str, Any]) -> str | None:
+        env = self.ctx.env
+        rank, world = hello["rank"], hello["world_size"]
+        if world != env.world_size:
+            return (
+                f"rank {rank} was started with world size {world}, rank 0 with {env.world_size}; "
+                "start every rank with the same WORLD_SIZE"
+            )
+        if not 0 < rank < env.world_size:
+            return f"a peer announced rank {rank!r}, outside 1..{env.world_size - 1}"
+        if rank in self.peers:
+            return (
+                f"two processes announced rank {rank} (pids {self.peers[rank].pid} and {hello['pid']}); "
+                "every rank needs its own RANK"
+            )
+        return None
+
+    def _timeout_message(self) -> str:
+        ctx, env = self.ctx, self.ctx.env
+        missing = sorted(set(range(env.world_size)) - set(self.peers))
+        message = (
+            f"{ctx.prefix}timed out after {ctx.timeout:.1f} s at {ctx.master}: {len(self.peers)}/"
+            f"{env.world_size} ranks arrived; ranks {missing} never did. Check that every rank was started "
+            f"with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE={env.world_size}, and that none crashed "
+            "at start-up"
+        )
+        if self.refused:
+            message += (
+                f". Rank 0 refused {len(self.refused)} connection(s) holding another job token: "
+                f"{'; '.join(dict.fromkeys(self.refused))}. {_token_mismatch_advice(ctx)}"
+            )
+        return message
+
+    def _fail(self, error: RendezvousError) -> None:
+        for conn in self.conns.values():
+            try:
+                send_json(conn, {"error": str(error)})
+            except OSError:
+                pass
+        raise error
 
 
-def _follow(
-    env: DistEnv, prefix: str, deadline: float, timeout: float, master_ip: str, data_listener: socket.socket
-) -> tuple[list[Peer], dict[str, Any]]:
+def _lead(
+    ctx: _Context, loopback: bool, data_listener: socket.socket, settings: dict[str, Any]
+) -> tuple[list[Peer], dict[str, Any], bytes]:
+    env = ctx.env
+    master = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    master.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        conn = connect_with_retry(master_ip, env.master_port, deadline, "rank 0")
+        master.bind((ctx.master_ip if loopback else "0.0.0.0", env.master_port))
+        master.listen(max(64, env.world_size))
+    except OSError as e:
+        master.close()
+        raise RendezvousError(
+            f"{ctx.prefix}cannot listen on {ctx.master}: {e.strerror or e}. "
+            "Another job (or a previous run that is still exiting) holds this port: set MASTER_PORT "
+            "to a free port, or stop the other job"
+        ) from e
+    my_addr = data_listener.getsockname()[0]
+    if my_addr == "0.0.0.0":
+        my_addr = ctx.master_ip
+    me = Peer(0, host_id(), my_addr, data_listener.getsockname()[1], os.getpid())
+    logger.debug("%slistening at %s (%s)", ctx.prefix, ctx.master, ctx.token.identity)
+    try:
+        return _Leader(ctx, master, me).run(settings)
+    finally:
+        master.close()
+
+
+# ---------------------------------------------------------------- rank > 0
+class _Refused(Exception):
+    """Rank 0 at the port belongs to another job; it may give the port up to ours later."""
+
+
+def _follow(ctx: _Context, data_listener: socket.socket) -> tuple[list[Peer], dict[str, Any], bytes]:
+    pause = _REFUSED_RETRY_S[0]
+    refusal: str | None = None
+    while True:
+        try:
+            return _join_once(ctx, data_listener)
+        except _Refused as refused:
+            refusal = f"{refused} {_token_mismatch_advice(ctx)}"
+            if time.monotonic() + pause >= ctx.deadline:
+                raise RendezvousError(f"{ctx.prefix}{refusal}") from None
+            time.sleep(pause)  # back off: the other job's rank 0 holds the port until its ranks are in
+            pause = min(2 * pause, _REFUSED_RETRY_S[1])
+        except RendezvousError as e:
+            if refusal is None:
+                raise
+            raise type(e)(f"{e}. Before that, {refusal}") from None
+
+
+def _join_once(ctx: _Context, data_listener: socket.socket) -> tuple[list[Peer], dict[str, Any], bytes]:
+    env, prefix = ctx.env, ctx.prefix
+    try:
+        conn = connect_with_retry(ctx.master_ip, env.master_port, ctx.deadline, "rank 0")
     except TimeoutError as e:
         raise RendezvousTimeoutError(
-            f"{prefix}{e} after {timeout:.1f} s. Is rank 0 running, and are MASTER_ADDR/MASTER_PORT "
-            f"({env.master_addr}:{env.master_port}) the same on every rank?"
+            f"{prefix}{e} after {ctx.timeout:.1f} s. Is rank 0 running, and are MASTER_ADDR/MASTER_PORT "
+            f"({ctx.master}) the same on every rank?"
         ) from None
     except OSError as e:
-        raise RendezvousError(
-            f"{prefix}cannot reach rank 0 at {env.master_addr}:{env.master_port}: {e}"
-        ) from e
+        raise RendezvousError(f"{prefix}cannot reach rank 0 at {ctx.master}: {e}") from e
     with conn:
         my_addr = data_listener.getsockname()[0]
         if my_addr == "0.0.0.0":
             my_addr = conn.getsockname()[0]
-        send_json(
-            conn,
-            {
-                "protocol": _PROTOCOL,
-                "rank": env.rank,
-                "world_size": env.world_size,
-                "host": host_id(),
-                "addr": my_addr,
-                "port": data_listener.getsockname()[1],
-                "pid": os.getpid(),
-            },
-        )
-        # Rank 0 answers by its own deadline, with the table or with the names of the missing
-        # ranks; wait a little past it so that this rank reports those names, not a bare timeout.
-        conn.settimeout(max(0.1, deadline - time.monotonic()) + _VERDICT_GRACE_S)
+        hello = {
+            "protocol": _PROTOCOL,
+            "rank": env.rank,
+            "world_size": env.world_size,
+            "host": host_id(),
+            "addr": my_addr,
+            "port": data_listener.getsockname()[1],
+            "pid": os.getpid(),
+            "identity": ctx.token.identity,
+            "nonce": secrets.token_hex(16),
+        }
+        reader = SocketReader(conn, "rank 0")
+        conn.settimeout(max(0.1, ctx.deadline - time.monotonic()))
         try:
-            reply = recv_json(SocketReader(conn, "rank 0"), "the peer table")
+            send_json(conn, hello)
+            answer = recv_json(reader, "the challenge", _HELLO_BYTES)
+            if isinstance(answer, dict) and "challenge" in answer:
+                send_json(conn, {"proof": ctx.token.sign("join", answer["challenge"], hello)})
+                # Rank 0 answers by its own deadline, with the table or with the names of the missing
+                # ranks; wait a little past it so that this rank reports those names, not a bare timeout.
+                conn.settimeout(max(0.1, ctx.deadline - time.monotonic()) + _VERDICT_GRACE_S)
+                answer = recv_json(reader, "the peer table")
         except TimeoutError as e:
             raise RendezvousTimeoutError(
-                f"{prefix}rank 0 did not send the peer table within {timeout:.1f} s: some ranks never "
-                f"arrived at {env.master_addr}:{env.master_port} (rank 0 names them)"
+                f"{prefix}rank 0 did not answer within {ctx.timeout:.1f} s: some ranks never arrived at "
+                f"{ctx.master} (rank 0 names them), or what listens there is not a commlib rank 0"
             ) from e
-        except Exception as e:
+        except (CommError, OSError) as e:
             raise RendezvousError(f"{prefix}rank 0 dropped the rendezvous: {e}") from e
-    if "error" in reply:
-        error_cls = RendezvousTimeoutError if "timed out" in reply["error"] else RendezvousError
-        raise error_cls(f"{prefix}rendezvous failed on rank 0: {reply['error']}")
-    return [Peer(**p) for p in reply["peers"]], reply["settings"]
+    return _read_table(ctx, hello, answer)
 
 
+def _read_table(
+    ctx: _Context, hello: dict[str, Any], answer: Any
+) -> tuple[list[Peer], dict[str, Any], bytes]:
+    prefix = ctx.prefix
+    if not isinstance(answer, dict):
+        raise RendezvousError(
+            f"{prefix}what listens at {ctx.master} is not a commlib rank 0 (it sent {answer!r:.60})"
+        )
+    if answer.get("refused") == "token":
+        message = (
+            f"rank 0 at {ctx.master} (pid {answer.get('pid', '?')} on {answer.get('host', '?')}) refused "
+            f"this rank (pid {os.getpid()} on {socket.gethostname()}): it holds another job token. "
+            f"Rank 0's job: {answer.get('identity', '?')}; this rank's job: {ctx.token.identity}."
+        )
+        logger.warning(
+            "%s%s Trying again until the timeout, in case this job's own rank 0 takes the port",
+            prefix,
+            message,
+        )
+        raise _Refused(message)
+    if "error" in answer:
+        error_cls = RendezvousTimeoutError if "timed out" in str(answer["error"]) else RendezvousError
+        raise error_cls(f"{prefix}rendezvous failed on rank 0: {answer['error']}")
+    try:
+        table, settings, session = answer["peers"], answer["settings"], answer["session"]
+        if not verify_with(
+            ctx.token.key, answer.get("proof"), "table", hello["nonce"], table, settings, session
+        ):
+            raise ValueError("no proof of this job's token")
+        peers = [Peer(**p) for p in table]
+        session_key = bytes.fromhex(session)
+    except (KeyError, TypeError, ValueError) as e:
+        raise RendezvousError(
+            f"{prefix}the peer table from {ctx.master} is not from this job's rank 0 ({e}): another "
+            f"program, or another job's rank 0, holds the port. {_token_mismatch_advice(ctx)}"
+        ) from None
+    return peers, settings, session_key
+
+
+# ------------------------------------------------------------- neighbours
 def _link_neighbours(
-    env: DistEnv,
-    prefix: str,
-    deadline: float,
-    timeout: float,
-    peers: list[Peer],
-    data_listener: socket.socket,
+    ctx: _Context, peers: list[Peer], data_listener: socket.socket, session: bytes
 ) -> tuple[socket.socket, socket.socket, SocketReader]:
+    env, prefix = ctx.env, ctx.prefix
     right_rank = (env.rank + 1) % env.world_size
     left_rank = (env.rank - 1) % env.world_size
     right_peer = peers[right_rank]
     try:
-        right = connect_with_retry(right_peer.addr, right_peer.port, deadline, f"rank {right_rank}")
+        right = connect_with_retry(right_peer.addr, right_peer.port, ctx.deadline, f"rank {right_rank}")
     except (TimeoutError, OSError) as e:
         raise RendezvousTimeoutError(
             f"{prefix}cannot connect to rank {right_rank} (right neighbour) at {right_peer.addr}:"
             f"{right_peer.port}: {e}. A firewall, or a rank that exited right after start-up?"
         ) from None
-    send_json(right, {"ring_hello": env.rank})
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            right.close()
-            raise RendezvousTimeoutError(
-                f"{prefix}rank {left_rank} (left neighbour) did not connect within {timeout:.1f} s"
-            )
-        data_listener.settimeout(remaining)
-        try:
-            left, _ = data_listener.accept()
-        except TimeoutError:
-            continue
-        tune_socket(left)
-        left.settimeout(max(0.1, deadline - time.monotonic()))
-        reader = SocketReader(left, f"rank {left_rank} (left neighbour)")
-        try:
-            hello = recv_json(reader, "ring hello")
-        except Exception:  # noqa: BLE001 - a stray client
-            left.close()
-            continue
-        if hello.get("ring_hello") != left_rank:
-            left.close()
-            continue
-        break
+    try:
+        send_json(right, {"ring_hello": env.rank, "proof": sign_with(session, "link", env.rank, right_rank)})
+        left, reader = _accept_left(ctx, data_listener, session, left_rank)
+    except BaseException:
+        right.close()
+        raise
     for sock in (left, right):
-        sock.settimeout(timeout)
+        sock.settimeout(ctx.timeout)
     return right, left, reader
+
+
+def _accept_left(
+    ctx: _Context, data_listener: socket.socket, session: bytes, left_rank: int
+) -> tuple[socket.socket, SocketReader]:
+    """Accept the left neighbour's link; anyone else who connects is dropped."""
+    me = ctx.env.rank
+    lobby = _lobby.Lobby(data_listener, f"{ctx.prefix}data listener", _HELLO_BYTES)
+    try:
+        while True:
+            arrival = lobby.next_frame(ctx.deadline)
+            if arrival is None:
+                raise RendezvousTimeoutError(
+                    f"{ctx.prefix}rank {left_rank} (left neighbour) did not connect within "
+                    f"{ctx.timeout:.1f} s"
+                )
+            visitor, hello = arrival
+            claimed = hello.get("ring_hello") if isinstance(hello, dict) else None
+            if claimed != left_rank or not verify_with(session, hello.get("proof"), "link", left_rank, me):
+                lobby.drop(visitor, f"not rank {left_rank}'s link (it sent {hello!r:.80})")
+                continue
+            left = lobby.keep(visitor)
+            tune_socket(left)
+            return left, SocketReader(left, f"rank {left_rank} (left neighbour)", initial=visitor.leftover())
+    finally:
+        lobby.close()

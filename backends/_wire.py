@@ -16,6 +16,7 @@ from commlib.errors import CommTimeoutError, PeerFailureError
 
 __all__ = [
     "SocketReader",
+    "encode_json",
     "send_json",
     "recv_json",
     "connect_with_retry",
@@ -67,13 +68,15 @@ class SocketReader:
     Args:
         sock: Connected socket with a timeout set.
         describe: Names the peer for messages, e.g. ``"rank 1 (left neighbour)"``.
+        spin_s: Seconds to poll without blocking before each wait in the kernel.
+        initial: Bytes already read from ``sock`` by its previous owner; they are read first.
     """
 
-    def __init__(self, sock: socket.socket, describe: str, spin_s: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, describe: str, spin_s: float = 0.0, initial: bytes = b"") -> None:
         self.sock = sock
         self.describe = describe
         self.spin_s = spin_s
-        self._buf = bytearray()
+        self._buf = bytearray(initial)  # bytes read from ``sock`` before this reader took it over
         self._pos = 0
 
     def _poll(self, size: int) -> bytes | None:
@@ -187,21 +190,38 @@ class SocketReader:
             pass
 
 
+def encode_json(obj: Any) -> bytes:
+    """Return ``obj`` as one length-prefixed JSON control frame."""
+    payload = json.dumps(obj, separators=(",", ":")).encode()
+    return _JSON_HEADER.pack(len(payload)) + payload
+
+
 def send_json(sock: socket.socket, obj: Any) -> None:
     """Send one length-prefixed JSON control frame."""
-    payload = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(_JSON_HEADER.pack(len(payload)) + payload)
+    sock.sendall(encode_json(obj))
 
 
-def recv_json(reader: SocketReader, what: str) -> Any:
-    """Receive one control frame sent by ``send_json``."""
+def recv_json(reader: SocketReader, what: str, limit: int = _MAX_JSON_BYTES) -> Any:
+    """Receive one control frame sent by ``send_json``.
+
+    Raises:
+        PeerFailureError: The frame is longer than ``limit`` bytes or is not JSON
+            (the peer is not a commlib rank).
+    """
     (length,) = _JSON_HEADER.unpack(reader.read_exact(_JSON_HEADER.size, what))
-    if length > _MAX_JSON_BYTES:
+    if length > limit:
         raise PeerFailureError(
             f"{reader.describe} sent a {length}-byte control frame ({what}); expected a commlib peer. "
             "Is another program listening on this port?"
         )
-    return json.loads(reader.read_exact(length, what))
+    body = reader.read_exact(length, what)
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise PeerFailureError(
+            f"{reader.describe} sent {length} bytes that are not a JSON control frame ({what}: "
+            f"{body[:32]!r}); expected a commlib peer. Is another program listening on this port?"
+        ) from None
 
 
 def connect_with_retry(addr: str, port: int, deadline: float, what: str) -> socket.socket:

@@ -80,6 +80,7 @@ class IProcessGroup(abc.ABC):
         """Collectives issued on this group so far; the current one's sequence number."""
         self._diagnostics: Diagnostics | None = None
         """Stall watchdog, fingerprint check and flight recorder, when any is on."""
+        self._bytes_issued = 0
 
     # ------------------------------------------------------------------ identity
     @property
@@ -111,6 +112,16 @@ class IProcessGroup(abc.ABC):
     def timeout(self) -> float:
         """Seconds a blocking wait may take before it raises ``CommTimeoutError``."""
         return self._config.timeout
+
+    @property
+    def bytes_issued(self) -> int:
+        """Bytes of this rank's tensors handed to collectives so far (statistics: what compression saves).
+
+        All-reduce and broadcast count their tensor, all-gather this rank's input,
+        reduce-scatter its whole input; the bytes on the wire depend on the
+        algorithm (a ring all-reduce sends about twice this).
+        """
+        return self._bytes_issued
 
     @property
     def devices(self) -> frozenset[str]:
@@ -207,6 +218,7 @@ class IProcessGroup(abc.ABC):
         if tensor.requires_grad:
             tensor = tensor.detach()
         increment_version(tensor)
+        self._bytes_issued += tensor.nbytes
         if self._diagnostics is not None:
             return self._diagnostics.run(
                 self,
@@ -256,6 +268,7 @@ class IProcessGroup(abc.ABC):
         self._check_rank(name, src, "src")
         flat = tensor.detach()
         increment_version(flat)
+        self._bytes_issued += tensor.nbytes
         if self._diagnostics is not None:
             return self._diagnostics.run(
                 self, name, flat, None, src, async_op, [tensor], self._broadcast, flat, src, async_op
@@ -288,6 +301,7 @@ class IProcessGroup(abc.ABC):
         self._check_tensor(name, tensor, "tensor")
         flat_output, outputs = self._split_world(name, output, "output", tensor)
         increment_version(outputs if flat_output is None else flat_output)
+        self._bytes_issued += tensor.nbytes
         flat = tensor.detach().view(-1)
         if self._diagnostics is not None:
             return self._diagnostics.run(
@@ -334,6 +348,7 @@ class IProcessGroup(abc.ABC):
         flat_input, inputs = self._split_world(name, input, "input", output)
         flat = output.detach().view(-1)
         increment_version(flat)
+        self._bytes_issued += output.nbytes * self.world_size
         if self._diagnostics is not None:
             return self._diagnostics.run(
                 self,

@@ -5,30 +5,54 @@ from __future__ import annotations
 from ddp.auto_bucket import AutoBucketReport
 from ddp.bucket import GradientBucket
 from ddp.bucket_manager import GradientBucketManager, plan_buckets
-from ddp.config import DDPConfig
+from ddp.config import DDPConfig, GradientScaling
 from ddp.cost_model import CommCostModel, calibrate, fit_cost_model
 from ddp.distributed import DistributedDataParallel
-from ddp.errors import AbandonedBackwardError, MissingGradientsError, ModelMismatchError
+from ddp.errors import (
+    AbandonedBackwardError,
+    CommHookError,
+    MissingGradientsError,
+    ModelMismatchError,
+    NonFiniteGradientError,
+)
+from ddp.hooks import (
+    PowerSGDState,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+    powerSGD_hook,
+)
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import BucketTiming, StepStats
 from ddp.timeline import TimelineWriter
+from ddp.zero import ParameterPartition, ZeroRedundancyOptimizer
 
 __all__ = [
     "AbandonedBackwardError",
     "AutoBucketReport",
     "BucketTiming",
     "CommCostModel",
+    "CommHookError",
     "DDPConfig",
     "DistributedDataParallel",
     "GradientBucket",
     "GradientBucketManager",
+    "GradientScaling",
     "MissingGradientsError",
     "ModelMismatchError",
+    "NonFiniteGradientError",
+    "ParameterPartition",
+    "PowerSGDState",
     "StepStats",
     "TimelineWriter",
+    "ZeroRedundancyOptimizer",
+    "allreduce_hook",
+    "bf16_compress_hook",
     "broadcast_module_states",
     "calibrate",
     "fit_cost_model",
+    "fp16_compress_hook",
     "plan_buckets",
+    "powerSGD_hook",
     "verify_same_model",
 ]

@@ -33,6 +33,7 @@ from ddp.cost_model import (
     in_backward,
     simulate_schedule,
 )
+from ddp.devices import comm_device, control_tensor, to_host
 
 __all__ = ["AutoBucketReport", "AutoBucketSizer", "TUNE_AFTER_BACKWARDS"]
 
@@ -119,7 +120,8 @@ class AutoBucketSizer:
         if cost_model is None:
             dtype = _dominant_dtype(params)
             try:
-                cost_model = calibrate(group, dtype=dtype, op=reduce_op)
+                device = comm_device(group, dtype, _dominant_device(params))
+                cost_model = calibrate(group, dtype=dtype, op=reduce_op, device=device)
             except ValueError as e:
                 prefix = error_prefix(group.rank, group.world_size, "ddp", "auto_bucket")
                 raise ValueError(
@@ -168,17 +170,16 @@ class AutoBucketSizer:
         if self._synced != TUNE_AFTER_BACKWARDS or self.report.tuned:
             return False
         group, report = self._group, self.report
-        decision = torch.zeros(5, dtype=torch.float64)
+        values = [0.0] * 5
         candidates: tuple[tuple[int, int, float], ...] = ()
         if group.rank == 0:
             chosen, tried, seed_result, backward, busy_model = _simulate(report, manager)
             self._measured = (busy_model.bandwidth_Bps, manager.order, _arrivals(manager), backward)
-            decision[:] = torch.tensor(
-                [chosen.cap_bytes, chosen.cost_s, seed_result.cost_s, backward, busy_model.bandwidth_Bps]
-            )
+            values = [chosen.cap_bytes, chosen.cost_s, seed_result.cost_s, backward, busy_model.bandwidth_Bps]
             candidates = tuple((r.cap_bytes, r.num_buckets, r.cost_s) for r in tried)
+        decision = control_tensor(group, values, torch.float64)
         group.broadcast(decision, 0)
-        cap, cost, seed_cost, backward, busy_w = decision.tolist()
+        cap, cost, seed_cost, backward, busy_w = to_host(decision).tolist()
         self.report = dataclasses.replace(
             report,
             cap_bytes=int(cap),
@@ -230,6 +231,14 @@ def _arrivals(manager: GradientBucketManager) -> list[float]:
 def _first_mb(manager: GradientBucketManager) -> float | None:
     first = manager.first_bucket_bytes
     return None if first is None else first / MB
+
+
+def _dominant_device(params: Sequence[torch.Tensor]) -> torch.device:
+    """The device holding most gradient bytes (cpu when there are no parameters)."""
+    by_device: dict[torch.device, int] = {}
+    for p in params:
+        by_device[p.device] = by_device.get(p.device, 0) + p.numel() * p.element_size()
+    return max(by_device, key=by_device.__getitem__) if by_device else torch.device("cpu")
 
 
 def _dominant_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:

@@ -2,36 +2,61 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp, dtype_name
-from commlib.work import CompletedWork, Work
+from commlib.types import dtype_name
 
-__all__ = ["GradientBucket"]
+__all__ = ["Allocator", "GradientBucket"]
+
+Allocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+"""``alloc(numel, dtype, device) -> zeroed flat tensor`` (``IProcessGroup.alloc_buffer``)."""
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 class GradientBucket:
-    """A group of parameters whose gradients are all-reduced together.
+    """A group of parameters whose gradients are communicated together: a passive layout.
 
-    The bucket owns one contiguous buffer, allocated once, and each parameter's
-    ``.grad`` is a view into it (``views[i]``), so autograd accumulates straight into
-    the buffer and nothing is copied in before the collective or out after it. The
-    spec's ``prepare`` and ``copy_back`` steps therefore only repair a ``.grad`` that
-    was replaced by another tensor (cheap when none was).
+    The bucket owns one contiguous buffer, ``grad_data``, allocated once, and each
+    parameter's ``.grad`` is a view into it (``views[i]``). When the gradients are
+    summed in another dtype (``grad_reduce_dtype``) or on a device the parameters
+    are not on, a second buffer, ``comm_data``, is what the collective sees;
+    otherwise ``comm_data`` is ``grad_data``. Whether gradients have arrived, and
+    the collective in flight, belong to ``GradientBucketManager``.
+
+    It is also the bucket a communication hook receives, with the methods of
+    torch's ``GradBucket``: ``buffer()``, ``index()``, ``parameters()``,
+    ``gradients()`` and ``is_last()``.
 
     Args:
         index: Position of the bucket in launch order.
         params: The parameters, in buffer order; all of one dtype and device.
         names: Their names, for messages.
+        is_last: True for the last bucket in launch order.
+        alloc: Allocates a buffer the collective reads (default ``torch.zeros``);
+            pass the group's ``alloc_buffer``.
+        comm_dtype: Dtype the collective runs in (default: the parameters').
+        comm_device: Device the collective runs on (default: the parameters').
 
     Raises:
         ValueError: ``params`` is empty, or mixes dtypes or devices.
     """
 
-    def __init__(self, index: int, params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        *,
+        is_last: bool = False,
+        alloc: Allocator | None = None,
+        comm_dtype: torch.dtype | None = None,
+        comm_device: torch.device | None = None,
+    ) -> None:
         if not params:
             raise ValueError(f"GradientBucket {index}: needs at least one parameter")
         if len(names) != len(params):
@@ -44,7 +69,8 @@ class GradientBucket:
                     f"but the bucket holds {dtype_name(first.dtype)} on {first.device}; "
                     "a bucket holds one dtype and device"
                 )
-        self.index = index
+        self._index = index
+        self._is_last = is_last
         self.params: tuple[torch.Tensor, ...] = tuple(params)
         self.names: tuple[str, ...] = tuple(names)
         self.dtype = first.dtype
@@ -54,149 +80,102 @@ class GradientBucket:
             offsets.append(total)
             total += p.numel()
         self.offsets: tuple[int, ...] = tuple(offsets)
-        """Element offset of each parameter's gradient in ``buffer``."""
+        """Element offset of each parameter's gradient in the buffers."""
         self.numel = total
-        self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
-        """The flat gradient buffer, reused every iteration."""
+        allocate = self._alloc = alloc if alloc is not None else _zeros
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self.comm_dtype = comm_dtype if comm_dtype is not None else self.dtype
+        self.comm_device = comm_device if comm_device is not None else self.device
+        self.staged = self.comm_dtype != self.dtype or self.comm_device != self.device
+        """True if the collective runs on ``comm_data``, a copy of ``grad_data`` in another dtype or place."""
+        if self.staged:
+            self.grad_data = torch.zeros(total, dtype=self.dtype, device=self.device)
+            self.comm_data = allocate(total, self.comm_dtype, self.comm_device)
+        else:
+            self.grad_data = allocate(total, self.dtype, self.device)
+            self.comm_data = self.grad_data
         self.views: tuple[torch.Tensor, ...] = tuple(
-            self.buffer[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, params, strict=True)
+            self.grad_data[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, params, strict=True)
         )
-        """``views[i]`` is the gradient of ``params[i]``: a view into ``buffer``."""
-        self._ready = [False] * len(params)
-        self.ready_count = 0
-        """How many of the bucket's gradients have arrived in this iteration."""
-        self.work: Work | None = None
-        """Handle of the collective in flight, or None before ``reduce_async``."""
+        """``views[i]`` is the gradient of ``params[i]``: a view into ``grad_data``."""
 
     def __repr__(self) -> str:
+        staged = f", reduced as {dtype_name(self.comm_dtype)} on {self.comm_device}" if self.staged else ""
         return (
-            f"<GradientBucket {self.index}: {len(self.params)} params, {self.nbytes / 2**20:.2f} MiB "
-            f"{dtype_name(self.dtype)} on {self.device}, {self.ready_count}/{len(self.params)} ready, "
-            f"{'launched' if self.work is not None else 'not launched'}>"
+            f"<GradientBucket {self._index}: {len(self.params)} params, {self.nbytes / 2**20:.2f} MiB "
+            f"{dtype_name(self.dtype)} on {self.device}{staged}>"
         )
 
     # ----------------------------------------------------------------- facts
     @property
     def nbytes(self) -> int:
-        """Size of the buffer in bytes."""
-        return self.numel * self.buffer.element_size()
+        """Size of the gradient buffer in bytes."""
+        return self.numel * self.grad_data.element_size()
 
     @property
-    def is_complete(self) -> bool:
-        """True once every gradient of the bucket has arrived in this iteration."""
-        return self.ready_count == len(self.params)
+    def comm_nbytes(self) -> int:
+        """Size of the buffer the collective reduces, in bytes."""
+        return self.numel * self.comm_data.element_size()
 
-    @property
-    def is_launched(self) -> bool:
-        """True once the bucket's collective was issued in this iteration."""
-        return self.work is not None
+    # ------------------------------------------- torch's GradBucket methods
+    def index(self) -> int:
+        """Position of the bucket in launch order (0 is launched first)."""
+        return self._index
 
-    @property
-    def is_reduced(self) -> bool:
-        """True once the collective has finished without error (the spec's ``IsReduced``)."""
-        work = self.work
-        return work is not None and work.is_completed() and work.exception() is None
+    def buffer(self) -> torch.Tensor:
+        """The flat tensor to communicate (``comm_data``); a hook may change it in place."""
+        return self.comm_data
 
-    def is_ready(self, slot: int) -> bool:
-        """Return True once ``params[slot]``'s gradient has arrived in this iteration."""
-        return self._ready[slot]
+    def parameters(self) -> list[torch.Tensor]:
+        """The bucket's parameters, in buffer order."""
+        return list(self.params)
 
-    def missing_names(self) -> list[str]:
-        """Names of the parameters whose gradient has not arrived in this iteration."""
-        return [name for name, ready in zip(self.names, self._ready, strict=True) if not ready]
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's slice of ``buffer()``, shaped like the parameter."""
+        if not self.staged:
+            return list(self.views)
+        data = self.comm_data
+        return [data[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params, strict=True)]
 
-    # ------------------------------------------------------------- gradients
-    def adopt_grad(self, slot: int) -> bool:
-        """Make ``params[slot].grad`` the bucket's view, keeping its value.
+    def is_last(self) -> bool:
+        """True for the bucket launched last in a backward."""
+        return self._is_last
 
-        A gradient that is already the view costs nothing. A gradient that arrived as
-        another tensor (after ``zero_grad(set_to_none=True)``, or assigned by hand) is
-        copied into the view, which then replaces it. A missing gradient (None) zeroes
-        the view's slice and leaves ``.grad`` None.
+    def scratch_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer as long as the bucket, of ``dtype``, where ``buffer()`` lives; allocated once.
 
-        Returns:
-            True if a copy was needed.
+        For hooks that communicate a transformed copy (a compressed one): the group
+        allocates it, and it is reused every step. Its content is the caller's.
         """
-        param, view = self.params[slot], self.views[slot]
-        grad = param.grad
-        if grad is view:
-            return False
-        if grad is None:
-            view.zero_()
-            return False
-        view.copy_(grad)
-        param.grad = view
-        return True
+        out = self._scratch.get(dtype)
+        if out is None:
+            out = self._scratch[dtype] = self._alloc(self.numel, dtype, self.comm_device)
+        return out
 
-    def attach_view(self, slot: int, *, zero: bool) -> None:
-        """Set ``params[slot].grad`` to its view (zeroed first if ``zero``)."""
-        if zero:
-            self.views[slot].zero_()
-        self.params[slot].grad = self.views[slot]
-
-    def mark_ready(self, slot: int) -> bool:
-        """Record that ``params[slot]``'s gradient has arrived.
-
-        Returns:
-            True if this completed the bucket (the last gradient it waited for).
-        """
-        if self._ready[slot]:
-            return False
-        self._ready[slot] = True
-        self.ready_count += 1
-        return self.ready_count == len(self.params)
-
-    # ------------------------------------------------------ spec vocabulary
+    # -------------------------------------------------- the spec's data steps
     def prepare(self) -> None:
         """Make every parameter's ``.grad`` a view into the buffer, keeping its value.
 
-        A ``.grad`` that is None gets its zeroed view. With the views in place this
-        costs one identity check per parameter.
+        A gradient that is another tensor is copied into its view; a ``.grad`` that
+        is None gets its view, zeroed. With the views in place this costs one
+        identity check per parameter.
         """
-        for slot, param in enumerate(self.params):
-            if param.grad is None:
-                self.attach_view(slot, zero=True)
+        for param, view in zip(self.params, self.views, strict=True):
+            grad = param.grad
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
             else:
-                self.adopt_grad(slot)
-
-    def reduce_async(self, group: IProcessGroup, op: ReduceOp = ReduceOp.SUM) -> Work:
-        """Launch the all-reduce of the buffer and return its handle.
-
-        An empty buffer (parameters of zero elements) communicates nothing.
-
-        Raises:
-            RuntimeError: The bucket was already launched in this iteration.
-        """
-        if self.work is not None:
-            raise RuntimeError(
-                f"{self!r}: reduce_async called twice in one iteration; call reset() between iterations"
-            )
-        if self.numel == 0:
-            self.work = CompletedWork()
-            return self.work
-        work = group.all_reduce(self.buffer, op, async_op=True)
-        assert work is not None  # async_op=True always returns a handle
-        self.work = work
-        return work
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the bucket's collective is done (raises its error, or ``CommTimeoutError``)."""
-        if self.work is None:
-            raise RuntimeError(f"{self!r}: wait() before reduce_async()")
-        self.work.wait(timeout)
+                view.copy_(grad)
+            param.grad = view
 
     def copy_back(self) -> None:
         """Make sure every parameter's ``.grad`` is its view, which holds the reduced values.
 
-        Nothing is copied: the collective wrote the result into the views. A ``.grad``
-        that was replaced or set to None since ``prepare`` is pointed back at its view.
+        Nothing is copied: the result lands in the views. A ``.grad`` that was
+        replaced or set to None since ``prepare`` is pointed back at its view.
         """
         for param, view in zip(self.params, self.views, strict=True):
             if param.grad is not view:
                 param.grad = view
-
-    def reset(self) -> None:
-        """Forget readiness and the finished collective, for the next iteration."""
-        self._ready = [False] * len(self.params)
-        self.ready_count = 0
-        self.work = None

@@ -1,4 +1,4 @@
-"""``GradientBucketManager``: lays parameters out in buckets, tracks readiness, launches in order."""
+"""``GradientBucketManager``: lays parameters out in buckets, owns their readiness, launches them in order."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 import time
 import types
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -13,7 +14,10 @@ from commlib.errors import CommError, error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
-from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB
+from ddp.bucket_sync import BucketSync, CommHook, PendingSync
+from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
+from ddp.devices import comm_device
+from ddp.nonfinite import NonFiniteCheck
 from ddp.stats import StepRecorder
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
@@ -74,20 +78,39 @@ def plan_buckets(
 
 
 class GradientBucketManager:
-    """The buckets of a set of parameters, their readiness, and their all-reduces.
+    """The buckets of a set of parameters: their layout, their gradients' readiness, their communication.
+
+    This object is the one owner of whether a gradient has arrived (Megatron's
+    bucket group; buckets are passive layouts). ``register_grad_ready`` takes a
+    final gradient into its bucket (a gradient that arrived as a fresh tensor is
+    copied into its view, scaled in the same pass) and launches every bucket that
+    became launchable; ``finish_grad_sync`` waits for them and leaves every
+    ``.grad`` a view holding the result. Observers (the ``StepRecorder`` in
+    ``recorder``, or any added with ``add_observer``) are told of each bucket's
+    ready, launch and done, and keep no copy of the state.
 
     Buckets are launched strictly in bucket order on every rank: a bucket that
     completes early waits until every bucket before it has been launched, so all
     ranks issue the same collectives in the same order (MPI and NCCL require it).
+    ``reduce_bucket_async`` is the one place a bucket is launched; how it is
+    communicated (all-reduce, a communication hook, staging, the NaN check) is
+    ``BucketSync``'s decision.
 
     Args:
         params: Parameters that receive gradients, in registration order (duplicates
             not allowed).
-        group: The process group that reduces them.
+        group: The process group that reduces them; bucket buffers come from its
+            ``alloc_buffer``.
         names: Their names, for messages (default ``param0``, ``param1``, ...).
         bucket_size_mb: Cap of a bucket in MiB; 0 gives one parameter per bucket.
         first_bucket_size_mb: Cap of the first bucket (default ``bucket_size_mb``).
         reduce_op: How the ranks' gradients are combined (``AVG``: the mean).
+        gradient_scaling_factor: With ``reduce_op=SUM``, multiply every gradient
+            by this before communication (see ``DDPConfig``).
+        grad_reduce_dtype: Sum narrower gradients in this dtype (see ``DDPConfig``).
+        check_for_nan_in_grad: Check each bucket for NaN and Inf before it is
+            communicated; ``finish_grad_sync`` then raises ``NonFiniteGradientError``
+            on every rank if any rank found one (see ``DDPConfig``).
         order: Order in which gradients are expected (indices into ``params``);
             default: reverse registration order, the order backward produces them.
 
@@ -95,8 +118,8 @@ class GradientBucketManager:
 
         >>> manager = GradientBucketManager(list(model.parameters()), group, bucket_size_mb=1)
         >>> loss.backward()
-        >>> manager.reduce_all_async()     # eager path; DDP instead calls mark_ready per gradient
-        >>> manager.wait_all()             # .grad of every parameter now holds the mean
+        >>> manager.reduce_all_async()     # eager path; DDP instead calls register_grad_ready per gradient
+        >>> manager.finish_grad_sync()     # .grad of every parameter now holds the mean
     """
 
     def __init__(
@@ -108,8 +131,24 @@ class GradientBucketManager:
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         first_bucket_size_mb: float | None = None,
         reduce_op: ReduceOp = ReduceOp.AVG,
+        gradient_scaling_factor: float | None = None,
+        grad_reduce_dtype: torch.dtype | None = None,
+        check_for_nan_in_grad: bool = False,
         order: Sequence[int] | None = None,
     ) -> None:
+        if isinstance(bucket_size_mb, str):
+            raise TypeError(
+                f"GradientBucketManager: bucket_size_mb must be a number of MiB, got {bucket_size_mb!r} "
+                "('auto' is DistributedDataParallel's)"
+            )
+        config = DDPConfig(
+            bucket_size_mb=bucket_size_mb,
+            first_bucket_size_mb=first_bucket_size_mb,
+            reduce_op=reduce_op,
+            gradient_scaling_factor=gradient_scaling_factor,
+            grad_reduce_dtype=grad_reduce_dtype,
+            check_for_nan_in_grad=check_for_nan_in_grad,
+        )
         self._params = list(params)
         self._names = list(names) if names is not None else [f"param{i}" for i in range(len(self._params))]
         if len(self._names) != len(self._params):
@@ -126,18 +165,36 @@ class GradientBucketManager:
             self._index[id(p)] = i
         self.group = group
         self.reduce_op = reduce_op
+        self.grad_reduce_dtype = grad_reduce_dtype
         self.bucket_bytes = int(bucket_size_mb * MB)
         self.first_bucket_bytes = None if first_bucket_size_mb is None else int(first_bucket_size_mb * MB)
+        collective_op = ReduceOp.SUM if reduce_op in (ReduceOp.AVG, ReduceOp.SUM) else reduce_op
+        self._sync = BucketSync(
+            group,
+            op=collective_op,
+            scaling=config.scaling(group.world_size),
+            check=NonFiniteCheck(group) if check_for_nan_in_grad else None,
+        )
         n = len(self._params)
-        self.arrived = bytearray(n)
-        """1 for each parameter whose gradient arrived since ``end_window`` (the last sync)."""
+        # Readiness, owned here and nowhere else.
+        self._ready = bytearray(n)
+        """1 for each parameter whose gradient is final in this iteration."""
+        self._in_window = bytearray(n)
+        """1 for each parameter that got a gradient since ``end_window`` (the last sync)."""
+        self._pending: list[int] = []
+        """Per bucket: gradients not yet ready in this iteration."""
         self.arrival_order: list[int] = []
         """Parameter indices in the order their gradients arrived in this iteration."""
         self.arrival_times: list[float] = []
-        """``time.perf_counter()`` at each arrival of ``arrival_order`` (same positions)."""
+        """``time.perf_counter()`` at each arrival of ``arrival_order``, while ``record_arrival_times``."""
+        self.record_arrival_times = False
+        """Time each gradient's arrival (``bucket_size_mb="auto"`` needs it for one backward)."""
+        self.grads_copied = 0
+        """Gradients of this iteration that arrived as fresh tensors and were copied into their view."""
         self.recorder = StepRecorder()
+        self._observers: list[Any] = [self.recorder]
         self._buckets: list[GradientBucket] = []
-        self._slot: list[tuple[int, int]] = []
+        self._inflight: list[PendingSync | None] = []
         self._active = False
         self._next_launch = self._next_done = self._next_waited = 0
         self._layout(list(order) if order is not None else list(reversed(range(n))))
@@ -145,28 +202,45 @@ class GradientBucketManager:
     # ---------------------------------------------------------------- layout
     def _layout(self, order: list[int]) -> None:
         plan = plan_buckets(self._params, order, self.bucket_bytes, self.first_bucket_bytes)
-        buckets = [
-            GradientBucket(b, [self._params[i] for i in members], [self._names[i] for i in members])
-            for b, members in enumerate(plan)
-        ]
-        slot = [(-1, -1)] * len(self._params)
+        buckets = [self._make_bucket(b, members, b == len(plan) - 1) for b, members in enumerate(plan)]
+        bucket_of = [-1] * len(self._params)
+        views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
         for b, members in enumerate(plan):
             for s, i in enumerate(members):
-                slot[i] = (b, s)
-        missing = [self._names[i] for i, where in enumerate(slot) if where[0] < 0]
+                bucket_of[i] = b
+                views[i] = buckets[b].views[s]
+        missing = [self._names[i] for i, b in enumerate(bucket_of) if b < 0]
         if missing:
             raise ValueError(f"GradientBucketManager: order leaves out parameters {missing}")
-        old = self._buckets
-        self._buckets, self._slot, self._plan, self._order = buckets, slot, plan, order
         # Keep every gradient's value: point .grad at the new views.
-        for i, p in enumerate(self._params):
+        for p, view in zip(self._params, views, strict=True):
             if p.grad is not None:
-                b, s = slot[i]
-                new_view = buckets[b].views[s]
-                new_view.copy_(p.grad)
-                p.grad = new_view
-        del old
+                view.copy_(p.grad)
+                p.grad = view
+        self._buckets, self._plan, self._order = buckets, plan, order
+        self._bucket_of, self._views = bucket_of, views
+        self._sizes = [len(members) for members in plan]
+        self._pending = list(self._sizes)
+        self._inflight = [None] * len(buckets)
+        self._refresh_scaling()
         self._next_launch = self._next_done = self._next_waited = 0
+
+    def _make_bucket(self, index: int, members: list[int], is_last: bool) -> GradientBucket:
+        params = [self._params[i] for i in members]
+        dtype = reduce_dtype_for(params[0].dtype, self.grad_reduce_dtype)
+        device = params[0].device
+        return GradientBucket(
+            index,
+            params,
+            [self._names[i] for i in members],
+            is_last=is_last,
+            alloc=self.group.alloc_buffer,
+            comm_dtype=dtype,
+            comm_device=comm_device(self.group, dtype, device),
+        )
+
+    def _refresh_scaling(self) -> None:
+        self._adopt_scaling = [self._sync.adopt_scaling(b) for b in self._buckets]
 
     def rebuild(self, order: Sequence[int]) -> bool:
         """Lay the buckets out again for gradients arriving in ``order``.
@@ -256,54 +330,127 @@ class GradientBucketManager:
 
     def get_bucket_index(self, param: torch.Tensor) -> int:
         """Index of the bucket that holds ``param``'s gradient."""
-        return self._slot[self.index_of(param)][0]
+        return self._bucket_of[self.index_of(param)]
+
+    # ------------------------------------------------------ hooks, observers
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Communicate every bucket with ``hook(state, bucket)`` instead of an all-reduce.
+
+        Gradients are then handed to the hook unscaled (the hook averages, as
+        torch's do). Checked by ``DistributedDataParallel.register_comm_hook``.
+        """
+        self._sync.hook, self._sync.hook_state = hook, state
+        self._refresh_scaling()
+
+    @property
+    def comm_hook(self) -> CommHook | None:
+        """The registered communication hook, or None (all-reduce)."""
+        return self._sync.hook
+
+    def add_observer(self, observer: Any) -> None:
+        """Tell ``observer`` of every bucket event (it keeps no copy of the state).
+
+        The events are ``begin(num_buckets)``, ``ready(b)``, ``launched(b, nbytes,
+        params, at)`` and ``done(b)``, as ``StepRecorder`` implements them.
+        """
+        self._observers.append(observer)
 
     # ------------------------------------------------------------ gradients
-    def accumulate(self, index: int) -> None:
-        """Record the gradient of parameter ``index`` without marking it ready (inside ``no_sync``)."""
-        b, s = self._slot[index]
-        if self._buckets[b].adopt_grad(s):
-            self.recorder.grads_copied += 1
-        self.arrived[index] = 1
+    def reset(self) -> None:
+        """Start an iteration: forget which gradients are ready, and start recording.
 
-    def mark_ready(self, param: torch.Tensor | int) -> None:
-        """Record that a parameter's gradient is final for this iteration, launching what became launchable.
+        ``register_grad_ready`` and ``reduce_all_async`` call it themselves when the
+        previous iteration has been finished.
+        """
+        self._active = True
+        self._ready[:] = bytes(len(self._ready))
+        self._pending[:] = self._sizes
+        self._inflight[:] = [None] * len(self._buckets)
+        self._next_launch = self._next_done = self._next_waited = 0
+        self.arrival_order.clear()
+        self.arrival_times.clear()
+        self.grads_copied = 0
+        if self._sync.check is not None:
+            self._sync.check.reset()
+        for observer in self._observers:
+            observer.begin(len(self._buckets))
+
+    def register_grad_ready(self, param: torch.Tensor | int) -> None:
+        """Record that a parameter's gradient is final for this iteration; launch what became launchable.
+
+        The gradient is taken into its bucket: if it arrived as a fresh tensor
+        (after ``zero_grad(set_to_none=True)``) it is copied into its view, scaled
+        in the same pass, and the view becomes ``.grad``; if autograd accumulated it
+        in the view, it is scaled there; a missing one (None) contributes zeros. A
+        second call for the same gradient in one iteration does nothing.
 
         Args:
             param: The parameter, or its index in registration order.
         """
-        if not self._active:
-            self.begin()
         index = param if isinstance(param, int) else self.index_of(param)
-        b, s = self._slot[index]
-        bucket = self._buckets[b]
-        if bucket.adopt_grad(s):
-            self.recorder.grads_copied += 1
-        self.arrived[index] = 1
+        if not self._active:
+            self.reset()
+        if self._ready[index]:
+            return
+        self._in_window[index] = 1
         self.arrival_order.append(index)
-        self.arrival_times.append(time.perf_counter())
-        if bucket.mark_ready(s):
-            self.recorder.ready(b)
-            self._launch_in_order()
+        if self.record_arrival_times:
+            self.arrival_times.append(time.perf_counter())
+        self._make_ready(index)
         self._poll_done()
 
     def mark_unused(self, index: int) -> None:
         """Mark parameter ``index`` ready although backward will not produce its gradient.
 
-        Its slice keeps what it holds (an accumulated gradient from ``no_sync`` steps),
-        or zeros if its ``.grad`` is None; it contributes that to the reduction.
+        Its slice keeps what it holds (an accumulated gradient from ``no_sync`` steps,
+        scaled now), or zeros if its ``.grad`` is None; it contributes that.
         """
-        b, s = self._slot[index]
-        bucket = self._buckets[b]
-        if bucket.adopt_grad(s):
-            self.recorder.grads_copied += 1
-        if bucket.mark_ready(s):
-            self.recorder.ready(b)
-            self._launch_in_order()
+        if not self._ready[index]:
+            self._make_ready(index)
+
+    def accumulate(self, index: int) -> None:
+        """Take the gradient of parameter ``index`` into its view without marking it ready (``no_sync``)."""
+        param, view = self._params[index], self._views[index]
+        grad = param.grad
+        if grad is not view and grad is not None:
+            view.copy_(grad)
+            param.grad = view
+            self.grads_copied += 1
+        self._in_window[index] = 1
+
+    def _make_ready(self, index: int) -> None:
+        self._ready[index] = 1
+        b = self._bucket_of[index]
+        param, view = self._params[index], self._views[index]
+        grad = param.grad
+        if grad is view:
+            self._adopt_scaling[b].apply_(view)
+        elif grad is None:
+            view.zero_()
+        else:
+            self._adopt_scaling[b].into(grad, view)
+            param.grad = view
+            self.grads_copied += 1
+        left = self._pending[b] - 1
+        self._pending[b] = left
+        if not left:
+            for observer in self._observers:
+                observer.ready(b)
+            if b == self._next_launch:
+                self._launch_in_order()
 
     def missing(self) -> list[tuple[int, int]]:
-        """``(parameter index, bucket index)`` of every gradient not yet marked ready."""
-        return [(i, b) for i, (b, s) in enumerate(self._slot) if not self._buckets[b].is_ready(s)]
+        """``(parameter index, bucket index)`` of every gradient not yet ready."""
+        ready, bucket_of = self._ready, self._bucket_of
+        return [(i, bucket_of[i]) for i in range(len(ready)) if not ready[i]]
+
+    def missing_names(self, bucket: int) -> list[str]:
+        """Names of bucket ``bucket``'s parameters whose gradient is not yet ready."""
+        return [self._names[i] for i in self._plan[bucket] if not self._ready[i]]
+
+    def ready_count(self, bucket: int) -> int:
+        """How many of bucket ``bucket``'s gradients are ready in this iteration."""
+        return self._sizes[bucket] - self._pending[bucket]
 
     def local_grad_flags(self, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out[i]`` with 1 where parameter ``i`` has a gradient in this window, else 0.
@@ -311,7 +458,8 @@ class GradientBucketManager:
         A gradient counts if it arrived since the last sync, or if ``.grad`` is not
         None (a gradient the user kept, zeroed or not, as one process would).
         """
-        flags = [1 if self.arrived[i] or p.grad is not None else 0 for i, p in enumerate(self._params)]
+        window = self._in_window
+        flags = [1 if window[i] or p.grad is not None else 0 for i, p in enumerate(self._params)]
         out.copy_(torch.tensor(flags, dtype=out.dtype))
         return out
 
@@ -322,39 +470,30 @@ class GradientBucketManager:
 
     def end_window(self) -> None:
         """Forget which gradients arrived: the accumulation window closed with a sync."""
-        self.arrived[:] = bytes(len(self.arrived))
+        self._in_window[:] = bytes(len(self._in_window))
 
     # ---------------------------------------------------------- collectives
-    def begin(self) -> None:
-        """Start an iteration: clear readiness and start recording.
-
-        ``mark_ready`` and ``reduce_all_async`` call it themselves when the previous
-        iteration has been waited for.
-        """
-        self._active = True
-        for bucket in self._buckets:
-            bucket.reset()
-        self._next_launch = self._next_done = self._next_waited = 0
-        self.arrival_order.clear()
-        self.arrival_times.clear()
-        self.recorder.begin(len(self._buckets))
-
     def _launch_in_order(self) -> None:
-        buckets = self._buckets
-        while self._next_launch < len(buckets) and buckets[self._next_launch].is_complete:
+        pending, count = self._pending, len(self._buckets)
+        while self._next_launch < count and not pending[self._next_launch]:
             self.reduce_bucket_async(self._next_launch)
 
     def _poll_done(self) -> None:
-        buckets = self._buckets
-        while self._next_done < self._next_launch and buckets[self._next_done].work.is_completed():  # type: ignore[union-attr]
-            self.recorder.done(self._next_done)
+        inflight = self._inflight
+        while self._next_done < self._next_launch and inflight[self._next_done].is_completed():  # type: ignore[union-attr]
+            for observer in self._observers:
+                observer.done(self._next_done)
             self._next_done += 1
 
     def reduce_bucket_async(self, index: int) -> None:
-        """Launch bucket ``index`` now (the next in order; see the class docstring).
+        """Launch bucket ``index`` now: the one place buckets are launched.
+
+        It must be the next in order (see the class docstring), with all its
+        gradients ready.
 
         Raises:
-            RuntimeError: An earlier bucket has not been launched yet, or this one was.
+            RuntimeError: An earlier bucket has not been launched yet, this one
+                was, or not all its gradients are ready.
         """
         if index != self._next_launch:
             raise RuntimeError(
@@ -362,34 +501,37 @@ class GradientBucketManager:
                 f"{self._next_launch}: "
                 "buckets launch strictly in order so that every rank issues the same collectives"
             )
+        if self._pending[index]:
+            raise RuntimeError(
+                f"{self._prefix('reduce_bucket_async')}bucket {index} has {self.ready_count(index)}/"
+                f"{self._sizes[index]} gradients ready; missing: {', '.join(self.missing_names(index)[:8])}"
+            )
         bucket = self._buckets[index]
         start = time.perf_counter()
-        bucket.reduce_async(self.group, self.reduce_op).annotate(
-            lambda: (
-                f"DDP bucket {index}, {len(bucket.names)} parameters, first: {', '.join(bucket.names[:3])}"
-            )
-        )
-        self.recorder.launched(index, bucket.nbytes, len(bucket.params), start)
-        self._next_launch += 1
+        self._inflight[index] = self._sync.launch(bucket)
+        self._next_launch = index + 1
+        for observer in self._observers:
+            observer.launched(index, bucket.comm_nbytes, len(bucket.params), start)
 
     def reduce_all_async(self) -> None:
         """Mark every gradient ready and launch every bucket not yet launched, in order.
 
-        The eager path (no hooks): call after backward, then ``wait_all``. Parameters
-        whose ``.grad`` is None contribute zeros.
+        The eager path (no hooks): call after backward, then ``finish_grad_sync``.
+        Parameters whose ``.grad`` is None contribute zeros.
         """
         if not self._active:
-            self.begin()
-        for b, bucket in enumerate(self._buckets):
-            for s in range(len(bucket.params)):
-                if bucket.adopt_grad(s):
-                    self.recorder.grads_copied += 1
-                if bucket.mark_ready(s):
-                    self.recorder.ready(b)
+            self.reset()
+        for index in range(len(self._params)):
+            if not self._ready[index]:
+                self._in_window[index] = 1
+                self._make_ready(index)
         self._launch_in_order()
 
-    def wait_all(self, timeout: float | None = None) -> float:
-        """Wait, in order, for every launched bucket; then make every ``.grad`` its view.
+    def finish_grad_sync(self, timeout: float | None = None) -> float:
+        """Wait, in order, for every launched bucket; land the results; make every ``.grad`` its view.
+
+        With ``check_for_nan_in_grad`` the ranks then agree (one small all-reduce)
+        on whether any rank's gradients held NaN or Inf.
 
         Args:
             timeout: Seconds for the whole wait (default: the group's timeout).
@@ -400,31 +542,38 @@ class GradientBucketManager:
         Raises:
             CommTimeoutError: The collectives did not finish in time.
             CommError: A collective failed (the message names the bucket).
+            NonFiniteGradientError: Some rank's gradients held NaN or Inf (on every rank).
         """
         budget = self.group.timeout if timeout is None else timeout
         start = time.perf_counter()
         deadline = start + budget
+        sync = self._sync
         # Every launched bucket is waited on, even one already seen complete: the
         # result is only valid once wait() has returned (a backend may finish there).
         for b in range(self._next_waited, self._next_launch):
-            bucket = self._buckets[b]
+            bucket, pending = self._buckets[b], self._inflight[b]
+            assert pending is not None
             try:
-                bucket.wait(max(deadline - time.perf_counter(), 0.001))
+                sync.finish(bucket, pending, max(deadline - time.perf_counter(), 0.001))
             except CommError as e:
                 raise _with_context(
                     e,
-                    f"{self._prefix('wait_all')}waiting for bucket {b} of {self._next_launch} launched "
+                    f"{self._prefix('finish_grad_sync')}waiting for bucket {b} of {self._next_launch} "
+                    "launched "
                     f"({len(bucket.params)} params, {bucket.nbytes / 2**20:.2f} MiB, {self.group.backend} "
-                    f"backend, waited {time.perf_counter() - start:.1f}s of {budget:.0f}s)",
+                    f"backend, waited {time.perf_counter() - start:.1f}s of {budget:g}s)",
                 ) from e
-            self.recorder.done(b)
+            for observer in self._observers:
+                observer.done(b)
             self._next_waited = b + 1
+        sync.streams.join()
         self._next_done = self._next_launch
         self._active = False
-        waited = time.perf_counter() - start
         for bucket in self._buckets[: self._next_launch]:
             bucket.copy_back()
-        return waited
+        if sync.check is not None and self._buckets:
+            sync.check.agree(self._buckets)
+        return time.perf_counter() - start
 
     def copy_back_all(self) -> None:
         """Make every parameter's ``.grad`` its view (see ``GradientBucket.copy_back``)."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from commlib.types import ReduceOp
+import torch
 
-__all__ = ["AUTO", "DDPConfig", "DEFAULT_BUCKET_SIZE_MB", "MB"]
+from commlib.types import SUPPORTED_DTYPES, ReduceOp, dtype_name
+
+__all__ = ["AUTO", "DDPConfig", "DEFAULT_BUCKET_SIZE_MB", "GradientScaling", "MB", "reduce_dtype_for"]
 
 AUTO = "auto"
 """``bucket_size_mb="auto"``: size buckets from a measured cost model (see ``ddp.cost_model``)."""
@@ -17,6 +19,48 @@ DEFAULT_BUCKET_SIZE_MB = 25.0
 
 MB = 1024 * 1024
 """Bytes in one ``bucket_size_mb`` unit (MiB, as torch's ``bucket_cap_mb``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientScaling:
+    """What every gradient is scaled by before communication: ``x / divisor * factor``.
+
+    The average divides (``divisor=world_size``), as torch's hooks do, so the default
+    path and ``ddp.hooks.allreduce_hook`` give the same bits; a factor of the
+    user's multiplies. Either way it is one fused pass, and free where a gradient is
+    copied anyway (``into``).
+    """
+
+    divisor: int = 1
+    factor: float = 1.0
+
+    @property
+    def is_identity(self) -> bool:
+        """True if nothing is scaled."""
+        return self.divisor == 1 and self.factor == 1.0
+
+    def into(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``source`` scaled into ``out`` (a copy when nothing is scaled)."""
+        if self.divisor != 1:
+            torch.div(source, self.divisor, out=out)
+        elif self.factor != 1.0:
+            torch.mul(source, self.factor, out=out)
+        else:
+            out.copy_(source)
+
+    def apply_(self, tensor: torch.Tensor) -> None:
+        """Scale ``tensor`` in place."""
+        if self.divisor != 1:
+            tensor.div_(self.divisor)
+        elif self.factor != 1.0:
+            tensor.mul_(self.factor)
+
+
+def reduce_dtype_for(dtype: torch.dtype, grad_reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype gradients of ``dtype`` are summed in: ``grad_reduce_dtype`` if wider, else their own."""
+    if grad_reduce_dtype is not None and grad_reduce_dtype.itemsize > dtype.itemsize:
+        return grad_reduce_dtype
+    return dtype
 
 
 def _check_number(field: str, value: object, *, allow_none: bool = False) -> None:
@@ -55,8 +99,31 @@ class DDPConfig:
 
     reduce_op: ReduceOp = ReduceOp.AVG
     """How the ranks' gradients are combined (default ``AVG``: the mean over the world
-    size). ``AVG`` runs in the collective where the backend supports it for the dtype,
-    else each bucket is divided by the world size and then summed."""
+    size). ``AVG`` and ``SUM`` are both a sum of gradients scaled before communication
+    (see ``gradient_scaling_factor``); ``MIN``, ``MAX`` and ``PRODUCT`` are passed to
+    the collective unscaled."""
+
+    gradient_scaling_factor: float | None = None
+    """Factor every gradient is multiplied by before its bucket is summed across ranks
+    (Megatron's way: it also keeps low-precision sums from overflowing). Default: the
+    average, ``1 / world_size``, with ``reduce_op=AVG``; 1 with ``SUM``. A factor of
+    your own (a loss scale, an expert's share) needs ``reduce_op=SUM``. The scaling
+    costs nothing extra where a gradient is copied into its bucket anyway (after
+    ``zero_grad(set_to_none=True)``): the copy writes the scaled value."""
+
+    grad_reduce_dtype: torch.dtype | None = None
+    """Dtype the buckets are summed in when it differs from the parameters' (for
+    example ``torch.float32`` for bfloat16 parameters): each bucket is cast up into a
+    communication buffer, scaled and reduced there, and the result cast back into the
+    gradients once. Default None: the parameters' dtype. Only floating point dtypes
+    at least as wide as the gradients are accepted."""
+
+    check_for_nan_in_grad: bool = False
+    """Before a bucket is communicated, sum it once (one pass) and, if the sum is not
+    finite, find the non-finite gradients. At the end of backward the ranks agree on
+    it with one small all-reduce, and every rank raises the same
+    ``NonFiniteGradientError`` naming the ranks, buckets and parameters. Off (the
+    default) it costs nothing."""
 
     broadcast_buffers: bool = True
     """Broadcast the module's buffers (running statistics...) from rank 0 at construction,
@@ -84,7 +151,13 @@ class DDPConfig:
         else:
             _check_number("bucket_size_mb", self.bucket_size_mb)
         _check_number("first_bucket_size_mb", self.first_bucket_size_mb, allow_none=True)
-        for field in ("find_unused_parameters", "broadcast_buffers", "rebuild_buckets", "check_models"):
+        for field in (
+            "find_unused_parameters",
+            "broadcast_buffers",
+            "rebuild_buckets",
+            "check_models",
+            "check_for_nan_in_grad",
+        ):
             value = getattr(self, field)
             if not isinstance(value, bool):
                 raise TypeError(f"DDPConfig.{field}: expected True or False, got {value!r}")
@@ -93,6 +166,19 @@ class DDPConfig:
             raise TypeError(
                 f"DDPConfig.reduce_op: expected a commlib.ReduceOp ({choices}), got {self.reduce_op!r}"
             )
+        self._check_scaling()
+        if self.grad_reduce_dtype is not None:
+            dtype = self.grad_reduce_dtype
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(
+                    "DDPConfig.grad_reduce_dtype: expected a torch.dtype (torch.float32...) or None, "
+                    f"got {type(dtype).__name__} {dtype!r}"
+                )
+            if not dtype.is_floating_point or dtype not in SUPPORTED_DTYPES:
+                raise ValueError(
+                    f"DDPConfig.grad_reduce_dtype: {dtype_name(dtype)} cannot hold gradients; use a "
+                    "floating point dtype (torch.float32, torch.float64)"
+                )
         if self.timeout_s is not None:
             _check_number("timeout_s", self.timeout_s)
             if self.timeout_s == 0:
@@ -100,11 +186,46 @@ class DDPConfig:
                     "DDPConfig.timeout_s: must be > 0 seconds (or None for the group's timeout), got 0"
                 )
 
+    def _check_scaling(self) -> None:
+        factor = self.gradient_scaling_factor
+        if factor is None:
+            return
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(
+                f"DDPConfig.gradient_scaling_factor: expected a number or None, got {type(factor).__name__} "
+                f"{factor!r}"
+            )
+        if not math.isfinite(factor) or factor == 0:
+            raise ValueError(
+                f"DDPConfig.gradient_scaling_factor: must be a finite, non-zero number, got {factor!r}"
+            )
+        if self.reduce_op is not ReduceOp.SUM:
+            raise ValueError(
+                f"DDPConfig.gradient_scaling_factor={factor!r} with reduce_op={self.reduce_op.name}: a "
+                "factor of your own replaces the average, so it needs reduce_op=ReduceOp.SUM (AVG "
+                "already scales by 1/world_size; MIN, MAX and PRODUCT are not scaled)"
+            )
+
+    def scaling(self, world_size: int) -> GradientScaling:
+        """How gradients are scaled before communication on ``world_size`` ranks.
+
+        ``AVG`` divides by ``world_size``; ``SUM`` multiplies by
+        ``gradient_scaling_factor`` (if given); other ops are not scaled.
+        """
+        if self.reduce_op is ReduceOp.AVG:
+            return GradientScaling(divisor=world_size)
+        if self.reduce_op is ReduceOp.SUM and self.gradient_scaling_factor is not None:
+            return GradientScaling(factor=float(self.gradient_scaling_factor))
+        return GradientScaling()
+
     def cross_rank_settings(self) -> str:
         """Return the settings every rank must share (they decide the collectives), as one line."""
+        reduce_dtype = None if self.grad_reduce_dtype is None else dtype_name(self.grad_reduce_dtype)
         return (
             f"ddp bucket_size_mb={self.bucket_size_mb} first_bucket_size_mb={self.first_bucket_size_mb} "
             f"find_unused_parameters={self.find_unused_parameters} reduce_op={self.reduce_op.name} "
+            f"gradient_scaling_factor={self.gradient_scaling_factor} grad_reduce_dtype={reduce_dtype} "
+            f"check_for_nan_in_grad={self.check_for_nan_in_grad} "
             f"broadcast_buffers={self.broadcast_buffers} rebuild_buckets={self.rebuild_buckets}"
         )
 

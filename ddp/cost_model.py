@@ -38,6 +38,7 @@ import torch
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket_manager import plan_buckets
+from ddp.devices import control_tensor, to_host
 
 __all__ = [
     "CALIBRATION_SIZES",
@@ -199,6 +200,7 @@ def calibrate(
     op: ReduceOp = ReduceOp.AVG,
     clock: Callable[[], float] = time.perf_counter,
     busy: bool = True,
+    device: torch.device | str | None = None,
 ) -> CommCostModel:
     """Measure ``o`` and ``w`` of ``group`` with a few all-reduces; every rank gets the same model.
 
@@ -218,6 +220,8 @@ def calibrate(
         clock: Seconds clock (tests pass a fake one).
         busy: Also measure what a call, and each byte, cost a backward they
             overlap (``measure_busy_costs``).
+        device: Where the measured buffers live (default: the group's
+            preferred device; DDP passes its gradients' communication device).
 
     Returns:
         The fitted model, its ``samples`` the agreed per-size times.
@@ -228,12 +232,19 @@ def calibrate(
     if repeats < 1:
         raise ValueError(f"calibrate: repeats must be >= 1, got {repeats}")
     element = torch.empty((), dtype=dtype).element_size()
-    if not group.supports(op, dtype, "cpu"):
+    where = group.preferred_device() if device is None else torch.device(device)
+    if not group.supports(op, dtype, where):
         op = ReduceOp.SUM
-    busy_costs = measure_busy_costs(group, dtype=dtype, op=op, clock=clock) if busy else (math.nan, math.nan)
+    busy_costs = (
+        measure_busy_costs(group, dtype=dtype, op=op, clock=clock, device=where)
+        if busy
+        else (math.nan, math.nan)
+    )
     for attempt in range(_CALIBRATION_ATTEMPTS):
         # Every rank fits the same agreed numbers, so every rank retries, or not, alike.
-        times = _agreed_medians(group, sizes, repeats * (attempt + 1), element, dtype, op, clock, busy_costs)
+        times = _agreed_medians(
+            group, sizes, repeats * (attempt + 1), element, dtype, op, clock, busy_costs, where
+        )
         *medians, busy_call, busy_byte = times
         samples = [(max(1, int(n) // element) * element, t) for n, t in zip(sizes, medians, strict=False)]
         try:
@@ -263,11 +274,12 @@ def _agreed_medians(
     op: ReduceOp,
     clock: Callable[[], float],
     extra: Sequence[float],
+    device: torch.device,
 ) -> list[float]:
     """This rank's median time per size, then the slowest rank's (plus ``extra``, also maxed)."""
     medians = []
     for nbytes in sizes:
-        buffer = torch.zeros(max(1, int(nbytes) // element), dtype=dtype)
+        buffer = _buffer(group, max(1, int(nbytes) // element), dtype, device)
         group.all_reduce(buffer, op)
         times = []
         for _ in range(repeats):
@@ -275,9 +287,16 @@ def _agreed_medians(
             group.all_reduce(buffer, op)
             times.append(clock() - start)
         medians.append(statistics.median(times))
-    agreed = torch.tensor(medians + list(extra), dtype=torch.float64)
+    agreed = control_tensor(group, medians + list(extra), torch.float64)
     group.all_reduce(agreed, ReduceOp.MAX)
-    return agreed.tolist()
+    return to_host(agreed).tolist()
+
+
+def _buffer(group: IProcessGroup, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed buffer to measure with: ordinary memory on the CPU, the group's elsewhere."""
+    if device.type == "cpu":
+        return torch.zeros(numel, dtype=dtype)
+    return group.alloc_buffer(numel, dtype, device)
 
 
 def measure_busy_overhead(
@@ -290,6 +309,7 @@ def measure_busy_overhead(
     dtype: torch.dtype = torch.float32,
     op: ReduceOp = ReduceOp.AVG,
     clock: Callable[[], float] = time.perf_counter,
+    device: torch.device | None = None,
 ) -> float:
     """Seconds one async all-reduce launched during backward adds to that backward (this rank's median).
 
@@ -307,7 +327,8 @@ def measure_busy_overhead(
     generator = torch.Generator().manual_seed(0)
     layers = [torch.nn.Linear(width, width) for _ in range(calls)]
     element = torch.empty((), dtype=dtype).element_size()
-    buffers = [torch.zeros(max(1, nbytes // element), dtype=dtype) for _ in range(calls)]
+    where = group.preferred_device() if device is None else device
+    buffers = [_buffer(group, max(1, nbytes // element), dtype, where) for _ in range(calls)]
     works: list[Any] = []
     launching = False
 
@@ -368,6 +389,7 @@ def measure_busy_costs(
     dtype: torch.dtype = torch.float32,
     op: ReduceOp = ReduceOp.AVG,
     clock: Callable[[], float] = time.perf_counter,
+    device: torch.device | None = None,
 ) -> tuple[float, float]:
     """What all-reduces launched during backward cost it: ``(seconds per call, seconds per byte)``.
 
@@ -380,8 +402,12 @@ def measure_busy_costs(
     small, large = sizes
     if not 0 < small < large:
         raise ValueError(f"measure_busy_costs: sizes must be two increasing byte counts, got {sizes}")
-    at_small = measure_busy_overhead(group, nbytes=small, chunk_s=chunk_s, dtype=dtype, op=op, clock=clock)
-    at_large = measure_busy_overhead(group, nbytes=large, chunk_s=chunk_s, dtype=dtype, op=op, clock=clock)
+    at_small, at_large = (
+        measure_busy_overhead(
+            group, nbytes=n, chunk_s=chunk_s, dtype=dtype, op=op, clock=clock, device=device
+        )
+        for n in (small, large)
+    )
     per_byte = max(0.0, (at_large - at_small) / (large - small))
     return max(0.0, at_small - per_byte * small), per_byte
 

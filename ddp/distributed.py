@@ -19,9 +19,11 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp, dtype_name
 from ddp.auto_bucket import AutoBucketReport, AutoBucketSizer
 from ddp.bucket_manager import GradientBucketManager
-from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig
+from ddp.bucket_sync import CommHook, check_comm_hook
+from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig, reduce_dtype_for
 from ddp.cost_model import CommCostModel
-from ddp.errors import AbandonedBackwardError, MissingGradientsError
+from ddp.devices import comm_device, control_buffer, control_tensor, to_host
+from ddp.errors import AbandonedBackwardError, CommHookError, MissingGradientsError, NonFiniteGradientError
 from ddp.graph import used_parameters
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import StepStats
@@ -74,12 +76,20 @@ class DistributedDataParallel(nn.Module):
 
     .. note:: After backward, ``param.grad`` is a view into its bucket. After
        ``optimizer.zero_grad()`` (which sets ``.grad`` to None), autograd hands the
-       next gradient over as a fresh tensor and the hook copies it into the view:
-       one copy, cheaper than zero-filling the buckets and accumulating into them
-       (a memset more), and what torch's DDP does with ``gradient_as_bucket_view``.
-       With ``zero_grad(set_to_none=False)`` the views are zeroed in place and
-       autograd accumulates straight into them. ``last_step_stats.grads_copied``
-       counts the copies.
+       next gradient over as a fresh tensor and the hook copies it into the view,
+       scaled by ``1 / world_size`` in the same pass: one copy, cheaper than
+       zero-filling the buckets and accumulating into them (a memset and an add),
+       and the average costs nothing more. With ``zero_grad(set_to_none=False)``
+       the views are zeroed in place, autograd accumulates straight into them and
+       the hook scales them in place. ``last_step_stats.grads_copied`` counts the
+       copies.
+
+    .. note:: On CUDA, each bucket's collective is launched on a communication
+       stream that waits (an event, no host sync) for the kernels that produced
+       its gradients, and the end of backward makes the current stream wait for
+       the collectives (NCCL: a stream dependency; the group's timeout, NCCL's
+       watchdog, bounds it). Control tensors (flags, counts, the model check)
+       travel on ``process_group.preferred_device()``.
 
     .. note:: Every rank must run backward the same way: the buckets' collectives are
        issued in the same order on every rank, in bucket order.
@@ -96,9 +106,15 @@ class DistributedDataParallel(nn.Module):
         first_bucket_size_mb: Cap of the first bucket (default ``bucket_size_mb``).
         find_unused_parameters: Find the parameters a forward did not use and mark
             them ready so their buckets still complete (see ``DDPConfig``).
-        reduce_op: How gradients are combined, default ``AVG`` (the mean): in the
-            collective where the backend supports it, else divide by the world size
-            per bucket and sum.
+        reduce_op: How gradients are combined, default ``AVG`` (the mean: each
+            gradient divided by the world size before the buckets are summed).
+        gradient_scaling_factor: With ``reduce_op=SUM``: multiply every gradient by
+            this before communication, in place of the average (see ``DDPConfig``).
+        grad_reduce_dtype: Sum narrower gradients in this dtype (``torch.float32``
+            for bfloat16 models) and cast the result back (see ``DDPConfig``).
+        check_for_nan_in_grad: Check every bucket for NaN and Inf before it is
+            communicated; every rank then raises ``NonFiniteGradientError`` in the
+            same backward if any rank found one (see ``DDPConfig``).
         broadcast_buffers: Broadcast buffers from rank 0 at construction too.
         rebuild_buckets: Re-lay buckets after the first step in arrival order.
         check_models: Check that every rank has the same model at construction.
@@ -135,6 +151,9 @@ class DistributedDataParallel(nn.Module):
         first_bucket_size_mb: float | None = None,
         find_unused_parameters: bool = False,
         reduce_op: ReduceOp = ReduceOp.AVG,
+        gradient_scaling_factor: float | None = None,
+        grad_reduce_dtype: torch.dtype | None = None,
+        check_for_nan_in_grad: bool = False,
         broadcast_buffers: bool = True,
         rebuild_buckets: bool = True,
         check_models: bool = True,
@@ -150,6 +169,9 @@ class DistributedDataParallel(nn.Module):
             first_bucket_size_mb=first_bucket_size_mb,
             find_unused_parameters=find_unused_parameters,
             reduce_op=reduce_op,
+            gradient_scaling_factor=gradient_scaling_factor,
+            grad_reduce_dtype=grad_reduce_dtype,
+            check_for_nan_in_grad=check_for_nan_in_grad,
             broadcast_buffers=broadcast_buffers,
             rebuild_buckets=rebuild_buckets,
             check_models=check_models,
@@ -174,7 +196,7 @@ class DistributedDataParallel(nn.Module):
             )
         if self.config.auto_bucket_size:
             self._auto = AutoBucketSizer(
-                group, [p for _, p in trainable], reduce_op=self.config.reduce_op, cost_model=cost_model
+                group, [p for _, p in trainable], reduce_op=self._collective_op(), cost_model=cost_model
             )
         bucket_mb = self._auto.cap_mb if self._auto is not None else self.config.bucket_size_mb
         self._manager = GradientBucketManager(
@@ -184,14 +206,21 @@ class DistributedDataParallel(nn.Module):
             bucket_size_mb=bucket_mb,  # type: ignore[arg-type]
             first_bucket_size_mb=self.config.first_bucket_size_mb,
             reduce_op=self.config.reduce_op,
+            gradient_scaling_factor=self.config.gradient_scaling_factor,
+            grad_reduce_dtype=self.config.grad_reduce_dtype,
+            check_for_nan_in_grad=self.config.check_for_nan_in_grad,
         )
+        self._manager.record_arrival_times = self._auto is not None
         self._no_sync = False
         self._in_backward = False
         self._backward_synced = False
         self._rebuilt = not self.config.rebuild_buckets
         self._used_since_backward: set[int] | None = None
         self._unused: list[str] = []
-        self._used_flags = torch.zeros(len(trainable), dtype=torch.int32)
+        self._used_flags = control_buffer(group, len(trainable), torch.int32)
+        self._hook_s = 0.0
+        self._bytes_at_begin = 0
+        self._backwards = 0
         self.last_step_stats: StepStats | None = None
         """Statistics of the latest backward (see ``StepStats``), or None before the first."""
         self.stats_history: collections.deque[StepStats] = collections.deque(maxlen=_HISTORY)
@@ -243,14 +272,26 @@ class DistributedDataParallel(nn.Module):
         g = self.process_group
         return error_prefix(g.rank, g.world_size, "ddp", op)
 
-    def _check_reducible(self, group: IProcessGroup, params: list[torch.Tensor]) -> None:
+    def _collective_op(self) -> ReduceOp:
+        """The op the buckets' collectives use: the average is a scaled sum."""
         op = self.config.reduce_op
+        return ReduceOp.SUM if op is ReduceOp.AVG else op
+
+    def _check_reducible(self, group: IProcessGroup, params: list[torch.Tensor]) -> None:
+        op = self._collective_op()
         for dtype, device in sorted({(p.dtype, p.device) for p in params}, key=str):
-            if not group.supports(op, dtype, device):
+            reduce_dtype = reduce_dtype_for(dtype, self.config.grad_reduce_dtype)
+            try:
+                where = comm_device(group, reduce_dtype, device)
+            except ValueError:
+                where = device
+            if not group.supports(op, reduce_dtype, where):
                 raise ValueError(
                     f"{self._prefix('init')}the {group.backend} backend cannot reduce "
-                    f"{dtype_name(dtype)} gradients on {device} with {op.name}; convert the model "
-                    "(model.float()), move it to a supported device, or choose another backend"
+                    f"{dtype_name(reduce_dtype)} gradients on {where} with {op.name} (the parameters are "
+                    f"{dtype_name(dtype)} on {device}; the group takes {sorted(group.devices)}); convert "
+                    "the model (model.float()), move it to a supported device, pass grad_reduce_dtype, or "
+                    "choose another backend"
                 )
 
     # --------------------------------------------------------------- forward
@@ -288,20 +329,74 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._no_sync = previous
 
+    # --------------------------------------------------------- communication hooks
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Communicate each bucket with ``hook(state, bucket)`` instead of DDP's all-reduce (torch's API).
+
+        The hook is called once per bucket per synchronised backward, in the same
+        strict bucket order on every rank, with the bucket (``buffer()``,
+        ``index()``, ``parameters()``, ``gradients()``, ``is_last()``) holding this
+        rank's gradients, unscaled: the hook averages, as torch's hooks do. It
+        returns a ``torch.futures.Future`` whose value is the reduced flat buffer
+        (a tensor, or a list holding one, as ``Work.get_future()`` gives); DDP
+        copies it into the gradients unless it is the bucket's buffer itself.
+        Built-in hooks: ``ddp.hooks`` (``allreduce_hook``, ``fp16_compress_hook``,
+        ``bf16_compress_hook``, ``powerSGD_hook``).
+
+        Args:
+            state: Passed to the hook as is (the process group, or a hook's state
+                object such as ``ddp.hooks.PowerSGDState``).
+            hook: ``hook(state, bucket) -> torch.futures.Future``.
+
+        Raises:
+            TypeError: ``hook`` is not callable with two arguments.
+            CommHookError: A hook is registered already, a backward has run, or a
+                ``gradient_scaling_factor`` of your own is set (a hook scales itself).
+
+        Example::
+
+            >>> from ddp.hooks import bf16_compress_hook
+            >>> model.register_comm_hook(group, bf16_compress_hook)   # before the first backward
+        """
+        check_comm_hook(hook)
+        if self._manager.comm_hook is not None:
+            raise CommHookError(
+                f"{self._prefix('register_comm_hook')}a communication hook is registered already "
+                f"({getattr(self._manager.comm_hook, '__qualname__', self._manager.comm_hook)!r}); it can "
+                "be registered only once, before the first backward"
+            )
+        if self._backwards:
+            raise CommHookError(
+                f"{self._prefix('register_comm_hook')}called after {self._backwards} backward(s); register "
+                "the hook right after wrapping the model, before the first backward, on every rank"
+            )
+        if self.config.gradient_scaling_factor is not None:
+            raise CommHookError(
+                f"{self._prefix('register_comm_hook')}gradient_scaling_factor="
+                f"{self.config.gradient_scaling_factor} is set, but a communication hook gets the gradients "
+                "unscaled and scales them itself; scale in the hook, or drop gradient_scaling_factor"
+            )
+        self._manager.register_comm_hook(state, hook)
+
     # -------------------------------------------------------------- backward
     def _on_grad(self, index: int) -> None:
+        start = time.perf_counter()
         if not self._in_backward:
             self._begin_backward()
         if self._backward_synced:
-            self._manager.mark_ready(index)
+            self._manager.register_grad_ready(index)
         else:
             self._manager.accumulate(index)
+        self._hook_s += time.perf_counter() - start
 
     def _begin_backward(self) -> None:
         self._in_backward = True
         self._backward_synced = not self._no_sync
+        self._backwards += 1
+        self._hook_s = 0.0
+        self._bytes_at_begin = self.process_group.bytes_issued
         manager = self._manager
-        manager.begin()
+        manager.reset()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         used, self._used_since_backward = self._used_since_backward, None
         if self._backward_synced and self.config.find_unused_parameters and used is not None:
@@ -331,7 +426,16 @@ class DistributedDataParallel(nn.Module):
                 exposed = self._finish_synced()
         finally:
             self._in_backward = False
-            stats = self._manager.recorder.finish(synced=self._backward_synced, exposed_wait_s=exposed)
+            manager = self._manager
+            if self._backward_synced and self.config.check_for_nan_in_grad and manager.num_buckets:
+                manager.recorder.extra_collective()
+            stats = manager.recorder.finish(
+                synced=self._backward_synced,
+                exposed_wait_s=exposed,
+                grads_copied=manager.grads_copied,
+                bytes_sent=self.process_group.bytes_issued - self._bytes_at_begin,
+                hook_s=self._hook_s,
+            )
             self.last_step_stats = stats
             self.stats_history.append(stats)
             if self.timeline is not None:
@@ -348,7 +452,7 @@ class DistributedDataParallel(nn.Module):
             for index, _ in missing:
                 manager.mark_unused(index)
             with contextlib.suppress(CommError):
-                manager.wait_all(timeout)
+                manager.finish_grad_sync(timeout)
                 manager.end_window()
                 self._maybe_rebuild()
             raise MissingGradientsError(message)
@@ -362,18 +466,29 @@ class DistributedDataParallel(nn.Module):
             manager.local_grad_flags(self._used_flags)
             used_work = self.process_group.all_reduce(self._used_flags, ReduceOp.SUM, async_op=True)
             manager.recorder.extra_collective()
-        exposed = manager.wait_all(timeout)
+        nonfinite: NonFiniteGradientError | None = None
+        try:
+            exposed = manager.finish_grad_sync(timeout)
+        except NonFiniteGradientError as e:
+            # Every rank raises it in this backward: finish the step's bookkeeping alike, then raise.
+            nonfinite, exposed = e, 0.0
+        finally:
+            if used_work is not None:  # waited for even when a bucket failed: it was issued
+                start = time.perf_counter()
+                used_work.wait(timeout or self.process_group.timeout)
+                flags_wait = time.perf_counter() - start
         if used_work is not None:
-            start = time.perf_counter()
-            used_work.wait(timeout or self.process_group.timeout)
-            exposed += time.perf_counter() - start
-            nobody = (self._used_flags == 0).nonzero().flatten().tolist()
+            exposed += flags_wait
+            nobody = (to_host(self._used_flags) == 0).nonzero().flatten().tolist()
             if nobody:
                 manager.release_grads(nobody)
         manager.end_window()
         self._maybe_rebuild()
         if self._auto is not None:
-            self._auto.after_synced_backward(manager)
+            if self._auto.after_synced_backward(manager) or self._auto.report.tuned:
+                manager.record_arrival_times = False
+        if nonfinite is not None:
+            raise nonfinite
         return exposed
 
     def _missing_message(self, missing: list[tuple[int, int]]) -> str:
@@ -417,9 +532,9 @@ class DistributedDataParallel(nn.Module):
         rest = [
             i for bucket in manager.buckets for i in map(manager.index_of, bucket.params) if i not in seen
         ]
-        order = torch.tensor(arrived + rest, dtype=torch.int64)
+        order = control_tensor(self.process_group, arrived + rest, torch.int64)
         self.process_group.broadcast(order, 0)
-        manager.rebuild(order.tolist())
+        manager.rebuild(to_host(order).tolist())
 
     def _abandon_backward(self) -> None:
         """Clean up after a backward whose end-of-backward step never ran (it raised), then report it."""
@@ -427,7 +542,7 @@ class DistributedDataParallel(nn.Module):
         launched = manager.launched
         self._in_backward = False
         with contextlib.suppress(CommError):
-            manager.wait_all(self.config.timeout_s)
+            manager.finish_grad_sync(self.config.timeout_s)
         manager.end_window()
         raise AbandonedBackwardError(
             f"{self._prefix('forward')}the previous backward did not finish (it raised before its end, "

@@ -11,6 +11,7 @@ from torch import nn
 from commlib.errors import error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import SUPPORTED_DTYPES, dtype_name
+from ddp.devices import comm_device, control_buffer, control_tensor, to_host
 from ddp.errors import ModelMismatchError
 
 __all__ = ["ModelMismatchError", "describe_tensors", "verify_same_model", "broadcast_module_states"]
@@ -39,12 +40,9 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def _encode(text: str) -> torch.Tensor:
-    data = text.encode()[:_DESCRIPTION_CHARS]
-    out = torch.zeros(_DESCRIPTION_CHARS, dtype=torch.int32)
-    if data:
-        out[: len(data)] = torch.tensor(list(data), dtype=torch.int32)
-    return out
+def _encode(text: str) -> list[int]:
+    data = list(text.encode()[:_DESCRIPTION_CHARS])
+    return data + [0] * (_DESCRIPTION_CHARS - len(data))
 
 
 def _decode(t: torch.Tensor) -> str:
@@ -57,7 +55,8 @@ def verify_same_model(
     """Raise on every rank unless every rank's module has the same parameters and buffers.
 
     One small all-gather when the models match; on a mismatch, two more to find and
-    name the first difference and which ranks hold what.
+    name the first difference and which ranks hold what. The tensors travel on
+    ``group.preferred_device()``.
 
     Args:
         group: The ranks to compare.
@@ -73,22 +72,17 @@ def verify_same_model(
     lines = describe_tensors(module) + [f"setting {line}" for line in settings]
     hashes = [_hash64(line) for line in lines]
     world = group.world_size
-    summary = torch.tensor([len(lines), _hash64("\n".join(lines))], dtype=torch.int64)
-    gathered = torch.empty(world, 2, dtype=torch.int64)
-    group.all_gather(gathered, summary)
-    if bool((gathered == summary).all()):
+    mine = [len(lines), _hash64("\n".join(lines))]
+    gathered = _all_gather(group, mine, torch.int64).view(world, 2)
+    if bool((gathered == torch.tensor(mine)).all()):
         return
     counts = gathered[:, 0].tolist()
     width = max(counts)
-    mine = torch.zeros(width, dtype=torch.int64)
-    mine[: len(hashes)] = torch.tensor(hashes, dtype=torch.int64)
-    all_hashes = torch.empty(world, width, dtype=torch.int64)
-    group.all_gather(all_hashes, mine)
+    all_hashes = _all_gather(group, hashes + [0] * (width - len(hashes)), torch.int64).view(world, width)
     differs = (all_hashes != all_hashes[0]).any(dim=0).nonzero()
     first = int(differs[0]) if differs.numel() else min(counts)
     text = lines[first] if first < len(lines) else f"nothing (only {len(lines)} entries)"
-    descriptions = torch.empty(world, _DESCRIPTION_CHARS, dtype=torch.int32)
-    group.all_gather(descriptions, _encode(text))
+    descriptions = _all_gather(group, _encode(text), torch.int32).view(world, _DESCRIPTION_CHARS)
     by_rank = [_decode(descriptions[r]) for r in range(world)]
     groups: dict[str, list[int]] = {}
     for r, d in enumerate(by_rank):
@@ -103,6 +97,14 @@ def verify_same_model(
     )
 
 
+def _all_gather(group: IProcessGroup, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's ``values`` (the same length everywhere), concatenated, on the CPU."""
+    mine = control_tensor(group, values, dtype)
+    out = control_buffer(group, group.world_size * len(values), dtype)
+    group.all_gather(out, mine)
+    return to_host(out)
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
@@ -112,7 +114,8 @@ def broadcast_module_states(group: IProcessGroup, tensors: Sequence[torch.Tensor
 
     Tensors are packed into one flat buffer per dtype and device, so the broadcast
     takes one collective per dtype, not one per tensor. Dtypes the backends do not
-    carry (bool, small integers) travel widened to int32.
+    carry (bool, small integers) travel widened to int32, and tensors on a device
+    the group does not take travel through a buffer on its preferred device.
     """
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
@@ -128,7 +131,14 @@ def broadcast_module_states(group: IProcessGroup, tensors: Sequence[torch.Tensor
                     f"backend; convert the module with .to(torch.float32) or similar first"
                 )
             flat = torch.cat([t.detach().reshape(-1).to(wire) for t in members])
-            group.broadcast(flat, src)
+            where = comm_device(group, wire, flat.device)
+            if where == flat.device:
+                group.broadcast(flat, src)
+            else:
+                staged = group.alloc_buffer(flat.numel(), wire, where)
+                staged.copy_(flat)
+                group.broadcast(staged, src)
+                flat.copy_(staged)
             offset = 0
             for t in members:
                 n = t.numel()

@@ -35,9 +35,11 @@ class StepStats:
     Attributes:
         step: Number of this backward among all backwards of the module (0-based).
         synced: False for a backward inside ``no_sync()`` (no communication).
-        collectives: Collectives launched (one per bucket, plus one small all-reduce
-            of the parameters-used map with ``find_unused_parameters``).
-        bytes_reduced: Bytes of gradient buffers all-reduced.
+        collectives: Buckets launched (each one all-reduce, or one call of the
+            communication hook), plus the small all-reduces of the parameters-used
+            map (``find_unused_parameters``) and the NaN check.
+        bytes_reduced: Bytes of the bucket buffers communicated (in the dtype
+            they are summed in).
         grads_copied: Gradients that arrived as fresh tensors and had to be copied
             into their bucket (0 when ``.grad`` stayed a view; see
             ``DistributedDataParallel``).
@@ -47,6 +49,12 @@ class StepStats:
         exposed_wait_s: Time the end of backward blocked waiting for communication.
         start: ``time.perf_counter()`` at the first gradient hook, for timelines.
         buckets: Per-bucket timings, in launch order.
+        bytes_sent: Bytes this rank handed to the group's collectives during the
+            backward (``IProcessGroup.bytes_issued``): the buckets, or what a
+            communication hook sent instead (half with bf16 compression), plus
+            the small flag all-reduces.
+        hook_s: Time spent inside DDP's gradient hooks (taking gradients into
+            buckets, launching collectives), on the thread running backward.
     """
 
     step: int
@@ -59,6 +67,8 @@ class StepStats:
     exposed_wait_s: float
     start: float
     buckets: tuple[BucketTiming, ...] = ()
+    bytes_sent: int = 0
+    hook_s: float = 0.0
 
     @property
     def overlap(self) -> float:
@@ -71,11 +81,14 @@ class StepStats:
         return max(0.0, 1.0 - self.exposed_wait_s / self.comm_time_s)
 
     def summary(self) -> str:
-        """One line for logs: ``3 coll, 12.5 MB, comm 8.1 ms, exposed 1.2 ms (85% hidden)``."""
+        """One line for logs: ``3 coll, 12.5 MB, comm 8.1 ms, exposed 1.2 ms (85% hidden)``.
+
+        The size is the bytes sent (``bytes_sent``).
+        """
         if not self.synced:
             return "no_sync (no communication)"
         return (
-            f"{self.collectives} coll, {self.bytes_reduced / 1e6:.1f} MB, "
+            f"{self.collectives} coll, {self.bytes_sent / 1e6:.1f} MB, "
             f"comm {self.comm_time_s * 1e3:.1f} ms, exposed {self.exposed_wait_s * 1e3:.1f} ms "
             f"({self.overlap:.0%} hidden)"
         )
@@ -84,8 +97,10 @@ class StepStats:
 class StepRecorder:
     """Cheap event record of one backward: three timestamps per bucket, filled in place.
 
-    The bucket manager calls ``ready``/``launched``/``done`` with a bucket index; the
-    arrays are reused from step to step, so recording allocates nothing.
+    An observer of ``GradientBucketManager``: it is told ``begin``, then
+    ``ready``/``launched``/``done`` with a bucket index, and keeps only times and
+    sizes (readiness itself is the manager's). The arrays are reused from step to
+    step, so recording allocates nothing.
     """
 
     def __init__(self) -> None:
@@ -94,7 +109,6 @@ class StepRecorder:
         self.start = 0.0
         self.collectives = 0
         self.bytes_reduced = 0
-        self.grads_copied = 0
         self.backward_end = _NAN
 
     def _resize(self, num_buckets: int) -> None:
@@ -117,7 +131,6 @@ class StepRecorder:
         self.start = time.perf_counter()
         self.collectives = 0
         self.bytes_reduced = 0
-        self.grads_copied = 0
         self.backward_end = _NAN
 
     def ready(self, index: int) -> None:
@@ -156,16 +169,24 @@ class StepRecorder:
             previous_done = done
         return out
 
-    def extra_collective(self) -> None:
-        """Count a collective that is not a bucket (the used-parameters map)."""
-        self.collectives += 1
+    def extra_collective(self, count: int = 1) -> None:
+        """Count collectives that are not buckets (the used-parameters map, the NaN check)."""
+        self.collectives += count
 
     def end_backward(self) -> None:
         """Backward's computation is over (the end-of-backward callback started)."""
         self.backward_end = time.perf_counter()
 
-    def finish(self, *, synced: bool, exposed_wait_s: float) -> StepStats:
-        """Close the record and return the step's statistics."""
+    def finish(
+        self,
+        *,
+        synced: bool,
+        exposed_wait_s: float,
+        grads_copied: int = 0,
+        bytes_sent: int = 0,
+        hook_s: float = 0.0,
+    ) -> StepStats:
+        """Close the record and return the step's statistics (the arguments are DDP's and the manager's)."""
         t0 = self.start
         intervals = sorted(
             (self._launch[i], self._done[i]) for i in self._order if not math.isnan(self._done[i])
@@ -198,8 +219,10 @@ class StepRecorder:
             synced=synced,
             collectives=self.collectives,
             bytes_reduced=self.bytes_reduced,
-            grads_copied=self.grads_copied,
+            bytes_sent=bytes_sent,
+            grads_copied=grads_copied,
             backward_s=end - t0,
+            hook_s=hook_s,
             comm_time_s=comm,
             exposed_wait_s=exposed_wait_s,
             start=t0,

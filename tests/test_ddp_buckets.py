@@ -97,70 +97,80 @@ def test_config_defaults_and_bytes():
 # --------------------------------------------------------------------- bucket
 def test_bucket_views_share_one_buffer():
     ps = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(5))]
-    b = GradientBucket(0, ps, ["a", "b"])
+    b = GradientBucket(0, ps, ["a", "b"], is_last=True)
     assert b.numel == 11 and b.nbytes == 44 and b.offsets == (0, 6)
+    assert b.index() == 0 and b.is_last() and b.parameters() == ps and not b.staged
     b.prepare()
     b.views[0].fill_(1)
     b.views[1].fill_(2)
     assert ps[0].grad is b.views[0] and ps[1].grad is b.views[1]
-    assert torch.equal(b.buffer, torch.tensor([1.0] * 6 + [2.0] * 5))
-    assert ps[0].grad.data_ptr() == b.buffer.data_ptr()
+    assert torch.equal(b.buffer(), torch.tensor([1.0] * 6 + [2.0] * 5))
+    assert ps[0].grad.data_ptr() == b.buffer().data_ptr()
+    assert [g.data_ptr() for g in b.gradients()] == [v.data_ptr() for v in b.views]
 
 
-def test_bucket_rejects_mixed_dtypes_and_double_launch():
+def test_bucket_rejects_mixed_dtypes_and_empty():
     with pytest.raises(ValueError, match="one dtype and device"):
         GradientBucket(
             0, [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float64))], ["a", "b"]
         )
     with pytest.raises(ValueError, match="at least one"):
         GradientBucket(0, [], [])
-    group = solo()
-    b = GradientBucket(0, params_of(3), ["a"])
-    b.reduce_async(group).wait()
-    with pytest.raises(RuntimeError, match="twice"):
-        b.reduce_async(group)
-    b.reset()
-    b.reduce_async(group).wait()
-    assert b.is_reduced
 
 
-def test_bucket_adopts_fresh_gradient_by_copy():
+def test_bucket_allocates_through_the_allocator_and_stages_another_dtype():
+    calls = []
+
+    def alloc(numel, dtype, device):
+        calls.append((numel, dtype))
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    ps = [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
+    direct = GradientBucket(0, ps, ["p"], alloc=alloc)
+    assert calls == [(3, torch.bfloat16)] and direct.comm_data is direct.grad_data
+    staged = GradientBucket(0, ps, ["p"], alloc=alloc, comm_dtype=torch.float32)
+    assert calls[-1] == (3, torch.float32) and staged.staged
+    assert staged.buffer().dtype == torch.float32 and staged.grad_data.dtype == torch.bfloat16
+    assert staged.gradients()[0].dtype == torch.float32 and staged.comm_nbytes == 12 and staged.nbytes == 6
+    scratch = staged.scratch_buffer(torch.float16)
+    assert scratch is staged.scratch_buffer(torch.float16) and scratch.numel() == 3
+
+
+def test_bucket_prepare_adopts_fresh_gradient_by_copy():
     p = nn.Parameter(torch.zeros(3))
-    b = GradientBucket(0, [p], ["p"])
+    q = nn.Parameter(torch.zeros(2))
+    b = GradientBucket(0, [p, q], ["p", "q"])
     p.grad = torch.tensor([1.0, 2.0, 3.0])
-    assert b.adopt_grad(0) is True
-    assert p.grad is b.views[0] and torch.equal(b.buffer, torch.tensor([1.0, 2.0, 3.0]))
-    assert b.adopt_grad(0) is False  # already the view: nothing to do
-    p.grad = None
-    b.buffer.fill_(7)
-    assert b.adopt_grad(0) is False
-    assert p.grad is None and torch.equal(b.buffer, torch.zeros(3))  # missing gradient contributes zeros
+    b.grad_data.fill_(7)
+    b.prepare()
+    assert p.grad is b.views[0] and q.grad is b.views[1]
+    assert torch.equal(b.buffer(), torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0]))  # missing gradient: zeros
 
 
 def _avg_body(group, supports_avg):
     p = nn.Parameter(torch.zeros(4))
-    b = GradientBucket(0, [p], ["p"])
-    b.prepare()
-    b.views[0].fill_(float(group.rank + 1))
-    b.reduce_async(group, ReduceOp.AVG)
-    b.wait(10)
-    b.copy_back()
+    m = GradientBucketManager([p], group)
+    p.grad = torch.full((4,), float(group.rank + 1))
+    m.reduce_all_async()
+    m.finish_grad_sync(10)
     return p.grad.tolist(), [i.op for i in group.all_reduces]
 
 
 @pytest.mark.parametrize("supports_avg", [True, False])
-def test_bucket_average_in_collective_or_emulated_by_the_interface(supports_avg):
+def test_average_is_a_scaled_sum_whatever_the_backend(supports_avg):
+    # The gradients are divided by the world size as they are copied in; the collective only sums.
     results = run_threads(_avg_body, 4, supports_avg=supports_avg, per_rank_args=[(supports_avg,)] * 4)
     for grads, ops in results:
         assert grads == [2.5] * 4
-        assert ops == ([ReduceOp.AVG] if supports_avg else [ReduceOp.SUM])
+        assert ops == [ReduceOp.SUM]
 
 
 def test_bucket_of_empty_parameters_communicates_nothing():
     group = solo()
-    b = GradientBucket(0, [nn.Parameter(torch.zeros(0))], ["empty"])
-    b.reduce_async(group).wait()
-    assert b.is_reduced and group.issued == []
+    m = GradientBucketManager([nn.Parameter(torch.zeros(0))], group, names=["empty"])
+    m.reduce_all_async()
+    m.finish_grad_sync(10)
+    assert m.num_buckets == 1 and m.launched == 1 and group.issued == []
 
 
 # -------------------------------------------------------------------- manager
@@ -180,7 +190,7 @@ def test_manager_empty_model_has_no_buckets_and_no_communication():
     m = GradientBucketManager([], group)
     assert m.num_buckets == 0
     m.reduce_all_async()
-    assert m.wait_all() >= 0
+    assert m.finish_grad_sync() >= 0
     assert group.issued == []
 
 
@@ -188,28 +198,30 @@ def test_manager_launches_strictly_in_bucket_order():
     group = solo()
     ps = params_of(4, 4, 4)
     m = GradientBucketManager(ps, group, bucket_size_mb=0)  # buckets: [p2], [p1], [p0]
-    m.begin()
-    m.mark_ready(ps[0])  # bucket 2 complete first: must wait
-    m.mark_ready(ps[1])  # bucket 1 complete: must wait
+    m.reset()
+    m.register_grad_ready(ps[0])  # bucket 2 complete first: must wait
+    m.register_grad_ready(ps[1])  # bucket 1 complete: must wait
     assert m.launched == 0 and group.issued == []
-    m.mark_ready(ps[2])  # bucket 0: now 0, 1, 2 go, in that order
+    with pytest.raises(RuntimeError, match="0/1 gradients ready; missing: param2"):
+        m.reduce_bucket_async(0)
+    m.register_grad_ready(ps[2])  # bucket 0: now 0, 1, 2 go, in that order
     assert m.launched == 3
     assert [i.numel for i in group.all_reduces] == [4, 4, 4]
     with pytest.raises(RuntimeError, match="strictly in order"):
         m.reduce_bucket_async(0)
-    m.wait_all(10)
-    assert all(b.is_reduced for b in m.buckets)
+    m.finish_grad_sync(10)
+    assert m.launched == 3
 
 
-def test_manager_spec_flow_reduce_all_wait_all_copy_back():
-    # The spec's eager path: backward, reduce_all_async, wait_all, copy_back_all.
+def test_manager_spec_flow_reduce_all_finish_copy_back():
+    # The spec's eager path: backward, reduce_all_async, finish_grad_sync, copy_back_all.
     def body(group):
         torch.manual_seed(0)
         model = nn.Linear(3, 2)
         m = GradientBucketManager(list(model.parameters()), group, bucket_size_mb=0)
         model(torch.full((1, 3), float(group.rank + 1))).sum().backward()
         m.reduce_all_async()
-        m.wait_all(10)
+        m.finish_grad_sync(10)
         m.copy_back_all()
         return model.weight.grad.tolist(), model.bias.grad.tolist()
 
@@ -225,7 +237,7 @@ def test_manager_eager_path_runs_iteration_after_iteration():
         model.zero_grad()
         model(torch.full((1, 2), float(step))).sum().backward()
         m.reduce_all_async()
-        m.wait_all(10)
+        m.finish_grad_sync(10)
         assert model.weight.grad.tolist() == [[float(step)] * 2]
     assert len(group.all_reduces) == 3 * m.num_buckets
 
@@ -236,14 +248,15 @@ def test_manager_buffers_are_reused_every_iteration():
     m = GradientBucketManager(list(model.parameters()), group, bucket_size_mb=mb_of_floats(20))
     ptrs = None
     for step in range(3):
-        m.begin()
+        m.reset()
         model(torch.ones(2, 4)).sum().backward()
         for p in model.parameters():
-            m.mark_ready(p)
-        m.wait_all(10)
+            m.register_grad_ready(p)
+        m.finish_grad_sync(10)
         now = [p.grad.data_ptr() for p in model.parameters()]
         assert all(
-            any(b.buffer.data_ptr() <= ptr < b.buffer.data_ptr() + b.nbytes for b in m.buckets) for ptr in now
+            any(b.buffer().data_ptr() <= ptr < b.buffer().data_ptr() + b.nbytes for b in m.buckets)
+            for ptr in now
         )
         assert ptrs is None or now == ptrs
         ptrs = now
@@ -258,12 +271,12 @@ def test_manager_rebuild_keeps_values_and_reports_no_change():
     for i, p in enumerate(ps):
         p.grad = torch.full((2,), float(i))
     m.reduce_all_async()  # adopts the hand-set gradients by copy
-    m.wait_all(10)
+    m.finish_grad_sync(10)
     assert m.rebuild([2, 1, 0]) is False
-    old = [b.buffer for b in m.buckets]
+    old = [b.buffer() for b in m.buckets]
     assert m.rebuild([0, 1, 2]) is True
     assert m.layout == [["a", "b"], ["c"]]
-    assert all(b.buffer is not o for b, o in zip(m.buckets, old, strict=True))
+    assert all(b.buffer() is not o for b, o in zip(m.buckets, old, strict=True))
     assert [p.grad.tolist() for p in ps] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
     assert ps[0].grad is m.buckets[0].views[0]
     with pytest.raises(ValueError, match="permutation"):
@@ -273,8 +286,7 @@ def test_manager_rebuild_keeps_values_and_reports_no_change():
 def test_manager_missing_lists_unready_gradients():
     ps = params_of(2, 2)
     m = GradientBucketManager(ps, solo(), names=["a", "b"])
-    m.begin()
-    m.mark_ready(ps[1])
+    m.reset()
+    m.register_grad_ready(ps[1])
     assert m.missing() == [(0, 0)]
-    assert m.buckets[0].missing_names() == ["a"]
-    assert "1/2 ready" in repr(m.buckets[0])
+    assert m.missing_names(0) == ["a"] and m.ready_count(0) == 1

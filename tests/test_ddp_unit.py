@@ -150,7 +150,7 @@ def test_gradients_are_views_whether_zeroed_or_set_to_none():
     group = solo()
     model = nn.Linear(4, 2)
     ddp = DistributedDataParallel(model, group)
-    buffer = ddp.bucket_manager.buckets[0].buffer
+    buffer = ddp.bucket_manager.buckets[0].buffer()
     for step in range(4):
         set_to_none = step % 2 == 0
         ddp.zero_grad(set_to_none=set_to_none)

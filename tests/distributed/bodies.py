@@ -27,9 +27,9 @@ def _ops_for(dtype: torch.dtype) -> list[ReduceOp]:
 
 
 def body_all_reduce(
-    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 1
+    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 1, device: str = "cpu"
 ) -> list[str]:
-    """Every op x size for one dtype, with integer-valued and random inputs."""
+    """Every op x size for one dtype, with integer-valued and random inputs (tensors on ``device``)."""
     dtype = getattr(torch, dtype_name)
     n, r = group.world_size, group.rank
     digests = []
@@ -37,8 +37,9 @@ def body_all_reduce(
         for integer_valued in (True, False) if dtype.is_floating_point else (True,):
             for numel in sizes:
                 inputs = [rank_input(k, numel, dtype, op, seed, integer_valued) for k in range(n)]
-                tensor = inputs[r].clone()
+                tensor = inputs[r].to(device, copy=True)
                 group.all_reduce(tensor, op)
+                result = tensor.cpu()
                 expected = reduce_reference(inputs, op)
                 exact = integer_valued and op is not ReduceOp.AVG
                 tol = 0.0 if exact else tolerance(inputs, op, dtype)
@@ -46,13 +47,13 @@ def body_all_reduce(
                     f"all_reduce {op.name} {dtype_name} numel={numel} "
                     f"integer_valued={integer_valued} world={n}"
                 )
-                assert_close_to_reference(tensor, expected, tol, what)
-                digests.append(digest(tensor))
+                assert_close_to_reference(result, expected, tol, what)
+                digests.append(digest(result))
     return digests
 
 
 def body_broadcast(
-    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 2
+    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 2, device: str = "cpu"
 ) -> list[str]:
     """Broadcast from every source rank; the result must equal the source's tensor exactly."""
     dtype = getattr(torch, dtype_name)
@@ -60,38 +61,38 @@ def body_broadcast(
     for src in range(n):
         for numel in sizes:
             inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed + src, False) for k in range(n)]
-            tensor = inputs[r].clone()
+            tensor = inputs[r].to(device, copy=True)
             group.broadcast(tensor, src)
-            assert torch.equal(tensor, inputs[src]), (
+            assert torch.equal(tensor.cpu(), inputs[src]), (
                 f"broadcast src={src} {dtype_name} numel={numel}: wrong data"
             )
     return []
 
 
 def body_all_gather(
-    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 3
+    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 3, device: str = "cpu"
 ) -> list[str]:
     """All-gather into one tensor and into a list; both must hold every rank's input exactly."""
     dtype = getattr(torch, dtype_name)
     n, r = group.world_size, group.rank
     for numel in sizes:
         inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed, False) for k in range(n)]
-        flat = torch.full((n * numel,), 7, dtype=dtype)
-        group.all_gather(flat, inputs[r])
-        assert torch.equal(flat, torch.cat(inputs)), (
+        flat = torch.full((n * numel,), 7, dtype=dtype, device=device)
+        group.all_gather(flat, inputs[r].to(device))
+        assert torch.equal(flat.cpu(), torch.cat(inputs)), (
             f"all_gather(tensor) {dtype_name} numel={numel}: wrong data"
         )
-        as_list = [torch.zeros(numel, dtype=dtype) for _ in range(n)]
-        group.all_gather(as_list, inputs[r])
+        as_list = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(n)]
+        group.all_gather(as_list, inputs[r].to(device))
         for k in range(n):
-            assert torch.equal(as_list[k], inputs[k]), (
+            assert torch.equal(as_list[k].cpu(), inputs[k]), (
                 f"all_gather(list)[{k}] {dtype_name} numel={numel}: wrong data"
             )
     return []
 
 
 def body_reduce_scatter(
-    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 4
+    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 4, device: str = "cpu"
 ) -> list[str]:
     """Reduce-scatter from one tensor and from a list; the input must be left untouched.
 
@@ -109,15 +110,15 @@ def body_reduce_scatter(
                 else tolerance([t[r * numel : (r + 1) * numel] for t in inputs], op, dtype)
             )
             for as_list in (False, True):
-                source = inputs[r].clone()
+                source = inputs[r].to(device, copy=True)
                 arg = list(source.split(numel)) if as_list and numel else source
                 if as_list and not numel:
                     arg = [source.new_empty(0) for _ in range(n)]
-                output = torch.zeros(numel, dtype=dtype)
+                output = torch.zeros(numel, dtype=dtype, device=device)
                 group.reduce_scatter(output, arg, op)
                 what = f"reduce_scatter {op.name} {dtype_name} numel={numel} list={as_list} world={n}"
-                assert_close_to_reference(output, expected, tol, what)
-                assert torch.equal(source, inputs[r]), f"{what}: the input was modified"
+                assert_close_to_reference(output.cpu(), expected, tol, what)
+                assert torch.equal(source.cpu(), inputs[r]), f"{what}: the input was modified"
     return []
 
 

@@ -29,6 +29,7 @@ from ddp.config import MB
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 from tests._launcher import RankPool, run_ranks
 from tests.conftest import available_backend_names, run_job, scrubbed_env
+from tests.distributed import ddp_feature_bodies as features
 
 # ----------------------------------------------------------------- models
 PER_RANK = 4
@@ -107,16 +108,20 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def loss_on(kind: str, model: nn.Module, step: int, world: int, rank: int | None) -> torch.Tensor:
-    """Loss of ``model`` on this step's batch: rank ``rank``'s share, or the whole batch (None)."""
+    """Loss of ``model`` on this step's batch: rank ``rank``'s share, or the whole batch (None).
+
+    The batch goes to the device of the model's parameters.
+    """
+    device = next(model.parameters()).device
     if kind.startswith("gpt"):
         x, y = synthetic_batch(GPTConfig(**TINY_GPT), PER_RANK * world, seed=3, step=step)
         if rank is not None:
             x, y = shard(x, rank, world), shard(y, rank, world)
-        return GPT.loss(model(x), y)
+        return GPT.loss(model(x.to(device)), y.to(device))
     x, y = int_batch(step, world)
     if rank is not None:
         x, y = shard(x, rank, world), shard(y, rank, world)
-    return nn.functional.mse_loss(model(x), y)
+    return nn.functional.mse_loss(model(x.to(device)), y.to(device))
 
 
 def bucket_cap_mb(model: nn.Module, buckets: str) -> float:
@@ -130,11 +135,13 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 # ------------------------------------------------------------ test bodies
-def case_equivalence(group, kind: str, opt_name: str, buckets: str, steps: int = 3) -> dict:
-    """DDP on shards == one process on the whole batch, step after step."""
+def case_equivalence(
+    group, kind: str, opt_name: str, buckets: str, steps: int = 3, device: str = "cpu"
+) -> dict:
+    """DDP on shards == one process on the whole batch, step after step (models on ``device``)."""
     rank, world = group.rank, group.world_size
-    model = build(kind, seed=100 + rank)  # ranks start different: the broadcast must fix it
-    reference = build(kind, seed=100)
+    model = build(kind, seed=100 + rank).to(device)  # ranks start different: the broadcast must fix it
+    reference = build(kind, seed=100).to(device)
     ddp = DistributedDataParallel(model, group, bucket_size_mb=bucket_cap_mb(model, buckets))
     opt = make_optimizer(opt_name, ddp.parameters())
     ref_opt = make_optimizer(opt_name, reference.parameters())
@@ -149,7 +156,7 @@ def case_equivalence(group, kind: str, opt_name: str, buckets: str, steps: int =
         diffs.append(max_diff(ddp.module, reference))
     stats = ddp.last_step_stats
     frozen_ok = all(p.grad is None for p in model.parameters() if not p.requires_grad)
-    buffers = [b.tolist() for b in model.buffers()]
+    buffers = [b.cpu().tolist() for b in model.buffers()]
     return {
         "diffs": diffs,
         "buckets": ddp.bucket_manager.num_buckets,
@@ -174,17 +181,17 @@ def _branch_plan(step: int, rank: int) -> tuple[int, ...]:
     return use
 
 
-def case_conditional(group, opt_name: str, steps: int = 4) -> dict:
+def case_conditional(group, opt_name: str, steps: int = 4, device: str = "cpu") -> dict:
     """find_unused_parameters=True with branches that differ by rank and by step."""
     rank, world = group.rank, group.world_size
-    model = integer_init(Branches(extra=1).double(), 200 + rank)
-    reference = integer_init(Branches(extra=1).double(), 200)
+    model = integer_init(Branches(extra=1).double(), 200 + rank).to(device)
+    reference = integer_init(Branches(extra=1).double(), 200).to(device)
     ddp = DistributedDataParallel(model, group, bucket_size_mb=0.0001, find_unused_parameters=True)
     opt = make_optimizer(opt_name, ddp.parameters())
     ref_opt = make_optimizer(opt_name, reference.parameters())
     diffs, unused, none_grads = [], [], []
     for step in range(steps):
-        x, y = int_batch(step, world)
+        x, y = (t.to(device) for t in int_batch(step, world))
         opt.zero_grad()
         out = ddp(shard(x, rank, world), _branch_plan(step, rank))
         nn.functional.mse_loss(out, shard(y, rank, world)).backward()
@@ -232,11 +239,11 @@ def case_mismatch(group) -> str:
     return "no error"
 
 
-def case_no_sync(group, find_unused: bool, micro: int = 3) -> dict:
+def case_no_sync(group, find_unused: bool, micro: int = 3, device: str = "cpu") -> dict:
     """Gradient accumulation: micro-batches inside no_sync, then one synchronised backward."""
     rank, world = group.rank, group.world_size
-    model = integer_init(Branches().double(), 300 + rank)
-    reference = integer_init(Branches().double(), 300)
+    model = integer_init(Branches().double(), 300 + rank).to(device)
+    reference = integer_init(Branches().double(), 300).to(device)
     ddp = DistributedDataParallel(model, group, bucket_size_mb=0.0001, find_unused_parameters=find_unused)
     opt = make_optimizer("sgd", ddp.parameters())
     ref_opt = make_optimizer("sgd", reference.parameters())
@@ -247,7 +254,7 @@ def case_no_sync(group, find_unused: bool, micro: int = 3) -> dict:
         opt.zero_grad()
         ref_opt.zero_grad()
         for k in range(micro):
-            x, y = int_batch(10 * step + k, world)
+            x, y = (t.to(device) for t in int_batch(10 * step + k, world))
             ctx = ddp.no_sync() if k < micro - 1 else contextlib.nullcontext()
             with ctx:
                 nn.functional.mse_loss(ddp(shard(x, rank, world), plans[k]), shard(y, rank, world)).backward()
@@ -431,6 +438,10 @@ MPI_CASES = {
     "no_sync": (case_no_sync, (True,)),
     "missing": (case_missing_gradients, (False,)),
     "mismatch": (case_mismatch, ()),
+    "hook_allreduce": (features.case_hook_gradients, ("allreduce",)),
+    "hook_bf16": (features.case_hook_gradients, ("bf16",)),
+    "powersgd": (features.case_powersgd_training, ()),
+    "nonfinite": (features.case_nonfinite, ("nan", 1)),
 }
 _OUT_VAR = "COMMLIB_DDP_CASES_OUT"
 
@@ -460,6 +471,9 @@ def test_mpi_backend_under_mpiexec(mpiexec, repo_root, tmp_path):
     check_no_sync(by_case["no_sync"])
     check_missing(by_case["missing"])
     check_mismatch(by_case["mismatch"])
+    features.check_hooks({"allreduce": by_case["hook_allreduce"], "bf16": by_case["hook_bf16"]})
+    features.check_powersgd(by_case["powersgd"])
+    features.check_nonfinite(by_case["nonfinite"], 1)
 
 
 def _main() -> None:
@@ -513,12 +527,27 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
         repo_root,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for mode in ("none", "ddp-ring", "torch-ddp", "naive", "flat", "flat-reuse"):
+    modes = [
+        "none",
+        "ddp-ring",
+        "ddp-ring+bf16",
+        "ddp-ring+powersgd",
+        "ddp-null",
+        "torch-ddp",
+        "naive",
+        "flat",
+    ]
+    modes.append("flat-reuse")
+    for mode in modes:
         assert f"\n{mode} " in proc.stdout, proc.stdout
-    assert "target ddp-ring within +5% of none" in proc.stdout
-    rows = list(csv.DictReader(csv_path.open()))
-    assert [r["mode"] for r in rows] == ["none", "ddp-ring", "torch-ddp", "naive", "flat", "flat-reuse"]
-    assert all(r["identical"] == "True" for r in rows[1:])
+    assert "target ddp-ring within +8% of none" in proc.stdout
+    assert "ddp-ring+bf16: bytes x0.500 of ddp-ring (bf16 target: half: met)" in proc.stdout
+    rows = {r["mode"]: r for r in csv.DictReader(csv_path.open())}
+    assert list(rows) == modes
+    assert all(r["identical"] == "True" for name, r in rows.items() if name not in ("none", "ddp-null"))
+    assert float(rows["ddp-ring+bf16"]["bytes_sent_mb"]) * 2 == pytest.approx(
+        float(rows["ddp-ring"]["bytes_sent_mb"])
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,241 @@
+"""How a ready bucket is communicated: the one place that decides, launches and lands it.
+
+``BucketSync.launch`` runs when a bucket's gradients are all in: it stages the
+bucket (another dtype or device, if any), scales it if scaling was not already
+fused into the copies, checks it for NaN and Inf when asked, and starts its
+collective: an all-reduce of the bucket (the default) or the registered
+communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
+message naming the bucket, and lands the result in the gradients.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from commlib.errors import CommError, CommTimeoutError, error_prefix
+from commlib.process_group import IProcessGroup
+from commlib.types import ReduceOp
+from commlib.work import CompletedWork, Work
+from ddp.bucket import GradientBucket
+from ddp.config import GradientScaling
+from ddp.devices import CommStreams
+from ddp.errors import CommHookError
+from ddp.nonfinite import NonFiniteCheck
+
+__all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
+
+CommHook = Callable[[Any, GradientBucket], "torch.futures.Future[Any]"]
+"""``hook(state, bucket) -> torch.futures.Future``: torch's communication hook signature."""
+
+
+def check_comm_hook(hook: object) -> None:
+    """Raise ``TypeError`` unless ``hook`` is callable as ``hook(state, bucket)``."""
+    if not callable(hook):
+        raise TypeError(f"register_comm_hook: the hook must be callable, got {type(hook).__name__}")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: trust it
+    try:
+        signature.bind(None, None)
+    except TypeError as e:
+        raise TypeError(
+            f"register_comm_hook: the hook must take two arguments, (state, bucket), as torch's hooks "
+            f"do; {getattr(hook, '__qualname__', hook)!r} has signature {signature}: {e}"
+        ) from None
+
+
+class PendingSync:
+    """One bucket's communication in flight: a ``Work`` (default path) or a hook's future."""
+
+    __slots__ = ("work", "future", "settled")
+
+    def __init__(self, work: Work | None = None, future: torch.futures.Future[Any] | None = None) -> None:
+        self.work = work
+        self.future = future
+        self.settled: threading.Event | None = None
+        if future is not None:
+            event = self.settled = threading.Event()
+            future.add_done_callback(lambda _f: event.set())
+
+    def is_completed(self) -> bool:
+        """True once the collective (or the hook's future) has finished, without blocking."""
+        if self.work is not None:
+            return self.work.is_completed()
+        return self.future is not None and self.future.done()
+
+
+class BucketSync:
+    """Launches and finishes the communication of buckets (see the module docstring).
+
+    Args:
+        group: The group to reduce over.
+        op: The collective's reduction (``SUM`` for averages and scaled sums).
+        scaling: What gradients are scaled by before communication: fused into
+            their copies into the bucket (``adopt_scaling``), or applied at launch
+            to a bucket summed in a wider dtype (``scales_at_launch``).
+        check: The NaN/Inf check, or None (off).
+    """
+
+    def __init__(
+        self,
+        group: IProcessGroup,
+        *,
+        op: ReduceOp,
+        scaling: GradientScaling,
+        check: NonFiniteCheck | None = None,
+    ) -> None:
+        self.group = group
+        self.op = op
+        self.scaling = scaling
+        self.check = check
+        self.streams = CommStreams()
+        self.hook: CommHook | None = None
+        self.hook_state: Any = None
+
+    def _prefix(self) -> str:
+        return error_prefix(self.group.rank, self.group.world_size, "ddp", "comm_hook")
+
+    # --------------------------------------------------------------- decisions
+    def scales_at_launch(self, bucket: GradientBucket) -> bool:
+        """True if ``bucket`` is scaled at launch, in its communication dtype, not when gradients are copied.
+
+        With a hook nothing is scaled (the hook does it, as torch's do); a bucket
+        summed in a wider dtype is scaled in that dtype, after the cast, so the
+        scaling does not round in the narrow one.
+        """
+        return self.hook is None and bucket.comm_dtype != bucket.dtype and not self.scaling.is_identity
+
+    def adopt_scaling(self, bucket: GradientBucket) -> GradientScaling:
+        """The scaling fused into the copies of ``bucket``'s gradients (identity if none)."""
+        if self.hook is not None or bucket.comm_dtype != bucket.dtype:
+            return _NO_SCALING
+        return self.scaling
+
+    # ------------------------------------------------------------------ launch
+    def launch(self, bucket: GradientBucket) -> PendingSync:
+        """Start communicating ``bucket`` (all its gradients are in its views).
+
+        A bucket of zero elements (empty parameters) communicates nothing, unless
+        a hook is registered (it is called for every bucket, as torch calls it).
+        """
+        if bucket.numel == 0 and self.hook is None:
+            return PendingSync(work=CompletedWork())
+        with self.streams.launching(bucket.comm_device):
+            data = bucket.comm_data
+            if bucket.staged:
+                data.copy_(bucket.grad_data)
+                if self.scales_at_launch(bucket):
+                    self.scaling.apply_(data)
+            if self.check is not None:
+                self.check.inspect(bucket, data)
+            if self.hook is None:
+                work = self.group.all_reduce(data, self.op, async_op=True)
+                assert work is not None  # async_op=True always returns a handle
+                return PendingSync(
+                    work=work.annotate(  # the bucket, named in stall warnings and flight-recorder dumps
+                        lambda: (
+                            f"DDP bucket {bucket.index()}, {len(bucket.names)} parameters, "
+                            f"first: {', '.join(bucket.names[:3])}"
+                        )
+                    )
+                )
+            return PendingSync(future=self._call_hook(bucket))
+
+    def _call_hook(self, bucket: GradientBucket) -> torch.futures.Future[Any]:
+        assert self.hook is not None
+        future = self.hook(self.hook_state, bucket)
+        if not _is_torch_future(future):
+            hint = (
+                "; it returned a commlib Work: return work.get_future() (a torch future) instead"
+                if isinstance(future, Work)
+                else ""
+            )
+            raise CommHookError(
+                f"{self._prefix()}the communication hook "
+                f"{getattr(self.hook, '__qualname__', self.hook)!r} returned {type(future).__name__} for "
+                f"bucket {bucket.index()}; a hook must return a torch.futures.Future whose value is the "
+                f"reduced flat buffer{hint}"
+            )
+        return future
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, bucket: GradientBucket, pending: PendingSync, timeout: float | None) -> None:
+        """Wait for ``bucket``'s communication and land the result in its gradients.
+
+        On CUDA the wait of the default path is a stream dependency (no host
+        block; the group's own timeout, NCCL's watchdog, bounds it).
+
+        Raises:
+            CommTimeoutError: Not finished within ``timeout`` seconds.
+            CommError: The collective or the hook failed (the message names the bucket).
+        """
+        cuda = CommStreams.applies(bucket.comm_device)
+        if pending.work is not None:
+            pending.work.wait(None if cuda else timeout)
+            result = bucket.comm_data
+        else:
+            result = self._hook_result(bucket, pending, timeout)
+        if not _same_memory(result, bucket.grad_data):
+            bucket.grad_data.copy_(result)
+
+    def _hook_result(
+        self, bucket: GradientBucket, pending: PendingSync, timeout: float | None
+    ) -> torch.Tensor:
+        assert pending.future is not None and pending.settled is not None
+        limit = self.group.timeout if timeout is None else timeout
+        if not pending.settled.wait(limit):
+            raise CommTimeoutError(
+                f"{self._prefix()}the future the communication hook returned for bucket "
+                f"{bucket.index()} ({len(bucket.params)} params, first {bucket.names[0]!r}) did not complete "
+                f"within {limit:g} s; look for a rank that did not run the same hook, or a callback that "
+                "never completes the future"
+            )
+        try:
+            value = pending.future.wait()  # done: returns at once (on CUDA it orders the current stream)
+        except CommError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a hook's failure, named
+            raise CommHookError(
+                f"{self._prefix()}the communication hook's future for bucket "
+                f"{bucket.index()} failed: {type(e).__name__}: {e}"
+            ) from e
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel:
+            got = (
+                f"a tensor of {value.numel()} elements"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
+            raise CommHookError(
+                f"{self._prefix()}the communication hook's future for bucket "
+                f"{bucket.index()} completed with {got}; its value must be the reduced flat buffer "
+                f"({bucket.numel} elements, as bucket.buffer())"
+            )
+        return value.reshape(-1)
+
+
+_NO_SCALING = GradientScaling()
+
+
+def _is_torch_future(value: object) -> bool:
+    """True for a ``torch.futures.Future``, including those ``then()`` returns (torch's C++ class)."""
+    return all(callable(getattr(value, m, None)) for m in ("add_done_callback", "wait", "done", "value"))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if ``a`` and ``b`` are the same flat memory (nothing to copy)."""
+    if a is b:
+        return True
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.numel() == b.numel()
+        and a.data_ptr() == b.data_ptr()
+    )

@@ -1,0 +1,188 @@
+"""Multi-host faults for real: ranks on separate "hosts" (network namespaces), a link cut mid-collective.
+
+Each rank runs in a network namespace of its own, with its own address on a
+bridge and its own hostname (``tests/_netns.py``), so the ring links over TCP
+between the addresses as it would between machines; the rendezvous crosses the
+bridge too, with a job token. Mid-collective, the test takes one host's
+interface down: no packet says goodbye, as when a cable or switch port dies.
+Every rank must raise within its timeout and name the peer it lost.
+
+Skipped, with the reason shown, where namespaces cannot be created (not root,
+no iproute2, a container without the capability).
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests import _netns
+from tests._launcher import run_ranks_outcomes
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT_S = 2.0
+SLACK_S = 3.0
+"""Past the timeout: the failing rank's abort notice to its other neighbour may wait up to 1 s on a full
+send buffer, and a loaded machine schedules late."""
+NUMEL = 2_000_000
+"""8 MB all-reduces: each takes milliseconds, so the cut lands inside one."""
+
+
+@functools.cache
+def _unavailable() -> str | None:
+    return _netns.unavailable_reason()
+
+
+@pytest.fixture
+def hosts_available() -> None:
+    reason = _unavailable()
+    if reason is not None:
+        pytest.skip(f"separate hosts need network namespaces: {reason}")
+
+
+def _remote_addresses() -> list[str]:
+    """Remote addresses of this process's established TCP connections, in its current namespace."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    remote = []
+    with open("/proc/self/net/tcp") as f:
+        next(f)
+        for fields in (line.split() for line in f):
+            if fields[3] == "01" and fields[9] in inodes:  # ESTABLISHED, ours
+                hex_ip = fields[2].split(":")[0]
+                remote.append(socket.inet_ntoa(bytes.fromhex(hex_ip)[::-1]))
+    return remote
+
+
+def _all_reduce_until_cut(namespace: str, hostname: str, start: Any, running: Any) -> dict[str, Any]:
+    """On its own host: join the ring, all-reduce until the link is cut, report the error and when."""
+    _netns.enter_host(namespace, hostname)
+    import commlib
+
+    start.wait(60)  # every rank has imported torch: the short timeout only has the cut to time
+    group = commlib.init_process_group("ring")
+    report: dict[str, Any] = {"transports": group.transports, "hostname": socket.gethostname()}
+    report["peers_at"] = sorted(set(_remote_addresses()))
+    t = torch.ones(NUMEL)
+    group.all_reduce(t)
+    report["first_sum"] = t[0].item()
+    running.set()
+    try:
+        while True:
+            t.fill_(1.0)
+            group.all_reduce(t)
+    except commlib.CommError as e:
+        report.update(raised_at=time.monotonic(), error=str(e), error_type=type(e).__name__)
+    finally:
+        commlib.destroy_process_group()
+    return report
+
+
+def _run_and_cut(hosts: _netns.Hosts, victim: int) -> tuple[list[dict[str, Any]], float]:
+    world = len(hosts.namespaces)
+    spawn = multiprocessing.get_context("spawn")
+    start = spawn.Barrier(world)
+    running = [spawn.Event() for _ in range(world)]
+    cut_at: list[float] = []
+
+    def cut_when_all_run() -> None:
+        if all(event.wait(120) for event in running):
+            cut_at.append(time.monotonic())
+            hosts.cut(victim)
+
+    cutter = threading.Thread(target=cut_when_all_run, daemon=True)
+    cutter.start()
+    outcomes = run_ranks_outcomes(
+        _all_reduce_until_cut,
+        world,
+        init=False,
+        per_rank_args=[(hosts.namespaces[r], hosts.hostnames[r], start, running[r]) for r in range(world)],
+        env={
+            "MASTER_ADDR": hosts.addresses[0],
+            "COMMLIB_TIMEOUT": str(TIMEOUT_S),
+            "COMMLIB_JOB_TOKEN": "netns-test-job",
+            "LOCAL_RANK": "0",  # one rank per host
+            "LOCAL_WORLD_SIZE": "1",
+        },
+        timeout=150,
+    )
+    cutter.join(5)
+    for o in outcomes:
+        assert o.ok, f"rank {o.rank}: {o.error}\n{o.traceback}"
+    assert cut_at, "the ranks never all ran, so no link was cut"
+    return [o.value for o in outcomes], cut_at[0]
+
+
+def _check_separate_hosts(reports: list[dict[str, Any]], hosts: _netns.Hosts) -> None:
+    world = len(reports)
+    for rank, report in enumerate(reports):
+        assert report["first_sum"] == world
+        assert report["hostname"] == hosts.hostnames[rank]
+        assert report["transports"] == ("tcp", "tcp"), "the ring took the other hosts for this one"
+        others = {hosts.addresses[(rank - 1) % world], hosts.addresses[(rank + 1) % world]}
+        assert set(report["peers_at"]) == others, report["peers_at"]
+
+
+def _check_raised_in_time(report: dict[str, Any], rank: int, world: int, cut_at: float) -> None:
+    assert report["error"].startswith(f"[rank {rank}/{world}] ring.all_reduce #"), report["error"]
+    elapsed = report["raised_at"] - cut_at
+    assert elapsed < TIMEOUT_S + SLACK_S, (
+        f"rank {rank} raised {elapsed:.1f} s after the cut: {report['error']}"
+    )
+
+
+@pytest.mark.timeout(240)
+def test_the_link_cut_between_two_hosts_is_named_by_both(hosts_available: None) -> None:
+    with _netns.separate_hosts(2) as hosts:
+        reports, cut_at = _run_and_cut(hosts, victim=1)
+        _check_separate_hosts(reports, hosts)
+    for rank, report in enumerate(reports):
+        _check_raised_in_time(report, rank, 2, cut_at)
+        assert report["error_type"] == "CommTimeoutError"
+        assert (
+            f"timed out after {TIMEOUT_S:.1f} s waiting for rank {1 - rank} (left neighbour)"
+            in report["error"]
+        )
+
+
+@pytest.mark.timeout(240)
+def test_a_host_cut_off_from_a_ring_of_three(hosts_available: None) -> None:
+    """Host 2 loses its link. Rank 0 receives from it and names it; rank 2 names the neighbour it waited for.
+
+    Rank 1 only sends to rank 2, so it hears of the loss from rank 0's abort notice (which names rank 2),
+    unless its own wait on rank 0 expires first: then it names rank 0, the neighbour that went quiet.
+    """
+    with _netns.separate_hosts(3) as hosts:
+        reports, cut_at = _run_and_cut(hosts, victim=2)
+        _check_separate_hosts(reports, hosts)
+    for rank, report in enumerate(reports):
+        _check_raised_in_time(report, rank, 3, cut_at)
+    assert f"timed out after {TIMEOUT_S:.1f} s waiting for rank 2 (left neighbour)" in reports[0]["error"]
+    assert f"timed out after {TIMEOUT_S:.1f} s waiting for rank 1 (left neighbour)" in reports[2]["error"]
+    relayed = "rank 0 (left neighbour) aborted the collective" in reports[1]["error"]
+    assert (relayed and "waiting for rank 2 (left neighbour)" in reports[1]["error"]) or (
+        f"timed out after {TIMEOUT_S:.1f} s waiting for rank 0 (left neighbour)" in reports[1]["error"]
+    ), reports[1]["error"]
+
+
+def test_no_namespace_is_left_behind(hosts_available: None) -> None:
+    """Namespaces go also when the body fails half-way."""
+    with pytest.raises(RuntimeError, match="half-way"), _netns.separate_hosts(2) as hosts:
+        created = list(hosts.namespaces) + [hosts.switch]
+        raise RuntimeError("the test body failed half-way")
+    assert not set(created) & set(os.listdir("/var/run/netns"))

@@ -1,0 +1,369 @@
+"""DDP's hooks, gradient scaling and precision, NaN check and device placement, on threaded fake groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import commlib
+from commlib.types import ReduceOp
+from ddp import (
+    CommHookError,
+    DDPConfig,
+    DistributedDataParallel,
+    GradientBucketManager,
+    PowerSGDState,
+    allreduce_hook,
+)
+from tests._emulated_device import DeviceOnlyGroup, EmulatedTensor
+from tests._fakes import FakeHub, FakeProcessGroup, run_threads
+from tests.distributed.ddp_feature_bodies import (
+    case_grad_reduce_dtype,
+    case_hook_gradients,
+    case_nonfinite,
+    case_powersgd_training,
+    mlp,
+)
+from tests.distributed.test_ddp import (
+    Branches,
+    case_conditional,
+    case_equivalence,
+    case_no_sync,
+    case_rebuild,
+    int_batch,
+    integer_init,
+    shard,
+)
+
+
+def solo(**kwargs):
+    return FakeProcessGroup(0, FakeHub(1), **kwargs)
+
+
+# ------------------------------------------------------------------ scaling
+def test_average_is_divided_before_a_sum_and_fused_into_the_copy():
+    def body(group):
+        model = nn.Linear(3, 2, bias=False)
+        ddp = DistributedDataParallel(model, group)
+        ddp(torch.full((1, 3), float(group.rank + 1))).sum().backward()
+        return model.weight.grad.tolist(), [i.op for i in group.all_reduces], ddp.last_step_stats.grads_copied
+
+    for grads, ops, copied in run_threads(body, 4):
+        assert grads == [[2.5] * 3] * 2  # mean of 1..4
+        assert ops == [ReduceOp.SUM] and copied == 1
+
+
+def test_average_scales_gradients_accumulated_in_place():
+    # zero_grad(set_to_none=False): autograd accumulates into the views; the hook scales them in place.
+    def body(group):
+        model = nn.Linear(2, 1, bias=False)
+        ddp = DistributedDataParallel(model, group)
+        out = []
+        for step in range(3):
+            ddp.zero_grad(set_to_none=False)
+            ddp(torch.full((1, 2), float(group.rank + 1 + step))).sum().backward()
+            out.append((model.weight.grad.tolist(), ddp.last_step_stats.grads_copied))
+        return out
+
+    r0, r1, r2 = run_threads(body, 3)
+    assert r0 == r1 == r2
+    assert [g for g, _ in r0] == [[[2.0, 2.0]], [[3.0, 3.0]], [[4.0, 4.0]]]
+    assert [c for _, c in r0] == [1, 0, 0]  # copied once (grad was None), then accumulated in place
+
+
+def test_gradient_scaling_factor_multiplies_before_the_sum():
+    def body(group):
+        model = nn.Linear(2, 1, bias=False)
+        ddp = DistributedDataParallel(model, group, reduce_op=ReduceOp.SUM, gradient_scaling_factor=0.25)
+        ddp(torch.full((1, 2), float(group.rank + 1))).sum().backward()
+        return model.weight.grad.tolist()
+
+    assert run_threads(body, 3) == [[[1.5, 1.5]]] * 3  # (1 + 2 + 3) / 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"gradient_scaling_factor": 0.5}, ValueError, "needs reduce_op=ReduceOp.SUM"),
+        ({"gradient_scaling_factor": 0.0, "reduce_op": ReduceOp.SUM}, ValueError, "non-zero"),
+        ({"gradient_scaling_factor": "1", "reduce_op": ReduceOp.SUM}, TypeError, "gradient_scaling_factor"),
+        ({"grad_reduce_dtype": torch.int32}, ValueError, "int32 cannot hold gradients"),
+        ({"grad_reduce_dtype": "float32"}, TypeError, "grad_reduce_dtype"),
+        ({"check_for_nan_in_grad": 1}, TypeError, "check_for_nan_in_grad"),
+    ],
+)
+def test_config_rejects_bad_scaling_precision_and_check(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        DDPConfig(**kwargs)
+
+
+def test_settings_that_change_the_collectives_are_checked_across_ranks():
+    def body(group):
+        try:
+            DistributedDataParallel(nn.Linear(2, 2), group, check_for_nan_in_grad=group.rank == 0)
+        except commlib.CollectiveMismatchError as e:
+            return str(e)
+        return "no error"
+
+    for r in run_threads(body, 2):
+        assert "check_for_nan_in_grad=True" in r and "check_for_nan_in_grad=False" in r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_scaled_sum_keeps_exact_equivalence(world):
+    tolerance = 0.0 if world == 2 else 1e-12
+    for r in run_threads(case_equivalence, world, "branches", "sgd", "several"):
+        assert max(r["diffs"]) <= tolerance, r["diffs"]
+
+
+# ---------------------------------------------------------------- precision
+def test_grad_reduce_dtype_sums_bf16_gradients_in_float32():
+    r0, r1, r2 = run_threads(case_grad_reduce_dtype, 3)
+    assert r0 == r1 == r2  # bit-identical on every rank (digests included)
+    bf16, fp32 = r0["bf16"], r0["fp32"]
+    assert fp32["dtype"] == bf16["dtype"] == "torch.bfloat16" and fp32["staged"] and not bf16["staged"]
+    # Summed in float32 then cast once: within half an ulp of the float64 average (ties may go either way).
+    assert fp32["max_ulps"] <= 0.5 + 1e-3 and fp32["correctly_rounded"] >= 0.99
+    # Scaled and summed in bfloat16: each 1/3 rounds in bfloat16 first.
+    assert bf16["max_ulps"] > 0.5 and bf16["mean_abs_error"] > 1.5 * fp32["mean_abs_error"]
+
+
+def test_grad_reduce_dtype_in_a_bf16_model():
+    def body(group):
+        model = integer_init(Branches(), 1).to(torch.bfloat16)
+        reference = integer_init(Branches(), 1).double()
+        ddp = DistributedDataParallel(model, group, grad_reduce_dtype=torch.float32, bucket_size_mb=0)
+        x, y = int_batch(0, group.world_size)
+        nn.functional.mse_loss(
+            ddp(shard(x, group.rank, 3).bfloat16()), shard(y, group.rank, 3).bfloat16()
+        ).backward()
+        nn.functional.mse_loss(reference(x), y).backward()
+        return [
+            (p.grad.dtype, float((p.grad.double() - q.grad).abs().max() / q.grad.abs().max()))
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        ]
+
+    for result in run_threads(body, 3):
+        for dtype, error in result:
+            assert dtype == torch.bfloat16 and error < 2.0**-6  # a few bf16 roundings in the forward
+
+
+def test_grad_reduce_dtype_leaves_wider_gradients_alone():
+    group = solo()
+    ps = [
+        nn.Parameter(torch.zeros(2, dtype=torch.float64)),
+        nn.Parameter(torch.zeros(2, dtype=torch.float16)),
+    ]
+    m = GradientBucketManager(ps, group, grad_reduce_dtype=torch.float32)
+    by_dtype = {b.dtype: b for b in m.buckets}
+    assert not by_dtype[torch.float64].staged
+    assert by_dtype[torch.float16].staged and by_dtype[torch.float16].comm_dtype == torch.float32
+
+
+# ----------------------------------------------------------------- NaN check
+@pytest.mark.parametrize(("kind", "bad_rank"), [("nan", 1), ("inf", 0)])
+def test_nonfinite_gradient_on_one_rank_raises_on_every_rank(kind, bad_rank):
+    results = run_threads(case_nonfinite, 3, kind, bad_rank)
+    for r in results:
+        assert r[0] == ("ok", False) and r[2] == ("ok", False)  # clean steps before and after
+        (name, ranks, params, message), _ = r[1]
+        assert name == "NonFiniteGradientError" and ranks == [bad_rank]
+        assert params == {str(bad_rank): ["2.weight"]}
+        assert f"rank {bad_rank} (bucket " in message and "2.weight" in message and "ddp.backward" in message
+    assert len({r[1][0][3].split(":", 1)[1] for r in results}) == 1  # the same message, but the prefix
+
+
+def test_nonfinite_check_off_or_clean():
+    for r in run_threads(case_nonfinite, 2, "none", 0):  # check on, nothing bad: no error
+        assert [o for o, _ in r] == ["ok"] * 3
+    for r in run_threads(case_nonfinite, 2, "nan", 1, False):  # check off: nothing raised, NaN spreads
+        assert [o for o, _ in r] == ["ok"] * 3 and [bad for _, bad in r] == [False, True, False]
+
+
+def test_nonfinite_check_costs_one_small_collective_per_backward():
+    def body(group, check):
+        ddp = DistributedDataParallel(mlp(1), group, bucket_size_mb=0, check_for_nan_in_grad=check)
+        ddp(torch.ones(2, 12)).sum().backward()
+        return ddp.last_step_stats.collectives, len(group.all_reduces), ddp.bucket_manager.num_buckets
+
+    (on, on_reduces, buckets), _ = run_threads(body, 2, True)
+    (off, off_reduces, _), _ = run_threads(body, 2, False)
+    assert off == buckets and on == buckets + 1 and on_reduces == off_reduces + 1
+
+
+# ---------------------------------------------------------------- comm hooks
+@pytest.mark.parametrize("hook", ["allreduce", "torch_style"])
+def test_default_hooks_are_bit_identical_to_no_hook(hook):
+    results = run_threads(case_hook_gradients, 3, hook)
+    for r in results:
+        assert all(r["identical"]) and max(r["error"]) < 1e-6
+        assert r["seen"] == [(b, b == r["buckets"] - 1) for b in range(r["buckets"])] * 2  # strict order
+    assert len({r["digest"] for r in results}) == 1
+
+
+@pytest.mark.parametrize(("hook", "tolerance"), [("fp16", 2.0**-9), ("bf16", 2.0**-6)])
+def test_compression_hooks_are_close_but_not_exact(hook, tolerance):
+    results = run_threads(case_hook_gradients, 2, hook)
+    for r in results:
+        assert not any(r["identical"]), "compression did not run"
+        assert max(r["error"]) < tolerance and min(r["error"]) > 0
+        assert [s * 2 for s in r["bytes_sent"]] == r["bytes_reduced"]  # half the bytes
+    assert len({r["digest"] for r in results}) == 1
+
+
+def test_powersgd_trains_within_twice_the_uncompressed_loss():
+    results = run_threads(case_powersgd_training, 2, timeout=120)
+    for r in results:
+        plain, psgd = r["plain"], r["powersgd"]
+        assert plain["final"] < 0.5 * plain["initial"]  # the task is learnt
+        assert psgd["final"] <= 2 * plain["final"], (plain, psgd)
+        assert psgd["bytes_sent"] < 0.6 * plain["bytes_sent"] and psgd["compression"] > 2
+    assert results[0]["powersgd"]["digest"] == results[1]["powersgd"]["digest"]
+
+
+def test_hook_registration_errors():
+    group = solo()
+    ddp = DistributedDataParallel(nn.Linear(2, 2), group)
+    with pytest.raises(TypeError, match="must be callable"):
+        ddp.register_comm_hook(group, "allreduce")
+    with pytest.raises(TypeError, match=r"two arguments, \(state, bucket\)"):
+        ddp.register_comm_hook(group, lambda bucket: bucket)
+    ddp.register_comm_hook(group, allreduce_hook)
+    with pytest.raises(CommHookError, match="registered already"):
+        ddp.register_comm_hook(group, allreduce_hook)
+    late = DistributedDataParallel(nn.Linear(2, 2), group)
+    late(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(CommHookError, match="after 1 backward"):
+        late.register_comm_hook(group, allreduce_hook)
+    scaled = DistributedDataParallel(
+        nn.Linear(2, 2), group, reduce_op=ReduceOp.SUM, gradient_scaling_factor=2.0
+    )
+    with pytest.raises(CommHookError, match="scales them itself"):
+        scaled.register_comm_hook(group, allreduce_hook)
+
+
+def test_hook_that_returns_a_work_gets_a_hint():
+    group = solo()
+    ddp = DistributedDataParallel(nn.Linear(2, 2), group)
+    ddp.register_comm_hook(group, lambda g, b: g.all_reduce(b.buffer(), async_op=True))
+    with pytest.raises(CommHookError, match=r"returned EventWork for bucket 0.*get_future\(\)"):
+        ddp(torch.ones(1, 2)).sum().backward()
+
+
+def test_hook_future_with_a_wrong_value_or_never_completing():
+    group = solo()
+    wrong = DistributedDataParallel(nn.Linear(2, 2), group)
+
+    def short(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(torch.zeros(1))
+        return fut
+
+    wrong.register_comm_hook(None, short)
+    with pytest.raises(CommHookError, match="bucket 0 completed with a tensor of 1 elements"):
+        wrong(torch.ones(1, 2)).sum().backward()
+    stuck = DistributedDataParallel(nn.Linear(2, 2), group, timeout_s=0.2)
+    stuck.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+    with pytest.raises(
+        commlib.CommTimeoutError, match=r"bucket 0 \(2 params, first 'bias'\) did not complete"
+    ):
+        stuck(torch.ones(1, 2)).sum().backward()
+
+
+def test_powersgd_state_validates():
+    with pytest.raises(ValueError, match="matrix_approximation_rank"):
+        PowerSGDState(None, matrix_approximation_rank=0)
+    with pytest.raises(TypeError, match="start_powerSGD_iter"):
+        PowerSGDState(None, start_powerSGD_iter=1.5)
+    assert "rank=4" in repr(PowerSGDState(None, matrix_approximation_rank=4))
+
+
+# ------------------------------------------------------ readiness, observers
+def test_manager_owns_readiness_and_observers_see_bucket_events():
+    class Events:
+        def __init__(self):
+            self.log = []
+
+        def begin(self, n):
+            self.log.append(("begin", n))
+
+        def ready(self, b):
+            self.log.append(("ready", b))
+
+        def launched(self, b, nbytes, params, at):
+            self.log.append(("launched", b, nbytes, params))
+
+        def done(self, b):
+            self.log.append(("done", b))
+
+    group = solo()
+    ps = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
+    m = GradientBucketManager(ps, group, bucket_size_mb=0)  # buckets: [p1], [p0]
+    events = Events()
+    m.add_observer(events)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    m.register_grad_ready(ps[0])
+    m.register_grad_ready(ps[0])  # a second call for the same gradient: nothing
+    assert m.ready_count(1) == 1 and m.launched == 0 and m.grads_copied == 1
+    m.register_grad_ready(1)
+    m.finish_grad_sync(10)
+    assert events.log[:4] == [("begin", 2), ("ready", 1), ("ready", 0), ("launched", 0, 12, 1)]
+    assert ("launched", 1, 8, 1) in events.log and {("done", 0), ("done", 1)} <= set(events.log)
+    assert m.arrival_order == [0, 1] and m.arrival_times == []  # times only when asked for
+
+
+def test_step_statistics_count_bytes_sent_and_hook_time():
+    def body(group):
+        ddp = DistributedDataParallel(mlp(2), group, bucket_size_mb=0)
+        for _ in range(2):  # the first also broadcasts the rebuilt layout's order (8 bytes a parameter)
+            ddp(torch.ones(2, 12)).sum().backward()
+        return ddp.stats_history[0], ddp.last_step_stats
+
+    (first, stats), _ = run_threads(body, 2)
+    assert stats.bytes_sent == stats.bytes_reduced == sum(p.numel() * 4 for p in mlp(2).parameters())
+    assert first.bytes_sent == stats.bytes_sent + 8 * 6
+    assert 0 < stats.hook_s < stats.backward_s + 1.0
+
+
+# ------------------------------------------------------------------- devices
+def _device_body(group, find_unused):
+    result = (
+        case_conditional(group, "adamw")
+        if find_unused
+        else case_equivalence(group, "gpt", "adamw", "several")
+    )
+    return result, group.seen
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_ddp_over_a_group_that_refuses_cpu_tensors(find_unused):
+    # Like a group of NCCL alone: the CPU model's buckets, the model check, the weight broadcast,
+    # the used-parameter flags and the rebuild all travel through the group's device.
+    results = run_threads(_device_body, 2, find_unused, group_factory=DeviceOnlyGroup, timeout=120)
+    for result, seen in results:
+        assert max(result["diffs"]) <= 1e-10 and seen > 0
+    if not find_unused:
+        assert results[0][0]["checksum"] == results[1][0]["checksum"]
+
+
+def test_device_only_group_stages_no_sync_rebuild_nan_check_and_hooks():
+    for r in run_threads(case_no_sync, 2, True, group_factory=DeviceOnlyGroup):
+        assert max(r["diffs"]) == 0.0
+    r0, r1 = run_threads(case_rebuild, 2, group_factory=DeviceOnlyGroup)
+    assert r0["layouts"][1] == r1["layouts"][1] != r0["layouts"][0]
+    for r in run_threads(case_nonfinite, 2, "nan", 1, group_factory=DeviceOnlyGroup):
+        assert r[1][0][1] == [1] and r[2] == ("ok", False)
+    for r in run_threads(case_hook_gradients, 2, "bf16", group_factory=DeviceOnlyGroup):
+        assert not any(r["identical"]) and max(r["error"]) < 2.0**-6
+
+
+def test_device_only_group_refuses_cpu_tensors():
+    group = DeviceOnlyGroup(0, FakeHub(1))
+    with pytest.raises(ValueError, match="on device cpu, which the deviceonly backend cannot use"):
+        group.all_reduce(torch.ones(2))
+    t = group.alloc_buffer(2, torch.float32)
+    assert isinstance(t, EmulatedTensor) and t.device.type == "meta"
+    group.all_reduce(t.fill_(3))
+    assert t.cpu().tolist() == [3.0, 3.0] and group.seen == 1

@@ -1,0 +1,216 @@
+"""Strangers at the ring rendezvous: garbage, silent, a huge length prefix, closed at once.
+
+Two ranks rendezvous in threads of this process; a stranger connects to rank 0's
+rendezvous port, or to its data listener, before rank 1 arrives. Each stranger
+must be dropped on its own and logged at DEBUG on the ``commlib`` logger, and the
+two ranks must meet as if it had never come: at once, not after the timeout, and
+linked to each other rather than to the stranger.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from backends import _lobby
+from backends._rendezvous import RingSockets, rendezvous
+from backends._wire import SocketReader, recv_json, send_json
+from commlib.env import DistEnv
+from commlib.ports import free_port
+from tests._listeners import listening_ports, port_is_listening, wait_until
+
+TIMEOUT = 30.0
+"""Rendezvous timeout: a stranger that held rank 0 would show as a wait this long."""
+FAST = 5.0
+"""The two ranks must meet within this, strangers or not (each joins in milliseconds)."""
+
+
+def _frame(obj: object) -> bytes:
+    payload = json.dumps(obj).encode()
+    return struct.pack("!I", len(payload)) + payload
+
+
+def _reset(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # with a zero linger: RST, not FIN
+
+
+STRANGERS: dict[str, Callable[[socket.socket], None]] = {
+    "garbage": lambda s: s.sendall(b"GET / HTTP/1.1\r\nHost: commlib\r\n\r\n"),
+    "garbage_in_a_frame": lambda s: s.sendall(struct.pack("!I", 12) + b"\x00\xffnot json!"),
+    "silent": lambda s: None,
+    "huge_length_prefix": lambda s: s.sendall(struct.pack("!I", 16 * 1024 * 1024)),
+    "closed_at_once": lambda s: s.close(),
+    "reset_at_once": _reset,
+    "json_list": lambda s: s.sendall(_frame([1, 2, 3])),
+    "old_protocol_hello": lambda s: s.sendall(_frame({"protocol": 1, "rank": 1, "world_size": 2})),
+    "half_a_hello": lambda s: s.sendall(_frame({"protocol": 2, "rank": 1})[:20]),
+}
+"""What a stranger does once connected; the socket stays open unless it closes it."""
+
+LINK_IMPOSTORS: dict[str, Callable[[socket.socket], None]] = {
+    "unsigned_link_hello": lambda s: s.sendall(_frame({"ring_hello": 1})),
+    "forged_link_hello": lambda s: s.sendall(_frame({"ring_hello": 1, "proof": "00" * 32})),
+}
+"""Strangers on a data listener that claim to be the left neighbour."""
+
+
+def _env(rank: int, port: int) -> DistEnv:
+    return DistEnv(rank=rank, world_size=2, master_port=port, launcher="explicit")
+
+
+@pytest.fixture
+def commlib_log(caplog: pytest.LogCaptureFixture, clean_launcher_env: None) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.DEBUG, logger="commlib")
+    return caplog
+
+
+@pytest.fixture
+def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rendezvous-rank") as executor:
+        yield executor
+
+
+def _assert_linked(rank0: RingSockets, rank1: RingSockets) -> None:
+    """Each rank's right link ends at the other's left link, and frames go both ways."""
+    assert rank0.right and rank0.left and rank1.right and rank1.left
+    assert rank0.left.getpeername() == rank1.right.getsockname()
+    assert rank1.left.getpeername() == rank0.right.getsockname()
+    for sender, receiver in ((rank0, rank1), (rank1, rank0)):
+        assert sender.right is not None and receiver.left_reader is not None
+        send_json(sender.right, {"from": sender.peers[0].pid, "n": 1})
+        assert recv_json(receiver.left_reader, "a test frame") == {"from": sender.peers[0].pid, "n": 1}
+
+
+def _close(*ranks: RingSockets) -> None:
+    for r in ranks:
+        for sock in (r.left, r.right):
+            if sock is not None:
+                sock.close()
+
+
+def _dropped(caplog: pytest.LogCaptureFixture, address: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "commlib" and r.levelno == logging.DEBUG and f"from {address}:" in r.getMessage()
+    ]
+
+
+def _start_rank0(pool: concurrent.futures.ThreadPoolExecutor, port: int) -> concurrent.futures.Future:
+    rank0 = pool.submit(rendezvous, _env(0, port), TIMEOUT, {"chunk_bytes": 4096})
+    wait_until(lambda: port_is_listening(port) or rank0.done(), 20, f"rank 0 listens on {port}")
+    assert not rank0.done(), rank0.exception()
+    return rank0
+
+
+@pytest.mark.parametrize("kind", list(STRANGERS))
+def test_a_stranger_on_the_rendezvous_port_is_dropped_alone(kind: str, commlib_log, pool) -> None:
+    port = free_port()
+    rank0 = _start_rank0(pool, port)
+    stranger = socket.create_connection(("127.0.0.1", port))
+    address = f"127.0.0.1:{stranger.getsockname()[1]}"
+    STRANGERS[kind](stranger)
+    start = time.monotonic()
+    rank1 = pool.submit(rendezvous, _env(1, port), TIMEOUT, {})
+    sockets = rank0.result(TIMEOUT + 5), rank1.result(TIMEOUT + 5)
+    elapsed = time.monotonic() - start
+    try:
+        assert elapsed < FAST, f"the ranks took {elapsed:.1f} s to meet: the stranger held rank 0"
+        assert sockets[1].settings == {"chunk_bytes": 4096}
+        _assert_linked(*sockets)
+        dropped = _dropped(commlib_log, address)
+        assert dropped, f"nothing logged at DEBUG about the stranger at {address}"
+        assert dropped[0].startswith(f"[rank 0/2] ring.rendezvous: rendezvous port 127.0.0.1:{port}: dropped")
+        if kind == "old_protocol_hello":  # an older commlib is told why
+            stranger.settimeout(5)
+            assert "run the same commlib version on every rank" in recv_json(
+                SocketReader(stranger, "rank 0"), "the answer"
+            ).get("error", "")
+    finally:
+        stranger.close()
+        _close(*sockets)
+
+
+@pytest.mark.parametrize("kind", list(STRANGERS) + list(LINK_IMPOSTORS))
+def test_a_stranger_on_a_data_listener_is_dropped_alone(kind: str, commlib_log, pool) -> None:
+    """Rank 0's data listener is open from the start; a stranger there must not become its left link."""
+    port = free_port()
+    before = listening_ports()
+    rank0 = _start_rank0(pool, port)
+    data_ports = listening_ports() - before - {port}
+    assert len(data_ports) == 1, f"expected rank 0's data listener among {data_ports}"
+    stranger = socket.create_connection(("127.0.0.1", data_ports.pop()))
+    address = f"127.0.0.1:{stranger.getsockname()[1]}"
+    {**STRANGERS, **LINK_IMPOSTORS}[kind](stranger)
+    start = time.monotonic()
+    rank1 = pool.submit(rendezvous, _env(1, port), TIMEOUT, {})
+    sockets = rank0.result(TIMEOUT + 5), rank1.result(TIMEOUT + 5)
+    elapsed = time.monotonic() - start
+    try:
+        assert elapsed < FAST, f"the ranks took {elapsed:.1f} s to link: the stranger held rank 0"
+        _assert_linked(*sockets)
+        dropped = _dropped(commlib_log, address)
+        assert dropped, f"nothing logged at DEBUG about the stranger at {address}"
+        assert dropped[0].startswith("[rank 0/2] ring.rendezvous: data listener: dropped")
+    finally:
+        stranger.close()
+        _close(*sockets)
+
+
+def test_a_silent_stranger_is_dropped_at_its_own_deadline(commlib_log, pool, monkeypatch) -> None:
+    """With nobody else arriving, a silent connection is dropped after its short deadline, not the timeout."""
+    monkeypatch.setattr(_lobby, "STRANGER_DEADLINE_S", 0.3)
+    port = free_port()
+    rank0 = _start_rank0(pool, port)
+    dropped = threading.Event()
+
+    class _Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if f"from {address}: sent no complete frame within 0.3 s" in record.getMessage():
+                dropped.set()
+
+    watch = _Watch(logging.DEBUG)
+    logging.getLogger("commlib").addHandler(watch)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as stranger:
+            address = f"127.0.0.1:{stranger.getsockname()[1]}"
+            assert dropped.wait(10), "the silent stranger was not dropped at its 0.3 s deadline"
+            assert stranger.recv(1) == b""  # rank 0 closed it
+        rank1 = pool.submit(rendezvous, _env(1, port), TIMEOUT, {})
+        sockets = rank0.result(FAST), rank1.result(FAST)
+    finally:
+        logging.getLogger("commlib").removeHandler(watch)
+    _assert_linked(*sockets)
+    _close(*sockets)
+
+
+def test_many_strangers_at_once_do_not_delay_the_ranks(commlib_log, pool) -> None:
+    """A port scanner's worth of silent connections: the ranks still meet at once; every one is logged."""
+    port = free_port()
+    rank0 = _start_rank0(pool, port)
+    strangers = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+    for i, s in enumerate(strangers):
+        list(STRANGERS.values())[i % len(STRANGERS)](s)
+    start = time.monotonic()
+    rank1 = pool.submit(rendezvous, _env(1, port), TIMEOUT, {})
+    sockets = rank0.result(TIMEOUT + 5), rank1.result(TIMEOUT + 5)
+    try:
+        assert time.monotonic() - start < FAST
+        _assert_linked(*sockets)
+        logged = " ".join(r.getMessage() for r in commlib_log.records if r.levelno == logging.DEBUG)
+        for s in strangers:
+            if s.fileno() != -1:
+                assert f"from 127.0.0.1:{s.getsockname()[1]}:" in logged
+    finally:
+        for s in strangers:
+            s.close()
+        _close(*sockets)

@@ -1,0 +1,159 @@
+"""ZeroRedundancyOptimizer on threaded fake groups: the shared bodies on 1-3 ranks, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddp import ModelMismatchError, ParameterPartition, ZeroRedundancyOptimizer
+from tests._fakes import FakeHub, FakeProcessGroup, run_threads
+from tests.distributed import zero_bodies
+from tests.distributed.zero_bodies import build
+
+
+def solo() -> FakeProcessGroup:
+    return FakeProcessGroup(0, FakeHub(1))
+
+
+# ------------------------------------------------------- the shared bodies
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_suite_on_threads(world):
+    zero_bodies.check_suite(run_threads(zero_bodies.suite, world, False, timeout=120))
+
+
+def test_state_bytes_bound_on_a_gpt():
+    """AdamW on a small GPT, 3 ranks: each holds at most 1/3 of the state plus one parameter's."""
+    results = run_threads(zero_bodies.case_train, 3, "gpt_tied", "adamw", "local", "balanced", "", 1)
+    zero_bodies.check_train(results, 0.0, "gpt_tied")
+    total = results[0]["plain_state_bytes"]
+    assert max(r["state_bytes"] for r in results) < total / 3 * 1.2, [r["state_bytes"] for r in results]
+
+
+# ------------------------------------------------------ construction errors
+@pytest.mark.parametrize(
+    ("optimizer_class", "got"),
+    [
+        ("adamw", "got builtins.str 'adamw'"),
+        (torch.optim.AdamW, None),
+        (nn.Linear, "got builtins.type <class 'torch.nn.modules.linear.Linear'>"),
+        (ZeroRedundancyOptimizer, "optimizer_class cannot be ZeroRedundancyOptimizer itself"),
+    ],
+)
+def test_unknown_optimizer_class_fails_at_construction_before_communicating(optimizer_class, got):
+    group = solo()
+    params = list(nn.Linear(3, 2).parameters())
+    if got is None:  # an instance instead of the class
+        optimizer_class, got = torch.optim.AdamW(params), "an instance of AdamW; pass the class, AdamW"
+    with pytest.raises(TypeError) as info:
+        ZeroRedundancyOptimizer(params, optimizer_class, group, lr=0.1)
+    assert str(info.value).startswith("[rank 0/1] zero.init: ")
+    assert got in str(info.value)
+    assert "torch.optim.Optimizer subclass" in str(info.value) or "itself" in str(info.value)
+    assert group.issued == []
+    group.close()
+
+
+def test_bad_arguments_fail_before_communicating():
+    group = solo()
+    params = list(nn.Linear(3, 2).parameters())
+    with pytest.raises(
+        ValueError, match=r"^\[rank 0/1\] zero.init: could not create the local AdamW: Invalid learning"
+    ):
+        ZeroRedundancyOptimizer(params, torch.optim.AdamW, group, lr=-1.0)
+    with pytest.raises(
+        TypeError, match="could not create the local SGD: .*unexpected keyword argument 'betas'"
+    ):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, group, lr=0.1, betas=(0.9, 0.99))
+    with pytest.raises(ValueError, match="parameters_as_bucket_view=False is not supported"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, group, parameters_as_bucket_view=False, lr=0.1)
+    with pytest.raises(ValueError, match="overlap_with_ddp=True is not supported"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, group, overlap_with_ddp=True, lr=0.1)
+    with pytest.raises(
+        TypeError, match=r"cannot be all-gathered by the fake backend .* convert the parameter"
+    ):
+        ZeroRedundancyOptimizer(
+            [nn.Parameter(torch.zeros(2, dtype=torch.complex64))], torch.optim.SGD, group, lr=0.1
+        )
+    with pytest.raises(ValueError, match=r"zero.init: the partition is for 2 ranks, the group has 1"):
+        ZeroRedundancyOptimizer(
+            params, torch.optim.SGD, group, partition=ParameterPartition.balanced(params, 2), lr=1
+        )
+    with pytest.raises(
+        ValueError, match=r"zero.init: the partition covers 1 parameters, but the optimizer has 2"
+    ):
+        ZeroRedundancyOptimizer(
+            params, torch.optim.SGD, group, partition=ParameterPartition.balanced(params[:1], 1), lr=1
+        )
+    with pytest.raises(
+        ValueError, match=r"zero.init: some parameters appear in more than one parameter group"
+    ):
+        ZeroRedundancyOptimizer([{"params": params}, {"params": params[:1]}], torch.optim.SGD, group, lr=0.1)
+    with pytest.raises(
+        TypeError, match="ZeroRedundancyOptimizer: process_group must be a commlib.IProcessGroup"
+    ):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, "gloo", lr=0.1)
+    assert group.issued == []
+    group.close()
+
+
+def test_misuse_after_construction():
+    group = solo()
+    model = build("net", 1)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, group, lr=0.1)
+    assert [i.kind for i in group.issued] == ["all_gather"]  # the one check that every rank agrees
+    with pytest.raises(
+        ValueError, match=r"zero.consolidate_state_dict: to=1 is not a rank of this group \(0..0\)"
+    ):
+        zero.consolidate_state_dict(to=1)
+    with pytest.raises(
+        ValueError, match=r"zero.load_state_dict: the state dict has 2 param groups, this optimizer 1"
+    ):
+        zero.load_state_dict({"state": {}, "param_groups": [{"params": []}, {"params": []}]})
+    with pytest.raises(
+        ValueError, match=r"param group 0 has 1 parameters in the state dict, 5 in this optimizer"
+    ):
+        zero.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]})
+    with pytest.raises(TypeError, match=r"zero.add_param_group: .*cannot be all-gathered"):
+        zero.add_param_group({"params": [nn.Parameter(torch.zeros(2, dtype=torch.complex64))]})
+    assert len(zero.param_groups) == 1
+    issued = len(group.issued)
+    with pytest.raises(
+        ValueError, match=r"zero.set_partition: the partition is for 2 ranks, the group has 1"
+    ):
+        zero.set_partition(ParameterPartition.balanced(list(model.parameters()), 2))
+    assert len(group.issued) == issued  # checked before communicating
+    model.fc2.weight.data = model.fc2.weight.data.clone()  # the parameter leaves the flat buffer
+    with pytest.raises(
+        RuntimeError, match=r"zero.step: parameter 2 \(float32 \(5, 8\) on cpu\) no longer lives"
+    ):
+        zero.step()
+    group.close()
+
+
+def test_parameters_become_views_of_one_buffer_per_dtype():
+    group = solo()
+    model = build("mixed", 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    bases = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(bases) == len(zero.partition.layouts) == 3
+    assert zero.state_bytes() == 0  # no state before the first step
+    group.close()
+
+
+def _mismatched(group):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2 + group.rank))
+    try:
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.1)
+    except ModelMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_parameters_all_raise():
+    for rank, message in enumerate(run_threads(_mismatched, 2)):
+        assert message.startswith(f"[rank {rank}/2] zero.init: ranks [1] have other parameters"), message
+        assert "rank 0: 4 parameters" in message and "rank 1: 4 parameters" in message
+        assert "same parameters, in the same order" in message
