@@ -121,7 +121,13 @@ class Launcher:
         self._queue.put(step)
 
     def drain(self, timeout: float) -> bool:
-        """Wait until every queued step has run; return False if ``timeout`` passed first."""
+        """Wait until every queued step has run; return False if ``timeout`` passed first.
+
+        Called from the launcher thread itself (a future's callback that issues a
+        collective), it returns at once: that thread cannot wait for its own step.
+        """
+        if threading.current_thread() is self._thread:
+            return True
         with self._cond:
             return self._cond.wait_for(lambda: self._queued == 0, timeout)
 
