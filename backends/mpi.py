@@ -100,6 +100,10 @@ _LAUNCHER_VARS = {
 }
 
 
+_BACKGROUND_SPIN_S = 2e-3
+"""Seconds the launcher thread tests a fingerprint exchange between yields before it naps: a
+rank that arrives together with its peers finishes in microseconds, one far ahead sleeps."""
+
 _lock = threading.Lock()
 _live_groups: dict[int, MPIProcessGroup] = {}
 """Open groups, and closed ones with collectives still in flight, held for the exit hook.
@@ -460,6 +464,10 @@ class MPIProcessGroup(IProcessGroup):
 
     backend_name = "mpi"
     supported_devices = frozenset({"cpu", "cuda"})
+    default_debug = "detail"
+    """The fingerprint check is on unless ``COMMLIB_DEBUG=OFF``: on its own communicator it adds
+    about 10 us to a collective (docs/reliability.md), and without it MPI reduces mismatched
+    calls silently."""
 
     def __init__(
         self,
@@ -479,9 +487,12 @@ class MPIProcessGroup(IProcessGroup):
         self._MPI = MPI
         self._mpi_config = mpi_config if mpi_config is not None else MPIConfig.from_env()
         self._pending: dict[int, _MPIWork] = {}
+        self._side_comm: Any = None
         self._staging: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._cuda_aware: bool | None = self._mpi_config.cuda_aware
         self._thread_level = MPI.Query_thread()
+        # Without thread level MULTIPLE only the calling thread may test requests.
+        self._works_testable_from_any_thread = self._thread_level >= MPI.THREAD_MULTIPLE
         self._progress: ProgressThread | None = None
         self._comm = self._duplicate(parent)
         # Spin like MPI while every rank has a core; with more ranks than cores on this
@@ -543,6 +554,43 @@ class MPIProcessGroup(IProcessGroup):
     def comm(self) -> Any:
         """The group's MPI communicator (a duplicate: its traffic never mixes with yours)."""
         return self._comm
+
+    # ------------------------------------------------------------- diagnosis
+    def _fingerprint_exchange(self) -> Callable[[bytes, float, object, bool], bytes]:
+        """Swap ``COMMLIB_DEBUG=DETAIL`` fingerprints with one ``Iallgather`` on a communicator of their own.
+
+        A second duplicate of the group's communicator carries nothing but the
+        fixed-size fingerprints, one all-gather per collective on every rank, so
+        whatever the ranks pass to the data communicator, this one stays in step
+        (MPI never matches messages across communicators). It costs one small
+        collective (about 10 us on one host), where a round trip through the TCP
+        side channel costs a few hundred and a wake-up of rank 0's hub thread.
+        """
+        side = self._duplicate(self._comm)
+        self._side_comm = side
+        MPI = self._MPI
+
+        def exchange(mine: bytes, timeout: float, label: object, background: bool) -> bytes:
+            everyone = bytearray(len(mine) * self.world_size)
+            issued = time.monotonic()
+            # On the launcher thread, yield between tests for a moment, then nap: spinning there
+            # would take the core (and Python's lock) from the caller's compute.
+            spin = (0.0, _BACKGROUND_SPIN_S) if background else (self._pure_spin_s, SPIN_S)
+            try:
+                request = side.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])
+                done = wait_until(request.Test, issued + timeout, pure_spin_s=spin[0], spin_s=spin[1])
+            except Exception as e:  # noqa: BLE001 - MPI.Exception
+                raise self._mpi_error(f"{label}: fingerprint exchange", e) from e
+            if not done:
+                # Still in flight: listed for the exit hook, which aborts the job rather than hang.
+                if not isinstance(label, CollectiveLabel):
+                    label = self._label("fingerprint")
+                work = _MPIWork(self, label, request, everyone, issued)
+                self._pending[label.seq] = work
+                work._expired(None, timeout)  # raises CommTimeoutError, marks the group broken
+            return bytes(everyone)
+
+        return exchange
 
     @property
     def progress(self) -> str:
@@ -772,11 +820,14 @@ class MPIProcessGroup(IProcessGroup):
             return
         _live_groups.pop(id(self), None)
         self._staging.clear()
-        if self._comm is not None and not self._MPI.Is_finalized():
-            try:
-                self._comm.Free()
-            except Exception:  # noqa: BLE001 - closing must not raise
-                pass
+        if not self._MPI.Is_finalized():
+            for comm in (self._comm, self._side_comm):
+                if comm is None:
+                    continue
+                try:
+                    comm.Free()
+                except Exception:  # noqa: BLE001 - closing must not raise
+                    pass
 
     def _stop_progress(self) -> None:
         if self._progress is not None:
@@ -935,7 +986,13 @@ def from_mpi_comm(comm: Any, *, config: CommConfig | None = None) -> MPIProcessG
     """
     _load_mpi()
     env = DistEnv(rank=comm.Get_rank(), world_size=comm.Get_size(), launcher="explicit")
-    return MPIProcessGroup(env, config if config is not None else CommConfig.from_env(), comm=comm)
+    group = MPIProcessGroup(env, config if config is not None else CommConfig.from_env(), comm=comm)
+    try:
+        group._start_diagnostics()
+    except BaseException:
+        group.close()
+        raise
+    return group
 
 
 BACKENDS = {"mpi": create_mpi_group}

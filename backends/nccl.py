@@ -620,6 +620,8 @@ def from_torch_group(pg: Any = None, *, config: CommConfig | None = None) -> Tor
     """Wrap an existing torch.distributed process group as a commlib ``IProcessGroup``.
 
     The torch group stays owned by the caller: ``close()`` leaves it alone.
+    Every member of ``pg`` must call this (unless ``COMMLIB_STALL_S=0`` and no
+    ``COMMLIB_DEBUG``): it sets up the diagnosis side channel with one broadcast.
 
     Args:
         pg: A ``torch.distributed.ProcessGroup``; default: the default group.
@@ -661,9 +663,15 @@ def from_torch_group(pg: Any = None, *, config: CommConfig | None = None) -> Tor
         launcher="torch.distributed",
     )
     name = "nccl" if "nccl" in _device_map(pg).values() else "gloo"
-    return TorchDistProcessGroup(
+    group = TorchDistProcessGroup(
         env, config if config is not None else CommConfig.from_env(), pg=pg, name=name
     )
+    try:
+        group._start_diagnostics()
+    except BaseException:
+        group.close()
+        raise
+    return group
 
 
 BACKENDS = {"gloo": create_gloo_group, "nccl": create_nccl_group}

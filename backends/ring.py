@@ -370,6 +370,10 @@ class RingProcessGroup(IProcessGroup):
         """The ring averages itself: each rank divides its reduced segment before the all-gather."""
         return True
 
+    def _propagates_nan(self, tensor: torch.Tensor) -> bool:
+        """The ring reduces with ``torch.maximum`` / ``torch.minimum``, which propagate NaN."""
+        return True
+
     def _submit(
         self, label: CollectiveLabel, body: Callable[[], None], async_op: bool, keep_alive: object = None
     ) -> Work:

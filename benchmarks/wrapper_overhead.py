@@ -95,7 +95,7 @@ def main() -> int:
     torch.set_num_threads(1)
 
     env = commlib.detect()
-    config = CommConfig(timeout=120)
+    config = CommConfig.from_env(timeout=120)  # COMMLIB_DEBUG, COMMLIB_STALL_S... apply
     mpi_group = commlib.create_process_group("mpi", env, config)
     from mpi4py import MPI
 

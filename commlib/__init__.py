@@ -15,6 +15,7 @@ from commlib.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
+from commlib.flight import dump_flight_recorder
 from commlib.process_group import IProcessGroup
 from commlib.registry import (
     available_backends,
@@ -70,6 +71,7 @@ __all__ = [
     "create_process_group",
     "destroy_process_group",
     "detect",
+    "dump_flight_recorder",
     "from_torch_group",
     "get_default_group",
     "get_rank",

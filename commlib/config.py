@@ -10,10 +10,16 @@ from collections.abc import Mapping
 
 from commlib.env import read_env_var
 
-__all__ = ["CommConfig", "DEFAULT_TIMEOUT_S"]
+__all__ = ["CommConfig", "DEBUG_MODES", "DEFAULT_STALL_S", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default for every blocking wait, in seconds (``COMMLIB_TIMEOUT`` overrides it)."""
+
+DEFAULT_STALL_S = 60.0
+"""Default for ``COMMLIB_STALL_S``: seconds a collective waits before a stall warning."""
+
+DEBUG_MODES = ("off", "detail")
+"""Values of ``COMMLIB_DEBUG`` (case-insensitive)."""
 
 
 def _positive_float(text: str) -> float:
@@ -22,6 +28,27 @@ def _positive_float(text: str) -> float:
         raise ValueError("must be > 0")
     if not math.isfinite(value):
         raise ValueError("must be finite")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or not math.isfinite(value):
+        raise ValueError("must be a finite number >= 0")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _debug_mode(text: str) -> str:
+    value = text.strip().lower()
+    if value not in DEBUG_MODES:
+        raise ValueError(f"expected one of {', '.join(m.upper() for m in DEBUG_MODES)}")
     return value
 
 
@@ -36,6 +63,29 @@ class CommConfig:
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds any blocking wait may take (rendezvous, a collective, ``Work.wait``)
     before it raises ``CommTimeoutError``. Default 300 s, or ``COMMLIB_TIMEOUT``."""
+
+    debug: str | None = None
+    """``"detail"``: before every collective the ranks compare what they are about to
+    call (sequence number, op, dtype, size, root, reduce op) over a side channel and
+    raise ``CollectiveMismatchError`` on every rank if they disagree. ``"off"``: no
+    check. None (the default): the backend's default (see docs/reliability.md).
+    ``COMMLIB_DEBUG`` (``OFF`` or ``DETAIL``)."""
+
+    stall_s: float = DEFAULT_STALL_S
+    """Seconds a collective may wait before each waiting rank logs a warning naming the
+    ranks that have not reached it (repeated at most every ``stall_s``); 0 disables
+    stall reports. The collective goes on waiting until ``timeout``. Default 60 s,
+    or ``COMMLIB_STALL_S``."""
+
+    flight_recorder: int = 0
+    """Keep the last this many collectives of each group (op, sequence number, shape,
+    dtype, start, end, status) and write them out on any ``CommError``, on SIGUSR1 and
+    on ``commlib.dump_flight_recorder()``; 0 (the default) disables it.
+    ``COMMLIB_FLIGHT_RECORDER``."""
+
+    dump_dir: str | None = None
+    """Directory the flight recorder writes ``commlib_flight_rank{R}.json`` into;
+    None: the system's temporary directory. ``COMMLIB_DUMP_DIR``."""
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -53,13 +103,39 @@ class CommConfig:
                 f"CommConfig.timeout: must be finite (every wait needs a bound), got {self.timeout}; "
                 "use a large number of seconds instead"
             )
+        if self.debug is not None and self.debug not in DEBUG_MODES:
+            raise ValueError(
+                f"CommConfig.debug: expected None or one of {', '.join(map(repr, DEBUG_MODES))}, "
+                f"got {self.debug!r}"
+            )
+        if isinstance(self.stall_s, bool) or not isinstance(self.stall_s, (int, float)):
+            raise TypeError(
+                f"CommConfig.stall_s: expected seconds (a number), got {type(self.stall_s).__name__}"
+            )
+        if not (self.stall_s >= 0 and math.isfinite(self.stall_s)):
+            raise ValueError(
+                f"CommConfig.stall_s: must be finite and >= 0 seconds (0 disables), got {self.stall_s}"
+            )
+        if isinstance(self.flight_recorder, bool) or not isinstance(self.flight_recorder, int):
+            raise TypeError(
+                f"CommConfig.flight_recorder: expected a number of collectives (an int), "
+                f"got {type(self.flight_recorder).__name__}"
+            )
+        if self.flight_recorder < 0:
+            raise ValueError(
+                f"CommConfig.flight_recorder: must be >= 0 (0 disables), got {self.flight_recorder}"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> CommConfig:
         """Build a config from ``COMMLIB_*`` variables; keyword arguments win over them."""
         environ = os.environ if environ is None else environ
         values: dict[str, object] = {
-            "timeout": read_env_var("COMMLIB_TIMEOUT", _positive_float, DEFAULT_TIMEOUT_S, environ)
+            "timeout": read_env_var("COMMLIB_TIMEOUT", _positive_float, DEFAULT_TIMEOUT_S, environ),
+            "debug": read_env_var("COMMLIB_DEBUG", _debug_mode, None, environ),
+            "stall_s": read_env_var("COMMLIB_STALL_S", _non_negative_float, DEFAULT_STALL_S, environ),
+            "flight_recorder": read_env_var("COMMLIB_FLIGHT_RECORDER", _non_negative_int, 0, environ),
+            "dump_dir": environ.get("COMMLIB_DUMP_DIR", "").strip() or None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

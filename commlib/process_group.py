@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+from torch.autograd.graph import increment_version
 
+from commlib import nan_minmax
 from commlib.config import CommConfig
+from commlib.diagnostics import Diagnostics, FingerprintExchange
 from commlib.env import DistEnv
 from commlib.errors import GroupClosedError, error_prefix
 from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, ReduceOp, dtype_name
@@ -36,9 +39,14 @@ class IProcessGroup(abc.ABC):
     ``_broadcast``, ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and
     ``_close``. They may narrow ``supported_dtypes`` and ``supported_devices``
     or override ``supports``. What every backend needs is here: argument checks,
-    the sequence number and label of each collective (``_seq``, ``_label``), and
+    the sequence number and label of each collective (``_seq``, ``_label``),
     ``ReduceOp.AVG`` for backends that cannot average natively (``_native_avg``
-    False: the backend sums, then the interface divides once).
+    False: the backend sums, then the interface divides once), MAX and MIN that
+    propagate NaN for backends whose own drop it (``_propagates_nan`` False), the
+    autograd version bump of every tensor a collective writes, and the diagnosis
+    (stall reports, ``COMMLIB_DEBUG=DETAIL``, the flight recorder; see
+    ``commlib.diagnostics``), which whoever creates the group starts with
+    ``_start_diagnostics()`` once it is connected.
 
     Args:
         env: Rank, world size and rendezvous address of this process.
@@ -54,6 +62,12 @@ class IProcessGroup(abc.ABC):
     supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     """Device types (``cpu``, ``cuda``) whose tensors this backend accepts."""
 
+    default_debug: ClassVar[str] = "off"
+    """``COMMLIB_DEBUG`` when it is unset: ``off`` or ``detail`` (the fingerprint check)."""
+
+    _works_testable_from_any_thread: bool = True
+    """Whether the watchdog thread may call ``Work.is_completed()`` on this group's works."""
+
     def __init__(self, env: DistEnv, config: CommConfig | None = None) -> None:
         self._env = env
         self._config = config if config is not None else CommConfig()
@@ -64,6 +78,8 @@ class IProcessGroup(abc.ABC):
         self._accepted: set[tuple[object, ...]] = set()
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
+        self._diagnostics: Diagnostics | None = None
+        """Stall watchdog, fingerprint check and flight recorder, when any is on."""
         self._bytes_issued = 0
 
     # ------------------------------------------------------------------ identity
@@ -201,14 +217,39 @@ class IProcessGroup(abc.ABC):
         self._check_reduction("all_reduce", tensor, op)
         if tensor.requires_grad:
             tensor = tensor.detach()
-        self._seq += 1
+        increment_version(tensor)
         self._bytes_issued += tensor.nbytes
+        if self._diagnostics is not None:
+            return self._diagnostics.run(
+                self,
+                "all_reduce",
+                tensor,
+                op,
+                -1,
+                async_op,
+                [tensor],
+                self._start_all_reduce,
+                tensor,
+                op,
+                async_op,
+            )
+        self._seq += 1
+        return self._finish(self._start_all_reduce(tensor, op, async_op), async_op, [tensor])
+
+    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
+        if op is ReduceOp.SUM:
+            return self._all_reduce(tensor, op, async_op)
         if op is ReduceOp.AVG and not self._native_avg(tensor):
             work = self._all_reduce(tensor, ReduceOp.SUM, async_op)
             work.add_finisher(_Divide(tensor, self.world_size))
-        else:
-            work = self._all_reduce(tensor, op, async_op)
-        return self._finish(work, async_op, [tensor])
+            return work
+        if (op is ReduceOp.MAX or op is ReduceOp.MIN) and tensor.is_floating_point():
+            if not self._propagates_nan(tensor):
+                keys = nan_minmax.encode(tensor, op, in_place=True)
+                work = self._all_reduce(keys, op, async_op)
+                work.add_finisher(_Decode(keys, tensor))
+                return work
+        return self._all_reduce(tensor, op, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank.
@@ -225,9 +266,15 @@ class IProcessGroup(abc.ABC):
         self._check_usable(name)
         self._check_tensor(name, tensor, "tensor")
         self._check_rank(name, src, "src")
-        self._seq += 1
+        flat = tensor.detach()
+        increment_version(flat)
         self._bytes_issued += tensor.nbytes
-        return self._finish(self._broadcast(tensor.detach(), src, async_op), async_op, [tensor])
+        if self._diagnostics is not None:
+            return self._diagnostics.run(
+                self, name, flat, None, src, async_op, [tensor], self._broadcast, flat, src, async_op
+            )
+        self._seq += 1
+        return self._finish(self._broadcast(flat, src, async_op), async_op, [tensor])
 
     def all_gather(
         self,
@@ -253,10 +300,26 @@ class IProcessGroup(abc.ABC):
         self._check_usable(name)
         self._check_tensor(name, tensor, "tensor")
         flat_output, outputs = self._split_world(name, output, "output", tensor)
-        self._seq += 1
+        increment_version(outputs if flat_output is None else flat_output)
         self._bytes_issued += tensor.nbytes
-        work = self._all_gather(flat_output, outputs, tensor.detach().view(-1), async_op)
-        return self._finish(work, async_op, output)
+        flat = tensor.detach().view(-1)
+        if self._diagnostics is not None:
+            return self._diagnostics.run(
+                self,
+                name,
+                tensor,
+                None,
+                -1,
+                async_op,
+                output,
+                self._all_gather,
+                flat_output,
+                outputs,
+                flat,
+                async_op,
+            )
+        self._seq += 1
+        return self._finish(self._all_gather(flat_output, outputs, flat, async_op), async_op, output)
 
     def reduce_scatter(
         self,
@@ -283,15 +346,56 @@ class IProcessGroup(abc.ABC):
         self._check_usable(name)
         self._check_reduction(name, output, op, "output")
         flat_input, inputs = self._split_world(name, input, "input", output)
-        self._seq += 1
-        self._bytes_issued += output.nbytes * self.world_size
         flat = output.detach().view(-1)
-        if op is ReduceOp.AVG and not self._native_avg(output):
+        increment_version(flat)
+        self._bytes_issued += output.nbytes * self.world_size
+        if self._diagnostics is not None:
+            return self._diagnostics.run(
+                self,
+                name,
+                output,
+                op,
+                -1,
+                async_op,
+                [output],
+                self._start_reduce_scatter,
+                flat,
+                flat_input,
+                inputs,
+                op,
+                async_op,
+            )
+        self._seq += 1
+        return self._finish(
+            self._start_reduce_scatter(flat, flat_input, inputs, op, async_op), async_op, [output]
+        )
+
+    def _start_reduce_scatter(
+        self,
+        flat: torch.Tensor,
+        flat_input: torch.Tensor | None,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool,
+    ) -> Work:
+        if op is ReduceOp.AVG and not self._native_avg(flat):
             work = self._reduce_scatter(flat, flat_input, inputs, ReduceOp.SUM, async_op)
             work.add_finisher(_Divide(flat, self.world_size))
-        else:
-            work = self._reduce_scatter(flat, flat_input, inputs, op, async_op)
-        return self._finish(work, async_op, [output])
+            return work
+        if (
+            (op is ReduceOp.MAX or op is ReduceOp.MIN)
+            and flat.is_floating_point()
+            and not self._propagates_nan(flat)
+        ):
+            keys_out = nan_minmax.output_keys(flat)
+            source = flat_input if flat_input is not None else torch.cat(inputs)
+            keys_in = nan_minmax.encode(source, op, in_place=False)
+            block = flat.numel()
+            blocks = [keys_in[i * block : (i + 1) * block] for i in range(self.world_size)]
+            work = self._reduce_scatter(keys_out, keys_in, blocks, op, async_op)
+            work.add_finisher(_Decode(keys_out, flat))
+            return work
+        return self._reduce_scatter(flat, flat_input, inputs, op, async_op)
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
         """Block until every rank of the group has called ``barrier``.
@@ -300,6 +404,10 @@ class IProcessGroup(abc.ABC):
             async_op: Return a ``Work`` handle instead of waiting.
         """
         self._check_usable("barrier")
+        if self._diagnostics is not None:
+            return self._diagnostics.run(
+                self, "barrier", None, None, -1, async_op, None, self._barrier, async_op
+            )
         self._seq += 1
         return self._finish(self._barrier(async_op), async_op, None)
 
@@ -311,9 +419,44 @@ class IProcessGroup(abc.ABC):
         if self._closed:
             return
         self._closed = True
-        self._close()
+        diagnostics, self._diagnostics = self._diagnostics, None
+        try:
+            if diagnostics is not None:
+                diagnostics.close()
+        finally:
+            self._close()
+
+    # ------------------------------------------------------------- diagnosis
+    def _start_diagnostics(self) -> None:
+        """Start stall reports, the fingerprint check and the flight recorder, as ``config`` asks.
+
+        Called once the backend is connected, by whoever created the group
+        (``commlib.create_process_group``, ``from_torch_group``, ``from_mpi_comm``);
+        every rank must call it, as it sets up the side channel with one broadcast.
+        A group that was never started runs without diagnosis.
+
+        Raises:
+            CommError: ``COMMLIB_DEBUG=DETAIL`` asks for the side channel and it could not be set up.
+        """
+        if self._diagnostics is None and not self._closed:
+            self._diagnostics = Diagnostics.start(self)
+
+    def _fingerprint_exchange(self) -> FingerprintExchange | None:
+        """Return a cheaper way than the side channel to swap fingerprints, or None to use the side channel.
+
+        It must not share state with the backend's data path: it is what checks that path.
+        """
+        return None
 
     # --------------------------------------------------- backend implementation
+    def _propagates_nan(self, tensor: torch.Tensor) -> bool:
+        """Return True if the backend's own MAX and MIN give NaN wherever any rank holds one.
+
+        The default is False: the interface reduces floats as integer keys that
+        order NaN first (``commlib.nan_minmax``), so the backend never sees a float MAX or MIN.
+        """
+        return False
+
     def _native_avg(self, tensor: torch.Tensor) -> bool:
         """Return True if the backend averages ``tensor`` itself when given ``ReduceOp.AVG``.
 
@@ -513,6 +656,19 @@ class IProcessGroup(abc.ABC):
                 f"but the collective's tensor is {dtype_name(like.dtype)} on {like.device}; "
                 "all tensors of one collective must share dtype and device"
             )
+
+
+class _Decode:
+    """The second half of a NaN-propagating MAX/MIN: turn the reduced integer keys back into floats."""
+
+    __slots__ = ("_keys", "_tensor")
+
+    def __init__(self, keys: torch.Tensor, tensor: torch.Tensor) -> None:
+        self._keys = keys
+        self._tensor = tensor
+
+    def __call__(self) -> None:
+        nan_minmax.decode_into(self._keys, self._tensor)
 
 
 class _Divide:

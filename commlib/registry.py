@@ -165,15 +165,21 @@ def _resolve(key: str) -> BackendFactory:
 
 
 def create_process_group(name: str, env: DistEnv, config: CommConfig) -> IProcessGroup:
-    """Create and connect a process group of backend ``name``.
+    """Create and connect a process group of backend ``name``, with the diagnosis ``config`` asks for.
 
     Raises:
         BackendUnavailableError: Unknown backend, or its package is not installed.
+        CommError: The group, or its diagnosis side channel (``COMMLIB_DEBUG=DETAIL``), could not be set up.
     """
     key = _normalise(name)
     group = _resolve(key)(env, config)
     if not isinstance(group, IProcessGroup):
         raise TypeError(f"backend {key!r} factory returned {type(group).__name__}, not an IProcessGroup")
+    try:
+        group._start_diagnostics()
+    except BaseException:
+        group.close()
+        raise
     return group
 
 

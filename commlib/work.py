@@ -77,6 +77,9 @@ class Work:
         keep_alive: Objects (tensors, staging buffers) to hold until the collective ends.
     """
 
+    _context: str | Callable[[], object] | None = None
+    """What the caller attached with ``annotate`` (a class default: most works carry none)."""
+
     def __init__(self, label: CollectiveLabel | str = "collective", keep_alive: Any = None) -> None:
         self._label = label
         self._keep_alive = keep_alive
@@ -97,7 +100,41 @@ class Work:
         """What the collective is (``[rank 0/2] ring.all_reduce #7 (float32, 1024 elements)``)."""
         return self._label
 
+    @property
+    def context(self) -> str | None:
+        """The text attached with ``annotate`` (a callable is called now), or None."""
+        context = self._context
+        if context is None:
+            return None
+        if callable(context):
+            try:
+                return str(context())
+            except Exception as e:  # noqa: BLE001 - a message must not fail for its context
+                return f"<context unavailable: {type(e).__name__}: {e}>"
+        return str(context)
+
     # ------------------------------------------------------------------ public
+    def annotate(self, context: str | Callable[[], object]) -> Work:
+        """Say what this collective is for; stall warnings and flight-recorder dumps name it.
+
+        Costs one attribute store: a callable is called only when a report needs
+        the text, so pass ``lambda: f"..."`` rather than a formatted string on a
+        hot path. A later call replaces the context.
+
+        Args:
+            context: Text, or a callable returning it.
+
+        Returns:
+            This work, so that a call can be chained.
+
+        Example::
+
+            >>> work = group.all_reduce(bucket.buffer, async_op=True)
+            >>> work.annotate(lambda: f"DDP bucket {i}: {', '.join(names[:3])}")
+        """
+        self._context = context
+        return self
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the result is in the tensor.
 

@@ -137,7 +137,14 @@ class BucketSync:
             if self.hook is None:
                 work = self.group.all_reduce(data, self.op, async_op=True)
                 assert work is not None  # async_op=True always returns a handle
-                return PendingSync(work=work)
+                return PendingSync(
+                    work=work.annotate(  # the bucket, named in stall warnings and flight-recorder dumps
+                        lambda: (
+                            f"DDP bucket {bucket.index()}, {len(bucket.names)} parameters, "
+                            f"first: {', '.join(bucket.names[:3])}"
+                        )
+                    )
+                )
             return PendingSync(future=self._call_hook(bucket))
 
     def _call_hook(self, bucket: GradientBucket) -> torch.futures.Future[Any]:

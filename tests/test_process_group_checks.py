@@ -267,7 +267,10 @@ def test_supported_combinations_reach_the_backend(group: FakeGroup, op: ReduceOp
     (call,) = group.calls
     # AVG reaches a backend that cannot average natively as SUM; the interface divides.
     expected = ReduceOp.SUM if op is ReduceOp.AVG else op
-    assert call.method == "all_reduce" and call.args["op"] is expected and call.args["tensor"].dtype == dtype
+    # Float MAX/MIN reach it as integer keys that order NaN first (commlib.nan_minmax).
+    keys = op in (ReduceOp.MAX, ReduceOp.MIN) and dtype.is_floating_point
+    wire = (torch.int64 if dtype is torch.float64 else torch.int32) if keys else dtype
+    assert call.method == "all_reduce" and call.args["op"] is expected and call.args["tensor"].dtype == wire
 
 
 # ---------------------------------------------------------------- src rank
@@ -489,12 +492,13 @@ def test_all_gather_flat_output_is_split_into_rank_blocks(group: FakeGroup) -> N
 def test_reduce_scatter_views(group: FakeGroup) -> None:
     output = torch.empty(2, 2)
     inputs = [torch.full((4,), float(i)) for i in range(WORLD)]
-    group.reduce_scatter(output, inputs, ReduceOp.MAX)
+    # PRODUCT: float MAX/MIN would reach the backend as integer keys in buffers of their own.
+    group.reduce_scatter(output, inputs, ReduceOp.PRODUCT)
     (call,) = group.calls
     assert call.args["output"].dim() == 1 and call.args["output"].data_ptr() == output.data_ptr()
     assert call.args["flat_input"] is None
     assert [v.data_ptr() for v in call.args["inputs"]] == [t.data_ptr() for t in inputs]
-    assert call.args["op"] is ReduceOp.MAX
+    assert call.args["op"] is ReduceOp.PRODUCT
 
     group.calls.clear()
     flat = torch.arange(16.0).reshape(4, 4)

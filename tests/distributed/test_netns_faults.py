@@ -116,6 +116,7 @@ def _run_and_cut(hosts: _netns.Hosts, victim: int) -> tuple[list[dict[str, Any]]
             "MASTER_ADDR": hosts.addresses[0],
             "COMMLIB_TIMEOUT": str(TIMEOUT_S),
             "COMMLIB_JOB_TOKEN": "netns-test-job",
+            "COMMLIB_STALL_S": "0",  # no side channel to rank 0 beside the ring links
             "LOCAL_RANK": "0",  # one rank per host
             "LOCAL_WORLD_SIZE": "1",
         },

@@ -1,0 +1,168 @@
+"""Asynchronous collectives whose issue must wait for a check: an in-order launcher thread and its works.
+
+With the fingerprint check on, a collective may start only once every rank
+has reached it. A synchronous call waits for that anyway; an asynchronous one
+must not, or ``async_op=True`` would stop overlapping anything with compute. So
+the check and the issue of an asynchronous collective run on the group's
+launcher thread, in issue order, and the caller gets a ``DeferredWork`` at once.
+It stands for the collective until the launcher has issued it, then follows
+the backend's work. A synchronous collective first waits until the launcher
+has issued everything queued before it, so the backend still sees every
+collective in the order the caller made them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from commlib.errors import CommError, CommTimeoutError
+from commlib.work import CollectiveLabel, Work
+
+__all__ = ["DeferredWork", "Launcher"]
+
+
+class DeferredWork(Work):
+    """The handle of an asynchronous collective that the launcher has yet to issue.
+
+    Args:
+        label: What the collective is, for messages.
+        bound_s: How long a ``wait()`` without timeout waits for the launcher before
+            it reports it stuck (the check itself is bounded by the group's timeout).
+    """
+
+    def __init__(self, label: CollectiveLabel | str, bound_s: float) -> None:
+        super().__init__(label)
+        self._launched = threading.Event()
+        self._real: Work | None = None
+        self._bound_s = bound_s
+
+    def attach(self, real: Work | None, error: BaseException | None = None) -> None:
+        """Called by the launcher: the collective was issued as ``real``, or failed with ``error``."""
+        if real is None:
+            self._launched.set()
+            self._settle(error)
+            return
+        self._real = real
+        self._launched.set()
+        real.add_observer(self._follow)
+
+    def _follow(self, real: Work) -> None:
+        self._settle(real.exception())
+
+    def _wait_for_backend(self, timeout: float | None) -> None:
+        start = time.monotonic()
+        limit = self._bound_s if timeout is None else max(float(timeout), 0.0)
+        if not self._launched.wait(limit):
+            if timeout is not None:
+                raise CommTimeoutError(
+                    f"{self._label}: Work.wait(timeout={timeout}) expired before every rank reached this "
+                    "collective (it has not started yet); wait again, or look for a rank that has not "
+                    "issued it"
+                )
+            raise CommTimeoutError(
+                f"{self._label}: not started after {limit:g} s, although the check before it is bounded by "
+                "the group's timeout: the group's launcher thread is stuck or gone"
+            )
+        real = self._real
+        if real is None or self._done:
+            return
+        remaining = None if timeout is None else max(0.0, float(timeout) - (time.monotonic() - start))
+        try:
+            real.wait(remaining)
+        except CommTimeoutError:
+            if timeout is not None and not real.is_completed():
+                raise  # the caller's own timeout: the collective goes on
+            self._settle(real.exception())
+            return
+        except CommError:
+            self._settle(real.exception())
+            return
+        self._settle()
+
+    def _test_backend(self) -> None:
+        real = self._real
+        if real is not None and real.is_completed():
+            self._settle(real.exception())
+
+    def _arm_future(self) -> None:
+        """The real work's observer settles this one; nothing more is needed."""
+
+
+class Launcher:
+    """Runs a group's check-then-issue steps on one thread, in the order submitted.
+
+    Args:
+        name: The thread's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._queued = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is queued or running."""
+        return self._queued == 0
+
+    def submit(self, step: Callable[[], None]) -> None:
+        """Queue ``step`` behind everything submitted before."""
+        with self._cond:
+            self._queued += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._queue.put(step)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued step has run; return False if ``timeout`` passed first.
+
+        Called from the launcher thread itself (a future's callback that issues a
+        collective), it returns at once: that thread cannot wait for its own step.
+        """
+        if threading.current_thread() is self._thread:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self._queued == 0, timeout)
+
+    def close(self) -> None:
+        """Stop the thread once the queued steps have run."""
+        if self._thread is not None:
+            self._queue.put(None)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=10.0)
+
+    def _run(self) -> None:
+        while True:
+            step = self._queue.get()
+            if step is None:
+                return
+            try:
+                step()
+            finally:
+                with self._cond:
+                    self._queued -= 1
+                    self._cond.notify_all()
+
+
+def launch_step(
+    work: DeferredWork, check: Callable[[], None], issue: Callable[..., Work], args: tuple[Any, ...]
+) -> Callable[[], None]:
+    """Return the launcher step for one collective: check, then issue, then hand the work over."""
+
+    def step() -> None:
+        try:
+            check()
+            real = issue(*args)
+        except BaseException as e:  # noqa: BLE001 - becomes the work's error
+            work.attach(None, e)
+            return
+        work.attach(real)
+
+    return step

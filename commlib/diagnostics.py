@@ -1,0 +1,420 @@
+"""One group's diagnosis: stall reports, the fingerprint check (``COMMLIB_DEBUG=DETAIL``), flight recorder.
+
+``IProcessGroup`` creates a ``Diagnostics`` once the backend is connected
+(``IProcessGroup._start_diagnostics``), if the config asks for any of the three,
+and then routes every collective through ``Diagnostics.run``. With all three off
+there is no ``Diagnostics`` and a collective pays one attribute test.
+
+Set-up is one broadcast over the backend itself (the data path is in step at
+creation by construction), on every group of more than one rank: rank 0's
+settings, and, if they need the side channel (``commlib.sidechannel``), the
+address and token of the hub rank 0 starts; every rank then joins it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import struct
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from commlib.deferred import DeferredWork, Launcher, launch_step
+from commlib.errors import CommError, CommTimeoutError
+from commlib.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints
+from commlib.flight import FlightRecorder
+from commlib.sidechannel import SideChannelClient, SideChannelHub, hub_host
+from commlib.types import ReduceOp
+from commlib.watchdog import CollectiveTracker, Record, Watchdog
+from commlib.work import CollectiveLabel, Work
+
+if TYPE_CHECKING:
+    from commlib.process_group import IProcessGroup
+
+__all__ = ["Diagnostics", "FingerprintExchange"]
+
+logger = logging.getLogger("commlib")
+
+FingerprintExchange = Callable[[bytes, float, object, bool], bytes]
+"""``exchange(mine, timeout_s, label, background) -> every rank's fingerprint, in rank order``.
+
+``background`` is True on the launcher thread: there, wait without spinning (the
+caller is computing meanwhile)."""
+
+_ADDRESS = struct.Struct("!8s?dq16sH")
+"""Set-up broadcast: magic, rank 0's DETAIL flag and stall seconds, hub port (0: no hub),
+token, length of the text that follows (the hub's host, or why rank 0 has no hub)."""
+_ADDRESS_MAGIC = b"CLDGADDR"
+_ADDRESS_WORDS = 48
+"""Size of the set-up broadcast in int64 words (384 bytes)."""
+_RANK_FIELD = slice(16, 20)
+"""Where a packed fingerprint holds the rank (skipped when comparing two ranks' calls)."""
+
+
+class Diagnostics:
+    """Stall watchdog, fingerprint check and flight recorder of one group on one rank.
+
+    Build it with ``Diagnostics.start(group)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        tracker: CollectiveTracker | None,
+        recorder: FlightRecorder | None,
+        exchange: FingerprintExchange | None,
+        world_size: int,
+        hub: SideChannelHub | None = None,
+        client: SideChannelClient | None = None,
+        watchdog: Watchdog | None = None,
+        launcher: Launcher | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.recorder = recorder
+        self.exchange = exchange
+        self._world = world_size
+        self._hub = hub
+        self._client = client
+        self._watchdog = watchdog
+        self._launcher = launcher
+        self._last_seq = 0
+        """Sequence number given to the last collective (ahead of ``_seq`` while the launcher has work)."""
+
+    # --------------------------------------------------------------- set-up
+    @classmethod
+    def start(cls, group: IProcessGroup) -> Diagnostics | None:
+        """Set up what the group's config asks for; None if it asks for nothing.
+
+        Every rank of the group must call this: with more than one rank it
+        broadcasts once, always, so that the ranks agree even when their
+        environments differ. Rank 0's ``COMMLIB_DEBUG`` and ``COMMLIB_STALL_S``
+        apply to the whole group (a rank whose own differ logs a warning); the
+        flight recorder is each rank's own choice.
+
+        Raises:
+            CommError: The fingerprint check is on and its side channel could not be set up.
+        """
+        config = group.config
+        world = group.world_size
+        recorder = (
+            FlightRecorder(config.flight_recorder, group.backend, group.rank, world, config.dump_dir)
+            if config.flight_recorder > 0
+            else None
+        )
+        if world == 1:
+            return cls(tracker=None, recorder=recorder, exchange=None, world_size=1) if recorder else None
+        debug = config.debug if config.debug is not None else group.default_debug
+        agreed = _agree(group, debug == "detail", config.stall_s)
+        detail, stall_s = agreed.detail, agreed.stall_s
+        if (detail, stall_s) != (debug == "detail", config.stall_s):
+            logger.warning(
+                "%sCOMMLIB_DEBUG / COMMLIB_STALL_S here (%s, %g s) differ from rank 0's (%s, %g s); rank 0's "
+                "apply to the group",
+                group._prefix("diagnostics"),
+                debug,
+                config.stall_s,
+                "detail" if detail else "off",
+                stall_s,
+            )
+        if not (detail or stall_s > 0 or recorder):
+            return None
+        exchange = group._fingerprint_exchange() if detail else None
+        needs_hub = detail and exchange is None
+        client = None
+        if stall_s > 0 or needs_hub:
+            try:
+                client = agreed.join(group, control=stall_s > 0)
+            except CommError as e:
+                if needs_hub:
+                    if agreed.hub is not None:
+                        agreed.hub.close()
+                    raise
+                logger.warning("%s; stall reports will not name the other ranks", e)
+        if needs_hub:
+            assert client is not None
+            exchange = client.exchange
+        watchdog = tracker = None
+        if stall_s > 0:
+            tracker = CollectiveTracker()
+            testable = group._works_testable_from_any_thread
+            watchdog = Watchdog(
+                tracker,
+                client.control if client is not None else None,
+                stall_s=stall_s,
+                timeout_s=group.timeout,
+                label=f"[rank {group.rank}/{world}] {group.backend}",
+                may_test=lambda work: testable,
+                name=f"commlib-watchdog-{group.backend}-rank{group.rank}",
+            )
+        launcher = None
+        if exchange is not None and group._works_testable_from_any_thread:
+            launcher = Launcher(f"commlib-launcher-{group.backend}-rank{group.rank}")
+        diagnostics = cls(
+            tracker=tracker,
+            recorder=recorder,
+            exchange=exchange,
+            world_size=world,
+            hub=agreed.hub,
+            client=client,
+            watchdog=watchdog,
+            launcher=launcher,
+        )
+        diagnostics._last_seq = group._seq
+        return diagnostics
+
+    def close(self) -> None:
+        """Stop the launcher and the watchdog, and leave the side channel (rank 0: stop the hub)."""
+        if self._launcher is not None:
+            self._launcher.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
+        if self._client is not None:
+            self._client.close()
+        if self._hub is not None:
+            self._hub.close()
+
+    # ------------------------------------------------------------ collectives
+    def run(
+        self,
+        group: IProcessGroup,
+        kind: str,
+        tensor: torch.Tensor | None,
+        op: ReduceOp | None,
+        root: int,
+        async_op: bool,
+        value: object,
+        issue: Callable[..., Work],
+        *args: Any,
+    ) -> Work | None:
+        """Run one collective under watch: number it, record it, check it (DETAIL), issue it, follow it.
+
+        The group's ``_seq`` is advanced here, by whichever thread issues the
+        collective to the backend: an asynchronous collective under the
+        fingerprint check is checked and issued by the launcher thread, in order,
+        so that ``async_op=True`` does not wait for the other ranks.
+
+        Args:
+            group: The group.
+            kind: The collective's name.
+            tensor: Its tensor (None for ``barrier``).
+            op: Its reduce op, for reductions.
+            root: The source rank of ``broadcast``; -1 otherwise.
+            async_op: Return the work instead of waiting.
+            value: What the work's future completes with.
+            issue: Starts the collective: ``issue(*args) -> Work``.
+            *args: Arguments of ``issue``.
+        """
+        launcher = self._launcher
+        if launcher is not None and async_op and (tensor is None or tensor.device.type == "cpu"):
+            return self._defer(group, kind, tensor, op, root, value, issue, args)
+        if launcher is not None and not launcher.idle and not launcher.drain(group.timeout * 2 + 30.0):
+            raise CommTimeoutError(
+                f"{group._label(kind, tensor)}: the collectives issued before it did not start within "
+                f"{group.timeout * 2 + 30.0:g} s: the group's launcher thread is stuck"
+            )
+        group._seq += 1
+        self._last_seq = seq = group._seq
+        record: Record = (
+            seq,
+            kind,
+            tensor.dtype if tensor is not None else None,
+            tensor.shape if tensor is not None else (),
+            op,
+            root,
+        )
+        tracker, recorder = self.tracker, self.recorder
+        if tracker is not None:
+            tracker.issued = tracker.active = record
+        entry = recorder.begin(record) if recorder is not None else None
+        try:
+            if self.exchange is not None:
+                self._check(group, record, tensor, group._label(kind, tensor), False)
+            work = issue(*args)
+            if async_op:
+                if tracker is not None:
+                    tracker.pending.append((record, work))
+                if entry is not None:
+                    recorder.follow(entry, work)  # type: ignore[union-attr]
+                work._set_value(value)  # noqa: SLF001 - what the work's future completes with
+                return work
+            work.wait()
+        except BaseException as e:
+            if entry is not None:
+                recorder.failed(entry, e)  # type: ignore[union-attr]
+            raise
+        finally:
+            if tracker is not None:
+                tracker.active = None
+        if tracker is not None:
+            tracker.completed = record
+        if entry is not None:
+            recorder.completed(entry)  # type: ignore[union-attr]
+        return None
+
+    def _defer(
+        self,
+        group: IProcessGroup,
+        kind: str,
+        tensor: torch.Tensor | None,
+        op: ReduceOp | None,
+        root: int,
+        value: object,
+        issue: Callable[..., Work],
+        args: tuple[Any, ...],
+    ) -> Work:
+        """Queue an asynchronous collective's check and issue on the launcher; return its work at once."""
+        self._last_seq += 1
+        seq = self._last_seq
+        label = CollectiveLabel(group.rank, group.world_size, group.backend, kind, seq, tensor)
+        record: Record = (
+            seq,
+            kind,
+            tensor.dtype if tensor is not None else None,
+            tensor.shape if tensor is not None else (),
+            op,
+            root,
+        )
+        work = DeferredWork(label, bound_s=group.timeout * 2 + 30.0)
+        work._set_value(value)  # noqa: SLF001 - what the work's future completes with
+        if self.tracker is not None:
+            self.tracker.issued = record
+            self.tracker.pending.append((record, work))
+        if self.recorder is not None:
+            self.recorder.follow(self.recorder.begin(record), work)
+
+        def check() -> None:
+            group._seq += 1  # only the launcher advances it while it has work queued
+            if group._closed or group._broken is not None:
+                group._check_usable(kind)
+            self._check(group, record, tensor, label, True)
+
+        assert self._launcher is not None
+        self._launcher.submit(launch_step(work, check, issue, args))
+        return work
+
+    def _check(
+        self,
+        group: IProcessGroup,
+        record: Record,
+        tensor: torch.Tensor | None,
+        label: object,
+        background: bool,
+    ) -> None:
+        """Exchange fingerprints; raise ``CollectiveMismatchError`` on every rank if they differ."""
+        seq, kind, _, _, op, root = record
+        mine = Fingerprint.of(group.rank, seq, kind, tensor, op, root).pack()
+        assert self.exchange is not None
+        try:
+            everyone = self.exchange(mine, group.timeout, label, background)
+        except CommError as e:
+            group._mark_broken(e)
+            raise
+        size = FINGERPRINT.size
+        if len(everyone) != size * self._world:
+            raise CommError(
+                f"{label}: the fingerprint exchange returned {len(everyone)} bytes, not {size * self._world}"
+            )
+        head, tail = mine[: _RANK_FIELD.start], mine[_RANK_FIELD.stop :]
+        for start in range(0, len(everyone), size):
+            theirs = everyone[start : start + size]
+            if theirs[: _RANK_FIELD.start] != head or theirs[_RANK_FIELD.stop :] != tail:
+                prints = [Fingerprint.unpack(everyone[i : i + size]) for i in range(0, len(everyone), size)]
+                check_fingerprints(label, prints)
+                return
+
+
+class _Agreement:
+    """What rank 0 broadcast at set-up: its settings, and where its hub listens."""
+
+    def __init__(
+        self,
+        detail: bool,
+        stall_s: float,
+        hub: SideChannelHub | None,
+        address: tuple[str, int, bytes] | None,
+        problem: str,
+    ) -> None:
+        self.detail = detail
+        self.stall_s = stall_s
+        self.hub = hub
+        """The hub itself, on rank 0 (None elsewhere)."""
+        self.address = address
+        self.problem = problem
+        """Why there is no hub, when there is none."""
+
+    def join(self, group: IProcessGroup, *, control: bool) -> SideChannelClient:
+        """Connect this rank to the hub.
+
+        Raises:
+            CommError: There is no hub, or it cannot be reached.
+        """
+        prefix = group._prefix("diagnostics")
+        if self.address is None:
+            raise CommError(f"{prefix}no diagnosis side channel: {self.problem}")
+        host, port, token = self.address
+        return SideChannelClient(
+            host,
+            port,
+            token,
+            group.rank,
+            group.world_size,
+            control=control,
+            timeout=min(group.timeout, 60.0),
+            prefix=prefix,
+        )
+
+
+def _agree(group: IProcessGroup, detail: bool, stall_s: float) -> _Agreement:
+    """Broadcast rank 0's settings and, if they need one, the address of the hub it starts."""
+    env = group.env
+    hub = None
+    words = torch.zeros(_ADDRESS_WORDS, dtype=torch.int64)
+    if group.rank == 0:
+        token = secrets.token_bytes(16)
+        port, text = 0, "rank 0 runs without stall reports and without COMMLIB_DEBUG=DETAIL"
+        if detail or stall_s > 0:
+            host = hub_host(env.master_addr, env.local_world_size >= env.world_size)
+            try:
+                hub = SideChannelHub(group.world_size, host, token, name=f"{group.backend}-rank0")
+                port, text = hub.port, host
+            except OSError as e:
+                text = f"rank 0 could not listen on {host}: {e}"
+        _pack_address(words, detail, stall_s, port, token, text)
+    try:
+        shared = words.to(group.preferred_device())
+        group._broadcast(shared, 0, False).wait()
+        words = shared.cpu()
+        detail, stall_s, port, token, text = _unpack_address(words)
+    except ValueError as e:
+        # Only a backend whose broadcast moves nothing (a test double) gets here: go on with
+        # this rank's own settings and no side channel.
+        if hub is not None:
+            hub.close()
+        return _Agreement(
+            detail, stall_s, None, None, f"the set-up broadcast from rank 0 came back garbled ({e})"
+        )
+    except BaseException:
+        if hub is not None:
+            hub.close()
+        raise
+    address = (text, port, token) if port else None
+    return _Agreement(detail, stall_s, hub, address, "" if port else text)
+
+
+def _pack_address(
+    words: torch.Tensor, detail: bool, stall_s: float, port: int, token: bytes, text: str
+) -> None:
+    raw = text.encode()[: _ADDRESS_WORDS * 8 - _ADDRESS.size]
+    data = _ADDRESS.pack(_ADDRESS_MAGIC, detail, stall_s, port, token, len(raw)) + raw
+    data += bytes(_ADDRESS_WORDS * 8 - len(data))
+    words.copy_(torch.frombuffer(bytearray(data), dtype=torch.int64))
+
+
+def _unpack_address(words: torch.Tensor) -> tuple[bool, float, int, bytes, str]:
+    data = words.numpy().tobytes()
+    magic, detail, stall_s, port, token, length = _ADDRESS.unpack_from(data)
+    if magic != _ADDRESS_MAGIC:
+        raise ValueError(f"magic {magic!r}")
+    return detail, stall_s, port, token, data[_ADDRESS.size : _ADDRESS.size + length].decode(errors="replace")

@@ -1,0 +1,202 @@
+"""Fingerprints of collective calls: what each rank is about to do, packed small, and compared.
+
+A fingerprint names one call: its sequence number in the group, the collective,
+the tensor's dtype and shape, the reduce op and the root. ``COMMLIB_DEBUG=DETAIL``
+exchanges them before every collective (``commlib.diagnostics``); every rank
+compares the full set the same way, so ranks that disagree all raise the same
+``CollectiveMismatchError``, before any data moves.
+
+Wire format (``FINGERPRINT``, 96 bytes, network order): ``Q`` sequence number,
+``B`` collective, ``B`` dtype, ``B`` reduce op, ``B`` number of dimensions,
+``i`` root (-1: none), ``i`` rank, ``q`` number of elements, ``8q`` the first
+eight dimensions (unused ones -1), ``I`` reserved (0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable, Sequence
+
+import torch
+
+from commlib.errors import CollectiveMismatchError
+from commlib.types import ReduceOp, dtype_name
+
+__all__ = ["COLLECTIVES", "FINGERPRINT", "Fingerprint", "check_fingerprints", "describe_call"]
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+"""Collectives a fingerprint can name, by their index on the wire."""
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+_OPS = tuple(ReduceOp)
+_MAX_DIMS = 8
+_NONE = 255
+
+FINGERPRINT = struct.Struct(f"!QBBBBiiq{_MAX_DIMS}qI")
+"""Packed layout of one fingerprint."""
+
+
+def describe_call(
+    kind: str, dtype: torch.dtype | None, shape: Sequence[int], op: ReduceOp | None, root: int
+) -> str:
+    """Return ``all_reduce float32 (4, 5) SUM`` / ``broadcast int64 (3,) src=1``: one call, for messages."""
+    parts = [kind]
+    if dtype is not None:
+        parts.append(f"{dtype_name(dtype)} {_shape_text(shape)}")
+    if op is not None:
+        parts.append(op.name)
+    if root >= 0:
+        parts.append(f"src={root}")
+    return " ".join(parts)
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    dims = ", ".join("..." if d < 0 else str(d) for d in shape)
+    return f"({dims},)" if len(shape) == 1 else f"({dims})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """One rank's call, as the other ranks see it.
+
+    Attributes:
+        rank: The rank that makes the call.
+        seq: Its sequence number in the group (1 for the first collective).
+        kind: The collective (``all_reduce``...).
+        dtype: The tensor's dtype (None for ``barrier``).
+        shape: The tensor's shape (``all_gather``: the input; ``reduce_scatter``: the output).
+        numel: The tensor's number of elements.
+        op: The reduce op, for reductions.
+        root: The source rank of ``broadcast``; -1 otherwise.
+    """
+
+    rank: int
+    seq: int
+    kind: str
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    numel: int
+    op: ReduceOp | None = None
+    root: int = -1
+
+    @classmethod
+    def of(
+        cls,
+        rank: int,
+        seq: int,
+        kind: str,
+        tensor: torch.Tensor | None,
+        op: ReduceOp | None = None,
+        root: int = -1,
+    ) -> Fingerprint:
+        """Fingerprint a call on ``tensor`` (None for ``barrier``)."""
+        if tensor is None:
+            return cls(rank, seq, kind, None, (), 0, op, root)
+        return cls(rank, seq, kind, tensor.dtype, tuple(tensor.shape), tensor.numel(), op, root)
+
+    def pack(self) -> bytes:
+        """Return the 96-byte wire form."""
+        dims = list(self.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
+        return FINGERPRINT.pack(
+            self.seq,
+            COLLECTIVES.index(self.kind),
+            _DTYPES.index(self.dtype) if self.dtype is not None else _NONE,
+            _OPS.index(self.op) if self.op is not None else _NONE,
+            len(self.shape),
+            self.root,
+            self.rank,
+            self.numel,
+            *dims,
+            0,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Fingerprint:
+        """Read the wire form (unknown codes, from another commlib version, read as ``unknown``)."""
+        seq, kind, dtype, op, ndim, root, rank, numel, *rest = FINGERPRINT.unpack(data)
+        dims = rest[:_MAX_DIMS]
+        shape = tuple(dims[: min(ndim, _MAX_DIMS)]) + ((-1,) if ndim > _MAX_DIMS else ())
+        return cls(
+            rank=rank,
+            seq=seq,
+            kind=COLLECTIVES[kind] if kind < len(COLLECTIVES) else f"unknown({kind})",
+            dtype=_DTYPES[dtype] if dtype < len(_DTYPES) else None,
+            shape=shape,
+            numel=numel,
+            op=_OPS[op] if op < len(_OPS) else None,
+            root=root,
+        )
+
+    def call_text(self) -> str:
+        """``all_reduce #7 float32 (100,) SUM``."""
+        text = describe_call(self.kind, self.dtype, self.shape, self.op, self.root)
+        kind, _, rest = text.partition(" ")
+        return f"{kind} #{self.seq}" + (f" {rest}" if rest else "")
+
+    def tensor_text(self) -> str:
+        """``float32 (100,) [100 elements]``."""
+        dtype = dtype_name(self.dtype) if self.dtype is not None else "no tensor"
+        return f"{dtype} {_shape_text(self.shape)} [{self.numel} elements]"
+
+
+def _by_value(prints: Sequence[Fingerprint], key: Callable[[Fingerprint], str]) -> str:
+    """``rank 0: SUM; ranks 1, 2: MAX``: the ranks grouped by ``key``'s text."""
+    groups: dict[str, list[int]] = {}
+    for fp in prints:
+        groups.setdefault(key(fp), []).append(fp.rank)
+    parts = []
+    for value, ranks in groups.items():
+        label = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{label} {', '.join(map(str, ranks))}: {value}")
+    return "; ".join(parts)
+
+
+def mismatch_detail(prints: Sequence[Fingerprint]) -> str | None:
+    """Return what the ranks disagree on, in words, or None if their calls match.
+
+    Shapes may differ as long as the number of elements agrees (every backend
+    reduces flat buffers); they are named in the message when something else differs.
+    """
+    ordered = sorted(prints, key=lambda fp: fp.rank)
+    if len({(fp.kind, fp.seq) for fp in ordered}) > 1:
+        return (
+            "ranks called different collectives: "
+            + _by_value(ordered, lambda fp: f"{fp.kind} #{fp.seq}")
+            + ". Every rank must issue the same collectives in the same order"
+        )
+    if len({(fp.dtype, fp.numel) for fp in ordered}) > 1:
+        return (
+            "ranks passed tensors of different sizes or dtypes: "
+            + _by_value(ordered, Fingerprint.tensor_text)
+            + ". Every rank must pass a tensor of the same size and dtype"
+        )
+    if len({fp.op for fp in ordered}) > 1:
+        return (
+            "ranks disagree on the reduce op: "
+            + _by_value(ordered, lambda fp: fp.op.name if fp.op is not None else "none")
+            + ". Every rank must pass the same op"
+        )
+    if len({fp.root for fp in ordered}) > 1:
+        return (
+            "ranks disagree on the source rank: "
+            + _by_value(ordered, lambda fp: f"src={fp.root}")
+            + ". Every rank must name the same src"
+        )
+    return None
+
+
+def check_fingerprints(label: object, prints: Sequence[Fingerprint]) -> None:
+    """Raise ``CollectiveMismatchError`` if the ranks' calls disagree.
+
+    Every rank runs this on the same fingerprints, so every rank raises, with
+    the same description.
+
+    Args:
+        label: This rank's name for the call (``[rank 0/2] gloo.all_reduce #7 (...)``).
+        prints: One fingerprint per rank.
+    """
+    detail = mismatch_detail(prints)
+    if detail is not None:
+        calls = _by_value(sorted(prints, key=lambda fp: fp.rank), Fingerprint.call_text)
+        raise CollectiveMismatchError(f"{label}: {detail} (each rank's call: {calls})")

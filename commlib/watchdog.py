@@ -1,0 +1,337 @@
+"""Stall reports: a watchdog thread per group that notices a collective waiting too long and says why.
+
+The thread that issues collectives only records, in a few attribute stores, which
+collective it issued and which it finished (``CollectiveTracker``). The watchdog
+thread looks at that once per poll. When the oldest collective still in flight
+has waited ``stall_s`` seconds, it asks every rank, over the side channel, for
+its progress, and logs one WARNING on the ``"commlib"`` logger naming the
+collective, the ranks that have not reached it and their last completed
+collective. It repeats at most every ``stall_s`` while the collective waits; the
+collective itself goes on waiting until its timeout. The same thread answers
+the other ranks' progress questions.
+
+Records are tuples ``(seq, kind, dtype, shape, op, root)``: cheap to build, and
+turned into text only when a report needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import select
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from commlib.fingerprint import describe_call
+from commlib.sidechannel import T_PROGRESS, T_QUERY, T_REPORT, T_STATUS, FrameReader, send_frame
+from commlib.work import Work
+
+__all__ = ["CollectiveTracker", "Record", "Watchdog", "describe_record", "format_stall"]
+
+logger = logging.getLogger("commlib")
+
+Record = tuple[Any, ...]
+"""``(seq, kind, dtype, shape, op, root)`` of one collective."""
+
+_REPORT_WAIT_S = 5.0
+"""How long the watchdog waits for the hub's answer before it reports what it knows alone."""
+
+
+def describe_record(record: Record | None) -> str:
+    """``#7 all_reduce float32 (100,) SUM``, or ``none`` for no collective."""
+    if record is None:
+        return "none"
+    seq, kind, dtype, shape, op, root = record
+    return f"#{seq} {describe_call(kind, dtype, shape, op, root)}"
+
+
+class CollectiveTracker:
+    """What one rank has issued and finished on a group: written by the issuing thread, read by the watchdog.
+
+    Attributes:
+        issued: The last collective issued.
+        active: The collective the issuing thread is blocked in (a synchronous
+            call, or the issue of an asynchronous one), else None.
+        completed: The last collective known to have finished successfully.
+        pending: Asynchronous collectives issued and not yet seen finished, oldest first.
+    """
+
+    __slots__ = ("issued", "active", "completed", "pending")
+
+    def __init__(self) -> None:
+        self.issued: Record | None = None
+        self.active: Record | None = None
+        self.completed: Record | None = None
+        self.pending: deque[tuple[Record, Work]] = deque(maxlen=4096)
+
+    def prune(self, may_test: Callable[[Work], bool]) -> None:
+        """Forget finished asynchronous collectives (oldest first); note the last that succeeded.
+
+        ``may_test(work)`` says whether a work not yet settled may be tested
+        with ``is_completed()`` (which asks the backend) from this thread.
+        """
+        pending = self.pending
+        while pending:
+            record, work = pending[0]
+            done = work._done or (may_test(work) and work.is_completed())  # noqa: SLF001 - a plain read
+            if not done:
+                return
+            pending.popleft()
+            if work.exception() is None and (self.completed is None or record[0] > self.completed[0]):
+                self.completed = record
+
+    def oldest_in_flight(self) -> tuple[Record, Work | None] | None:
+        """Return the oldest collective still in flight, with its work if it is asynchronous."""
+        candidates: list[tuple[Record, Work | None]] = []
+        if self.pending:
+            with contextlib.suppress(IndexError):
+                candidates.append(self.pending[0])
+        active = self.active
+        if active is not None:
+            candidates.append((active, None))
+        if not candidates:
+            return None
+        return min(candidates, key=lambda item: item[0][0])
+
+    def progress(self) -> dict[str, Any]:
+        """This rank's progress, as JSON-ready values (for the other ranks' stall reports)."""
+        in_flight = self.oldest_in_flight()
+        return {
+            "issued": _record_json(self.issued),
+            "completed": _record_json(self.completed),
+            "waiting": _record_json(in_flight[0]) if in_flight else None,
+        }
+
+
+def _record_json(record: Record | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    return {"seq": record[0], "what": describe_record(record)}
+
+
+def _details(record: Record) -> str:
+    """``float32 (100,) SUM``: the record without its sequence number and collective."""
+    _, kind, dtype, shape, op, root = record
+    return describe_call(kind, dtype, shape, op, root).removeprefix(kind).strip()
+
+
+def format_stall(
+    label: str,
+    record: Record,
+    waited_s: float,
+    stall_s: float,
+    timeout_s: float,
+    peers: dict[str, Any] | None,
+    context: str | None,
+    no_peers_reason: str = "",
+) -> str:
+    """Compose the stall warning.
+
+    Args:
+        label: ``[rank 0/2] gloo``: this rank and backend.
+        record: The collective that waits.
+        waited_s: How long it has waited.
+        stall_s: ``COMMLIB_STALL_S``.
+        timeout_s: The group's timeout.
+        peers: Every rank's progress (``{"0": {...}, "1": {"absent": why}}``), or None.
+        context: What the caller attached to the collective (``Work.annotate``).
+        no_peers_reason: Why ``peers`` is None.
+    """
+    seq, kind = record[0], record[1]
+    details = _details(record)
+    head = (
+        f"{label}.{kind} #{seq}{f' ({details})' if details else ''} has waited {waited_s:.0f} s "
+        f"(COMMLIB_STALL_S={stall_s:g}); it goes on waiting until the timeout ({timeout_s:g} s, "
+        "COMMLIB_TIMEOUT)."
+    )
+    if context:
+        head += f" Context: {context}."
+    if peers is None:
+        return f"{head} The other ranks could not be asked: {no_peers_reason}"
+    behind, absent, reached = [], [], []
+    for rank_text in sorted(peers, key=int):
+        info = peers[rank_text]
+        if "absent" in info:
+            absent.append(f"rank {rank_text} ({info['absent']})")
+            continue
+        issued = info.get("issued") or {}
+        if issued.get("seq", 0) < seq:
+            completed = info.get("completed") or {}
+            behind.append(
+                f"rank {rank_text} (last completed: {completed.get('what', 'none')}; "
+                f"last issued: {issued.get('what', 'none')})"
+            )
+        else:
+            reached.append(rank_text)
+    parts = [head]
+    if behind:
+        parts.append("Ranks that have not reached it: " + "; ".join(behind) + ".")
+    if absent:
+        parts.append("Ranks that did not answer: " + "; ".join(absent) + ".")
+    if not behind and not absent:
+        parts.append(
+            f"Every rank has reached it (ranks {', '.join(reached)}): it is stuck inside the backend, or "
+            "the ranks passed different arguments (COMMLIB_DEBUG=DETAIL checks them)."
+        )
+    return " ".join(parts)
+
+
+def _never(work: Work) -> bool:
+    return False
+
+
+class Watchdog:
+    """The watchdog thread of one group on one rank.
+
+    Args:
+        tracker: What the issuing thread records.
+        control: The control connection to the side channel's hub, or None.
+        stall_s: Seconds before a stall is reported (> 0).
+        timeout_s: The group's timeout (named in the report).
+        label: ``[rank 0/2] gloo``.
+        may_test: Whether a work may be tested from the watchdog thread.
+        name: The thread's name.
+    """
+
+    def __init__(
+        self,
+        tracker: CollectiveTracker,
+        control: socket.socket | None,
+        *,
+        stall_s: float,
+        timeout_s: float,
+        label: str,
+        may_test: Callable[[Work], bool],
+        name: str,
+    ) -> None:
+        self._tracker = tracker
+        self._control = control
+        self._stall_s = stall_s
+        self._timeout_s = timeout_s
+        self._label = label
+        self._may_test = may_test
+        self._poll_s = min(1.0, stall_s / 4)
+        self._reader = FrameReader()
+        self._stop_r, self._stop_w = socket.socketpair()
+        self._watching: tuple[int, float] | None = None
+        self._last_warned = 0.0
+        self._asked: tuple[Record, Work | None, float, float] | None = None
+        self._channel_lost: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        with contextlib.suppress(OSError):
+            self._stop_w.send(b"x")
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        for sock in (self._stop_r, self._stop_w):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        try:
+            while True:
+                watched = [self._stop_r] + ([self._control] if self._control is not None else [])
+                readable, _, _ = select.select(watched, [], [], self._poll_s)
+                if self._stop_r in readable:
+                    return
+                if self._control is not None and self._control in readable:
+                    self._from_hub()
+                self._check(time.monotonic())
+        except Exception:  # noqa: BLE001 - a diagnosis aid must never take the job down
+            logger.exception("%s: the commlib watchdog stopped", self._label)
+
+    def _from_hub(self) -> None:
+        control = self._control
+        assert control is not None
+        try:
+            data = control.recv(65536)
+            frames = self._reader.feed(data) if data else None
+        except (OSError, ValueError) as e:
+            data, frames = b"", None
+            reason = f"{type(e).__name__}: {e}"
+        else:
+            reason = "rank 0, which hosts the diagnosis side channel, closed it (exited or closed the group)"
+        if frames is None:
+            self._channel_lost = reason
+            self._control = None
+            with contextlib.suppress(OSError):
+                control.close()
+            if self._asked is not None:
+                self._report(None)
+            return
+        for kind, payload in frames:
+            if kind == T_STATUS:
+                self._send(T_PROGRESS, json.dumps(self._tracker.progress()).encode())
+            elif kind == T_REPORT:
+                try:
+                    peers = json.loads(payload)
+                except ValueError:
+                    peers = None
+                self._report(peers)
+
+    def _send(self, kind: int, payload: bytes = b"") -> bool:
+        if self._control is None:
+            return False
+        try:
+            send_frame(self._control, kind, payload)
+        except OSError as e:
+            self._channel_lost = f"{type(e).__name__}: {e}"
+            self._control = None
+            return False
+        return True
+
+    def _check(self, now: float) -> None:
+        tracker = self._tracker
+        tracker.prune(_never)
+        in_flight = tracker.oldest_in_flight()
+        if in_flight is not None and in_flight[1] is not None and self._overdue(in_flight[0][0], now):
+            # An async collective may have finished without anyone asking: test it before reporting.
+            tracker.prune(self._may_test)
+            in_flight = tracker.oldest_in_flight()
+        if in_flight is None:
+            self._watching = None
+            return
+        record, work = in_flight
+        if self._watching is None or self._watching[0] != record[0]:
+            self._watching = (record[0], now)
+            self._last_warned = 0.0
+            return
+        if self._asked is not None:
+            if now - self._asked[3] > _REPORT_WAIT_S:
+                self._report(None, f"rank 0's side channel did not answer within {_REPORT_WAIT_S:g} s")
+            return
+        if not self._overdue(record[0], now) or (
+            self._last_warned and now - self._last_warned < self._stall_s
+        ):
+            return
+        self._last_warned = now
+        self._asked = (record, work, now - self._watching[1], now)
+        if not self._send(T_QUERY):
+            self._report(None)
+
+    def _overdue(self, seq: int, now: float) -> bool:
+        watching = self._watching
+        return watching is not None and watching[0] == seq and now - watching[1] >= self._stall_s
+
+    def _report(self, peers: dict[str, Any] | None, reason: str | None = None) -> None:
+        asked, self._asked = self._asked, None
+        if asked is None:
+            return
+        record, work, waited, _ = asked
+        if peers is None and reason is None:
+            reason = self._channel_lost or "this group has no side channel"
+        context = work.context if work is not None else None
+        logger.warning(
+            format_stall(
+                self._label, record, waited, self._stall_s, self._timeout_s, peers, context, reason or ""
+            )
+        )

@@ -1,0 +1,341 @@
+"""Test bodies for the diagnosis: desyncs, stalls, flight-recorder dumps, and semantics every backend shares.
+
+Module-level functions ``body(group, *args)``: they run on spawned ranks
+(``tests._launcher``) and, through ``tests/distributed/mpi_bodies.py
+tests.distributed.diagnosis_bodies:BODY``, under ``mpiexec``. Every body
+returns plain values (the test asserts); a rank never raises for an expected error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import commlib
+from commlib import CollectiveMismatchError, CommError, IProcessGroup, ReduceOp
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class CapturedWarnings(logging.Handler):
+    """Collects the WARNING messages of the ``commlib`` logger while installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> CapturedWarnings:
+        logging.getLogger("commlib").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("commlib").removeHandler(self)
+
+
+# ----------------------------------------------------------------- desyncs
+def _size(group: IProcessGroup, rank: int) -> None:
+    group.all_reduce(torch.ones(100 if rank == 0 else 200))
+
+
+def _size_1m(group: IProcessGroup, rank: int) -> None:
+    group.all_reduce(torch.ones((1 if rank == 0 else 2) << 20))
+
+
+def _dtype(group: IProcessGroup, rank: int) -> None:
+    group.all_reduce(torch.ones(64, dtype=torch.float32 if rank == 0 else torch.int32))
+
+
+def _op(group: IProcessGroup, rank: int) -> None:
+    group.all_reduce(torch.ones(64), ReduceOp.SUM if rank == 0 else ReduceOp.MAX)
+
+
+def _root(group: IProcessGroup, rank: int) -> None:
+    group.broadcast(torch.full((64,), float(rank)), src=0 if rank == 0 else 1)
+
+
+def _collective(group: IProcessGroup, rank: int) -> None:
+    t = torch.ones(64)
+    if rank == 0:
+        group.all_reduce(t)
+    else:
+        group.broadcast(t, src=0)
+
+
+DESYNCS: dict[str, Callable[[IProcessGroup, int], None]] = {
+    "size": _size,
+    "size_1m": _size_1m,
+    "dtype": _dtype,
+    "op": _op,
+    "root": _root,
+    "collective": _collective,
+}
+"""Rank 0 and the other ranks disagree on one thing each (size, dtype, op, root, collective)."""
+
+
+def desync(group: IProcessGroup, case: str) -> dict[str, Any]:
+    """Run one mismatched call; report the error, how long it took, and that the group still works."""
+    group.barrier()
+    seq = group._seq + 1
+    start = time.monotonic()
+    try:
+        DESYNCS[case](group, group.rank)
+    except CommError as e:
+        error: tuple[str, str] | None = (type(e).__name__, str(e))
+    else:
+        error = None
+    elapsed = time.monotonic() - start
+    after = torch.ones(8)
+    group.all_reduce(after)  # nothing moved on the data path: the group goes on
+    return {"seq": seq, "error": error, "elapsed_s": elapsed, "after": after[0].item()}
+
+
+def async_under_check(group: IProcessGroup, late_s: float = 1.0) -> dict[str, Any]:
+    """Under the fingerprint check, ``async_op=True`` returns at once; the check and its errors come later.
+
+    The last rank issues ``late_s`` late; the others' issue must not wait for it,
+    a short ``wait(timeout)`` expires, and the full wait completes. Then an
+    asynchronous mismatch fails its work (on every rank), and the group goes on.
+    """
+    group.barrier()
+    if group.rank == group.world_size - 1:
+        time.sleep(late_s)
+    start = time.monotonic()
+    t = torch.ones(16)
+    work = group.all_reduce(t, async_op=True)
+    assert work is not None
+    issue_s = time.monotonic() - start
+    expired = None
+    if group.rank == 0:
+        try:
+            work.wait(timeout=0.05)
+        except CommError as e:
+            expired = f"{type(e).__name__}: {e}"
+    work.wait()
+    later = group.all_reduce(torch.ones(4), async_op=True)  # queued behind the first, in order
+    assert later is not None
+    later.wait()
+    seq = group._seq + 1
+    mismatched = group.all_reduce(torch.ones(10 if group.rank == 0 else 20), async_op=True)
+    assert mismatched is not None
+    try:
+        mismatched.wait()
+        error = None
+    except CommError as e:
+        error = f"{type(e).__name__}: {e}"
+    after = torch.ones(2)
+    group.all_reduce(after)
+    return {
+        "issue_s": issue_s,
+        "expired": expired,
+        "sum": t[0].item(),
+        "mismatch_seq": seq,
+        "mismatch": error,
+        "after": after[0].item(),
+    }
+
+
+def settings_of_rank0(group: IProcessGroup) -> dict[str, Any]:
+    """Whatever this rank's environment says, rank 0's COMMLIB_DEBUG applies: a mismatch raises everywhere."""
+    checked = group._diagnostics is not None and group._diagnostics.exchange is not None  # type: ignore[union-attr]
+    return {"checked": checked, **desync(group, "op")}
+
+
+def desyncs(group: IProcessGroup) -> dict[str, Any]:
+    """Every desync case in turn (for one launcher run)."""
+    return {case: desync(group, case) for case in DESYNCS}
+
+
+# ------------------------------------------------------------------- stalls
+def stall(group: IProcessGroup, sleep_s: float = 3.0, capture: bool = True) -> dict[str, Any]:
+    """The last rank arrives ``sleep_s`` late at an all_reduce; the others wait, and warn.
+
+    With ``capture`` the ``commlib`` warnings are collected and returned;
+    without, they go wherever logging sends them (stderr when it is not configured).
+    """
+    first = torch.ones(10)
+    group.all_reduce(first)
+    seq = group._seq
+    with CapturedWarnings() as seen:
+        if not capture:
+            logging.getLogger("commlib").removeHandler(seen)
+        if group.rank == group.world_size - 1:
+            time.sleep(sleep_s)
+        start = time.monotonic()
+        t = torch.ones(1000)
+        group.all_reduce(t)
+        waited = time.monotonic() - start
+    return {"seq": seq + 1, "warnings": seen.messages, "sum": t[0].item(), "waited_s": waited}
+
+
+def stall_in_ddp(group: IProcessGroup, sleep_s: float = 3.0) -> dict[str, Any]:
+    """The last rank starts backward ``sleep_s`` late; the others' bucket all-reduces stall, and say which."""
+    from ddp import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+        group,
+        bucket_size_mb=25,
+    )
+    with CapturedWarnings() as seen:
+        if group.rank == group.world_size - 1:
+            time.sleep(sleep_s)
+        model(torch.ones(4, 8)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return {"warnings": seen.messages, "grad_sum": float(sum(g.sum() for g in grads))}
+
+
+# ----------------------------------------------------------- flight recorder
+def dump_after_mismatch(group: IProcessGroup) -> dict[str, Any]:
+    """A mismatched call (a ``CommError``) makes every rank write its dump."""
+    group.all_reduce(torch.ones(4))
+    group.broadcast(torch.ones(3, dtype=torch.int64), src=0)
+    seq = group._seq + 1
+    try:
+        _size(group, group.rank)
+    except CollectiveMismatchError as e:
+        error = str(e)
+    else:
+        error = None
+    return {"seq": seq, "error": error, "files": sorted(os.listdir(os.environ["COMMLIB_DUMP_DIR"]))}
+
+
+def dump_on_request(group: IProcessGroup, directory: str) -> dict[str, Any]:
+    """``commlib.dump_flight_recorder(path)`` writes this rank's file there."""
+    group.all_reduce(torch.ones(4))
+    path = commlib.dump_flight_recorder(directory)
+    return {"path": str(path), "seq": group._seq}
+
+
+def dump_on_sigusr1(
+    group: IProcessGroup, sleep_s: float = 3.0, signal_after_s: float = 1.0
+) -> dict[str, Any]:
+    """Rank 0 sends itself SIGUSR1 while it waits in a collective for a late rank; the dump comes at once."""
+    directory = Path(os.environ["COMMLIB_DUMP_DIR"])
+    group.all_reduce(torch.ones(4))
+    target = directory / f"commlib_flight_rank{group.rank}.json"
+    if target.exists():
+        target.unlink()
+    group.barrier()
+    seq = group._seq + 1
+    if group.rank == 0:
+        timer = threading.Timer(signal_after_s, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+    else:
+        time.sleep(sleep_s)
+    group.all_reduce(torch.ones(1000))
+    finished = time.time()
+    written = target.stat().st_mtime if target.exists() else None
+    return {"seq": seq, "written": written, "finished": finished, "path": str(target)}
+
+
+def dumps(group: IProcessGroup, chosen: str) -> dict[str, Any]:
+    """A dump after a mismatch, then one on request into ``chosen``."""
+    return {"mismatch": dump_after_mismatch(group), "request": dump_on_request(group, chosen)}
+
+
+def miss_then_dump(group: IProcessGroup) -> dict[str, Any]:
+    """The last rank skips a collective: the others time out (and dump); it dumps on request."""
+    group.all_reduce(torch.ones(4))
+    if group.rank == group.world_size - 1:
+        time.sleep(group.timeout + 2.0)
+        return {"path": str(commlib.dump_flight_recorder()), "seq": group._seq}
+    try:
+        group.all_reduce(torch.ones(4))
+    except CommError as e:
+        return {"error": f"{type(e).__name__}: {e}", "seq": group._seq}
+    return {"error": None, "seq": group._seq}
+
+
+# --------------------------------------------------------------- semantics
+def nan_inputs(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input for the NaN cases: NaN held by rank 0, by the last rank, by all, by none."""
+    nan, inf = float("nan"), float("inf")
+    columns = [
+        nan if rank == 0 else 1.0,  # rank 0 holds it
+        nan if rank == 1 else 2.0,  # rank 1 holds it
+        nan,  # everyone
+        -inf if rank == 0 else 3.0 + rank,  # no NaN: infinities and ordinary values
+        inf if rank == 1 else -1.5 * rank,
+        -0.0 if rank == 0 else 0.25 * rank,
+    ]
+    return torch.tensor(columns, dtype=dtype)
+
+
+def _as_text(t: torch.Tensor) -> list[str]:
+    return ["nan" if math.isnan(v) else repr(v) for v in t.double().tolist()]
+
+
+def semantics(group: IProcessGroup) -> dict[str, Any]:
+    """NaN under MAX/MIN (all_reduce and reduce_scatter) and autograd version bumps, as plain values."""
+    world, rank = group.world_size, group.rank
+    out: dict[str, Any] = {"nan": {}, "version": {}}
+    for dtype in FLOATS:
+        for op in (ReduceOp.MAX, ReduceOp.MIN):
+            t = nan_inputs(rank, dtype)
+            group.all_reduce(t, op)
+            out["nan"][f"all_reduce {dtype} {op.name}"] = _as_text(t)
+            work = group.all_reduce(nan_inputs(rank, dtype), op, async_op=True)
+            assert work is not None
+            out["nan"][f"all_reduce async {dtype} {op.name}"] = _as_text(work.get_future().wait()[0])
+            source = nan_inputs(rank, dtype).repeat(world)  # every block: this rank's pattern
+            block = torch.empty(6, dtype=dtype)
+            group.reduce_scatter(block, source, op)
+            out["nan"][f"reduce_scatter {dtype} {op.name}"] = _as_text(block)
+    # An in-place all_reduce on a tensor autograd saved: backward must refuse, not use the sum.
+    x = torch.tensor([1.0], requires_grad=True)
+    y = x.exp()
+    group.all_reduce(y)
+    try:
+        y.sum().backward()
+        out["version"]["all_reduce"] = f"no error; grad {x.grad.item():.2f}"
+    except RuntimeError as e:
+        out["version"]["all_reduce"] = (
+            "RuntimeError" if "modified by an inplace operation" in str(e) else str(e)
+        )
+    for name, call in (
+        ("broadcast", lambda t: group.broadcast(t, 0)),
+        (
+            "all_gather",
+            lambda t: group.all_gather([t] + [torch.empty(2) for _ in range(world - 1)], torch.ones(2)),
+        ),
+        ("reduce_scatter", lambda t: group.reduce_scatter(t, torch.ones(2 * world))),
+        ("all_reduce async", lambda t: group.all_reduce(t, async_op=True).wait()),  # type: ignore[union-attr]
+    ):
+        t = torch.ones(2)
+        before = t._version
+        call(t)
+        out["version"][name] = t._version > before
+    return out
+
+
+def semantics_equivalence(group: IProcessGroup) -> dict[str, Any]:
+    """Under mpiexec: ``semantics`` on the mpi group, a gloo group and a ring group beside it."""
+    import dataclasses
+
+    from commlib import CommConfig, create_process_group
+
+    results = {group.backend: semantics(group)}
+    env = group.env
+    for offset, name in enumerate(("gloo", "ring"), start=1):
+        port = env.master_port + offset if env.master_port + offset <= 65535 else env.master_port - offset
+        other = create_process_group(
+            name, dataclasses.replace(env, master_port=port), CommConfig(timeout=group.timeout, stall_s=0)
+        )
+        try:
+            results[name] = semantics(other)
+        finally:
+            other.close()
+    return results

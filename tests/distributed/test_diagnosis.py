@@ -1,0 +1,306 @@
+"""Hangs and desyncs explained on ring, gloo and mpi; MAX/MIN and autograd semantics that agree across them.
+
+Each scenario that used to corrupt silently or abort (mismatched sizes,
+dtypes, ops, roots and collectives; the Gloo abort on 100 against 200 elements;
+an in-place all_reduce on a tensor saved for backward; NaN under MAX/MIN) is a
+case here, plus a 3 s stall with ``COMMLIB_STALL_S=1``, flight-recorder dumps
+and the divergence report. Spawned ranks cover ring and gloo; the mpi cases run
+under ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from commlib import ReduceOp
+from commlib.flight import main as flight_main
+from tests._launcher import RankPool, run_ranks_outcomes
+from tests.conftest import requires_mpi
+from tests.distributed import diagnosis_bodies as bodies
+from tests.distributed.mpi_bodies import launch
+
+pytestmark = pytest.mark.multiprocess
+
+BACKENDS = ("ring", "gloo")
+MODULE = "tests.distributed.diagnosis_bodies"
+
+EXPECTED = {
+    "size": "ranks passed tensors of different sizes or dtypes: rank 0: float32 (100,) [100 elements]; "
+    "rank 1: float32 (200,) [200 elements]",
+    "size_1m": "rank 0: float32 (1048576,) [1048576 elements]; rank 1: float32 (2097152,) [2097152 elements]",
+    "dtype": "rank 0: float32 (64,) [64 elements]; rank 1: int32 (64,) [64 elements]",
+    "op": "ranks disagree on the reduce op: rank 0: SUM; rank 1: MAX",
+    "root": "ranks disagree on the source rank: rank 0: src=0; rank 1: src=1",
+    "collective": "ranks called different collectives: rank 0: all_reduce #{seq}; rank 1: broadcast #{seq}",
+}
+"""What each desync case's error must say (on every rank)."""
+
+FIRST_OP = {"root": ("broadcast", "broadcast"), "collective": ("all_reduce", "broadcast")}
+
+
+@pytest.fixture(scope="module")
+def dump_dirs() -> Iterator[dict[str, Path]]:
+    with tempfile.TemporaryDirectory(prefix="commlib-diag-") as root:
+        dirs = {}
+        for name in ("detail", "plain"):
+            for backend in (*BACKENDS, "mpi"):
+                path = Path(root) / f"{name}-{backend}"
+                path.mkdir()
+                dirs[f"{name}-{backend}"] = path
+        yield dirs
+
+
+@pytest.fixture(scope="module")
+def pools(dump_dirs: dict[str, Path]) -> Iterator[dict[str, RankPool]]:
+    """Per backend: ``detail`` (fingerprint check, stall reports after 1 s, flight recorder) and ``plain``."""
+    made: dict[str, RankPool] = {}
+    for backend in BACKENDS:
+        for name, extra in (("detail", {"COMMLIB_DEBUG": "DETAIL"}), ("plain", {"COMMLIB_DEBUG": "OFF"})):
+            env = {
+                "COMMLIB_TIMEOUT": "60",
+                "COMMLIB_STALL_S": "1",
+                "COMMLIB_FLIGHT_RECORDER": "64",
+                "COMMLIB_DUMP_DIR": str(dump_dirs[f"{name}-{backend}"]),
+                **extra,
+            }
+            made[f"{name}-{backend}"] = RankPool(2, backend, env=env)
+    yield made
+    for pool in made.values():
+        pool.close()
+
+
+def _check_desync(case: str, backend: str, outcome: list[dict[str, Any]]) -> None:
+    for rank, value in enumerate(outcome):
+        assert value["error"] is not None, f"rank {rank}: {case} raised nothing"
+        kind, message = value["error"]
+        seq = value["seq"]
+        assert kind == "CollectiveMismatchError", message
+        op = FIRST_OP.get(case, ("all_reduce", "all_reduce"))[rank]
+        assert message.startswith(f"[rank {rank}/2] {backend}.{op} #{seq} ("), message
+        assert EXPECTED[case].format(seq=seq) in message, message
+        assert "each rank's call: rank 0: " in message
+        assert value["elapsed_s"] < 10, "a mismatch must raise within seconds"
+        assert value["after"] == 2.0, "the group must stay usable after a mismatch"
+
+
+# ----------------------------------------------------------------- desyncs
+@pytest.mark.parametrize("case", list(bodies.DESYNCS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_desync_raises_on_every_rank(pools: dict[str, RankPool], backend: str, case: str) -> None:
+    outcome = pools[f"detail-{backend}"].run(bodies.desync, case, timeout=90)
+    _check_desync(case, backend, outcome)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_collectives_do_not_wait_for_the_check(pools: dict[str, RankPool], backend: str) -> None:
+    rank0, rank1 = pools[f"detail-{backend}"].run(bodies.async_under_check, timeout=90)
+    assert rank0["issue_s"] < 0.5, "async_op=True waited for the late rank"
+    assert rank0["expired"] is not None and "Work.wait(timeout=0.05) expired" in rank0["expired"]
+    assert rank0["sum"] == rank1["sum"] == 2.0
+    for rank, value in enumerate((rank0, rank1)):
+        assert value["mismatch"].startswith(
+            f"CollectiveMismatchError: [rank {rank}/2] {backend}.all_reduce #{value['mismatch_seq']} "
+        ), value["mismatch"]
+        assert "rank 0: float32 (10,) [10 elements]; rank 1: float32 (20,) [20 elements]" in value["mismatch"]
+        assert value["after"] == 2.0
+
+
+def test_rank0s_settings_apply_to_the_group() -> None:
+    """Rank 1 asks for no check and no stall reports; rank 0 for both: the group checks, on both ranks."""
+    per_rank_env = [{"COMMLIB_DEBUG": "DETAIL"}, {"COMMLIB_DEBUG": "OFF", "COMMLIB_STALL_S": "0"}]
+    outcomes = run_ranks_outcomes(
+        bodies.settings_of_rank0, 2, backend="gloo", per_rank_env=per_rank_env, timeout=90
+    )
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    for outcome in outcomes:
+        assert outcome.value["checked"] is True
+        assert outcome.value["error"][0] == "CollectiveMismatchError"
+        assert outcome.value["after"] == 2.0
+
+
+# ------------------------------------------------------------------ stalls
+def _check_stall(value: dict[str, Any], backend: str) -> None:
+    warnings, seq = value["warnings"], value["seq"]
+    assert 1 <= len(warnings) <= 4, warnings  # at most one per COMMLIB_STALL_S while it waits 3 s
+    text = warnings[0]
+    assert text.startswith(f"[rank 0/2] {backend}.all_reduce #{seq} (float32 (1000,) SUM) has waited "), text
+    assert "(COMMLIB_STALL_S=1); it goes on waiting until the timeout (60 s" in text
+    assert (
+        f"Ranks that have not reached it: rank 1 (last completed: #{seq - 1} all_reduce float32 (10,) SUM; "
+        in text
+    ), text
+
+
+@pytest.mark.parametrize("mode", ["plain", "detail"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stall_is_reported_then_the_collective_completes(
+    pools: dict[str, RankPool], backend: str, mode: str
+) -> None:
+    rank0, rank1 = pools[f"{mode}-{backend}"].run(bodies.stall, timeout=90)
+    _check_stall(rank0, backend)
+    assert rank1["warnings"] == [], "the late rank did not wait"
+    assert rank0["sum"] == rank1["sum"] == 2.0
+    assert rank0["waited_s"] > 2.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stall_in_ddp_names_the_bucket(pools: dict[str, RankPool], backend: str) -> None:
+    rank0, rank1 = pools[f"plain-{backend}"].run(bodies.stall_in_ddp, timeout=90)
+    assert rank0["grad_sum"] == rank1["grad_sum"]
+    assert rank0["warnings"], "no stall warning"
+    text = rank0["warnings"][0]
+    assert "Context: DDP bucket 0, 4 parameters, first: " in text, text
+    assert "2.bias" in text or "0.weight" in text, text
+    assert "Ranks that have not reached it: rank 1" in text, text
+
+
+# ----------------------------------------------------------- flight recorder
+def _divergence(directory: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert flight_main([str(directory)]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dump_after_a_mismatch_and_the_divergence_report(
+    tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chosen = tmp_path / "chosen"
+    env = {"COMMLIB_DEBUG": "DETAIL", "COMMLIB_FLIGHT_RECORDER": "16", "COMMLIB_DUMP_DIR": str(tmp_path)}
+    outcomes = run_ranks_outcomes(bodies.dumps, 2, backend=backend, args=(str(chosen),), env=env, timeout=90)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    values = [o.value for o in outcomes]
+    seq = values[0]["mismatch"]["seq"]
+    for rank, value in enumerate(values):
+        assert value["mismatch"]["error"] is not None
+        assert f"commlib_flight_rank{rank}.json" in value["mismatch"]["files"]
+    document = json.loads((tmp_path / "commlib_flight_rank1.json").read_text())
+    assert document["reason"].startswith("CollectiveMismatchError: [rank 1/2]")
+    (group,) = document["groups"]
+    last = group["entries"][-1]
+    assert (last["seq"], last["op"], last["shape"], last["status"]) == (seq, "all_reduce", [200], "failed")
+    report = _divergence(tmp_path, capsys)
+    assert f"first divergence at #{seq} (the ranks' calls differ):" in report, report
+    assert f"rank 0: all_reduce #{seq} float32 (100,) SUM [failed: CollectiveMismatchError" in report
+    assert f"rank 1: all_reduce #{seq} float32 (200,) SUM [failed: CollectiveMismatchError" in report
+    # On request, into a directory of the caller's choosing: the same history, as far as it went.
+    names = [Path(v["request"]["path"]).name for v in values]
+    assert names == ["commlib_flight_rank0.json", "commlib_flight_rank1.json"]
+    assert f"first divergence at #{seq}" in _divergence(chosen, capsys)
+
+
+def test_sigusr1_dumps_while_blocked_inside_gloo(
+    pools: dict[str, RankPool], dump_dirs: dict[str, Path]
+) -> None:
+    rank0, _ = pools["plain-gloo"].run(bodies.dump_on_sigusr1, timeout=90)
+    assert rank0["written"] is not None, "no dump on SIGUSR1"
+    # Written ~1 s in, while the all_reduce still waited for rank 1 (3 s): not when it returned.
+    assert rank0["written"] < rank0["finished"] - 1.0, rank0
+    document = json.loads(Path(rank0["path"]).read_text())
+    assert document["reason"] == "SIGUSR1"
+    entry = document["groups"][0]["entries"][-1]
+    assert (entry["seq"], entry["status"]) == (rank0["seq"], "in flight")
+
+
+def test_a_missing_rank_shows_in_the_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"COMMLIB_TIMEOUT": "3", "COMMLIB_FLIGHT_RECORDER": "8", "COMMLIB_DUMP_DIR": str(tmp_path)}
+    outcomes = run_ranks_outcomes(bodies.miss_then_dump, 2, backend="gloo", env=env, timeout=90)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    rank0, rank1 = (o.value for o in outcomes)
+    assert rank0["error"].startswith(f"CommTimeoutError: [rank 0/2] gloo.all_reduce #{rank0['seq']}")
+    report = _divergence(tmp_path, capsys)
+    assert f"first divergence at #{rank0['seq']} (some rank never reached it):" in report, report
+    assert f"rank 0: all_reduce #{rank0['seq']} float32 (4,) SUM [failed: CommTimeoutError" in report
+    assert f"rank 1: missing (its last recorded collective is all_reduce #{rank1['seq']}" in report
+
+
+# --------------------------------------------------------------- semantics
+def _reference_nan(world: int) -> dict[str, list[str]]:
+    out = {}
+    for dtype in bodies.FLOATS:
+        for op, combine in ((ReduceOp.MAX, torch.maximum), (ReduceOp.MIN, torch.minimum)):
+            result = bodies.nan_inputs(0, dtype)
+            for r in range(1, world):
+                result = combine(result, bodies.nan_inputs(r, dtype))
+            text = ["nan" if math.isnan(v) else repr(v) for v in result.double().tolist()]
+            for kind in ("all_reduce", "all_reduce async", "reduce_scatter"):
+                out[f"{kind} {dtype} {op.name}"] = text
+    return out
+
+
+def _check_semantics(values: dict[str, Any], world: int) -> None:
+    reference = _reference_nan(world)
+    assert values["nan"] == reference
+    assert values["version"] == {
+        "all_reduce": "RuntimeError",
+        "broadcast": True,
+        "all_gather": True,
+        "reduce_scatter": True,
+        "all_reduce async": True,
+    }
+
+
+def test_nan_and_autograd_semantics_agree_on_ring_and_gloo(pools: dict[str, RankPool]) -> None:
+    results = {backend: pools[f"plain-{backend}"].run(bodies.semantics, timeout=120) for backend in BACKENDS}
+    for per_rank in results.values():
+        for value in per_rank:
+            _check_semantics(value, 2)
+    assert results["ring"] == results["gloo"]
+
+
+# --------------------------------------------------------------------- mpi
+MPI_ENV = {"COMMLIB_TIMEOUT": "30", "COMMLIB_STALL_S": "1", "COMMLIB_FLIGHT_RECORDER": "64"}
+
+
+@pytest.mark.mpi
+@pytest.mark.launcher
+@requires_mpi
+def test_mpi_desyncs_dumps_and_semantics(
+    dump_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under mpiexec, with the mpi backend's default COMMLIB_DEBUG: every desync raises; dumps; semantics."""
+    directory = dump_dirs["detail-mpi"]
+    # The dump test first: the report names the first divergence, and the desyncs come after it.
+    names = [f"{MODULE}:{b}" for b in ("dump_after_mismatch", "desyncs", "semantics_equivalence")]
+    result = launch(names, 2, env={**MPI_ENV, "COMMLIB_DUMP_DIR": str(directory)}, timeout=240)
+    assert result.returncode == 0, result.describe()
+    per_rank = [result.results[r] for r in range(2)]
+    for case in bodies.DESYNCS:
+        _check_desync(case, "mpi", [v[f"{MODULE}:desyncs"][case] for v in per_rank])
+    seq = per_rank[0][f"{MODULE}:dump_after_mismatch"]["seq"]
+    report = _divergence(directory, capsys)
+    assert f"first divergence at #{seq} (the ranks' calls differ):" in report, report
+    for values in per_rank:
+        equivalence = values[f"{MODULE}:semantics_equivalence"]
+        assert sorted(equivalence) == ["gloo", "mpi", "ring"]
+        for value in equivalence.values():
+            _check_semantics(value, 2)
+        assert equivalence["mpi"] == equivalence["gloo"] == equivalence["ring"]
+
+
+@pytest.mark.mpi
+@pytest.mark.launcher
+@requires_mpi
+@pytest.mark.parametrize("debug", ["DETAIL", "OFF"])
+def test_mpi_stall_warns_on_stderr_without_logging_set_up(debug: str) -> None:
+    """The rank waits in the fingerprint exchange (DETAIL, the default) or in MPI itself (OFF)."""
+    result = launch(f"{MODULE}:stall", 2, [3.0, False], env={**MPI_ENV, "COMMLIB_DEBUG": debug}, timeout=120)
+    assert result.returncode == 0, result.describe()
+    rank0 = result.results[0][f"{MODULE}:stall"]
+    assert rank0["sum"] == 2.0 and rank0["waited_s"] > 2.0
+    seq = rank0["seq"]
+    assert f"[rank 0/2] mpi.all_reduce #{seq} (float32 (1000,) SUM) has waited " in result.stderr, (
+        result.describe()
+    )
+    assert (
+        f"Ranks that have not reached it: rank 1 (last completed: #{seq - 1} all_reduce float32 (10,) SUM"
+        in result.stderr
+    ), result.describe()
