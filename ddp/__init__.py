@@ -11,9 +11,11 @@ from ddp.distributed import DistributedDataParallel
 from ddp.errors import (
     AbandonedBackwardError,
     CommHookError,
+    EarlyTerminationError,
     MissingGradientsError,
     ModelMismatchError,
     NonFiniteGradientError,
+    RepeatedGradientError,
 )
 from ddp.hooks import (
     PowerSGDState,
@@ -22,6 +24,7 @@ from ddp.hooks import (
     fp16_compress_hook,
     powerSGD_hook,
 )
+from ddp.join import Join, JoinHook
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import BucketTiming, StepStats
 from ddp.timeline import TimelineWriter
@@ -35,14 +38,18 @@ __all__ = [
     "CommHookError",
     "DDPConfig",
     "DistributedDataParallel",
+    "EarlyTerminationError",
     "GradientBucket",
     "GradientBucketManager",
     "GradientScaling",
+    "Join",
+    "JoinHook",
     "MissingGradientsError",
     "ModelMismatchError",
     "NonFiniteGradientError",
     "ParameterPartition",
     "PowerSGDState",
+    "RepeatedGradientError",
     "StepStats",
     "TimelineWriter",
     "ZeroRedundancyOptimizer",

@@ -168,10 +168,9 @@ class GradientBucketManager:
         self.grad_reduce_dtype = grad_reduce_dtype
         self.bucket_bytes = int(bucket_size_mb * MB)
         self.first_bucket_bytes = None if first_bucket_size_mb is None else int(first_bucket_size_mb * MB)
-        collective_op = ReduceOp.SUM if reduce_op in (ReduceOp.AVG, ReduceOp.SUM) else reduce_op
         self._sync = BucketSync(
             group,
-            op=collective_op,
+            op=config.collective_op,
             scaling=config.scaling(group.world_size),
             check=NonFiniteCheck(group) if check_for_nan_in_grad else None,
         )
@@ -438,6 +437,23 @@ class GradientBucketManager:
                 observer.ready(b)
             if b == self._next_launch:
                 self._launch_in_order()
+
+    def is_ready(self, index: int) -> bool:
+        """True if parameter ``index``'s gradient is final in this iteration (taken into its bucket)."""
+        return bool(self._ready[index])
+
+    def launch_zeros(self) -> None:
+        """Start an iteration in which this rank contributes zeros: zero every bucket, launch all in order.
+
+        A rank that has run out of inputs (``ddp.Join``) takes part in the others'
+        collectives this way; ``finish_grad_sync`` then waits for them as usual.
+        """
+        self.reset()
+        for bucket in self._buckets:
+            bucket.grad_data.zero_()
+        self._ready[:] = b"\x01" * len(self._ready)
+        self._pending[:] = [0] * len(self._buckets)
+        self._launch_in_order()
 
     def missing(self) -> list[tuple[int, int]]:
         """``(parameter index, bucket index)`` of every gradient not yet ready."""

@@ -126,8 +126,19 @@ class DDPConfig:
     default) it costs nothing."""
 
     broadcast_buffers: bool = True
-    """Broadcast the module's buffers (running statistics...) from rank 0 at construction,
-    beside the parameters. Default True."""
+    """Keep the module's buffers (BatchNorm running statistics...) those of rank 0: broadcast
+    at construction beside the parameters, and at the start of every forward that follows a
+    forward which synchronised gradients (grad enabled, outside ``no_sync``), as torch does: in
+    a training loop every forward, and the first evaluation forward after training. One
+    collective per dtype. Default True."""
+
+    static_graph: bool = False
+    """Promise that every backward uses the same parameters, each the same number of times.
+    The first synchronised backward then learns how many gradients each parameter gets
+    (its buckets are launched at its end) and later ones launch a bucket as soon as its
+    parameters got that many: reentrant activation checkpointing and parameters shared
+    across checkpointed segments work, parameters never used need no
+    ``find_unused_parameters``, and the forward skips the used-parameter search. Default False."""
 
     rebuild_buckets: bool = True
     """After the first synchronised backward, lay the buckets out again in the order
@@ -157,6 +168,7 @@ class DDPConfig:
             "rebuild_buckets",
             "check_models",
             "check_for_nan_in_grad",
+            "static_graph",
         ):
             value = getattr(self, field)
             if not isinstance(value, bool):
@@ -226,8 +238,14 @@ class DDPConfig:
             f"find_unused_parameters={self.find_unused_parameters} reduce_op={self.reduce_op.name} "
             f"gradient_scaling_factor={self.gradient_scaling_factor} grad_reduce_dtype={reduce_dtype} "
             f"check_for_nan_in_grad={self.check_for_nan_in_grad} "
-            f"broadcast_buffers={self.broadcast_buffers} rebuild_buckets={self.rebuild_buckets}"
+            f"broadcast_buffers={self.broadcast_buffers} rebuild_buckets={self.rebuild_buckets} "
+            f"static_graph={self.static_graph}"
         )
+
+    @property
+    def collective_op(self) -> ReduceOp:
+        """The op the buckets' collectives use: ``AVG`` is a scaled ``SUM`` (see ``scaling``)."""
+        return ReduceOp.SUM if self.reduce_op is ReduceOp.AVG else self.reduce_op
 
     @property
     def auto_bucket_size(self) -> bool:

@@ -23,9 +23,17 @@ from ddp.bucket_sync import CommHook, check_comm_hook
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig, reduce_dtype_for
 from ddp.cost_model import CommCostModel
 from ddp.devices import comm_device, control_buffer, control_tensor, to_host
-from ddp.errors import AbandonedBackwardError, CommHookError, MissingGradientsError, NonFiniteGradientError
-from ddp.graph import used_parameters
+from ddp.errors import (
+    AbandonedBackwardError,
+    CommHookError,
+    MissingGradientsError,
+    NonFiniteGradientError,
+    RepeatedGradientError,
+)
+from ddp.graph import on_backward_start, used_parameters
+from ddp.join import Join, JoinHook, _DDPJoinHook, _JoinState, early_termination, join_round
 from ddp.replicas import broadcast_module_states, verify_same_model
+from ddp.static_graph import StaticGraph
 from ddp.stats import StepStats
 from ddp.timeline import TimelineWriter, timeline_path_from_env
 
@@ -115,7 +123,12 @@ class DistributedDataParallel(nn.Module):
         check_for_nan_in_grad: Check every bucket for NaN and Inf before it is
             communicated; every rank then raises ``NonFiniteGradientError`` in the
             same backward if any rank found one (see ``DDPConfig``).
-        broadcast_buffers: Broadcast buffers from rank 0 at construction too.
+        broadcast_buffers: Keep buffers (BatchNorm statistics) rank 0's: broadcast at
+            construction and at the start of each forward that follows a forward which
+            synchronised gradients, as torch does (see ``DDPConfig``).
+        static_graph: Promise the same graph in every backward: reentrant activation
+            checkpointing and parameters used by several checkpointed segments work
+            (see ``DDPConfig``).
         rebuild_buckets: Re-lay buckets after the first step in arrival order.
         check_models: Check that every rank has the same model at construction.
         timeout_s: Seconds the end-of-backward wait may take (default: the group's).
@@ -155,6 +168,7 @@ class DistributedDataParallel(nn.Module):
         grad_reduce_dtype: torch.dtype | None = None,
         check_for_nan_in_grad: bool = False,
         broadcast_buffers: bool = True,
+        static_graph: bool = False,
         rebuild_buckets: bool = True,
         check_models: bool = True,
         timeout_s: float | None = None,
@@ -173,6 +187,7 @@ class DistributedDataParallel(nn.Module):
             grad_reduce_dtype=grad_reduce_dtype,
             check_for_nan_in_grad=check_for_nan_in_grad,
             broadcast_buffers=broadcast_buffers,
+            static_graph=static_graph,
             rebuild_buckets=rebuild_buckets,
             check_models=check_models,
             timeout_s=timeout_s,
@@ -196,7 +211,7 @@ class DistributedDataParallel(nn.Module):
             )
         if self.config.auto_bucket_size:
             self._auto = AutoBucketSizer(
-                group, [p for _, p in trainable], reduce_op=self._collective_op(), cost_model=cost_model
+                group, [p for _, p in trainable], reduce_op=self.config.collective_op, cost_model=cost_model
             )
         bucket_mb = self._auto.cap_mb if self._auto is not None else self.config.bucket_size_mb
         self._manager = GradientBucketManager(
@@ -218,6 +233,10 @@ class DistributedDataParallel(nn.Module):
         self._used_since_backward: set[int] | None = None
         self._unused: list[str] = []
         self._used_flags = control_buffer(group, len(trainable), torch.int32)
+        self._static = StaticGraph(len(trainable)) if self.config.static_graph else None
+        self._join: _JoinState | None = None  # set while inside a ``Join``
+        self._require_forward_param_sync = True  # the previous forward synchronised gradients
+        self._outer_end_queued = False  # the end-of-backward step is queued on the outer graph task
         self._hook_s = 0.0
         self._bytes_at_begin = 0
         self._backwards = 0
@@ -272,13 +291,8 @@ class DistributedDataParallel(nn.Module):
         g = self.process_group
         return error_prefix(g.rank, g.world_size, "ddp", op)
 
-    def _collective_op(self) -> ReduceOp:
-        """The op the buckets' collectives use: the average is a scaled sum."""
-        op = self.config.reduce_op
-        return ReduceOp.SUM if op is ReduceOp.AVG else op
-
     def _check_reducible(self, group: IProcessGroup, params: list[torch.Tensor]) -> None:
-        op = self._collective_op()
+        op = self.config.collective_op
         for dtype, device in sorted({(p.dtype, p.device) for p in params}, key=str):
             reduce_dtype = reduce_dtype_for(dtype, self.config.grad_reduce_dtype)
             try:
@@ -299,14 +313,50 @@ class DistributedDataParallel(nn.Module):
         """Run the wrapped module (and, with ``find_unused_parameters``, note which parameters it used)."""
         if self._in_backward:
             self._abandon_backward()
+        sync_grads = torch.is_grad_enabled() and not self._no_sync
+        sync_buffers = self._will_sync_buffers()
+        src = 0
+        if self._join is not None:
+            r = join_round(
+                self, training=True, sync_grads=sync_grads, sync_buffers=sync_buffers, terminate=False
+            )
+            if r.terminate:
+                raise early_termination(self)
+            self._join.last, src = r, r.src
+        if sync_buffers:
+            self._sync_buffers(src)
+        self._require_forward_param_sync = sync_grads
+        self._outer_end_queued = False  # left set only by a backward that raised
         outputs = self.module(*args, **kwargs)
-        if self.config.find_unused_parameters and torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return outputs
+        if self._hooks:  # a model without trainable parameters has no backward to synchronise
+            on_backward_start(outputs, self, "_on_backward_start")
+        # With a static graph the used-parameter search is skipped: the learnt counts say which.
+        if self.config.find_unused_parameters and self._static is None:
             used = used_parameters(outputs, self._manager.param_indices)
             if self._used_since_backward is None:
                 self._used_since_backward = used
             else:
                 self._used_since_backward |= used
         return outputs
+
+    def _will_sync_buffers(self) -> bool:
+        """True if this forward starts with the buffer broadcast (torch's rule, see ``DDPConfig``)."""
+        return (
+            self.config.broadcast_buffers
+            and self._require_forward_param_sync
+            and self.process_group.world_size > 1
+            and any(b.numel() for b in self.module.buffers())
+        )
+
+    def _sync_buffers(self, src: int) -> None:
+        """Copy rank ``src``'s buffers into every rank's: one broadcast per dtype."""
+        buffers = tuple(self.module.buffers())  # asked anew: a module may reassign its buffers
+        # Keep autograd's version counters: a graph that saved a buffer (an evaluation
+        # forward's BatchNorm) may still run its backward after this overwrite.
+        with torch.autograd._unsafe_preserve_version_counter(buffers):  # noqa: SLF001 - torch's DDP does the same
+            broadcast_module_states(self.process_group, buffers, src=src)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -328,6 +378,86 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._no_sync = previous
+
+    # ------------------------------------------------------------------ join
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """``ddp.Join([self], ...)``: train with uneven inputs across ranks (torch's ``DDP.join``).
+
+        Args:
+            divide_by_initial_world_size: Divide every iteration's gradient sum by
+                the full world size (default, torch's), else by the ranks still training.
+            enable: False: do nothing.
+            throw_on_early_termination: Raise on every rank once one runs out of inputs.
+        """
+        return Join(
+            [self],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook ``ddp.Join`` runs on a rank that has joined (torch's ``Joinable.join_hook``).
+
+        Args:
+            **kwargs: ``divide_by_initial_world_size`` (default True).
+
+        Raises:
+            ValueError: ``divide_by_initial_world_size=False`` with a communication
+                hook or with ``reduce_op`` other than ``AVG`` (nothing to re-weight).
+        """
+        divide = bool(kwargs.get("divide_by_initial_world_size", True))
+        if not divide and (self._manager.comm_hook is not None or self.config.reduce_op is not ReduceOp.AVG):
+            raise ValueError(
+                f"{self._prefix('join')}divide_by_initial_world_size=False re-weights the average, so it "
+                f"needs reduce_op=AVG and no communication hook (reduce_op={self.config.reduce_op.name}, "
+                f"hook={'yes' if self._manager.comm_hook is not None else 'none'})"
+            )
+        return _DDPJoinHook(self, divide)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the join's control tensors (the group's preferred device)."""
+        return torch.device(self.process_group.preferred_device())
+
+    @property
+    def join_process_group(self) -> IProcessGroup:
+        """The group the join's rounds run on."""
+        return self.process_group
+
+    def _shadow_synced_backward(self) -> None:
+        """A joined rank's part in a synchronised backward of the others: the same collectives, zeros."""
+        manager = self._manager
+        manager.launch_zeros()
+        if self.config.find_unused_parameters:
+            self._used_flags.zero_()
+            self.process_group.all_reduce(self._used_flags, ReduceOp.SUM)
+        nonfinite: NonFiniteGradientError | None = None
+        try:
+            manager.finish_grad_sync(self.config.timeout_s)
+        except NonFiniteGradientError as e:  # raised on every rank alike: finish the step first
+            nonfinite = e
+        manager.end_window()
+        self._maybe_rebuild()
+        if self._auto is not None:
+            self._auto.after_synced_backward(manager)
+        if nonfinite is not None:
+            raise nonfinite
+
+    def _join_reweight(self) -> None:
+        """With ``divide_by_initial_world_size=False``: divide by the ranks training, not the world size."""
+        join = self._join
+        if join is None or join.divide_by_initial_world_size or join.last is None:
+            return
+        world, training = self.process_group.world_size, join.last.training
+        if 0 < training < world:
+            for bucket in self._manager.buckets:
+                bucket.grad_data.mul_(world / training)
 
     # --------------------------------------------------------- communication hooks
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
@@ -383,11 +513,62 @@ class DistributedDataParallel(nn.Module):
         start = time.perf_counter()
         if not self._in_backward:
             self._begin_backward()
-        if self._backward_synced:
-            self._manager.register_grad_ready(index)
-        else:
+        if not self._backward_synced:
             self._manager.accumulate(index)
+        elif self._static is not None:
+            if not self._static.on_grad(index, self._manager):
+                self._repeated_gradient(index)
+        elif self._manager.is_ready(index):
+            self._repeated_gradient(index)
+        else:
+            self._manager.register_grad_ready(index)
         self._hook_s += time.perf_counter() - start
+
+    def _on_backward_start(self) -> None:
+        """Backward reached the forward's outputs: queue the end-of-backward step on this graph task.
+
+        Reentrant activation checkpointing runs a segment's backward as an inner
+        graph task, maybe before any gradient hook of the outer one fires; the
+        end-of-backward wait must run at the end of the outer one. Queued here, it
+        does something only if a parameter's gradient hook started a backward (not
+        for ``torch.autograd.grad`` with respect to inputs alone).
+        """
+        if not self._outer_end_queued:
+            self._outer_end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_outer_backward)
+
+    def _end_of_outer_backward(self) -> None:
+        self._outer_end_queued = False
+        if self._in_backward:
+            self._end_of_backward()
+
+    def _repeated_gradient(self, index: int) -> None:
+        """A parameter got one gradient more than it may: issue the step's collectives, then raise."""
+        name = self._manager.names[index]
+        if self._static is not None:
+            count = self._static.fired(index)
+            assert self._static.expected is not None
+            detail = (
+                f"got gradient #{count} in this backward, but {self._static.expected[index]} in the first "
+                "one: with static_graph=True every backward must use the parameters as the first did"
+            )
+        else:
+            count = 2
+            detail = (
+                "got a second gradient in this backward, after its first was taken into its bucket: it "
+                "is used in several reentrant activation-checkpointed segments (or inside and outside "
+                "one; find_unused_parameters cannot see inside them). Pass static_graph=True to "
+                "DistributedDataParallel (the graph must then be the same in every backward), or use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        # Every rank reaches this in the same backward (the graph is the same); still issue
+        # every collective a complete step would, so that no rank is left waiting.
+        with contextlib.suppress(CommError):
+            self._finish_synced()
+        self._in_backward = False
+        raise RepeatedGradientError(
+            f"{self._prefix('backward')}parameter {name!r} {detail}", parameter=name, count=count
+        )
 
     def _begin_backward(self) -> None:
         self._in_backward = True
@@ -397,8 +578,11 @@ class DistributedDataParallel(nn.Module):
         self._bytes_at_begin = self.process_group.bytes_issued
         manager = self._manager
         manager.reset()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._outer_end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         used, self._used_since_backward = self._used_since_backward, None
+        if self._backward_synced and self._static is not None:
+            self._static.begin(manager)
         if self._backward_synced and self.config.find_unused_parameters and used is not None:
             for index in range(len(manager.names)):
                 if index not in used:
@@ -424,6 +608,7 @@ class DistributedDataParallel(nn.Module):
         try:
             if self._backward_synced:
                 exposed = self._finish_synced()
+                self._join_reweight()
         finally:
             self._in_backward = False
             manager = self._manager
@@ -444,6 +629,8 @@ class DistributedDataParallel(nn.Module):
     def _finish_synced(self) -> float:
         manager = self._manager
         timeout = self.config.timeout_s
+        if self._static is not None:
+            self._static.end(manager)
         missing = manager.missing()
         if missing and not self.config.find_unused_parameters:
             # Issue every collective a successful step would (the missing slices are

@@ -7,9 +7,11 @@ from commlib.errors import CollectiveMismatchError, CommError
 __all__ = [
     "AbandonedBackwardError",
     "CommHookError",
+    "EarlyTerminationError",
     "MissingGradientsError",
     "ModelMismatchError",
     "NonFiniteGradientError",
+    "RepeatedGradientError",
 ]
 
 
@@ -53,3 +55,26 @@ class NonFiniteGradientError(CommError):
 
 class CommHookError(CommError):
     """A communication hook was misused (registered twice or too late) or did not deliver a result."""
+
+
+class RepeatedGradientError(CommError):
+    """A parameter got a second gradient in one backward (a shared or reentrant-checkpointed use).
+
+    Without ``static_graph=True`` the first gradient has already been taken into its
+    bucket, maybe sent, so a second one cannot be added; with it, the number of
+    gradients each parameter gets is learnt in the first backward and a parameter that
+    gets more than that in a later one raises this too (the graph changed).
+
+    Attributes:
+        parameter: The parameter's name.
+        count: How many gradients it got in this backward so far.
+    """
+
+    def __init__(self, message: str, *, parameter: str = "", count: int = 0) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.count = count
+
+
+class EarlyTerminationError(CommError):
+    """With ``Join(..., throw_on_early_termination=True)``: a rank ran out of inputs (raised on all)."""

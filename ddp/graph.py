@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["iter_tensors", "used_parameters"]
+__all__ = ["iter_tensors", "on_backward_start", "used_parameters"]
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -59,3 +60,24 @@ def used_parameters(outputs: Any, index_of: Mapping[int, int]) -> set[int]:
             if child is not None and child not in seen:
                 stack.append(child)
     return used
+
+
+def on_backward_start(outputs: Any, owner: Any, method: str) -> None:
+    """Call ``owner.<method>()`` when a backward reaches any of ``outputs`` (before any parameter's gradient).
+
+    A gradient hook on each output that has a graph. It runs in the backward that
+    starts from the loss, not in an inner one that reentrant activation
+    checkpointing runs later for its segment, so what it queues on the autograd
+    engine runs at the end of the whole backward. The outputs are left as they are
+    (no wrapper: in-place changes to them stay allowed). ``owner`` is held weakly.
+    """
+    ref = weakref.ref(owner)
+
+    def hook(_grad: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)()
+
+    for t in iter_tensors(outputs):
+        if t.grad_fn is not None:
+            t.register_hook(hook)

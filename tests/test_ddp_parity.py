@@ -1,0 +1,87 @@
+"""Join, buffers every forward and static graphs on threaded fake groups (the real ranks: distributed/)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddp import DDPConfig, DistributedDataParallel, Join
+from tests._fakes import run_threads
+from tests.distributed.parity_bodies import (
+    case_buffers_every_forward,
+    case_join,
+    case_join_options,
+    case_repeated_gradient,
+    case_static_graph,
+    check_buffers,
+    check_join,
+)
+
+
+@pytest.mark.parametrize("counts", [[3, 5], [5, 7, 3]])
+def test_join_uneven_inputs(counts):
+    check_join(run_threads(case_join, len(counts), counts))
+
+
+def test_buffers_broadcast_every_forward_one_collective_per_dtype():
+    results = run_threads(case_buffers_every_forward, 2)
+    check_buffers(results)
+    # float32 statistics and the int64 batch count: two broadcasts per syncing forward, none after no-grad.
+    assert results[0]["broadcasts"] == [2, 2, 2, 2, 0]
+
+
+def test_static_graph_reentrant_checkpointing():
+    results = run_threads(case_static_graph, 2)
+    assert results[0]["params"] == results[1]["params"]
+
+
+def test_repeated_gradient_raises_on_every_rank():
+    results = run_threads(case_repeated_gradient, 2)
+    assert {r["parameter"] for r in results} <= {"block.weight", "block.bias"}
+    assert [r["after"] for r in results] == [2.0, 2.0]
+
+
+def test_static_graph_setting_is_validated():
+    with pytest.raises(TypeError, match="static_graph"):
+        DDPConfig(static_graph="yes")  # type: ignore[arg-type]
+    assert "static_graph=True" in DDPConfig(static_graph=True).cross_rank_settings()
+
+
+def test_join_rejects_other_joinables():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        Join([nn.Linear(2, 2)])
+
+
+def test_join_disabled_does_nothing():
+    def body(group):
+        ddp = DistributedDataParallel(nn.Linear(2, 1), group)
+        before = len(group.issued)
+        with ddp.join(enable=False):
+            ddp(torch.ones(1, 2)).sum().backward()
+        return [i.kind for i in group.issued[before:]]
+
+    for kinds in run_threads(body, 2):
+        assert kinds == ["all_reduce", "broadcast"]  # the bucket; the one-time bucket-order broadcast
+
+
+@pytest.mark.parametrize(
+    "option", ["find_unused_parameters", "check_for_nan_in_grad", "static_graph", "bf16_hook", "no_sync"]
+)
+def test_join_shadows_every_collective_of_a_step(option):
+    # Fake groups check that every rank issues the same collective at each position.
+    results = run_threads(case_join_options, 3, [4, 2, 3], option)
+    assert len({r["state"] for r in results}) == 1
+
+
+def test_gradient_with_respect_to_inputs_alone_is_not_a_backward():
+    def body(group):
+        ddp = DistributedDataParallel(nn.Linear(3, 2), group)
+        x = torch.ones(2, 3, requires_grad=True)
+        (gx,) = torch.autograd.grad(ddp(x).sum(), x)
+        before = ddp.last_step_stats
+        ddp(x).sum().backward()
+        return gx.tolist(), before, ddp.last_step_stats.collectives
+
+    for gx, before, collectives in run_threads(body, 2):
+        assert before is None and collectives == 1 and len(gx) == 2
