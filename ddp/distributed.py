@@ -310,7 +310,14 @@ class DistributedDataParallel(nn.Module):
 
     # --------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module (and, with ``find_unused_parameters``, note which parameters it used)."""
+        """Run the wrapped module.
+
+        First, inside a ``Join``, tell the ranks that have joined what this iteration
+        does (one small all-reduce); then, with ``broadcast_buffers``, take rank 0's
+        buffers if the previous forward synchronised gradients (torch's rule). With
+        ``find_unused_parameters`` (and no ``static_graph``), note which parameters the
+        outputs depend on.
+        """
         if self._in_backward:
             self._abandon_backward()
         sync_grads = torch.is_grad_enabled() and not self._no_sync
@@ -355,7 +362,8 @@ class DistributedDataParallel(nn.Module):
         buffers = tuple(self.module.buffers())  # asked anew: a module may reassign its buffers
         # Keep autograd's version counters: a graph that saved a buffer (an evaluation
         # forward's BatchNorm) may still run its backward after this overwrite.
-        with torch.autograd._unsafe_preserve_version_counter(buffers):  # noqa: SLF001 - torch's DDP does the same
+        preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)  # torch's DDP uses it
+        with preserve(buffers) if preserve is not None else contextlib.nullcontext():
             broadcast_module_states(self.process_group, buffers, src=src)
 
     @contextlib.contextmanager

@@ -189,7 +189,7 @@ def check_buffers(results: list[dict[str, Any]], steps: int = 3) -> None:
     assert len({repr(r["after"][0]) for r in results}) == len(results)
     # Rank 0's statistics are those of one process that saw only rank 0's batches.
     assert results[0]["rank0_error"] < 1e-5
-    assert results[0]["tracked"] == (steps, steps)
+    assert tuple(results[0]["tracked"]) == (steps, steps)
 
 
 # ----------------------------------------------------------- static graphs

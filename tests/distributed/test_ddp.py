@@ -30,6 +30,7 @@ from examples.gpt import GPT, GPTConfig, synthetic_batch
 from tests._launcher import RankPool, run_ranks
 from tests.conftest import available_backend_names, run_job, scrubbed_env
 from tests.distributed import ddp_feature_bodies as features
+from tests.distributed import parity_bodies as parity
 
 # ----------------------------------------------------------------- models
 PER_RANK = 4
@@ -442,6 +443,10 @@ MPI_CASES = {
     "hook_bf16": (features.case_hook_gradients, ("bf16",)),
     "powersgd": (features.case_powersgd_training, ()),
     "nonfinite": (features.case_nonfinite, ("nan", 1)),
+    "join": (parity.case_join, ([3, 5],)),
+    "buffers": (parity.case_buffers_every_forward, ()),
+    "static_graph": (parity.case_static_graph, ()),
+    "repeated_gradient": (parity.case_repeated_gradient, ()),
 }
 _OUT_VAR = "COMMLIB_DDP_CASES_OUT"
 
@@ -474,6 +479,10 @@ def test_mpi_backend_under_mpiexec(mpiexec, repo_root, tmp_path):
     features.check_hooks({"allreduce": by_case["hook_allreduce"], "bf16": by_case["hook_bf16"]})
     features.check_powersgd(by_case["powersgd"])
     features.check_nonfinite(by_case["nonfinite"], 1)
+    parity.check_join(by_case["join"])
+    parity.check_buffers(by_case["buffers"])
+    assert len({r["params"] for r in by_case["static_graph"]}) == 1
+    assert [r["after"] for r in by_case["repeated_gradient"]] == [2.0, 2.0]
 
 
 def _main() -> None:
