@@ -560,14 +560,23 @@ class DistributedDataParallel(nn.Module):
                 f"got gradient #{count} in this backward, but {self._static.expected[index]} in the first "
                 "one: with static_graph=True every backward must use the parameters as the first did"
             )
+        elif index not in self._manager.arrival_order:
+            count = 1
+            detail = (
+                "got a gradient after find_unused_parameters marked it unused: the forward's graph "
+                "does not show it (reentrant activation checkpointing hides the parameters of its "
+                "segments). Pass static_graph=True instead (it learns which parameters get gradients; "
+                "the graph must then be the same in every backward), or use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
         else:
             count = 2
             detail = (
                 "got a second gradient in this backward, after its first was taken into its bucket: it "
                 "is used in several reentrant activation-checkpointed segments (or inside and outside "
-                "one; find_unused_parameters cannot see inside them). Pass static_graph=True to "
-                "DistributedDataParallel (the graph must then be the same in every backward), or use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+                "one). Pass static_graph=True to DistributedDataParallel (the graph must then be the "
+                "same in every backward), or use torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=False)"
             )
         # Every rank reaches this in the same backward (the graph is the same); still issue
         # every collective a complete step would, so that no rank is left waiting.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -17,6 +19,8 @@ from tests.distributed.parity_bodies import (
     check_buffers,
     check_join,
 )
+
+_LOCK = threading.Lock()  # threaded ranks share torch's global generator
 
 
 @pytest.mark.parametrize("counts", [[3, 5], [5, 7, 3]])
@@ -40,6 +44,34 @@ def test_repeated_gradient_raises_on_every_rank():
     results = run_threads(case_repeated_gradient, 2)
     assert {r["parameter"] for r in results} <= {"block.weight", "block.bias"}
     assert [r["after"] for r in results] == [2.0, 2.0]
+
+
+def test_gradient_of_a_parameter_marked_unused_raises():
+    # find_unused_parameters cannot see inside reentrant checkpoints; the gradient is not dropped.
+    results = run_threads(case_repeated_gradient, 2, True)
+    assert results[0]["parameter"] == results[1]["parameter"]
+    assert [r["after"] for r in results] == [2.0, 2.0]
+
+
+def test_join_two_models():
+    def body(group, counts):
+        with _LOCK:
+            torch.manual_seed(group.rank)
+            net_a, net_b = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2)
+        a = DistributedDataParallel(net_a, group)
+        b = DistributedDataParallel(net_b, group, bucket_size_mb=0)
+        opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+        with Join([a, b]):
+            for step in range(counts[group.rank]):
+                x = torch.full((5, 3), float(step + group.rank)) + torch.arange(15.0).view(5, 3)
+                a(x).sum().backward()  # each model's forward and backward in the Join's order
+                b(x[:, :2].repeat(1, 2)).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return [t.tolist() for t in [*a.parameters(), *b.parameters(), *a.buffers()]]
+
+    results = run_threads(body, 3, [1, 4, 2])
+    assert results[0] == results[1] == results[2]
 
 
 def test_static_graph_setting_is_validated():

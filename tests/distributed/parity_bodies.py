@@ -264,11 +264,15 @@ def _collectives(ddp: DistributedDataParallel) -> list[int]:
     return [s.collectives for s in ddp.stats_history]
 
 
-def case_repeated_gradient(group: IProcessGroup) -> dict[str, Any]:
-    """Without ``static_graph`` a second gradient raises, on every rank, and the group stays usable."""
+def case_repeated_gradient(group: IProcessGroup, find_unused: bool = False) -> dict[str, Any]:
+    """Without ``static_graph`` a second gradient raises, on every rank, and the group stays usable.
+
+    With ``find_unused``, the graph walk cannot see the checkpointed parameters: their
+    first gradient comes after they were marked unused, and raises too.
+    """
     world = group.world_size
     model = checkpointed_model()
-    ddp = DistributedDataParallel(model, group, bucket_size_mb=0.0002)
+    ddp = DistributedDataParallel(model, group, bucket_size_mb=0.0002, find_unused_parameters=find_unused)
     x, y = ckpt_batch(0, world, group.rank)
     error: RepeatedGradientError | None = None
     try:
@@ -277,7 +281,10 @@ def case_repeated_gradient(group: IProcessGroup) -> dict[str, Any]:
         error = e
     assert error is not None, "no RepeatedGradientError"
     message = str(error)
-    assert "block." in message and "static_graph=True" in message, message
+    assert "static_graph=True" in message, message
+    assert ("marked it unused" in message) == find_unused, message
+    if not find_unused:
+        assert "block." in message and "second gradient" in message, message
     # Nothing left pending: the next forward is not an abandoned backward, and collectives agree.
     ddp(x)
     t = torch.ones(1)
