@@ -10,10 +10,14 @@ from ddp.cost_model import CommCostModel, calibrate, fit_cost_model
 from ddp.distributed import DistributedDataParallel
 from ddp.errors import (
     AbandonedBackwardError,
+    BucketOrderError,
     CommHookError,
     MissingGradientsError,
     ModelMismatchError,
     NonFiniteGradientError,
+    ParametersChangedError,
+    RanksOutOfStepError,
+    StateNotConsolidatedError,
 )
 from ddp.hooks import (
     PowerSGDState,
@@ -30,6 +34,7 @@ from ddp.zero import ParameterPartition, ZeroRedundancyOptimizer
 __all__ = [
     "AbandonedBackwardError",
     "AutoBucketReport",
+    "BucketOrderError",
     "BucketTiming",
     "CommCostModel",
     "CommHookError",
@@ -42,7 +47,10 @@ __all__ = [
     "ModelMismatchError",
     "NonFiniteGradientError",
     "ParameterPartition",
+    "ParametersChangedError",
     "PowerSGDState",
+    "RanksOutOfStepError",
+    "StateNotConsolidatedError",
     "StepStats",
     "TimelineWriter",
     "ZeroRedundancyOptimizer",

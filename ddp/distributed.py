@@ -8,13 +8,14 @@ import os
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 import commlib
 from commlib.errors import CommError, error_prefix
+from commlib.flight_recorder import dump_on_error
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp, dtype_name
 from ddp.auto_bucket import AutoBucketReport, AutoBucketSizer
@@ -23,16 +24,32 @@ from ddp.bucket_sync import CommHook, check_comm_hook
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig, reduce_dtype_for
 from ddp.cost_model import CommCostModel
 from ddp.devices import comm_device, control_buffer, control_tensor, to_host
-from ddp.errors import AbandonedBackwardError, CommHookError, MissingGradientsError, NonFiniteGradientError
+from ddp.errors import (
+    AbandonedBackwardError,
+    CommHookError,
+    MissingGradientsError,
+    NonFiniteGradientError,
+    ParametersChangedError,
+    RanksOutOfStepError,
+)
 from ddp.graph import used_parameters
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import StepStats
+from ddp.step_guard import StepGuard
 from ddp.timeline import TimelineWriter, timeline_path_from_env
 
 __all__ = ["DistributedDataParallel", "resolve_group"]
 
 _MAX_NAMES = 8
 _HISTORY = 1000
+_OWN_ERRORS = (
+    AbandonedBackwardError,
+    MissingGradientsError,
+    NonFiniteGradientError,
+    ParametersChangedError,
+    RanksOutOfStepError,
+)
+"""DDP's own verdicts: the flight recorder dumps on them too (a failed collective dumps by itself)."""
 
 
 def resolve_group(process_group: Any) -> IProcessGroup:
@@ -211,6 +228,7 @@ class DistributedDataParallel(nn.Module):
             check_for_nan_in_grad=self.config.check_for_nan_in_grad,
         )
         self._manager.record_arrival_times = self._auto is not None
+        self._guard = StepGuard(group, module, trainable)
         self._no_sync = False
         self._in_backward = False
         self._backward_synced = False
@@ -296,9 +314,20 @@ class DistributedDataParallel(nn.Module):
 
     # --------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module (and, with ``find_unused_parameters``, note which parameters it used)."""
-        if self._in_backward:
-            self._abandon_backward()
+        """Run the wrapped module (and, with ``find_unused_parameters``, note which parameters it used).
+
+        Raises:
+            AbandonedBackwardError: The previous backward raised before its end.
+            ParametersChangedError: Parameters were replaced by other tensors after
+                wrapping (DDP's gradient hooks are gone; see ``ddp.step_guard``).
+        """
+        try:
+            if self._in_backward:
+                self._abandon_backward()
+            self._guard.on_forward(self.module.training)
+        except _OWN_ERRORS as e:
+            dump_on_error(e)
+            raise
         outputs = self.module(*args, **kwargs)
         if self.config.find_unused_parameters and torch.is_grad_enabled():
             used = used_parameters(outputs, self._manager.param_indices)
@@ -394,6 +423,8 @@ class DistributedDataParallel(nn.Module):
         self._backward_synced = not self._no_sync
         self._backwards += 1
         self._hook_s = 0.0
+        # The step agreement goes first, before bucket 0 on every rank, and outside the step's statistics.
+        self._guard.begin_backward(synced=self._backward_synced, communicates=self._manager.num_buckets > 0)
         self._bytes_at_begin = self.process_group.bytes_issued
         manager = self._manager
         manager.reset()
@@ -414,6 +445,10 @@ class DistributedDataParallel(nn.Module):
         Runs by itself at the end of every backward; calling it again does nothing.
 
         Raises:
+            RanksOutOfStepError: The ranks' collectives belong to different training
+                steps (on every rank; see ``ddp.step_guard``).
+            ParametersChangedError: Some rank's parameters changed dtype or device
+                after wrapping (on every rank).
             MissingGradientsError: Backward produced no gradient for some parameters
                 and ``find_unused_parameters`` is off.
             CommError: A collective failed or timed out.
@@ -424,6 +459,9 @@ class DistributedDataParallel(nn.Module):
         try:
             if self._backward_synced:
                 exposed = self._finish_synced()
+        except _OWN_ERRORS as e:
+            dump_on_error(e)
+            raise
         finally:
             self._in_backward = False
             manager = self._manager
@@ -444,6 +482,9 @@ class DistributedDataParallel(nn.Module):
     def _finish_synced(self) -> float:
         manager = self._manager
         timeout = self.config.timeout_s
+        verdict = self._guard.agree(timeout)  # the same on every rank
+        if verdict is not None:
+            self._fail_on_every_rank(verdict)
         missing = manager.missing()
         if missing and not self.config.find_unused_parameters:
             # Issue every collective a successful step would (the missing slices are
@@ -490,6 +531,22 @@ class DistributedDataParallel(nn.Module):
         if nonfinite is not None:
             raise nonfinite
         return exposed
+
+    def _fail_on_every_rank(self, error: CommError) -> NoReturn:
+        """Raise ``error``, which every rank raises in this backward, after finishing its collectives alike.
+
+        Every rank launches all its buckets (missing gradients count as zeros) and
+        waits for them, so the ranks stay paired for whatever comes next; the rest
+        of the backward's collectives (the used-parameters map, the rebuild) are
+        skipped on every rank alike.
+        """
+        manager = self._manager
+        for index, _ in manager.missing():
+            manager.mark_unused(index)
+        with contextlib.suppress(Exception):  # these gradients are unusable: error says why
+            manager.finish_grad_sync(self.config.timeout_s)
+        manager.end_window()
+        raise error
 
     def _missing_message(self, missing: list[tuple[int, int]]) -> str:
         manager = self._manager
@@ -541,6 +598,7 @@ class DistributedDataParallel(nn.Module):
         manager = self._manager
         launched = manager.launched
         self._in_backward = False
+        self._guard.drain(self.config.timeout_s)
         with contextlib.suppress(CommError):
             manager.finish_grad_sync(self.config.timeout_s)
         manager.end_window()

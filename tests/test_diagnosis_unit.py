@@ -26,8 +26,8 @@ from commlib import (
     nan_minmax,
 )
 from commlib.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints, mismatch_detail
-from commlib.flight_recorder import FlightRecorder, dump_flight_recorder, find_divergence, load_dumps
 from commlib.flight import main as flight_main
+from commlib.flight_recorder import FlightRecorder, dump_flight_recorder, find_divergence, load_dumps
 from commlib.sidechannel import (
     FRAME,
     HELLO,
