@@ -268,7 +268,14 @@ class StepGuard:
         """
         if self._work is not None:
             work, self._work = self._work, None
-            work.wait(timeout if timeout is not None else self._group.timeout)
+            try:
+                work.wait(timeout if timeout is not None else self._group.timeout)
+            except CommError as e:
+                raise _with_context(
+                    e,
+                    f"{self._prefix('backward')}waiting for the {work.context}, the collective every rank "
+                    "launches before its first bucket: some rank did not reach this backward",
+                ) from e
             assert self._gathered is not None
             table = to_host(self._gathered).view(self._group.world_size, ROW).tolist()
         elif self._local_row is not None:
@@ -335,14 +342,15 @@ class StepGuard:
             parts.append(f"{who} at training forward {forwards} (synchronised backward {backwards})")
         return RanksOutOfStepError(
             f"{self._prefix('backward')}the ranks are out of step: the collectives of this backward pair "
-            f"{(' with ' if len(parts) == 2 else '; ').join(parts)} ({g.backend} backend). A rank ahead ran a forward whose backward never "
-            "reached DDP's gradient hooks there (it raised before any gradient was computed and the "
-            "exception was caught, or the step was skipped on that rank alone), so this backward's "
-            "buckets would average the gradients of different steps. Every rank raises this in the same "
-            "backward; do not step the optimizer on this backward's gradients. Fix: when a step fails "
-            "on one rank, end it on every rank (let the exception stop the job, or agree to skip the "
-            "step on all ranks together) and resume from the last checkpoint; every rank must run the "
-            "same training forwards (model.train(), grad enabled) and backwards",
+            f"{(' with ' if len(parts) == 2 else '; ').join(parts)} ({g.backend} backend). A rank ahead "
+            "ran a forward whose backward never reached DDP's gradient hooks there (it raised before any "
+            "gradient was computed and the exception was caught, or the step was skipped on that rank "
+            "alone), so this backward's buckets would average the gradients of different steps. Every "
+            "rank raises this in the same backward; do not step the optimizer on this backward's "
+            "gradients. Fix: when a step fails on one rank, end it on every rank (let the exception stop "
+            "the job, or agree to skip the step on all ranks together) and resume from the last "
+            "checkpoint; every rank must run the same training forwards (model.train(), grad enabled) "
+            "and backwards",
             steps=steps,
         )
 
@@ -357,3 +365,11 @@ def _decode(code: int, kind: int, index: int) -> str:
     dtype = dtype_name(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "another dtype"
     device = _DEVICE_TYPES[kind] if 0 <= kind < len(_DEVICE_TYPES) else "another device"
     return f"{dtype} on {device}{'' if index < 0 else f':{index}'}"
+
+
+def _with_context(error: CommError, context: str) -> CommError:
+    """An error of the same kind as ``error``, its message prefixed by ``context``."""
+    try:
+        return type(error)(f"{context}: {error}")
+    except TypeError:
+        return CommError(f"{context}: {error}")

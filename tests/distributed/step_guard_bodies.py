@@ -1,4 +1,4 @@
-"""Test bodies for DDP's step agreement: ranks out of step, parameters changed after wrapping, normal training.
+"""Test bodies for DDP's step agreement: ranks out of step, parameters changed after wrapping, normal use.
 
 Each ``case_*`` runs on every rank as ``fn(group)``: on threaded fake groups
 (``tests/test_step_guard.py``), on spawned ranks of ring and gloo and under
@@ -15,12 +15,7 @@ from torch import nn
 
 from commlib.errors import CommError
 from commlib.process_group import IProcessGroup
-from ddp import (
-    DistributedDataParallel,
-    ParametersChangedError,
-    RanksOutOfStepError,
-    allreduce_hook,
-)
+from ddp import DistributedDataParallel, allreduce_hook
 from tests.distributed.ddp_feature_bodies import batch, mlp
 
 
