@@ -224,3 +224,24 @@ def test_out_of_step_is_a_collective_mismatch() -> None:
     assert issubclass(RanksOutOfStepError, CollectiveMismatchError)
     assert issubclass(ParametersChangedError, CommError)
     assert not issubclass(ParametersChangedError, CommTimeoutError)
+
+
+def test_verdict_groups_ranks_and_skips_joined_ones() -> None:
+    model = net()
+    guard = StepGuard(solo(), model, list(model.named_parameters()))
+
+    def row(forwards: int, backwards: int, flags: int = 0) -> list[int]:
+        return [forwards, backwards, flags, 0] + [-1] * (step_guard.ROW - 4)
+
+    verdict = guard._verdict  # noqa: SLF001 - the decision every rank takes from the same table
+    error = verdict([row(5, 4), row(4, 4), row(5, 4), row(3, 3)])
+    assert isinstance(error, RanksOutOfStepError)
+    assert error.steps == {0: (5, 4), 1: (4, 4), 2: (5, 4), 3: (3, 3)}
+    expected = (
+        "pair ranks 0, 2 at training forward 5 (synchronised backward 4); rank 1 at training forward 4 "
+        "(synchronised backward 4); rank 3 at training forward 3 (synchronised backward 3) (fake backend)"
+    )
+    assert expected in str(error), str(error)
+    # A rank that has joined (ran out of inputs) only shadows the collectives: its counts are not compared.
+    assert verdict([row(5, 4), row(3, 3, step_guard.JOINED)]) is None
+    assert verdict([row(5, 4), row(5, 4)]) is None
