@@ -111,6 +111,12 @@ class DistributedDataParallel(nn.Module):
     .. note:: Every rank must run backward the same way: the buckets' collectives are
        issued in the same order on every rank, in bucket order.
 
+    .. note:: Every synchronised backward starts with a tiny all-gather, before bucket
+       0, that checks the ranks are at the same training forward and that no rank's
+       parameters changed dtype or device since wrapping; if not, every rank raises
+       ``RanksOutOfStepError`` or ``ParametersChangedError`` in that backward (see
+       ``ddp.step_guard``).
+
     Args:
         module: The model; its parameters must be on one device per dtype group.
         process_group: Group to reduce over: a commlib ``IProcessGroup`` or a
