@@ -63,7 +63,7 @@ def groups() -> dict[str, IProcessGroup]:
     if not hasattr(IProcessGroup, "_start_diagnostics"):
         return made  # a commlib from before the diagnosis
     from commlib.diagnostics import Diagnostics
-    from commlib.flight import FlightRecorder
+    from commlib.flight_recorder import FlightRecorder
     from commlib.watchdog import CollectiveTracker
 
     stall = NullGroup(env)

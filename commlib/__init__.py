@@ -15,7 +15,7 @@ from commlib.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from commlib.flight import dump_flight_recorder
+from commlib.flight_recorder import dump_flight_recorder
 from commlib.process_group import IProcessGroup
 from commlib.registry import (
     available_backends,

@@ -24,7 +24,7 @@ import torch
 from commlib.deferred import DeferredWork, Launcher, launch_step
 from commlib.errors import CommError, CommTimeoutError
 from commlib.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints
-from commlib.flight import FlightRecorder
+from commlib.flight_recorder import FlightRecorder
 from commlib.sidechannel import SideChannelClient, SideChannelHub, hub_host
 from commlib.types import ReduceOp
 from commlib.watchdog import CollectiveTracker, Record, Watchdog

@@ -10,12 +10,16 @@ from ddp.cost_model import CommCostModel, calibrate, fit_cost_model
 from ddp.distributed import DistributedDataParallel
 from ddp.errors import (
     AbandonedBackwardError,
+    BucketOrderError,
     CommHookError,
     EarlyTerminationError,
     MissingGradientsError,
     ModelMismatchError,
     NonFiniteGradientError,
+    ParametersChangedError,
+    RanksOutOfStepError,
     RepeatedGradientError,
+    StateNotConsolidatedError,
 )
 from ddp.hooks import (
     PowerSGDState,
@@ -33,6 +37,7 @@ from ddp.zero import ParameterPartition, ZeroRedundancyOptimizer
 __all__ = [
     "AbandonedBackwardError",
     "AutoBucketReport",
+    "BucketOrderError",
     "BucketTiming",
     "CommCostModel",
     "CommHookError",
@@ -48,8 +53,11 @@ __all__ = [
     "ModelMismatchError",
     "NonFiniteGradientError",
     "ParameterPartition",
+    "ParametersChangedError",
     "PowerSGDState",
     "RepeatedGradientError",
+    "RanksOutOfStepError",
+    "StateNotConsolidatedError",
     "StepStats",
     "TimelineWriter",
     "ZeroRedundancyOptimizer",

@@ -17,6 +17,7 @@ from ddp.bucket import GradientBucket
 from ddp.bucket_sync import BucketSync, CommHook, PendingSync
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
+from ddp.errors import BucketOrderError
 from ddp.nonfinite import NonFiniteCheck
 from ddp.stats import StepRecorder
 
@@ -508,17 +509,17 @@ class GradientBucketManager:
         gradients ready.
 
         Raises:
-            RuntimeError: An earlier bucket has not been launched yet, this one
-                was, or not all its gradients are ready.
+            BucketOrderError: An earlier bucket has not been launched yet, this
+                one was, or not all its gradients are ready.
         """
         if index != self._next_launch:
-            raise RuntimeError(
+            raise BucketOrderError(
                 f"{self._prefix('reduce_bucket_async')}bucket {index} cannot be launched before bucket "
                 f"{self._next_launch}: "
                 "buckets launch strictly in order so that every rank issues the same collectives"
             )
         if self._pending[index]:
-            raise RuntimeError(
+            raise BucketOrderError(
                 f"{self._prefix('reduce_bucket_async')}bucket {index} has {self.ready_count(index)}/"
                 f"{self._sizes[index]} gradients ready; missing: {', '.join(self.missing_names(index)[:8])}"
             )

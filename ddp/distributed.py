@@ -8,13 +8,14 @@ import os
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 import commlib
 from commlib.errors import CommError, error_prefix
+from commlib.flight_recorder import dump_on_error
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp, dtype_name
 from ddp.auto_bucket import AutoBucketReport, AutoBucketSizer
@@ -28,6 +29,8 @@ from ddp.errors import (
     CommHookError,
     MissingGradientsError,
     NonFiniteGradientError,
+    ParametersChangedError,
+    RanksOutOfStepError,
     RepeatedGradientError,
 )
 from ddp.graph import on_backward_start, used_parameters
@@ -35,12 +38,21 @@ from ddp.join import Join, JoinHook, _DDPJoinHook, _JoinState, early_termination
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.static_graph import StaticGraph
 from ddp.stats import StepStats
+from ddp.step_guard import StepGuard
 from ddp.timeline import TimelineWriter, timeline_path_from_env
 
 __all__ = ["DistributedDataParallel", "resolve_group"]
 
 _MAX_NAMES = 8
 _HISTORY = 1000
+_OWN_ERRORS = (
+    AbandonedBackwardError,
+    MissingGradientsError,
+    NonFiniteGradientError,
+    ParametersChangedError,
+    RanksOutOfStepError,
+)
+"""DDP's own verdicts: the flight recorder dumps on them too (a failed collective dumps by itself)."""
 
 
 def resolve_group(process_group: Any) -> IProcessGroup:
@@ -101,6 +113,12 @@ class DistributedDataParallel(nn.Module):
 
     .. note:: Every rank must run backward the same way: the buckets' collectives are
        issued in the same order on every rank, in bucket order.
+
+    .. note:: Every synchronised backward starts with a tiny all-gather, before bucket
+       0, that checks the ranks are at the same training forward and that no rank's
+       parameters changed dtype or device since wrapping; if not, every rank raises
+       ``RanksOutOfStepError`` or ``ParametersChangedError`` in that backward (see
+       ``ddp.step_guard``).
 
     Args:
         module: The model; its parameters must be on one device per dtype group.
@@ -226,6 +244,7 @@ class DistributedDataParallel(nn.Module):
             check_for_nan_in_grad=self.config.check_for_nan_in_grad,
         )
         self._manager.record_arrival_times = self._auto is not None
+        self._guard = StepGuard(group, module, trainable)
         self._no_sync = False
         self._in_backward = False
         self._backward_synced = False
@@ -317,9 +336,19 @@ class DistributedDataParallel(nn.Module):
         buffers if the previous forward synchronised gradients (torch's rule). With
         ``find_unused_parameters`` (and no ``static_graph``), note which parameters the
         outputs depend on.
+
+        Raises:
+            AbandonedBackwardError: The previous backward raised before its end.
+            ParametersChangedError: Parameters were replaced by other tensors after
+                wrapping (DDP's gradient hooks are gone; see ``ddp.step_guard``).
         """
-        if self._in_backward:
-            self._abandon_backward()
+        try:
+            if self._in_backward:
+                self._abandon_backward()
+            self._guard.on_forward(self.module.training)
+        except _OWN_ERRORS as e:
+            dump_on_error(e)
+            raise
         sync_grads = torch.is_grad_enabled() and not self._no_sync
         sync_buffers = self._will_sync_buffers()
         src = 0
@@ -441,7 +470,12 @@ class DistributedDataParallel(nn.Module):
     def _shadow_synced_backward(self) -> None:
         """A joined rank's part in a synchronised backward of the others: the same collectives, zeros."""
         manager = self._manager
+        # The same order as a training rank: the step agreement, then the buckets.
+        self._guard.begin_backward(synced=True, communicates=manager.num_buckets > 0, joined=True)
         manager.launch_zeros()
+        verdict = self._guard.agree(self.config.timeout_s)  # the training ranks raise it too
+        if verdict is not None:
+            self._fail_on_every_rank(verdict)
         if self.config.find_unused_parameters:
             self._used_flags.zero_()
             self.process_group.all_reduce(self._used_flags, ReduceOp.SUM)
@@ -592,6 +626,8 @@ class DistributedDataParallel(nn.Module):
         self._backward_synced = not self._no_sync
         self._backwards += 1
         self._hook_s = 0.0
+        # The step agreement goes first, before bucket 0 on every rank, and outside the step's statistics.
+        self._guard.begin_backward(synced=self._backward_synced, communicates=self._manager.num_buckets > 0)
         self._bytes_at_begin = self.process_group.bytes_issued
         manager = self._manager
         manager.reset()
@@ -615,6 +651,10 @@ class DistributedDataParallel(nn.Module):
         Runs by itself at the end of every backward; calling it again does nothing.
 
         Raises:
+            RanksOutOfStepError: The ranks' collectives belong to different training
+                steps (on every rank; see ``ddp.step_guard``).
+            ParametersChangedError: Some rank's parameters changed dtype or device
+                after wrapping (on every rank).
             MissingGradientsError: Backward produced no gradient for some parameters
                 and ``find_unused_parameters`` is off.
             CommError: A collective failed or timed out.
@@ -626,6 +666,9 @@ class DistributedDataParallel(nn.Module):
             if self._backward_synced:
                 exposed = self._finish_synced()
                 self._join_reweight()
+        except _OWN_ERRORS as e:
+            dump_on_error(e)
+            raise
         finally:
             self._in_backward = False
             manager = self._manager
@@ -648,6 +691,9 @@ class DistributedDataParallel(nn.Module):
         timeout = self.config.timeout_s
         if self._static is not None:
             self._static.end(manager)
+        verdict = self._guard.agree(timeout)  # the same on every rank
+        if verdict is not None:
+            self._fail_on_every_rank(verdict)
         missing = manager.missing()
         if missing and not self.config.find_unused_parameters:
             # Issue every collective a successful step would (the missing slices are
@@ -694,6 +740,22 @@ class DistributedDataParallel(nn.Module):
         if nonfinite is not None:
             raise nonfinite
         return exposed
+
+    def _fail_on_every_rank(self, error: CommError) -> NoReturn:
+        """Raise ``error``, which every rank raises in this backward, after finishing its collectives alike.
+
+        Every rank launches all its buckets (missing gradients count as zeros) and
+        waits for them, so the ranks stay paired for whatever comes next; the rest
+        of the backward's collectives (the used-parameters map, the rebuild) are
+        skipped on every rank alike.
+        """
+        manager = self._manager
+        for index, _ in manager.missing():
+            manager.mark_unused(index)
+        with contextlib.suppress(Exception):  # these gradients are unusable: error says why
+            manager.finish_grad_sync(self.config.timeout_s)
+        manager.end_window()
+        raise error
 
     def _missing_message(self, missing: list[tuple[int, int]]) -> str:
         manager = self._manager
@@ -745,6 +807,7 @@ class DistributedDataParallel(nn.Module):
         manager = self._manager
         launched = manager.launched
         self._in_backward = False
+        self._guard.drain(self.config.timeout_s)
         with contextlib.suppress(CommError):
             manager.finish_grad_sync(self.config.timeout_s)
         manager.end_window()

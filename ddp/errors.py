@@ -6,12 +6,16 @@ from commlib.errors import CollectiveMismatchError, CommError
 
 __all__ = [
     "AbandonedBackwardError",
+    "BucketOrderError",
     "CommHookError",
     "EarlyTerminationError",
     "MissingGradientsError",
     "ModelMismatchError",
     "NonFiniteGradientError",
     "RepeatedGradientError",
+    "ParametersChangedError",
+    "RanksOutOfStepError",
+    "StateNotConsolidatedError",
 ]
 
 
@@ -78,3 +82,50 @@ class RepeatedGradientError(CommError):
 
 class EarlyTerminationError(CommError):
     """With ``Join(..., throw_on_early_termination=True)``: a rank ran out of inputs (raised on all)."""
+class RanksOutOfStepError(CollectiveMismatchError):
+    """The ranks' collectives of one backward belong to different training steps.
+
+    A rank ran a forward whose backward never reached DDP (it raised before any
+    gradient, or was skipped on that rank alone), so its buckets would be averaged
+    with another step's. Every rank raises it in the same backward.
+
+    Attributes:
+        steps: ``{rank: (training forwards, synchronised backwards)}`` of every
+            rank when this backward began.
+    """
+
+    def __init__(self, message: str, *, steps: dict[int, tuple[int, int]] | None = None) -> None:
+        super().__init__(message)
+        self.steps = dict(steps or {})
+
+
+class ParametersChangedError(CommError):
+    """Parameters changed dtype or device, or were replaced, after they were wrapped.
+
+    ``DistributedDataParallel`` raises it on every rank in the same backward
+    (or at forward, on the rank whose parameters were replaced by new tensors,
+    whose gradient hooks are gone); ``ZeroRedundancyOptimizer.step`` raises it
+    when a parameter no longer lives in the optimizer's flat buffer.
+
+    Attributes:
+        ranks: The ranks whose parameters changed (as far as this rank knows).
+        parameters: Names of the changed parameters this rank knows of (at most a few).
+    """
+
+    def __init__(
+        self, message: str, *, ranks: tuple[int, ...] = (), parameters: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.parameters = parameters
+
+
+class BucketOrderError(CommError):
+    """A bucket was launched out of order, twice, or before all its gradients were ready.
+
+    Buckets launch strictly in order so that every rank issues the same collectives.
+    """
+
+
+class StateNotConsolidatedError(CommError):
+    """``ZeroRedundancyOptimizer.state_dict()`` was called on a rank that holds no consolidated state."""

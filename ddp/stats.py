@@ -37,7 +37,8 @@ class StepStats:
         synced: False for a backward inside ``no_sync()`` (no communication).
         collectives: Buckets launched (each one all-reduce, or one call of the
             communication hook), plus the small all-reduces of the parameters-used
-            map (``find_unused_parameters``) and the NaN check.
+            map (``find_unused_parameters``) and the NaN check. The step agreement
+            (``ddp.step_guard``) is not counted.
         bytes_reduced: Bytes of the bucket buffers communicated (in the dtype
             they are summed in).
         grads_copied: Gradients that arrived as fresh tensors and had to be copied
@@ -52,7 +53,7 @@ class StepStats:
         bytes_sent: Bytes this rank handed to the group's collectives during the
             backward (``IProcessGroup.bytes_issued``): the buckets, or what a
             communication hook sent instead (half with bf16 compression), plus
-            the small flag all-reduces.
+            the small flag all-reduces (not the step agreement's all-gather).
         hook_s: Time spent inside DDP's gradient hooks (taking gradients into
             buckets, launching collectives), on the thread running backward.
     """

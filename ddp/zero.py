@@ -12,7 +12,7 @@ from commlib.errors import error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import dtype_name
 from ddp.distributed import resolve_group
-from ddp.errors import ModelMismatchError
+from ddp.errors import ModelMismatchError, ParametersChangedError, StateNotConsolidatedError
 from ddp.partition import ParameterPartition, ParamPiece
 from ddp.zero_state import ShardPayload, exchange_objects, merge_payloads, piece_state
 
@@ -161,6 +161,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
         Returns:
             What the local optimizer's ``step`` returns (the closure's loss, or None).
+
+        Raises:
+            ParametersChangedError: A parameter's storage was replaced after the
+                optimizer was created (it no longer lives in the flat buffer).
         """
         self._check_linked("step")
         self._sync_hyperparameters()
@@ -260,10 +264,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         loads into the plain optimizer (or into this one, on any world size).
 
         Raises:
-            RuntimeError: This rank has no consolidated state.
+            StateNotConsolidatedError: This rank has no consolidated state (a
+                ``CommError``, so a ``RuntimeError``).
         """
         if self._consolidated is None:
-            raise RuntimeError(
+            raise StateNotConsolidatedError(
                 f"{self._prefix('state_dict')}the optimizer state has not been consolidated on this rank; "
                 f"call consolidate_state_dict(to={self.rank}) on every rank first"
             )
@@ -438,7 +443,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _check_linked(self, op: str) -> None:
         for i, (p, ptr) in enumerate(zip(self._params, self._linked, strict=True)):
             if p.data_ptr() != ptr and p.numel():
-                raise RuntimeError(
+                raise ParametersChangedError(
                     f"{self._prefix(op)}parameter {i} ({dtype_name(p.dtype)} {tuple(p.shape)} on {p.device}) "
                     "no longer lives in the optimizer's flat buffer: its storage was replaced (model.to(), "
                     "p.data = ..., load_state_dict(assign=True)) after the optimizer was created, so the "

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from commlib.errors import CommError
 from commlib.types import ReduceOp
-from ddp import DDPConfig, GradientBucket, GradientBucketManager, plan_buckets
+from ddp import BucketOrderError, DDPConfig, GradientBucket, GradientBucketManager, plan_buckets
 from ddp.config import MB
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 
@@ -202,13 +203,14 @@ def test_manager_launches_strictly_in_bucket_order():
     m.register_grad_ready(ps[0])  # bucket 2 complete first: must wait
     m.register_grad_ready(ps[1])  # bucket 1 complete: must wait
     assert m.launched == 0 and group.issued == []
-    with pytest.raises(RuntimeError, match="0/1 gradients ready; missing: param2"):
+    with pytest.raises(BucketOrderError, match="0/1 gradients ready; missing: param2"):
         m.reduce_bucket_async(0)
     m.register_grad_ready(ps[2])  # bucket 0: now 0, 1, 2 go, in that order
     assert m.launched == 3
     assert [i.numel for i in group.all_reduces] == [4, 4, 4]
-    with pytest.raises(RuntimeError, match="strictly in order"):
+    with pytest.raises(BucketOrderError, match="strictly in order") as raised:
         m.reduce_bucket_async(0)
+    assert isinstance(raised.value, CommError)
     m.finish_grad_sync(10)
     assert m.launched == 3
 

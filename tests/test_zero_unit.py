@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from ddp import ModelMismatchError, ParameterPartition, ZeroRedundancyOptimizer
+from commlib.errors import CommError
+from ddp import (
+    ModelMismatchError,
+    ParameterPartition,
+    ParametersChangedError,
+    StateNotConsolidatedError,
+    ZeroRedundancyOptimizer,
+)
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import zero_bodies
 from tests.distributed.zero_bodies import build
@@ -125,9 +132,12 @@ def test_misuse_after_construction():
     assert len(group.issued) == issued  # checked before communicating
     model.fc2.weight.data = model.fc2.weight.data.clone()  # the parameter leaves the flat buffer
     with pytest.raises(
-        RuntimeError, match=r"zero.step: parameter 2 \(float32 \(5, 8\) on cpu\) no longer lives"
+        ParametersChangedError, match=r"zero.step: parameter 2 \(float32 \(5, 8\) on cpu\) no longer lives"
     ):
         zero.step()
+    with pytest.raises(StateNotConsolidatedError, match="consolidate_state_dict") as raised:
+        zero.state_dict()
+    assert isinstance(raised.value, CommError)
     group.close()
 
 

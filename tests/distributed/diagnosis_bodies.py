@@ -180,18 +180,19 @@ def stall(group: IProcessGroup, sleep_s: float = 3.0, capture: bool = True) -> d
 
 
 def stall_in_ddp(group: IProcessGroup, sleep_s: float = 3.0) -> dict[str, Any]:
-    """The last rank starts backward ``sleep_s`` late; the others' bucket all-reduces stall, and say which."""
+    """The last rank's backward pauses ``sleep_s``; the others' bucket all-reduce stalls, and says which.
+
+    The pause comes after the last layer's gradients, so every rank has launched
+    DDP's step agreement (the collective before bucket 0) and the stall is the bucket's.
+    """
     from ddp import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
-        group,
-        bucket_size_mb=25,
-    )
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = DistributedDataParallel(module, group, bucket_size_mb=25)
+    if group.rank == group.world_size - 1:
+        module[0].weight.register_hook(lambda grad: time.sleep(sleep_s))
     with CapturedWarnings() as seen:
-        if group.rank == group.world_size - 1:
-            time.sleep(sleep_s)
         model(torch.ones(4, 8)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     return {"warnings": seen.messages, "grad_sum": float(sum(g.sum() for g in grads))}
