@@ -94,7 +94,8 @@ def test_join_disabled_does_nothing():
         return [i.kind for i in group.issued[before:]]
 
     for kinds in run_threads(body, 2):
-        assert kinds == ["all_reduce", "broadcast"]  # the bucket; the one-time bucket-order broadcast
+        # the step agreement, the bucket, the one-time bucket-order broadcast: no join round
+        assert kinds == ["all_gather", "all_reduce", "broadcast"]
 
 
 @pytest.mark.parametrize(
