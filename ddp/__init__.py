@@ -14,6 +14,7 @@ from ddp.errors import (
     MissingGradientsError,
     ModelMismatchError,
     NonFiniteGradientError,
+    UnsupportedCollectiveError,
 )
 from ddp.hooks import (
     PowerSGDState,
@@ -45,6 +46,7 @@ __all__ = [
     "PowerSGDState",
     "StepStats",
     "TimelineWriter",
+    "UnsupportedCollectiveError",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
     "bf16_compress_hook",

@@ -10,6 +10,7 @@ __all__ = [
     "MissingGradientsError",
     "ModelMismatchError",
     "NonFiniteGradientError",
+    "UnsupportedCollectiveError",
 ]
 
 
@@ -53,3 +54,7 @@ class NonFiniteGradientError(CommError):
 
 class CommHookError(CommError):
     """A communication hook was misused (registered twice or too late) or did not deliver a result."""
+
+
+class UnsupportedCollectiveError(CommError, ValueError):
+    """The process group cannot run a collective the settings need (found at construction, before any)."""

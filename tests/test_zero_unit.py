@@ -6,7 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from ddp import ModelMismatchError, ParameterPartition, ZeroRedundancyOptimizer
+from ddp import (
+    CommHookError,
+    DistributedDataParallel,
+    ModelMismatchError,
+    ParameterPartition,
+    UnsupportedCollectiveError,
+    ZeroRedundancyOptimizer,
+    allreduce_hook,
+)
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import zero_bodies
 from tests.distributed.zero_bodies import build
@@ -157,3 +165,59 @@ def test_ranks_with_different_parameters_all_raise():
         assert message.startswith(f"[rank {rank}/2] zero.init: ranks [1] have other parameters"), message
         assert "rank 0: 4 parameters" in message and "rank 1: 4 parameters" in message
         assert "same parameters, in the same order" in message
+
+
+# ------------------------------------------- gradient_sync="reduce_scatter"
+class NoReduceScatterGroup(FakeProcessGroup):
+    @property
+    def supports_reduce_scatter(self) -> bool:
+        return False
+
+
+def test_reduce_scatter_mode_refuses_bad_input_before_communicating():
+    group = NoReduceScatterGroup(0, FakeHub(1))
+    with pytest.raises(UnsupportedCollectiveError) as info:
+        DistributedDataParallel(build("net", 1), group, gradient_sync="reduce_scatter")
+    message = str(info.value)
+    assert message.startswith("[rank 0/1] ddp.init: gradient_sync='reduce_scatter' needs reduce_scatter")
+    assert "the fake backend (NoReduceScatterGroup) does not support" in message
+    assert "use gradient_sync='allreduce'" in message
+    with pytest.raises(ValueError, match=r"gradient_sync: expected one of 'allreduce', 'reduce_scatter'"):
+        DistributedDataParallel(build("net", 1), group, gradient_sync="all_gather")
+    assert group.issued == []
+    group.close()
+
+
+def test_reduce_scatter_mode_refuses_hooks_and_a_partial_or_foreign_optimizer():
+    group = solo()
+    model = build("net", 1)
+    ddp = DistributedDataParallel(model, group, gradient_sync="reduce_scatter")
+    with pytest.raises(CommHookError, match=r"ddp.register_comm_hook: gradient_sync='reduce_scatter'"):
+        ddp.register_comm_hook(group, allreduce_hook)
+    issued = len(group.issued)
+    with pytest.raises(ValueError, match=r"^\[rank 0/1\] zero.init: 3 of the parameters .* not in this"):
+        ZeroRedundancyOptimizer(model.fc1.parameters(), torch.optim.SGD, group, lr=0.1)
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=r"zero.init: the partition given differs from the layout"):
+        ZeroRedundancyOptimizer(
+            params, torch.optim.SGD, group, partition=ParameterPartition.balanced(params[::-1], 1), lr=1
+        )
+    assert len(group.issued) == issued  # refused before communicating
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, group, lr=0.1)
+    assert zero.partition.fingerprint() == ParameterPartition.from_buckets(
+        params, [b.params for b in ddp.bucket_manager.buckets], 1
+    ).fingerprint()
+    group.close()
+
+
+def test_gradient_scaling_factor_replaces_the_average():
+    """Megatron passes gradient_scaling_factor=1/dp alone: with the default AVG it scales a sum."""
+
+    def body(group, factor):
+        model = nn.Linear(2, 1, bias=False)
+        ddp = DistributedDataParallel(model, group, gradient_scaling_factor=factor)
+        ddp(torch.full((1, 2), float(group.rank + 1))).sum().backward()
+        return model.weight.grad.tolist(), [i.op.name for i in group.all_reduces][-1]
+
+    assert run_threads(body, 3, 0.25) == [([[1.5, 1.5]], "SUM")] * 3  # (1 + 2 + 3) * 0.25
+    assert run_threads(body, 3, None) == [([[2.0, 2.0]], "SUM")] * 3  # the average, divided
