@@ -160,6 +160,14 @@ class DDPConfig:
     averaged gradients of its shard of every bucket only, for a
     ``ZeroRedundancyOptimizer`` that steps that shard (see ``docs/zero.md``)."""
 
+    overlap_param_gather: bool = False
+    """With ``gradient_sync="reduce_scatter"``: the ``ZeroRedundancyOptimizer``'s
+    ``step`` returns with the parameters' all-gathers in flight, one per bucket, and
+    the next forward waits for each bucket's just before the first module that uses
+    its parameters (Megatron's ``overlap_param_gather``). Until then the parameters
+    of other ranks' shards are stale: read them elsewhere only after
+    ``optimizer.finish_param_gather()``. Default False: ``step`` waits."""
+
     def __post_init__(self) -> None:
         if isinstance(self.bucket_size_mb, str):
             if self.bucket_size_mb != AUTO:
@@ -176,6 +184,7 @@ class DDPConfig:
             "rebuild_buckets",
             "check_models",
             "check_for_nan_in_grad",
+            "overlap_param_gather",
         ):
             value = getattr(self, field)
             if not isinstance(value, bool):
@@ -190,6 +199,12 @@ class DDPConfig:
             raise ValueError(
                 f"DDPConfig.gradient_sync: expected one of {', '.join(map(repr, GRADIENT_SYNCS))}, got "
                 f"{self.gradient_sync!r}"
+            )
+        if self.overlap_param_gather and self.gradient_sync != "reduce_scatter":
+            raise ValueError(
+                "DDPConfig.overlap_param_gather=True needs gradient_sync='reduce_scatter' (the "
+                "ZeroRedundancyOptimizer then follows DDP's buckets), got "
+                f"gradient_sync={self.gradient_sync!r}"
             )
         if self.grad_reduce_dtype is not None:
             dtype = self.grad_reduce_dtype

@@ -26,7 +26,14 @@ from ddp.devices import comm_device, control_buffer, control_tensor, to_host
 from ddp.errors import AbandonedBackwardError, CommHookError, MissingGradientsError, NonFiniteGradientError
 from ddp.graph import used_parameters
 from ddp.replicas import broadcast_module_states, verify_same_model
-from ddp.shard_sync import ShardedGradientLayout, check_reduce_scatter_support, register_layout, wire_bytes
+from ddp.shard_sync import (
+    ParamGathers,
+    ShardedGradientLayout,
+    check_reduce_scatter_support,
+    register_layout,
+    wait_before_forward,
+    wire_bytes,
+)
 from ddp.stats import StepStats
 from ddp.timeline import TimelineWriter, timeline_path_from_env
 
@@ -130,6 +137,11 @@ class DistributedDataParallel(nn.Module):
             of its shard only, for a ``ZeroRedundancyOptimizer`` created over
             ``model.parameters()``, which then steps exactly that shard; the
             other elements of ``.grad`` are undefined (see ``docs/zero.md``).
+        overlap_param_gather: With ``gradient_sync="reduce_scatter"``: the
+            optimizer's ``step`` leaves the parameters' all-gathers in flight and
+            each module of the next forward waits for its own parameters' (see
+            ``DDPConfig``); read parameters elsewhere after
+            ``optimizer.finish_param_gather()``.
 
     Raises:
         ModelMismatchError: The ranks' models differ (on every rank).
@@ -169,6 +181,7 @@ class DistributedDataParallel(nn.Module):
         cost_model: CommCostModel | None = None,
         timeline: str | os.PathLike[str] | None = None,
         gradient_sync: str = "allreduce",
+        overlap_param_gather: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -186,6 +199,7 @@ class DistributedDataParallel(nn.Module):
             check_models=check_models,
             timeout_s=timeout_s,
             gradient_sync=gradient_sync,
+            overlap_param_gather=overlap_param_gather,
         )
         self.module = module
         group = resolve_group(process_group)
@@ -223,8 +237,12 @@ class DistributedDataParallel(nn.Module):
             check_for_nan_in_grad=self.config.check_for_nan_in_grad,
             gradient_sync=self.config.gradient_sync,
         )
+        self._hooks: list[Any] = []
         if self._manager.reduce_scatters:  # a ZeroRedundancyOptimizer over these parameters follows it
-            register_layout([p for _, p in trainable], ShardedGradientLayout(self._manager, group))
+            gathers = ParamGathers() if self.config.overlap_param_gather else None
+            register_layout([p for _, p in trainable], ShardedGradientLayout(self._manager, group, gathers))
+            if gathers is not None:
+                self._hooks += wait_before_forward(module, gathers)
         self._manager.record_arrival_times = self._auto is not None
         self._no_sync = False
         self._in_backward = False
@@ -242,12 +260,17 @@ class DistributedDataParallel(nn.Module):
         """Statistics of the latest backwards (up to 1000), oldest first."""
         path = timeline if timeline is not None else timeline_path_from_env()
         self.timeline: TimelineWriter | None = (
-            TimelineWriter(path, rank=group.rank, world_size=group.world_size, backend=group.backend)
+            TimelineWriter(
+                path,
+                rank=group.rank,
+                world_size=group.world_size,
+                backend=group.backend,
+                collective="reduce_scatter" if self._manager.reduce_scatters else "all_reduce",
+            )
             if path is not None
             else None
         )
         """The Chrome-trace writer when a timeline was asked for (``timeline=`` or ``COMMLIB_TIMELINE``)."""
-        self._hooks: list[Any] = []
         ref = weakref.ref(self)
         for i, (_, p) in enumerate(trainable):
             self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, i)))  # type: ignore[no-untyped-call]

@@ -41,6 +41,7 @@ from ddp.errors import UnsupportedCollectiveError
 from ddp.partition import ParameterPartition
 
 __all__ = [
+    "ParamGathers",
     "ReduceScatterBuckets",
     "ShardedGradientLayout",
     "check_reduce_scatter_support",
@@ -147,6 +148,41 @@ class ReduceScatterBuckets:
         bucket.grad_data[self.shard_of(bucket)].copy_(self._outputs[bucket.index()])
 
 
+class ParamGathers:
+    """The parameters' all-gathers still in flight after a step (``overlap_param_gather``).
+
+    The optimizer adds each buffer's all-gather with the parameters it writes;
+    DDP's forward pre-hooks wait for those of a module's parameters just before
+    it runs; the optimizer waits for the rest before it touches the buffers again.
+    """
+
+    def __init__(self) -> None:
+        self._by_param: dict[int, Work] = {}  # id(parameter) -> the all-gather writing it
+
+    def __bool__(self) -> bool:
+        return bool(self._by_param)
+
+    def add(self, params: Sequence[torch.Tensor], work: Work) -> None:
+        """Record that ``work`` writes ``params`` (until waited for)."""
+        for p in params:
+            self._by_param[id(p)] = work
+
+    def wait_for(self, params: Any) -> None:
+        """Wait for the all-gathers that write any of ``params`` (an iterable of tensors)."""
+        by_param = self._by_param
+        for p in params:
+            work = by_param.pop(id(p), None)
+            if work is not None:
+                work.wait()
+
+    def wait_all(self) -> None:
+        """Wait for every all-gather still in flight."""
+        works = {id(w): w for w in self._by_param.values()}
+        self._by_param.clear()
+        for work in works.values():
+            work.wait()
+
+
 class ShardedGradientLayout:
     """DDP's buckets as a ``ParameterPartition``: what each rank's optimizer must step.
 
@@ -154,11 +190,14 @@ class ShardedGradientLayout:
         manager: The bucket manager that owns the layout (a
             ``GradientBucketManager`` in reduce-scatter mode).
         group: The group the buckets are reduced over.
+        param_gathers: With ``overlap_param_gather``: where the optimizer leaves
+            its all-gathers for DDP's forward to wait on; None: ``step`` waits.
     """
 
-    def __init__(self, manager: Any, group: IProcessGroup) -> None:
+    def __init__(self, manager: Any, group: IProcessGroup, param_gathers: ParamGathers | None = None) -> None:
         self._manager = weakref.ref(manager)
         self.group = group
+        self.param_gathers = param_gathers
 
     @property
     def version(self) -> int:
@@ -189,6 +228,26 @@ class ShardedGradientLayout:
                 "them all (pass model.parameters()), or use gradient_sync='allreduce'"
             )
         return ParameterPartition.from_buckets(params, buckets, self.group.world_size)
+
+
+def wait_before_forward(module: torch.nn.Module, gathers: ParamGathers) -> list[Any]:
+    """Make every submodule wait for its own parameters' all-gathers just before it runs.
+
+    Returns:
+        The hook handles (``handle.remove()`` undoes them).
+    """
+    handles = []
+    for sub in module.modules():
+        own = tuple(sub.parameters(recurse=False))
+        if not own:
+            continue
+
+        def pre_hook(_module: torch.nn.Module, _args: Any, own: tuple[torch.Tensor, ...] = own) -> None:
+            if gathers:
+                gathers.wait_for(own)
+
+        handles.append(sub.register_forward_pre_hook(pre_hook))
+    return handles
 
 
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()

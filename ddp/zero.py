@@ -52,7 +52,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     it lays its buckets out again (after the first backward, or a
     ``bucket_size_mb="auto"`` re-size), at the next ``step``. Parameters may then
     be split between ranks, so the optimizer must be elementwise (SGD, Adam,
-    AdamW...).
+    AdamW...). With DDP's ``overlap_param_gather=True``, ``step`` returns with
+    one all-gather per bucket in flight, issued in the order the next forward
+    needs them, and each module of that forward waits for its own parameters';
+    ``finish_param_gather()`` waits for them all (before reading the parameters
+    anywhere else).
 
     Every rank must call the constructor, ``step``, ``add_param_group``,
     ``consolidate_state_dict`` and ``set_partition``, in the same order: they
@@ -180,6 +184,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         Returns:
             What the local optimizer's ``step`` returns (the closure's loss, or None).
         """
+        self.finish_param_gather()  # those the last forward did not wait for (unused parameters)
         self._follow_gradient_layout("step")
         self._check_linked("step")
         self._sync_hyperparameters()
@@ -197,6 +202,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._release_piece_grads()
         self._all_gather_parameters()
         return loss
+
+    def finish_param_gather(self) -> None:
+        """Wait for the parameters' all-gathers still in flight (DDP's ``overlap_param_gather``).
+
+        After it every parameter holds its new value on every rank. Without
+        ``overlap_param_gather`` there is never one in flight, and it returns at once.
+        """
+        gathers = self._param_gathers()
+        if gathers:
+            gathers.wait_all()
 
     # ------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -368,6 +383,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _lay_out(self, partition: ParameterPartition, op: str) -> None:
         """Make ``partition`` current: allocate its buffers and make every parameter a view into them."""
         self._check_partition(partition, op)
+        self.finish_param_gather()  # the parameters are copied into the new buffers
         buffers = []
         with torch.no_grad():
             for layout in partition.layouts:
@@ -536,17 +552,31 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for tensor, _ in self._pieces:
             tensor.grad = None
 
+    def _param_gathers(self) -> shard_sync.ParamGathers | None:
+        layout = getattr(self, "_gradient_layout", None)
+        return None if layout is None else layout.param_gathers
+
     def _all_gather_parameters(self) -> None:
         if self.world_size == 1:
             return
+        gathers = self._param_gathers()
+        order = list(zip(self._partition.layouts, self._buffers, strict=True))
+        if gathers is not None:
+            # DDP's buckets run from the last layers to the first: the next forward needs them reversed.
+            order.reverse()
         works = []
-        for layout, buffer in zip(self._partition.layouts, self._buffers, strict=True):
+        for layout, buffer in order:
             shard = layout.shard_numel
             if shard:
                 mine = buffer[self.rank * shard : (self.rank + 1) * shard]
-                works.append(self._group.all_gather(buffer, mine, async_op=True))
-        for work in works:
-            work.wait()
+                work = self._group.all_gather(buffer, mine, async_op=True)
+                assert work is not None  # async_op=True always returns a handle
+                if gathers is not None:
+                    gathers.add([self._params[slot.index] for slot in layout.slots], work)
+                works.append(work)
+        if gathers is None:
+            for work in works:
+                work.wait()
 
     def _shard_payload(self) -> ShardPayload:
         """This rank's state, by parameter index and piece, copied to the CPU."""

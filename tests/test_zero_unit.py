@@ -207,9 +207,12 @@ def test_reduce_scatter_mode_refuses_hooks_and_a_partial_or_foreign_optimizer():
         )
     assert len(group.issued) == issued  # refused before communicating
     zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, group, lr=0.1)
-    assert zero.partition.fingerprint() == ParameterPartition.from_buckets(
-        params, [b.params for b in ddp.bucket_manager.buckets], 1
-    ).fingerprint()
+    assert (
+        zero.partition.fingerprint()
+        == ParameterPartition.from_buckets(
+            params, [b.params for b in ddp.bucket_manager.buckets], 1
+        ).fingerprint()
+    )
     group.close()
 
 

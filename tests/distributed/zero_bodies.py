@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp import DistributedDataParallel, ParameterPartition, ZeroRedundancyOptimizer
+from ddp import DistributedDataParallel, ParameterPartition, ZeroRedundancyOptimizer, shard_sync
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 
 PER_RANK = 4
@@ -456,6 +456,40 @@ def case_rs_no_sync(group: Any) -> dict[str, Any]:
     return {"diffs": diffs, "hashes": hashes, "synced": synced}
 
 
+def case_rs_overlap(group: Any) -> dict[str, Any]:
+    """``overlap_param_gather``: ``step`` returns with the all-gathers in flight; the forward waits."""
+    rank, world = group.rank, group.world_size
+    model, reference = build("net", 90 + rank, torch.float64), build("net", 90, torch.float64)
+    ddp = DistributedDataParallel(
+        model, group, bucket_size_mb=0.0002, gradient_sync="reduce_scatter", overlap_param_gather=True
+    )
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    gathers = shard_sync.layout_of(list(model.parameters())).param_gathers
+    diffs, hashes, in_flight = [], [], []
+    for step in range(STEPS):
+        x, y = batch("net", step, PER_RANK * world)
+        zero.zero_grad()
+        loss_of("net", ddp, shard(x, rank, world), shard(y, rank, world), step).backward()
+        diffs.append(max_diff(model, reference))  # the forward waited for every parameter it used
+        hashes.append(params_hash(model))
+        zero.step()
+        in_flight.append(bool(gathers))
+        plain.zero_grad()
+        loss_of("net", reference, x, y, step).backward()
+        plain.step()
+    zero.finish_param_gather()
+    diffs.append(max_diff(model, reference))
+    hashes.append(params_hash(model))
+    return {
+        "diffs": diffs,
+        "hashes": hashes,
+        "in_flight": in_flight,
+        "buckets": ddp.bucket_manager.num_buckets,
+        "left": bool(gathers),
+    }
+
+
 TRAIN_CASES: dict[str, tuple[Any, ...]] = {
     "ddp_adamw": ("net", "adamw", "ddp", "balanced", "step"),
     "onecycle_buckets": ("net", "adamw", "local", "buckets", "onecycle"),
@@ -492,6 +526,7 @@ def suite(group: Any, default_group: bool = True) -> dict[str, Any]:
         results["default_group"] = case_default_group(group)
     results["different_weights"] = case_different_weights(group)
     results["rs_no_sync"] = case_rs_no_sync(group)
+    results["rs_overlap"] = case_rs_overlap(group)
     return results
 
 
@@ -610,3 +645,10 @@ def check_reduce_scatter(results: list[dict[str, Any]]) -> None:
         assert no_sync["synced"] == [False, True] * 3, no_sync["synced"]
     for step in range(3):
         assert len({r["rs_no_sync"]["hashes"][step] for r in results}) == 1, step
+    for r in results:
+        overlap = r["rs_overlap"]
+        assert max(overlap["diffs"]) <= 1e-10, overlap["diffs"]
+        assert overlap["buckets"] > 1 and overlap["in_flight"] == [world > 1] * STEPS, overlap
+        assert not overlap["left"], overlap
+    for step in range(STEPS + 1):
+        assert len({r["rs_overlap"]["hashes"][step] for r in results}) == 1, step
