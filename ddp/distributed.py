@@ -388,8 +388,9 @@ class DistributedDataParallel(nn.Module):
 
         Raises:
             TypeError: ``hook`` is not callable with two arguments.
-            CommHookError: A hook is registered already, a backward has run, or a
-                ``gradient_scaling_factor`` of your own is set (a hook scales itself).
+            CommHookError: A hook is registered already, a backward has run, a
+                ``gradient_scaling_factor`` of your own is set (a hook scales itself),
+                or ``gradient_sync="reduce_scatter"`` (DDP reduce-scatters itself).
 
         Example::
 

@@ -1,6 +1,6 @@
 """``gradient_sync="reduce_scatter"``: each bucket is reduce-scattered, and each rank keeps its shard.
 
-Three pieces, one job each:
+Four pieces, one job each:
 
 - ``ReduceScatterBuckets`` launches a ready bucket's reduce-scatter and lands this
   rank's block of the result in its slice of the bucket (``BucketSync`` calls it
@@ -14,6 +14,9 @@ Three pieces, one job each:
 - A registry from parameters to the layout that reduce-scatters their
   gradients, so that ``ZeroRedundancyOptimizer(model.parameters(), ...)`` finds it
   with no argument: the same parameters, one owner.
+- ``ParamGathers`` (``overlap_param_gather=True``): the optimizer's all-gathers of
+  the new parameters left in flight after ``step``, which the next forward waits
+  for module by module (``wait_before_forward``).
 
 After backward, a rank's gradients are exact (averaged over the ranks) in its
 own shard of every bucket only. The other elements of ``.grad`` are undefined:
@@ -47,6 +50,8 @@ __all__ = [
     "check_reduce_scatter_support",
     "layout_of",
     "register_layout",
+    "registrations",
+    "wait_before_forward",
     "wire_bytes",
 ]
 
@@ -214,12 +219,11 @@ class ShardedGradientLayout:
         """The partition of ``params`` (an optimizer's) that matches the buckets' shards.
 
         Raises:
-            ValueError: ``params`` leaves out a parameter the buckets hold, or the
-                group's size differs.
+            ValueError: ``params`` leaves out a parameter the buckets hold.
         """
-        position = {id(p) for p in params}
+        held = {id(p) for p in params}
         buckets = self.buckets()
-        left_out = sum(1 for b in buckets for p in b if id(p) not in position)
+        left_out = sum(1 for b in buckets for p in b if id(p) not in held)
         if left_out:
             raise ValueError(
                 f"{prefix}{left_out} of the parameters DistributedDataParallel reduce-scatters "
