@@ -14,6 +14,11 @@ Modes, each with its own copy of the model (same seed) and its own AdamW:
 - ``ddp-<backend>+<hook>``: the same with a communication hook of ``--hooks``: ``bf16``
   (``bf16_compress_hook``), ``fp16``, ``powersgd`` (``powerSGD_hook`` at rank
   ``--powersgd-rank``, compressing from the first timed step).
+- ``ddp-<backend>+zero`` (with ``--zero``): DDP (all-reduce) with ``ZeroRedundancyOptimizer(AdamW)``:
+  each rank keeps the AdamW state of its shard, and the step all-gathers the parameters.
+- ``ddp-<backend>+rs`` (with ``--zero``): ``gradient_sync="reduce_scatter"`` with
+  ``ZeroRedundancyOptimizer(AdamW)`` (Megatron's distributed optimizer): each bucket is
+  reduce-scattered, each rank steps its shard, the step all-gathers the parameters.
 - ``ddp-null``: commlib's DDP over a group whose collectives do nothing: what the DDP side
   costs by itself (hooks, copies into the buckets, scaling, launches).
 - ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel`` on Gloo, same bucket cap.
@@ -30,7 +35,10 @@ commlib's DDP the exposed
 communication (how long backward waited at its end) beside the total
 communication time, the overlap ``1 - exposed / comm``, the bytes handed to the
 group per step (``StepStats.bytes_sent``: compression shows there) and the time
-spent in DDP's gradient hooks. For every mode: the CPU time of the thread that
+spent in DDP's gradient hooks; the bytes one rank puts on the wire in backward by a
+ring algorithm (``StepStats.wire_bytes``: a reduce-scatter moves half of an
+all-reduce's), the bytes handed to the group in the optimizer step (the ZeRO
+all-gather) and the optimizer state per rank. For every mode: the CPU time of the thread that
 runs the step and of the process's other threads (a progress thread, Gloo's),
 per step, which on a machine with a core per rank is compute taken from
 backward. For ``naive`` and ``flat`` the whole synchronisation after backward
@@ -68,6 +76,7 @@ from commlib.work import CompletedWork, Work  # noqa: E402
 from ddp import (  # noqa: E402
     DistributedDataParallel,
     PowerSGDState,
+    ZeroRedundancyOptimizer,
     bf16_compress_hook,
     fp16_compress_hook,
     powerSGD_hook,
@@ -94,6 +103,9 @@ CSV_COLUMNS = [
     "vs_torch_ddp",
     "vs_no_hook",
     "bytes_sent_mb",
+    "wire_mb",
+    "step_mb",
+    "opt_state_mb",
     "hook_ms",
     "main_cpu_ms",
     "other_cpu_ms",
@@ -121,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="bf16,powersgd",
         help=f"communication hooks to run on every backend: any of {', '.join(HOOKS)}, or none "
         "(default bf16,powersgd)",
+    )
+    p.add_argument(
+        "--zero",
+        action="store_true",
+        help="add ddp-<backend>+zero (DDP + ZeroRedundancyOptimizer(AdamW)) and ddp-<backend>+rs "
+        "(gradient_sync='reduce_scatter' + ZeroRedundancyOptimizer(AdamW)) for every backend",
     )
     p.add_argument(
         "--powersgd-rank", type=int, default=4, help="matrix_approximation_rank of powersgd (default 4)"
@@ -164,12 +182,15 @@ class Mode:
     after_backward: Callable[[], float] = lambda: 0.0  # returns seconds of exposed synchronisation
     ddp: DistributedDataParallel | None = None
     note: str = ""
-    no_hook: str | None = None  # the same backend's mode without a hook
+    no_hook: str | None = None  # the same backend's mode without a hook (or without ZeRO)
+    group: Any = None  # the commlib group whose bytes the optimizer step hands over (ZeRO modes)
     times: list[float] = dataclasses.field(default_factory=list)
     main_cpu: list[float] = dataclasses.field(default_factory=list)
     other_cpu: list[float] = dataclasses.field(default_factory=list)
     hook: list[float] = dataclasses.field(default_factory=list)
     bytes_sent: list[int] = dataclasses.field(default_factory=list)
+    wire: list[int] = dataclasses.field(default_factory=list)
+    step_bytes: list[int] = dataclasses.field(default_factory=list)
     exposed: list[float] = dataclasses.field(default_factory=list)
     comm: list[float] = dataclasses.field(default_factory=list)
     overlap: list[float] = dataclasses.field(default_factory=list)
@@ -182,9 +203,24 @@ def fresh_model(cfg: GPTConfig, seed: int) -> GPT:
     return GPT(cfg)
 
 
+ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
+
+
 def optimizer(params: Any) -> torch.optim.Optimizer:
-    """Return the optimizer every mode uses."""
-    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+    """Return the optimizer every mode uses (ZeRO modes shard the same one)."""
+    return torch.optim.AdamW(params, **ADAMW)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (a ZeRO optimizer: its shard's)."""
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        return opt.state_bytes()
+    return sum(
+        v.numel() * v.element_size()
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 class NullGroup(commlib.IProcessGroup):
@@ -263,7 +299,8 @@ def create_modes(
 
     def add(name: str, note: str = "", **kwargs: Any) -> Mode:
         model = kwargs.pop("model", None) or fresh_model(cfg, args.seed)
-        mode = Mode(name, model, optimizer(model.parameters()), note=note, **kwargs)
+        opt = kwargs.pop("opt", None) or optimizer(model.parameters())
+        mode = Mode(name, model, opt, note=note, **kwargs)
         modes.append(mode)
         return mode
 
@@ -296,6 +333,24 @@ def create_modes(
                 continue
             hook_note = register_hook(ddp, group, hook, args)
             add(f"ddp-{name}+{hook}", f"{note}, {hook_note}", model=ddp, ddp=ddp, no_hook=f"ddp-{name}")
+        for sync, suffix in (("allreduce", "zero"), ("reduce_scatter", "rs")) if args.zero else ():
+            ddp = DistributedDataParallel(
+                fresh_model(cfg, args.seed),
+                group,
+                bucket_size_mb=args.bucket_mb,
+                first_bucket_size_mb=args.first_bucket_mb,
+                gradient_sync=sync,
+            )
+            zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, **ADAMW)
+            add(
+                f"ddp-{name}+{suffix}",
+                f"{note}, gradient_sync={sync}, ZeroRedundancyOptimizer(AdamW)",
+                model=ddp,
+                ddp=ddp,
+                opt=zero,
+                group=group,
+                no_hook=f"ddp-{name}",
+            )
     if "ddp-null" in baselines:
         null = NullGroup(env, config)
         ddp = DistributedDataParallel(
@@ -436,8 +491,11 @@ def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, ra
     mode.opt.zero_grad(set_to_none=True)
     GPT.loss(mode.model(x), y).backward()
     exposed = mode.after_backward()
+    handed = mode.group.bytes_issued if mode.group is not None else 0
     mode.opt.step()
     elapsed = time.perf_counter() - start
+    if mode.group is not None:
+        mode.step_bytes.append(mode.group.bytes_issued - handed)
     main = time.thread_time() - cpu_main
     mode.main_cpu.append(main)
     mode.other_cpu.append(time.process_time() - cpu_all - main)
@@ -449,6 +507,7 @@ def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, ra
         mode.collectives.append(s.collectives)
         mode.hook.append(s.hook_s)
         mode.bytes_sent.append(s.bytes_sent)
+        mode.wire.append(s.wire_bytes)
     elif exposed:
         mode.exposed.append(exposed)
         mode.comm.append(exposed)
@@ -493,6 +552,9 @@ def summarise(
     def median_ms(values: list[float]) -> float | None:
         return statistics.median(values) * 1e3 if values else None
 
+    def median_mb(values: list[int]) -> float | None:
+        return statistics.median(values) / 1e6 if values else None
+
     rows = []
     for m in modes:
         if not m.times:
@@ -513,7 +575,10 @@ def summarise(
                 "vs_none": vs_none - 1 if vs_none is not None else None,
                 "vs_torch_ddp": vs_torch,
                 "vs_no_hook": vs_no_hook,
-                "bytes_sent_mb": statistics.median(m.bytes_sent) / 1e6 if m.bytes_sent else None,
+                "bytes_sent_mb": median_mb(m.bytes_sent),
+                "wire_mb": median_mb(m.wire),
+                "step_mb": median_mb(m.step_bytes),
+                "opt_state_mb": state_bytes(m.opt) / 1e6,
                 "hook_ms": median_ms(m.hook),
                 "main_cpu_ms": median_ms(m.main_cpu),
                 "other_cpu_ms": median_ms(m.other_cpu),
@@ -536,8 +601,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     width = max([len(r["mode"]) for r in rows] + [11])
     head = (
         f"{'mode':<{width}} {'step ms':>8} {'p25-p75 ms':>14} {'vs none':>8} {'/torch':>7} {'/nohook':>7} "
-        f"{'MB/step':>8} {'hook ms':>7} {'main cpu':>8} {'other cpu':>9} {'exposed ms':>10} {'comm ms':>8} "
-        f"{'overlap':>8} {'coll':>5} {'same':>5}"
+        f"{'MB/step':>8} {'wire MB':>7} {'opt MB':>6} {'state MB':>8} {'hook ms':>7} {'main cpu':>8} "
+        f"{'other cpu':>9} {'exposed ms':>10} {'comm ms':>8} {'overlap':>8} {'coll':>5} {'same':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -546,6 +611,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['mode']:<{width}} {r['median_ms']:8.1f} {r['p25_ms']:6.1f}-{r['p75_ms']:<7.1f} "
             f"{_fmt(r['vs_none'], '+.1%'):>8} {_fmt(r['vs_torch_ddp'], '.3f'):>7} "
             f"{_fmt(r['vs_no_hook'], '.3f'):>7} {_fmt(r['bytes_sent_mb'], '.1f'):>8} "
+            f"{_fmt(r['wire_mb'], '.1f'):>7} {_fmt(r['step_mb'], '.1f'):>6} "
+            f"{_fmt(r['opt_state_mb'], '.1f'):>8} "
             f"{_fmt(r['hook_ms'], '.1f'):>7} {_fmt(r['main_cpu_ms'], '.0f'):>8} "
             f"{_fmt(r['other_cpu_ms'], '.0f'):>9} {_fmt(r['exposed_ms'], '.1f'):>10} "
             f"{_fmt(r['comm_ms'], '.1f'):>8} {_fmt(r['overlap'], '.0%'):>8} "
@@ -569,6 +636,9 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"target ddp-ring within +8% of none (moonshot +5%): {over:+.1%} ({verdict})")
     for r in rows:
         base = by.get(r["mode"].split("+")[0]) if "+" in r["mode"] else None
+        if base is not None and r["mode"].endswith(("+zero", "+rs")):
+            out.append(zero_verdict(r, base))
+            continue
         if base is None or not r["bytes_sent_mb"] or not base["bytes_sent_mb"]:
             continue
         bytes_ratio = r["bytes_sent_mb"] / base["bytes_sent_mb"]
@@ -581,6 +651,31 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
             f"x{_fmt(r['vs_no_hook'], '.3f')} ({pays} here)"
         )
     return out
+
+
+def zero_verdict(row: dict[str, Any], base: dict[str, Any]) -> str:
+    """Judge a ZeRO mode against DDP with AdamW on the same backend: state, wire bytes, step time.
+
+    Targets: optimizer state at most ``1 / world_size`` of AdamW's plus one
+    parameter's worth (here: plus 10%); a reduce-scatter puts half of the
+    all-reduce's bytes on the wire in backward (before the parameter all-gather);
+    the reduce-scatter mode no slower than DDP with AdamW.
+    """
+    world = row["world_size"]
+    state = row["opt_state_mb"] / base["opt_state_mb"] if base["opt_state_mb"] else float("nan")
+    parts = [f"state x{state:.3f} of {base['mode']} (1/{world} = {1 / world:.3f})"]
+    if row["wire_mb"] and base["wire_mb"]:
+        wire = row["wire_mb"] / base["wire_mb"]
+        target = " (target half: met)" if row["mode"].endswith("+rs") and wire <= 0.5 * 1.01 else ""
+        parts.append(
+            f"backward wire bytes x{wire:.3f}{target}, then {_fmt(row['step_mb'], '.1f')} MB all-gathered"
+        )
+    ratio = row["vs_no_hook"]
+    verdict = ""
+    if row["mode"].endswith("+rs") and ratio is not None:
+        verdict = f" (target <= 1.00: {'met' if ratio <= 1.0 else 'NOT met'})"
+    parts.append(f"step time x{_fmt(ratio, '.3f')}{verdict}")
+    return f"{row['mode']}: " + ", ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -632,7 +727,7 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     m.times.append(elapsed)
                 if step < warmup:
-                    for record in (m.main_cpu, m.other_cpu, m.hook, m.bytes_sent):
+                    for record in (m.main_cpu, m.other_cpu, m.hook, m.bytes_sent, m.wire, m.step_bytes):
                         record.clear()
             if lead and not args.quick:
                 say(
@@ -650,7 +745,10 @@ def run(args: argparse.Namespace) -> int:
         say(
             "step ms: median over timed steps; vs none: overhead over no synchronisation, /torch: step "
             "time over torch-ddp's, /nohook: over the same backend without the hook, each the median of "
-            "per-round ratios; MB/step: bytes handed to the group; hook ms: time in DDP's gradient hooks; "
+            "per-round ratios (ZeRO modes: over the backend's DDP with AdamW); MB/step: bytes handed to "
+            "the group in backward; wire MB: bytes one rank sends in backward by a ring algorithm; opt MB: "
+            "bytes handed to the group in the optimizer step (ZeRO's all-gather); state MB: optimizer state "
+            "per rank; hook ms: time in DDP's gradient hooks; "
             "main cpu / other cpu: CPU ms per step of the step's thread / of the process's other threads; "
             "exposed: time backward (or the sync after it) blocked on communication; comm: time a "
             "collective was in flight; overlap: median of 1 - exposed/comm per step; same: parameters "

@@ -158,6 +158,16 @@ class IProcessGroup(abc.ABC):
         self.close()
 
     # -------------------------------------------------------------- capabilities
+    @property
+    def supports_reduce_scatter(self) -> bool:
+        """True if ``reduce_scatter`` is usable on this group (default True).
+
+        A backend (or a wrapper around one) that cannot reduce-scatter overrides
+        this to return False, so that users of the collective (DDP's
+        ``gradient_sync="reduce_scatter"``) can refuse before communicating.
+        """
+        return True
+
     def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
         """Return True if this backend can reduce ``dtype`` tensors on ``device`` with ``op``.
 

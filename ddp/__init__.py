@@ -20,6 +20,7 @@ from ddp.errors import (
     RanksOutOfStepError,
     RepeatedGradientError,
     StateNotConsolidatedError,
+    UnsupportedCollectiveError,
 )
 from ddp.hooks import (
     PowerSGDState,
@@ -60,6 +61,7 @@ __all__ = [
     "StateNotConsolidatedError",
     "StepStats",
     "TimelineWriter",
+    "UnsupportedCollectiveError",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
     "bf16_compress_hook",

@@ -41,6 +41,9 @@ class GradientBucket:
             pass the group's ``alloc_buffer``.
         comm_dtype: Dtype the collective runs in (default: the parameters').
         comm_device: Device the collective runs on (default: the parameters').
+        pad_to: Pad the buffers with zeros to a multiple of this many elements
+            (a reduce-scatter over ``world_size`` ranks needs equal shards);
+            default 1, no padding.
 
     Raises:
         ValueError: ``params`` is empty, or mixes dtypes or devices.
@@ -56,6 +59,7 @@ class GradientBucket:
         alloc: Allocator | None = None,
         comm_dtype: torch.dtype | None = None,
         comm_device: torch.device | None = None,
+        pad_to: int = 1,
     ) -> None:
         if not params:
             raise ValueError(f"GradientBucket {index}: needs at least one parameter")
@@ -82,6 +86,12 @@ class GradientBucket:
         self.offsets: tuple[int, ...] = tuple(offsets)
         """Element offset of each parameter's gradient in the buffers."""
         self.numel = total
+        """Elements of the parameters' gradients (the padding not included)."""
+        padded = -(-total // pad_to) * pad_to if pad_to > 1 else total
+        self.padding = padded - total
+        """Zero elements after the gradients, so that the buffers divide into ``pad_to`` equal shards."""
+        self.padded_numel = padded
+        """Elements of the buffers: ``numel + padding``."""
         allocate = self._alloc = alloc if alloc is not None else _zeros
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self.comm_dtype = comm_dtype if comm_dtype is not None else self.dtype
@@ -89,10 +99,10 @@ class GradientBucket:
         self.staged = self.comm_dtype != self.dtype or self.comm_device != self.device
         """True if the collective runs on ``comm_data``, a copy of ``grad_data`` in another dtype or place."""
         if self.staged:
-            self.grad_data = torch.zeros(total, dtype=self.dtype, device=self.device)
-            self.comm_data = allocate(total, self.comm_dtype, self.comm_device)
+            self.grad_data = torch.zeros(padded, dtype=self.dtype, device=self.device)
+            self.comm_data = allocate(padded, self.comm_dtype, self.comm_device)
         else:
-            self.grad_data = allocate(total, self.dtype, self.device)
+            self.grad_data = allocate(padded, self.dtype, self.device)
             self.comm_data = self.grad_data
         self.views: tuple[torch.Tensor, ...] = tuple(
             self.grad_data[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, params, strict=True)
@@ -114,8 +124,8 @@ class GradientBucket:
 
     @property
     def comm_nbytes(self) -> int:
-        """Size of the buffer the collective reduces, in bytes."""
-        return self.numel * self.comm_data.element_size()
+        """Size of the buffer the collective reduces, in bytes (padding included)."""
+        return self.padded_numel * self.comm_data.element_size()
 
     # ------------------------------------------- torch's GradBucket methods
     def index(self) -> int:

@@ -19,6 +19,7 @@ from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
 from ddp.errors import BucketOrderError
 from ddp.nonfinite import NonFiniteCheck
+from ddp.shard_sync import ReduceScatterBuckets
 from ddp.stats import StepRecorder
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
@@ -112,6 +113,9 @@ class GradientBucketManager:
         check_for_nan_in_grad: Check each bucket for NaN and Inf before it is
             communicated; ``finish_grad_sync`` then raises ``NonFiniteGradientError``
             on every rank if any rank found one (see ``DDPConfig``).
+        gradient_sync: ``"allreduce"`` or ``"reduce_scatter"``: each bucket is
+            padded to a multiple of ``world_size`` elements and reduce-scattered;
+            each rank gets its shard only (see ``ddp.shard_sync``).
         order: Order in which gradients are expected (indices into ``params``);
             default: reverse registration order, the order backward produces them.
 
@@ -136,6 +140,7 @@ class GradientBucketManager:
         grad_reduce_dtype: torch.dtype | None = None,
         check_for_nan_in_grad: bool = False,
         order: Sequence[int] | None = None,
+        gradient_sync: str = "allreduce",
     ) -> None:
         if isinstance(bucket_size_mb, str):
             raise TypeError(
@@ -149,6 +154,7 @@ class GradientBucketManager:
             gradient_scaling_factor=gradient_scaling_factor,
             grad_reduce_dtype=grad_reduce_dtype,
             check_for_nan_in_grad=check_for_nan_in_grad,
+            gradient_sync=gradient_sync,
         )
         self._params = list(params)
         self._names = list(names) if names is not None else [f"param{i}" for i in range(len(self._params))]
@@ -174,7 +180,11 @@ class GradientBucketManager:
             op=config.collective_op,
             scaling=config.scaling(group.world_size),
             check=NonFiniteCheck(group) if check_for_nan_in_grad else None,
+            shards=ReduceScatterBuckets(group) if gradient_sync == "reduce_scatter" else None,
         )
+        self._pad_to = group.world_size if gradient_sync == "reduce_scatter" else 1
+        self.layout_version = -1
+        """Counts the layouts (construction, rebuilds, re-sizes): a sharded optimizer follows it."""
         n = len(self._params)
         # Readiness, owned here and nowhere else.
         self._ready = bytearray(n)
@@ -191,6 +201,9 @@ class GradientBucketManager:
         """Time each gradient's arrival (``bucket_size_mb="auto"`` needs it for one backward)."""
         self.grads_copied = 0
         """Gradients of this iteration that arrived as fresh tensors and were copied into their view."""
+        self.padding_bytes = 0
+        """Bytes of padding in the buckets launched in this iteration (reduce-scatter mode)."""
+        self._reduced = False  # every bucket's reduction has landed, and nothing has arrived since
         self.recorder = StepRecorder()
         self._observers: list[Any] = [self.recorder]
         self._buckets: list[GradientBucket] = []
@@ -218,6 +231,7 @@ class GradientBucketManager:
                 view.copy_(p.grad)
                 p.grad = view
         self._buckets, self._plan, self._order = buckets, plan, order
+        self.layout_version += 1
         self._bucket_of, self._views = bucket_of, views
         self._sizes = [len(members) for members in plan]
         self._pending = list(self._sizes)
@@ -237,6 +251,7 @@ class GradientBucketManager:
             alloc=self.group.alloc_buffer,
             comm_dtype=dtype,
             comm_device=comm_device(self.group, dtype, device),
+            pad_to=self._pad_to,
         )
 
     def _refresh_scaling(self) -> None:
@@ -260,6 +275,9 @@ class GradientBucketManager:
         if plan_buckets(self._params, order, self.bucket_bytes, self.first_bucket_bytes) == self._plan:
             self._order = order
             return False
+        if self._sync.shards is not None and self._reduced:
+            # Each rank holds its shard of the old layout only; the new one cuts elsewhere.
+            self._sync.shards.gather(self._buckets)
         self._layout(order)
         return True
 
@@ -343,6 +361,11 @@ class GradientBucketManager:
         self._refresh_scaling()
 
     @property
+    def reduce_scatters(self) -> bool:
+        """True if the buckets are reduce-scattered (``gradient_sync="reduce_scatter"``)."""
+        return self._sync.shards is not None
+
+    @property
     def comm_hook(self) -> CommHook | None:
         """The registered communication hook, or None (all-reduce)."""
         return self._sync.hook
@@ -370,6 +393,8 @@ class GradientBucketManager:
         self.arrival_order.clear()
         self.arrival_times.clear()
         self.grads_copied = 0
+        self.padding_bytes = 0
+        self._reduced = False
         if self._sync.check is not None:
             self._sync.check.reset()
         for observer in self._observers:
@@ -526,6 +551,7 @@ class GradientBucketManager:
         bucket = self._buckets[index]
         start = time.perf_counter()
         self._inflight[index] = self._sync.launch(bucket)
+        self.padding_bytes += bucket.padding * bucket.comm_data.element_size()
         self._next_launch = index + 1
         for observer in self._observers:
             observer.launched(index, bucket.comm_nbytes, len(bucket.params), start)
@@ -586,6 +612,7 @@ class GradientBucketManager:
         sync.streams.join()
         self._next_done = self._next_launch
         self._active = False
+        self._reduced = self._next_launch == len(self._buckets)
         for bucket in self._buckets[: self._next_launch]:
             bucket.copy_back()
         if sync.check is not None and self._buckets:

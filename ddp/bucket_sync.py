@@ -3,7 +3,8 @@
 ``BucketSync.launch`` runs when a bucket's gradients are all in: it stages the
 bucket (another dtype or device, if any), scales it if scaling was not already
 fused into the copies, checks it for NaN and Inf when asked, and starts its
-collective: an all-reduce of the bucket (the default) or the registered
+collective: an all-reduce of the bucket (the default), a reduce-scatter
+(``gradient_sync="reduce_scatter"``, see ``ddp.shard_sync``) or the registered
 communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
 message naming the bucket, and lands the result in the gradients.
 """
@@ -26,6 +27,7 @@ from ddp.config import GradientScaling
 from ddp.devices import CommStreams
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
+from ddp.shard_sync import ReduceScatterBuckets
 
 __all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
 
@@ -80,6 +82,8 @@ class BucketSync:
             their copies into the bucket (``adopt_scaling``), or applied at launch
             to a bucket summed in a wider dtype (``scales_at_launch``).
         check: The NaN/Inf check, or None (off).
+        shards: Reduce-scatter the buckets with this instead of all-reducing
+            them (``gradient_sync="reduce_scatter"``), or None.
     """
 
     def __init__(
@@ -89,8 +93,10 @@ class BucketSync:
         op: ReduceOp,
         scaling: GradientScaling,
         check: NonFiniteCheck | None = None,
+        shards: ReduceScatterBuckets | None = None,
     ) -> None:
         self.group = group
+        self.shards = shards
         self.op = op
         self.scaling = scaling
         self.check = check
@@ -135,7 +141,10 @@ class BucketSync:
             if self.check is not None:
                 self.check.inspect(bucket, data)
             if self.hook is None:
-                work = self.group.all_reduce(data, self.op, async_op=True)
+                if self.shards is not None:
+                    work = self.shards.launch(bucket, data, self.op)
+                else:
+                    work = self.group.all_reduce(data, self.op, async_op=True)
                 assert work is not None  # async_op=True always returns a handle
                 return PendingSync(
                     work=work.annotate(  # the bucket, named in stall warnings and flight-recorder dumps
@@ -178,6 +187,10 @@ class BucketSync:
         cuda = CommStreams.applies(bucket.comm_device)
         if pending.work is not None:
             pending.work.wait(None if cuda else timeout)
+            if self.shards is not None:
+                if bucket.numel:
+                    self.shards.land(bucket)
+                return
             result = bucket.comm_data
         else:
             result = self._hook_result(bucket, pending, timeout)

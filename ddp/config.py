@@ -9,7 +9,15 @@ import torch
 
 from commlib.types import SUPPORTED_DTYPES, ReduceOp, dtype_name
 
-__all__ = ["AUTO", "DDPConfig", "DEFAULT_BUCKET_SIZE_MB", "GradientScaling", "MB", "reduce_dtype_for"]
+__all__ = [
+    "AUTO",
+    "DDPConfig",
+    "DEFAULT_BUCKET_SIZE_MB",
+    "GRADIENT_SYNCS",
+    "GradientScaling",
+    "MB",
+    "reduce_dtype_for",
+]
 
 AUTO = "auto"
 """``bucket_size_mb="auto"``: size buckets from a measured cost model (see ``ddp.cost_model``)."""
@@ -19,6 +27,9 @@ DEFAULT_BUCKET_SIZE_MB = 25.0
 
 MB = 1024 * 1024
 """Bytes in one ``bucket_size_mb`` unit (MiB, as torch's ``bucket_cap_mb``)."""
+
+GRADIENT_SYNCS = ("allreduce", "reduce_scatter")
+"""The values of ``gradient_sync``: every rank gets every averaged gradient, or only its shard's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +118,11 @@ class DDPConfig:
     """Factor every gradient is multiplied by before its bucket is summed across ranks
     (Megatron's way: it also keeps low-precision sums from overflowing). Default: the
     average, ``1 / world_size``, with ``reduce_op=AVG``; 1 with ``SUM``. A factor of
-    your own (a loss scale, an expert's share) needs ``reduce_op=SUM``. The scaling
-    costs nothing extra where a gradient is copied into its bucket anyway (after
-    ``zero_grad(set_to_none=True)``): the copy writes the scaled value."""
+    your own (``1 / data_parallel_size``, a loss scale, an expert's share) replaces
+    that default: the buckets are then summed after multiplying by it, with ``AVG``
+    and ``SUM`` alike. The scaling costs nothing extra where a gradient is copied
+    into its bucket anyway (after ``zero_grad(set_to_none=True)``): the copy writes
+    the scaled value."""
 
     grad_reduce_dtype: torch.dtype | None = None
     """Dtype the buckets are summed in when it differs from the parameters' (for
@@ -152,6 +165,20 @@ class DDPConfig:
     """Seconds the end-of-backward wait for communication may take before it raises
     ``CommTimeoutError``. Default: the process group's timeout."""
 
+    gradient_sync: str = "allreduce"
+    """``"allreduce"`` (default): every rank gets every averaged gradient.
+    ``"reduce_scatter"``: each bucket is reduce-scattered, and each rank gets the
+    averaged gradients of its shard of every bucket only, for a
+    ``ZeroRedundancyOptimizer`` that steps that shard (see ``docs/zero.md``)."""
+
+    overlap_param_gather: bool = False
+    """With ``gradient_sync="reduce_scatter"``: the ``ZeroRedundancyOptimizer``'s
+    ``step`` returns with the parameters' all-gathers in flight, one per bucket, and
+    the next forward waits for each bucket's just before the first module that uses
+    its parameters (Megatron's ``overlap_param_gather``). Until then the parameters
+    of other ranks' shards are stale: read them elsewhere only after
+    ``optimizer.finish_param_gather()``. Default False: ``step`` waits."""
+
     def __post_init__(self) -> None:
         if isinstance(self.bucket_size_mb, str):
             if self.bucket_size_mb != AUTO:
@@ -169,6 +196,7 @@ class DDPConfig:
             "check_models",
             "check_for_nan_in_grad",
             "static_graph",
+            "overlap_param_gather",
         ):
             value = getattr(self, field)
             if not isinstance(value, bool):
@@ -179,6 +207,17 @@ class DDPConfig:
                 f"DDPConfig.reduce_op: expected a commlib.ReduceOp ({choices}), got {self.reduce_op!r}"
             )
         self._check_scaling()
+        if self.gradient_sync not in GRADIENT_SYNCS:
+            raise ValueError(
+                f"DDPConfig.gradient_sync: expected one of {', '.join(map(repr, GRADIENT_SYNCS))}, got "
+                f"{self.gradient_sync!r}"
+            )
+        if self.overlap_param_gather and self.gradient_sync != "reduce_scatter":
+            raise ValueError(
+                "DDPConfig.overlap_param_gather=True needs gradient_sync='reduce_scatter' (the "
+                "ZeroRedundancyOptimizer then follows DDP's buckets), got "
+                f"gradient_sync={self.gradient_sync!r}"
+            )
         if self.grad_reduce_dtype is not None:
             dtype = self.grad_reduce_dtype
             if not isinstance(dtype, torch.dtype):
@@ -211,23 +250,24 @@ class DDPConfig:
             raise ValueError(
                 f"DDPConfig.gradient_scaling_factor: must be a finite, non-zero number, got {factor!r}"
             )
-        if self.reduce_op is not ReduceOp.SUM:
+        if self.reduce_op not in (ReduceOp.AVG, ReduceOp.SUM):
             raise ValueError(
                 f"DDPConfig.gradient_scaling_factor={factor!r} with reduce_op={self.reduce_op.name}: a "
-                "factor of your own replaces the average, so it needs reduce_op=ReduceOp.SUM (AVG "
-                "already scales by 1/world_size; MIN, MAX and PRODUCT are not scaled)"
+                "factor scales a sum, so it needs reduce_op=ReduceOp.AVG (where it replaces "
+                "1/world_size) or ReduceOp.SUM; MIN, MAX and PRODUCT are not scaled"
             )
 
     def scaling(self, world_size: int) -> GradientScaling:
         """How gradients are scaled before communication on ``world_size`` ranks.
 
-        ``AVG`` divides by ``world_size``; ``SUM`` multiplies by
-        ``gradient_scaling_factor`` (if given); other ops are not scaled.
+        ``AVG`` and ``SUM`` multiply by ``gradient_scaling_factor`` if one is
+        given; otherwise ``AVG`` divides by ``world_size`` (bit for bit torch's
+        average) and ``SUM`` leaves them. Other ops are not scaled.
         """
+        if self.reduce_op in (ReduceOp.AVG, ReduceOp.SUM) and self.gradient_scaling_factor is not None:
+            return GradientScaling(factor=float(self.gradient_scaling_factor))
         if self.reduce_op is ReduceOp.AVG:
             return GradientScaling(divisor=world_size)
-        if self.reduce_op is ReduceOp.SUM and self.gradient_scaling_factor is not None:
-            return GradientScaling(factor=float(self.gradient_scaling_factor))
         return GradientScaling()
 
     def cross_rank_settings(self) -> str:
@@ -239,7 +279,8 @@ class DDPConfig:
             f"gradient_scaling_factor={self.gradient_scaling_factor} grad_reduce_dtype={reduce_dtype} "
             f"check_for_nan_in_grad={self.check_for_nan_in_grad} "
             f"broadcast_buffers={self.broadcast_buffers} rebuild_buckets={self.rebuild_buckets} "
-            f"static_graph={self.static_graph}"
+            f"static_graph={self.static_graph} "
+            f"gradient_sync={self.gradient_sync}"
         )
 
     @property

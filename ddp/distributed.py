@@ -36,6 +36,14 @@ from ddp.errors import (
 from ddp.graph import on_backward_start, used_parameters
 from ddp.join import Join, JoinHook, _DDPJoinHook, _JoinState, early_termination, join_round
 from ddp.replicas import broadcast_module_states, verify_same_model
+from ddp.shard_sync import (
+    ParamGathers,
+    ShardedGradientLayout,
+    check_reduce_scatter_support,
+    register_layout,
+    wait_before_forward,
+    wire_bytes,
+)
 from ddp.static_graph import StaticGraph
 from ddp.stats import StepStats
 from ddp.step_guard import StepGuard
@@ -134,8 +142,8 @@ class DistributedDataParallel(nn.Module):
             them ready so their buckets still complete (see ``DDPConfig``).
         reduce_op: How gradients are combined, default ``AVG`` (the mean: each
             gradient divided by the world size before the buckets are summed).
-        gradient_scaling_factor: With ``reduce_op=SUM``: multiply every gradient by
-            this before communication, in place of the average (see ``DDPConfig``).
+        gradient_scaling_factor: Multiply every gradient by this before the buckets
+            are summed, in place of the average's ``1 / world_size`` (see ``DDPConfig``).
         grad_reduce_dtype: Sum narrower gradients in this dtype (``torch.float32``
             for bfloat16 models) and cast the result back (see ``DDPConfig``).
         check_for_nan_in_grad: Check every bucket for NaN and Inf before it is
@@ -155,11 +163,23 @@ class DistributedDataParallel(nn.Module):
         timeline: Write a Chrome trace of every step's backward and bucket
             communication to this path (per rank; see ``ddp.timeline``). Default:
             the ``COMMLIB_TIMELINE`` environment variable, if set.
+        gradient_sync: ``"allreduce"`` (default), or ``"reduce_scatter"``: each
+            bucket is reduce-scattered and each rank gets the averaged gradients
+            of its shard only, for a ``ZeroRedundancyOptimizer`` created over
+            ``model.parameters()``, which then steps exactly that shard; the
+            other elements of ``.grad`` are undefined (see ``docs/zero.md``).
+        overlap_param_gather: With ``gradient_sync="reduce_scatter"``: the
+            optimizer's ``step`` leaves the parameters' all-gathers in flight and
+            each module of the next forward waits for its own parameters' (see
+            ``DDPConfig``); read parameters elsewhere after
+            ``optimizer.finish_param_gather()``.
 
     Raises:
         ModelMismatchError: The ranks' models differ (on every rank).
         ValueError: A setting is out of range, or the backend cannot reduce a
             parameter dtype with ``reduce_op``.
+        UnsupportedCollectiveError: ``gradient_sync="reduce_scatter"`` on a group
+            without reduce-scatter.
 
     Example::
 
@@ -192,6 +212,8 @@ class DistributedDataParallel(nn.Module):
         timeout_s: float | None = None,
         cost_model: CommCostModel | None = None,
         timeline: str | os.PathLike[str] | None = None,
+        gradient_sync: str = "allreduce",
+        overlap_param_gather: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -209,10 +231,14 @@ class DistributedDataParallel(nn.Module):
             rebuild_buckets=rebuild_buckets,
             check_models=check_models,
             timeout_s=timeout_s,
+            gradient_sync=gradient_sync,
+            overlap_param_gather=overlap_param_gather,
         )
         self.module = module
         group = resolve_group(process_group)
         self.process_group = group
+        if self.config.gradient_sync == "reduce_scatter":
+            check_reduce_scatter_support(group)
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check_reducible(group, [p for _, p in trainable])
         if self.config.check_models:
@@ -242,7 +268,14 @@ class DistributedDataParallel(nn.Module):
             gradient_scaling_factor=self.config.gradient_scaling_factor,
             grad_reduce_dtype=self.config.grad_reduce_dtype,
             check_for_nan_in_grad=self.config.check_for_nan_in_grad,
+            gradient_sync=self.config.gradient_sync,
         )
+        self._hooks: list[Any] = []
+        if self._manager.reduce_scatters:  # a ZeroRedundancyOptimizer over these parameters follows it
+            gathers = ParamGathers() if self.config.overlap_param_gather else None
+            register_layout([p for _, p in trainable], ShardedGradientLayout(self._manager, group, gathers))
+            if gathers is not None:
+                self._hooks += wait_before_forward(module, gathers)
         self._manager.record_arrival_times = self._auto is not None
         self._guard = StepGuard(group, module, trainable)
         self._no_sync = False
@@ -265,12 +298,17 @@ class DistributedDataParallel(nn.Module):
         """Statistics of the latest backwards (up to 1000), oldest first."""
         path = timeline if timeline is not None else timeline_path_from_env()
         self.timeline: TimelineWriter | None = (
-            TimelineWriter(path, rank=group.rank, world_size=group.world_size, backend=group.backend)
+            TimelineWriter(
+                path,
+                rank=group.rank,
+                world_size=group.world_size,
+                backend=group.backend,
+                collective="reduce_scatter" if self._manager.reduce_scatters else "all_reduce",
+            )
             if path is not None
             else None
         )
         """The Chrome-trace writer when a timeline was asked for (``timeline=`` or ``COMMLIB_TIMELINE``)."""
-        self._hooks: list[Any] = []
         ref = weakref.ref(self)
         for i, (_, p) in enumerate(trainable):
             self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, i)))  # type: ignore[no-untyped-call]
@@ -522,8 +560,9 @@ class DistributedDataParallel(nn.Module):
 
         Raises:
             TypeError: ``hook`` is not callable with two arguments.
-            CommHookError: A hook is registered already, a backward has run, or a
-                ``gradient_scaling_factor`` of your own is set (a hook scales itself).
+            CommHookError: A hook is registered already, a backward has run, a
+                ``gradient_scaling_factor`` of your own is set (a hook scales itself),
+                or ``gradient_sync="reduce_scatter"`` (DDP reduce-scatters itself).
 
         Example::
 
@@ -531,6 +570,12 @@ class DistributedDataParallel(nn.Module):
             >>> model.register_comm_hook(group, bf16_compress_hook)   # before the first backward
         """
         check_comm_hook(hook)
+        if self._manager.reduce_scatters:
+            raise CommHookError(
+                f"{self._prefix('register_comm_hook')}gradient_sync='reduce_scatter' reduce-scatters each "
+                "bucket itself, and a hook would have to leave each rank exactly its shard; communication "
+                "hooks work with gradient_sync='allreduce' (the default)"
+            )
         if self._manager.comm_hook is not None:
             raise CommHookError(
                 f"{self._prefix('register_comm_hook')}a communication hook is registered already "
@@ -674,12 +719,16 @@ class DistributedDataParallel(nn.Module):
             manager = self._manager
             if self._backward_synced and self.config.check_for_nan_in_grad and manager.num_buckets:
                 manager.recorder.extra_collective()
+            sent = self.process_group.bytes_issued - self._bytes_at_begin
+            scattered = manager.recorder.bytes_reduced if manager.reduce_scatters else 0
             stats = manager.recorder.finish(
                 synced=self._backward_synced,
                 exposed_wait_s=exposed,
                 grads_copied=manager.grads_copied,
-                bytes_sent=self.process_group.bytes_issued - self._bytes_at_begin,
+                bytes_sent=sent,
                 hook_s=self._hook_s,
+                padding_bytes=manager.padding_bytes,
+                wire_bytes=wire_bytes(self.process_group.world_size, sent, scattered),
             )
             self.last_step_stats = stats
             self.stats_history.append(stats)

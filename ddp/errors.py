@@ -16,6 +16,7 @@ __all__ = [
     "ParametersChangedError",
     "RanksOutOfStepError",
     "StateNotConsolidatedError",
+    "UnsupportedCollectiveError",
 ]
 
 
@@ -129,3 +130,7 @@ class BucketOrderError(CommError):
 
 class StateNotConsolidatedError(CommError):
     """``ZeroRedundancyOptimizer.state_dict()`` was called on a rank that holds no consolidated state."""
+
+
+class UnsupportedCollectiveError(CommError, ValueError):
+    """The process group cannot run a collective the settings need (found at construction, before any)."""

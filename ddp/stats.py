@@ -56,6 +56,14 @@ class StepStats:
             the small flag all-reduces (not the step agreement's all-gather).
         hook_s: Time spent inside DDP's gradient hooks (taking gradients into
             buckets, launching collectives), on the thread running backward.
+        padding_bytes: Bytes of ``bytes_reduced`` that are padding, not
+            gradients (``gradient_sync="reduce_scatter"`` pads each bucket to a
+            multiple of the world size; 0 otherwise).
+        wire_bytes: Bytes this rank puts on the wire, by a bandwidth-optimal
+            (ring) algorithm: ``2 (w - 1) / w`` of what it hands to all-reduces,
+            ``(w - 1) / w`` of what it hands to reduce-scatters (so the
+            reduce-scatter mode shows half of the all-reduce's; see
+            ``ddp.shard_sync.wire_bytes``).
     """
 
     step: int
@@ -70,6 +78,8 @@ class StepStats:
     buckets: tuple[BucketTiming, ...] = ()
     bytes_sent: int = 0
     hook_s: float = 0.0
+    padding_bytes: int = 0
+    wire_bytes: int = 0
 
     @property
     def overlap(self) -> float:
@@ -186,6 +196,8 @@ class StepRecorder:
         grads_copied: int = 0,
         bytes_sent: int = 0,
         hook_s: float = 0.0,
+        padding_bytes: int = 0,
+        wire_bytes: int = 0,
     ) -> StepStats:
         """Close the record and return the step's statistics (the arguments are DDP's and the manager's)."""
         t0 = self.start
@@ -224,6 +236,8 @@ class StepRecorder:
             grads_copied=grads_copied,
             backward_s=end - t0,
             hook_s=hook_s,
+            padding_bytes=padding_bytes,
+            wire_bytes=wire_bytes,
             comm_time_s=comm,
             exposed_wait_s=exposed_wait_s,
             start=t0,

@@ -146,6 +146,8 @@ class TimelineWriter:
         max_steps: Record the first ``max_steps`` steps (the file is written as soon as
             they are in); later ones are counted in
             ``otherData["steps_dropped"]`` and otherwise ignored.
+        collective: What the buckets' events are called (``all_reduce``, or
+            ``reduce_scatter`` with ``gradient_sync="reduce_scatter"``).
 
     Raises:
         ValueError: ``path`` is empty or names a directory, or a number is out of range.
@@ -167,6 +169,7 @@ class TimelineWriter:
         world_size: int,
         backend: str,
         max_steps: int = DEFAULT_MAX_STEPS,
+        collective: str = "all_reduce",
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"ddp.timeline: world_size must be a positive integer, got {world_size!r}")
@@ -185,6 +188,7 @@ class TimelineWriter:
         self._world_size = world_size
         self._backend = str(backend)
         self._max_steps = max_steps
+        self._collective = collective  # names the buckets' events (reduce_scatter in that mode)
         # The two clocks read together (perf_counter averaged around time.time): every
         # perf_counter value maps to wall-clock microseconds as wall0 + (value - perf0).
         p1 = time.perf_counter()
@@ -329,7 +333,7 @@ class TimelineWriter:
             if math.isfinite(b.done_s):
                 events.append(
                     {
-                        "name": f"all_reduce bucket {i}",
+                        "name": f"{self._collective} bucket {i}",
                         "cat": "comm",
                         "ph": "X",
                         "ts": launch,

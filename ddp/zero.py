@@ -11,6 +11,7 @@ import torch
 from commlib.errors import error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import dtype_name
+from ddp import shard_sync
 from ddp.distributed import resolve_group
 from ddp.errors import ModelMismatchError, ParametersChangedError, StateNotConsolidatedError
 from ddp.partition import ParameterPartition, ParamPiece
@@ -44,6 +45,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     ``consolidate_state_dict(to)`` then ``state_dict()`` on rank ``to`` gives a
     state dict in the plain optimizer's format; ``load_state_dict`` takes one.
 
+    Over the parameters of a ``DistributedDataParallel`` with
+    ``gradient_sync="reduce_scatter"``, the optimizer follows DDP's bucket layout
+    (``ParameterPartition.from_buckets``) by itself: each rank steps exactly the
+    shard of every bucket whose averaged gradients it holds, and follows DDP when
+    it lays its buckets out again (after the first backward, or a
+    ``bucket_size_mb="auto"`` re-size), at the next ``step``. Parameters may then
+    be split between ranks, so the optimizer must be elementwise (SGD, Adam,
+    AdamW...). With DDP's ``overlap_param_gather=True``, ``step`` returns with
+    one all-gather per bucket in flight, issued in the order the next forward
+    needs them, and each module of that forward waits for its own parameters';
+    ``finish_param_gather()`` waits for them all (before reading the parameters
+    anywhere else).
+
     Every rank must call the constructor, ``step``, ``add_param_group``,
     ``consolidate_state_dict`` and ``set_partition``, in the same order: they
     communicate.
@@ -58,7 +72,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         parameters_as_bucket_view: Accepted for torch's signature; parameters are
             always views into the flat buffers, so only True is accepted.
         overlap_with_ddp: Accepted for torch's signature; only False is supported.
-        partition: Who owns what (``ParameterPartition``). Default:
+        partition: Who owns what (``ParameterPartition``). Default: the layout
+            of the reduce-scatter DDP the parameters belong to, if any, else
             ``ParameterPartition.balanced`` over the param groups. A partition
             that splits parameters needs an elementwise optimizer (SGD, Adam...).
         **defaults: Keyword arguments for ``optimizer_class`` (``lr=1e-3``...).
@@ -66,8 +81,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     Raises:
         TypeError: ``optimizer_class`` is not an optimizer class, or a parameter's
             dtype or device is one the group cannot communicate.
-        ValueError: Bad arguments for ``optimizer_class``, or a ``partition`` that
-            does not fit the parameters.
+        ValueError: Bad arguments for ``optimizer_class``, a ``partition`` that
+            does not fit the parameters, or parameters of a reduce-scatter DDP
+            missing from ``params`` or given another partition.
         ModelMismatchError: The ranks passed different parameters.
 
     Example::
@@ -110,11 +126,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._defaults = dict(defaults)
         self._consolidated: dict[str, Any] | None = None
         self._external = partition is not None
+        self._registrations_seen = -1
         super().__init__(params, defaults)
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._check_communicable("init", self._params)
+        self._gradient_layout: shard_sync.ShardedGradientLayout | None = None
+        self._gradient_layout_version = -1
+        followed = self._follow_gradient_layout("init", partition)
         if partition is None:
-            partition = ParameterPartition.balanced([g["params"] for g in self.param_groups], self.world_size)
+            partition = followed or ParameterPartition.balanced(
+                [g["params"] for g in self.param_groups], self.world_size
+            )
         self._lay_out(partition, "init")
         self.optim = self._build_local_optimizer()
         self._check_same_everywhere("init")
@@ -166,6 +188,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             ParametersChangedError: A parameter's storage was replaced after the
                 optimizer was created (it no longer lives in the flat buffer).
         """
+        self.finish_param_gather()  # those the last forward did not wait for (unused parameters)
+        self._follow_gradient_layout("step")
         self._check_linked("step")
         self._sync_hyperparameters()
         self._attach_piece_grads()
@@ -182,6 +206,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._release_piece_grads()
         self._all_gather_parameters()
         return loss
+
+    def finish_param_gather(self) -> None:
+        """Wait for the parameters' all-gathers still in flight (DDP's ``overlap_param_gather``).
+
+        After it every parameter holds its new value on every rank. Without
+        ``overlap_param_gather`` there is never one in flight, and it returns at once.
+        """
+        gathers = self._param_gathers()
+        if gathers:
+            gathers.wait_all()
 
     # ------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -209,6 +243,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._params.extend(new_params)
+        if self._gradient_layout is not None:
+            self._repartition(self._gradient_layout.partition_for(self._params, self._prefix(op)), op)
+            return
         balanced = ParameterPartition.balanced([g["params"] for g in self.param_groups], self.world_size)
         if self._external:
             self._repartition(balanced, op)
@@ -233,8 +270,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         changes owner moves through every rank once (as a full state dict).
 
         Raises:
-            ValueError: ``partition`` does not fit the parameters.
+            ValueError: ``partition`` does not fit the parameters, or differs from
+                the layout of the reduce-scatter DDP the optimizer follows.
         """
+        layout = self._gradient_layout
+        if layout is not None and layout.version >= 0:
+            self._check_same_as_layout(partition, layout, "set_partition")
         self._repartition(partition, "set_partition")
         self._external = True
 
@@ -347,6 +388,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _lay_out(self, partition: ParameterPartition, op: str) -> None:
         """Make ``partition`` current: allocate its buffers and make every parameter a view into them."""
         self._check_partition(partition, op)
+        self.finish_param_gather()  # the parameters are copied into the new buffers
         buffers = []
         with torch.no_grad():
             for layout in partition.layouts:
@@ -419,6 +461,57 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self.load_state_dict(whole)
         self._check_same_everywhere(op)
 
+    def _follow_gradient_layout(
+        self, op: str, given: ParameterPartition | None = None
+    ) -> ParameterPartition | None:
+        """Find (or re-read) the layout of the reduce-scatter DDP these parameters belong to.
+
+        At construction it returns the partition to start from (None: no such
+        DDP). At ``step`` it repartitions if DDP laid its buckets out again, or
+        wrapped the model after the optimizer was created (every rank sees the
+        same, so the collective repartition runs on all). Looking costs nothing
+        when no DDP registered a layout since the last look.
+        """
+        layout = self._gradient_layout
+        if layout is None or layout.version < 0:
+            if self._ready and shard_sync.registrations() == self._registrations_seen:
+                return None
+            self._registrations_seen = shard_sync.registrations()
+            layout = shard_sync.layout_of(self._params, self._prefix(op))
+            if layout is None:
+                self._gradient_layout = None
+                return None
+            group = layout.group
+            if (group.rank, group.world_size) != (self.rank, self.world_size):
+                raise ValueError(
+                    f"{self._prefix(op)}the parameters belong to a DistributedDataParallel with "
+                    f"gradient_sync='reduce_scatter' over {group.world_size} ranks (this process is rank "
+                    f"{group.rank} there), but the optimizer's group has {self.world_size} (rank "
+                    f"{self.rank}); give both the same process group"
+                )
+        elif layout.version == self._gradient_layout_version:
+            return None
+        partition = layout.partition_for(self._params, self._prefix(op))
+        if given is not None:
+            self._check_same_as_layout(given, layout, op)
+        self._gradient_layout, self._gradient_layout_version = layout, layout.version
+        self._external = True
+        if self._ready and partition.fingerprint() != self._partition.fingerprint():
+            self._repartition(partition, op)
+        return partition
+
+    def _check_same_as_layout(
+        self, partition: ParameterPartition, layout: shard_sync.ShardedGradientLayout, op: str
+    ) -> None:
+        expected = layout.partition_for(self._params, self._prefix(op))
+        if partition.fingerprint() != expected.fingerprint():
+            raise ValueError(
+                f"{self._prefix(op)}the partition given differs from the layout of the "
+                "DistributedDataParallel with gradient_sync='reduce_scatter' that these parameters belong "
+                "to: each rank holds the averaged gradients of its shard of DDP's buckets only, so the "
+                "optimizer must step exactly that shard; leave partition out (it is found by itself)"
+            )
+
     def _check_same_everywhere(self, op: str) -> None:
         """One small all-gather: every rank must have built the same layout from the same parameters."""
         shapes = repr([(tuple(p.shape), dtype_name(p.dtype), p.device.type) for p in self._params])
@@ -464,17 +557,31 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for tensor, _ in self._pieces:
             tensor.grad = None
 
+    def _param_gathers(self) -> shard_sync.ParamGathers | None:
+        layout = getattr(self, "_gradient_layout", None)
+        return None if layout is None else layout.param_gathers
+
     def _all_gather_parameters(self) -> None:
         if self.world_size == 1:
             return
+        gathers = self._param_gathers()
+        order = list(zip(self._partition.layouts, self._buffers, strict=True))
+        if gathers is not None:
+            # DDP's buckets run from the last layers to the first: the next forward needs them reversed.
+            order.reverse()
         works = []
-        for layout, buffer in zip(self._partition.layouts, self._buffers, strict=True):
+        for layout, buffer in order:
             shard = layout.shard_numel
             if shard:
                 mine = buffer[self.rank * shard : (self.rank + 1) * shard]
-                works.append(self._group.all_gather(buffer, mine, async_op=True))
-        for work in works:
-            work.wait()
+                work = self._group.all_gather(buffer, mine, async_op=True)
+                assert work is not None  # async_op=True always returns a handle
+                if gathers is not None:
+                    gathers.add([self._params[slot.index] for slot in layout.slots], work)
+                works.append(work)
+        if gathers is None:
+            for work in works:
+                work.wait()
 
     def _shard_payload(self) -> ShardPayload:
         """This rank's state, by parameter index and piece, copied to the CPU."""

@@ -85,10 +85,12 @@ def test_gradient_scaling_factor_multiplies_before_the_sum():
 @pytest.mark.parametrize(
     ("kwargs", "error", "text"),
     [
-        ({"gradient_scaling_factor": 0.5}, ValueError, "needs reduce_op=ReduceOp.SUM"),
+        ({"gradient_scaling_factor": 0.5, "reduce_op": ReduceOp.MAX}, ValueError, "MAX and PRODUCT are not"),
         ({"gradient_scaling_factor": 0.0, "reduce_op": ReduceOp.SUM}, ValueError, "non-zero"),
         ({"gradient_scaling_factor": "1", "reduce_op": ReduceOp.SUM}, TypeError, "gradient_scaling_factor"),
         ({"grad_reduce_dtype": torch.int32}, ValueError, "int32 cannot hold gradients"),
+        ({"overlap_param_gather": True}, ValueError, "needs gradient_sync='reduce_scatter'"),
+        ({"gradient_sync": "allgather"}, ValueError, "gradient_sync: expected one of"),
         ({"grad_reduce_dtype": "float32"}, TypeError, "grad_reduce_dtype"),
         ({"check_for_nan_in_grad": 1}, TypeError, "check_for_nan_in_grad"),
     ],

@@ -8,15 +8,22 @@ from torch import nn
 
 from commlib.errors import CommError
 from ddp import (
+    CommHookError,
+    DistributedDataParallel,
     ModelMismatchError,
     ParameterPartition,
     ParametersChangedError,
     StateNotConsolidatedError,
+    UnsupportedCollectiveError,
     ZeroRedundancyOptimizer,
+    allreduce_hook,
 )
+from ddp.auto_bucket import TUNE_AFTER_BACKWARDS
+from ddp.cost_model import CommCostModel
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import zero_bodies
 from tests.distributed.zero_bodies import build
+from tests.test_cost_model import Uniform
 
 
 def solo() -> FakeProcessGroup:
@@ -167,3 +174,111 @@ def test_ranks_with_different_parameters_all_raise():
         assert message.startswith(f"[rank {rank}/2] zero.init: ranks [1] have other parameters"), message
         assert "rank 0: 4 parameters" in message and "rank 1: 4 parameters" in message
         assert "same parameters, in the same order" in message
+
+
+# ------------------------------------------- gradient_sync="reduce_scatter"
+class NoReduceScatterGroup(FakeProcessGroup):
+    @property
+    def supports_reduce_scatter(self) -> bool:
+        return False
+
+
+def test_reduce_scatter_mode_refuses_bad_input_before_communicating():
+    group = NoReduceScatterGroup(0, FakeHub(1))
+    with pytest.raises(UnsupportedCollectiveError) as info:
+        DistributedDataParallel(build("net", 1), group, gradient_sync="reduce_scatter")
+    message = str(info.value)
+    assert message.startswith("[rank 0/1] ddp.init: gradient_sync='reduce_scatter' needs reduce_scatter")
+    assert "the fake backend (NoReduceScatterGroup) does not support" in message
+    assert "use gradient_sync='allreduce'" in message
+    with pytest.raises(ValueError, match=r"gradient_sync: expected one of 'allreduce', 'reduce_scatter'"):
+        DistributedDataParallel(build("net", 1), group, gradient_sync="all_gather")
+    assert group.issued == []
+    group.close()
+
+
+def test_reduce_scatter_mode_refuses_hooks_and_a_partial_or_foreign_optimizer():
+    group = solo()
+    model = build("net", 1)
+    ddp = DistributedDataParallel(model, group, gradient_sync="reduce_scatter")
+    with pytest.raises(CommHookError, match=r"ddp.register_comm_hook: gradient_sync='reduce_scatter'"):
+        ddp.register_comm_hook(group, allreduce_hook)
+    issued = len(group.issued)
+    with pytest.raises(ValueError, match=r"^\[rank 0/1\] zero.init: 3 of the parameters .* not in this"):
+        ZeroRedundancyOptimizer(model.fc1.parameters(), torch.optim.SGD, group, lr=0.1)
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=r"zero.init: the partition given differs from the layout"):
+        ZeroRedundancyOptimizer(
+            params, torch.optim.SGD, group, partition=ParameterPartition.balanced(params[::-1], 1), lr=1
+        )
+    assert len(group.issued) == issued  # refused before communicating
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, group, lr=0.1)
+    assert (
+        zero.partition.fingerprint()
+        == ParameterPartition.from_buckets(
+            params, [b.params for b in ddp.bucket_manager.buckets], 1
+        ).fingerprint()
+    )
+    group.close()
+
+
+def test_gradient_scaling_factor_replaces_the_average():
+    """Megatron passes gradient_scaling_factor=1/dp alone: with the default AVG it scales a sum."""
+
+    def body(group, factor):
+        model = nn.Linear(2, 1, bias=False)
+        ddp = DistributedDataParallel(model, group, gradient_scaling_factor=factor)
+        ddp(torch.full((1, 2), float(group.rank + 1))).sum().backward()
+        return model.weight.grad.tolist(), [i.op.name for i in group.all_reduces][-1]
+
+    assert run_threads(body, 3, 0.25) == [([[1.5, 1.5]], "SUM")] * 3  # (1 + 2 + 3) * 0.25
+    assert run_threads(body, 3, None) == [([[2.0, 2.0]], "SUM")] * 3  # the average, divided
+
+
+def _auto_buckets(group, gradient_sync):
+    """SGD with momentum over a DDP whose buckets are sized "auto" and summed in float64."""
+    model = Uniform()
+    gen = torch.Generator().manual_seed(0)  # not the global generator: the ranks are threads
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    ddp = DistributedDataParallel(
+        model,
+        group,
+        bucket_size_mb="auto",
+        cost_model=CommCostModel(overhead_s=10.0, bandwidth_Bps=1e9),  # one bucket, until re-sized
+        grad_reduce_dtype=torch.float64,
+        gradient_sync=gradient_sync,
+    )
+    kwargs = {"lr": 0.1, "momentum": 0.5}
+    if gradient_sync == "reduce_scatter":
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, group, **kwargs)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), **kwargs)
+    buckets = []
+    for step in range(TUNE_AFTER_BACKWARDS + 2):
+        opt.zero_grad()
+        x = torch.randn(4, 128, generator=torch.Generator().manual_seed(step + group.rank))
+        ddp(x).sum().backward()
+        if step == TUNE_AFTER_BACKWARDS:
+            # As "auto" re-sizes (to a cap that depends on timing, so forced here): after a backward.
+            ddp.bucket_manager.set_bucket_size(0.1)
+        opt.step()
+        buckets.append(ddp.bucket_manager.num_buckets)
+    follows = None
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        layout = [b.params for b in ddp.bucket_manager.buckets]
+        expected = ParameterPartition.from_buckets(list(ddp.parameters()), layout, group.world_size)
+        follows = opt.partition.fingerprint() == expected.fingerprint()
+    return [p.detach().clone() for p in model.parameters()], buckets, follows
+
+
+def test_reduce_scatter_mode_follows_auto_bucket_resizing_with_a_wider_reduce_dtype():
+    """Auto-sized buckets, re-sized with optimizer state in place: the numbers do not change."""
+    sharded = run_threads(_auto_buckets, 2, "reduce_scatter")
+    plain = run_threads(_auto_buckets, 2, "allreduce")
+    for (params, buckets, follows), (reference, plain_buckets, _) in zip(sharded, plain, strict=True):
+        assert buckets == plain_buckets and buckets[0] == 1 and buckets[-1] > 1, buckets
+        assert follows
+        assert max((a - b).abs().max().item() for a, b in zip(params, reference, strict=True)) <= 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(sharded[0][0], sharded[1][0], strict=True))

@@ -530,6 +530,7 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
             "--quick",
             "--backends",
             "ring",
+            "--zero",
             "--csv",
             str(csv_path),
         ],
@@ -541,6 +542,8 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
         "ddp-ring",
         "ddp-ring+bf16",
         "ddp-ring+powersgd",
+        "ddp-ring+zero",
+        "ddp-ring+rs",
         "ddp-null",
         "torch-ddp",
         "naive",
@@ -557,6 +560,15 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
     assert float(rows["ddp-ring+bf16"]["bytes_sent_mb"]) * 2 == pytest.approx(
         float(rows["ddp-ring"]["bytes_sent_mb"])
     )
+    # Sharded AdamW: half the state per rank (plus at most a parameter's), and the reduce-scatter
+    # half of the all-reduce's wire bytes (plus padding), then an all-gather in the step.
+    ddp, zero, rs = (rows[m] for m in ("ddp-ring", "ddp-ring+zero", "ddp-ring+rs"))
+    for row in (zero, rs):
+        assert float(row["opt_state_mb"]) < 0.6 * float(ddp["opt_state_mb"]), row
+        assert float(row["step_mb"]) > 0 and row["vs_no_hook"], row
+    assert ddp["step_mb"] == "" and float(zero["wire_mb"]) == pytest.approx(float(ddp["wire_mb"]))
+    assert float(rs["wire_mb"]) / float(ddp["wire_mb"]) == pytest.approx(0.5, abs=0.01)
+    assert "ddp-ring+rs: state x" in proc.stdout and "backward wire bytes x0.50" in proc.stdout
 
 
 if __name__ == "__main__":

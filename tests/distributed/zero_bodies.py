@@ -13,6 +13,9 @@ Two ways to make gradients:
 - ``ddp``: our ``DistributedDataParallel`` averages the gradients of each rank's
   share of the batch (float64), against one process on the whole batch; the ranks
   start from different weights, which DDP's broadcast makes equal.
+- ``rs``: the same with ``gradient_sync="reduce_scatter"``: each rank gets the
+  averaged gradients of its shard of every bucket only, and the optimizer, created
+  with no partition, follows DDP's bucket layout (rebuilt after the first backward).
 
 After every step each rank also returns a SHA-256 of its parameters' bytes: the
 ranks must agree exactly.
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp import DistributedDataParallel, ParameterPartition, ZeroRedundancyOptimizer
+from ddp import DistributedDataParallel, ParameterPartition, ZeroRedundancyOptimizer, shard_sync
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 
 PER_RANK = 4
@@ -175,11 +178,20 @@ def case_train(
 ) -> dict[str, Any]:
     """ZeRO against the plain optimizer, step by step; see the module docstring for ``grads``."""
     rank, world = group.rank, group.world_size
-    dtype = torch.float64 if grads == "ddp" else torch.float32
-    model = build(kind, seed=10 + (rank if grads == "ddp" else 0), dtype=dtype)
+    through_ddp = grads in ("ddp", "rs")
+    dtype = torch.float64 if through_ddp else torch.float32
+    model = build(kind, seed=10 + (rank if through_ddp else 0), dtype=dtype)
     reference = build(kind, seed=10, dtype=dtype)
     trained: nn.Module = (
-        DistributedDataParallel(model, group, bucket_size_mb=0.001) if grads == "ddp" else model
+        DistributedDataParallel(
+            model,
+            group,
+            bucket_size_mb=0.001,
+            find_unused_parameters=kind == "unused",
+            gradient_sync="reduce_scatter" if grads == "rs" else "allreduce",
+        )
+        if through_ddp
+        else model
     )
     optimizer_class, kwargs = optimizer_kwargs(opt_name)
     params = list(model.parameters())
@@ -195,12 +207,13 @@ def case_train(
         schedulers = [
             torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=steps) for o in (zero, plain)
         ]
-    diffs, hashes, lrs = [max_diff(model, reference)], [], []
+    diffs, hashes, lrs, unused = [max_diff(model, reference)], [], [], []
     for step in range(steps):
         x, y = batch(kind, step, PER_RANK * world)
         zero.zero_grad()
-        if grads == "ddp":
+        if isinstance(trained, DistributedDataParallel):
             loss_of(kind, trained, shard(x, rank, world), shard(y, rank, world), step).backward()
+            unused.append(trained.unused_parameters)
         else:
             loss_of(kind, model, x, y, step).backward()
         zero.step()
@@ -216,7 +229,20 @@ def case_train(
         diffs.append(max_diff(model, reference))
         hashes.append(params_hash(model))
     per_param = state_nbytes(plain)
+    stats = trained.last_step_stats if isinstance(trained, DistributedDataParallel) else None
     return {
+        "comm": None
+        if stats is None
+        else {
+            "bytes_reduced": stats.bytes_reduced,
+            "padding_bytes": stats.padding_bytes,
+            "wire_bytes": stats.wire_bytes,
+            "bucket_padding": [
+                b.padding * b.comm_data.element_size() for b in trained.bucket_manager.buckets
+            ],
+            "bucket_numel": [b.padded_numel for b in trained.bucket_manager.buckets],
+            "unused": unused,
+        },
         "diffs": diffs,
         "hashes": hashes,
         "lrs": lrs,
@@ -400,6 +426,70 @@ def _closure(
     return loss
 
 
+def case_rs_no_sync(group: Any) -> dict[str, Any]:
+    """Reduce-scatter mode with ``no_sync``: two micro-batches per step, the first accumulated locally."""
+    rank, world = group.rank, group.world_size
+    model, reference = build("net", 80 + rank, torch.float64), build("net", 80, torch.float64)
+    ddp = DistributedDataParallel(model, group, bucket_size_mb=0.001, gradient_sync="reduce_scatter")
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, group, lr=0.05, momentum=0.5)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.5)
+    diffs, hashes, synced = [], [], []
+    for step in range(3):
+        x, y = batch("net", step, 2 * PER_RANK * world)
+        halves = list(zip(x.double().chunk(2), y.double().chunk(2), strict=True))
+        zero.zero_grad()
+        with ddp.no_sync():
+            loss_of(
+                "net", ddp, shard(halves[0][0], rank, world), shard(halves[0][1], rank, world), step
+            ).backward()
+        synced.append(ddp.last_step_stats.synced)
+        loss_of(
+            "net", ddp, shard(halves[1][0], rank, world), shard(halves[1][1], rank, world), step
+        ).backward()
+        synced.append(ddp.last_step_stats.synced)
+        zero.step()
+        plain.zero_grad()
+        sum(loss_of("net", reference, hx, hy, step) for hx, hy in halves).backward()
+        plain.step()
+        diffs.append(max_diff(model, reference))
+        hashes.append(params_hash(model))
+    return {"diffs": diffs, "hashes": hashes, "synced": synced}
+
+
+def case_rs_overlap(group: Any) -> dict[str, Any]:
+    """``overlap_param_gather``: ``step`` returns with the all-gathers in flight; the forward waits."""
+    rank, world = group.rank, group.world_size
+    model, reference = build("net", 90 + rank, torch.float64), build("net", 90, torch.float64)
+    ddp = DistributedDataParallel(
+        model, group, bucket_size_mb=0.0002, gradient_sync="reduce_scatter", overlap_param_gather=True
+    )
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    gathers = shard_sync.layout_of(list(model.parameters())).param_gathers
+    diffs, hashes, in_flight = [], [], []
+    for step in range(STEPS):
+        x, y = batch("net", step, PER_RANK * world)
+        zero.zero_grad()
+        loss_of("net", ddp, shard(x, rank, world), shard(y, rank, world), step).backward()
+        diffs.append(max_diff(model, reference))  # the forward waited for every parameter it used
+        hashes.append(params_hash(model))
+        zero.step()
+        in_flight.append(bool(gathers))
+        plain.zero_grad()
+        loss_of("net", reference, x, y, step).backward()
+        plain.step()
+    zero.finish_param_gather()
+    diffs.append(max_diff(model, reference))
+    hashes.append(params_hash(model))
+    return {
+        "diffs": diffs,
+        "hashes": hashes,
+        "in_flight": in_flight,
+        "buckets": ddp.bucket_manager.num_buckets,
+        "left": bool(gathers),
+    }
+
+
 TRAIN_CASES: dict[str, tuple[Any, ...]] = {
     "ddp_adamw": ("net", "adamw", "ddp", "balanced", "step"),
     "onecycle_buckets": ("net", "adamw", "local", "buckets", "onecycle"),
@@ -411,6 +501,12 @@ TRAIN_CASES: dict[str, tuple[Any, ...]] = {
     "unused": ("unused", "adamw"),
     "buckets_adamw": ("net", "adamw", "local", "buckets"),
     "buckets_sgd_mixed": ("mixed", "sgd", "local", "buckets"),
+    "ddp_rs_adamw": ("net", "adamw", "rs"),
+    "ddp_rs_sgd": ("net", "sgd", "rs"),
+    "ddp_rs_big": ("big", "adamw", "rs"),
+    "ddp_rs_gpt_tied": ("gpt_tied", "adamw", "rs"),
+    "ddp_rs_frozen": ("frozen", "sgd", "rs"),
+    "ddp_rs_unused": ("unused", "adamw", "rs"),
 }
 
 
@@ -429,6 +525,8 @@ def suite(group: Any, default_group: bool = True) -> dict[str, Any]:
     if default_group:
         results["default_group"] = case_default_group(group)
     results["different_weights"] = case_different_weights(group)
+    results["rs_no_sync"] = case_rs_no_sync(group)
+    results["rs_overlap"] = case_rs_overlap(group)
     return results
 
 
@@ -477,6 +575,7 @@ def check_suite(results: list[dict[str, Any]]) -> None:
     check_add_param_group([r["add_param_group_buckets"] for r in results])
     check_set_partition([r["set_partition"] for r in results])
     check_closure([r["closure"] for r in results])
+    check_reduce_scatter(results)
     for rank, r in enumerate(results):
         if "default_group" in r:
             assert r["default_group"] == {"same_group": True, "world_size": world, "rank": rank}
@@ -522,3 +621,34 @@ def check_closure(results: list[dict[str, Any]]) -> None:
         assert r["diff"] == 0.0, r
         assert r["losses"][0::2] == r["losses"][1::2], r["losses"]  # ZeRO's step returned the plain loss
     assert len({r["hash"] for r in results}) == 1
+
+
+def check_reduce_scatter(results: list[dict[str, Any]]) -> None:
+    """The reduce-scatter mode: padding counted, half the all-reduce's wire bytes, no_sync, unused."""
+    world = len(results)
+    for r in results:
+        rs, ar = r["ddp_rs_adamw"]["comm"], r["ddp_adamw"]["comm"]
+        assert all(n % world == 0 for n in rs["bucket_numel"]), rs  # shard boundaries fall in place
+        assert rs["padding_bytes"] == sum(rs["bucket_padding"]) and ar["padding_bytes"] == 0, (rs, ar)
+        if world > 1:
+            assert (rs["padding_bytes"] > 0) is (world == 3), rs  # 116 elements: 3 ranks need padding
+            gradients = rs["bytes_reduced"] - rs["padding_bytes"]
+            assert gradients == ar["bytes_reduced"], (rs, ar)
+            # Half the all-reduce's bytes on the wire, plus the padding's share.
+            assert rs["wire_bytes"] == round((world - 1) / world * rs["bytes_reduced"]), rs
+            assert ar["wire_bytes"] == round(2 * (world - 1) / world * ar["bytes_reduced"]), ar
+        assert r["ddp_rs_unused"]["comm"]["unused"] == [[], ["aux.weight", "aux.bias"], []], r[
+            "ddp_rs_unused"
+        ]["comm"]
+        no_sync = r["rs_no_sync"]
+        assert max(no_sync["diffs"]) <= 1e-10, no_sync["diffs"]
+        assert no_sync["synced"] == [False, True] * 3, no_sync["synced"]
+    for step in range(3):
+        assert len({r["rs_no_sync"]["hashes"][step] for r in results}) == 1, step
+    for r in results:
+        overlap = r["rs_overlap"]
+        assert max(overlap["diffs"]) <= 1e-10, overlap["diffs"]
+        assert overlap["buckets"] > 1 and overlap["in_flight"] == [world > 1] * STEPS, overlap
+        assert not overlap["left"], overlap
+    for step in range(STEPS + 1):
+        assert len({r["rs_overlap"]["hashes"][step] for r in results}) == 1, step
