@@ -284,10 +284,10 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
 
     plans = {str(d): mpi_backend._plan(mpi_backend._load_mpi(), d).native for d in ALL_DTYPES}
     t = torch.arange(10, dtype=torch.float32)
-    spec, copy_back, _ = group._buffer(t, reduce=True)  # type: ignore[attr-defined]
-    zero_copy = _address(spec[0]) == t.data_ptr() and len(spec[0]) == t.nbytes and copy_back is None
+    spec = group._buffer("all_reduce", t, group._plan_for(t.dtype))  # type: ignore[attr-defined]
+    zero_copy = _address(spec[0]) == t.data_ptr() and len(spec[0]) == t.nbytes
     tb = torch.arange(10, dtype=torch.bfloat16)
-    spec_b, _, _ = group._buffer(tb, reduce=True)  # type: ignore[attr-defined]
+    spec_b = group._buffer("all_reduce", tb, group._plan_for(tb.dtype))  # type: ignore[attr-defined]
     big = torch.ones(nbytes // 4)
     group.barrier()
     start = time.perf_counter()
