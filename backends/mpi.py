@@ -731,8 +731,8 @@ class MPIProcessGroup(IProcessGroup):
 
         if tensor.is_cuda and self._staged("all_gather", tensor, plan, reduce=False):
             # Separate host buffers: the input is sent from its own, even when it lies in the output.
-            inputs = [self._pipeline("all_gather", tensor, copy_out=False)]
-            output = self._pipeline("all_gather", flat_output, copy_in=False)
+            staged_in = [self._pipeline("all_gather", tensor, copy_out=False)]
+            staged_out = self._pipeline("all_gather", flat_output, copy_in=False)
 
             def start_gather(ins: list[torch.Tensor], out: torch.Tensor) -> Any:
                 return comm.Iallgather(self._host_buffer(ins[0], plan), self._host_buffer(out, plan))
@@ -740,7 +740,7 @@ class MPIProcessGroup(IProcessGroup):
             return self._start(
                 "all_gather",
                 tensor,
-                lambda: _mpi_device.StagedRequest(inputs, output, start_gather),
+                lambda: _mpi_device.StagedRequest(staged_in, staged_out, start_gather),
                 scatter_out,
                 (tensor, flat_output, outputs),
                 async_op,
@@ -776,7 +776,7 @@ class MPIProcessGroup(IProcessGroup):
         comm = self._comm
         source = flat_input if flat_input is not None else torch.cat(inputs)
         if output.is_cuda and self._staged("reduce_scatter", output, plan, reduce=True):
-            inputs = [self._pipeline("reduce_scatter", source, copy_out=False)]
+            staged_in = [self._pipeline("reduce_scatter", source, copy_out=False)]
             staged_out = self._pipeline("reduce_scatter", output, copy_in=False)
 
             def start_scatter(ins: list[torch.Tensor], out: torch.Tensor) -> Any:
@@ -787,7 +787,7 @@ class MPIProcessGroup(IProcessGroup):
             return self._start(
                 "reduce_scatter",
                 output,
-                lambda: _mpi_device.StagedRequest(inputs, staged_out, start_scatter),
+                lambda: _mpi_device.StagedRequest(staged_in, staged_out, start_scatter),
                 None,
                 (output, source),
                 async_op,
