@@ -3,10 +3,13 @@
 - Rank and size come from ``MPI.COMM_WORLD``; the launcher's variables (as read
   into ``DistEnv``) must agree, or creating the group fails with a message that
   says how to start the job (``mpiexec -n N python ...``).
-- CPU tensors go to MPI as NumPy views (no copy). CUDA tensors go as CuPy
-  arrays (DLPack, no copy) when the MPI library is CUDA-aware, after the
-  tensor's stream is synchronised; otherwise they are staged through pinned
-  host memory (one copy each way) and a warning says so once.
+- CPU tensors go to MPI as views of their memory (no copy). CUDA tensors go
+  as CuPy arrays over their memory (no copy) when the MPI library is
+  CUDA-aware, after the stream that produced them has finished; otherwise
+  they are staged through pooled pinned host memory, chunk by chunk, with the
+  copies overlapping the collective (``backends._mpi_device``). Which path
+  is decided once per process, when the first CUDA tensor arrives, and said
+  in one line at INFO on the ``commlib`` logger.
 - Every collective is a non-blocking MPI call (``Iallreduce``, ``Ibcast``,
   ``Iallgather``, ``Ireduce_scatter_block``, ``Ibarrier``). A synchronous call
   waits on it at once; ``async_op=True`` hands the request to a progress
@@ -24,7 +27,6 @@
 from __future__ import annotations
 
 import atexit
-import ctypes
 import dataclasses
 import os
 import sys
@@ -37,6 +39,9 @@ from typing import Any
 import mpi4py  # an ImportError here names mpi4py; the registry turns it into the pip hint
 import torch
 
+from backends import _mpi_device
+from backends._cuda_staging import Chunk
+from backends._mpi_cuda import CUDA_AWARE_ENV_VAR, parse_cuda_aware
 from backends._mpi_progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
@@ -129,17 +134,6 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _tristate(text: str) -> bool | None:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value == "auto":
-        return None
-    raise ValueError("expected 1, 0 or auto")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MPIConfig:
     """Settings of the ``mpi`` backend, read from ``COMMLIB_MPI_*`` variables."""
@@ -155,8 +149,8 @@ class MPIConfig:
 
     cuda_aware: bool | None = None
     """Whether the MPI library reads and writes CUDA memory; None detects it
-    (``mpi_memory_alloc_kinds``, ``MPIX_Query_cuda_support``). ``COMMLIB_MPI_CUDA_AWARE``
-    = 1, 0 or auto."""
+    (``backends._mpi_cuda.detect_cuda_aware``) when the first CUDA tensor arrives.
+    ``COMMLIB_MPI_CUDA_AWARE`` = 1, 0 or auto."""
 
     def __post_init__(self) -> None:
         if self.progress not in _PROGRESS_MODES:
@@ -172,7 +166,7 @@ class MPIConfig:
         return cls(
             progress=read_env_var("COMMLIB_MPI_PROGRESS", _progress_mode, "thread", environ),
             progress_interval_us=read_env_var("COMMLIB_MPI_PROGRESS_US", _non_negative, 200.0, environ),
-            cuda_aware=read_env_var("COMMLIB_MPI_CUDA_AWARE", _tristate, None, environ),
+            cuda_aware=read_env_var(CUDA_AWARE_ENV_VAR, parse_cuda_aware, None, environ),
         )
 
 
@@ -266,40 +260,10 @@ def _plan(MPI: Any, dtype: torch.dtype) -> _DtypePlan:
         return plan
 
 
-def _detect_cuda_aware(MPI: Any) -> tuple[bool, str]:
-    """Return (CUDA-aware?, how we know)."""
-    kinds = ""
-    try:
-        info = MPI.COMM_WORLD.Get_info()
-        kinds = info.Get("mpi_memory_alloc_kinds") or ""
-        info.Free()
-    except Exception:  # noqa: BLE001 - older MPI: no such info key
-        kinds = ""
-    if "cuda" in kinds.lower():
-        return True, f"mpi_memory_alloc_kinds={kinds!r}"
-    try:
-        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
-        query.restype = ctypes.c_int
-        if query() == 1:
-            return True, "MPIX_Query_cuda_support()=1"
-        probe = "MPIX_Query_cuda_support()=0"
-    except (OSError, AttributeError):
-        probe = "no MPIX_Query_cuda_support"
-    return False, f"mpi_memory_alloc_kinds={kinds!r}, {probe}"
-
-
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def _cupy() -> Any:
-    try:
-        import cupy
-    except ImportError:
-        return None
-    return cupy
 
 
 # ---------------------------------------------------------------------- work
@@ -319,10 +283,13 @@ class _MPIWork(Work):
         request: Any,
         keep_alive: Any,
         issued: float | None = None,
+        stream: Any = None,
     ) -> None:
         super().__init__(label, keep_alive)
         self._group = group
         self._request = request
+        self._stream = stream
+        """The CUDA stream current when the collective was issued (None for host tensors)."""
         self._drive_lock = threading.Lock()
         self._issued = time.monotonic() if issued is None else issued
         self._abandoned = False
@@ -335,7 +302,13 @@ class _MPIWork(Work):
     def _settle(self, error: BaseException | None = None) -> None:
         if self._done:
             return
-        super()._settle(error)
+        if self._stream is None:
+            super()._settle(error)
+        else:
+            # The finishing steps may run on the progress thread: queue their kernels on
+            # the issuing thread's stream, which the copies back have been ordered before.
+            with self._group._device().on_stream(self._stream):
+                super()._settle(error)
         if self._error is not None:
             self._group._mark_broken(self._error)
         if not self._abandoned:
@@ -488,8 +461,6 @@ class MPIProcessGroup(IProcessGroup):
         self._mpi_config = mpi_config if mpi_config is not None else MPIConfig.from_env()
         self._pending: dict[int, _MPIWork] = {}
         self._side_comm: Any = None
-        self._staging: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
-        self._cuda_aware: bool | None = self._mpi_config.cuda_aware
         self._thread_level = MPI.Query_thread()
         # Without thread level MULTIPLE only the calling thread may test requests.
         self._works_testable_from_any_thread = self._thread_level >= MPI.THREAD_MULTIPLE
@@ -598,25 +569,29 @@ class MPIProcessGroup(IProcessGroup):
         return "thread" if self._progress is not None else "none"
 
     # ------------------------------------------------------------------ buffers
-    def _buffer(self, tensor: torch.Tensor, reduce: bool) -> tuple[list[Any], Callable[[], None] | None, Any]:
-        """Return (MPI buffer spec, copy-back or None, objects to keep alive) for ``tensor``."""
-        plan = _plans.get(tensor.dtype) or _plan(self._MPI, tensor.dtype)
+    def _plan_for(self, dtype: torch.dtype) -> _DtypePlan:
+        return _plans.get(dtype) or _plan(self._MPI, dtype)
+
+    def _device(self) -> _mpi_device.DevicePath:
+        """The process's CUDA path: made, and its decision taken, when the first CUDA tensor arrives."""
+        return _mpi_device.process_path(self._MPI, self._mpi_config.cuda_aware)
+
+    def _staged(self, op: str, tensor: torch.Tensor, plan: _DtypePlan, reduce: bool) -> bool:
+        """Return True if CUDA ``tensor`` is staged through host memory for this collective."""
+        return not self._device().zero_copy(
+            tensor.dtype, plan.datatype, plan.native, reduce, tensor.device, self._prefix(op)
+        )
+
+    def _pipeline(self, op: str, tensor: torch.Tensor, *, copy_in: bool = True, copy_out: bool = True) -> Any:
+        return self._device().pipeline(
+            tensor, str(self._label(op, tensor)), self.timeout, copy_in=copy_in, copy_out=copy_out
+        )
+
+    def _buffer(self, op: str, tensor: torch.Tensor, plan: _DtypePlan) -> list[Any]:
+        """MPI's view of ``tensor``'s memory, on the host or (zero copy) on the device."""
         if not tensor.is_cuda:
-            return self._host_buffer(tensor, plan), None, None
-        if self._device_direct(plan, reduce):
-            # MPI reads the memory directly: the kernels that wrote it must be done.
-            torch.cuda.current_stream(tensor.device).synchronize()
-            view = tensor if plan.view is tensor.dtype else tensor.view(plan.view)
-            cupy = _cupy()
-            array = cupy.from_dlpack(view) if cupy is not None else view
-            return [array, plan.datatype], None, array
-        host = self._stage(tensor)
-
-        def copy_back() -> None:
-            tensor.copy_(host)
-            self._unstage(tensor.dtype, host)
-
-        return self._host_buffer(host, plan), copy_back, host
+            return self._host_buffer(tensor, plan)
+        return [self._device().as_cupy(tensor, self._prefix(op)), plan.datatype]
 
     def _host_buffer(self, tensor: torch.Tensor, plan: _DtypePlan) -> list[Any]:
         """MPI's view of a contiguous host tensor's memory: no copy, no NumPy array.
@@ -626,30 +601,6 @@ class MPIProcessGroup(IProcessGroup):
         until the collective finishes.
         """
         return [self._MPI.memory.fromaddress(tensor.data_ptr(), tensor.nbytes), plan.datatype]
-
-    def _device_direct(self, plan: _DtypePlan, reduce: bool) -> bool:
-        if self._cuda_aware is None:
-            self._cuda_aware, how = _detect_cuda_aware(self._MPI)
-            if not self._cuda_aware:
-                _warn_once(
-                    "staging",
-                    f"{self._prefix('init')}the MPI library is not CUDA-aware ({how}): CUDA tensors "
-                    "are staged through pinned host memory, one copy each way per collective. Use a "
-                    "CUDA-aware MPI for zero-copy, or set COMMLIB_MPI_CUDA_AWARE=1 if it is one.",
-                )
-        # A user-defined reduction (bfloat16) runs on the host, so it needs host buffers.
-        return bool(self._cuda_aware) and (plan.native or not reduce)
-
-    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        free = self._staging.get((tensor.dtype, tensor.numel()))
-        host = free.pop() if free else torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor.view(-1))
-        return host.view(tensor.shape)
-
-    def _unstage(self, dtype: torch.dtype, host: torch.Tensor) -> None:
-        free = self._staging.setdefault((dtype, host.numel()), [])
-        if len(free) < 4:
-            free.append(host.view(-1))
 
     # ------------------------------------------------------------- collectives
     def _start(
@@ -663,8 +614,10 @@ class MPIProcessGroup(IProcessGroup):
     ) -> Work:
         seq = self._seq
         issued = time.monotonic()
-        if finish is not None and tensor is not None and tensor.is_cuda:
-            finish = _synchronised(finish, tensor.device)
+        # Finishing steps (AVG's division, a scatter into outputs) run on the stream that is
+        # current now, whichever thread settles the work: staging made it wait for the copies back.
+        on_device = tensor is not None and tensor.is_cuda
+        stream = self._device().current_stream(tensor.device) if on_device else None
         try:
             request = start()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
@@ -690,7 +643,7 @@ class MPIProcessGroup(IProcessGroup):
                 if finish is not None:
                     completed.add_finisher(finish)
                 return completed
-        work = _MPIWork(self, self._label(op, tensor), request, keep_alive, issued)
+        work = _MPIWork(self, self._label(op, tensor), request, keep_alive, issued, stream)
         if finish is not None:
             work.add_finisher(finish)
         # Every unfinished request is listed, for the exit hook (dict ops are atomic under the GIL).
@@ -718,26 +671,42 @@ class MPIProcessGroup(IProcessGroup):
         self._progress.submit(work)
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
-        buf, copy_back, keep = self._buffer(tensor, reduce=True)
-        mpi_op = _plans[tensor.dtype].ops[_MPI_OPS[op]]
+        plan = self._plan_for(tensor.dtype)
+        mpi_op = plan.ops[_MPI_OPS[op]]
+        comm, in_place = self._comm, self._MPI.IN_PLACE
+        if tensor.is_cuda and self._staged("all_reduce", tensor, plan, reduce=True):
+            pipeline = self._pipeline("all_reduce", tensor)
+
+            def start_chunk(chunk: Chunk, host: torch.Tensor) -> Any:
+                return comm.Iallreduce(in_place, self._host_buffer(host, plan), mpi_op)
+
+            start: Callable[[], Any] = lambda: self._device().chunked(pipeline, start_chunk)  # noqa: E731
+            return self._start("all_reduce", tensor, start, None, tensor, async_op)
+        buf = self._buffer("all_reduce", tensor, plan)
         return self._start(
             "all_reduce",
             tensor,
-            lambda: self._comm.Iallreduce(self._MPI.IN_PLACE, buf, mpi_op),
-            copy_back,
-            (tensor, buf, keep),
+            lambda: comm.Iallreduce(in_place, buf, mpi_op),
+            None,
+            (tensor, buf),
             async_op,
         )
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
-        buf, copy_back, keep = self._buffer(tensor, reduce=False)
+        plan = self._plan_for(tensor.dtype)
+        comm = self._comm
+        if tensor.is_cuda and self._staged("broadcast", tensor, plan, reduce=False):
+            sender = self.rank == src
+            pipeline = self._pipeline("broadcast", tensor, copy_in=sender, copy_out=not sender)
+
+            def start_chunk(chunk: Chunk, host: torch.Tensor) -> Any:
+                return comm.Ibcast(self._host_buffer(host, plan), root=src)
+
+            start: Callable[[], Any] = lambda: self._device().chunked(pipeline, start_chunk)  # noqa: E731
+            return self._start("broadcast", tensor, start, None, tensor, async_op)
+        buf = self._buffer("broadcast", tensor, plan)
         return self._start(
-            "broadcast",
-            tensor,
-            lambda: self._comm.Ibcast(buf, root=src),
-            copy_back,
-            (tensor, buf, keep),
-            async_op,
+            "broadcast", tensor, lambda: comm.Ibcast(buf, root=src), None, (tensor, buf), async_op
         )
 
     def _all_gather(
@@ -747,6 +716,8 @@ class MPIProcessGroup(IProcessGroup):
         tensor: torch.Tensor,
         async_op: bool,
     ) -> Work:
+        plan = self._plan_for(tensor.dtype)
+        comm = self._comm
         scatter_out: Callable[[], None] | None = None
         if flat_output is None:
             flat_output = torch.empty(
@@ -758,6 +729,22 @@ class MPIProcessGroup(IProcessGroup):
                 for i, out in enumerate(outputs):
                     out.copy_(gathered[i * numel : (i + 1) * numel])
 
+        if tensor.is_cuda and self._staged("all_gather", tensor, plan, reduce=False):
+            # Separate host buffers: the input is sent from its own, even when it lies in the output.
+            staged_in = [self._pipeline("all_gather", tensor, copy_out=False)]
+            staged_out = self._pipeline("all_gather", flat_output, copy_in=False)
+
+            def start_gather(ins: list[torch.Tensor], out: torch.Tensor) -> Any:
+                return comm.Iallgather(self._host_buffer(ins[0], plan), self._host_buffer(out, plan))
+
+            return self._start(
+                "all_gather",
+                tensor,
+                lambda: _mpi_device.StagedRequest(staged_in, staged_out, start_gather),
+                scatter_out,
+                (tensor, flat_output, outputs),
+                async_op,
+            )
         in_place = (
             tensor.numel() > 0
             and tensor.data_ptr() == outputs[self.rank].data_ptr()
@@ -765,18 +752,14 @@ class MPIProcessGroup(IProcessGroup):
         )
         if not in_place and _overlaps(tensor, flat_output):
             tensor = tensor.clone()
-        recv, copy_back, keep_recv = self._buffer(flat_output, reduce=False)
-        if in_place:
-            send: Any = self._MPI.IN_PLACE
-            keep_send = None
-        else:
-            send, _, keep_send = self._buffer(tensor, reduce=False)
+        recv = self._buffer("all_gather", flat_output, plan)
+        send: Any = self._MPI.IN_PLACE if in_place else self._buffer("all_gather", tensor, plan)
         return self._start(
             "all_gather",
             tensor,
-            lambda: self._comm.Iallgather(send, recv),
-            _then(copy_back, scatter_out),
-            (tensor, flat_output, outputs, send, recv, keep_send, keep_recv),
+            lambda: comm.Iallgather(send, recv),
+            scatter_out,
+            (tensor, flat_output, outputs, send, recv),
             async_op,
         )
 
@@ -788,7 +771,27 @@ class MPIProcessGroup(IProcessGroup):
         op: ReduceOp,
         async_op: bool,
     ) -> Work:
+        plan = self._plan_for(output.dtype)
+        mpi_op = plan.ops[_MPI_OPS[op]]
+        comm = self._comm
         source = flat_input if flat_input is not None else torch.cat(inputs)
+        if output.is_cuda and self._staged("reduce_scatter", output, plan, reduce=True):
+            staged_in = [self._pipeline("reduce_scatter", source, copy_out=False)]
+            staged_out = self._pipeline("reduce_scatter", output, copy_in=False)
+
+            def start_scatter(ins: list[torch.Tensor], out: torch.Tensor) -> Any:
+                return comm.Ireduce_scatter_block(
+                    self._host_buffer(ins[0], plan), self._host_buffer(out, plan), mpi_op
+                )
+
+            return self._start(
+                "reduce_scatter",
+                output,
+                lambda: _mpi_device.StagedRequest(staged_in, staged_out, start_scatter),
+                None,
+                (output, source),
+                async_op,
+            )
         target = output
         copy_out: Callable[[], None] | None = None
         if _overlaps(output, source):
@@ -797,15 +800,14 @@ class MPIProcessGroup(IProcessGroup):
             def copy_out() -> None:
                 output.copy_(target)
 
-        send, _, keep_send = self._buffer(source, reduce=True)
-        recv, copy_back, keep_recv = self._buffer(target, reduce=True)
-        mpi_op = _plan(self._MPI, output.dtype).ops[_MPI_OPS[op]]
+        send = self._buffer("reduce_scatter", source, plan)
+        recv = self._buffer("reduce_scatter", target, plan)
         return self._start(
             "reduce_scatter",
             output,
-            lambda: self._comm.Ireduce_scatter_block(send, recv, mpi_op),
-            _then(copy_back, copy_out),
-            (output, source, target, send, recv, keep_send, keep_recv),
+            lambda: comm.Ireduce_scatter_block(send, recv, mpi_op),
+            copy_out,
+            (output, source, target, send, recv),
             async_op,
         )
 
@@ -819,7 +821,6 @@ class MPIProcessGroup(IProcessGroup):
             # group, in _live_groups) for the exit hook, which aborts the job rather than hang.
             return
         _live_groups.pop(id(self), None)
-        self._staging.clear()
         if not self._MPI.Is_finalized():
             for comm in (self._comm, self._side_comm):
                 if comm is None:
@@ -843,36 +844,6 @@ class MPIProcessGroup(IProcessGroup):
                 "the same collectives in the same order, with tensors of the same size and dtype."
             )
         return CommError(f"{describe}: {type(error).__name__}: {error}")
-
-
-def _then(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
-    """Chain the non-None steps into one callable (None if there are none)."""
-    chosen = [s for s in steps if s is not None]
-    if not chosen:
-        return None
-    if len(chosen) == 1:
-        return chosen[0]
-
-    def run() -> None:
-        for step in chosen:
-            step()
-
-    return run
-
-
-def _synchronised(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """Run ``step`` (device copies, AVG division), then wait for the device.
-
-    The step may run on the progress thread, whose current stream is not the
-    caller's; synchronising makes the result visible to every stream before
-    ``wait()`` returns.
-    """
-
-    def run() -> None:
-        step()
-        torch.cuda.current_stream(device).synchronize()
-
-    return run
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -26,6 +26,18 @@ a block (rank 0's clock), the algorithm bandwidth ``bytes / time``, the bus
 bandwidth ``algbw * 2 (n - 1) / n``, and the latency ratios ours/Gloo and
 ours/MPI (below 1: faster than the reference).
 
+``--device cuda`` all-reduces CUDA tensors (``cuda:<local rank % GPUs>``) in
+every mode, raw Gloo's CUDA all-reduce being the reference (raw mpi4py is
+skipped: it takes host memory). ring and mpi are also measured on host tensors
+in the same run (``ring[host]``, ``mpi[host]``), and each CUDA row reports its
+bus bandwidth against its backend's on host tensors (``bw_vs_host``; the target
+is at least 0.8 from 25 MiB). Where a backend stages CUDA tensors through
+``backends._cuda_staging``, the copies of one extra all-reduce per size are
+timed with CUDA events, and ``hidden`` is the fraction of that copy time the
+pipeline hid: ``(host latency + copy time - CUDA latency) / copy time``,
+clipped to [0, 1]. Every timing block ends with ``torch.cuda.synchronize()``.
+Without CUDA, ``--device cuda`` exits at once with status 2 and one line.
+
 Exit status: 0 when every measured result was correct, 1 when a check failed
 or nothing could be measured, 2 for bad arguments.
 """
@@ -62,6 +74,9 @@ from commlib.ports import free_ports  # noqa: E402
 
 DEFAULT_THREADS = torch.get_num_threads()  # before this script sets any
 DEFAULT_SIZES = "4K,64K,1M,4M,25M,100M"
+CUDA_SIZES = "1M,25M,100M"
+HOST_TWINS = ("ring", "mpi")
+"""Backends measured on host tensors too under ``--device cuda``, for the CUDA/host ratio."""
 QUICK_SIZES = "4K,64K,1M"
 MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
 REFERENCES = ("torch-gloo", "mpi4py")
@@ -87,6 +102,7 @@ CSV_COLUMNS = [
     "threads",
     "buffer",
 ]
+CUDA_CSV_COLUMNS = [*CSV_COLUMNS, "device", "busbw_vs_host", "copy_ms", "copy_hidden"]
 TABLE_COLUMNS = [
     "size",
     "mode",
@@ -100,6 +116,7 @@ TABLE_COLUMNS = [
     "vs_mpi",
     "check",
 ]
+CUDA_TABLE_COLUMNS = [*TABLE_COLUMNS[:-1], "bw_vs_host", "hidden", "check"]
 
 
 # ------------------------------------------------------------------ parsing
@@ -159,7 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--sizes",
         default=None,
         help=f"message sizes in bytes, K/M/G = 2^10/2^20/2^30 "
-        f"(default: {DEFAULT_SIZES}; --quick: {QUICK_SIZES})",
+        f"(default: {DEFAULT_SIZES}; --quick: {QUICK_SIZES}; --device cuda: {CUDA_SIZES})",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the tensors live (default cpu); cuda: every mode on CUDA tensors, Gloo's CUDA "
+        "all-reduce as the reference, ring and mpi also on host tensors for the ratio",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--iters", type=int, default=None, help="all-reduces per timing block (default: by size)")
@@ -232,6 +256,10 @@ class Mode:
     """torch intra-op threads while this mode runs (0: leave as is)."""
     make_buffer: Callable[[int, torch.dtype], torch.Tensor] | None = None
     """Allocates the mode's own tensor (``alloc_buffer``); None: the tensor all modes share."""
+    device: str = "cpu"
+    """Where the mode's tensors live (``cpu`` or ``cuda:N``)."""
+    host_twin: str = ""
+    """Name of the same backend's mode on host tensors (CUDA modes of ring and mpi)."""
 
     def __post_init__(self) -> None:
         self.base = self.base or self.name
@@ -241,11 +269,15 @@ class Mode:
         return dataclasses.replace(self, name=name, threads=threads)
 
 
-def commlib_modes(name: str, env: DistEnv, port: int, timeout: float, buffers: str) -> list[Mode]:
+def commlib_modes(
+    name: str, env: DistEnv, port: int, timeout: float, buffers: str, device: str = "cpu"
+) -> list[Mode]:
     """Create backend ``name`` with ``commlib.create_process_group`` on its own port.
 
     Returns one mode on ordinary tensors (``buffers`` plain or both) and, if the
     backend has its own ``alloc_buffer``, one on its buffers (alloc or both).
+    On a CUDA ``device``: one mode on CUDA tensors and, for ring and mpi, one on
+    host tensors (``name[host]``) over the same group.
     """
     config = commlib.CommConfig.from_env(timeout=timeout)
     group = commlib.create_process_group(name, dataclasses.replace(env, master_port=port), config)
@@ -278,11 +310,27 @@ def commlib_modes(name: str, env: DistEnv, port: int, timeout: float, buffers: s
         )
     if plain not in modes:
         modes[0].close = group.close
+    if device != "cpu":
+        on_device = dataclasses.replace(plain, device=device, note=f"{note}; CUDA tensors on {device}")
+        if name not in HOST_TWINS:
+            return [on_device]
+        on_device.host_twin = f"{name}[host]"
+        host = dataclasses.replace(
+            plain,
+            name=f"{name}[host]",
+            base=f"{name}[host]",
+            close=lambda: None,
+            note=f"{note}; host tensors",
+        )
+        return [on_device, host]
     return modes
 
 
-def torch_gloo_mode(env: DistEnv, port: int, timeout: float) -> Mode:
-    """Raw torch.distributed Gloo: the default group if free, else a new Gloo group beside it."""
+def torch_gloo_mode(env: DistEnv, port: int, timeout: float, device: str = "cpu") -> Mode:
+    """Raw torch.distributed Gloo: the default group if free, else a new Gloo group beside it.
+
+    On a CUDA ``device`` it all-reduces CUDA tensors (Gloo's own CUDA all-reduce).
+    """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
@@ -312,7 +360,8 @@ def torch_gloo_mode(env: DistEnv, port: int, timeout: float) -> Mode:
         all_reduce=lambda buf: dist.all_reduce(buf, group=pg),
         barrier=lambda: dist.barrier(group=pg),
         close=close,
-        note=note,
+        note=note if device == "cpu" else f"{note}; CUDA tensors on {device}",
+        device=device,
     )
 
 
@@ -354,6 +403,8 @@ class Result:
     per_call_s: list[float]
     correct: bool | None
     error: str | None = None
+    copy_s: float | None = None
+    """Time the staging pipeline's copies took in one all-reduce (CUDA events), if it staged."""
 
     @property
     def median(self) -> float | None:
@@ -367,7 +418,20 @@ def bandwidths(nbytes: int, seconds: float, world_size: int) -> tuple[float, flo
     return algbw, algbw * 2 * (world_size - 1) / world_size
 
 
-def rows_for_size(results: list[Result], world_size: int, dtype: str, rounds: int) -> list[dict[str, Any]]:
+def copy_hidden(host_s: float, device_s: float, copy_s: float) -> float:
+    """Fraction of the staging copies' time hidden behind communication, in [0, 1].
+
+    Without overlap a staged all-reduce takes the host all-reduce's time plus the
+    copies'; fully overlapped, the host all-reduce's time alone.
+    """
+    if copy_s <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (host_s + copy_s - device_s) / copy_s))
+
+
+def rows_for_size(
+    results: list[Result], world_size: int, dtype: str, rounds: int, columns: Sequence[str] = CSV_COLUMNS
+) -> list[dict[str, Any]]:
     """CSV rows for the results of one size, with the ratios to the references at the same thread count."""
     refs = {(r.mode.base, r.mode.threads): r.median for r in results}
     rows = []
@@ -401,44 +465,105 @@ def rows_for_size(results: list[Result], world_size: int, dtype: str, rounds: in
                 ratio_vs_gloo=f"{median / gloo:.3f}" if gloo else "",
                 ratio_vs_mpi=f"{median / mpi:.3f}" if mpi else "",
             )
-        rows.append({column: row.get(column, "") for column in CSV_COLUMNS})
+        row["device"] = r.mode.device
+        twin = refs.get((r.mode.host_twin, r.mode.threads)) if r.mode.host_twin else None
+        if median is not None and twin is not None:
+            row["busbw_vs_host"] = f"{twin / median:.3f}"  # the same bytes: the bandwidth ratio
+            if r.copy_s is not None:
+                row["copy_ms"] = f"{r.copy_s * 1e3:.3f}"
+                row["copy_hidden"] = f"{copy_hidden(twin, median, r.copy_s):.2f}"
+        rows.append({column: row.get(column, "") for column in columns})
     return rows
 
 
 def table_line(values: Sequence[str]) -> str:
-    """One fixed-width table line."""
-    widths = [9, 15, 10, 6, 11, 11, 11, 11, 8, 8, 0]
+    """One fixed-width table line (11 cells, or 13 with the CUDA columns)."""
+    widths = [9, 15, 10, 6, 11, 11, 11, 11, 8, 8, *([10, 6] if len(values) == 13 else []), 0]
+    last = len(values) - 1
     cells = [
-        v.ljust(w) if i in (1, 2, 10) else v.rjust(w)
+        v.ljust(w) if i in (1, 2, last) else v.rjust(w)
         for i, (v, w) in enumerate(zip(values, widths, strict=True))
     ]
     return " ".join(cells).rstrip()
 
 
 def table_row(row: dict[str, Any]) -> str:
-    """Format one CSV row for the table."""
-    return table_line(
-        [
-            row["size"],
-            row["mode"],
-            row["kind"],
-            str(row["iters"]),
-            row["median_us"] or "-",
-            row["min_us"] or "-",
-            row["algbw_GBps"] or "-",
-            row["busbw_GBps"] or "-",
-            row["ratio_vs_gloo"] or "-",
-            row["ratio_vs_mpi"] or "-",
-            row["correct"],
-        ]
-    )
+    """Format one CSV row for the table (with the CUDA columns when the row has them)."""
+    cells = [
+        row["size"],
+        row["mode"],
+        row["kind"],
+        str(row["iters"]),
+        row["median_us"] or "-",
+        row["min_us"] or "-",
+        row["algbw_GBps"] or "-",
+        row["busbw_GBps"] or "-",
+        row["ratio_vs_gloo"] or "-",
+        row["ratio_vs_mpi"] or "-",
+    ]
+    if "device" in row:
+        cells += [row["busbw_vs_host"] or "-", row["copy_hidden"] or "-"]
+    return table_line([*cells, row["correct"]])
 
 
 # --------------------------------------------------------------- measuring
+def synchronize(mode: Mode) -> None:
+    """Wait for the device's queued work: a CUDA all-reduce's copies back may still run after it returns."""
+    if mode.device != "cpu":
+        torch.cuda.synchronize(mode.device)
+
+
+class CopyTimer:
+    """Times the staging pipeline's copies with CUDA events (``TorchCudaOps`` plus timing events).
+
+    Installed as the process's staging ops before any group stages, so every
+    ``backends._cuda_staging`` pipeline of this process (mpi, and the ring where
+    it stages through the pipeline) copies through it; it records only between
+    ``begin()`` and ``end()``, so the timed blocks pay nothing.
+    """
+
+    def __init__(self) -> None:
+        from backends import _cuda_staging
+
+        timer = self
+
+        class TimingOps(_cuda_staging.TorchCudaOps):
+            def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+                if not timer.recording:
+                    super().copy(dst, src, stream)
+                    return
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                super().copy(dst, src, stream)
+                end.record(stream)
+                timer.events.append((start, end))
+
+        self.recording = False
+        self.events: list[tuple[Any, Any]] = []
+        ops = TimingOps()
+        pool = _cuda_staging.PinnedBufferPool(ops)
+        # The process's shared staging parts: every pipeline made from now on copies through ``ops``.
+        _cuda_staging._shared = (ops, pool)
+
+    def begin(self) -> None:
+        """Record the copies from now on."""
+        self.events.clear()
+        self.recording = True
+
+    def end(self) -> float | None:
+        """Stop recording; return the seconds the copies took (None if nothing was staged)."""
+        self.recording = False
+        torch.cuda.synchronize()
+        if not self.events:
+            return None
+        return sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+
+
 def check_once(mode: Mode, buf: torch.Tensor, pattern: torch.Tensor, rank: int, world_size: int) -> bool:
     """All-reduce ``(rank + 1) * pattern`` once and compare with ``n (n + 1) / 2 * pattern``."""
     torch.mul(pattern, rank + 1, out=buf)
     mode.all_reduce(buf)
+    synchronize(mode)
     expected = pattern * (world_size * (world_size + 1) // 2)
     if torch.equal(buf, expected):
         return True
@@ -463,6 +588,7 @@ def check_and_warm_up(
     buf.zero_()  # zeros stay zeros while timing: no overflow, no denormals
     for _ in range(warmup):
         mode.all_reduce(buf)
+    synchronize(mode)
 
 
 def use_threads(mode: Mode) -> None:
@@ -472,19 +598,32 @@ def use_threads(mode: Mode) -> None:
 
 
 def measure_size(
-    modes: list[Mode], nbytes: int, dtype: torch.dtype, iters: int, rounds: int, warmup: int, env: DistEnv
+    modes: list[Mode],
+    nbytes: int,
+    dtype: torch.dtype,
+    iters: int,
+    rounds: int,
+    warmup: int,
+    env: DistEnv,
+    timer: CopyTimer | None = None,
 ) -> list[Result]:
-    """Check, warm up and time every live mode at one size, the modes taking turns block by block."""
+    """Check, warm up and time every live mode at one size, the modes taking turns block by block.
+
+    With a ``timer``, one more all-reduce of each CUDA mode with a host twin
+    (ring, mpi) is run afterwards with its staging copies timed.
+    """
     numel = nbytes // torch.empty(0, dtype=dtype).element_size()
-    shared = torch.zeros(numel, dtype=dtype)
-    pattern = (torch.arange(numel, dtype=torch.int64) % 251).to(dtype)
     results = {m.name: Result(nbytes, numel, m, iters, [], None) for m in modes}
     live = [m for m in modes if m.failed is None]
+    devices = sorted({m.device for m in live})
+    shared = {d: torch.zeros(numel, dtype=dtype, device=d) for d in devices}
+    base_pattern = (torch.arange(numel, dtype=torch.int64) % 251).to(dtype)
+    patterns = {d: base_pattern.to(d) for d in devices}
     own: dict[Any, torch.Tensor] = {}  # one buffer per allocator, shared by its thread variants
     buffers = {}
     for m in live:
         if m.make_buffer is None:
-            buffers[m.name] = shared
+            buffers[m.name] = shared[m.device]
         else:
             key = id(m.make_buffer)
             if key not in own:
@@ -507,9 +646,10 @@ def measure_size(
     for mode in live:
         use_threads(mode)
         buf = buffers[mode.name]
+        pattern = patterns[mode.device]
         step = functools.partial(check_and_warm_up, mode, buf, pattern, warmup, env, results[mode.name])
         guarded(mode, step)
-    del pattern
+    del patterns, base_pattern
 
     for _ in range(rounds):
         for mode in live:
@@ -522,9 +662,24 @@ def measure_size(
                 start = time.perf_counter()
                 for _ in range(iters):
                     mode.all_reduce(buf)
+                synchronize(mode)
                 results[mode.name].per_call_s.append((time.perf_counter() - start) / iters)
 
             guarded(mode, block)
+    if timer is not None:
+        for mode in live:
+            if mode.failed is not None or not mode.host_twin:
+                continue
+
+            def timed_copies(mode: Mode = mode, buf: torch.Tensor = buffers[mode.name]) -> None:
+                mode.barrier()
+                timer.begin()
+                try:
+                    mode.all_reduce(buf)
+                finally:
+                    results[mode.name].copy_s = timer.end()
+
+            guarded(mode, timed_copies)
     return [results[m.name] for m in live]
 
 
@@ -564,24 +719,27 @@ def create_modes(
     skipped: list[str] = []
     # The raw Gloo reference first, so that it is exactly dist.init_process_group + dist.all_reduce;
     # a commlib backend over torch.distributed then adopts or sits beside it.
+    device = getattr(args, "cuda_device", "cpu")
     if "torch-gloo" in references:
         try:
-            modes.append(torch_gloo_mode(env, ports[-1], args.timeout))
+            modes.append(torch_gloo_mode(env, ports[-1], args.timeout, device))
         except (ImportError, RuntimeError, OSError, ValueError) as e:
             skipped.append(f"torch-gloo: {type(e).__name__}: {e}")
     for i, name in enumerate(backends):
-        if name == "nccl" and not torch.cuda.is_available():
-            skipped.append("nccl: no CUDA device (this benchmark uses CPU tensors; NCCL needs CUDA)")
+        if name == "nccl" and device == "cpu":
+            skipped.append("nccl: needs CUDA tensors (--device cuda)")
             continue
         if name == "mpi" and comm is None:
             skipped.append(f"mpi: {comm_why}")
             continue
         try:
-            modes.extend(commlib_modes(name, env, ports[i], args.timeout, args.buffers))
+            modes.extend(commlib_modes(name, env, ports[i], args.timeout, args.buffers, device))
         except (ImportError, commlib.CommError, RuntimeError, OSError, ValueError, TypeError) as e:
             skipped.append(f"{name}: {type(e).__name__}: {e}")
     if "mpi4py" in references:
-        if comm is None:
+        if device != "cpu":
+            skipped.append("mpi4py: the raw reference takes host memory only (--device cuda)")
+        elif comm is None:
             skipped.append(f"mpi4py: {comm_why}")
         else:
             modes.append(mpi4py_mode(comm))
@@ -644,10 +802,17 @@ def run(args: argparse.Namespace) -> int:
     counts, default = parse_thread_counts(args.thread_counts, args.threads)
     torch.set_num_threads(counts[0])
     env = commlib.detect()
+    timer = None
+    args.cuda_device = "cpu"
+    if args.device == "cuda":
+        args.cuda_device = f"cuda:{env.local_rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(args.cuda_device)
+        timer = CopyTimer()  # before any group stages a tensor
     comm, comm_why = open_mpi_comm(env)
     dtype = DTYPES[args.dtype]
     element = torch.empty(0, dtype=dtype).element_size()
-    sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")]
+    default_sizes = CUDA_SIZES if args.device == "cuda" else DEFAULT_SIZES
+    sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else default_sizes)).split(",")]
     for nbytes in sizes:
         if nbytes % element:
             raise SystemExit(
@@ -663,7 +828,7 @@ def run(args: argparse.Namespace) -> int:
 
     say(
         f"commlib all-reduce benchmark: {env.world_size} ranks ({env.launcher}), {args.dtype}, "
-        f"torch {torch.__version__}, {'/'.join(map(str, counts))} thread(s)/rank"
+        f"torch {torch.__version__}, tensors on {args.device}, {'/'.join(map(str, counts))} thread(s)/rank"
         f"{'' if default is None else f' (torch default: {default})'}, {os.cpu_count()} CPUs, "
         f"{platform.node()}, {datetime.datetime.now().isoformat(timespec='seconds')}"
     )
@@ -684,16 +849,24 @@ def run(args: argparse.Namespace) -> int:
         "vs_gloo / vs_mpi = latency ours / reference "
         "(< 1: faster). Other processes on this host distort timings: compare within one run."
     )
+    columns, header = CSV_COLUMNS, TABLE_COLUMNS
+    if args.device == "cuda":
+        columns, header = CUDA_CSV_COLUMNS, CUDA_TABLE_COLUMNS
+        say(
+            "bw_vs_host = busbw on CUDA tensors / the same backend's on host tensors (target >= 0.8 "
+            "from 25 MiB); hidden = share of the staging copies' time (CUDA events, one extra "
+            "all-reduce) hidden behind communication: (host lat + copies - CUDA lat) / copies"
+        )
     say("")
-    say(table_line(TABLE_COLUMNS))
+    say(table_line(header))
 
     all_rows: list[dict[str, Any]] = []
     ok = True
     try:
         for nbytes in sizes:
             iters = args.iters or default_iters(nbytes, args.quick)
-            results = measure_size(modes, nbytes, dtype, iters, rounds, warmup, env)
-            rows = rows_for_size(results, env.world_size, args.dtype, rounds)
+            results = measure_size(modes, nbytes, dtype, iters, rounds, warmup, env, timer)
+            rows = rows_for_size(results, env.world_size, args.dtype, rounds, columns)
             ok &= all(r.correct is not False and r.error is None for r in results)
             for row in rows:
                 say(table_row(row))
@@ -705,7 +878,7 @@ def run(args: argparse.Namespace) -> int:
     if lead and args.csv is not None:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+            writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             writer.writerows(all_rows)
         say(f"\nwrote {len(all_rows)} rows to {args.csv}")
@@ -722,6 +895,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: parse arguments, then spawn ranks or run this one."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "allreduce_bench: --device cuda needs a CUDA device, and torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}); run without --device (CPU tensors) or on a machine with a GPU",
+            file=sys.stderr,
+        )
+        return 2
     return spawn_or_run(__file__, argv, args, run)
 
 

@@ -11,7 +11,7 @@
 #   2. runs every test marked gpu (pytest -m gpu);
 #   3. runs the GPU benchmarks: benchmarks/gpu_ddp_bench.py at world size 1 (NCCL) and
 #      on 2 ranks sharing the GPU (Gloo and ring), and
-#      benchmarks/allreduce_bench.py --device cuda when that flag exists;
+#      benchmarks/allreduce_bench.py --device cuda on 2 ranks (ring, gloo, mpi);
 #   4. prints one table (check, result, figures) and exits non-zero if a check failed.
 # Logs and CSVs go to results/gpu_check/.
 #
@@ -188,17 +188,31 @@ else
     record "gpu_ddp_bench 2 ranks, gloo+ring" FAIL "$figures"
 fi
 
-# 4. The all-reduce benchmark on CUDA tensors, once it has the flag.
-if "$PY" benchmarks/allreduce_bench.py --help 2>/dev/null | grep -q -- "--device"; then
-    run allreduce_cuda "$BENCH_TIMEOUT" "$VENV/bin/mpiexec" -n 2 "$PY" benchmarks/allreduce_bench.py \
-        --device cuda --backends ring,gloo,mpi --csv "$OUT/allreduce_cuda.csv"
-    if [[ $RC -eq 0 ]]; then
-        record "allreduce_bench --device cuda" PASS "table in $OUT/allreduce_cuda.log"
-    else
-        record "allreduce_bench --device cuda" FAIL "exit $RC: $(tail -n 1 "$OUT/allreduce_cuda.log")"
-    fi
+# 4. The all-reduce benchmark on CUDA tensors: bus bandwidth at 1, 25 and 100 MiB for ring and
+#    mpi beside Gloo's CUDA all-reduce, each against its own backend on host tensors, and the
+#    share of the staging copies hidden.
+allreduce_figures() {
+    "$PY" - "$1" <<'PY'
+import csv, sys
+parts = []
+for r in csv.DictReader(open(sys.argv[1])):
+    if r["mode"] in ("ring", "mpi", "torch-gloo") and r["busbw_GBps"]:
+        text = f"{r['size'].replace(' ', '')} {r['mode']} {float(r['busbw_GBps']):.2f} GB/s"
+        if r["busbw_vs_host"]:
+            text += f" ({float(r['busbw_vs_host']):.2f}x host"
+            text += f", {float(r['copy_hidden']):.0%} of copies hidden)" if r["copy_hidden"] else ")"
+        parts.append(text)
+print("; ".join(parts))
+PY
+}
+run allreduce_cuda "$BENCH_TIMEOUT" "$VENV/bin/mpiexec" -n 2 "$PY" benchmarks/allreduce_bench.py \
+    --device cuda --backends ring,gloo,mpi --sizes 1M,25M,100M --csv "$OUT/allreduce_cuda.csv"
+if [[ $RC -eq 0 ]]; then
+    record "allreduce_bench --device cuda" PASS "$(allreduce_figures "$OUT/allreduce_cuda.csv")"
 else
-    record "allreduce_bench --device cuda" SKIP "benchmarks/allreduce_bench.py has no --device flag yet"
+    figures="exit $RC: $(tail -n 1 "$OUT/allreduce_cuda.log")"
+    [[ -f "$OUT/allreduce_cuda.csv" ]] && figures="$figures; $(allreduce_figures "$OUT/allreduce_cuda.csv")"
+    record "allreduce_bench --device cuda" FAIL "$figures"
 fi
 
 # ---------------------------------------------------------------------- the table

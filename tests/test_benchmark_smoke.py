@@ -213,6 +213,39 @@ def test_rows_report_ratios_to_the_references(bench: ModuleType) -> None:
     assert list(ring) == CSV_HEADER
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error path without CUDA")
+def test_device_cuda_without_cuda_fails_fast_with_one_line() -> None:
+    proc = run_bench([sys.executable, str(BENCH), "--device", "cuda", "--spawn", "2"], timeout=120)
+    assert proc.returncode == 2, proc
+    assert proc.stdout == "", proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--device cuda needs a CUDA device" in lines[0], proc.stderr
+
+
+def test_cuda_rows_compare_with_the_host_twin_and_report_hidden_copies(bench: ModuleType) -> None:
+    def mode(name: str, kind: str = "commlib", **kw: object) -> object:
+        return bench.Mode(name=name, kind=kind, all_reduce=None, barrier=None, close=None, **kw)
+
+    mpi = mode("mpi", device="cuda:0", host_twin="mpi[host]")
+    results = [
+        bench.Result(1 << 20, 1 << 18, mpi, 4, [5e-3], True, copy_s=2e-3),
+        bench.Result(1 << 20, 1 << 18, mode("mpi[host]"), 4, [4e-3], True),
+        bench.Result(1 << 20, 1 << 18, mode("torch-gloo", "reference", device="cuda:0"), 4, [8e-3], True),
+    ]
+    rows = {r["mode"]: r for r in bench.rows_for_size(results, 2, "float32", 1, bench.CUDA_CSV_COLUMNS)}
+    assert list(rows["mpi"]) == bench.CUDA_CSV_COLUMNS
+    # CUDA 5 ms against host 4 ms: 0.8 of the host bandwidth; of 2 ms of copies, 1 ms was hidden.
+    assert (rows["mpi"]["busbw_vs_host"], rows["mpi"]["copy_ms"], rows["mpi"]["copy_hidden"]) == (
+        "0.800",
+        "2.000",
+        "0.50",
+    )
+    assert rows["mpi"]["ratio_vs_gloo"] == "0.625" and rows["mpi"]["device"] == "cuda:0"
+    assert rows["mpi[host]"]["busbw_vs_host"] == "" and rows["torch-gloo"]["copy_hidden"] == ""
+    assert bench.copy_hidden(4e-3, 6e-3, 2e-3) == 0.0 and bench.copy_hidden(4e-3, 3e-3, 2e-3) == 1.0
+    assert bench.table_row(rows["mpi"]).split()[-3:] == ["0.800", "0.50", "ok"]
+
+
 def test_thread_variants_are_compared_with_the_references_at_their_own_count(bench: ModuleType) -> None:
     base = [
         bench.Mode(name=name, kind=kind, all_reduce=None, barrier=None, close=None)

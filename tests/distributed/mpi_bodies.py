@@ -280,14 +280,15 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
     for ``compute_s`` after issuing the collective; with a progress thread the
     collective finishes meanwhile.
     """
+    from backends import _mpi_device
     from backends import mpi as mpi_backend
 
     plans = {str(d): mpi_backend._plan(mpi_backend._load_mpi(), d).native for d in ALL_DTYPES}
     t = torch.arange(10, dtype=torch.float32)
-    spec, copy_back, _ = group._buffer(t, reduce=True)  # type: ignore[attr-defined]
-    zero_copy = _address(spec[0]) == t.data_ptr() and len(spec[0]) == t.nbytes and copy_back is None
+    spec = group._buffer("all_reduce", t, group._plan_for(t.dtype))  # type: ignore[attr-defined]
+    zero_copy = _address(spec[0]) == t.data_ptr() and len(spec[0]) == t.nbytes
     tb = torch.arange(10, dtype=torch.bfloat16)
-    spec_b, _, _ = group._buffer(tb, reduce=True)  # type: ignore[attr-defined]
+    spec_b = group._buffer("all_reduce", tb, group._plan_for(tb.dtype))  # type: ignore[attr-defined]
     big = torch.ones(nbytes // 4)
     group.barrier()
     start = time.perf_counter()
@@ -309,6 +310,9 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
         "total_s": time.perf_counter() - start,
         "correct": correct,
         "thread_level": group._thread_level,  # type: ignore[attr-defined]
+        # CPU tensors only so far: the CUDA path was never decided, CuPy never imported.
+        "cuda_path_made": _mpi_device._process_path is not None,
+        "cupy_imported": "cupy" in sys.modules,
     }
 
 

@@ -84,6 +84,7 @@ def test_async_semantics_progress_and_zero_copy() -> None:
         assert m["native"]["torch.float32"] and m["native"]["torch.int64"]
         assert isinstance(m["native"]["torch.bfloat16"], bool)
         assert m["thread_level"] == 3 and m["progress"] == "thread"
+        assert not m["cuda_path_made"] and not m["cupy_imported"], "CPU-only jobs pay nothing for CUDA"
         # The progress thread finished the 25 MB all_reduce while the caller slept 0.2 s.
         assert m["done_during_compute"], m
         assert m["wait_after_compute_s"] < 0.05, m

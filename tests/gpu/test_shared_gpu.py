@@ -3,7 +3,7 @@
 - ring: the collective matrix on CUDA tensors (op x dtype x size, 0 .. 25 MiB)
   against the float64 reference, exactly for integers.
 - mpi: the same matrix with staging forced (``COMMLIB_MPI_CUDA_AWARE=0``), and
-  zero copy where the MPI library is CUDA-aware; chunked staged all-reduces with
+  zero copy where the MPI library is CUDA-aware; the backend's chunked staging with
   the real MPI library; CuPy views of CUDA tensors.
 - ring, gloo and mpi: DDP on CUDA parameters equals one process on the full
   batch, and the parameters are bit-identical across ranks.
@@ -120,11 +120,18 @@ def test_mpi_cupy_views_and_zero_copy_where_the_library_allows() -> None:
 
 
 @pytest.mark.mpi
-def test_mpi_chunked_staging_with_the_real_library() -> None:
-    results = mpi_launch("tests.gpu.bodies:staged_mpi_all_reduce", {}, timeout=180)
+def test_mpi_backend_staging_on_the_gpu() -> None:
+    env = {"COMMLIB_MPI_CUDA_AWARE": "0"}
+    results = mpi_launch("tests.gpu.bodies:staged_mpi_all_reduce", env, timeout=180)
     for rank, out in results.items():
-        assert out["ok"], f"rank {rank}: wrong result after {out['chunks']} chunked Iallreduce calls"
+        assert out["ok"] == [True] * 3, (
+            f"rank {rank}: wrong result of a {out['chunks']}-chunk staged all-reduce"
+        )
         assert out["chunks"] > 1
+        assert out["lines"] == [
+            "mpi: CUDA tensors are staged through pinned host memory (COMMLIB_MPI_CUDA_AWARE=0)"
+        ], out["lines"]
+        assert out["allocated"] <= 2 and out["reused"] >= 1, out  # pinned buffers are reused
 
 
 @pytest.mark.mpi
