@@ -19,6 +19,9 @@ Modes, each with its own copy of the model (same seed) and its own AdamW:
 - ``ddp-<backend>+rs`` (with ``--zero``): ``gradient_sync="reduce_scatter"`` with
   ``ZeroRedundancyOptimizer(AdamW)`` (Megatron's distributed optimizer): each bucket is
   reduce-scattered, each rank steps its shard, the step all-gathers the parameters.
+- ``ddp-<backend>+rs-overlap`` (with ``--zero``): the same with ``overlap_param_gather=True``:
+  the step returns with one all-gather per bucket in flight, and each module of the next
+  forward waits for its own parameters (Megatron's overlapped parameter gather).
 - ``ddp-null``: commlib's DDP over a group whose collectives do nothing: what the DDP side
   costs by itself (hooks, copies into the buckets, scaling, launches).
 - ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel`` on Gloo, same bucket cap.
@@ -26,11 +29,18 @@ Modes, each with its own copy of the model (same seed) and its own AdamW:
 - ``flat``: after backward, ``torch.cat`` of every gradient into a fresh buffer, one all-reduce, copy back.
 - ``flat-reuse``: the same into a buffer allocated once.
 
-The modes take turns step by step (this machine drifts 20-50% between runs, so
-only figures from one run compare), rotating who goes first, each step after a
-barrier. Reported per mode: the median step time (rank 0's clock) and its
+The modes take turns (this machine drifts 20-50% between runs, so only figures
+from one run compare), rotating who goes first, each turn after a barrier. A turn
+is ``--block`` consecutive steps of one mode (default 1; 3 with ``--zero``), of
+which the first is not timed: an overlapped all-gather left in flight by a step
+is waited for by the same mode's next forward, never by another mode's step, so
+each timed step of ``+rs-overlap`` carries exactly one step's all-gathers, and
+after the turn ``finish_param_gather`` (untimed) leaves nothing in flight. Every
+mode runs in the same blocks, so the comparison stays like for like (each timed
+step follows a step of its own mode). Reported per mode: the median step time (rank 0's clock) and its
 interquartile range, the overhead over ``none`` and the ratio to ``torch-ddp``
-(each the median of per-round ratios, so drift between rounds cancels), and for
+(each the median of per-round ratios of the turn's mean timed step, so drift
+between rounds cancels), and for
 commlib's DDP the exposed
 communication (how long backward waited at its end) beside the total
 communication time, the overlap ``1 - exposed / comm``, the bytes handed to the
@@ -38,7 +48,15 @@ group per step (``StepStats.bytes_sent``: compression shows there) and the time
 spent in DDP's gradient hooks; the bytes one rank puts on the wire in backward by a
 ring algorithm (``StepStats.wire_bytes``: a reduce-scatter moves half of an
 all-reduce's), the bytes handed to the group in the optimizer step (the ZeRO
-all-gather) and the optimizer state per rank. For every mode: the CPU time of the thread that
+all-gather) and the optimizer state per rank. For ZeRO modes
+(``ZeroRedundancyOptimizer.param_gather_stats``): ``gather ms``, per step, from
+issuing the parameter all-gathers to the return of the wait for the last one
+(without overlap: their cost; with overlap it spans the forward that ran
+meanwhile), and ``g.wait ms``, the time they held the step up (issuing them plus
+blocked waits: in the optimizer step without overlap, in the forward's pre-hooks
+with it); for ``+rs-overlap`` the share of the all-gather hidden,
+``1 - g.wait(+rs-overlap) / gather(+rs)``, both medians of the same run (the
+all-gather's cost measured without overlap). For every mode: the CPU time of the thread that
 runs the step and of the process's other threads (a progress thread, Gloo's),
 per step, which on a machine with a core per rank is compute taken from
 backward. For ``naive`` and ``flat`` the whole synchronisation after backward
@@ -114,6 +132,9 @@ CSV_COLUMNS = [
     "overlap",
     "collectives",
     "identical",
+    "gather_ms",
+    "gather_wait_ms",
+    "hidden",
 ]
 
 
@@ -137,15 +158,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--zero",
         action="store_true",
-        help="add ddp-<backend>+zero (DDP + ZeroRedundancyOptimizer(AdamW)) and ddp-<backend>+rs "
-        "(gradient_sync='reduce_scatter' + ZeroRedundancyOptimizer(AdamW)) for every backend",
+        help="add ddp-<backend>+zero (DDP + ZeroRedundancyOptimizer(AdamW)), ddp-<backend>+rs "
+        "(gradient_sync='reduce_scatter' + ZeroRedundancyOptimizer(AdamW)) and ddp-<backend>+rs-overlap "
+        "(the same with overlap_param_gather=True) for every backend",
+    )
+    p.add_argument(
+        "--block",
+        type=int,
+        default=None,
+        help="consecutive steps of one mode per turn, the first untimed (default 1; 3 with --zero, "
+        "which needs at least 2: +rs-overlap's all-gathers are waited for by its own next step)",
     )
     p.add_argument(
         "--powersgd-rank", type=int, default=4, help="matrix_approximation_rank of powersgd (default 4)"
     )
-    p.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 8; --quick 3)")
     p.add_argument(
-        "--warmup", type=int, default=None, help="untimed steps per mode first (default 2; --quick 1)"
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per mode (default 8; --quick 3), rounded up to whole turns",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps per mode first (default 2; --quick 1), rounded up to whole turns",
     )
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank (default 2)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap of both DDPs, MiB (default 25)")
@@ -185,6 +222,9 @@ class Mode:
     no_hook: str | None = None  # the same backend's mode without a hook (or without ZeRO)
     group: Any = None  # the commlib group whose bytes the optimizer step hands over (ZeRO modes)
     times: list[float] = dataclasses.field(default_factory=list)
+    rounds: list[float] = dataclasses.field(default_factory=list)  # each turn's mean timed step
+    gather: list[float] = dataclasses.field(default_factory=list)  # ZeRO: all-gathers, issue to done
+    gather_wait: list[float] = dataclasses.field(default_factory=list)  # ZeRO: the time they held up
     main_cpu: list[float] = dataclasses.field(default_factory=list)
     other_cpu: list[float] = dataclasses.field(default_factory=list)
     hook: list[float] = dataclasses.field(default_factory=list)
@@ -333,18 +373,25 @@ def create_modes(
                 continue
             hook_note = register_hook(ddp, group, hook, args)
             add(f"ddp-{name}+{hook}", f"{note}, {hook_note}", model=ddp, ddp=ddp, no_hook=f"ddp-{name}")
-        for sync, suffix in (("allreduce", "zero"), ("reduce_scatter", "rs")) if args.zero else ():
+        zero_modes = (
+            ("allreduce", "zero", False),
+            ("reduce_scatter", "rs", False),
+            ("reduce_scatter", "rs-overlap", True),
+        )
+        for sync, suffix, overlap in zero_modes if args.zero else ():
             ddp = DistributedDataParallel(
                 fresh_model(cfg, args.seed),
                 group,
                 bucket_size_mb=args.bucket_mb,
                 first_bucket_size_mb=args.first_bucket_mb,
                 gradient_sync=sync,
+                overlap_param_gather=overlap,
             )
             zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, **ADAMW)
             add(
                 f"ddp-{name}+{suffix}",
-                f"{note}, gradient_sync={sync}, ZeroRedundancyOptimizer(AdamW)",
+                f"{note}, gradient_sync={sync}{', overlap_param_gather' if overlap else ''}, "
+                "ZeroRedundancyOptimizer(AdamW)",
                 model=ddp,
                 ddp=ddp,
                 opt=zero,
@@ -486,6 +533,8 @@ def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, ra
     """Train ``mode`` one step on this rank's share of batch ``step``; return the seconds it took."""
     x, y = synthetic_batch(cfg, args.batch_size * world, seed=args.seed, step=step)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    gathers = mode.opt.param_gather_stats if isinstance(mode.opt, ZeroRedundancyOptimizer) else None
+    gather_before, wait_before = (gathers.gather_s, gathers.wait_s) if gathers is not None else (0.0, 0.0)
     cpu_main, cpu_all = time.thread_time(), time.process_time()
     start = time.perf_counter()
     mode.opt.zero_grad(set_to_none=True)
@@ -496,6 +545,11 @@ def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, ra
     elapsed = time.perf_counter() - start
     if mode.group is not None:
         mode.step_bytes.append(mode.group.bytes_issued - handed)
+    if gathers is not None:
+        # Differences of running totals: the all-gathers completed and the waits made in this
+        # step (with overlap: the previous step's, waited for by this forward, plus this issue).
+        mode.gather.append(gathers.gather_s - gather_before)
+        mode.gather_wait.append(gathers.wait_s - wait_before)
     main = time.thread_time() - cpu_main
     mode.main_cpu.append(main)
     mode.other_cpu.append(time.process_time() - cpu_all - main)
@@ -512,6 +566,24 @@ def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, ra
         mode.exposed.append(exposed)
         mode.comm.append(exposed)
     return elapsed
+
+
+def per_step_records(m: Mode) -> list[list[Any]]:
+    """The lists ``one_step`` appends one value to per step (cut back after an untimed step)."""
+    return [
+        m.main_cpu,
+        m.other_cpu,
+        m.hook,
+        m.bytes_sent,
+        m.wire,
+        m.step_bytes,
+        m.exposed,
+        m.comm,
+        m.overlap,
+        m.collectives,
+        m.gather,
+        m.gather_wait,
+    ]
 
 
 def digest_matches(model: torch.nn.Module, world: int) -> bool:
@@ -542,12 +614,21 @@ def summarise(
     Ratios are paired: each mode's step over the reference's step of the same round,
     then the median over rounds, so that drift between rounds cancels.
     """
-    times = {m.name: m.times for m in modes if m.times}
+    times = {m.name: m.rounds for m in modes if m.rounds}
+    by_name = {m.name: m for m in modes}
 
     def paired(name: str, ref: str) -> float | None:
         if ref not in times:
             return None
         return statistics.median(a / b for a, b in zip(times[name], times[ref], strict=True))
+
+    def hidden(m: Mode) -> float | None:
+        """``1 - g.wait / gather``: the overlapped waits over the all-gathers' cost without overlap."""
+        plain = by_name.get(m.name.removesuffix("-overlap"))
+        if not m.name.endswith("+rs-overlap") or plain is None or not plain.gather or not m.gather_wait:
+            return None
+        cost = statistics.median(plain.gather)
+        return 1 - statistics.median(m.gather_wait) / cost if cost > 0 else None
 
     def median_ms(values: list[float]) -> float | None:
         return statistics.median(values) * 1e3 if values else None
@@ -587,6 +668,9 @@ def summarise(
                 "overlap": statistics.median(m.overlap) if m.overlap else None,
                 "collectives": statistics.median(m.collectives) if m.collectives else None,
                 "identical": identical.get(m.name),
+                "gather_ms": median_ms(m.gather),
+                "gather_wait_ms": median_ms(m.gather_wait),
+                "hidden": hidden(m),
             }
         )
     return rows
@@ -602,7 +686,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     head = (
         f"{'mode':<{width}} {'step ms':>8} {'p25-p75 ms':>14} {'vs none':>8} {'/torch':>7} {'/nohook':>7} "
         f"{'MB/step':>8} {'wire MB':>7} {'opt MB':>6} {'state MB':>8} {'hook ms':>7} {'main cpu':>8} "
-        f"{'other cpu':>9} {'exposed ms':>10} {'comm ms':>8} {'overlap':>8} {'coll':>5} {'same':>5}"
+        f"{'other cpu':>9} {'exposed ms':>10} {'comm ms':>8} {'overlap':>8} {'coll':>5} {'same':>5} "
+        f"{'gather ms':>9} {'g.wait ms':>9} {'hidden':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -616,7 +701,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             f"{_fmt(r['hook_ms'], '.1f'):>7} {_fmt(r['main_cpu_ms'], '.0f'):>8} "
             f"{_fmt(r['other_cpu_ms'], '.0f'):>9} {_fmt(r['exposed_ms'], '.1f'):>10} "
             f"{_fmt(r['comm_ms'], '.1f'):>8} {_fmt(r['overlap'], '.0%'):>8} "
-            f"{_fmt(r['collectives'], '.0f'):>5} {same:>5}"
+            f"{_fmt(r['collectives'], '.0f'):>5} {same:>5} "
+            f"{_fmt(r['gather_ms'], '.1f'):>9} {_fmt(r['gather_wait_ms'], '.1f'):>9} "
+            f"{_fmt(r['hidden'], '.0%'):>6}"
         )
     return lines
 
@@ -636,8 +723,9 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"target ddp-ring within +8% of none (moonshot +5%): {over:+.1%} ({verdict})")
     for r in rows:
         base = by.get(r["mode"].split("+")[0]) if "+" in r["mode"] else None
-        if base is not None and r["mode"].endswith(("+zero", "+rs")):
-            out.append(zero_verdict(r, base))
+        if base is not None and r["mode"].endswith(("+zero", "+rs", "+rs-overlap")):
+            plain = by.get(r["mode"].removesuffix("-overlap"), {})
+            out.append(zero_verdict(r, base, plain.get("gather_ms")))
             continue
         if base is None or not r["bytes_sent_mb"] or not base["bytes_sent_mb"]:
             continue
@@ -653,13 +741,15 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def zero_verdict(row: dict[str, Any], base: dict[str, Any]) -> str:
+def zero_verdict(row: dict[str, Any], base: dict[str, Any], plain_gather_ms: float | None = None) -> str:
     """Judge a ZeRO mode against DDP with AdamW on the same backend: state, wire bytes, step time.
 
     Targets: optimizer state at most ``1 / world_size`` of AdamW's plus one
     parameter's worth (here: plus 10%); a reduce-scatter puts half of the
     all-reduce's bytes on the wire in backward (before the parameter all-gather);
-    the reduce-scatter mode no slower than DDP with AdamW.
+    the reduce-scatter mode no slower than DDP with AdamW. With overlap it also
+    reports the all-gather's cost without overlap (``plain_gather_ms``, from
+    ``+rs``) and the share of it hidden.
     """
     world = row["world_size"]
     state = row["opt_state_mb"] / base["opt_state_mb"] if base["opt_state_mb"] else float("nan")
@@ -672,9 +762,14 @@ def zero_verdict(row: dict[str, Any], base: dict[str, Any]) -> str:
         )
     ratio = row["vs_no_hook"]
     verdict = ""
-    if row["mode"].endswith("+rs") and ratio is not None:
+    if row["mode"].endswith(("+rs", "+rs-overlap")) and ratio is not None:
         verdict = f" (target <= 1.00: {'met' if ratio <= 1.0 else 'NOT met'})"
     parts.append(f"step time x{_fmt(ratio, '.3f')}{verdict}")
+    if row["hidden"] is not None:
+        parts.append(
+            f"parameter all-gather {_fmt(plain_gather_ms, '.1f')} ms without overlap, "
+            f"{row['gather_wait_ms']:.1f} ms exposed with it: {row['hidden']:.0%} hidden"
+        )
     return f"{row['mode']}: " + ", ".join(parts)
 
 
@@ -686,6 +781,16 @@ def run(args: argparse.Namespace) -> int:
     cfg = QUICK_MODEL if args.quick else FULL_MODEL
     steps = args.steps if args.steps is not None else (3 if args.quick else 8)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    block = args.block if args.block is not None else (3 if args.zero else 1)
+    if block < 1 or (args.zero and block < 2):
+        raise SystemExit(
+            f"--block {block}: a turn needs at least 1 step, and with --zero at least 2 (the first is "
+            "untimed, so that ddp-<backend>+rs-overlap's timed steps each wait for the all-gathers "
+            "of a step of their own); use --block 3"
+        )
+    timed_per_turn = block - 1 if block > 1 else 1
+    rounds = -(-steps // timed_per_turn)  # whole turns
+    warmup_rounds = -(-warmup // block)
     rank, world, lead = env.rank, env.world_size, env.rank == 0
 
     def say(text: str = "") -> None:
@@ -712,27 +817,34 @@ def run(args: argparse.Namespace) -> int:
         for reason in skipped:
             say(f"  skipped {reason}")
         say(
-            f"{warmup} warm-up + {steps} timed steps per mode; the modes take turns step by step (rotating "
-            "who goes first), each step after a barrier; step = zero_grad + forward + backward + sync + "
-            "AdamW step (rank 0's clock)"
+            f"{warmup_rounds} warm-up + {rounds} timed turns per mode of {block} step(s), "
+            f"{'the first untimed; ' if block > 1 else ''}{rounds * timed_per_turn} timed steps per mode; "
+            "the modes take turns (rotating who goes first), each turn after a barrier; step = zero_grad "
+            "+ forward + backward + sync + AdamW step (rank 0's clock)"
         )
-        for step in range(warmup + steps):
-            turn = step % len(modes)  # rotate who goes first, so no mode always follows the same one
-            for m in modes[turn:] + modes[:turn]:
+        for turn in range(warmup_rounds + rounds):
+            first = turn % len(modes)  # rotate who goes first, so no mode always follows the same one
+            for m in modes[first:] + modes[:first]:
                 dist.barrier()
-                elapsed = one_step(m, cfg, args, step, rank, world)
-                if step < warmup:
-                    for record in (m.exposed, m.comm, m.overlap, m.collectives):
-                        record.clear()
-                else:
-                    m.times.append(elapsed)
-                if step < warmup:
-                    for record in (m.main_cpu, m.other_cpu, m.hook, m.bytes_sent, m.wire, m.step_bytes):
-                        record.clear()
+                timed: list[float] = []
+                for step in range(block):
+                    records = per_step_records(m)
+                    kept = [len(r) for r in records]
+                    elapsed = one_step(m, cfg, args, turn * block + step, rank, world)
+                    if turn < warmup_rounds or (block > 1 and step == 0):
+                        for record, n in zip(records, kept, strict=True):
+                            del record[n:]
+                    else:
+                        timed.append(elapsed)
+                if isinstance(m.opt, ZeroRedundancyOptimizer):
+                    m.opt.finish_param_gather()  # nothing in flight into the next mode's turn
+                if timed:
+                    m.times.extend(timed)
+                    m.rounds.append(statistics.fmean(timed))
             if lead and not args.quick:
                 say(
-                    f"  step {step + 1}/{warmup + steps}: "
-                    + ", ".join(f"{m.name} {m.times[-1] * 1e3:.0f}" if m.times else m.name for m in modes)
+                    f"  turn {turn + 1}/{warmup_rounds + rounds}: "
+                    + ", ".join(f"{m.name} {m.rounds[-1] * 1e3:.0f}" if m.rounds else m.name for m in modes)
                 )
         identical = {
             m.name: digest_matches(m.model, world) for m in modes if m.name not in ("none", "ddp-null")
@@ -745,14 +857,18 @@ def run(args: argparse.Namespace) -> int:
         say(
             "step ms: median over timed steps; vs none: overhead over no synchronisation, /torch: step "
             "time over torch-ddp's, /nohook: over the same backend without the hook, each the median of "
-            "per-round ratios (ZeRO modes: over the backend's DDP with AdamW); MB/step: bytes handed to "
-            "the group in backward; wire MB: bytes one rank sends in backward by a ring algorithm; opt MB: "
+            "per-turn ratios of the turn's mean timed step (ZeRO modes: over the backend's DDP with "
+            "AdamW); MB/step: bytes handed to the group in backward; wire MB: bytes one rank sends in "
+            "backward by a ring algorithm; opt MB: "
             "bytes handed to the group in the optimizer step (ZeRO's all-gather); state MB: optimizer state "
             "per rank; hook ms: time in DDP's gradient hooks; "
             "main cpu / other cpu: CPU ms per step of the step's thread / of the process's other threads; "
             "exposed: time backward (or the sync after it) blocked on communication; comm: time a "
             "collective was in flight; overlap: median of 1 - exposed/comm per step; same: parameters "
-            "bit-identical on all ranks"
+            "bit-identical on all ranks; gather ms (ZeRO): from issuing the step's parameter all-gathers "
+            "to the end of the wait for the last (with overlap: spans the forward that ran meanwhile); "
+            "g.wait ms: the time they held the step up (issue + blocked waits); hidden: 1 - g.wait of "
+            "+rs-overlap / gather ms of +rs (the all-gather's cost without overlap), same run"
         )
         for line in verdicts(rows):
             say(line)

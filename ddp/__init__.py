@@ -30,6 +30,7 @@ from ddp.hooks import (
     powerSGD_hook,
 )
 from ddp.join import Join, JoinHook
+from ddp.param_gather_stats import ParamGatherStats
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.stats import BucketTiming, StepStats
 from ddp.timeline import TimelineWriter
@@ -53,6 +54,7 @@ __all__ = [
     "MissingGradientsError",
     "ModelMismatchError",
     "NonFiniteGradientError",
+    "ParamGatherStats",
     "ParameterPartition",
     "ParametersChangedError",
     "PowerSGDState",

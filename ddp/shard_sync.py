@@ -41,6 +41,7 @@ from commlib.types import ReduceOp
 from commlib.work import Work
 from ddp.bucket import GradientBucket
 from ddp.errors import UnsupportedCollectiveError
+from ddp.param_gather_stats import ParamGatherStats
 from ddp.partition import ParameterPartition
 
 __all__ = [
@@ -159,13 +160,20 @@ class ParamGathers:
     The optimizer adds each buffer's all-gather with the parameters it writes;
     DDP's forward pre-hooks wait for those of a module's parameters just before
     it runs; the optimizer waits for the rest before it touches the buffers again.
+    Each wait that blocks is reported to the optimizer's ``ParamGatherStats``
+    (``begin``): that is the part of the all-gathers the forward did not hide.
     """
 
     def __init__(self) -> None:
         self._by_param: dict[int, Work] = {}  # id(parameter) -> the all-gather writing it
+        self._stats: ParamGatherStats | None = None
 
     def __bool__(self) -> bool:
         return bool(self._by_param)
+
+    def begin(self, stats: ParamGatherStats) -> None:
+        """A step is about to add its all-gathers; report the waits for them to ``stats``."""
+        self._stats = stats
 
     def add(self, params: Sequence[torch.Tensor], work: Work) -> None:
         """Record that ``work`` writes ``params`` (until waited for)."""
@@ -174,18 +182,27 @@ class ParamGathers:
 
     def wait_for(self, params: Any) -> None:
         """Wait for the all-gathers that write any of ``params`` (an iterable of tensors)."""
-        by_param = self._by_param
+        by_param, stats = self._by_param, self._stats
+        start: float | None = None
         for p in params:
             work = by_param.pop(id(p), None)
             if work is not None:
+                if start is None and stats is not None:
+                    start = stats.clock()
                 work.wait()
+        if start is not None and stats is not None:
+            stats.waited(start, stats.clock(), done=not by_param)
 
     def wait_all(self) -> None:
         """Wait for every all-gather still in flight."""
         works = {id(w): w for w in self._by_param.values()}
         self._by_param.clear()
+        stats = self._stats
+        start = stats.clock() if stats is not None and works else None
         for work in works.values():
             work.wait()
+        if start is not None and stats is not None:
+            stats.waited(start, stats.clock(), done=True)
 
 
 class ShardedGradientLayout:

@@ -14,6 +14,7 @@ from commlib.types import dtype_name
 from ddp import shard_sync
 from ddp.distributed import resolve_group
 from ddp.errors import ModelMismatchError, ParametersChangedError, StateNotConsolidatedError
+from ddp.param_gather_stats import ParamGatherStats
 from ddp.partition import ParameterPartition, ParamPiece
 from ddp.zero_state import ShardPayload, exchange_objects, merge_payloads, piece_state
 
@@ -56,7 +57,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     one all-gather per bucket in flight, issued in the order the next forward
     needs them, and each module of that forward waits for its own parameters';
     ``finish_param_gather()`` waits for them all (before reading the parameters
-    anywhere else).
+    anywhere else). ``param_gather_stats`` tells how long each step's all-gathers
+    took and how much of it the caller waited for (with overlap: the part the
+    forward did not hide).
 
     Every rank must call the constructor, ``step``, ``add_param_group``,
     ``consolidate_state_dict`` and ``set_partition``, in the same order: they
@@ -127,6 +130,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consolidated: dict[str, Any] | None = None
         self._external = partition is not None
         self._registrations_seen = -1
+        self._gather_stats = ParamGatherStats()
         super().__init__(params, defaults)
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._check_communicable("init", self._params)
@@ -171,6 +175,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for value in state.values()
             if isinstance(value, torch.Tensor)
         )
+
+    @property
+    def param_gather_stats(self) -> ParamGatherStats:
+        """The time of the steps' parameter all-gathers and of the waits for them (``ParamGatherStats``)."""
+        return self._gather_stats
+
+    @property
+    def param_gather_s(self) -> float:
+        """Seconds from the latest step's first all-gather to the end of the wait for its last one.
+
+        NaN while some are in flight (``overlap_param_gather``), and on one rank.
+        """
+        return self._gather_stats.last_gather_s
+
+    @property
+    def param_gather_wait_s(self) -> float:
+        """Seconds the latest step's all-gathers held the caller up so far (issue plus blocked waits).
+
+        Without ``overlap_param_gather`` it equals ``param_gather_s``; with it, it
+        grows while the next forward waits for them: the part overlap did not hide.
+        """
+        return self._gather_stats.last_wait_s
 
     # -------------------------------------------------------------------- step
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -565,10 +591,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self.world_size == 1:
             return
         gathers = self._param_gathers()
+        stats = self._gather_stats
         order = list(zip(self._partition.layouts, self._buffers, strict=True))
         if gathers is not None:
             # DDP's buckets run from the last layers to the first: the next forward needs them reversed.
             order.reverse()
+            gathers.begin(stats)
+        start = stats.clock()
         works = []
         for layout, buffer in order:
             shard = layout.shard_numel
@@ -579,9 +608,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if gathers is not None:
                     gathers.add([self._params[slot.index] for slot in layout.slots], work)
                 works.append(work)
-        if gathers is None:
+        issued = stats.clock()
+        stats.issued(start, issued)
+        if gathers is None or not works:
             for work in works:
                 work.wait()
+            stats.waited(issued, stats.clock(), done=True)
 
     def _shard_payload(self) -> ShardPayload:
         """This rank's state, by parameter index and piece, copied to the CPU."""

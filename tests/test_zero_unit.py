@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -13,16 +16,18 @@ from ddp import (
     ModelMismatchError,
     ParameterPartition,
     ParametersChangedError,
+    ParamGatherStats,
     StateNotConsolidatedError,
     UnsupportedCollectiveError,
     ZeroRedundancyOptimizer,
     allreduce_hook,
+    shard_sync,
 )
 from ddp.auto_bucket import TUNE_AFTER_BACKWARDS
 from ddp.cost_model import CommCostModel
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import zero_bodies
-from tests.distributed.zero_bodies import build
+from tests.distributed.zero_bodies import build, shard
 from tests.test_cost_model import Uniform
 
 
@@ -282,3 +287,87 @@ def test_reduce_scatter_mode_follows_auto_bucket_resizing_with_a_wider_reduce_dt
         assert follows
         assert max((a - b).abs().max().item() for a, b in zip(params, reference, strict=True)) <= 1e-6
     assert all(torch.equal(a, b) for a, b in zip(sharded[0][0], sharded[1][0], strict=True))
+
+
+# ------------------------------------------- the parameter all-gathers' time
+class _ClockedWork:
+    """A work whose first wait advances the fake clock by ``cost`` (it was still in flight)."""
+
+    def __init__(self, clock: list[float], cost: float) -> None:
+        self.clock, self.cost = clock, cost
+
+    def wait(self) -> None:
+        self.clock[0] += self.cost
+        self.cost = 0.0
+
+
+def test_param_gather_stats_count_issue_and_blocked_waits_exactly():
+    """On a fake clock: exposed = issue + blocked waits; the step is done when the last one is waited."""
+    clock = [100.0]
+    stats = ParamGatherStats(clock=lambda: clock[0])
+    gathers = shard_sync.ParamGathers()
+    p1, p2, p3 = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    gathers.begin(stats)
+    gathers.add([p1, p2], _ClockedWork(clock, 5.0))
+    gathers.add([p3], _ClockedWork(clock, 3.0))
+    stats.issued(100.0, 101.0)
+    clock[0] = 110.0  # the forward computed meanwhile: not exposed
+    gathers.wait_for([p3])
+    assert (stats.last_wait_s, math.isnan(stats.last_gather_s), stats.steps) == (4.0, True, 0)
+    gathers.wait_for([p1])  # its work also writes p2: still recorded as in flight
+    assert (stats.last_wait_s, stats.steps) == (9.0, 0)
+    gathers.wait_for([p2])  # done already: costs nothing, completes the step
+    assert (stats.last_wait_s, stats.last_gather_s, stats.steps) == (9.0, 18.0, 1)
+    assert not gathers
+    gathers.wait_all()  # nothing left: nothing recorded
+    stats.issued(200.0, 200.5)
+    gathers.add([p1], _ClockedWork(clock, 2.0))
+    clock[0] = 200.5
+    gathers.wait_all()
+    assert (stats.last_wait_s, stats.last_gather_s, stats.steps) == (2.5, 2.5, 2)
+    assert (stats.wait_s, stats.gather_s) == (11.5, 20.5)
+
+
+def _gather_times(group: Any, overlap: bool, delay_s: float) -> dict[str, Any]:
+    rank, world = group.rank, group.world_size
+    model = zero_bodies.build("net", 7, torch.float64)
+    ddp = DistributedDataParallel(
+        model, group, bucket_size_mb=0.0002, gradient_sync="reduce_scatter", overlap_param_gather=overlap
+    )
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, group, lr=0.1)
+    out: dict[str, Any] = {"after_step": [], "after_forward": [], "stats": [], "gathers": 0}
+    for step in range(3):
+        x, y = zero_bodies.batch("net", step, zero_bodies.PER_RANK * world)
+        zero.zero_grad()
+        loss = zero_bodies.loss_of("net", ddp, shard(x, rank, world), shard(y, rank, world), step)
+        # The forward has waited for every parameter it used: the last step's figures are final.
+        out["after_forward"].append((zero.param_gather_s, zero.param_gather_wait_s))
+        loss.backward()
+        issued = len(group.issued)
+        zero.step()
+        out["gathers"] = sum(1 for i in group.issued[issued:] if i.kind == "all_gather")
+        out["after_step"].append((zero.param_gather_s, zero.param_gather_wait_s))
+    zero.finish_param_gather()
+    s = zero.param_gather_stats
+    out["stats"] = (s.steps, s.gather_s, s.wait_s, s.last_gather_s, s.last_wait_s)
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_param_gather_time_is_accounted_with_and_without_overlap(overlap):
+    """Each all-gather takes at least ``delay_s`` on the fake's worker, so its time cannot read zero."""
+    delay = 0.01
+    for r in run_threads(_gather_times, 2, overlap, delay, delay_s=delay):
+        n = r["gathers"]
+        assert n >= 2, r  # one per bucket
+        steps, gather_s, wait_s, last_gather_s, last_wait_s = r["stats"]
+        assert steps == 3 and gather_s >= 3 * n * delay and last_gather_s >= n * delay, r
+        if not overlap:  # step waits: all of it is exposed, and final when step returns
+            for g, w in r["after_step"]:
+                assert g == w and g >= n * delay, r
+            assert wait_s == gather_s
+        else:  # step returns with them in flight; the forward waits for them and completes the figures
+            assert all(math.isnan(g) and w > 0 for g, w in r["after_step"]), r
+            for g, w in r["after_forward"][1:]:
+                assert g >= n * delay and 0 < w <= g, r
+            assert 0 < wait_s <= gather_s and 0 < last_wait_s <= last_gather_s

@@ -544,6 +544,7 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
         "ddp-ring+powersgd",
         "ddp-ring+zero",
         "ddp-ring+rs",
+        "ddp-ring+rs-overlap",
         "ddp-null",
         "torch-ddp",
         "naive",
@@ -569,6 +570,20 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
     assert ddp["step_mb"] == "" and float(zero["wire_mb"]) == pytest.approx(float(ddp["wire_mb"]))
     assert float(rs["wire_mb"]) / float(ddp["wire_mb"]) == pytest.approx(0.5, abs=0.01)
     assert "ddp-ring+rs: state x" in proc.stdout and "backward wire bytes x0.50" in proc.stdout
+    # The parameter all-gather: timed in every ZeRO mode (all of it held the step up without
+    # overlap); with overlap, its hidden share is measured against the +rs mode's all-gather.
+    overlap = rows["ddp-ring+rs-overlap"]
+    assert float(overlap["wire_mb"]) == pytest.approx(float(rs["wire_mb"]))
+    assert float(overlap["step_mb"]) == pytest.approx(float(rs["step_mb"])) and overlap["vs_no_hook"]
+    for row in (zero, rs):
+        assert float(row["gather_ms"]) > 0 and row["gather_wait_ms"] == row["gather_ms"], row
+        assert row["hidden"] == "", row
+    assert float(overlap["gather_ms"]) > 0 and float(overlap["gather_wait_ms"]) > 0, overlap
+    hidden = 1 - float(overlap["gather_wait_ms"]) / float(rs["gather_ms"])
+    assert float(overlap["hidden"]) == pytest.approx(hidden), overlap
+    assert "ddp-ring+rs-overlap: state x" in proc.stdout and "% hidden" in proc.stdout
+    assert "4 timed steps per mode" in proc.stdout  # --quick: 3 steps, rounded up to 2 turns of 3
+    assert int(overlap["steps"]) == int(ddp["steps"]) == 4
 
 
 if __name__ == "__main__":
