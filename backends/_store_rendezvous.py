@@ -326,10 +326,11 @@ class _Leader:
         self.refused.append(f"{who} (its job: {record['identity']})")
         logger.log(
             logging.WARNING if first else logging.DEBUG,
-            "%sstore at %s: refused %s: it holds another job token (its job: %s; this job: %s); still "
-            "waiting for this job's rank %s",
+            "%sstore at %s: refused answer slot %d: %s holds another job token (its job: %s; this job: %s); "
+            "still waiting for this job's rank %s",
             ctx.prefix,
             ctx.master,
+            slot,
             who,
             record["identity"],
             ctx.token.identity,
