@@ -19,7 +19,9 @@ without sending it:
 3. Rank 0 reads the slots in order. An answer whose HMAC fails holds another
    job's token: rank 0 writes a refusal naming its job and goes on waiting for
    the real rank. A refused rank tries again (on a new connection) until its
-   deadline, in case its own rank 0 takes the port later, then raises.
+   deadline, in case its own rank 0 takes the port later, then raises. An
+   answer to an earlier challenge (a store this process still serves for an
+   earlier group, which torch shares per port) is asked to answer again.
 4. Once every rank is in, rank 0 gives each accepted rank a verdict signed with
    the key that rank proved: the key prefix of this job's part of the store.
    torch.distributed then runs on a ``PrefixStore`` under that prefix, so
@@ -232,7 +234,15 @@ def _decode(raw: bytes) -> Any:
 
 
 # -------------------------------------------------------------------- rank 0
-_ANSWER_FIELDS = {"rank": int, "world_size": int, "pid": int, "host": str, "identity": str, "nonce": str}
+_ANSWER_FIELDS = {
+    "rank": int,
+    "world_size": int,
+    "pid": int,
+    "host": str,
+    "identity": str,
+    "nonce": str,
+    "challenge": str,
+}
 
 
 def _answer_problem(answer: Any) -> str | None:
@@ -297,6 +307,12 @@ class _Leader:
             self._verdict(slot, {"error": f"rank 0 dropped this answer: it {problem}"})
             return
         record, proof = answer["record"], answer["proof"]
+        if record["challenge"] != self.nonce:
+            # Answered the challenge of an earlier group whose store this process still serves
+            # (multi_tenant): the rank reads the current challenge and answers again.
+            logger.debug("%sanswer slot %d answered an earlier challenge; asked again", ctx.prefix, slot)
+            self._verdict(slot, {"stale": True})
+            return
         key = ctx.token.matching_key(proof, "join", self.nonce, record)
         if key is None:
             self._refuse(slot, record)
@@ -404,8 +420,16 @@ def _follow(ctx: _Context) -> tuple[Any, str]:
 
 
 def _join_once(ctx: _Context) -> tuple[Any, str]:
-    env, prefix = ctx.env, ctx.prefix
     store = _connect(ctx)
+    while True:
+        challenge, record, verdict = _answer_challenge(ctx, store)
+        if not (isinstance(verdict, dict) and verdict.get("stale") is True):
+            return store, _read_verdict(ctx, challenge, record, verdict)
+
+
+def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Read rank 0's challenge, write this rank's answer, and return (challenge, answer, verdict)."""
+    env, prefix = ctx.env, ctx.prefix
     try:
         raw = _get(store, f"{ctx.base}/challenge", ctx.remaining())
     except Exception as e:  # noqa: BLE001
@@ -428,6 +452,7 @@ def _join_once(ctx: _Context) -> tuple[Any, str]:
         "host": socket.gethostname(),
         "identity": ctx.token.identity,
         "nonce": secrets.token_hex(16),
+        "challenge": challenge["nonce"],
     }
     answer = json.dumps({"record": record, "proof": ctx.token.sign("join", challenge["nonce"], record)})
     try:
@@ -442,7 +467,7 @@ def _join_once(ctx: _Context) -> tuple[Any, str]:
                 f"{ctx.master} (rank 0 names them), or rank 0 is stuck"
             ) from None
         raise RendezvousError(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
-    return store, _read_verdict(ctx, challenge, record, _decode(raw))
+    return challenge, record, _decode(raw)
 
 
 def _claim_slot(store: Any, base: str, answer: str) -> int:

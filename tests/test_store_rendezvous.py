@@ -133,3 +133,37 @@ def test_a_duplicate_rank_fails_the_job_on_rank_0_and_is_told_so() -> None:
     assert all(
         isinstance(o, RendezvousError) and "two processes announced rank 1" in str(o) for o in outcomes
     )
+
+
+def test_a_store_left_from_an_earlier_group_of_this_process_does_not_confuse_the_next() -> None:
+    """torch shares one store server per port within a process (multi_tenant): an earlier group's keys remain.
+
+    Rank 1 arrives first and answers the earlier group's challenge; rank 0 asks it again, and they meet.
+    """
+    port = free_port()
+    earlier = TCPStore(
+        "127.0.0.1", port, 2, True, datetime.timedelta(seconds=20), wait_for_workers=False, multi_tenant=True
+    )
+    old = {"nonce": "11" * 16, "identity": "earlier", "pid": 1, "host": "h"}
+    earlier.set(f"{BASE}/challenge", json.dumps(old))
+    record = {
+        "rank": 1,
+        "world_size": 2,
+        "pid": 1,
+        "host": "h",
+        "identity": "x",
+        "nonce": "1",
+        "challenge": "11" * 16,
+    }
+    earlier.set(f"{BASE}/answer/1", json.dumps({"record": record, "proof": "00"}))
+    earlier.set(f"{BASE}/verdict/1", json.dumps({"accepted": True, "scope": "old/", "proof": "00"}))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        follower = pool.submit(join_job_store, _env(1, port), 20.0, "gloo")
+        earlier.wait(
+            [f"{BASE}/answer/2"], datetime.timedelta(seconds=20)
+        )  # rank 1 answered the old challenge
+        leader = pool.submit(join_job_store, _env(0, port), 20.0, "gloo")
+        stores = [leader.result(timeout=60), follower.result(timeout=60)]
+    assert json.loads(earlier.get(f"{BASE}/verdict/2")) == {"stale": True}
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v"
