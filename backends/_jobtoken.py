@@ -47,7 +47,7 @@ from typing import Any
 
 from commlib.env import DistEnv, launcher_pid
 
-__all__ = ["JobToken", "job_token", "TOKEN_VAR"]
+__all__ = ["JobToken", "job_token", "uses_torchrun_agent_store", "TOKEN_VAR"]
 
 TOKEN_VAR = "COMMLIB_JOB_TOKEN"
 """The environment variable that sets the job token explicitly."""
@@ -63,6 +63,11 @@ _JOB_ID_VARS: dict[str, tuple[str, ...]] = {
 }
 _MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
 _TORCHRUN_DEFAULT_RUN_ID = "none"
+
+
+def uses_torchrun_agent_store(env: DistEnv) -> bool:
+    """True under torchrun when its agent already serves the store on ``MASTER_PORT`` (no rule 3 there)."""
+    return env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
 def _derive_key(kind: str, material: str) -> bytes:

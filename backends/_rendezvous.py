@@ -44,7 +44,7 @@ import time
 from typing import Any
 
 from backends import _lobby
-from backends._jobtoken import JobToken, job_token, sign_with, verify_with
+from backends._jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
 from backends._wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
 from commlib.errors import CommError, RendezvousError, RendezvousTimeoutError, error_prefix
@@ -142,7 +142,7 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
         master_ip = socket.gethostbyname(env.master_addr)
     except OSError as e:
         raise RendezvousError(f"{prefix}cannot resolve MASTER_ADDR {env.master_addr!r}: {e}") from e
-    through_store = _use_torchrun_store(env)
+    through_store = uses_torchrun_agent_store(env)
     ctx = _Context(env, prefix, deadline, timeout, master_ip, job_token(env, local_parent=not through_store))
 
     data_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -163,10 +163,6 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
     finally:
         data_listener.close()
     return RingSockets(peers=peers, settings=shared, right=right, left=left, left_reader=left_reader)
-
-
-def _use_torchrun_store(env: DistEnv) -> bool:
-    return env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
 def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:

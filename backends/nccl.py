@@ -6,8 +6,11 @@
   without NCCL) it is the Gloo group, and says so once.
 
 torch.distributed is initialised from the same ``DistEnv`` as every other
-backend (``tcp://MASTER_ADDR:MASTER_PORT``, rank and world size from torchrun,
-mpirun or explicit arguments, timeout from ``CommConfig``). If torch.distributed
+backend (rank and world size from torchrun, mpirun or explicit arguments,
+timeout from ``CommConfig``), on a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``
+that rank 0 hosts (or torchrun's agent store). Before torch uses it, every rank
+proves it holds the job token (``backends._store_rendezvous``), so a rank of
+another job on the same port is refused instead of joining. If torch.distributed
 is initialised already, its default group is adopted (rank and size are checked
 against the environment) and left alone on ``close()``. ``from_torch_group(pg)``
 wraps any torch process group.
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from backends._store_rendezvous import join_job_store
 from commlib.config import CommConfig
 from commlib.env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, DistEnv, read_env_var
 from commlib.errors import (
@@ -531,11 +535,13 @@ def _create(name: str, env: DistEnv, config: CommConfig) -> TorchDistProcessGrou
     if dist.is_initialized():
         return _adopt_default(name, env, config, prefix)
     backend = _torch_backend_string(name, env)
-    address = f"tcp://{env.master_addr}:{env.master_port}"
+    # Our own job check first: torch's tcp:// rendezvous lets a rank of any job on this port in.
+    store = join_job_store(env, config.timeout, name)
+    address = f"{env.master_addr}:{env.master_port}"
     try:
         dist.init_process_group(
             backend,
-            init_method=address,
+            store=store,
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=config.timeout),
@@ -543,19 +549,15 @@ def _create(name: str, env: DistEnv, config: CommConfig) -> TorchDistProcessGrou
     except Exception as e:  # noqa: BLE001
         text = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
         detail = (
-            f"rendezvous at {address} as rank {env.rank} of {env.world_size} (launcher: "
-            f"{env.launcher}) failed: {text}"
+            f"torch.distributed's set-up after the rendezvous at {address} as rank {env.rank} of "
+            f"{env.world_size} (launcher: {env.launcher}) failed: {text}"
         )
         if "timed out" in str(e).lower() or isinstance(e, TimeoutError):
             raise RendezvousTimeoutError(
-                f"{prefix}{detail}. Not every rank arrived within {config.timeout:g} s: check that "
-                f"all {env.world_size} ranks were started and that MASTER_ADDR/MASTER_PORT name "
-                "rank 0's host and a port it can listen on"
+                f"{prefix}{detail}. Every rank proved this job's token, but not all of them finished "
+                f"connecting within {config.timeout:g} s: did a rank crash right after the rendezvous?"
             ) from e
-        raise RendezvousError(
-            f"{prefix}{detail}. Check MASTER_ADDR/MASTER_PORT (a port in use gives "
-            "'address already in use': choose another MASTER_PORT)"
-        ) from e
+        raise RendezvousError(f"{prefix}{detail}") from e
     with _owner_lock:
         _owner_count += 1
     return TorchDistProcessGroup(env, config, pg=dist.GroupMember.WORLD, name=name, owns_default=True)

@@ -37,13 +37,19 @@ def listening_ports(pid: int | None = None) -> set[int]:
 
 
 def port_is_listening(port: int) -> bool:
-    """True if any process in this network namespace listens on TCP ``port`` (IPv4)."""
-    with open("/proc/net/tcp") as f:
-        next(f)
-        return any(
-            fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port
-            for fields in (line.split() for line in f)
-        )
+    """True if any process in this network namespace listens on TCP ``port`` (IPv4, or IPv6 as TCPStore)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                if any(
+                    fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port
+                    for fields in (line.split() for line in f)
+                ):
+                    return True
+        except OSError:  # no IPv6 on this host
+            continue
+    return False
 
 
 def wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]

@@ -1,8 +1,8 @@
-"""One small ring job, as a user would start it: this process spawns 2 ranks with multiprocessing.
+"""One small job, as a user would start it: this process spawns 2 ranks with multiprocessing.
 
 Usage::
 
-    python tests/distributed/rendezvous_job_main.py --port 29500 --base 100 [--hold 1]
+    python tests/distributed/rendezvous_job_main.py --port 29500 --base 100 [--hold 1] [--backend gloo]
 
 Each rank all-reduces ``base + rank + 1`` (the job's correct sum is ``2 * base + 3``).
 The ranks named by ``--hold`` (e.g. ``1`` or ``0,1``) start their rendezvous only once
@@ -24,15 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests._launcher import run_ranks_outcomes  # noqa: E402
 
 
-def job_rank(base: int, gate: object | None) -> float:
-    """Body of one rank: wait for the gate (if any), join the ring, all-reduce ``base + rank + 1``."""
+def job_rank(base: int, gate: object | None, backend: str) -> float:
+    """Body of one rank: wait for the gate (if any), join the group, all-reduce ``base + rank + 1``."""
     if gate is not None and not gate.wait(120):  # type: ignore[attr-defined]
         raise TimeoutError("this rank was never released")
     import torch
 
     import commlib
 
-    group = commlib.init_process_group("ring")
+    group = commlib.init_process_group(backend)
     try:
         t = torch.tensor([float(base + group.rank + 1)])
         group.all_reduce(t)
@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--base", type=int, required=True)
     parser.add_argument("--hold", default="", help="comma-separated ranks that wait for a line on stdin")
+    parser.add_argument("--backend", default="ring", help="ring or gloo")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole job")
     args = parser.parse_args()
     held = {int(r) for r in args.hold.split(",") if r}
@@ -55,7 +56,7 @@ def main() -> int:
     outcomes = run_ranks_outcomes(
         job_rank,
         2,
-        per_rank_args=[(args.base, gate if rank in held else None) for rank in range(2)],
+        per_rank_args=[(args.base, gate if rank in held else None, args.backend) for rank in range(2)],
         port=args.port,
         init=False,
         timeout=args.timeout,

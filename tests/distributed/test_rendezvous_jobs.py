@@ -1,5 +1,6 @@
-"""Jobs that must not mix: two jobs started at once on one port, an impostor with another job token, and
-the shared-memory files the ring links through (mode 0600, unlinked once both ends have them mapped)."""
+"""Jobs that must not mix, on the ring and on gloo: two jobs started at once on one port, an impostor with
+another job token; and the shared-memory files the ring links through (mode 0600, unlinked once both ends
+have them mapped)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ JOB = Path(__file__).with_name("rendezvous_job_main.py")
 class _Job:
     """A job script run as its own process (its own parent of its ranks), killed with its ranks on exit."""
 
-    def __init__(self, port: int, base: int, *, hold: str = "", timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, port: int, base: int, *, hold: str = "", timeout_s: float = 10.0, backend: str = "ring"
+    ) -> None:
         self.base = base
         command = [sys.executable, str(JOB), "--port", str(port), "--base", str(base), "--timeout", "90"]
+        command += ["--backend", backend]
         self.proc = subprocess.Popen(
             command + ["--hold", hold],
             cwd=REPO_ROOT,
@@ -73,15 +77,19 @@ def _check_own_result_or_loud(job: dict[str, Any], base: int) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_two_jobs_on_one_port_never_pair_across_jobs() -> None:
+@pytest.mark.parametrize("backend", ["ring", "gloo"])
+def test_two_jobs_on_one_port_never_pair_across_jobs(backend: str) -> None:
     """Job A's rank 0 holds the port while its rank 1 is late; job B starts on the same port meanwhile.
 
-    Before the job token, rank 0 of A took B's rank 1 and both computed 1 + 102 = 103.
+    Before the job token, rank 0 of A took B's rank 1 and both computed 1 + 102 = 103 (ring); on gloo,
+    B's rank 1 joined A's store, and A's gloo group formed across the jobs.
     Now B's rank 1 is refused (it names both jobs) and A waits for its own rank 1.
     """
     port = free_port()
-    a = _Job(port, 0, hold="1", timeout_s=60)
-    b = _Job(port, 100, hold="0,1", timeout_s=4)  # starts (imports torch) meanwhile, joins when released
+    a = _Job(port, 0, hold="1", timeout_s=60, backend=backend)
+    b = _Job(
+        port, 100, hold="0,1", timeout_s=4, backend=backend
+    )  # starts (imports torch) meanwhile, joins when released
     try:
         wait_until(lambda: port_is_listening(port) or a.proc.poll() is not None, 90, "job A's rank 0 listens")
         b.release()
@@ -96,7 +104,7 @@ def test_two_jobs_on_one_port_never_pair_across_jobs() -> None:
     assert b0["error_type"] == "RendezvousError" and f"cannot listen on 127.0.0.1:{port}" in b0["error"]
     assert b1["error_type"] == "RendezvousError", b1
     message = b1["error"]
-    assert message.startswith("RendezvousError: [rank 1/2] ring.rendezvous: rank 0 at 127.0.0.1:")
+    assert message.startswith(f"RendezvousError: [rank 1/2] {backend}.rendezvous: rank 0 at 127.0.0.1:")
     assert f"rank 0 at 127.0.0.1:{port} (pid " in message and "refused this rank (pid " in message
     assert "it holds another job token" in message
     assert f"Rank 0's job: local job started by pid {job_a['parent']} (python" in message
@@ -105,9 +113,10 @@ def test_two_jobs_on_one_port_never_pair_across_jobs() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_two_jobs_started_at_once_on_one_port_each_compute_their_own_sum_or_fail() -> None:
+@pytest.mark.parametrize("backend", ["ring", "gloo"])
+def test_two_jobs_started_at_once_on_one_port_each_compute_their_own_sum_or_fail(backend: str) -> None:
     port = free_port()
-    jobs = [_Job(port, 0, timeout_s=6), _Job(port, 100, timeout_s=6)]
+    jobs = [_Job(port, 0, timeout_s=6, backend=backend), _Job(port, 100, timeout_s=6, backend=backend)]
     try:
         results = [job.result() for job in jobs]
     finally:
@@ -118,8 +127,8 @@ def test_two_jobs_started_at_once_on_one_port_each_compute_their_own_sum_or_fail
 
 
 # ------------------------------------------------------------------ impostor
-def _rank_with_log(gate: Any, release: Any) -> dict[str, Any]:
-    """Join the ring (after ``gate``, if any), all-reduce rank + 1; return the sum and the WARNINGs logged."""
+def _rank_with_log(gate: Any, release: Any, backend: str) -> dict[str, Any]:
+    """Join the group (after ``gate``, if any), all-reduce rank + 1; return the sum and WARNINGs logged."""
     records: list[str] = []
 
     class _Keep(logging.Handler):
@@ -135,7 +144,7 @@ def _rank_with_log(gate: Any, release: Any) -> dict[str, Any]:
         port = int(os.environ["MASTER_PORT"])
         wait_until(lambda: port_is_listening(port), 60, "rank 0 listens")
     try:
-        group = commlib.init_process_group("ring")
+        group = commlib.init_process_group(backend)
     except commlib.RendezvousError:
         if release is not None:
             release.set()
@@ -149,14 +158,19 @@ def _rank_with_log(gate: Any, release: Any) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(180)
-def test_an_impostor_with_another_token_is_refused_and_the_job_waits_for_its_rank() -> None:
+@pytest.mark.parametrize("backend", ["ring", "gloo"])
+def test_an_impostor_with_another_token_is_refused_and_the_job_waits_for_its_rank(backend: str) -> None:
     """A process claims rank 1 with another COMMLIB_JOB_TOKEN before the real rank 1 starts."""
     impostor_refused = multiprocessing.get_context("spawn").Event()
     outcomes = run_ranks_outcomes(
         _rank_with_log,
         3,
         init=False,
-        per_rank_args=[(None, None), (impostor_refused, None), (None, impostor_refused)],
+        per_rank_args=[
+            (None, None, backend),
+            (impostor_refused, None, backend),
+            (None, impostor_refused, backend),
+        ],
         env={"WORLD_SIZE": "2", "COMMLIB_JOB_TOKEN": "alpha-secret", "COMMLIB_TIMEOUT": "60"},
         per_rank_env=[
             {},
@@ -175,9 +189,8 @@ def test_an_impostor_with_another_token_is_refused_and_the_job_waits_for_its_ran
     assert "this rank's job: COMMLIB_JOB_TOKEN (value not shown)" in message
     assert "secret" not in message
     warnings = [line for line in rank0.value["log"] if "another job token" in line]
-    assert warnings and warnings[0].startswith(
-        "WARNING [rank 0/2] ring.rendezvous: rendezvous port 127.0.0.1:"
-    )
+    where = "rendezvous port" if backend == "ring" else "store at"
+    assert warnings and warnings[0].startswith(f"WARNING [rank 0/2] {backend}.rendezvous: {where} 127.0.0.1:")
     assert "claiming rank 1 holds another job token" in warnings[0]
     assert "still waiting for this job's rank 1" in warnings[0]
     assert not any("secret" in line for line in rank0.value["log"])

@@ -1,0 +1,518 @@
+"""The job check in front of torch.distributed's own rendezvous, for the ``gloo`` and ``nccl`` backends.
+
+torch's ``tcp://`` rendezvous lets any process that reaches ``MASTER_PORT``
+into its ``TCPStore``: a rank of a second job started on the same port joins
+the first job's group. So commlib opens the store itself and lets a rank in
+only once it has proved that it holds the job token (``backends._jobtoken``),
+without sending it:
+
+1. Rank 0 hosts the ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` and publishes a
+   challenge: a fresh nonce, its job's public description, its pid and host.
+   (Under torchrun's agent store, which already serves ``MASTER_PORT``, every
+   rank is a client and the keys carry the restart count and a generation, as
+   in the ring's store exchange.)
+2. Every other rank reads the challenge and writes its answer, its rank,
+   world size, pid, host, job description and a nonce of its own, with an
+   HMAC under its token over the challenge and the answer, into the first free
+   answer slot. ``compare_set`` claims a slot in one step, so nobody can
+   overwrite an answer already there.
+3. Rank 0 reads the slots in order. An answer whose HMAC fails holds another
+   job's token: rank 0 writes a refusal naming its job and goes on waiting for
+   the real rank. A refused rank tries again (on a new connection) until its
+   deadline, in case its own rank 0 takes the port later, then raises. An
+   answer to an earlier challenge (a store this process still serves for an
+   earlier group, which torch shares per port) is asked to answer again.
+4. Once every rank is in, rank 0 gives each accepted rank a verdict signed with
+   the key that rank proved: the key prefix of this job's part of the store.
+   torch.distributed then runs on a ``PrefixStore`` under that prefix, so
+   nothing written by anyone else can collide with its keys.
+
+Every wait is bounded by the group's timeout, and a failure names the rank,
+the backend, the address and what was waited for. What the token protects,
+and what it does not (no encryption; the store's contents are readable by
+anyone who reaches it): see ``backends._jobtoken``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, NoReturn
+
+from backends._jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
+from commlib.env import DistEnv
+from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
+
+__all__ = ["join_job_store"]
+
+logger = logging.getLogger("commlib")
+
+_VERDICT_GRACE_S = (
+    2.0  # a rank waits this much past its deadline for rank 0's verdict, which names who is missing
+)
+_CONNECT_GRACE_S = 2.0  # torch's client may overrun its connect timeout by a retry
+_REFUSED_RETRY_S = (0.5, 2.0)  # first and longest pause before a refused rank tries again
+_ANSWER_BYTES = 64 * 1024  # an answer is a few hundred bytes
+_store_generation = 0  # groups created through torchrun's agent store so far (every rank counts alike)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What every step of one job check needs."""
+
+    env: DistEnv
+    prefix: str
+    deadline: float
+    timeout: float
+    token: JobToken
+    base: str
+    agent_store: bool
+
+    @property
+    def master(self) -> str:
+        return f"{self.env.master_addr}:{self.env.master_port}"
+
+    def remaining(self, extra: float = 0.0) -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(0.1, self.deadline - time.monotonic()) + extra)
+
+
+def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
+    """Open the rendezvous store, prove this rank belongs to the job, and return the job's part of it.
+
+    Args:
+        env: Rank, world size and rendezvous address.
+        timeout: Seconds for the whole check; the returned store keeps it as
+            its timeout for torch's own waits.
+        backend: Name used in messages (``gloo``, ``nccl``).
+
+    Returns:
+        A ``torch.distributed.PrefixStore`` for ``init_process_group(store=...)``.
+
+    Raises:
+        RendezvousError: The port is held by another job or program, world sizes
+            disagree, two processes claim one rank, or this rank holds another
+            job's token (the message says ``token`` and names both jobs).
+        RendezvousTimeoutError: Some ranks never arrived (rank 0 names them),
+            or rank 0 never did.
+    """
+    global _store_generation
+    agent_store = uses_torchrun_agent_store(env)
+    base = "commlib/job-check/v1"
+    if agent_store:
+        # torchrun's store outlives this group: keep each group's and each restart's keys apart.
+        _store_generation += 1
+        base = f"{base}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
+    ctx = _Context(
+        env=env,
+        prefix=error_prefix(env.rank, env.world_size, backend, "rendezvous"),
+        deadline=time.monotonic() + timeout,
+        timeout=timeout,
+        token=job_token(env, local_parent=not agent_store),
+        base=base,
+        agent_store=agent_store,
+    )
+    if env.rank == 0:
+        store = _open_store(ctx)
+        scope = _Leader(ctx, store).run() if env.world_size > 1 else f"{base}/solo"
+    else:
+        store, scope = _follow(ctx)
+    from torch.distributed import PrefixStore
+
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    return PrefixStore(scope, store)
+
+
+# ------------------------------------------------------------------ the store
+def _open_store(ctx: _Context) -> Any:
+    """Rank 0's store: its own server, or a client of torchrun's agent store."""
+    from torch.distributed import TCPStore
+
+    env = ctx.env
+    if ctx.agent_store:
+        return _connect(ctx)
+    try:
+        # multi_tenant, as torch's own tcp:// rendezvous: a second group of this process shares the server.
+        return TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            True,
+            ctx.remaining(),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+    except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError and RuntimeError here
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise RendezvousError(
+                f"{ctx.prefix}cannot listen on {ctx.master}: Address already in use. Another job (or a "
+                "previous run that is still exiting) holds this port: set MASTER_PORT to a free port, or "
+                "stop the other job"
+            ) from e
+        raise RendezvousError(f"{ctx.prefix}cannot listen on {ctx.master}: {text}") from e
+
+
+def _connect(ctx: _Context) -> Any:
+    """A client of the store at ``MASTER_ADDR:MASTER_PORT``, bounded by the deadline.
+
+    torch's client retries until its timeout while nothing listens, but once
+    connected it waits for the server's greeting without one: a listener that
+    is not a store would hold it for ever. So it connects on a helper thread,
+    which is left behind (a daemon) if it does not finish in time.
+    """
+    from torch.distributed import TCPStore
+
+    env, seconds = ctx.env, ctx.remaining().total_seconds()
+    result: dict[str, Any] = {}
+
+    def attempt() -> None:
+        try:
+            result["store"] = TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                False,
+                datetime.timedelta(seconds=seconds),
+                wait_for_workers=False,
+            )
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    helper = threading.Thread(target=attempt, name=f"commlib-store-connect-rank{env.rank}", daemon=True)
+    helper.start()
+    helper.join(seconds + _CONNECT_GRACE_S)
+    if "store" in result:
+        return result["store"]
+    where = "torchrun's store" if ctx.agent_store else "rank 0"
+    if helper.is_alive():
+        raise RendezvousTimeoutError(
+            f"{ctx.prefix}something accepted the connection at {ctx.master} but never answered as "
+            f"{where}'s store within {ctx.timeout:.1f} s: another program holds MASTER_PORT. Set "
+            "MASTER_PORT to a port of this job's own"
+        )
+    error = result.get("error")
+    text = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else "?"
+    if "timed out" in text.lower() or isinstance(error, TimeoutError):
+        raise RendezvousTimeoutError(
+            f"{ctx.prefix}cannot reach {where} at {ctx.master} after {ctx.timeout:.1f} s. Is rank 0 running, "
+            f"and are MASTER_ADDR/MASTER_PORT ({ctx.master}) the same on every rank? ({text})"
+        ) from error
+    raise RendezvousError(f"{ctx.prefix}cannot reach {where} at {ctx.master}: {text}") from error
+
+
+def _get(store: Any, key: str, wait: datetime.timedelta) -> bytes:
+    """``store.get(key)``, waiting at most ``wait`` for the key to appear (raises torch's error past it)."""
+    store.set_timeout(wait)
+    return bytes(store.get(key))
+
+
+def _is_timeout(error: BaseException) -> bool:
+    return "timeout" in str(error).lower() or "timed out" in str(error).lower()
+
+
+def _token_mismatch_advice(ctx: _Context) -> str:
+    return (
+        f"Two jobs were started on one rendezvous port ({ctx.master}): give each job its own MASTER_PORT. "
+        "If these ranks are one job, set COMMLIB_JOB_TOKEN to the same value on every rank"
+    )
+
+
+def _decode(raw: bytes) -> Any:
+    if len(raw) > _ANSWER_BYTES:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+# -------------------------------------------------------------------- rank 0
+_ANSWER_FIELDS = {
+    "rank": int,
+    "world_size": int,
+    "pid": int,
+    "host": str,
+    "identity": str,
+    "nonce": str,
+    "challenge": str,
+}
+
+
+def _answer_problem(answer: Any) -> str | None:
+    """Why ``answer`` is not a well-formed answer to the challenge, or None."""
+    if not isinstance(answer, dict):
+        return f"wrote {type(answer).__name__} {answer!r:.60}, not a commlib answer"
+    record = answer.get("record")
+    if not isinstance(record, dict) or not isinstance(answer.get("proof"), str):
+        return f"wrote {answer!r:.60}, not a commlib answer"
+    for name, kind in _ANSWER_FIELDS.items():
+        value = record.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"wrote an answer whose {name!r} is {value!r:.40}"
+    return None
+
+
+class _Leader:
+    """Rank 0's side: publish the challenge, read the answers in order, and give each its verdict."""
+
+    def __init__(self, ctx: _Context, store: Any) -> None:
+        self.ctx = ctx
+        self.store = store
+        self.nonce = secrets.token_hex(16)
+        self.accepted: dict[int, tuple[int, bytes, str]] = {}  # rank -> (slot, proof key, its nonce)
+        self.pids: dict[int, int] = {}
+        self.refused: list[str] = []
+
+    def run(self) -> str:
+        ctx = self.ctx
+        challenge = {
+            "nonce": self.nonce,
+            "identity": ctx.token.identity,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+        self.store.set(f"{ctx.base}/challenge", json.dumps(challenge))
+        logger.debug("%slistening at %s (%s)", ctx.prefix, ctx.master, ctx.token.identity)
+        slot = 0
+        while len(self.accepted) < ctx.env.world_size - 1:
+            slot += 1
+            try:
+                raw = _get(self.store, f"{ctx.base}/answer/{slot}", ctx.remaining())
+            except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError and others
+                if _is_timeout(e) or time.monotonic() >= ctx.deadline:
+                    self._fail(RendezvousTimeoutError(self._timeout_message()))
+                self._fail(RendezvousError(f"{ctx.prefix}the store at {ctx.master} failed: {e}"))
+            self._on_answer(slot, _decode(raw))
+        scope = f"{ctx.base}/job/{self.nonce}/"
+        for rank, (slot, key, their_nonce) in self.accepted.items():
+            proof = sign_with(key, "accepted", self.nonce, their_nonce, rank, scope)
+            self._verdict(slot, {"accepted": True, "scope": scope, "proof": proof})
+        return scope
+
+    def _verdict(self, slot: int, verdict: dict[str, Any]) -> None:
+        self.store.set(f"{self.ctx.base}/verdict/{slot}", json.dumps(verdict))
+
+    def _on_answer(self, slot: int, answer: Any) -> None:
+        ctx = self.ctx
+        problem = _answer_problem(answer)
+        if problem is not None:
+            logger.debug("%sanswer slot %d at %s: dropped: it %s", ctx.prefix, slot, ctx.master, problem)
+            self._verdict(slot, {"error": f"rank 0 dropped this answer: it {problem}"})
+            return
+        record, proof = answer["record"], answer["proof"]
+        if record["challenge"] != self.nonce:
+            # Answered the challenge of an earlier group whose store this process still serves
+            # (multi_tenant): the rank reads the current challenge and answers again.
+            logger.debug("%sanswer slot %d answered an earlier challenge; asked again", ctx.prefix, slot)
+            self._verdict(slot, {"stale": True})
+            return
+        key = ctx.token.matching_key(proof, "join", self.nonce, record)
+        if key is None:
+            self._refuse(slot, record)
+            return
+        problem = self._check(record)
+        if problem is not None:
+            self._verdict(slot, {"error": f"rank 0 refused rank {record['rank']}: {problem}"})
+            self._fail(RendezvousError(f"{ctx.prefix}{problem}"))
+        self.accepted[record["rank"]] = (slot, key, record["nonce"])
+        self.pids[record["rank"]] = record["pid"]
+        logger.debug("%srank %d (pid %d) proved this job's token", ctx.prefix, record["rank"], record["pid"])
+
+    def _refuse(self, slot: int, record: dict[str, Any]) -> None:
+        ctx = self.ctx
+        rank = record["rank"]
+        who = f"pid {record['pid']} on {record['host']} claiming rank {rank}"
+        self._verdict(
+            slot,
+            {
+                "refused": "token",
+                "identity": ctx.token.identity,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            },
+        )
+        first = not any(entry.startswith(who) for entry in self.refused)
+        self.refused.append(f"{who} (its job: {record['identity']})")
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%sstore at %s: refused answer slot %d: %s holds another job token (its job: %s; this job: %s); "
+            "still waiting for this job's rank %s",
+            ctx.prefix,
+            ctx.master,
+            slot,
+            who,
+            record["identity"],
+            ctx.token.identity,
+            rank,
+        )
+
+    def _check(self, record: dict[str, Any]) -> str | None:
+        env = self.ctx.env
+        rank, world = record["rank"], record["world_size"]
+        if world != env.world_size:
+            return (
+                f"rank {rank} was started with world size {world}, rank 0 with {env.world_size}; "
+                "start every rank with the same WORLD_SIZE"
+            )
+        if not 0 < rank < env.world_size:
+            return f"a peer announced rank {rank!r}, outside 1..{env.world_size - 1}"
+        if rank in self.accepted:
+            return (
+                f"two processes announced rank {rank} (pids {self.pids[rank]} and {record['pid']}); "
+                "every rank needs its own RANK"
+            )
+        return None
+
+    def _timeout_message(self) -> str:
+        ctx, env = self.ctx, self.ctx.env
+        arrived = 1 + len(self.accepted)
+        missing = sorted(set(range(1, env.world_size)) - set(self.accepted))
+        message = (
+            f"{ctx.prefix}timed out after {ctx.timeout:.1f} s at {ctx.master}: {arrived}/{env.world_size} "
+            f"ranks arrived; ranks {missing} never did. Check that every rank was started with the same "
+            f"MASTER_ADDR/MASTER_PORT and WORLD_SIZE={env.world_size}, and that none crashed at start-up"
+        )
+        if self.refused:
+            message += (
+                f". Rank 0 refused {len(self.refused)} answer(s) holding another job token: "
+                f"{'; '.join(dict.fromkeys(self.refused))}. {_token_mismatch_advice(ctx)}"
+            )
+        return message
+
+    def _fail(self, error: RendezvousError) -> NoReturn:
+        """Tell every accepted rank why the rendezvous failed, then raise ``error``."""
+        for slot, _key, _nonce in self.accepted.values():
+            try:
+                self._verdict(slot, {"error": str(error)})
+            except Exception:  # noqa: BLE001, S110 - the error below is what matters
+                pass
+        raise error
+
+
+# ------------------------------------------------------------------ rank > 0
+class _Refused(Exception):
+    """Rank 0 at the port belongs to another job; it may give the port up to ours later."""
+
+
+def _follow(ctx: _Context) -> tuple[Any, str]:
+    pause = _REFUSED_RETRY_S[0]
+    refusal: str | None = None
+    while True:
+        try:
+            return _join_once(ctx)
+        except _Refused as refused:
+            refusal = f"{refused} {_token_mismatch_advice(ctx)}"
+            if time.monotonic() + pause >= ctx.deadline:
+                raise RendezvousError(f"{ctx.prefix}{refusal}") from None
+            time.sleep(pause)  # back off: the other job's rank 0 holds the port until its ranks are in
+            pause = min(2 * pause, _REFUSED_RETRY_S[1])
+        except RendezvousError as e:
+            if refusal is None:
+                raise
+            raise type(e)(f"{e}. Before that, {refusal}") from None
+
+
+def _join_once(ctx: _Context) -> tuple[Any, str]:
+    store = _connect(ctx)
+    while True:
+        challenge, record, verdict = _answer_challenge(ctx, store)
+        if not (isinstance(verdict, dict) and verdict.get("stale") is True):
+            return store, _read_verdict(ctx, challenge, record, verdict)
+
+
+def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Read rank 0's challenge, write this rank's answer, and return (challenge, answer, verdict)."""
+    env, prefix = ctx.env, ctx.prefix
+    try:
+        raw = _get(store, f"{ctx.base}/challenge", ctx.remaining())
+    except Exception as e:  # noqa: BLE001
+        if _is_timeout(e):
+            raise RendezvousTimeoutError(
+                f"{prefix}rank 0 never published its challenge at {ctx.master} within {ctx.timeout:.1f} s: "
+                "what listens there is not this job's rank 0 (a store of another program?)"
+            ) from None
+        raise RendezvousError(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
+    challenge = _decode(raw)
+    if not isinstance(challenge, dict) or not isinstance(challenge.get("nonce"), str):
+        raise RendezvousError(
+            f"{prefix}the store at {ctx.master} holds no commlib challenge (it holds {raw!r:.60}): another "
+            f"program holds the port. {_token_mismatch_advice(ctx)}"
+        )
+    record = {
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "identity": ctx.token.identity,
+        "nonce": secrets.token_hex(16),
+        "challenge": challenge["nonce"],
+    }
+    answer = json.dumps({"record": record, "proof": ctx.token.sign("join", challenge["nonce"], record)})
+    try:
+        slot = _claim_slot(store, ctx.base, answer)
+        # Rank 0 answers by its own deadline, with the verdict or with the names of the missing ranks;
+        # wait a little past it so that this rank reports those names, not a bare timeout.
+        raw = _get(store, f"{ctx.base}/verdict/{slot}", ctx.remaining(_VERDICT_GRACE_S))
+    except Exception as e:  # noqa: BLE001
+        if _is_timeout(e):
+            raise RendezvousTimeoutError(
+                f"{prefix}rank 0 did not answer within {ctx.timeout:.1f} s: some ranks never arrived at "
+                f"{ctx.master} (rank 0 names them), or rank 0 is stuck"
+            ) from None
+        raise RendezvousError(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
+    return challenge, record, _decode(raw)
+
+
+def _claim_slot(store: Any, base: str, answer: str) -> int:
+    """Write ``answer`` into the first free answer slot and return its number.
+
+    ``compare_set`` from empty sets a key only if nobody has: slots fill in
+    order without gaps, and no one can replace an answer already written.
+    """
+    slot = 1
+    while bytes(store.compare_set(f"{base}/answer/{slot}", "", answer)) != answer.encode():
+        slot += 1
+    return slot
+
+
+def _read_verdict(ctx: _Context, challenge: dict[str, Any], record: dict[str, Any], verdict: Any) -> str:
+    prefix = ctx.prefix
+    if not isinstance(verdict, dict):
+        raise RendezvousError(f"{prefix}rank 0 at {ctx.master} answered {verdict!r:.60}, not a verdict")
+    if verdict.get("refused") == "token":
+        message = (
+            f"rank 0 at {ctx.master} (pid {verdict.get('pid', '?')} on {verdict.get('host', '?')}) refused "
+            f"this rank (pid {os.getpid()} on {socket.gethostname()}): it holds another job token. "
+            f"Rank 0's job: {verdict.get('identity', '?')}; this rank's job: {ctx.token.identity}."
+        )
+        logger.warning(
+            "%s%s Trying again until the timeout, in case this job's own rank 0 takes the port",
+            prefix,
+            message,
+        )
+        raise _Refused(message)
+    if "error" in verdict:
+        error_cls = RendezvousTimeoutError if "timed out" in str(verdict["error"]) else RendezvousError
+        raise error_cls(f"{prefix}rendezvous failed on rank 0: {verdict['error']}")
+    scope = verdict.get("scope")
+    if not isinstance(scope, str) or not verify_with(
+        ctx.token.key,
+        verdict.get("proof"),
+        "accepted",
+        challenge["nonce"],
+        record["nonce"],
+        record["rank"],
+        scope,
+    ):
+        raise RendezvousError(
+            f"{prefix}the verdict from {ctx.master} is not from this job's rank 0 (no proof of this job's "
+            f"token): another program, or another job's rank 0, holds the port. {_token_mismatch_advice(ctx)}"
+        )
+    return scope

@@ -1,0 +1,169 @@
+"""The job check in front of torch's store (gloo/nccl): ranks in threads of this process, no process group.
+
+What is checked here needs no second process: that two ranks of one job meet and share one scoped
+store; that garbage in an answer slot, a forged verdict, a port held by another program and a
+listener that is not a store each give their own clear outcome within the timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import json
+import logging
+import socket
+import time
+from typing import Any
+
+import pytest
+from torch.distributed import TCPStore
+
+from backends._store_rendezvous import join_job_store
+from commlib.env import DistEnv
+from commlib.errors import RendezvousError, RendezvousTimeoutError
+from commlib.ports import free_port
+from tests._listeners import port_is_listening, wait_until
+
+BASE = "commlib/job-check/v1"
+
+
+def _env(rank: int, port: int, world_size: int = 2) -> DistEnv:
+    return DistEnv(
+        rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, launcher="explicit"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _one_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads of one process are one job: give them one explicit token."""
+    monkeypatch.setenv("COMMLIB_JOB_TOKEN", "unit-test-job")
+
+
+def test_two_ranks_meet_and_share_one_scoped_store() -> None:
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(join_job_store, _env(rank, port), 20.0, "gloo") for rank in range(2)]
+        stores = [f.result(timeout=60) for f in futures]
+    stores[0].set("k", "from rank 0")
+    assert stores[1].get("k") == b"from rank 0"
+    # The scope is this rendezvous's own: the key is not at the store's root.
+    raw = TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=5), wait_for_workers=False)
+    assert not raw.check(["k"])
+
+
+def test_garbage_in_an_answer_slot_is_dropped_and_the_job_still_forms(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = free_port()
+    caplog.set_level(logging.DEBUG, logger="commlib")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(join_job_store, _env(0, port), 20.0, "gloo")
+        wait_until(lambda: port_is_listening(port), 20, "rank 0 listens")
+        stranger = TCPStore(
+            "127.0.0.1", port, 2, False, datetime.timedelta(seconds=5), wait_for_workers=False
+        )
+        stranger.compare_set(f"{BASE}/answer/1", "", "GET / HTTP/1.1")
+        stranger.compare_set(f"{BASE}/answer/2", "", json.dumps({"record": [1, 2, 3], "proof": "x"}))
+        follower = pool.submit(join_job_store, _env(1, port), 20.0, "gloo")
+        stores = [leader.result(timeout=60), follower.result(timeout=60)]
+    stores[1].set("k", "v")
+    assert stores[0].get("k") == b"v"
+    assert json.loads(stranger.get(f"{BASE}/verdict/1"))["error"].startswith("rank 0 dropped this answer")
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 2 and all(
+        r.levelno == logging.DEBUG for r in caplog.records if "dropped" in r.getMessage()
+    )
+    assert dropped[0].startswith("[rank 0/2] gloo.rendezvous: answer slot 1 at 127.0.0.1:")
+
+
+def test_a_verdict_not_signed_by_this_jobs_rank_0_is_refused() -> None:
+    """Another program hosts a store on the port and waves every answer through."""
+    port = free_port()
+    fake = TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=20), wait_for_workers=False)
+    fake.set(f"{BASE}/challenge", json.dumps({"nonce": "00" * 16, "identity": "fake", "pid": 1, "host": "h"}))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        follower = pool.submit(join_job_store, _env(1, port), 20.0, "gloo")
+        fake.wait([f"{BASE}/answer/1"], datetime.timedelta(seconds=20))
+        fake.set(f"{BASE}/verdict/1", json.dumps({"accepted": True, "scope": "s/", "proof": "ab" * 32}))
+        with pytest.raises(RendezvousError) as caught:
+            follower.result(timeout=60)
+    assert str(caught.value).startswith(
+        f"[rank 1/2] gloo.rendezvous: the verdict from 127.0.0.1:{port} is not"
+    )
+    assert "no proof of this job's token" in str(caught.value)
+
+
+def test_a_port_held_by_another_program_is_named_as_such() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(RendezvousError) as at_rank0:
+            join_job_store(_env(0, port), 5.0, "nccl")
+        start = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError) as at_rank1:
+            join_job_store(_env(1, port), 1.0, "gloo")  # the listener accepts and stays silent
+        waited = time.monotonic() - start
+    assert str(at_rank0.value) == (
+        f"[rank 0/2] nccl.rendezvous: cannot listen on 127.0.0.1:{port}: Address already in use. Another "
+        "job (or a previous run that is still exiting) holds this port: set MASTER_PORT to a free port, or "
+        "stop the other job"
+    )
+    assert str(at_rank1.value).startswith(
+        f"[rank 1/2] gloo.rendezvous: something accepted the connection at 127.0.0.1:{port} but never "
+        "answered as rank 0's store within 1.0 s"
+    )
+    assert waited < 10, waited
+
+
+def test_a_duplicate_rank_fails_the_job_on_rank_0_and_is_told_so() -> None:
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        leader = pool.submit(join_job_store, _env(0, port, 3), 20.0, "gloo")
+        first, second = (pool.submit(join_job_store, _env(1, port, 3), 20.0, "gloo") for _ in range(2))
+        with pytest.raises(RendezvousError) as at_rank0:
+            leader.result(timeout=60)
+        outcomes: list[Any] = []
+        for f in (first, second):
+            try:
+                outcomes.append(f.result(timeout=60))
+            except RendezvousError as e:
+                outcomes.append(e)
+    assert "two processes announced rank 1" in str(at_rank0.value)
+    assert all(
+        isinstance(o, RendezvousError) and "two processes announced rank 1" in str(o) for o in outcomes
+    )
+
+
+def test_a_store_left_from_an_earlier_group_of_this_process_does_not_confuse_the_next() -> None:
+    """torch shares one store server per port within a process (multi_tenant): an earlier group's keys remain.
+
+    Rank 1 arrives first and answers the earlier group's challenge; rank 0 asks it again, and they meet.
+    """
+    port = free_port()
+    earlier = TCPStore(
+        "127.0.0.1", port, 2, True, datetime.timedelta(seconds=20), wait_for_workers=False, multi_tenant=True
+    )
+    old = {"nonce": "11" * 16, "identity": "earlier", "pid": 1, "host": "h"}
+    earlier.set(f"{BASE}/challenge", json.dumps(old))
+    record = {
+        "rank": 1,
+        "world_size": 2,
+        "pid": 1,
+        "host": "h",
+        "identity": "x",
+        "nonce": "1",
+        "challenge": "11" * 16,
+    }
+    earlier.set(f"{BASE}/answer/1", json.dumps({"record": record, "proof": "00"}))
+    earlier.set(f"{BASE}/verdict/1", json.dumps({"accepted": True, "scope": "old/", "proof": "00"}))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        follower = pool.submit(join_job_store, _env(1, port), 20.0, "gloo")
+        earlier.wait(
+            [f"{BASE}/answer/2"], datetime.timedelta(seconds=20)
+        )  # rank 1 answered the old challenge
+        leader = pool.submit(join_job_store, _env(0, port), 20.0, "gloo")
+        stores = [leader.result(timeout=60), follower.result(timeout=60)]
+    assert json.loads(earlier.get(f"{BASE}/verdict/2")) == {"stale": True}
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v"
