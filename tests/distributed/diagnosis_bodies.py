@@ -152,6 +152,13 @@ def settings_of_rank0(group: IProcessGroup) -> dict[str, Any]:
     return {"checked": checked, **desync(group, "op")}
 
 
+def desync_checked_by(group: IProcessGroup, case: str) -> dict[str, Any]:
+    """``desync``, and whether the side channel's fingerprint check ran (else the backend's own caught it)."""
+    diagnostics = group._diagnostics  # type: ignore[attr-defined]
+    checked = diagnostics is not None and diagnostics.exchange is not None
+    return {"fingerprints": checked, **desync(group, case)}
+
+
 def desyncs(group: IProcessGroup) -> dict[str, Any]:
     """Every desync case in turn (for one launcher run)."""
     return {case: desync(group, case) for case in DESYNCS}
