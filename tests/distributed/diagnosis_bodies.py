@@ -302,15 +302,27 @@ def semantics(group: IProcessGroup) -> dict[str, Any]:
             block = torch.empty(6, dtype=dtype)
             group.reduce_scatter(block, source, op)
             out["nan"][f"reduce_scatter {dtype} {op.name}"] = _as_text(block)
+    out["version"] = version_bumps(group)
+    return out
+
+
+def version_bumps(group: IProcessGroup) -> dict[str, Any]:
+    """Whether each collective bumps the autograd version of the tensor it writes, as plain values.
+
+    ``all_reduce``: "RuntimeError" when backward refuses a tensor it saved and the
+    collective then overwrote (else what happened); the others: True when bumped.
+    """
+    world = group.world_size
+    out: dict[str, Any] = {}
     # An in-place all_reduce on a tensor autograd saved: backward must refuse, not use the sum.
     x = torch.tensor([1.0], requires_grad=True)
     y = x.exp()
     group.all_reduce(y)
     try:
         y.sum().backward()
-        out["version"]["all_reduce"] = f"no error; grad {x.grad.item():.2f}"
+        out["all_reduce"] = f"no error; grad {x.grad.item():.2f}"
     except RuntimeError as e:
-        out["version"]["all_reduce"] = (
+        out["all_reduce"] = (
             "RuntimeError" if "modified by an inplace operation" in str(e) else str(e)
         )
     for name, call in (
@@ -325,7 +337,7 @@ def semantics(group: IProcessGroup) -> dict[str, Any]:
         t = torch.ones(2)
         before = t._version
         call(t)
-        out["version"][name] = t._version > before
+        out[name] = t._version > before
     return out
 
 
