@@ -186,6 +186,20 @@ def stall(group: IProcessGroup, sleep_s: float = 3.0, capture: bool = True) -> d
     return {"seq": seq + 1, "warnings": seen.messages, "sum": t[0].item(), "waited_s": waited}
 
 
+def stall_in_different_calls(group: IProcessGroup) -> dict[str, Any]:
+    """Rank 0 all-reduces where the others broadcast (no fingerprint check): all wait, warn, then time out."""
+    group.all_reduce(torch.ones(4))
+    seq = group._seq + 1
+    with CapturedWarnings() as seen:
+        try:
+            _collective(group, group.rank)
+        except CommError as e:
+            error: str | None = f"{type(e).__name__}: {e}"
+        else:
+            error = None
+    return {"seq": seq, "warnings": seen.messages, "error": error}
+
+
 def stall_in_ddp(group: IProcessGroup, sleep_s: float = 3.0) -> dict[str, Any]:
     """The last rank's backward pauses ``sleep_s``; the others' bucket all-reduce stalls, and says which.
 

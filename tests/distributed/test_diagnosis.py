@@ -168,6 +168,26 @@ def test_stall_is_reported_then_the_collective_completes(
     assert rank0["waited_s"] > 2.0
 
 
+def test_stall_in_different_calls_names_each_ranks_call() -> None:
+    """Gloo, no fingerprint check: every rank reached #N, in different collectives; the report names them."""
+    env = {"COMMLIB_DEBUG": "OFF", "COMMLIB_STALL_S": "1", "COMMLIB_TIMEOUT": "3"}
+    outcomes = run_ranks_outcomes(bodies.stall_in_different_calls, 2, backend="gloo", env=env, timeout=90)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    for rank, outcome in enumerate(outcomes):
+        value = outcome.value
+        seq = value["seq"]
+        op = ("all_reduce", "broadcast")[rank]
+        error = value["error"]
+        assert error.startswith(f"CommTimeoutError: [rank {rank}/2] gloo.{op} #{seq} "), error
+        assert value["warnings"], f"rank {rank} logged no stall report before the timeout"
+        text = value["warnings"][0]
+        assert text.startswith(f"[rank {rank}/2] gloo.{op} #{seq} "), text
+        assert (
+            f"Every rank has reached #{seq}, but in different calls: rank 0: #{seq} all_reduce float32 (64,) "
+            f"SUM; rank 1: #{seq} broadcast float32 (64,) src=0. Every rank must issue the same collectives"
+        ) in text, text
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stall_in_ddp_names_the_bucket(pools: dict[str, RankPool], backend: str) -> None:
     rank0, rank1 = pools[f"plain-{backend}"].run(bodies.stall_in_ddp, timeout=90)
