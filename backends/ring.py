@@ -517,8 +517,17 @@ class RingProcessGroup(IProcessGroup):
                 + _group_ranks(metas, _Meta.tensor_text)
                 + ". Every rank must pass a tensor of the same size and dtype"
             )
-        detail = _group_ranks(metas, lambda m: f"op={m.op.name if m.op else None} src={m.src}")
-        raise CollectiveMismatchError(f"ranks disagree on the op or source rank: {detail}")
+        if len({m.op for m in metas}) > 1:
+            raise CollectiveMismatchError(
+                "ranks disagree on the reduce op: "
+                + _group_ranks(metas, lambda m: m.op.name if m.op is not None else "none")
+                + ". Every rank must pass the same op"
+            )
+        raise CollectiveMismatchError(
+            "ranks disagree on the source rank: "
+            + _group_ranks(metas, lambda m: f"src={m.src}")
+            + ". Every rank must name the same src"
+        )
 
     def _exchange(
         self,

@@ -424,8 +424,8 @@ class SideChannelHub:
             query.answers.setdefault(
                 r,
                 {
-                    "absent": f"no answer within {self._answer_s:g} s (busy in native code that holds "
-                    "Python's GIL, or hung)"
+                    "absent": f"no answer within {self._answer_s:g} s (unreachable, hung, or busy in "
+                    "native code that holds Python's GIL)"
                 },
             )
         report = json.dumps({str(r): v for r, v in query.answers.items()}).encode()

@@ -153,7 +153,8 @@ def format_stall(
         head += f" Context: {context}."
     if peers is None:
         return f"{head} The other ranks could not be asked: {no_peers_reason}"
-    behind, absent, reached = [], [], []
+    behind, absent = [], []
+    calls: dict[str, str] = {}
     for rank_text in sorted(peers, key=int):
         info = peers[rank_text]
         if "absent" in info:
@@ -167,18 +168,52 @@ def format_stall(
                 f"last issued: {issued.get('what', 'none')})"
             )
         else:
-            reached.append(rank_text)
+            calls[rank_text] = _call_at(seq, info)
     parts = [head]
     if behind:
         parts.append("Ranks that have not reached it: " + "; ".join(behind) + ".")
     if absent:
         parts.append("Ranks that did not answer: " + "; ".join(absent) + ".")
     if not behind and not absent:
-        parts.append(
-            f"Every rank has reached it (ranks {', '.join(reached)}): it is stuck inside the backend, or "
-            "the ranks passed different arguments (COMMLIB_DEBUG=DETAIL checks them)."
-        )
+        parts.append(_reached_by_all(seq, calls))
     return " ".join(parts)
+
+
+def _call_at(seq: int, info: dict[str, Any]) -> str:
+    """What one rank that reached ``seq`` called there, from its progress answer."""
+    for key in ("waiting", "issued"):
+        record = info.get(key) or {}
+        if record.get("seq") == seq:
+            return str(record.get("what", "unknown"))
+    issued = info.get("issued") or {}
+    return f"past it (last issued: {issued.get('what', 'none')})"
+
+
+def _reached_by_all(seq: int, calls: dict[str, str]) -> str:
+    """Every rank reached ``seq``: say whether their calls there agree, and name each rank's if not."""
+    by_call: dict[str, list[str]] = {}
+    for rank_text, call in calls.items():
+        by_call.setdefault(call, []).append(rank_text)
+    each = "; ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(ranks)}: {call}"
+        for call, ranks in by_call.items()
+    )
+    known = {call for call in by_call if call.startswith("#")}
+    if len(known) > 1:
+        return (
+            f"Every rank has reached #{seq}, but in different calls: {each}. Every rank must issue the "
+            "same collectives in the same order, with the same arguments (COMMLIB_DEBUG=DETAIL raises "
+            "a CollectiveMismatchError at once instead)."
+        )
+    if len(by_call) > 1:
+        return (
+            f"Every rank has reached it ({each}): it is stuck inside the backend, or the ranks passed "
+            "different arguments (COMMLIB_DEBUG=DETAIL checks them)."
+        )
+    return (
+        f"Every rank has reached it, with the same call (ranks {', '.join(calls)}): it is stuck inside "
+        "the backend (a rank blocked in native code, or a lost connection the backend has not noticed)."
+    )
 
 
 def _never(work: Work) -> bool:

@@ -418,9 +418,43 @@ def test_stall_message_when_everyone_arrived_or_some_are_absent() -> None:
     text = format_stall(
         "[rank 1/2] gloo", record, 61, 60, 300, {"0": {"issued": reached}, "1": {"issued": reached}}, None
     )
-    assert "Every rank has reached it (ranks 0, 1): it is stuck inside the backend" in text
+    assert text.endswith(
+        "Every rank has reached it, with the same call (ranks 0, 1): it is stuck inside the backend "
+        "(a rank blocked in native code, or a lost connection the backend has not noticed)."
+    )
     alone = format_stall("[rank 1/2] gloo", record, 61, 60, 300, None, None, "this group has no side channel")
     assert alone.endswith("The other ranks could not be asked: this group has no side channel")
+
+
+def test_stall_message_names_each_ranks_call_when_all_reached_the_same_number() -> None:
+    """Every rank issued #9, but rank 1 a broadcast: the report names each rank's call."""
+    record = (9, "all_reduce", torch.float32, (8,), ReduceOp.MAX, -1)
+    mine = {"seq": 9, "what": "#9 all_reduce float32 (8,) MAX"}
+    other = {"seq": 9, "what": "#9 broadcast float32 (8,) src=0"}
+    peers = {
+        "0": {"issued": mine, "waiting": mine},
+        "1": {"issued": other, "waiting": other},
+        "2": {"issued": mine, "waiting": {"seq": 7, "what": "#7 all_gather int64 (2,)"}},
+    }
+    text = format_stall("[rank 0/3] gloo", record, 61, 60, 300, peers, None)
+    assert text.endswith(
+        "Every rank has reached #9, but in different calls: ranks 0, 2: #9 all_reduce float32 (8,) MAX; "
+        "rank 1: #9 broadcast float32 (8,) src=0. Every rank must issue the same collectives in the same "
+        "order, with the same arguments (COMMLIB_DEBUG=DETAIL raises a CollectiveMismatchError at once "
+        "instead)."
+    ), text
+    # Same collective, different reduce op: named too.
+    peers["1"] = {"issued": {"seq": 9, "what": "#9 all_reduce float32 (8,) SUM"}}
+    text = format_stall("[rank 0/3] gloo", record, 61, 60, 300, peers, None)
+    assert "ranks 0, 2: #9 all_reduce float32 (8,) MAX; rank 1: #9 all_reduce float32 (8,) SUM." in text
+    # A rank already past #9 (its call there is no longer known): nothing to compare it with.
+    peers["1"] = {"issued": {"seq": 11, "what": "#11 barrier"}}
+    text = format_stall("[rank 0/3] gloo", record, 61, 60, 300, peers, None)
+    assert (
+        "Every rank has reached it (ranks 0, 2: #9 all_reduce float32 (8,) MAX; rank 1: past it "
+        "(last issued: #11 barrier)): it is stuck inside the backend, or the ranks passed different "
+        "arguments" in text
+    ), text
 
 
 def test_tracker_prunes_finished_async_work() -> None:

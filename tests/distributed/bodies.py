@@ -11,12 +11,14 @@ import torch
 
 from commlib import IProcessGroup, ReduceOp
 from tests._reference import (
+    FLOAT_DTYPES,
     assert_close_to_reference,
     digest,
     rank_input,
     reduce_reference,
     tolerance,
 )
+from tests.distributed.diagnosis_bodies import version_bumps
 
 SIZES = (0, 1, 13, 1000, 40_003)
 """Empty, one element, a prime, past the small-message path, many chunks (and not divisible by 2, 3 or 4)."""
@@ -162,6 +164,92 @@ def body_shapes_and_views(group: IProcessGroup) -> list[str]:
         and torch.all(base[7:] == -1)
     )
     return [digest(t)]
+
+
+NAN_CHUNK_BYTES = 4096
+"""The ring variants' chunk (``COMMLIB_RING_CHUNK_BYTES`` in conftest): NaNs sit on its boundaries."""
+
+
+def nan_rank_input(rank: int, world: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input for NaN under MAX/MIN: NaNs on chunk and segment boundaries, held by turns.
+
+    Chunk ``k``'s last and next element hold NaN on rank ``k % world`` only; the
+    first element on rank 0 only, the last on the last rank only, the element at
+    each ring segment's start on the rank of that segment, and the middle one on
+    every rank. Infinities and small integers (exact in every float) fill the rest.
+    """
+    per_chunk = NAN_CHUNK_BYTES // torch.empty(0, dtype=dtype).element_size()
+    values = ((torch.arange(numel) * 7 + rank * 13) % 101 - 50).to(torch.float64)
+    values[3::17] = float("inf") if rank % 2 else -float("inf")
+    nan = float("nan")
+    for k in range(1, numel // per_chunk + 1):
+        if k % world == rank:
+            values[k * per_chunk - 1 : k * per_chunk + 1] = nan
+    for segment in range(world):
+        if segment == rank:
+            values[numel * segment // world] = nan
+    if rank == 0:
+        values[0] = nan
+    if rank == world - 1:
+        values[-1] = nan
+    values[numel // 2] = nan
+    return values.to(dtype)
+
+
+def _same_with_nan(result: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(result), nan), (
+        f"{what}: NaN at {torch.isnan(result).nonzero().flatten().tolist()[:8]}..., "
+        f"expected at {nan.nonzero().flatten().tolist()[:8]}..."
+    )
+    assert torch.equal(result[~nan], expected[~nan]), f"{what}: wrong values beside the NaNs"
+
+
+def body_nan_max_min(group: IProcessGroup, numel: int = 3 * 2048 + 5) -> list[str]:
+    """MAX and MIN propagate NaN, as ``torch.maximum`` does, whichever rank holds it and wherever it falls.
+
+    ``numel`` spans several ring chunks in every float dtype (2048 float16 per
+    4 KiB chunk) and splits unevenly into segments; 6 elements take the small-message path.
+    """
+    n, r = group.world_size, group.rank
+    digests = []
+    for dtype in FLOAT_DTYPES:
+        for op in (ReduceOp.MAX, ReduceOp.MIN):
+            for size in (6, numel):
+                inputs = [nan_rank_input(k, n, size, dtype) for k in range(n)]
+                expected = reduce_reference(inputs, op).to(dtype)
+                tensor = inputs[r].clone()
+                group.all_reduce(tensor, op)
+                _same_with_nan(tensor, expected, f"all_reduce {op.name} {dtype} numel={size} world={n}")
+                digests.append(digest(tensor))
+            sources = [nan_rank_input(k, n, n * numel, dtype) for k in range(n)]
+            block = torch.empty(numel, dtype=dtype)
+            group.reduce_scatter(block, sources[r].clone(), op)
+            expected = reduce_reference(sources, op).to(dtype)[r * numel : (r + 1) * numel]
+            _same_with_nan(block, expected, f"reduce_scatter {op.name} {dtype} numel={numel} world={n}")
+    return digests
+
+
+def body_in_place_bumps_version(group: IProcessGroup, numel: int = 10_000) -> list[str]:
+    """Every collective that writes a tensor bumps its autograd version, small or chunked.
+
+    An all_reduce over a tensor autograd saved makes backward refuse, rather
+    than use the sum for the gradient.
+    """
+    bumps = version_bumps(group)
+    assert bumps == {
+        "all_reduce": "RuntimeError",
+        "broadcast": True,
+        "all_gather": True,
+        "reduce_scatter": True,
+        "all_reduce async": True,
+    }, bumps
+    large = torch.ones(numel)
+    before = large._version
+    group.all_reduce(large)
+    assert large._version > before, f"all_reduce of {numel} elements left the version at {before}"
+    assert torch.all(large == group.world_size)
+    return [digest(large)]
 
 
 ALL_BODIES = {

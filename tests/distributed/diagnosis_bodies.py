@@ -152,6 +152,13 @@ def settings_of_rank0(group: IProcessGroup) -> dict[str, Any]:
     return {"checked": checked, **desync(group, "op")}
 
 
+def desync_checked_by(group: IProcessGroup, case: str) -> dict[str, Any]:
+    """``desync``, and whether the side channel's fingerprint check ran (else the backend's own caught it)."""
+    diagnostics = group._diagnostics  # type: ignore[attr-defined]
+    checked = diagnostics is not None and diagnostics.exchange is not None
+    return {"fingerprints": checked, **desync(group, case)}
+
+
 def desyncs(group: IProcessGroup) -> dict[str, Any]:
     """Every desync case in turn (for one launcher run)."""
     return {case: desync(group, case) for case in DESYNCS}
@@ -177,6 +184,20 @@ def stall(group: IProcessGroup, sleep_s: float = 3.0, capture: bool = True) -> d
         group.all_reduce(t)
         waited = time.monotonic() - start
     return {"seq": seq + 1, "warnings": seen.messages, "sum": t[0].item(), "waited_s": waited}
+
+
+def stall_in_different_calls(group: IProcessGroup) -> dict[str, Any]:
+    """Rank 0 all-reduces where the others broadcast (no fingerprint check): all wait, warn, then time out."""
+    group.all_reduce(torch.ones(4))
+    seq = group._seq + 1
+    with CapturedWarnings() as seen:
+        try:
+            _collective(group, group.rank)
+        except CommError as e:
+            error: str | None = f"{type(e).__name__}: {e}"
+        else:
+            error = None
+    return {"seq": seq, "warnings": seen.messages, "error": error}
 
 
 def stall_in_ddp(group: IProcessGroup, sleep_s: float = 3.0) -> dict[str, Any]:
@@ -295,15 +316,27 @@ def semantics(group: IProcessGroup) -> dict[str, Any]:
             block = torch.empty(6, dtype=dtype)
             group.reduce_scatter(block, source, op)
             out["nan"][f"reduce_scatter {dtype} {op.name}"] = _as_text(block)
+    out["version"] = version_bumps(group)
+    return out
+
+
+def version_bumps(group: IProcessGroup) -> dict[str, Any]:
+    """Whether each collective bumps the autograd version of the tensor it writes, as plain values.
+
+    ``all_reduce``: "RuntimeError" when backward refuses a tensor it saved and the
+    collective then overwrote (else what happened); the others: True when bumped.
+    """
+    world = group.world_size
+    out: dict[str, Any] = {}
     # An in-place all_reduce on a tensor autograd saved: backward must refuse, not use the sum.
     x = torch.tensor([1.0], requires_grad=True)
     y = x.exp()
     group.all_reduce(y)
     try:
         y.sum().backward()
-        out["version"]["all_reduce"] = f"no error; grad {x.grad.item():.2f}"
+        out["all_reduce"] = f"no error; grad {x.grad.item():.2f}"
     except RuntimeError as e:
-        out["version"]["all_reduce"] = (
+        out["all_reduce"] = (
             "RuntimeError" if "modified by an inplace operation" in str(e) else str(e)
         )
     for name, call in (
@@ -318,7 +351,7 @@ def semantics(group: IProcessGroup) -> dict[str, Any]:
         t = torch.ones(2)
         before = t._version
         call(t)
-        out["version"][name] = t._version > before
+        out[name] = t._version > before
     return out
 
 

@@ -38,3 +38,16 @@ def test_async_collectives_run_in_issue_order(get_pool, variant: str, world_size
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_multidimensional_tensors_and_views(get_pool, variant: str) -> None:
     get_pool(variant, 2).run(bodies.body_shapes_and_views, timeout=60)
+
+
+@pytest.mark.parametrize(("variant", "world_size"), CASES)
+def test_max_min_propagate_nan_as_torch_maximum(get_pool, variant: str, world_size: int) -> None:
+    """Whichever rank holds the NaN, on a chunk or segment boundary or not: the result is NaN there."""
+    digests = get_pool(variant, world_size).run(bodies.body_nan_max_min, timeout=120)
+    assert all(d == digests[0] for d in digests), "ranks disagree bit for bit"
+
+
+@pytest.mark.parametrize(("variant", "world_size"), CASES)
+def test_in_place_collectives_bump_the_autograd_version(get_pool, variant: str, world_size: int) -> None:
+    digests = get_pool(variant, world_size).run(bodies.body_in_place_bumps_version, timeout=60)
+    assert all(d == digests[0] for d in digests)

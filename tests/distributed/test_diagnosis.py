@@ -99,6 +99,23 @@ def test_desync_raises_on_every_rank(pools: dict[str, RankPool], backend: str, c
     _check_desync(case, backend, outcome)
 
 
+@pytest.mark.parametrize("case", ["op", "root"])
+def test_ring_catches_op_and_root_mismatches_without_detail(pools: dict[str, RankPool], case: str) -> None:
+    """With COMMLIB_DEBUG off (the ring's default) the ring's own record exchange names both sides."""
+    outcome = pools["plain-ring"].run(bodies.desync_checked_by, case, timeout=90)
+    for rank, value in enumerate(outcome):
+        assert value["fingerprints"] is False, "the side channel's check ran: this tests the ring's own"
+        assert value["error"] is not None, f"rank {rank}: {case} raised nothing"
+        kind, message = value["error"]
+        assert kind == "CollectiveMismatchError", message
+        op = FIRST_OP.get(case, ("all_reduce", "all_reduce"))[rank]
+        assert message.startswith(f"[rank {rank}/2] ring.{op} #{value['seq']} ("), message
+        fix = "Every rank must pass the same op" if case == "op" else "Every rank must name the same src"
+        assert f"{EXPECTED[case]}. {fix}" in message, message
+        assert value["elapsed_s"] < 10, "a mismatch must raise within seconds"
+        assert value["after"] == 2.0, "the group must stay usable after a mismatch"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_async_collectives_do_not_wait_for_the_check(pools: dict[str, RankPool], backend: str) -> None:
     rank0, rank1 = pools[f"detail-{backend}"].run(bodies.async_under_check, timeout=90)
@@ -149,6 +166,26 @@ def test_stall_is_reported_then_the_collective_completes(
     assert rank1["warnings"] == [], "the late rank did not wait"
     assert rank0["sum"] == rank1["sum"] == 2.0
     assert rank0["waited_s"] > 2.0
+
+
+def test_stall_in_different_calls_names_each_ranks_call() -> None:
+    """Gloo, no fingerprint check: every rank reached #N, in different collectives; the report names them."""
+    env = {"COMMLIB_DEBUG": "OFF", "COMMLIB_STALL_S": "1", "COMMLIB_TIMEOUT": "3"}
+    outcomes = run_ranks_outcomes(bodies.stall_in_different_calls, 2, backend="gloo", env=env, timeout=90)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    for rank, outcome in enumerate(outcomes):
+        value = outcome.value
+        seq = value["seq"]
+        op = ("all_reduce", "broadcast")[rank]
+        error = value["error"]
+        assert error.startswith(f"CommTimeoutError: [rank {rank}/2] gloo.{op} #{seq} "), error
+        assert value["warnings"], f"rank {rank} logged no stall report before the timeout"
+        text = value["warnings"][0]
+        assert text.startswith(f"[rank {rank}/2] gloo.{op} #{seq} "), text
+        assert (
+            f"Every rank has reached #{seq}, but in different calls: rank 0: #{seq} all_reduce float32 (64,) "
+            f"SUM; rank 1: #{seq} broadcast float32 (64,) src=0. Every rank must issue the same collectives"
+        ) in text, text
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

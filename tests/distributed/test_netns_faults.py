@@ -7,6 +7,11 @@ bridge too, with a job token. Mid-collective, the test takes one host's
 interface down: no packet says goodbye, as when a cable or switch port dies.
 Every rank must raise within its timeout and name the peer it lost.
 
+On the ring, commlib names it from its own links. On gloo, the error wraps
+Gloo's own, which says only that a send or receive timed out, not with whom;
+there the survivors' stall reports (``COMMLIB_STALL_S`` below the timeout) name
+the rank that stopped answering over the side channel.
+
 Skipped, with the reason shown, where namespaces cannot be created (not root,
 no iproute2, a container without the capability).
 """
@@ -14,6 +19,7 @@ no iproute2, a container without the capability).
 from __future__ import annotations
 
 import functools
+import logging
 import multiprocessing
 import os
 import socket
@@ -35,6 +41,9 @@ SLACK_S = 3.0
 send buffer, and a loaded machine schedules late."""
 NUMEL = 2_000_000
 """8 MB all-reduces: each takes milliseconds, so the cut lands inside one."""
+GLOO_TIMEOUT_S = 3.0
+GLOO_STALL_TIMEOUT_S = 5.0
+"""Room before the timeout for a stall report: 1 s stall, up to 2 s for the ranks' answers."""
 
 
 @functools.cache
@@ -69,17 +78,35 @@ def _remote_addresses() -> list[str]:
     return remote
 
 
-def _all_reduce_until_cut(namespace: str, hostname: str, start: Any, running: Any) -> dict[str, Any]:
-    """On its own host: join the ring, all-reduce until the link is cut, report the error and when."""
+class _Warnings(logging.Handler):
+    """The ``commlib`` logger's warnings, with when they came."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((time.monotonic(), record.getMessage()))
+
+
+def _all_reduce_until_cut(
+    backend: str, namespace: str, hostname: str, start: Any, running: Any
+) -> dict[str, Any]:
+    """On its own host: join the group, all-reduce until the link is cut, report the error and when."""
     _netns.enter_host(namespace, hostname)
     import commlib
 
+    warnings = _Warnings()
+    logging.getLogger("commlib").addHandler(warnings)
     start.wait(60)  # every rank has imported torch: the short timeout only has the cut to time
-    group = commlib.init_process_group("ring")
-    report: dict[str, Any] = {"transports": group.transports, "hostname": socket.gethostname()}
-    report["peers_at"] = sorted(set(_remote_addresses()))
+    group = commlib.init_process_group(backend)
+    report: dict[str, Any] = {
+        "transports": getattr(group, "transports", None),
+        "hostname": socket.gethostname(),
+    }
     t = torch.ones(NUMEL)
     group.all_reduce(t)
+    report["peers_at"] = sorted(set(_remote_addresses()))
     report["first_sum"] = t[0].item()
     running.set()
     try:
@@ -89,11 +116,18 @@ def _all_reduce_until_cut(namespace: str, hostname: str, start: Any, running: An
     except commlib.CommError as e:
         report.update(raised_at=time.monotonic(), error=str(e), error_type=type(e).__name__)
     finally:
+        report["warnings"] = warnings.seen
         commlib.destroy_process_group()
     return report
 
 
-def _run_and_cut(hosts: _netns.Hosts, victim: int) -> tuple[list[dict[str, Any]], float]:
+def _run_and_cut(
+    hosts: _netns.Hosts,
+    victim: int,
+    backend: str = "ring",
+    timeout_s: float = TIMEOUT_S,
+    stall_s: float = 0.0,
+) -> tuple[list[dict[str, Any]], float]:
     world = len(hosts.namespaces)
     spawn = multiprocessing.get_context("spawn")
     start = spawn.Barrier(world)
@@ -110,13 +144,19 @@ def _run_and_cut(hosts: _netns.Hosts, victim: int) -> tuple[list[dict[str, Any]]
     outcomes = run_ranks_outcomes(
         _all_reduce_until_cut,
         world,
+        backend=backend,
         init=False,
-        per_rank_args=[(hosts.namespaces[r], hosts.hostnames[r], start, running[r]) for r in range(world)],
+        per_rank_args=[
+            (backend, hosts.namespaces[r], hosts.hostnames[r], start, running[r]) for r in range(world)
+        ],
         env={
             "MASTER_ADDR": hosts.addresses[0],
-            "COMMLIB_TIMEOUT": str(TIMEOUT_S),
+            "COMMLIB_TIMEOUT": str(timeout_s),
             "COMMLIB_JOB_TOKEN": "netns-test-job",
-            "COMMLIB_STALL_S": "0",  # no side channel to rank 0 beside the ring links
+            "COMMLIB_STALL_S": str(stall_s),
+            # Gloo finds its address from the hostname, which no resolver here knows: name the interface,
+            # as on a machine with several.
+            "GLOO_SOCKET_IFNAME": "eth0",
             "LOCAL_RANK": "0",  # one rank per host
             "LOCAL_WORLD_SIZE": "1",
         },
@@ -139,12 +179,39 @@ def _check_separate_hosts(reports: list[dict[str, Any]], hosts: _netns.Hosts) ->
         assert set(report["peers_at"]) == others, report["peers_at"]
 
 
-def _check_raised_in_time(report: dict[str, Any], rank: int, world: int, cut_at: float) -> None:
-    assert report["error"].startswith(f"[rank {rank}/{world}] ring.all_reduce #"), report["error"]
+def _check_gloo_across_hosts(reports: list[dict[str, Any]], hosts: _netns.Hosts) -> None:
+    """Every rank on its own host, connected to every other host's address (and never over loopback)."""
+    for rank, report in enumerate(reports):
+        assert report["first_sum"] == len(reports)
+        assert report["hostname"] == hosts.hostnames[rank]
+        others = set(hosts.addresses) - {hosts.addresses[rank]}
+        assert others <= set(report["peers_at"]), report["peers_at"]
+        assert set(report["peers_at"]) <= set(hosts.addresses), report["peers_at"]
+
+
+def _check_raised_in_time(
+    report: dict[str, Any],
+    rank: int,
+    world: int,
+    cut_at: float,
+    backend: str = "ring",
+    timeout_s: float = TIMEOUT_S,
+) -> None:
+    assert report["error"].startswith(f"[rank {rank}/{world}] {backend}.all_reduce #"), report["error"]
     elapsed = report["raised_at"] - cut_at
-    assert elapsed < TIMEOUT_S + SLACK_S, (
+    assert elapsed < timeout_s + SLACK_S, (
         f"rank {rank} raised {elapsed:.1f} s after the cut: {report['error']}"
     )
+
+
+def _check_gloo_timeout(report: dict[str, Any], timeout_s: float) -> None:
+    """What a survivor on gloo is told: the timeout ran out, in Gloo's own words (which name no peer)."""
+    assert report["error_type"] == "CommTimeoutError", report["error"]
+    expected = f"did not finish within {timeout_s:g} s; a peer rank is missing, stuck or called a"
+    assert expected in report["error"], report["error"]
+    assert "(torch.distributed: " in report["error"], report["error"]
+    milliseconds = f"Timed out waiting {timeout_s * 1000:.0f}ms for "
+    assert milliseconds in report["error"], report["error"]
 
 
 @pytest.mark.timeout(240)
@@ -187,3 +254,46 @@ def test_no_namespace_is_left_behind(hosts_available: None) -> None:
         created = list(hosts.namespaces) + [hosts.switch]
         raise RuntimeError("the test body failed half-way")
     assert not set(created) & set(os.listdir("/var/run/netns"))
+
+
+@pytest.mark.timeout(240)
+def test_gloo_link_cut_between_two_hosts_times_out_on_both(hosts_available: None) -> None:
+    """Gloo across two hosts: both raise when the group's timeout runs out after the cut.
+
+    Gloo's error says which operation timed out (a send or a receive), not with whom;
+    with two ranks the peer is the other one.
+    """
+    with _netns.separate_hosts(2) as hosts:
+        reports, cut_at = _run_and_cut(hosts, victim=1, backend="gloo", timeout_s=GLOO_TIMEOUT_S)
+        _check_gloo_across_hosts(reports, hosts)
+    for rank, report in enumerate(reports):
+        _check_raised_in_time(report, rank, 2, cut_at, "gloo", GLOO_TIMEOUT_S)
+        _check_gloo_timeout(report, GLOO_TIMEOUT_S)
+        assert report["warnings"] == [], "COMMLIB_STALL_S=0 reports no stall"
+
+
+@pytest.mark.timeout(240)
+def test_gloo_host_cut_off_from_three_is_named_by_the_stall_reports(hosts_available: None) -> None:
+    """Host 2 loses its link; ranks 0 and 1, still joined over the side channel, warn that rank 2 went silent.
+
+    The warning comes before the timeout's error. Rank 2 cannot reach rank 0's hub: only its error tells it.
+    """
+    with _netns.separate_hosts(3) as hosts:
+        reports, cut_at = _run_and_cut(
+            hosts, victim=2, backend="gloo", timeout_s=GLOO_STALL_TIMEOUT_S, stall_s=1.0
+        )
+        _check_gloo_across_hosts(reports, hosts)
+    for rank, report in enumerate(reports):
+        _check_raised_in_time(report, rank, 3, cut_at, "gloo", GLOO_STALL_TIMEOUT_S)
+        _check_gloo_timeout(report, GLOO_STALL_TIMEOUT_S)
+    for rank in (0, 1):
+        report = reports[rank]
+        stalls = [(at, text) for at, text in report["warnings"] if "has waited" in text]
+        assert stalls, f"rank {rank} logged no stall report: {report['warnings']}"
+        at, text = stalls[0]
+        assert cut_at < at < report["raised_at"], "the stall report came after the error"
+        assert text.startswith(f"[rank {rank}/3] gloo.all_reduce #"), text
+        assert f"(float32 ({NUMEL},) SUM) has waited " in text, text
+        assert "(COMMLIB_STALL_S=1); it goes on waiting until the timeout (5 s" in text, text
+        assert "Ranks that did not answer: rank 2 (no answer within 2 s (unreachable, hung" in text, text
+        assert "rank 0 (" not in text and "rank 1 (" not in text, "a rank that answered was named"
