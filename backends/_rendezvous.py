@@ -44,6 +44,13 @@ import time
 from typing import Any
 
 from backends import _lobby
+from backends._admission import (
+    announcement_problem,
+    check_rank0_reply,
+    missing_ranks_message,
+    retry_while_refused,
+    token_mismatch_advice,
+)
 from backends._jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
 from backends._wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
@@ -56,7 +63,6 @@ logger = logging.getLogger("commlib")
 _PROTOCOL = 2
 _VERDICT_GRACE_S = 2.0
 _HELLO_BYTES = 64 * 1024  # a hello or a link hello is a few hundred bytes
-_REFUSED_RETRY_S = (0.5, 2.0)  # first and longest pause before a refused rank tries again
 _store_generation = 0  # groups created through torchrun's store so far (every rank counts alike)
 
 
@@ -173,13 +179,6 @@ def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
         probe.connect((master_ip, 9))
         return str(probe.getsockname()[0])
-
-
-def _token_mismatch_advice(ctx: _Context) -> str:
-    return (
-        f"Two jobs were started on one rendezvous port ({ctx.master}): give each job its own MASTER_PORT. "
-        "If these ranks are one job, set COMMLIB_JOB_TOKEN to the same value on every rank"
-    )
 
 
 # ------------------------------------------------------------ torchrun store
@@ -397,37 +396,16 @@ class _Leader:
         )
 
     def _check(self, hello: dict[str, Any]) -> str | None:
-        env = self.ctx.env
-        rank, world = hello["rank"], hello["world_size"]
-        if world != env.world_size:
-            return (
-                f"rank {rank} was started with world size {world}, rank 0 with {env.world_size}; "
-                "start every rank with the same WORLD_SIZE"
-            )
-        if not 0 < rank < env.world_size:
-            return f"a peer announced rank {rank!r}, outside 1..{env.world_size - 1}"
-        if rank in self.peers:
-            return (
-                f"two processes announced rank {rank} (pids {self.peers[rank].pid} and {hello['pid']}); "
-                "every rank needs its own RANK"
-            )
-        return None
+        rank = hello["rank"]
+        taken = self.peers[rank].pid if rank in self.peers else None
+        return announcement_problem(self.ctx.env, rank, hello["world_size"], taken, hello["pid"])
 
     def _timeout_message(self) -> str:
-        ctx, env = self.ctx, self.ctx.env
-        missing = sorted(set(range(env.world_size)) - set(self.peers))
-        message = (
-            f"{ctx.prefix}timed out after {ctx.timeout:.1f} s at {ctx.master}: {len(self.peers)}/"
-            f"{env.world_size} ranks arrived; ranks {missing} never did. Check that every rank was started "
-            f"with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE={env.world_size}, and that none crashed "
-            "at start-up"
+        ctx = self.ctx
+        missing = sorted(set(range(ctx.env.world_size)) - set(self.peers))
+        return missing_ranks_message(
+            ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refused, "connection(s)"
         )
-        if self.refused:
-            message += (
-                f". Rank 0 refused {len(self.refused)} connection(s) holding another job token: "
-                f"{'; '.join(dict.fromkeys(self.refused))}. {_token_mismatch_advice(ctx)}"
-            )
-        return message
 
     def _fail(self, error: RendezvousError) -> None:
         for conn in self.conns.values():
@@ -466,26 +444,8 @@ def _lead(
 
 
 # ---------------------------------------------------------------- rank > 0
-class _Refused(Exception):
-    """Rank 0 at the port belongs to another job; it may give the port up to ours later."""
-
-
 def _follow(ctx: _Context, data_listener: socket.socket) -> tuple[list[Peer], dict[str, Any], bytes]:
-    pause = _REFUSED_RETRY_S[0]
-    refusal: str | None = None
-    while True:
-        try:
-            return _join_once(ctx, data_listener)
-        except _Refused as refused:
-            refusal = f"{refused} {_token_mismatch_advice(ctx)}"
-            if time.monotonic() + pause >= ctx.deadline:
-                raise RendezvousError(f"{ctx.prefix}{refusal}") from None
-            time.sleep(pause)  # back off: the other job's rank 0 holds the port until its ranks are in
-            pause = min(2 * pause, _REFUSED_RETRY_S[1])
-        except RendezvousError as e:
-            if refusal is None:
-                raise
-            raise type(e)(f"{e}. Before that, {refusal}") from None
+    return retry_while_refused(lambda: _join_once(ctx, data_listener), ctx.prefix, ctx.master, ctx.deadline)
 
 
 def _join_once(ctx: _Context, data_listener: socket.socket) -> tuple[list[Peer], dict[str, Any], bytes]:
@@ -543,21 +503,7 @@ def _read_table(
         raise RendezvousError(
             f"{prefix}what listens at {ctx.master} is not a commlib rank 0 (it sent {answer!r:.60})"
         )
-    if answer.get("refused") == "token":
-        message = (
-            f"rank 0 at {ctx.master} (pid {answer.get('pid', '?')} on {answer.get('host', '?')}) refused "
-            f"this rank (pid {os.getpid()} on {socket.gethostname()}): it holds another job token. "
-            f"Rank 0's job: {answer.get('identity', '?')}; this rank's job: {ctx.token.identity}."
-        )
-        logger.warning(
-            "%s%s Trying again until the timeout, in case this job's own rank 0 takes the port",
-            prefix,
-            message,
-        )
-        raise _Refused(message)
-    if "error" in answer:
-        error_cls = RendezvousTimeoutError if "timed out" in str(answer["error"]) else RendezvousError
-        raise error_cls(f"{prefix}rendezvous failed on rank 0: {answer['error']}")
+    check_rank0_reply(prefix, ctx.master, answer, ctx.token.identity)
     try:
         table, settings, session = answer["peers"], answer["settings"], answer["session"]
         if not verify_with(
@@ -569,7 +515,7 @@ def _read_table(
     except (KeyError, TypeError, ValueError) as e:
         raise RendezvousError(
             f"{prefix}the peer table from {ctx.master} is not from this job's rank 0 ({e}): another "
-            f"program, or another job's rank 0, holds the port. {_token_mismatch_advice(ctx)}"
+            f"program, or another job's rank 0, holds the port. {token_mismatch_advice(ctx.master)}"
         ) from None
     return peers, settings, session_key
 

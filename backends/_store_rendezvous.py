@@ -46,6 +46,13 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from backends._admission import (
+    announcement_problem,
+    check_rank0_reply,
+    missing_ranks_message,
+    retry_while_refused,
+    token_mismatch_advice,
+)
 from backends._jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
@@ -58,7 +65,6 @@ _VERDICT_GRACE_S = (
     2.0  # a rank waits this much past its deadline for rank 0's verdict, which names who is missing
 )
 _CONNECT_GRACE_S = 2.0  # torch's client may overrun its connect timeout by a retry
-_REFUSED_RETRY_S = (0.5, 2.0)  # first and longest pause before a refused rank tries again
 _ANSWER_BYTES = 64 * 1024  # an answer is a few hundred bytes
 _store_generation = 0  # groups created through torchrun's agent store so far (every rank counts alike)
 
@@ -217,13 +223,6 @@ def _is_timeout(error: BaseException) -> bool:
     return "timeout" in str(error).lower() or "timed out" in str(error).lower()
 
 
-def _token_mismatch_advice(ctx: _Context) -> str:
-    return (
-        f"Two jobs were started on one rendezvous port ({ctx.master}): give each job its own MASTER_PORT. "
-        "If these ranks are one job, set COMMLIB_JOB_TOKEN to the same value on every rank"
-    )
-
-
 def _decode(raw: bytes) -> Any:
     if len(raw) > _ANSWER_BYTES:
         return None
@@ -354,37 +353,16 @@ class _Leader:
         )
 
     def _check(self, record: dict[str, Any]) -> str | None:
-        env = self.ctx.env
-        rank, world = record["rank"], record["world_size"]
-        if world != env.world_size:
-            return (
-                f"rank {rank} was started with world size {world}, rank 0 with {env.world_size}; "
-                "start every rank with the same WORLD_SIZE"
-            )
-        if not 0 < rank < env.world_size:
-            return f"a peer announced rank {rank!r}, outside 1..{env.world_size - 1}"
-        if rank in self.accepted:
-            return (
-                f"two processes announced rank {rank} (pids {self.pids[rank]} and {record['pid']}); "
-                "every rank needs its own RANK"
-            )
-        return None
+        rank = record["rank"]
+        taken = self.pids[rank] if rank in self.accepted else None
+        return announcement_problem(self.ctx.env, rank, record["world_size"], taken, record["pid"])
 
     def _timeout_message(self) -> str:
-        ctx, env = self.ctx, self.ctx.env
-        arrived = 1 + len(self.accepted)
-        missing = sorted(set(range(1, env.world_size)) - set(self.accepted))
-        message = (
-            f"{ctx.prefix}timed out after {ctx.timeout:.1f} s at {ctx.master}: {arrived}/{env.world_size} "
-            f"ranks arrived; ranks {missing} never did. Check that every rank was started with the same "
-            f"MASTER_ADDR/MASTER_PORT and WORLD_SIZE={env.world_size}, and that none crashed at start-up"
+        ctx = self.ctx
+        missing = sorted(set(range(1, ctx.env.world_size)) - set(self.accepted))
+        return missing_ranks_message(
+            ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refused, "answer(s)"
         )
-        if self.refused:
-            message += (
-                f". Rank 0 refused {len(self.refused)} answer(s) holding another job token: "
-                f"{'; '.join(dict.fromkeys(self.refused))}. {_token_mismatch_advice(ctx)}"
-            )
-        return message
 
     def _fail(self, error: RendezvousError) -> NoReturn:
         """Tell every accepted rank why the rendezvous failed, then raise ``error``."""
@@ -397,26 +375,8 @@ class _Leader:
 
 
 # ------------------------------------------------------------------ rank > 0
-class _Refused(Exception):
-    """Rank 0 at the port belongs to another job; it may give the port up to ours later."""
-
-
 def _follow(ctx: _Context) -> tuple[Any, str]:
-    pause = _REFUSED_RETRY_S[0]
-    refusal: str | None = None
-    while True:
-        try:
-            return _join_once(ctx)
-        except _Refused as refused:
-            refusal = f"{refused} {_token_mismatch_advice(ctx)}"
-            if time.monotonic() + pause >= ctx.deadline:
-                raise RendezvousError(f"{ctx.prefix}{refusal}") from None
-            time.sleep(pause)  # back off: the other job's rank 0 holds the port until its ranks are in
-            pause = min(2 * pause, _REFUSED_RETRY_S[1])
-        except RendezvousError as e:
-            if refusal is None:
-                raise
-            raise type(e)(f"{e}. Before that, {refusal}") from None
+    return retry_while_refused(lambda: _join_once(ctx), ctx.prefix, ctx.master, ctx.deadline)
 
 
 def _join_once(ctx: _Context) -> tuple[Any, str]:
@@ -443,7 +403,7 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
     if not isinstance(challenge, dict) or not isinstance(challenge.get("nonce"), str):
         raise RendezvousError(
             f"{prefix}the store at {ctx.master} holds no commlib challenge (it holds {raw!r:.60}): another "
-            f"program holds the port. {_token_mismatch_advice(ctx)}"
+            f"program holds the port. {token_mismatch_advice(ctx.master)}"
         )
     record = {
         "rank": env.rank,
@@ -486,21 +446,7 @@ def _read_verdict(ctx: _Context, challenge: dict[str, Any], record: dict[str, An
     prefix = ctx.prefix
     if not isinstance(verdict, dict):
         raise RendezvousError(f"{prefix}rank 0 at {ctx.master} answered {verdict!r:.60}, not a verdict")
-    if verdict.get("refused") == "token":
-        message = (
-            f"rank 0 at {ctx.master} (pid {verdict.get('pid', '?')} on {verdict.get('host', '?')}) refused "
-            f"this rank (pid {os.getpid()} on {socket.gethostname()}): it holds another job token. "
-            f"Rank 0's job: {verdict.get('identity', '?')}; this rank's job: {ctx.token.identity}."
-        )
-        logger.warning(
-            "%s%s Trying again until the timeout, in case this job's own rank 0 takes the port",
-            prefix,
-            message,
-        )
-        raise _Refused(message)
-    if "error" in verdict:
-        error_cls = RendezvousTimeoutError if "timed out" in str(verdict["error"]) else RendezvousError
-        raise error_cls(f"{prefix}rendezvous failed on rank 0: {verdict['error']}")
+    check_rank0_reply(prefix, ctx.master, verdict, ctx.token.identity)
     scope = verdict.get("scope")
     if not isinstance(scope, str) or not verify_with(
         ctx.token.key,
@@ -513,6 +459,7 @@ def _read_verdict(ctx: _Context, challenge: dict[str, Any], record: dict[str, An
     ):
         raise RendezvousError(
             f"{prefix}the verdict from {ctx.master} is not from this job's rank 0 (no proof of this job's "
-            f"token): another program, or another job's rank 0, holds the port. {_token_mismatch_advice(ctx)}"
+            "token): another program, or another job's rank 0, holds the port. "
+            f"{token_mismatch_advice(ctx.master)}"
         )
     return scope
