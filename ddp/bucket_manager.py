@@ -400,7 +400,7 @@ class GradientBucketManager:
         for observer in self._observers:
             observer.begin(len(self._buckets))
 
-    def register_grad_ready(self, param: torch.Tensor | int) -> None:
+    def register_grad_ready(self, param: torch.Tensor | int) -> bool:
         """Record that a parameter's gradient is final for this iteration; launch what became launchable.
 
         The gradient is taken into its bucket: if it arrived as a fresh tensor
@@ -411,18 +411,22 @@ class GradientBucketManager:
 
         Args:
             param: The parameter, or its index in registration order.
+
+        Returns:
+            False if the gradient was already taken in this iteration (nothing done), else True.
         """
         index = param if isinstance(param, int) else self.index_of(param)
         if not self._active:
             self.reset()
         if self._ready[index]:
-            return
+            return False
         self._in_window[index] = 1
         self.arrival_order.append(index)
         if self.record_arrival_times:
             self.arrival_times.append(time.perf_counter())
         self._make_ready(index)
         self._poll_done()
+        return True
 
     def mark_unused(self, index: int) -> None:
         """Mark parameter ``index`` ready although backward will not produce its gradient.
@@ -463,10 +467,6 @@ class GradientBucketManager:
                 observer.ready(b)
             if b == self._next_launch:
                 self._launch_in_order()
-
-    def is_ready(self, index: int) -> bool:
-        """True if parameter ``index``'s gradient is final in this iteration (taken into its bucket)."""
-        return bool(self._ready[index])
 
     def launch_zeros(self) -> None:
         """Start an iteration in which this rank contributes zeros: zero every bucket, launch all in order.

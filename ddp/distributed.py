@@ -605,10 +605,8 @@ class DistributedDataParallel(nn.Module):
         elif self._static is not None:
             if not self._static.on_grad(index, self._manager):
                 self._repeated_gradient(index)
-        elif self._manager.is_ready(index):
+        elif not self._manager.register_grad_ready(index):
             self._repeated_gradient(index)
-        else:
-            self._manager.register_grad_ready(index)
         self._hook_s += time.perf_counter() - start
 
     def _on_backward_start(self) -> None:
