@@ -41,7 +41,7 @@ import torch
 
 from backends import _mpi_device
 from backends._cuda_staging import Chunk
-from backends._mpi_cuda import CUDA_AWARE_ENV_VAR, parse_cuda_aware
+from backends._mpi_cuda import cuda_aware_override
 from backends._mpi_progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
@@ -166,7 +166,7 @@ class MPIConfig:
         return cls(
             progress=read_env_var("COMMLIB_MPI_PROGRESS", _progress_mode, "thread", environ),
             progress_interval_us=read_env_var("COMMLIB_MPI_PROGRESS_US", _non_negative, 200.0, environ),
-            cuda_aware=read_env_var(CUDA_AWARE_ENV_VAR, parse_cuda_aware, None, environ),
+            cuda_aware=cuda_aware_override(environ),
         )
 
 
