@@ -52,6 +52,7 @@ from backends._admission import (
     token_mismatch_advice,
 )
 from backends._jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
+from backends._store_rendezvous import connect_store
 from backends._wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
 from commlib.errors import CommError, RendezvousError, RendezvousTimeoutError, error_prefix
@@ -189,8 +190,6 @@ def _exchange_through_store(
     import datetime
     import json
 
-    from torch.distributed import TCPStore
-
     env, prefix = ctx.env, ctx.prefix
 
     def remaining() -> datetime.timedelta:
@@ -199,12 +198,7 @@ def _exchange_through_store(
     global _store_generation
     _store_generation += 1
     base = f"commlib/ring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
-    try:
-        store = TCPStore(
-            env.master_addr, env.master_port, is_master=False, timeout=remaining(), wait_for_workers=False
-        )
-    except Exception as e:  # noqa: BLE001 - torch raises several types here
-        raise RendezvousTimeoutError(f"{prefix}cannot reach torchrun's store at {ctx.master}: {e}") from e
+    store = connect_store(env, prefix, ctx.timeout, remaining().total_seconds(), "torchrun's store")
     me = Peer(
         env.rank,
         host_id(),

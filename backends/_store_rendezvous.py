@@ -166,16 +166,32 @@ def _open_store(ctx: _Context) -> Any:
 
 
 def _connect(ctx: _Context) -> Any:
-    """A client of the store at ``MASTER_ADDR:MASTER_PORT``, bounded by the deadline.
+    where = "torchrun's store" if ctx.agent_store else "rank 0"
+    return connect_store(ctx.env, ctx.prefix, ctx.timeout, ctx.remaining().total_seconds(), where)
+
+
+def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, where: str) -> Any:
+    """A client of the store at ``MASTER_ADDR:MASTER_PORT``, bounded by ``seconds``.
 
     torch's client retries until its timeout while nothing listens, but once
     connected it waits for the server's greeting without one: a listener that
     is not a store would hold it for ever. So it connects on a helper thread,
     which is left behind (a daemon) if it does not finish in time.
+
+    Args:
+        env: This rank's view of the job.
+        prefix: The ``[rank R/N] backend.op: `` prefix of errors.
+        timeout: The rendezvous timeout, for messages.
+        seconds: How long this connection may take.
+        where: Whose store it is, for messages (``"rank 0"``, ``"torchrun's store"``).
+
+    Raises:
+        RendezvousTimeoutError: Nothing answered as a store in time.
+        RendezvousError: The connection failed otherwise.
     """
     from torch.distributed import TCPStore
 
-    env, seconds = ctx.env, ctx.remaining().total_seconds()
+    master = f"{env.master_addr}:{env.master_port}"
     result: dict[str, Any] = {}
 
     def attempt() -> None:
@@ -196,21 +212,23 @@ def _connect(ctx: _Context) -> Any:
     helper.join(seconds + _CONNECT_GRACE_S)
     if "store" in result:
         return result["store"]
-    where = "torchrun's store" if ctx.agent_store else "rank 0"
     if helper.is_alive():
         raise RendezvousTimeoutError(
-            f"{ctx.prefix}something accepted the connection at {ctx.master} but never answered as "
-            f"{where}'s store within {ctx.timeout:.1f} s: another program holds MASTER_PORT. Set "
+            f"{prefix}something accepted the connection at {master} but never answered as "
+            f"{where}'s store within {timeout:.1f} s: another program holds MASTER_PORT. Set "
             "MASTER_PORT to a port of this job's own"
         )
     error = result.get("error")
     text = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else "?"
     if "timed out" in text.lower() or isinstance(error, TimeoutError):
         raise RendezvousTimeoutError(
-            f"{ctx.prefix}cannot reach {where} at {ctx.master} after {ctx.timeout:.1f} s. Is rank 0 running, "
-            f"and are MASTER_ADDR/MASTER_PORT ({ctx.master}) the same on every rank? ({text})"
+            f"{prefix}cannot reach {where} at {master} after {timeout:.1f} s. Is rank 0 running, "
+            f"and are MASTER_ADDR/MASTER_PORT ({master}) the same on every rank? ({text})"
         ) from error
-    raise RendezvousError(f"{ctx.prefix}cannot reach {where} at {ctx.master}: {text}") from error
+    raise RendezvousError(
+        f"{prefix}cannot reach {where} at {master}: {text}. Is rank 0 running, and are "
+        f"MASTER_ADDR/MASTER_PORT ({master}) the same on every rank?"
+    ) from error
 
 
 def _get(store: Any, key: str, wait: datetime.timedelta) -> bytes:
