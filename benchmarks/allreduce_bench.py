@@ -517,9 +517,10 @@ class CopyTimer:
     """Times the staging pipeline's copies with CUDA events (``TorchCudaOps`` plus timing events).
 
     Installed as the process's staging ops before any group stages, so every
-    ``backends._cuda_staging`` pipeline of this process (mpi, and the ring where
-    it stages through the pipeline) copies through it; it records only between
-    ``begin()`` and ``end()``, so the timed blocks pay nothing.
+    ``backends._cuda_staging`` pipeline of this process copies through it: the mpi
+    backend's. The ring stages CUDA tensors with plain host copies, outside the
+    pipeline, so its rows have no copy time. It records only between ``begin()``
+    and ``end()``, so the timed blocks pay nothing.
     """
 
     def __init__(self) -> None:
