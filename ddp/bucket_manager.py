@@ -17,7 +17,7 @@ from ddp.bucket import GradientBucket
 from ddp.bucket_sync import BucketSync, CommHook, PendingSync
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
-from ddp.errors import BucketOrderError
+from ddp.errors import BucketOrderError, with_context
 from ddp.nonfinite import NonFiniteCheck
 from ddp.shard_sync import ReduceScatterBuckets
 from ddp.stats import StepRecorder
@@ -599,7 +599,7 @@ class GradientBucketManager:
             try:
                 sync.finish(bucket, pending, max(deadline - time.perf_counter(), 0.001))
             except CommError as e:
-                raise _with_context(
+                raise with_context(
                     e,
                     f"{self._prefix('finish_grad_sync')}waiting for bucket {b} of {self._next_launch} "
                     "launched "
@@ -632,10 +632,3 @@ class GradientBucketManager:
     def _prefix(self, op: str) -> str:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", op)
 
-
-def _with_context(error: CommError, context: str) -> CommError:
-    """Return an error of the same kind as ``error``, its message prefixed by ``context``."""
-    try:
-        return type(error)(f"{context}: {error}")
-    except TypeError:
-        return CommError(f"{context}: {error}")

@@ -134,3 +134,11 @@ class StateNotConsolidatedError(CommError):
 
 class UnsupportedCollectiveError(CommError, ValueError):
     """The process group cannot run a collective the settings need (found at construction, before any)."""
+
+
+def with_context(error: CommError, context: str) -> CommError:
+    """Return an error of the same kind as ``error``, its message prefixed by ``context``."""
+    try:
+        return type(error)(f"{context}: {error}")
+    except TypeError:
+        return CommError(f"{context}: {error}")

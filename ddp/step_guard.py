@@ -58,7 +58,7 @@ from commlib.process_group import IProcessGroup
 from commlib.types import dtype_name
 from commlib.work import Work
 from ddp.devices import control_buffer, control_tensor, to_host
-from ddp.errors import ParametersChangedError, RanksOutOfStepError
+from ddp.errors import ParametersChangedError, RanksOutOfStepError, with_context
 
 __all__ = ["JOINED", "PARAMETERS_CHANGED", "ROW", "ParameterChange", "StepGuard"]
 
@@ -271,7 +271,7 @@ class StepGuard:
             try:
                 work.wait(timeout if timeout is not None else self._group.timeout)
             except CommError as e:
-                raise _with_context(
+                raise with_context(
                     e,
                     f"{self._prefix('backward')}waiting for the {work.context}, the collective every rank "
                     "launches before its first bucket: some rank did not reach this backward",
@@ -368,10 +368,3 @@ def _decode(code: int, kind: int, index: int) -> str:
     device = _DEVICE_TYPES[kind] if 0 <= kind < len(_DEVICE_TYPES) else "another device"
     return f"{dtype} on {device}{'' if index < 0 else f':{index}'}"
 
-
-def _with_context(error: CommError, context: str) -> CommError:
-    """An error of the same kind as ``error``, its message prefixed by ``context``."""
-    try:
-        return type(error)(f"{context}: {error}")
-    except TypeError:
-        return CommError(f"{context}: {error}")
