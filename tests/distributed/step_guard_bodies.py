@@ -8,6 +8,7 @@ mpiexec (``tests/distributed/test_step_guard.py``). A body returns plain values
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -72,6 +73,9 @@ def case_out_of_step(group: IProcessGroup) -> dict[str, Any]:
     }
 
 
+_CONVERSION_FLAG_LOCK = threading.Lock()
+
+
 def _changed(group: IProcessGroup, changed_ranks: tuple[int, ...], overwrite: bool = False) -> dict[str, Any]:
     """One good step; then ``model.double()`` on ``changed_ranks``; then a second step."""
     rank, world = group.rank, group.world_size
@@ -81,12 +85,15 @@ def _changed(group: IProcessGroup, changed_ranks: tuple[int, ...], overwrite: bo
     first = [p.grad.clone() for p in ddp.parameters()]
     dtype = torch.float32
     if rank in changed_ranks:
-        previous = torch.__future__.get_overwrite_module_params_on_conversion()
-        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
-        try:
-            ddp.double()
-        finally:
-            torch.__future__.set_overwrite_module_params_on_conversion(previous)
+        # The flag is global to the process: ranks run as threads must not interleave set and
+        # restore, or one restores another's value and the flag leaks into later tests.
+        with _CONVERSION_FLAG_LOCK:
+            previous = torch.__future__.get_overwrite_module_params_on_conversion()
+            torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+            try:
+                ddp.double()
+            finally:
+                torch.__future__.set_overwrite_module_params_on_conversion(previous)
         dtype = torch.float64
     x, y = batch(1, world, rank)
     where = "none"
