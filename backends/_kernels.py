@@ -1,4 +1,4 @@
-"""Copies and reductions for the ring's data path that never start an OpenMP team.
+"""Copies and reductions for communication threads (the ring's, Gloo's) that never start an OpenMP team.
 
 torch runs an elementwise op over more than ``at::internal::GRAIN_SIZE`` (32768)
 elements on its intra-op thread pool (``torch.get_num_threads()`` threads).

@@ -714,14 +714,25 @@ class RingProcessGroup(IProcessGroup):
         meta = self._next_meta("reduce_scatter", output, op)
         describe = self._label("reduce_scatter", output)
 
+        in_place = (
+            flat_input is not None
+            and flat_input.device.type == "cpu"
+            and self._is_rank_block(output, flat_input)
+        )
+
         def body() -> None:
-            work = torch.empty(n * output.numel(), dtype=output.dtype)
+            if in_place:  # reduce in the caller's buffer, lending it when it is shared
+                assert flat_input is not None
+                work, lent = flat_input, self._lendable(flat_input)
+            else:
+                work, lent = torch.empty(n * output.numel(), dtype=output.dtype), None
+                for block, source in zip(_segments(work, n), inputs, strict=True):
+                    if source.device.type == "cpu":
+                        _kernels.copy(block, source)
+                    else:
+                        block.copy_(source)
             blocks = _segments(work, n)
-            for block, source in zip(blocks, inputs, strict=True):
-                if source.device.type == "cpu":
-                    _kernels.copy(block, source)
-                else:
-                    block.copy_(source)
+            mine = blocks[r]
             if n > 1 and self._is_small(work):
                 payloads = self._check_meta(meta, work)
                 combine = _kernels.combine(op, work.dtype)
@@ -730,22 +741,45 @@ class RingProcessGroup(IProcessGroup):
                 for source in range(2, n):
                     combine(mine, mine, _segments(payloads[source], n)[r])
             elif n > 1:
-                self._check_meta(meta)
-                reduce = _kernels.reducer(op, work.dtype)
-                for s in range(n - 1):
-                    self._exchange(blocks[(r - s - 1) % n], blocks[(r - s - 2) % n], reduce)
-                self._flush()
-                mine = blocks[r]
-            else:
-                mine = blocks[r]
+                self._ring_reduce_scatter(blocks, op, meta, lent)
             if op is ReduceOp.AVG and n > 1:
                 _kernels.divide(mine, n)
+            if mine.data_ptr() == output.data_ptr():
+                return
             if output.device.type == "cpu":
                 _kernels.copy(output, mine)
             else:
                 output.copy_(mine)
 
         return self._submit(describe, body, async_op, (output, inputs))
+
+    def _ring_reduce_scatter(
+        self, blocks: list[torch.Tensor], op: ReduceOp, meta: _Meta, lent: Span | None
+    ) -> None:
+        """Reduce-scatter ``blocks`` (one per rank) in place: block ``rank`` ends up reduced.
+
+        Step ``s`` sends block ``rank - s - 1`` and adds the left neighbour's
+        partial sum into block ``rank - s - 2``: a block is written only before
+        it is sent, so with ``lent`` the neighbour may read it in place.
+        """
+        n, r = self.world_size, self.rank
+        reduce = _kernels.reducer(op, blocks[0].dtype)
+        carried = 0
+        first = blocks[(r - 1) % n][: max(1, self._chunk_bytes // blocks[0].element_size())]
+        if n == 2 and first.numel():  # as in the all-reduce: the record carries the first chunk
+            lend_first = (lent.region, lent.offset(first)) if lent is not None else None
+            self._check_meta(meta, first, hold_last=True, lent=lend_first)
+            carried = first.numel()
+        else:
+            self._check_meta(meta)
+        for s in range(n - 1):
+            self._exchange(
+                blocks[(r - s - 1) % n], blocks[(r - s - 2) % n], reduce, lent, sent=carried if s == 0 else 0
+            )
+        self._flush()
+        if lent is not None:  # done only when nobody reads this rank's buffer any more
+            assert self._send is not None
+            self._send.wait_returned()
 
     def _barrier(self, async_op: bool) -> Work:
         meta = self._next_meta("barrier", None)

@@ -345,7 +345,11 @@ class IProcessGroup(abc.ABC):
             output: Contiguous tensor receiving this rank's block of the result.
             input: A list of ``world_size`` tensors of ``output.numel()`` elements,
                 or one tensor of ``world_size * output.numel()`` elements. It is
-                not modified.
+                not modified, except in the in-place form: when ``output`` is
+                block ``rank`` of the one ``input`` tensor (as NCCL's in-place
+                reduce-scatter and Megatron's distributed optimizer use it), the
+                result lands there and the other blocks of ``input`` are left
+                undefined, free for the backend to reduce in.
             op: How to combine the ranks' blocks.
             async_op: Return a ``Work`` handle instead of waiting.
 
@@ -658,6 +662,18 @@ class IProcessGroup(abc.ABC):
                 )
             views.append(item.detach().view(-1))
         return None, views
+
+    def _is_rank_block(self, output: torch.Tensor, flat_input: torch.Tensor | None) -> bool:
+        """True if ``output`` is block ``rank`` of ``flat_input``: ``reduce_scatter``'s in-place form."""
+        if flat_input is None or output.numel() == 0:
+            return False
+        start = self.rank * output.numel()
+        return (
+            output.device == flat_input.device
+            and output.untyped_storage().data_ptr() == flat_input.untyped_storage().data_ptr()
+            and output.data_ptr() == flat_input[start:].data_ptr()
+            and output.is_contiguous()
+        )
 
     def _check_same_kind(self, op: str, tensor: torch.Tensor, arg: str, like: torch.Tensor) -> None:
         if tensor.dtype != like.dtype or tensor.device != like.device:

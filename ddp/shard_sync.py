@@ -87,11 +87,13 @@ def wire_bytes(world_size: int, bytes_sent: int, reduce_scattered: int) -> int:
 
 
 class ReduceScatterBuckets:
-    """Reduce-scatters buckets and lands each rank's block in its slice of the bucket.
+    """Reduce-scatters buckets in place: each rank's reduced block lands in its shard of the bucket.
 
-    The output of each bucket's reduce-scatter is a buffer of its own (one shard,
-    allocated once by the group), copied into ``grad_data`` once the collective
-    has finished: not every backend allows the output to alias the input.
+    The collective's output is this rank's block of the buffer it reduces
+    (``reduce_scatter``'s in-place form), so nothing is copied back, and a
+    backend may reduce in the rest of the buffer: the gradients outside the
+    shard are undefined afterwards. With ``grad_reduce_dtype`` the shard is
+    cast back into ``grad_data``.
 
     Args:
         group: The group to reduce over.
@@ -99,7 +101,6 @@ class ReduceScatterBuckets:
 
     def __init__(self, group: IProcessGroup) -> None:
         self.group = group
-        self._outputs: dict[int, torch.Tensor] = {}  # by bucket index, reused across steps
 
     def shard_numel(self, bucket: GradientBucket) -> int:
         """Elements of one rank's shard of ``bucket`` (its padded buffer over ``world_size``)."""
@@ -110,23 +111,9 @@ class ReduceScatterBuckets:
         n = self.shard_numel(bucket)
         return slice(self.group.rank * n, (self.group.rank + 1) * n)
 
-    def _output(self, bucket: GradientBucket) -> torch.Tensor:
-        n = self.shard_numel(bucket)
-        out = self._outputs.get(bucket.index())
-        if (
-            out is None
-            or out.numel() != n
-            or out.dtype != bucket.comm_dtype
-            or out.device != bucket.comm_device
-        ):
-            out = self._outputs[bucket.index()] = self.group.alloc_buffer(
-                n, bucket.comm_dtype, bucket.comm_device
-            )
-        return out
-
     def launch(self, bucket: GradientBucket, data: torch.Tensor, op: ReduceOp) -> Work:
-        """Start the reduce-scatter of ``data`` (the bucket's padded flat buffer)."""
-        work = self.group.reduce_scatter(self._output(bucket), data, op, async_op=True)
+        """Start the reduce-scatter of ``data`` (the bucket's padded flat buffer) into its shard."""
+        work = self.group.reduce_scatter(data[self.shard_of(bucket)], data, op, async_op=True)
         assert work is not None  # async_op=True always returns a handle
         return work
 
@@ -139,9 +126,9 @@ class ReduceScatterBuckets:
         """
         works = []
         for bucket in buckets:
-            out = self._outputs.get(bucket.index())
-            if bucket.numel and out is not None:
-                works.append(self.group.all_gather(bucket.comm_data, out, async_op=True))
+            if bucket.numel:
+                data = bucket.comm_data
+                works.append(self.group.all_gather(data, data[self.shard_of(bucket)], async_op=True))
         for work in works:
             assert work is not None
             work.wait()
@@ -150,8 +137,10 @@ class ReduceScatterBuckets:
                 bucket.grad_data.copy_(bucket.comm_data)
 
     def land(self, bucket: GradientBucket) -> None:
-        """Copy this rank's reduced block into its shard of ``grad_data`` (casting back if staged)."""
-        bucket.grad_data[self.shard_of(bucket)].copy_(self._outputs[bucket.index()])
+        """Cast this rank's reduced block back into ``grad_data`` if the bucket reduces a copy."""
+        if bucket.staged:
+            shard = self.shard_of(bucket)
+            bucket.grad_data[shard].copy_(bucket.comm_data[shard])
 
 
 class ParamGathers:

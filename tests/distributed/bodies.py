@@ -121,6 +121,23 @@ def body_reduce_scatter(
                 what = f"reduce_scatter {op.name} {dtype_name} numel={numel} list={as_list} world={n}"
                 assert_close_to_reference(output.cpu(), expected, tol, what)
                 assert torch.equal(source.cpu(), inputs[r]), f"{what}: the input was modified"
+            for shared in (False, True):  # the in-place form, in ordinary and in the group's own memory
+                what = (
+                    f"in-place reduce_scatter {op.name} {dtype_name} numel={numel} world={n} shared={shared}"
+                )
+                size = n * numel + 2
+                base = (
+                    group.alloc_buffer(size, dtype, device)
+                    if shared
+                    else torch.empty(size, dtype=dtype, device=device)
+                )
+                base.fill_(11)  # a guard element either side of the input
+                flat = base[1:-1]
+                flat.copy_(inputs[r])
+                output = flat[r * numel : (r + 1) * numel]
+                group.reduce_scatter(output, flat, op)
+                assert_close_to_reference(output.cpu(), expected, tol, what)
+                assert base[0].item() == 11 and base[-1].item() == 11, f"{what}: wrote outside the input"
     return []
 
 
