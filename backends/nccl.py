@@ -411,6 +411,8 @@ class TorchDistProcessGroup(IProcessGroup):
         async_op: bool,
     ) -> Work:
         label = self._label("all_gather", tensor)
+        if flat_output is not None and self._pairwise(tensor):
+            return self._exchange_all_gather(flat_output, tensor, label)
         if flat_output is not None:
             call = lambda: _all_gather_single(flat_output, tensor, group=self._pg, async_op=True)  # noqa: E731
         else:
@@ -449,6 +451,32 @@ class TorchDistProcessGroup(IProcessGroup):
             else None,
         )
 
+    def _pairwise(self, tensor: torch.Tensor) -> bool:
+        """Two ranks on Gloo: a block-moving collective is one exchange, run as an all-to-all."""
+        return self.world_size == 2 and tensor.numel() > 0 and self._devices.get(tensor.device.type) == "gloo"
+
+    def _exchange(self, received: torch.Tensor, sent: torch.Tensor) -> Any:
+        """Start the two-rank exchange: ``sent`` goes to the other rank, whose block lands in ``received``."""
+        splits = [0, 0]
+        splits[1 - self.rank] = sent.numel()
+        return dist.all_to_all_single(
+            received, sent, output_split_sizes=splits, input_split_sizes=splits, group=self._pg, async_op=True
+        )
+
+    def _exchange_all_gather(
+        self, flat_output: torch.Tensor, tensor: torch.Tensor, label: CollectiveLabel
+    ) -> Work:
+        """Gloo, two ranks: each sends its block to the other, straight into place.
+
+        Gloo's all-gather took 14 ms for 25 MiB on two ranks, this 7 ms.
+        """
+        b = tensor.numel()
+        mine = flat_output[self.rank * b : (self.rank + 1) * b]
+        if mine.data_ptr() != tensor.data_ptr():
+            mine.copy_(tensor.view(-1))
+        theirs = flat_output[(1 - self.rank) * b : (2 - self.rank) * b]
+        return self._issue(label, tensor, lambda: self._exchange(theirs, mine), (flat_output, tensor))
+
     def _reduce_scatter_by_all_to_all(
         self,
         output: torch.Tensor,
@@ -461,12 +489,21 @@ class TorchDistProcessGroup(IProcessGroup):
 
         Gloo's own reduce-scatter is an all-reduce inside; this moves each byte
         once, (n-1)/n of the input per rank, and took 13 ms against Gloo's 28 ms
-        (and 19 ms for its all-reduce) for 25 MiB on two ranks. The blocks are
-        reduced in rank order, on Gloo's thread as soon as they have arrived.
+        (and 19 ms for its all-reduce) for 25 MiB on two ranks. Two ranks
+        exchange just the block the other reduces. The blocks are reduced in
+        rank order, on Gloo's thread as soon as they have arrived.
         """
+        n, r = self.world_size, self.rank
         source = flat_input if flat_input is not None else torch.cat(inputs)
-        received = self._scratch.take(source.numel(), source.dtype)
-        blocks = received.chunk(self.world_size)
+        if self._pairwise(output):
+            b = output.numel()
+            received = self._scratch.take(b, source.dtype)
+            blocks = [source[:b], received] if r == 0 else [received, source[b:]]
+            start: Callable[[], Any] = lambda: self._exchange(received, source[(1 - r) * b : (2 - r) * b])  # noqa: E731
+        else:
+            received = self._scratch.take(source.numel(), source.dtype)
+            blocks = list(received.chunk(n))
+            start = lambda: dist.all_to_all_single(received, source, group=self._pg, async_op=True)  # noqa: E731
         combine = _kernels.combine(op, output.dtype)
 
         def reduce_blocks() -> None:
@@ -483,7 +520,7 @@ class TorchDistProcessGroup(IProcessGroup):
         work = self._issue(
             label,
             output,
-            lambda: dist.all_to_all_single(received, source, group=self._pg, async_op=True),
+            start,
             (output, source, received),
             finish=reduce_blocks,
             upcast_retry=(lambda: self._reduce_scatter_upcast(output, flat_input, inputs, op, label))
