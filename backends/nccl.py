@@ -20,6 +20,11 @@ size, on the result (the same on every torch version, whether or not its Gloo
 knows AVG). Low-precision floats that a Gloo build cannot reduce are upcast to
 float32 for the collective and rounded back once (``COMMLIB_GLOO_UPCAST`` forces
 this per dtype).
+
+Gloo's own reduce-scatter is an all-reduce of the whole input; here it is an
+all-to-all of the blocks and a reduction of the received ones on Gloo's
+thread. On two ranks, all-gather and reduce-scatter are one exchange of blocks
+straight into place.
 """
 
 from __future__ import annotations
