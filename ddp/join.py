@@ -220,7 +220,10 @@ class Join:
         if self._enable:
             for hook in self._hooks:
                 if hook.ddp._join is not None:  # noqa: SLF001
-                    raise RuntimeError("Join: this model is already inside a Join context")
+                    raise RuntimeError(
+                        f"{hook.ddp._prefix('join')}this model is already inside a Join context; "  # noqa: SLF001
+                        "nest no Join over the same model (one Join may hold several models)"
+                    )
                 hook.ddp._join = _JoinState(self._throw, hook.divide_by_initial_world_size)  # noqa: SLF001
         return self
 

@@ -85,6 +85,20 @@ def test_join_rejects_other_joinables():
         Join([nn.Linear(2, 2)])
 
 
+def test_nested_join_over_the_same_model_is_refused_before_communicating():
+    def body(group):
+        ddp = DistributedDataParallel(nn.Linear(2, 1), group)
+        with Join([ddp]):
+            before = len(group.issued)
+            with pytest.raises(RuntimeError, match=r"rank \d/2.*already inside a Join") as caught:
+                Join([ddp]).__enter__()
+            issued = len(group.issued) - before
+        return str(caught.value), issued
+
+    for message, issued in run_threads(body, 2):
+        assert "one Join may hold several models" in message and issued == 0
+
+
 def test_join_disabled_does_nothing():
     def body(group):
         ddp = DistributedDataParallel(nn.Linear(2, 1), group)
