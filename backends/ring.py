@@ -21,23 +21,31 @@ the whole of ``barrier()``.
 order issued (like a CUDA stream); a synchronous call runs on the caller's
 thread when nothing is queued, and after the queued work otherwise.
 
-CUDA tensors are staged through host memory (copied to the CPU, reduced,
-copied back).
+CUDA tensors are staged through pinned host memory, chunk by chunk
+(``backends._cuda_staging``): every device-to-host copy is queued on a side
+stream when the collective is issued, the ring waits for a chunk's copy only
+just before it sends or reduces that chunk (the segments it sends first are
+copied first), and each part of the result is copied back to the device as
+soon as it is final (a rank's own reduced segment, then every segment the
+all-gather brings), so the copies overlap the ring's sends. The caller's stream
+waits for the copies back; the host never waits for the caller's stream.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 import torch
 
-from backends import _kernels
+from backends import _cuda_staging, _kernels
+from backends._cuda_staging import StagingPipeline
 from backends._kernels import Reducer
 from backends._link_setup import connect_links
 from backends._links import META_BYTES, RecvLink, SendLink
@@ -232,6 +240,55 @@ def _segments(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     n = flat.numel()
     bounds = [n * i // parts for i in range(parts + 1)]
     return [flat[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+# ------------------------------------------------------------- host staging
+View = Callable[[torch.Tensor], None]
+"""Called with a view of a staged host tensor (wait for it, or publish it)."""
+
+
+def _staging_pipeline(
+    tensor: torch.Tensor,
+    describe: str,
+    *,
+    timeout_s: float,
+    copy_in: bool = True,
+    copy_out: bool = True,
+    fetch_first: Iterable[tuple[int, int]] = (),
+) -> StagingPipeline:
+    """Return a pipeline that stages CUDA ``tensor`` through the process's pinned host buffers.
+
+    The ring makes every pipeline here, on the thread that issues the
+    collective (``backends._cuda_staging.stage`` with the default sizes: 4 MiB
+    chunks, a process-wide pool); tests replace this function to stage through
+    emulated CUDA calls.
+    """
+    return _cuda_staging.stage(
+        tensor,
+        describe,
+        timeout_s=timeout_s,
+        copy_in=copy_in,
+        copy_out=copy_out,
+        fetch_first=fetch_first,
+    )
+
+
+def _waiter(pipeline: StagingPipeline) -> View:
+    """Return ``wait(view)``: block until ``view`` of the pipeline's host tensor holds the device's data."""
+
+    def wait(view: torch.Tensor) -> None:
+        pipeline.wait_host(*pipeline.element_range(view))
+
+    return wait
+
+
+def _publisher(pipeline: StagingPipeline) -> View:
+    """Return ``publish(view)``: ``view`` of the host tensor is final; its complete chunks go back at once."""
+
+    def publish(view: torch.Tensor) -> None:
+        pipeline.publish(*pipeline.element_range(view))
+
+    return publish
 
 
 # --------------------------------------------------------------- the group
@@ -536,12 +593,18 @@ class RingProcessGroup(IProcessGroup):
         reduce: Reducer | None,
         lent: Span | None = None,
         sent: int = 0,
+        *,
+        ready: View | None = None,
+        done: View | None = None,
     ) -> None:
         """One ring step: stream ``outgoing`` to the right while ``incoming`` arrives from the left.
 
         With ``lent`` (``outgoing`` lies in a shared buffer), the right
         neighbour reads ``outgoing`` in place instead of receiving a copy. The
         first ``sent`` elements (one chunk) already went with the metadata record.
+        Staged tensors pass ``ready``, called with each chunk of this rank's data
+        before it is read (a chunk sent, or one the neighbour's is reduced into),
+        and ``done``, called with each incoming chunk once it has arrived.
         """
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
@@ -550,19 +613,67 @@ class RingProcessGroup(IProcessGroup):
         for start in range(0, max(n_out, n_in), step):
             if sent <= start < n_out:
                 chunk = outgoing[start : start + step]
+                if ready is not None:
+                    ready(chunk)
                 if lent is None:
                     send.send(chunk)
                 else:
                     send.lend(chunk, lent.region, lent.offset(chunk))
             if start < n_in:
+                chunk = incoming[start : start + step]
                 if reduce is None:
-                    recv.recv_into(incoming[start : start + step])
+                    recv.recv_into(chunk)
                 else:
-                    recv.recv_reduce(incoming[start : start + step], reduce)
+                    if ready is not None:
+                        ready(chunk)
+                    recv.recv_reduce(chunk, reduce)
+                if done is not None:
+                    done(chunk)
 
     def _flush(self) -> None:
         if self._send is not None:
             self._send.flush()
+
+    # --------------------------------------------------------------- staging
+    def _stage(
+        self,
+        tensor: torch.Tensor,
+        *,
+        copy_in: bool = True,
+        copy_out: bool = True,
+        fetch_first: Iterable[tuple[int, int]] = (),
+    ) -> StagingPipeline:
+        """Return the staging pipeline of CUDA ``tensor`` for the collective being issued.
+
+        Call it on the issuing thread. Every host wait for a copy is bounded by the group's timeout.
+        """
+        return _staging_pipeline(
+            tensor,
+            "host staging",
+            timeout_s=self.timeout,
+            copy_in=copy_in,
+            copy_out=copy_out,
+            fetch_first=fetch_first,
+        )
+
+    def _fetch_first(self, tensor: torch.Tensor, order: list[int]) -> list[tuple[int, int]]:
+        """Return element ranges of ``tensor`` in the order the ring's reduce-scatter first reads them.
+
+        ``order`` lists the segments (one per rank) in the order the
+        reduce-scatter reads them. Its first step sends ``order[0]`` while it
+        reduces into ``order[1]``, chunk by chunk, so the chunks of those two
+        alternate; the other segments follow whole. Copied to the host in this
+        order, the first step can start as soon as one chunk of each is there.
+        """
+        numel, n = tensor.numel(), self.world_size
+        bounds = [(numel * i // n, numel * (i + 1) // n) for i in order]
+        step = max(1, self._chunk_bytes // tensor.element_size())
+        (a, a_end), (b, b_end) = bounds[0], bounds[1]
+        ranges: list[tuple[int, int]] = []
+        for offset in range(0, max(a_end - a, b_end - b), step):
+            ranges.append((a + offset, min(a + offset + step, a_end)))
+            ranges.append((b + offset, min(b + offset + step, b_end)))
+        return ranges + bounds[2:]
 
     # ------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
@@ -570,21 +681,34 @@ class RingProcessGroup(IProcessGroup):
         describe = self._label("all_reduce", tensor)
         if self.world_size == 1:
             return CompletedWork(label=describe)
+        if tensor.device.type == "cpu":
 
-        def body() -> None:
-            if tensor.device.type == "cpu":
+            def body() -> None:
                 self._all_reduce_host(tensor.view(-1), op, meta)
-            else:
-                with _staged(tensor) as host:
-                    self._all_reduce_host(host.view(-1), op, meta)
+
+        else:
+            n, r = self.world_size, self.rank
+            first = (
+                () if self._is_small(tensor) else self._fetch_first(tensor, [(r - s) % n for s in range(n)])
+            )
+            pipeline = self._stage(tensor, fetch_first=first)
+
+            def body() -> None:
+                with pipeline as host:
+                    self._all_reduce_host(host.view(-1), op, meta, pipeline)
 
         return self._submit(describe, body, async_op, tensor)
 
-    def _all_reduce_host(self, flat: torch.Tensor, op: ReduceOp, meta: _Meta) -> None:
+    def _all_reduce_host(
+        self, flat: torch.Tensor, op: ReduceOp, meta: _Meta, staged: StagingPipeline | None = None
+    ) -> None:
+        """All-reduce host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
         if self._is_small(flat):
+            if staged is not None:
+                staged.wait_host()
             self._small_all_reduce(meta, flat, op)
         else:
-            self._ring_all_reduce(flat, op, meta)
+            self._ring_all_reduce(flat, op, meta, staged)
 
     def _small_all_reduce(self, meta: _Meta, flat: torch.Tensor, op: ReduceOp) -> None:
         """Every rank's tensor travels with the records; each rank reduces them in rank order."""
@@ -607,16 +731,28 @@ class RingProcessGroup(IProcessGroup):
         if op is ReduceOp.AVG:
             _kernels.divide(flat, n)
 
-    def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, meta: _Meta) -> None:
+    def _ring_all_reduce(
+        self, flat: torch.Tensor, op: ReduceOp, meta: _Meta, staged: StagingPipeline | None = None
+    ) -> None:
+        """Reduce-scatter, then all-gather, around the ring.
+
+        With ``staged`` (``flat`` is its host tensor), each chunk is waited for
+        before the reduce-scatter reads it, and each segment is published as
+        soon as it is final: this rank's own once reduced (and averaged), the
+        others chunk by chunk as the all-gather brings them.
+        """
         n, r = self.world_size, self.rank
         segs = _segments(flat, n)
         reduce = _kernels.reducer(op, flat.dtype)
         lent = self._lendable(flat)
+        ready, done = (_waiter(staged), _publisher(staged)) if staged is not None else (None, None)
         first = segs[r][: max(1, self._chunk_bytes // flat.element_size())]
         carried = 0
         if n == 2 and first.numel():
             # The record carries the first chunk of the reduce-scatter: the neighbour has checked
             # the records (two ranks: one hop) before it reads the chunk, and one message is saved.
+            if ready is not None:
+                ready(first)
             lend_first = (lent.region, lent.offset(first)) if lent is not None else None
             self._check_meta(meta, first, hold_last=True, lent=lend_first)
             carried = first.numel()
@@ -624,16 +760,23 @@ class RingProcessGroup(IProcessGroup):
             self._check_meta(meta)
         for s in range(n - 1):
             self._exchange(
-                segs[(r - s) % n], segs[(r - s - 1) % n], reduce, lent, sent=carried if s == 0 else 0
+                segs[(r - s) % n],
+                segs[(r - s - 1) % n],
+                reduce,
+                lent,
+                sent=carried if s == 0 else 0,
+                ready=ready,
             )
         if op is ReduceOp.AVG:
             _kernels.divide(segs[(r + 1) % n], n)
+        if done is not None:
+            done(segs[(r + 1) % n])
         self._flush()
         # With a lent buffer, the right neighbour reads segment (r - t) of it in reduce-scatter step t;
         # the all-gather overwrites that segment in its step t, but only with the segment's final
         # value, which exists only after the neighbour has read and passed it on: no wait is needed.
         for t in range(n - 1):
-            self._exchange(segs[(r + 1 - t) % n], segs[(r - t) % n], None, lent)
+            self._exchange(segs[(r + 1 - t) % n], segs[(r - t) % n], None, lent, done=done)
         self._flush()
         if lent is not None:  # done only when nobody reads this rank's buffer any more
             assert self._send is not None
@@ -644,21 +787,46 @@ class RingProcessGroup(IProcessGroup):
         describe = self._label("broadcast", tensor)
         if self.world_size == 1:
             return CompletedWork(label=describe)
+        if tensor.device.type == "cpu":
 
-        def body() -> None:
-            with _staged(tensor, copy_in=self.rank == src) as host:
-                flat = host.view(-1)
-                if self._is_small(flat):
-                    payloads = self._check_meta(meta, flat if self.rank == src else None)
-                    if self.rank != src:
-                        _kernels.copy(flat, payloads[src])
-                else:
-                    self._check_meta(meta)
-                    self._chain_broadcast(flat, src)
+            def body() -> None:
+                self._broadcast_host(tensor.view(-1), src, meta)
+
+        else:
+            sender = self.rank == src
+            pipeline = self._stage(tensor, copy_in=sender, copy_out=not sender)
+
+            def body() -> None:
+                with pipeline as host:
+                    self._broadcast_host(host.view(-1), src, meta, pipeline)
 
         return self._submit(describe, body, async_op, tensor)
 
-    def _chain_broadcast(self, flat: torch.Tensor, src: int) -> None:
+    def _broadcast_host(
+        self, flat: torch.Tensor, src: int, meta: _Meta, staged: StagingPipeline | None = None
+    ) -> None:
+        """Broadcast host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
+        if self._is_small(flat):
+            if staged is not None and self.rank == src:
+                staged.wait_host()
+            payloads = self._check_meta(meta, flat if self.rank == src else None)
+            if self.rank != src:
+                _kernels.copy(flat, payloads[src])
+        else:
+            self._check_meta(meta)
+            if staged is None:
+                self._chain_broadcast(flat, src)
+            else:
+                self._chain_broadcast(flat, src, ready=_waiter(staged), done=_publisher(staged))
+
+    def _chain_broadcast(
+        self, flat: torch.Tensor, src: int, *, ready: View | None = None, done: View | None = None
+    ) -> None:
+        """Pass ``flat`` down the chain from ``src``, chunk by chunk.
+
+        Staged tensors pass ``ready`` (the source calls it with each chunk before
+        sending it) and ``done`` (the others call it with each chunk received).
+        """
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
         distance = (self.rank - src) % self.world_size
@@ -667,6 +835,10 @@ class RingProcessGroup(IProcessGroup):
             chunk = flat[start : start + step]
             if distance > 0:
                 recv.recv_into(chunk)
+                if done is not None:
+                    done(chunk)
+            elif ready is not None:
+                ready(chunk)
             if distance < self.world_size - 1:
                 send.send(chunk)
         self._flush()
@@ -678,29 +850,59 @@ class RingProcessGroup(IProcessGroup):
         tensor: torch.Tensor,
         async_op: bool,
     ) -> Work:
-        n, r = self.world_size, self.rank
+        n = self.world_size
         meta = self._next_meta("all_gather", tensor)
         describe = self._label("all_gather", tensor)
+        if tensor.device.type == "cpu":
 
-        def body() -> None:
-            with _staged(*outputs, copy_in=False) as host_outputs, _staged(tensor) as host_tensor:
-                blocks = list(host_outputs) if isinstance(host_outputs, tuple) else [host_outputs]
-                if blocks[r].data_ptr() != host_tensor.data_ptr() or blocks[r].numel() == 0:
-                    _kernels.copy(blocks[r].view(-1), host_tensor.view(-1))
-                if n == 1:
-                    return
-                if self._is_small(host_tensor):
-                    payloads = self._check_meta(meta, host_tensor)
-                    for source, block in enumerate(blocks):
-                        if source != r:
-                            _kernels.copy(block.view(-1), payloads[source].view(-1))
-                    return
-                self._check_meta(meta)
-                for s in range(n - 1):
-                    self._exchange(blocks[(r - s) % n], blocks[(r - s - 1) % n], None)
-                self._flush()
+            def body() -> None:
+                self._all_gather_host(outputs, tensor, meta)
+
+        else:
+            # The input is staged through a buffer of its own, even when it lies in the output.
+            staged_in = self._stage(tensor, copy_out=False)
+            staged_out = [
+                self._stage(t, copy_in=False) for t in ([flat_output] if flat_output is not None else outputs)
+            ]
+            owners = staged_out * n if flat_output is not None else staged_out  # the pipeline of each block
+
+            def body() -> None:
+                with contextlib.ExitStack() as stack:
+                    host = stack.enter_context(staged_in).view(-1)
+                    hosts = [stack.enter_context(pipeline).view(-1) for pipeline in staged_out]
+                    blocks = _segments(hosts[0], n) if flat_output is not None else hosts
+                    staged_in.wait_host()
+                    self._all_gather_host(blocks, host, meta, [_publisher(p) for p in owners])
 
         return self._submit(describe, body, async_op, (outputs, tensor))
+
+    def _all_gather_host(
+        self, blocks: list[torch.Tensor], tensor: torch.Tensor, meta: _Meta, done: list[View] | None = None
+    ) -> None:
+        """Gather every rank's ``tensor`` into ``blocks`` (flat host views, one per rank).
+
+        With staged outputs, ``done[k]`` is called with each part of ``blocks[k]`` once it is final.
+        """
+        n, r = self.world_size, self.rank
+        if blocks[r].data_ptr() != tensor.data_ptr() or blocks[r].numel() == 0:
+            _kernels.copy(blocks[r].view(-1), tensor.view(-1))
+        if done is not None:
+            done[r](blocks[r])
+        if n == 1:
+            return
+        if self._is_small(tensor):
+            payloads = self._check_meta(meta, tensor)
+            for source, block in enumerate(blocks):
+                if source != r:
+                    _kernels.copy(block.view(-1), payloads[source].view(-1))
+                    if done is not None:
+                        done[source](block)
+            return
+        self._check_meta(meta)
+        for s in range(n - 1):
+            k = (r - s - 1) % n
+            self._exchange(blocks[(r - s) % n], blocks[k], None, done=done[k] if done is not None else None)
+        self._flush()
 
     def _reduce_scatter(
         self,
@@ -713,6 +915,21 @@ class RingProcessGroup(IProcessGroup):
         n, r = self.world_size, self.rank
         meta = self._next_meta("reduce_scatter", output, op)
         describe = self._label("reduce_scatter", output)
+        if output.device.type != "cpu":
+            # A list's blocks are joined on the device (on the caller's stream, before the copies out).
+            source = flat_input if flat_input is not None else torch.cat(inputs)
+            small = n == 1 or self._is_small(source)
+            first = () if small else self._fetch_first(source, [(r - 1 - s) % n for s in range(n)])
+            staged_in = self._stage(source, copy_out=False, fetch_first=first)
+            staged_out = self._stage(output, copy_in=False)
+
+            def staged_body() -> None:
+                with staged_in as work, staged_out as result:
+                    self._reduce_scatter_host(
+                        work.view(-1), result.view(-1), op, meta, None, _waiter(staged_in)
+                    )
+
+            return self._submit(describe, staged_body, async_op, (output, inputs))
 
         in_place = (
             flat_input is not None
@@ -727,46 +944,68 @@ class RingProcessGroup(IProcessGroup):
             else:
                 work, lent = torch.empty(n * output.numel(), dtype=output.dtype), None
                 for block, source in zip(_segments(work, n), inputs, strict=True):
-                    if source.device.type == "cpu":
-                        _kernels.copy(block, source)
-                    else:
-                        block.copy_(source)
-            blocks = _segments(work, n)
-            mine = blocks[r]
-            if n > 1 and self._is_small(work):
-                payloads = self._check_meta(meta, work)
-                combine = _kernels.combine(op, work.dtype)
-                mine = torch.empty_like(blocks[r])
-                combine(mine, _segments(payloads[0], n)[r], _segments(payloads[1], n)[r])
-                for source in range(2, n):
-                    combine(mine, mine, _segments(payloads[source], n)[r])
-            elif n > 1:
-                self._ring_reduce_scatter(blocks, op, meta, lent)
-            if op is ReduceOp.AVG and n > 1:
-                _kernels.divide(mine, n)
-            if mine.data_ptr() == output.data_ptr():
-                return
-            if output.device.type == "cpu":
-                _kernels.copy(output, mine)
-            else:
-                output.copy_(mine)
+                    _kernels.copy(block, source)
+            self._reduce_scatter_host(work, output, op, meta, lent)
 
         return self._submit(describe, body, async_op, (output, inputs))
 
+    def _reduce_scatter_host(
+        self,
+        work: torch.Tensor,
+        output: torch.Tensor,
+        op: ReduceOp,
+        meta: _Meta,
+        lent: Span | None,
+        ready: View | None = None,
+    ) -> None:
+        """Reduce ``work`` (every rank's blocks, in rank order) and leave block ``rank`` in ``output``.
+
+        ``work`` may be reduced in place. With a staged input, ``ready`` is called
+        with each part of ``work`` before it is read.
+        """
+        n, r = self.world_size, self.rank
+        blocks = _segments(work, n)
+        mine = blocks[r]
+        if n > 1 and self._is_small(work):
+            if ready is not None:
+                ready(work)
+            payloads = self._check_meta(meta, work)
+            combine = _kernels.combine(op, work.dtype)
+            mine = torch.empty_like(blocks[r])
+            combine(mine, _segments(payloads[0], n)[r], _segments(payloads[1], n)[r])
+            for source in range(2, n):
+                combine(mine, mine, _segments(payloads[source], n)[r])
+        elif n > 1:
+            self._ring_reduce_scatter(blocks, op, meta, lent, ready)
+        elif ready is not None:
+            ready(work)
+        if op is ReduceOp.AVG and n > 1:
+            _kernels.divide(mine, n)
+        if mine.data_ptr() != output.data_ptr():
+            _kernels.copy(output, mine)
+
     def _ring_reduce_scatter(
-        self, blocks: list[torch.Tensor], op: ReduceOp, meta: _Meta, lent: Span | None
+        self,
+        blocks: list[torch.Tensor],
+        op: ReduceOp,
+        meta: _Meta,
+        lent: Span | None,
+        ready: View | None = None,
     ) -> None:
         """Reduce-scatter ``blocks`` (one per rank) in place: block ``rank`` ends up reduced.
 
         Step ``s`` sends block ``rank - s - 1`` and adds the left neighbour's
         partial sum into block ``rank - s - 2``: a block is written only before
-        it is sent, so with ``lent`` the neighbour may read it in place.
+        it is sent, so with ``lent`` the neighbour may read it in place. With a
+        staged input, ``ready`` is called with each chunk before it is read.
         """
         n, r = self.world_size, self.rank
         reduce = _kernels.reducer(op, blocks[0].dtype)
         carried = 0
         first = blocks[(r - 1) % n][: max(1, self._chunk_bytes // blocks[0].element_size())]
         if n == 2 and first.numel():  # as in the all-reduce: the record carries the first chunk
+            if ready is not None:
+                ready(first)
             lend_first = (lent.region, lent.offset(first)) if lent is not None else None
             self._check_meta(meta, first, hold_last=True, lent=lend_first)
             carried = first.numel()
@@ -774,7 +1013,12 @@ class RingProcessGroup(IProcessGroup):
             self._check_meta(meta)
         for s in range(n - 1):
             self._exchange(
-                blocks[(r - s - 1) % n], blocks[(r - s - 2) % n], reduce, lent, sent=carried if s == 0 else 0
+                blocks[(r - s - 1) % n],
+                blocks[(r - s - 2) % n],
+                reduce,
+                lent,
+                sent=carried if s == 0 else 0,
+                ready=ready,
             )
         self._flush()
         if lent is not None:  # done only when nobody reads this rank's buffer any more
@@ -800,30 +1044,6 @@ class RingProcessGroup(IProcessGroup):
             for link in links:
                 link.close(linger)
             self._send = self._recv = None
-
-
-class _staged:
-    """Context manager: CUDA tensors are copied to host memory and back; CPU tensors pass through."""
-
-    def __init__(self, *tensors: torch.Tensor, copy_in: bool = True) -> None:
-        self._tensors = tensors
-        self._copy_in = copy_in
-        self._host: tuple[torch.Tensor, ...] = ()
-
-    def __enter__(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        self._host = tuple(
-            t
-            if t.device.type == "cpu"
-            else (t.to("cpu") if self._copy_in else torch.empty_like(t, device="cpu"))
-            for t in self._tensors
-        )
-        return self._host[0] if len(self._host) == 1 else self._host
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        if exc_type is None:
-            for original, host in zip(self._tensors, self._host, strict=False):
-                if original is not host:
-                    original.copy_(host)
 
 
 def _create(env: DistEnv, config: CommConfig) -> IProcessGroup:

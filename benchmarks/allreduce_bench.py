@@ -517,10 +517,9 @@ class CopyTimer:
     """Times the staging pipeline's copies with CUDA events (``TorchCudaOps`` plus timing events).
 
     Installed as the process's staging ops before any group stages, so every
-    ``backends._cuda_staging`` pipeline of this process copies through it: the mpi
-    backend's. The ring stages CUDA tensors with plain host copies, outside the
-    pipeline, so its rows have no copy time. It records only between ``begin()``
-    and ``end()``, so the timed blocks pay nothing.
+    ``backends._cuda_staging`` pipeline of this process copies through it: the
+    ring's and the mpi backend's (when it stages). It records only between
+    ``begin()`` and ``end()``, so the timed blocks pay nothing.
     """
 
     def __init__(self) -> None:
