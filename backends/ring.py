@@ -586,6 +586,26 @@ class RingProcessGroup(IProcessGroup):
             + ". Every rank must name the same src"
         )
 
+    def _check_meta_carrying(
+        self, meta: _Meta, outgoing: torch.Tensor, lent: Span | None, ready: View | None
+    ) -> int:
+        """Check the records; on two ranks they carry the first chunk of ``outgoing``. Return its size.
+
+        ``outgoing`` is what the reduce-scatter's first step sends: the neighbour
+        has checked the records (two ranks: one hop) before it reads the chunk,
+        and one message is saved. ``ready`` is called with the chunk first when
+        the tensor is staged.
+        """
+        first = outgoing[: max(1, self._chunk_bytes // outgoing.element_size())]
+        if self.world_size != 2 or not first.numel():
+            self._check_meta(meta)
+            return 0
+        if ready is not None:
+            ready(first)
+        lend_first = (lent.region, lent.offset(first)) if lent is not None else None
+        self._check_meta(meta, first, hold_last=True, lent=lend_first)
+        return first.numel()
+
     def _exchange(
         self,
         outgoing: torch.Tensor,
@@ -746,18 +766,7 @@ class RingProcessGroup(IProcessGroup):
         reduce = _kernels.reducer(op, flat.dtype)
         lent = self._lendable(flat)
         ready, done = (_waiter(staged), _publisher(staged)) if staged is not None else (None, None)
-        first = segs[r][: max(1, self._chunk_bytes // flat.element_size())]
-        carried = 0
-        if n == 2 and first.numel():
-            # The record carries the first chunk of the reduce-scatter: the neighbour has checked
-            # the records (two ranks: one hop) before it reads the chunk, and one message is saved.
-            if ready is not None:
-                ready(first)
-            lend_first = (lent.region, lent.offset(first)) if lent is not None else None
-            self._check_meta(meta, first, hold_last=True, lent=lend_first)
-            carried = first.numel()
-        else:
-            self._check_meta(meta)
+        carried = self._check_meta_carrying(meta, segs[r], lent, ready)
         for s in range(n - 1):
             self._exchange(
                 segs[(r - s) % n],
@@ -1001,16 +1010,7 @@ class RingProcessGroup(IProcessGroup):
         """
         n, r = self.world_size, self.rank
         reduce = _kernels.reducer(op, blocks[0].dtype)
-        carried = 0
-        first = blocks[(r - 1) % n][: max(1, self._chunk_bytes // blocks[0].element_size())]
-        if n == 2 and first.numel():  # as in the all-reduce: the record carries the first chunk
-            if ready is not None:
-                ready(first)
-            lend_first = (lent.region, lent.offset(first)) if lent is not None else None
-            self._check_meta(meta, first, hold_last=True, lent=lend_first)
-            carried = first.numel()
-        else:
-            self._check_meta(meta)
+        carried = self._check_meta_carrying(meta, blocks[(r - 1) % n], lent, ready)
         for s in range(n - 1):
             self._exchange(
                 blocks[(r - s - 1) % n],
