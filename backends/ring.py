@@ -247,32 +247,6 @@ View = Callable[[torch.Tensor], None]
 """Called with a view of a staged host tensor (wait for it, or publish it)."""
 
 
-def _staging_pipeline(
-    tensor: torch.Tensor,
-    describe: str,
-    *,
-    timeout_s: float,
-    copy_in: bool = True,
-    copy_out: bool = True,
-    fetch_first: Iterable[tuple[int, int]] = (),
-) -> StagingPipeline:
-    """Return a pipeline that stages CUDA ``tensor`` through the process's pinned host buffers.
-
-    The ring makes every pipeline here, on the thread that issues the
-    collective (``backends._cuda_staging.stage`` with the default sizes: 4 MiB
-    chunks, a process-wide pool); tests replace this function to stage through
-    emulated CUDA calls.
-    """
-    return _cuda_staging.stage(
-        tensor,
-        describe,
-        timeout_s=timeout_s,
-        copy_in=copy_in,
-        copy_out=copy_out,
-        fetch_first=fetch_first,
-    )
-
-
 def _waiter(pipeline: StagingPipeline) -> View:
     """Return ``wait(view)``: block until ``view`` of the pipeline's host tensor holds the device's data."""
 
@@ -665,9 +639,11 @@ class RingProcessGroup(IProcessGroup):
     ) -> StagingPipeline:
         """Return the staging pipeline of CUDA ``tensor`` for the collective being issued.
 
-        Call it on the issuing thread. Every host wait for a copy is bounded by the group's timeout.
+        Call it on the issuing thread (``_cuda_staging.stage``: the process's
+        pinned buffer pool, default chunk size). Every host wait for a copy is
+        bounded by the group's timeout.
         """
-        return _staging_pipeline(
+        return _cuda_staging.stage(
             tensor,
             "host staging",
             timeout_s=self.timeout,
