@@ -435,7 +435,7 @@ class TorchDistProcessGroup(IProcessGroup):
         label = self._label("reduce_scatter", output)
         if self._needs_upcast(output):
             return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
-        if self._devices.get(output.device.type) == "gloo" and output.numel():
+        if self._on_gloo(output) and output.numel():
             return self._reduce_scatter_by_all_to_all(output, flat_input, inputs, op, label)
         torch_op = _TORCH_OPS[op]
         if flat_input is not None:
@@ -456,9 +456,13 @@ class TorchDistProcessGroup(IProcessGroup):
             else None,
         )
 
+    def _on_gloo(self, tensor: torch.Tensor) -> bool:
+        """True if Gloo serves ``tensor``'s device in this group."""
+        return self._devices.get(tensor.device.type) == "gloo"
+
     def _pairwise(self, tensor: torch.Tensor) -> bool:
         """Two ranks on Gloo: a block-moving collective is one exchange, run as an all-to-all."""
-        return self.world_size == 2 and tensor.numel() > 0 and self._devices.get(tensor.device.type) == "gloo"
+        return self.world_size == 2 and tensor.numel() > 0 and self._on_gloo(tensor)
 
     def _exchange(self, received: torch.Tensor, sent: torch.Tensor) -> Any:
         """Start the two-rank exchange: ``sent`` goes to the other rank, whose block lands in ``received``."""

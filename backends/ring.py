@@ -916,11 +916,7 @@ class RingProcessGroup(IProcessGroup):
 
             return self._submit(describe, staged_body, async_op, (output, inputs))
 
-        in_place = (
-            flat_input is not None
-            and flat_input.device.type == "cpu"
-            and self._is_rank_block(output, flat_input)
-        )
+        in_place = self._is_rank_block(output, flat_input)
 
         def body() -> None:
             if in_place:  # reduce in the caller's buffer, lending it when it is shared
