@@ -536,7 +536,9 @@ class TorchDistProcessGroup(IProcessGroup):
             if output.dtype in _UPCASTABLE
             else None,
         )
-        work.get_future()  # reduce on Gloo's thread when the blocks arrive, not in the waiter's
+        # Reduce on Gloo's thread when the blocks arrive, not in the waiter's. Not through
+        # get_future(): the public future must wait for the value the interface sets on return.
+        work._arm_future()  # noqa: SLF001
         return work
 
     def _reduce_scatter_upcast(
