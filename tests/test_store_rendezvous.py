@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from backends._store_rendezvous import join_job_store
+from backends._store_rendezvous import _claim_slot, join_job_store
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError
 from commlib.ports import free_port
@@ -167,3 +167,49 @@ def test_a_store_left_from_an_earlier_group_of_this_process_does_not_confuse_the
     assert json.loads(earlier.get(f"{BASE}/verdict/2")) == {"stale": True}
     stores[0].set("k", "v")
     assert stores[1].get("k") == b"v"
+
+
+class _CountingStore:
+    """A torch ``HashStore`` that counts the calls made to it."""
+
+    def __init__(self) -> None:
+        from torch.distributed import HashStore
+
+        self.store = HashStore()
+        self.calls = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls += 1
+        return bool(self.store.check(keys))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self.calls += 1
+        return bytes(self.store.compare_set(key, expected, desired))
+
+
+@pytest.mark.parametrize("taken", [0, 1, 2, 3, 7, 8, 9, 100, 1000, 4095])
+def test_an_answer_slot_is_claimed_after_the_taken_ones_in_log_store_calls(taken: int) -> None:
+    store = _CountingStore()
+    for slot in range(1, taken + 1):
+        store.store.set(f"{BASE}/answer/{slot}", f"rank {slot}")
+    store.calls = 0
+    assert _claim_slot(store, BASE, "mine") == taken + 1
+    assert store.store.get(f"{BASE}/answer/{taken + 1}") == b"mine"
+    # A gallop and a bisection over the taken slots, then one compare_set; a scan would need taken + 1.
+    assert store.calls <= 2 * max(taken, 1).bit_length() + 2
+    for slot in range(1, taken + 1):  # nobody's answer was replaced
+        assert store.store.get(f"{BASE}/answer/{slot}") == f"rank {slot}".encode()
+
+
+def test_concurrent_claims_fill_the_answer_slots_without_gaps_or_overwrites() -> None:
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    clients = [
+        TCPStore("127.0.0.1", port, 1, False, datetime.timedelta(seconds=30), wait_for_workers=False)
+        for _ in range(48)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        slots = list(pool.map(lambda i: _claim_slot(clients[i], BASE, f"answer {i}"), range(len(clients))))
+    assert sorted(slots) == list(range(1, len(clients) + 1))
+    for i, slot in enumerate(slots):
+        assert server.get(f"{BASE}/answer/{slot}") == f"answer {i}".encode()
