@@ -117,6 +117,9 @@ CSV_COLUMNS = [
     "median_ms",
     "p25_ms",
     "p75_ms",
+    "forward_ms",
+    "backward_ms",
+    "optimizer_ms",
     "vs_none",
     "vs_torch_ddp",
     "vs_no_hook",
@@ -225,6 +228,9 @@ class Mode:
     rounds: list[float] = dataclasses.field(default_factory=list)  # each turn's mean timed step
     gather: list[float] = dataclasses.field(default_factory=list)  # ZeRO: all-gathers, issue to done
     gather_wait: list[float] = dataclasses.field(default_factory=list)  # ZeRO: the time they held up
+    forward: list[float] = dataclasses.field(default_factory=list)  # zero_grad + forward + loss
+    backward: list[float] = dataclasses.field(default_factory=list)  # backward() + the sync after it
+    optimizer: list[float] = dataclasses.field(default_factory=list)  # opt.step()
     main_cpu: list[float] = dataclasses.field(default_factory=list)
     other_cpu: list[float] = dataclasses.field(default_factory=list)
     hook: list[float] = dataclasses.field(default_factory=list)
@@ -538,11 +544,17 @@ def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, ra
     cpu_main, cpu_all = time.thread_time(), time.process_time()
     start = time.perf_counter()
     mode.opt.zero_grad(set_to_none=True)
-    GPT.loss(mode.model(x), y).backward()
+    loss = GPT.loss(mode.model(x), y)
+    forward_end = time.perf_counter()
+    loss.backward()
     exposed = mode.after_backward()
+    backward_end = time.perf_counter()
     handed = mode.group.bytes_issued if mode.group is not None else 0
     mode.opt.step()
     elapsed = time.perf_counter() - start
+    mode.forward.append(forward_end - start)
+    mode.backward.append(backward_end - forward_end)
+    mode.optimizer.append(start + elapsed - backward_end)
     if mode.group is not None:
         mode.step_bytes.append(mode.group.bytes_issued - handed)
     if gathers is not None:
@@ -653,6 +665,9 @@ def summarise(
                 "median_ms": med * 1e3,
                 "p25_ms": p25 * 1e3,
                 "p75_ms": p75 * 1e3,
+                "forward_ms": median_ms(m.forward),
+                "backward_ms": median_ms(m.backward),
+                "optimizer_ms": median_ms(m.optimizer),
                 "vs_none": vs_none - 1 if vs_none is not None else None,
                 "vs_torch_ddp": vs_torch,
                 "vs_no_hook": vs_no_hook,
@@ -684,7 +699,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     """Format the result rows as the printed table."""
     width = max([len(r["mode"]) for r in rows] + [11])
     head = (
-        f"{'mode':<{width}} {'step ms':>8} {'p25-p75 ms':>14} {'vs none':>8} {'/torch':>7} {'/nohook':>7} "
+        f"{'mode':<{width}} {'step ms':>8} {'p25-p75 ms':>14} {'fwd':>6} {'bwd':>6} {'opt':>6} "
+        f"{'vs none':>8} {'/torch':>7} {'/nohook':>7} "
         f"{'MB/step':>8} {'wire MB':>7} {'opt MB':>6} {'state MB':>8} {'hook ms':>7} {'main cpu':>8} "
         f"{'other cpu':>9} {'exposed ms':>10} {'comm ms':>8} {'overlap':>8} {'coll':>5} {'same':>5} "
         f"{'gather ms':>9} {'g.wait ms':>9} {'hidden':>6}"
@@ -694,6 +710,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         same = {True: "yes", False: "NO", None: "-"}[r["identical"]]
         lines.append(
             f"{r['mode']:<{width}} {r['median_ms']:8.1f} {r['p25_ms']:6.1f}-{r['p75_ms']:<7.1f} "
+            f"{_fmt(r['forward_ms'], '.1f'):>6} {_fmt(r['backward_ms'], '.1f'):>6} "
+            f"{_fmt(r['optimizer_ms'], '.1f'):>6} "
             f"{_fmt(r['vs_none'], '+.1%'):>8} {_fmt(r['vs_torch_ddp'], '.3f'):>7} "
             f"{_fmt(r['vs_no_hook'], '.3f'):>7} {_fmt(r['bytes_sent_mb'], '.1f'):>8} "
             f"{_fmt(r['wire_mb'], '.1f'):>7} {_fmt(r['step_mb'], '.1f'):>6} "
@@ -855,7 +873,9 @@ def run(args: argparse.Namespace) -> int:
             say(line)
         say("")
         say(
-            "step ms: median over timed steps; vs none: overhead over no synchronisation, /torch: step "
+            "step ms: median over timed steps; fwd / bwd / opt: medians of its phases (zero_grad, "
+            "forward and loss / backward and the sync after it / the optimizer step); "
+            "vs none: overhead over no synchronisation, /torch: step "
             "time over torch-ddp's, /nohook: over the same backend without the hook, each the median of "
             "per-turn ratios of the turn's mean timed step (ZeRO modes: over the backend's DDP with "
             "AdamW); MB/step: bytes handed to the group in backward; wire MB: bytes one rank sends in "

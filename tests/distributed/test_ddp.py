@@ -558,6 +558,9 @@ def test_ddp_step_benchmark_quick(repo_root, tmp_path):
     rows = {r["mode"]: r for r in csv.DictReader(csv_path.open())}
     assert list(rows) == modes
     assert all(r["identical"] == "True" for name, r in rows.items() if name not in ("none", "ddp-null"))
+    for name, row in rows.items():  # the step's phases, each a median of its own: they add up roughly
+        phases = [float(row[k]) for k in ("forward_ms", "backward_ms", "optimizer_ms")]
+        assert min(phases) > 0 and 0.5 < sum(phases) / float(row["median_ms"]) < 1.5, (name, row)
     assert float(rows["ddp-ring+bf16"]["bytes_sent_mb"]) * 2 == pytest.approx(
         float(rows["ddp-ring"]["bytes_sent_mb"])
     )
