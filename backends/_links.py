@@ -150,6 +150,16 @@ class RecvLink(_Link):
         """Receive the next chunk and combine it into ``dst`` with ``reduce``."""
         raise NotImplementedError
 
+    def recv_reduce_back(self, dst: torch.Tensor, reduce: Reducer) -> bool:
+        """``recv_reduce``; where the chunk was lent, also write the result back into the sender's buffer.
+
+        Returns:
+            True if the result was written back (the chunk was lent); a link
+            that cannot read lent chunks returns False.
+        """
+        self.recv_reduce(dst, reduce)
+        return False
+
 
 # ---------------------------------------------------------------------- TCP
 class TcpSendLink(SendLink):

@@ -335,6 +335,10 @@ class ShmRecvLink(RecvLink):
 
     def _incoming(self, dst: torch.Tensor) -> torch.Tensor:
         """A view of the next chunk, which must have ``dst``'s size and dtype."""
+        return self._incoming_lent(dst)[0]
+
+    def _incoming_lent(self, dst: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """A view of the next chunk, and whether it lies in the sender's buffer (lent)."""
         expected = dst.numel() * dst.element_size()
         if self._held is not None:
             (kind, nbytes, offset, fd, size, token), self._held = self._held, None
@@ -346,9 +350,9 @@ class ShmRecvLink(RecvLink):
                 "the ranks disagree on the collective's tensor sizes"
             )
         if kind == _KIND_DATA:
-            return self.inbox.payload(self.bell.count, dst.dtype, nbytes)
+            return self.inbox.payload(self.bell.count, dst.dtype, nbytes), False
         if kind == _KIND_LENT:
-            return self._lent_region(fd, size, token).data[offset : offset + nbytes].view(dst.dtype)
+            return self._lent_region(fd, size, token).data[offset : offset + nbytes].view(dst.dtype), True
         raise self._unexpected(kind, "data")
 
     def _lent_region(self, fd: int, size: int, token: bytes) -> Region:
@@ -372,6 +376,19 @@ class ShmRecvLink(RecvLink):
         """Reduce the next chunk straight out of the slot (or the sender's buffer) into ``dst``."""
         reduce(dst, self._incoming(dst))
         self.bell.advance()
+
+    def recv_reduce_back(self, dst: torch.Tensor, reduce: Reducer) -> bool:
+        """Reduce the next chunk into ``dst``; a lent chunk gets the result written back, while in cache.
+
+        The sender learns that its buffer holds the result when this rank's
+        counter passes the chunk (``ShmSendLink.wait_returned``).
+        """
+        incoming, lent = self._incoming_lent(dst)
+        reduce(dst, incoming)
+        if lent:
+            _kernels.copy(incoming, dst)
+        self.bell.advance()
+        return lent
 
     def close(self, linger: float) -> None:
         """Unmap the inbox and the sender's buffers, and close the connection."""

@@ -743,6 +743,9 @@ class RingProcessGroup(IProcessGroup):
         lent = self._lendable(flat)
         ready, done = (_waiter(staged), _publisher(staged)) if staged is not None else (None, None)
         carried = self._check_meta_carrying(meta, segs[r], lent, ready)
+        if n == 2:
+            self._pair_all_reduce(segs, op, reduce, lent, carried, ready, done)
+            return
         for s in range(n - 1):
             self._exchange(
                 segs[(r - s) % n],
@@ -766,6 +769,77 @@ class RingProcessGroup(IProcessGroup):
         if lent is not None:  # done only when nobody reads this rank's buffer any more
             assert self._send is not None
             self._send.wait_returned()
+
+    def _pair_all_reduce(
+        self,
+        segs: list[torch.Tensor],
+        op: ReduceOp,
+        reduce: Reducer,
+        lent: Span | None,
+        carried: int,
+        ready: View | None,
+        done: View | None,
+    ) -> None:
+        """Two ranks: each reduces one half; where the neighbour lent its half, the result goes straight back.
+
+        This rank sends (or lends) ``segs[r]`` and reduces the neighbour's
+        ``segs[1 - r]`` into its own. A chunk the neighbour lent from its shared
+        buffer gets the reduced chunk written back there while it is still in
+        cache, so no all-gather pass reads it again. A lent chunk is always
+        written back, so each rank knows without asking: if it lent its half,
+        the neighbour writes the result into it (done once the neighbour's
+        counter has passed every lent chunk); if not, the result comes back
+        through the slots as in the ring.
+        """
+        send, recv = self._send, self._recv
+        assert send is not None and recv is not None
+        r = self.rank
+        outgoing, incoming = segs[r], segs[1 - r]
+        if op is ReduceOp.AVG:
+            plain = reduce
+
+            def reduce(dst: torch.Tensor, theirs: torch.Tensor) -> None:
+                plain(dst, theirs)
+                _kernels.divide(dst, 2)
+
+        step = max(1, self._chunk_bytes // outgoing.element_size())
+        n_out, n_in = outgoing.numel(), incoming.numel()
+        written_back = 0
+        for start in range(0, max(n_out, n_in), step):
+            if carried <= start < n_out:
+                chunk = outgoing[start : start + step]
+                if ready is not None:
+                    ready(chunk)
+                if lent is None:
+                    send.send(chunk)
+                else:
+                    send.lend(chunk, lent.region, lent.offset(chunk))
+            if start < n_in:
+                chunk = incoming[start : start + step]
+                if ready is not None:
+                    ready(chunk)
+                written_back += recv.recv_reduce_back(chunk, reduce)
+        chunks_in = -(-n_in // step)
+        if written_back not in (0, chunks_in):
+            raise CommError(
+                f"protocol error from {recv.describe}: {written_back} of the {chunks_in} chunks of its half "
+                "were lent; a rank lends all of a tensor's chunks or none"
+            )
+        if done is not None:
+            done(incoming)
+        self._flush()
+        # Only what did not go back in place travels again: this rank's result if the neighbour's
+        # half came through the slots, the neighbour's result if this rank's half did.
+        lends_mine = lent is not None and send.can_lend
+        back_out = incoming if not written_back else incoming[:0]
+        back_in = outgoing if not lends_mine else outgoing[:0]
+        if back_out.numel() or back_in.numel():
+            self._exchange(back_out, back_in, None, lent, done=done)
+            self._flush()
+        if lent is not None:  # done only when the neighbour no longer reads, or writes, this rank's buffer
+            send.wait_returned()
+        if lends_mine and done is not None:
+            done(outgoing)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         meta = self._next_meta("broadcast", tensor, src=src)

@@ -154,6 +154,11 @@ class RecordingLink:
         self._link.recv_reduce(dst, reduce)
         self._log.append(f"recv {dst.numel()}")
 
+    def recv_reduce_back(self, dst: torch.Tensor, reduce: Any) -> bool:
+        written_back = self._link.recv_reduce_back(dst, reduce)
+        self._log.append(f"recv {dst.numel()}")
+        return bool(written_back)
+
 
 @contextlib.contextmanager
 def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:

@@ -130,6 +130,38 @@ def _churn_buffers(group, count: int) -> tuple[int, int]:  # type: ignore[no-unt
     return most, group.mapped_peer_buffers
 
 
+def _one_side_lends(group, numel: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Two ranks, one passing a shared buffer and the other ordinary memory, in turn, every op.
+
+    A rank whose half was lent gets the neighbour's result written straight back into it; the other
+    half comes back through the slots. Returns how many element values were wrong (0 expected).
+    """
+    n, r = group.world_size, group.rank
+    wrong = []
+    cases = [(torch.float32, ReduceOp.SUM), (torch.float64, ReduceOp.AVG), (torch.int32, ReduceOp.MIN)]
+    for step in range(4):
+        for dtype, op in cases:
+            lender = step % 2
+            if r == lender:
+                tensor = group.alloc_buffer(numel, dtype)
+            else:  # with guard elements either side: nothing outside the tensor is touched
+                padded = torch.full((numel + 2,), -7, dtype=dtype)
+                tensor = padded[1:-1]
+            tensor.copy_(_values(numel, r, step, dtype))
+            contributions = torch.stack([_values(numel, k, step, torch.float64) for k in range(n)])
+            expected = {
+                ReduceOp.SUM: contributions.sum(0),
+                ReduceOp.AVG: contributions.sum(0) / n,
+                ReduceOp.MIN: contributions.min(0).values,
+            }[op].to(dtype)
+            _busy((r + step) % n * 3)
+            group.all_reduce(tensor, op)
+            wrong.append(int((tensor != expected).sum()))
+            if r != lender:
+                wrong.append(int((padded[[0, -1]] != -7).sum()))
+    return wrong
+
+
 def _die_with_a_shared_bucket(group, victim: int, numel: int) -> tuple[str, float]:  # type: ignore[no-untyped-def]
     bucket = group.alloc_buffer(numel, torch.float32)
     bucket.fill_(1.0)
@@ -177,6 +209,11 @@ def test_different_shapes_of_one_size_reduce_alike(pools) -> None:
 def test_buffers_over_tcp_are_ordinary_memory(pools) -> None:
     for shares, empty_ok, values in pools(2, "tcp").run(_ordinary_memory, timeout=60):
         assert (shares, empty_ok, values) == (False, True, [3.0])
+
+
+def test_one_rank_lending_and_the_other_not_reduce_alike(pools) -> None:
+    for wrong in pools(2).run(_one_side_lends, 10_000, timeout=120):
+        assert wrong == [0] * len(wrong), wrong
 
 
 @pytest.mark.parametrize(("world_size", "victim"), [(2, 1), (3, 2)])
