@@ -590,7 +590,8 @@ class RingProcessGroup(IProcessGroup):
         *,
         ready: View | None = None,
         done: View | None = None,
-    ) -> None:
+        write_back: bool = False,
+    ) -> int:
         """One ring step: stream ``outgoing`` to the right while ``incoming`` arrives from the left.
 
         With ``lent`` (``outgoing`` lies in a shared buffer), the right
@@ -598,12 +599,18 @@ class RingProcessGroup(IProcessGroup):
         first ``sent`` elements (one chunk) already went with the metadata record.
         Staged tensors pass ``ready``, called with each chunk of this rank's data
         before it is read (a chunk sent, or one the neighbour's is reduced into),
-        and ``done``, called with each incoming chunk once it has arrived.
+        and ``done``, called with each incoming chunk once it has arrived. With
+        ``write_back``, each reduced chunk that the left neighbour lent is also
+        written back into its buffer (``RecvLink.recv_reduce_back``).
+
+        Returns:
+            How many chunks were written back.
         """
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
         step = max(1, self._chunk_bytes // outgoing.element_size())
         n_out, n_in = outgoing.numel(), incoming.numel()
+        written_back = 0
         for start in range(0, max(n_out, n_in), step):
             if sent <= start < n_out:
                 chunk = outgoing[start : start + step]
@@ -620,9 +627,13 @@ class RingProcessGroup(IProcessGroup):
                 else:
                     if ready is not None:
                         ready(chunk)
-                    recv.recv_reduce(chunk, reduce)
+                    if write_back:
+                        written_back += recv.recv_reduce_back(chunk, reduce)
+                    else:
+                        recv.recv_reduce(chunk, reduce)
                 if done is not None:
                     done(chunk)
+        return written_back
 
     def _flush(self) -> None:
         if self._send is not None:
@@ -802,24 +813,10 @@ class RingProcessGroup(IProcessGroup):
                 plain(dst, theirs)
                 _kernels.divide(dst, 2)
 
-        step = max(1, self._chunk_bytes // outgoing.element_size())
-        n_out, n_in = outgoing.numel(), incoming.numel()
-        written_back = 0
-        for start in range(0, max(n_out, n_in), step):
-            if carried <= start < n_out:
-                chunk = outgoing[start : start + step]
-                if ready is not None:
-                    ready(chunk)
-                if lent is None:
-                    send.send(chunk)
-                else:
-                    send.lend(chunk, lent.region, lent.offset(chunk))
-            if start < n_in:
-                chunk = incoming[start : start + step]
-                if ready is not None:
-                    ready(chunk)
-                written_back += recv.recv_reduce_back(chunk, reduce)
-        chunks_in = -(-n_in // step)
+        written_back = self._exchange(
+            outgoing, incoming, reduce, lent, sent=carried, ready=ready, write_back=True
+        )
+        chunks_in = -(-incoming.numel() // max(1, self._chunk_bytes // incoming.element_size()))
         if written_back not in (0, chunks_in):
             raise CommError(
                 f"protocol error from {recv.describe}: {written_back} of the {chunks_in} chunks of its half "
