@@ -560,6 +560,10 @@ class RingProcessGroup(IProcessGroup):
             + ". Every rank must name the same src"
         )
 
+    def _chunk_numel(self, tensor: torch.Tensor) -> int:
+        """Elements of ``tensor``'s dtype in one chunk (at least one)."""
+        return max(1, self._chunk_bytes // tensor.element_size())
+
     def _check_meta_carrying(
         self, meta: _Meta, outgoing: torch.Tensor, lent: Span | None, ready: View | None
     ) -> int:
@@ -570,7 +574,7 @@ class RingProcessGroup(IProcessGroup):
         and one message is saved. ``ready`` is called with the chunk first when
         the tensor is staged.
         """
-        first = outgoing[: max(1, self._chunk_bytes // outgoing.element_size())]
+        first = outgoing[: self._chunk_numel(outgoing)]
         if self.world_size != 2 or not first.numel():
             self._check_meta(meta)
             return 0
@@ -608,7 +612,7 @@ class RingProcessGroup(IProcessGroup):
         """
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
-        step = max(1, self._chunk_bytes // outgoing.element_size())
+        step = self._chunk_numel(outgoing)
         n_out, n_in = outgoing.numel(), incoming.numel()
         written_back = 0
         for start in range(0, max(n_out, n_in), step):
@@ -674,7 +678,7 @@ class RingProcessGroup(IProcessGroup):
         """
         numel, n = tensor.numel(), self.world_size
         bounds = [(numel * i // n, numel * (i + 1) // n) for i in order]
-        step = max(1, self._chunk_bytes // tensor.element_size())
+        step = self._chunk_numel(tensor)
         (a, a_end), (b, b_end) = bounds[0], bounds[1]
         ranges: list[tuple[int, int]] = []
         for offset in range(0, max(a_end - a, b_end - b), step):
@@ -816,7 +820,7 @@ class RingProcessGroup(IProcessGroup):
         written_back = self._exchange(
             outgoing, incoming, reduce, lent, sent=carried, ready=ready, write_back=True
         )
-        chunks_in = -(-incoming.numel() // max(1, self._chunk_bytes // incoming.element_size()))
+        chunks_in = -(-incoming.numel() // self._chunk_numel(incoming))
         if written_back not in (0, chunks_in):
             raise CommError(
                 f"protocol error from {recv.describe}: {written_back} of the {chunks_in} chunks of its half "
@@ -827,15 +831,14 @@ class RingProcessGroup(IProcessGroup):
         self._flush()
         # Only what did not go back in place travels again: this rank's result if the neighbour's
         # half came through the slots, the neighbour's result if this rank's half did.
-        lends_mine = lent is not None and send.can_lend
         back_out = incoming if not written_back else incoming[:0]
-        back_in = outgoing if not lends_mine else outgoing[:0]
+        back_in = outgoing if lent is None else outgoing[:0]  # a lent half was written back
         if back_out.numel() or back_in.numel():
             self._exchange(back_out, back_in, None, lent, done=done)
             self._flush()
         if lent is not None:  # done only when the neighbour no longer reads, or writes, this rank's buffer
             send.wait_returned()
-        if lends_mine and done is not None:
+        if lent is not None and done is not None:
             done(outgoing)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
@@ -886,7 +889,7 @@ class RingProcessGroup(IProcessGroup):
         send, recv = self._send, self._recv
         assert send is not None and recv is not None
         distance = (self.rank - src) % self.world_size
-        step = max(1, self._chunk_bytes // flat.element_size())
+        step = self._chunk_numel(flat)
         for start in range(0, flat.numel(), step):
             chunk = flat[start : start + step]
             if distance > 0:
