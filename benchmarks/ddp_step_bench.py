@@ -43,7 +43,10 @@ interquartile range, the overhead over ``none`` and the ratio to ``torch-ddp``
 between rounds cancels), and for
 commlib's DDP the exposed
 communication (how long backward waited at its end) beside the total
-communication time, the overlap ``1 - exposed / comm``, the bytes handed to the
+communication time; for every mode, torch's DDP included, the tail: from the
+arrival of the step's last gradient (an autograd hook registered before any DDP's)
+to the end of backward and the sync after it, which is the exposed wait plus the
+work on the last gradient; then the overlap ``1 - exposed / comm``, the bytes handed to the
 group per step (``StepStats.bytes_sent``: compression shows there) and the time
 spent in DDP's gradient hooks; the bytes one rank puts on the wire in backward by a
 ring algorithm (``StepStats.wire_bytes``: a reduce-scatter moves half of an
@@ -131,6 +134,7 @@ CSV_COLUMNS = [
     "main_cpu_ms",
     "other_cpu_ms",
     "exposed_ms",
+    "tail_ms",
     "comm_ms",
     "overlap",
     "collectives",
@@ -238,15 +242,37 @@ class Mode:
     wire: list[int] = dataclasses.field(default_factory=list)
     step_bytes: list[int] = dataclasses.field(default_factory=list)
     exposed: list[float] = dataclasses.field(default_factory=list)
+    tail: list[float] = dataclasses.field(default_factory=list)  # last gradient's arrival to the sync's end
     comm: list[float] = dataclasses.field(default_factory=list)
     overlap: list[float] = dataclasses.field(default_factory=list)
     collectives: list[int] = dataclasses.field(default_factory=list)
 
 
+class ArrivalClock:
+    """When the last of a model's gradients arrived: ``perf_counter()`` at its latest gradient.
+
+    Its hooks are registered before any DDP wraps the model, so they run before
+    that DDP's own (commlib's hooks come later in the same list; torch's reducer
+    hooks run after autograd's post-accumulate hooks): the time is the gradient's
+    arrival, before either DDP copies or launches anything for it.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.at = float("nan")
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._tick)  # type: ignore[no-untyped-call]
+
+    def _tick(self, _param: torch.Tensor) -> None:
+        self.at = time.perf_counter()
+
+
 def fresh_model(cfg: GPTConfig, seed: int) -> GPT:
-    """Build the GPT from ``seed``: every mode starts from the same weights."""
+    """Build the GPT from ``seed`` (every mode starts from the same weights), with an ``ArrivalClock``."""
     torch.manual_seed(seed)
-    return GPT(cfg)
+    model = GPT(cfg)
+    model.arrival_clock = ArrivalClock(model)
+    return model
 
 
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
@@ -549,6 +575,8 @@ def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, ra
     loss.backward()
     exposed = mode.after_backward()
     backward_end = time.perf_counter()
+    clock = getattr(mode.model, "module", mode.model).arrival_clock
+    mode.tail.append(backward_end - clock.at)
     handed = mode.group.bytes_issued if mode.group is not None else 0
     mode.opt.step()
     elapsed = time.perf_counter() - start
@@ -590,6 +618,7 @@ def per_step_records(m: Mode) -> list[list[Any]]:
         m.wire,
         m.step_bytes,
         m.exposed,
+        m.tail,
         m.comm,
         m.overlap,
         m.collectives,
@@ -679,6 +708,7 @@ def summarise(
                 "main_cpu_ms": median_ms(m.main_cpu),
                 "other_cpu_ms": median_ms(m.other_cpu),
                 "exposed_ms": median_ms(m.exposed),
+                "tail_ms": median_ms(m.tail),
                 "comm_ms": median_ms(m.comm),
                 "overlap": statistics.median(m.overlap) if m.overlap else None,
                 "collectives": statistics.median(m.collectives) if m.collectives else None,
@@ -702,7 +732,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         f"{'mode':<{width}} {'step ms':>8} {'p25-p75 ms':>14} {'fwd':>6} {'bwd':>6} {'opt':>6} "
         f"{'vs none':>8} {'/torch':>7} {'/nohook':>7} "
         f"{'MB/step':>8} {'wire MB':>7} {'opt MB':>6} {'state MB':>8} {'hook ms':>7} {'main cpu':>8} "
-        f"{'other cpu':>9} {'exposed ms':>10} {'comm ms':>8} {'overlap':>8} {'coll':>5} {'same':>5} "
+        f"{'other cpu':>9} {'exposed ms':>10} {'tail ms':>7} {'comm ms':>8} {'overlap':>8} {'coll':>5} "
+        f"{'same':>5} "
         f"{'gather ms':>9} {'g.wait ms':>9} {'hidden':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -718,6 +749,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             f"{_fmt(r['opt_state_mb'], '.1f'):>8} "
             f"{_fmt(r['hook_ms'], '.1f'):>7} {_fmt(r['main_cpu_ms'], '.0f'):>8} "
             f"{_fmt(r['other_cpu_ms'], '.0f'):>9} {_fmt(r['exposed_ms'], '.1f'):>10} "
+            f"{_fmt(r['tail_ms'], '.1f'):>7} "
             f"{_fmt(r['comm_ms'], '.1f'):>8} {_fmt(r['overlap'], '.0%'):>8} "
             f"{_fmt(r['collectives'], '.0f'):>5} {same:>5} "
             f"{_fmt(r['gather_ms'], '.1f'):>9} {_fmt(r['gather_wait_ms'], '.1f'):>9} "
@@ -883,7 +915,9 @@ def run(args: argparse.Namespace) -> int:
             "bytes handed to the group in the optimizer step (ZeRO's all-gather); state MB: optimizer state "
             "per rank; hook ms: time in DDP's gradient hooks; "
             "main cpu / other cpu: CPU ms per step of the step's thread / of the process's other threads; "
-            "exposed: time backward (or the sync after it) blocked on communication; comm: time a "
+            "exposed: time backward (or the sync after it) blocked on communication; tail ms (every mode, "
+            "torch-ddp's too): from the arrival of the step's last gradient to the end of backward and "
+            "the sync after it; comm: time a "
             "collective was in flight; overlap: median of 1 - exposed/comm per step; same: parameters "
             "bit-identical on all ranks; gather ms (ZeRO): from issuing the step's parameter all-gathers "
             "to the end of the wait for the last (with overlap: spans the forward that ran meanwhile); "

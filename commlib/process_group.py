@@ -178,6 +178,16 @@ class IProcessGroup(abc.ABC):
             return False
         return not (op is ReduceOp.AVG and dtype in INT_DTYPES)
 
+    @property
+    def shares_buffers(self) -> bool:
+        """True if ``alloc_buffer`` returns memory the peers read in place (shared memory on one host).
+
+        A collective on such a buffer moves its bytes at about the cost of a
+        copy, so work that saves bytes at a pass over them does not pay there.
+        Default False.
+        """
+        return False
+
     def alloc_buffer(
         self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from ddp.errors import BucketOrderError, with_context
 from ddp.nonfinite import NonFiniteCheck
 from ddp.shard_sync import ReduceScatterBuckets
 from ddp.stats import StepRecorder
+from ddp.touched_rows import TouchedRows
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
 
@@ -30,6 +31,7 @@ def plan_buckets(
     order: Sequence[int],
     bucket_bytes: int,
     first_bucket_bytes: int | None = None,
+    row_sparse: Collection[int] = (),
 ) -> list[list[int]]:
     """Group parameter indices into buckets, walking ``order`` (the order gradients arrive).
 
@@ -37,8 +39,10 @@ def plan_buckets(
     take it past the cap; then the bucket closes and a new one opens. A parameter is
     never split, so one larger than the cap gets a bucket of its own, and a cap of 0
     gives one parameter per bucket. The first bucket of each dtype and device uses
-    ``first_bucket_bytes``. Buckets are returned in the order they complete when
-    gradients arrive in ``order``: by the position of their last parameter.
+    ``first_bucket_bytes``. Row-sparse gradients (``row_sparse``) fill buckets of
+    their own, apart from the others of their dtype and device. Buckets are returned
+    in the order they complete when gradients arrive in ``order``: by the position
+    of their last parameter.
 
     Args:
         params: The parameters, indexed by the numbers in ``order``.
@@ -46,19 +50,22 @@ def plan_buckets(
         bucket_bytes: Cap of a bucket, in bytes.
         first_bucket_bytes: Cap of the first bucket of each dtype and device
             (default ``bucket_bytes``).
+        row_sparse: Indices of parameters whose gradients are exchanged by touched
+            rows (see ``ddp.touched_rows``).
 
     Returns:
         Lists of parameter indices, one per bucket.
     """
     first_cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
-    open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
-    seen_keys: set[tuple[torch.dtype, torch.device]] = set()
+    Key = tuple[torch.dtype, torch.device, bool]
+    open_buckets: dict[Key, list[int]] = {}
+    open_bytes: dict[Key, int] = {}
+    seen_keys: set[Key] = set()
     closed: list[tuple[int, list[int]]] = []  # (position of the last member, members)
     position = {index: pos for pos, index in enumerate(order)}
     for index in order:
         p = params[index]
-        key = (p.dtype, p.device)
+        key = (p.dtype, p.device, index in row_sparse)
         nbytes = p.numel() * p.element_size()
         members = open_buckets.get(key)
         if members:
@@ -118,6 +125,10 @@ class GradientBucketManager:
             each rank gets its shard only (see ``ddp.shard_sync``).
         order: Order in which gradients are expected (indices into ``params``);
             default: reverse registration order, the order backward produces them.
+        row_sparse: Indices of CPU parameters whose gradients are zero outside the
+            rows a batch touched (embedding tables): they get buckets of their own,
+            exchanged by touched rows when no hook is registered and the gradients are
+            all-reduced (see ``ddp.touched_rows``). Default: none.
 
     Example::
 
@@ -141,6 +152,7 @@ class GradientBucketManager:
         check_for_nan_in_grad: bool = False,
         order: Sequence[int] | None = None,
         gradient_sync: str = "allreduce",
+        row_sparse: Collection[int] = (),
     ) -> None:
         if isinstance(bucket_size_mb, str):
             raise TypeError(
@@ -170,6 +182,13 @@ class GradientBucketManager:
                     f"{self._names[self._index[id(p)]]!r}; pass each parameter once"
                 )
             self._index[id(p)] = i
+        self._row_sparse = frozenset(row_sparse)
+        outside = sorted(i for i in self._row_sparse if not 0 <= i < len(self._params))
+        if outside:
+            raise ValueError(
+                f"GradientBucketManager: row_sparse holds {outside[:4]}, not indices of the "
+                f"{len(self._params)} parameters"
+            )
         self.group = group
         self.reduce_op = reduce_op
         self.grad_reduce_dtype = grad_reduce_dtype
@@ -208,13 +227,15 @@ class GradientBucketManager:
         self._observers: list[Any] = [self.recorder]
         self._buckets: list[GradientBucket] = []
         self._inflight: list[PendingSync | None] = []
+        self._rows: list[TouchedRows | None] = []
+        """Per bucket: its touched-rows exchange, for a bucket of row-sparse gradients."""
         self._active = False
         self._next_launch = self._next_done = self._next_waited = 0
         self._layout(list(order) if order is not None else list(reversed(range(n))))
 
     # ---------------------------------------------------------------- layout
     def _layout(self, order: list[int]) -> None:
-        plan = plan_buckets(self._params, order, self.bucket_bytes, self.first_bucket_bytes)
+        plan = self._plan_for(order)
         buckets = [self._make_bucket(b, members, b == len(plan) - 1) for b, members in enumerate(plan)]
         bucket_of = [-1] * len(self._params)
         views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
@@ -236,8 +257,15 @@ class GradientBucketManager:
         self._sizes = [len(members) for members in plan]
         self._pending = list(self._sizes)
         self._inflight = [None] * len(buckets)
+        self._rows = [
+            TouchedRows(bucket, self.group) if members[0] in self._row_sparse else None
+            for bucket, members in zip(buckets, plan, strict=True)
+        ]
         self._refresh_scaling()
         self._next_launch = self._next_done = self._next_waited = 0
+
+    def _plan_for(self, order: list[int]) -> list[list[int]]:
+        return plan_buckets(self._params, order, self.bucket_bytes, self.first_bucket_bytes, self._row_sparse)
 
     def _make_bucket(self, index: int, members: list[int], is_last: bool) -> GradientBucket:
         params = [self._params[i] for i in members]
@@ -272,7 +300,7 @@ class GradientBucketManager:
                 f"GradientBucketManager.rebuild: order must be a permutation of 0..{len(self._params) - 1}, "
                 f"got {len(order)} indices"
             )
-        if plan_buckets(self._params, order, self.bucket_bytes, self.first_bucket_bytes) == self._plan:
+        if self._plan_for(order) == self._plan:
             self._order = order
             return False
         if self._sync.shards is not None and self._reduced:
@@ -311,6 +339,11 @@ class GradientBucketManager:
     def num_buckets(self) -> int:
         """Number of buckets (0 for no parameters)."""
         return len(self._buckets)
+
+    @property
+    def row_sparse_buckets(self) -> list[int]:
+        """Indices of the buckets exchanged by touched rows (row-sparse gradients, ``ddp.touched_rows``)."""
+        return [b for b, rows in enumerate(self._rows) if rows is not None]
 
     @property
     def layout(self) -> list[list[str]]:
@@ -550,7 +583,7 @@ class GradientBucketManager:
             )
         bucket = self._buckets[index]
         start = time.perf_counter()
-        self._inflight[index] = self._sync.launch(bucket)
+        self._inflight[index] = self._sync.launch(bucket, self._rows[index])
         self.padding_bytes += bucket.padding * bucket.comm_data.element_size()
         self._next_launch = index + 1
         for observer in self._observers:

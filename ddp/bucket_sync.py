@@ -3,9 +3,10 @@
 ``BucketSync.launch`` runs when a bucket's gradients are all in: it stages the
 bucket (another dtype or device, if any), scales it if scaling was not already
 fused into the copies, checks it for NaN and Inf when asked, and starts its
-collective: an all-reduce of the bucket (the default), a reduce-scatter
-(``gradient_sync="reduce_scatter"``, see ``ddp.shard_sync``) or the registered
-communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
+collective: an all-reduce of the bucket (the default), for a bucket of embedding
+gradients the exchange of their touched rows (``ddp.touched_rows``), a
+reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.shard_sync``) or
+the registered communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
 message naming the bucket, and lands the result in the gradients.
 """
 
@@ -28,6 +29,7 @@ from ddp.devices import CommStreams
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
 from ddp.shard_sync import ReduceScatterBuckets
+from ddp.touched_rows import TouchedRows
 
 __all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
 
@@ -53,13 +55,23 @@ def check_comm_hook(hook: object) -> None:
 
 
 class PendingSync:
-    """One bucket's communication in flight: a ``Work`` (default path) or a hook's future."""
+    """One bucket's communication in flight: a ``Work`` (default path) or a hook's future.
 
-    __slots__ = ("work", "future", "settled")
+    For a touched-rows exchange (``rows``), ``work`` is its first collective (the
+    flags); the second runs in ``BucketSync.finish``, so it is not complete before.
+    """
 
-    def __init__(self, work: Work | None = None, future: torch.futures.Future[Any] | None = None) -> None:
+    __slots__ = ("work", "future", "settled", "rows")
+
+    def __init__(
+        self,
+        work: Work | None = None,
+        future: torch.futures.Future[Any] | None = None,
+        rows: TouchedRows | None = None,
+    ) -> None:
         self.work = work
         self.future = future
+        self.rows = rows
         self.settled: threading.Event | None = None
         if future is not None:
             event = self.settled = threading.Event()
@@ -67,6 +79,8 @@ class PendingSync:
 
     def is_completed(self) -> bool:
         """True once the collective (or the hook's future) has finished, without blocking."""
+        if self.rows is not None:
+            return False
         if self.work is not None:
             return self.work.is_completed()
         return self.future is not None and self.future.done()
@@ -124,11 +138,14 @@ class BucketSync:
         return self.scaling
 
     # ------------------------------------------------------------------ launch
-    def launch(self, bucket: GradientBucket) -> PendingSync:
+    def launch(self, bucket: GradientBucket, rows: TouchedRows | None = None) -> PendingSync:
         """Start communicating ``bucket`` (all its gradients are in its views).
 
         A bucket of zero elements (empty parameters) communicates nothing, unless
         a hook is registered (it is called for every bucket, as torch calls it).
+        ``rows``: the bucket holds row-sparse gradients only; unless a hook is
+        registered or the gradients are reduce-scattered, exchange only the rows
+        some rank touched.
         """
         if bucket.numel == 0 and self.hook is None:
             return PendingSync(work=CompletedWork())
@@ -143,6 +160,8 @@ class BucketSync:
             if self.hook is None:
                 if self.shards is not None:
                     work = self.shards.launch(bucket, data, self.op)
+                elif rows is not None:
+                    return PendingSync(work=rows.launch(), rows=rows)
                 else:
                     work = self.group.all_reduce(data, self.op, async_op=True)
                 assert work is not None  # async_op=True always returns a handle
@@ -185,7 +204,12 @@ class BucketSync:
             CommError: The collective or the hook failed (the message names the bucket).
         """
         cuda = CommStreams.applies(bucket.comm_device)
-        if pending.work is not None:
+        if pending.rows is not None:
+            assert pending.work is not None
+            pending.rows.finish(pending.work, self.op, timeout)
+            pending.rows = None  # complete
+            result = bucket.comm_data
+        elif pending.work is not None:
             pending.work.wait(None if cuda else timeout)
             if self.shards is not None:
                 if bucket.numel:

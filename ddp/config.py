@@ -13,6 +13,7 @@ __all__ = [
     "AUTO",
     "DDPConfig",
     "DEFAULT_BUCKET_SIZE_MB",
+    "EMBEDDING_ROWS",
     "GRADIENT_SYNCS",
     "GradientScaling",
     "MB",
@@ -30,6 +31,9 @@ MB = 1024 * 1024
 
 GRADIENT_SYNCS = ("allreduce", "reduce_scatter")
 """The values of ``gradient_sync``: every rank gets every averaged gradient, or only its shard's."""
+
+EMBEDDING_ROWS = ("auto", "touched", "all")
+"""The values of ``embedding_rows``: how embedding tables' gradients are exchanged."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +183,19 @@ class DDPConfig:
     of other ranks' shards are stale: read them elsewhere only after
     ``optimizer.finish_param_gather()``. Default False: ``step`` waits."""
 
+    embedding_rows: str = "auto"
+    """How the weight gradients of ``nn.Embedding`` and ``nn.EmbeddingBag`` tables (not
+    ``sparse=True``, not shared with another module) are exchanged. Such a gradient is
+    zero outside the rows the batch looked up. ``"touched"``: the tables get buckets
+    of their own, and each such bucket is reduced as two collectives, an all-reduce of
+    one flag per row, then one of the rows some rank touched (see
+    ``ddp.touched_rows``): the same values as a dense all-reduce, a fraction of the
+    bytes. ``"all"``: every row, in the ordinary buckets. ``"auto"`` (default):
+    ``"touched"`` on CPU unless the group reads buckets in place from shared memory
+    (``IProcessGroup.shares_buffers``), where moving a byte costs less than testing
+    it; all ranks agree on the choice. It applies to CPU tables, with no
+    communication hook and ``gradient_sync="allreduce"``."""
+
     def __post_init__(self) -> None:
         if isinstance(self.bucket_size_mb, str):
             if self.bucket_size_mb != AUTO:
@@ -211,6 +228,11 @@ class DDPConfig:
             raise ValueError(
                 f"DDPConfig.gradient_sync: expected one of {', '.join(map(repr, GRADIENT_SYNCS))}, got "
                 f"{self.gradient_sync!r}"
+            )
+        if self.embedding_rows not in EMBEDDING_ROWS:
+            raise ValueError(
+                f"DDPConfig.embedding_rows: expected one of {', '.join(map(repr, EMBEDDING_ROWS))}, got "
+                f"{self.embedding_rows!r}"
             )
         if self.overlap_param_gather and self.gradient_sync != "reduce_scatter":
             raise ValueError(
@@ -280,7 +302,7 @@ class DDPConfig:
             f"check_for_nan_in_grad={self.check_for_nan_in_grad} "
             f"broadcast_buffers={self.broadcast_buffers} rebuild_buckets={self.rebuild_buckets} "
             f"static_graph={self.static_graph} "
-            f"gradient_sync={self.gradient_sync}"
+            f"gradient_sync={self.gradient_sync} embedding_rows={self.embedding_rows}"
         )
 
     @property

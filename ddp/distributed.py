@@ -48,6 +48,7 @@ from ddp.static_graph import StaticGraph
 from ddp.stats import StepStats
 from ddp.step_guard import StepGuard
 from ddp.timeline import TimelineWriter, timeline_path_from_env
+from ddp.touched_rows import embedding_tables
 
 __all__ = ["DistributedDataParallel", "resolve_group"]
 
@@ -173,6 +174,11 @@ class DistributedDataParallel(nn.Module):
             each module of the next forward waits for its own parameters' (see
             ``DDPConfig``); read parameters elsewhere after
             ``optimizer.finish_param_gather()``.
+        embedding_rows: ``"auto"`` (default), ``"touched"`` or ``"all"``: whether
+            the gradients of embedding tables (zero outside the rows a batch looked
+            up) are exchanged by the rows some rank touched, in two small
+            collectives, instead of whole (see ``DDPConfig`` and
+            ``ddp.touched_rows``).
 
     Raises:
         ModelMismatchError: The ranks' models differ (on every rank).
@@ -214,6 +220,7 @@ class DistributedDataParallel(nn.Module):
         timeline: str | os.PathLike[str] | None = None,
         gradient_sync: str = "allreduce",
         overlap_param_gather: bool = False,
+        embedding_rows: str = "auto",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -233,6 +240,7 @@ class DistributedDataParallel(nn.Module):
             timeout_s=timeout_s,
             gradient_sync=gradient_sync,
             overlap_param_gather=overlap_param_gather,
+            embedding_rows=embedding_rows,
         )
         self.module = module
         group = resolve_group(process_group)
@@ -269,6 +277,7 @@ class DistributedDataParallel(nn.Module):
             grad_reduce_dtype=self.config.grad_reduce_dtype,
             check_for_nan_in_grad=self.config.check_for_nan_in_grad,
             gradient_sync=self.config.gradient_sync,
+            row_sparse=self._row_sparse_tables(group, [p for _, p in trainable]),
         )
         self._hooks: list[Any] = []
         if self._manager.reduce_scatters:  # a ZeroRedundancyOptimizer over these parameters follows it
@@ -347,6 +356,26 @@ class DistributedDataParallel(nn.Module):
     def _prefix(self, op: str) -> str:
         g = self.process_group
         return error_prefix(g.rank, g.world_size, "ddp", op)
+
+    def _row_sparse_tables(self, group: IProcessGroup, params: list[torch.Tensor]) -> list[int]:
+        """The embedding tables exchanged by touched rows (``embedding_rows``), the same on every rank."""
+        choice = self.config.embedding_rows
+        if choice == "all" or self.config.gradient_sync != "allreduce" or group.world_size == 1:
+            return []
+        tables = [
+            i
+            for i in embedding_tables(self.module, params)
+            if comm_device(group, params[i].dtype, params[i].device).type == "cpu"
+        ]
+        if not tables:  # the same on every rank: the models are the same
+            return []
+        if choice == "auto":
+            # Agreed: whether a group shares buffers may differ between ranks (hosts).
+            flag = control_tensor(group, [int(not group.shares_buffers)], torch.int32)
+            group.all_reduce(flag, ReduceOp.MIN)
+            if not to_host(flag).item():
+                return []
+        return tables
 
     def _check_reducible(self, group: IProcessGroup, params: list[torch.Tensor]) -> None:
         op = self.config.collective_op

@@ -19,10 +19,12 @@ from ddp import (
 from tests._emulated_device import DeviceOnlyGroup, EmulatedTensor
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed.ddp_feature_bodies import (
+    case_embedding_rows,
     case_grad_reduce_dtype,
     case_hook_gradients,
     case_nonfinite,
     case_powersgd_training,
+    check_embedding_rows,
     mlp,
 )
 from tests.distributed.test_ddp import (
@@ -369,3 +371,79 @@ def test_device_only_group_refuses_cpu_tensors():
     assert isinstance(t, EmulatedTensor) and t.device.type == "meta"
     group.all_reduce(t.fill_(3))
     assert t.cpu().tolist() == [3.0, 3.0] and group.seen == 1
+
+
+# ---------------------------------------------------------- embedding rows
+def test_embedding_rows_touched_only_on_three_ranks():
+    check_embedding_rows(run_threads(case_embedding_rows, 3))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "width", "bits"),
+    [
+        (torch.float32, 3, torch.int32),
+        (torch.float16, 3, torch.int16),
+        (torch.float16, 1, torch.uint8),
+        (torch.float64, 2, torch.int64),
+    ],
+)
+def test_touched_rows_give_the_dense_bits_whatever_the_row_width(dtype, width, bits):
+    # -0.0 alone in a row counts as touched: -0.0 + 0.0 is +0.0, which the dense sum leaves too.
+    def body(group):
+        table = nn.Embedding(7, width).to(dtype)
+        manager = GradientBucketManager([table.weight], group, row_sparse=[0])
+        grad = torch.zeros(7, width, dtype=dtype)
+        grad[1 + group.rank] = torch.arange(width, dtype=dtype) + group.rank + 1
+        if group.rank == 0:
+            grad[5, -1] = -0.0
+        table.weight.grad = grad.clone()
+        manager.reduce_all_async()
+        manager.finish_grad_sync()
+        dense = grad.clone()
+        group.all_reduce(dense.view(-1), ReduceOp.SUM)
+        exchange = manager._rows[0]
+        return (
+            table.weight.grad.view(bits),
+            (dense / group.world_size).view(bits),
+            exchange.touched_rows,
+        )
+
+    for got, want, touched in run_threads(body, 2):
+        assert torch.equal(got, want)
+        assert touched == 3  # rows 1 and 2, and the -0.0 row
+        assert float(got.view(dtype)[5, -1]) == 0.0 and not torch.signbit(got.view(dtype)[5, -1])
+
+
+def test_row_sparse_gradients_get_buckets_of_their_own():
+    table, dense = nn.Embedding(100, 4), nn.Linear(4, 4)
+    params = [table.weight, dense.weight, dense.bias]
+    manager = GradientBucketManager(params, solo(), row_sparse=[0], bucket_size_mb=1)
+    assert manager.layout == [["param2", "param1"], ["param0"]]
+    assert manager.row_sparse_buckets == [1]
+    assert GradientBucketManager(params, solo(), bucket_size_mb=1).layout == [["param2", "param1", "param0"]]
+    with pytest.raises(ValueError, match=r"row_sparse holds \[3\], not indices of the 3 parameters"):
+        GradientBucketManager(params, solo(), row_sparse=[3])
+
+
+def test_embedding_rows_setting_is_checked_and_tied_tables_stay_dense():
+    with pytest.raises(
+        ValueError, match="embedding_rows: expected one of 'auto', 'touched', 'all', got 'sparse'"
+    ):
+        DDPConfig(embedding_rows="sparse")
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.bag, self.head = (
+                nn.Embedding(9, 4),
+                nn.EmbeddingBag(5, 4, sparse=True),
+                nn.Linear(4, 9),
+            )
+            self.head.weight = self.emb.weight
+
+    from ddp.touched_rows import embedding_tables
+
+    model = Tied()
+    assert embedding_tables(model, list(model.parameters())) == []  # tied, and a sparse=True bag
+    free = nn.Sequential(nn.Embedding(9, 4), nn.Linear(4, 2))
+    assert embedding_tables(free, list(free.parameters())) == [0]

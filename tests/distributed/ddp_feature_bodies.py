@@ -284,3 +284,107 @@ def check_powersgd(results: list[dict]) -> None:
         assert plain["final"] < 0.5 * plain["initial"] and psgd["final"] <= 2 * plain["final"], (plain, psgd)
         assert psgd["bytes_sent"] < 0.6 * plain["bytes_sent"]
     assert len({r["powersgd"]["digest"] for r in results}) == 1
+
+
+class Tables(nn.Module):
+    """Two embedding tables (one a bag), a table tied to the output head, and a dense layer (float64)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        with _BUILD_LOCK:
+            torch.manual_seed(seed)
+            self.words = nn.Embedding(40, 6)
+            self.bag = nn.EmbeddingBag(30, 5, mode="sum")
+            self.tied = nn.Embedding(20, 6)
+            self.mix = nn.Linear(11, 6)
+            self.head = nn.Linear(6, 20, bias=False)
+            self.head.weight = self.tied.weight  # tied: its gradient is dense
+        self.double()
+
+    def forward(self, words: torch.Tensor, bags: torch.Tensor, tied: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.words(words).sum(1), self.bag(bags)], dim=1)
+        return self.head(self.mix(h) + self.tied(tied).sum(1))
+
+
+def table_inputs(step: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """Rank ``rank``'s lookups at ``step``: few rows at steps 0 and 1, most rows at step 2."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    lookups = 2 if step < 2 else 40
+    words = torch.randint(0, 40, (lookups, 3), generator=g)
+    return (
+        words,
+        torch.randint(0, 30, (lookups, 2), generator=g),
+        torch.randint(0, 20, (lookups, 2), generator=g),
+    )
+
+
+def case_embedding_rows(group, steps: int = 3) -> dict:
+    """DDP with ``embedding_rows="touched"`` against ``"all"`` and against the exact average.
+
+    Returns per step: whether the two DDPs' gradients are bit-identical, the largest
+    error against the float64 average over ranks, both DDPs' bytes sent, and whether
+    every row no rank touched holds +0.0 bits; plus the tables each DDP exchanged by
+    touched rows and what ``"auto"`` chose.
+    """
+    rank, world = group.rank, group.world_size
+    touched = DistributedDataParallel(Tables(5), group, embedding_rows="touched")
+    dense = DistributedDataParallel(Tables(5), group, embedding_rows="all")
+    auto = DistributedDataParallel(Tables(5), group)
+    reference = Tables(5)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (touched, dense, reference)]
+    out: dict[str, Any] = {"identical": [], "error": [], "bytes": [], "untouched_zero": []}
+    for step in range(steps):
+        for model, opt in zip((touched, dense), opts, strict=False):
+            opt.zero_grad(set_to_none=True)
+            model(*table_inputs(step, rank)).square().mean().backward()
+        opts[2].zero_grad(set_to_none=True)
+        for r in range(world):
+            (reference(*table_inputs(step, r)).square().mean() / world).backward()
+        pairs = list(zip(touched.parameters(), dense.parameters(), reference.parameters(), strict=True))
+        out["identical"].append(all(torch.equal(a.grad, b.grad) for a, b, _ in pairs))
+        out["error"].append(
+            max(float((a.grad - e.grad).abs().max() / e.grad.abs().max()) for a, _, e in pairs)
+        )
+        out["bytes"].append((touched.last_step_stats.bytes_sent, dense.last_step_stats.bytes_sent))
+        inputs = [table_inputs(step, r) for r in range(world)]
+        seen = torch.cat([i[0].flatten() for i in inputs]).unique()
+        bagged = torch.cat([i[1].flatten() for i in inputs]).unique()
+        out.setdefault("rows", []).append((seen.numel(), bagged.numel()))
+        untouched = torch.ones(40, dtype=torch.bool)
+        untouched[seen] = False
+        out["untouched_zero"].append(
+            bool((touched.module.words.weight.grad.view(torch.int64)[untouched] == 0).all())
+        )
+        for opt in opts:
+            opt.step()
+
+    def tables(model: DistributedDataParallel) -> list[str]:
+        layout = model.bucket_manager.layout
+        return sorted(name for b in model.bucket_manager.row_sparse_buckets for name in layout[b])
+
+    out["tables"] = {"touched": tables(touched), "all": tables(dense), "auto": tables(auto)}
+    out["shares_buffers"] = group.shares_buffers
+    out["digest"] = digest(touched.module)
+    return out
+
+
+def check_embedding_rows(results: list[dict]) -> None:
+    """Touched rows give the dense all-reduce's bits, fewer bytes while few are touched, +0.0 elsewhere."""
+    for r in results:
+        assert r["identical"] == [True] * 3, r["identical"]
+        assert max(r["error"]) < 1e-12, r["error"]
+        assert r["untouched_zero"] == [True] * 3
+        flags, tables = 4 * (40 + 30), 8 * (40 * 6 + 30 * 5)  # int32 flags; float64 tables
+        for step, ((sent, dense_sent), (words, bags)) in enumerate(zip(r["bytes"], r["rows"], strict=True)):
+            if 2 * (words + bags) > 70:  # most rows touched (step 2): the whole bucket, after the flags
+                assert step == 2 and sent == dense_sent + flags, (step, sent, dense_sent)
+            else:  # the flags, then the rows some rank touched instead of the whole tables
+                assert sent == dense_sent - tables + flags + 8 * (6 * words + 5 * bags), (
+                    step,
+                    sent,
+                    dense_sent,
+                )
+        assert r["tables"]["touched"] == ["bag.weight", "words.weight"], r["tables"]
+        assert r["tables"]["all"] == []
+        assert r["tables"]["auto"] == ([] if r["shares_buffers"] else r["tables"]["touched"])
+    assert len({r["digest"] for r in results}) == 1

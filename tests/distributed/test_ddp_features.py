@@ -11,10 +11,12 @@ import pytest
 from tests._launcher import RankPool, run_ranks
 from tests.conftest import available_backend_names
 from tests.distributed.ddp_feature_bodies import (
+    case_embedding_rows,
     case_grad_reduce_dtype,
     case_hook_gradients,
     case_nonfinite,
     case_powersgd_training,
+    check_embedding_rows,
     check_hooks,
     check_nonfinite,
     check_powersgd,
@@ -44,6 +46,10 @@ def test_hooks(pool):
             for hook in ("allreduce", "torch_style", "fp16", "bf16")
         }
     )
+
+
+def test_embedding_rows_touched_only(pool):
+    check_embedding_rows(pool.run(case_embedding_rows, timeout=60))
 
 
 def test_powersgd_trains_and_ranks_stay_identical(pool):

@@ -1,0 +1,151 @@
+"""Exchange only the rows of embedding gradients that some rank touched.
+
+The weight gradient of an ``nn.Embedding`` is zero except in the rows of the
+tokens the batch looked up: with a 10,000-row table and 256 tokens a rank, 95% of
+its bytes are zeros, and a dense all-reduce moves them all. A bucket that holds
+only such gradients is reduced in two collectives instead:
+
+1. at launch, each rank flags the rows of its bucket that hold any non-zero bit
+   (``-0.0`` and NaN count) and all-reduces the flags with ``MAX``;
+2. at the end of backward, the rows flagged on any rank are gathered into one
+   small buffer, all-reduced with the bucket's op, and written back.
+
+A row no rank touched is zero on every rank, which is what the dense all-reduce
+would leave there, so each value is the same sum of the same terms (on two ranks,
+the same bits; on more, the ring's order of additions may differ). Every rank gets
+the same flags, so every rank takes the same path: when more than half the rows
+are touched, the whole bucket is all-reduced instead.
+
+Only rows are compacted, so the bucket must hold nothing else (the layout gives
+row-sparse gradients buckets of their own). It works on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from commlib.process_group import IProcessGroup
+from commlib.types import ReduceOp
+from commlib.work import Work
+from ddp.bucket import GradientBucket
+
+__all__ = ["TouchedRows", "row_view"]
+
+_BITS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+"""Integer dtypes a row is tested through, widest first (a non-zero bit anywhere makes it touched)."""
+
+
+def row_view(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``flat`` (one parameter's gradient) as a 2-D table: one row per index of the first dimension."""
+    rows = shape[0] if len(shape) else 1
+    return flat.view(rows, flat.numel() // rows if rows else 0)
+
+
+def _as_bits(table: torch.Tensor) -> torch.Tensor:
+    """``table`` reinterpreted as the widest integer dtype that fits its rows and alignment."""
+    row_bytes = table.shape[1] * table.element_size()
+    offset_bytes = table.storage_offset() * table.element_size()
+    for bits in _BITS:
+        size = bits.itemsize
+        if row_bytes % size == 0 and offset_bytes % size == 0:
+            return table.view(bits)
+    raise AssertionError("uint8 divides every row")  # pragma: no cover
+
+
+class TouchedRows:
+    """The two-collective exchange of one bucket of row-sparse gradients (see the module docstring).
+
+    Args:
+        bucket: A CPU bucket holding only row-sparse gradients (embedding tables).
+        group: The group to reduce over.
+    """
+
+    def __init__(self, bucket: GradientBucket, group: IProcessGroup) -> None:
+        self.group = group
+        self.bucket = bucket
+        data = bucket.comm_data
+        self._tables: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        start = 0
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            table = row_view(data[offset : offset + param.numel()], param.shape)
+            if table.numel():
+                self._tables.append((table, _as_bits(table), start))
+                start += table.shape[0]
+        self.rows = start
+        """Rows of all the bucket's tables."""
+        self._touched = torch.zeros(self.rows, dtype=torch.bool)
+        self._flags = torch.zeros(self.rows, dtype=torch.int32)
+        self.touched_rows = 0
+        """Rows flagged on some rank in the latest exchange (all of them when it went dense)."""
+
+    def launch(self) -> Work:
+        """Flag this rank's touched rows and start the all-reduce (``MAX``) of the flags."""
+        touched = self._touched
+        for table, bits, start in self._tables:
+            torch.any(bits, dim=1, out=touched[start : start + table.shape[0]])
+        self._flags.copy_(touched)
+        work = self.group.all_reduce(self._flags, ReduceOp.MAX, async_op=True)
+        assert work is not None  # async_op=True always returns a handle
+        return work.annotate(
+            lambda: f"DDP bucket {self.bucket.index()}: touched-row flags of {self.rows} embedding rows"
+        )
+
+    def finish(self, flags: Work, op: ReduceOp, timeout: float | None) -> None:
+        """Wait for the flags, then reduce the rows flagged on any rank (or all of them) in place.
+
+        Args:
+            flags: The work ``launch`` returned.
+            op: The bucket's reduction.
+            timeout: Seconds for both waits together (None: the group's timeout).
+
+        Raises:
+            CommTimeoutError: Not finished within ``timeout``.
+            CommError: A collective failed.
+        """
+        deadline = time.perf_counter() + (self.group.timeout if timeout is None else timeout)
+        flags.wait(timeout)
+        flagged = self._flags
+        picked = [(t, flagged[start : start + t.shape[0]].nonzero().view(-1)) for t, _, start in self._tables]
+        self.touched_rows = sum(int(rows.numel()) for _, rows in picked)
+        if 2 * self.touched_rows > self.rows:
+            self.touched_rows = self.rows
+            work = self.group.all_reduce(self.bucket.comm_data, op, async_op=True)
+            assert work is not None
+            work.wait(max(deadline - time.perf_counter(), 1e-3))
+            return
+        if not self.touched_rows:
+            return
+        compact = torch.cat([table.index_select(0, rows).view(-1) for table, rows in picked])
+        work = self.group.all_reduce(compact, op, async_op=True)
+        assert work is not None
+        work.annotate(lambda: f"DDP bucket {self.bucket.index()}: {self.touched_rows} touched embedding rows")
+        work.wait(max(deadline - time.perf_counter(), 1e-3))
+        at = 0
+        for table, rows in picked:
+            n = rows.numel() * table.shape[1]
+            table.index_copy_(0, rows, compact[at : at + n].view(-1, table.shape[1]))
+            at += n
+
+
+def embedding_tables(module: torch.nn.Module, params: list[torch.Tensor]) -> list[int]:
+    """Indices in ``params`` of the CPU embedding tables whose gradients are row-sparse.
+
+    The weight of an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=False``
+    qualifies if no other module holds it (a table tied to an output layer gets
+    a dense gradient from it).
+    """
+    holders: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        holders[id(p)] = holders.get(id(p), 0) + 1
+    tables = {
+        id(m.weight)
+        for m in module.modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and not m.sparse
+    }
+    return [
+        i
+        for i, p in enumerate(params)
+        if id(p) in tables and holders.get(id(p)) == 1 and p.device.type == "cpu" and p.dim() == 2
+    ]
