@@ -231,7 +231,10 @@ def build_impls(
         ]
         impls.append(Impl(name, None, model, sgd(model), after_backward=after))
     for implementation, size in [("per-param", 0.0)] + [("bucketed", s) for s in sizes] + [("auto", None)]:
-        ddp = DistributedDataParallel(fresh(), group, bucket_size_mb="auto" if size is None else size)
+        # Every row of the embedding tables, as the cost model (bytes per bucket) assumes.
+        ddp = DistributedDataParallel(
+            fresh(), group, bucket_size_mb="auto" if size is None else size, embedding_rows="all"
+        )
         impls.append(Impl(implementation, size, ddp, sgd(ddp), ddp=ddp))
     for size in torch_sizes:
         model = torch.nn.parallel.DistributedDataParallel(fresh(), bucket_cap_mb=size)

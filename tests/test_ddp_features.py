@@ -13,12 +13,14 @@ from ddp import (
     DDPConfig,
     DistributedDataParallel,
     GradientBucketManager,
+    Join,
     PowerSGDState,
     allreduce_hook,
 )
 from tests._emulated_device import DeviceOnlyGroup, EmulatedTensor
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed.ddp_feature_bodies import (
+    Tables,
     case_embedding_rows,
     case_grad_reduce_dtype,
     case_hook_gradients,
@@ -26,6 +28,7 @@ from tests.distributed.ddp_feature_bodies import (
     case_powersgd_training,
     check_embedding_rows,
     mlp,
+    table_inputs,
 )
 from tests.distributed.test_ddp import (
     Branches,
@@ -447,3 +450,26 @@ def test_embedding_rows_setting_is_checked_and_tied_tables_stay_dense():
     assert embedding_tables(model, list(model.parameters())) == []  # tied, and a sparse=True bag
     free = nn.Sequential(nn.Embedding(9, 4), nn.Linear(4, 2))
     assert embedding_tables(free, list(free.parameters())) == [0]
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_embedding_rows_under_join_match_the_dense_exchange(find_unused):
+    # A joined rank flags no rows and still takes part in both collectives of the exchange.
+    def body(group, rows: str):
+        model = DistributedDataParallel(
+            Tables(3), group, embedding_rows=rows, find_unused_parameters=find_unused
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        with Join([model]):
+            for step in range([1, 3, 2][group.rank]):
+                opt.zero_grad(set_to_none=True)
+                model(*table_inputs(step % 2, group.rank)).square().mean().backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()], model.bucket_manager.row_sparse_buckets
+
+    touched = run_threads(body, 3, "touched")
+    dense = run_threads(body, 3, "all")
+    assert all(buckets for _, buckets in touched) and not any(buckets for _, buckets in dense)
+    for (params, _), (reference, _) in zip(touched, dense, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(params, reference, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(touched[0][0], touched[2][0], strict=True))
