@@ -611,6 +611,9 @@ def one_step(mode: Mode, cfg: GPTConfig, args: argparse.Namespace, step: int, ra
 def per_step_records(m: Mode) -> list[list[Any]]:
     """The lists ``one_step`` appends one value to per step (cut back after an untimed step)."""
     return [
+        m.forward,
+        m.backward,
+        m.optimizer,
         m.main_cpu,
         m.other_cpu,
         m.hook,
