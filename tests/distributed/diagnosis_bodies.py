@@ -8,6 +8,7 @@ returns plain values (the test asserts); a rank never raises for an expected err
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -187,7 +188,12 @@ def stall(group: IProcessGroup, sleep_s: float = 3.0, capture: bool = True) -> d
 
 
 def stall_in_different_calls(group: IProcessGroup) -> dict[str, Any]:
-    """Rank 0 all-reduces where the others broadcast (no fingerprint check): all wait, warn, then time out."""
+    """Rank 0 all-reduces where the others broadcast (no fingerprint check): all wait, warn, then time out.
+
+    Gloo only (torch's default group). A rank that has timed out waits on the job's
+    store for the others before it returns: tearing its group down closes the
+    connections, and a rank still waiting would see a closed peer, not its own timeout.
+    """
     group.all_reduce(torch.ones(4))
     seq = group._seq + 1
     with CapturedWarnings() as seen:
@@ -197,6 +203,10 @@ def stall_in_different_calls(group: IProcessGroup) -> dict[str, Any]:
             error: str | None = f"{type(e).__name__}: {e}"
         else:
             error = None
+    store = torch.distributed.distributed_c10d._get_default_store()
+    keys = [f"stall_in_different_calls/{r}" for r in range(group.world_size)]
+    store.set(keys[group.rank], "timed out")
+    store.wait(keys, datetime.timedelta(seconds=60))
     return {"seq": seq, "warnings": seen.messages, "error": error}
 
 
