@@ -279,16 +279,25 @@ def dumps(group: IProcessGroup, chosen: str) -> dict[str, Any]:
 
 
 def miss_then_dump(group: IProcessGroup) -> dict[str, Any]:
-    """The last rank skips a collective: the others time out (and dump); it dumps on request."""
+    """The last rank skips a collective: the others time out (and dump); it dumps on request.
+
+    Gloo only (torch's default group): the last rank waits on the job's store until the
+    others have timed out, then dumps.
+    """
     group.all_reduce(torch.ones(4))
+    store = torch.distributed.distributed_c10d._get_default_store()
+    others = [f"miss_then_dump/{r}" for r in range(group.world_size - 1)]
     if group.rank == group.world_size - 1:
-        time.sleep(group.timeout + 2.0)
+        store.wait(others, datetime.timedelta(seconds=60))
         return {"path": str(commlib.dump_flight_recorder()), "seq": group._seq}
     try:
         group.all_reduce(torch.ones(4))
     except CommError as e:
-        return {"error": f"{type(e).__name__}: {e}", "seq": group._seq}
-    return {"error": None, "seq": group._seq}
+        error: str | None = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    store.set(others[group.rank], "timed out")
+    return {"error": error, "seq": group._seq}
 
 
 # --------------------------------------------------------------- semantics
