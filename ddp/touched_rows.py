@@ -31,13 +31,13 @@ from commlib.types import ReduceOp
 from commlib.work import Work
 from ddp.bucket import GradientBucket
 
-__all__ = ["TouchedRows", "row_view"]
+__all__ = ["TouchedRows", "embedding_tables"]
 
 _BITS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 """Integer dtypes a row is tested through, widest first (a non-zero bit anywhere makes it touched)."""
 
 
-def row_view(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def _row_view(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``flat`` (one parameter's gradient) as a 2-D table: one row per index of the first dimension."""
     rows = shape[0] if len(shape) else 1
     return flat.view(rows, flat.numel() // rows if rows else 0)
@@ -69,7 +69,7 @@ class TouchedRows:
         self._tables: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         start = 0
         for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-            table = row_view(data[offset : offset + param.numel()], param.shape)
+            table = _row_view(data[offset : offset + param.numel()], param.shape)
             if table.numel():
                 self._tables.append((table, _as_bits(table), start))
                 start += table.shape[0]
@@ -111,22 +111,24 @@ class TouchedRows:
         self.touched_rows = sum(int(rows.numel()) for _, rows in picked)
         if 2 * self.touched_rows > self.rows:
             self.touched_rows = self.rows
-            work = self.group.all_reduce(self.bucket.comm_data, op, async_op=True)
-            assert work is not None
-            work.wait(max(deadline - time.perf_counter(), 1e-3))
+            self._all_reduce(self.bucket.comm_data, op, deadline)
             return
         if not self.touched_rows:
             return
         compact = torch.cat([table.index_select(0, rows).view(-1) for table, rows in picked])
-        work = self.group.all_reduce(compact, op, async_op=True)
-        assert work is not None
-        work.annotate(lambda: f"DDP bucket {self.bucket.index()}: {self.touched_rows} touched embedding rows")
-        work.wait(max(deadline - time.perf_counter(), 1e-3))
+        self._all_reduce(compact, op, deadline)
         at = 0
         for table, rows in picked:
             n = rows.numel() * table.shape[1]
             table.index_copy_(0, rows, compact[at : at + n].view(-1, table.shape[1]))
             at += n
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, deadline: float) -> None:
+        """All-reduce ``tensor`` (the touched rows, or the whole bucket), waiting until ``deadline``."""
+        work = self.group.all_reduce(tensor, op, async_op=True)
+        assert work is not None  # async_op=True always returns a handle
+        work.annotate(lambda: f"DDP bucket {self.bucket.index()}: {self.touched_rows} touched embedding rows")
+        work.wait(max(deadline - time.perf_counter(), 1e-3))
 
 
 def embedding_tables(module: torch.nn.Module, params: list[torch.Tensor]) -> list[int]:
