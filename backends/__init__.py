@@ -1,8 +1,12 @@
-"""Built-in commlib backends, each imported only when chosen.
+"""Built-in commlib backends, one subpackage each, each imported only when chosen.
 
-- ``ring``: ring all-reduce in pure Python (shared memory on one host, TCP across hosts).
-- ``nccl`` / ``gloo``: torch.distributed (NCCL for CUDA tensors, Gloo for CPU tensors).
-- ``mpi``: mpi4py (NumPy views for CPU tensors, CuPy buffers for CUDA tensors).
+- ``ring``: our ring collectives in pure Python (shared memory on one host, TCP across hosts).
+- ``torch``: torch.distributed, registered as ``gloo`` (CPU tensors) and ``nccl`` (CUDA
+  tensors through NCCL, CPU tensors through Gloo).
+- ``mpi``: mpi4py (views of CPU tensors, CuPy buffers or pinned staging for CUDA tensors).
+- ``common``: what several backends share (job token, store rendezvous, kernels, CUDA staging).
 
-Each module exposes ``BACKENDS``: a mapping from backend name to factory.
+Each backend subpackage exposes ``BACKENDS``: a mapping from backend name to factory. No backend
+imports another; ``backends.nccl`` keeps the ``gloo`` / ``nccl`` names importable from their
+earlier place.
 """

@@ -32,7 +32,7 @@ skipped: it takes host memory). ring and mpi are also measured on host tensors
 in the same run (``ring[host]``, ``mpi[host]``), and each CUDA row reports its
 bus bandwidth against its backend's on host tensors (``bw_vs_host``; the target
 is at least 0.8 from 25 MiB). Where a backend stages CUDA tensors through
-``backends._cuda_staging``, the copies of one extra all-reduce per size are
+``backends.common.cuda_staging``, the copies of one extra all-reduce per size are
 timed with CUDA events, and ``hidden`` is the fraction of that copy time the
 pipeline hid: ``(host latency + copy time - CUDA latency) / copy time``,
 clipped to [0, 1]. Every timing block ends with ``torch.cuda.synchronize()``.
@@ -517,17 +517,17 @@ class CopyTimer:
     """Times the staging pipeline's copies with CUDA events (``TorchCudaOps`` plus timing events).
 
     Installed as the process's staging ops before any group stages, so every
-    ``backends._cuda_staging`` pipeline of this process copies through it: the
+    ``backends.common.cuda_staging`` pipeline of this process copies through it: the
     ring's and the mpi backend's (when it stages). It records only between
     ``begin()`` and ``end()``, so the timed blocks pay nothing.
     """
 
     def __init__(self) -> None:
-        from backends import _cuda_staging
+        from backends.common import cuda_staging
 
         timer = self
 
-        class TimingOps(_cuda_staging.TorchCudaOps):
+        class TimingOps(cuda_staging.TorchCudaOps):
             def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
                 if not timer.recording:
                     super().copy(dst, src, stream)
@@ -541,9 +541,9 @@ class CopyTimer:
         self.recording = False
         self.events: list[tuple[Any, Any]] = []
         ops = TimingOps()
-        pool = _cuda_staging.PinnedBufferPool(ops)
+        pool = cuda_staging.PinnedBufferPool(ops)
         # The process's shared staging parts: every pipeline made from now on copies through ``ops``.
-        _cuda_staging._shared = (ops, pool)
+        cuda_staging._shared = (ops, pool)
 
     def begin(self) -> None:
         """Record the copies from now on."""

@@ -62,9 +62,9 @@ def groups() -> dict[str, IProcessGroup]:
     made: dict[str, IProcessGroup] = {"off": NullGroup(env)}
     if not hasattr(IProcessGroup, "_start_diagnostics"):
         return made  # a commlib from before the diagnosis
-    from commlib.diagnostics import Diagnostics
-    from commlib.flight_recorder import FlightRecorder
-    from commlib.watchdog import CollectiveTracker
+    from commlib.diagnosis.diagnostics import Diagnostics
+    from commlib.diagnosis.flight_recorder import FlightRecorder
+    from commlib.diagnosis.watchdog import CollectiveTracker
 
     stall = NullGroup(env)
     stall._diagnostics = Diagnostics(tracker=CollectiveTracker(), recorder=None, exchange=None, world_size=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from commlib.config import CommConfig
+from commlib.diagnosis.flight_recorder import dump_flight_recorder
 from commlib.env import DistEnv, detect
 from commlib.errors import (
     BackendUnavailableError,
@@ -15,7 +16,6 @@ from commlib.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from commlib.flight_recorder import dump_flight_recorder
 from commlib.process_group import IProcessGroup
 from commlib.registry import (
     available_backends,

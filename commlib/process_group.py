@@ -16,7 +16,7 @@ from torch.autograd.graph import increment_version
 
 from commlib import nan_minmax
 from commlib.config import CommConfig
-from commlib.diagnostics import Diagnostics, FingerprintExchange
+from commlib.diagnosis.diagnostics import Diagnostics, FingerprintExchange
 from commlib.env import DistEnv
 from commlib.errors import GroupClosedError, error_prefix
 from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, ReduceOp, dtype_name
@@ -45,7 +45,7 @@ class IProcessGroup(abc.ABC):
     propagate NaN for backends whose own drop it (``_propagates_nan`` False), the
     autograd version bump of every tensor a collective writes, and the diagnosis
     (stall reports, ``COMMLIB_DEBUG=DETAIL``, the flight recorder; see
-    ``commlib.diagnostics``), which whoever creates the group starts with
+    ``commlib.diagnosis.diagnostics``), which whoever creates the group starts with
     ``_start_diagnostics()`` once it is connected.
 
     Args:

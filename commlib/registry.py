@@ -47,8 +47,8 @@ class _BuiltinBackend:
 
 _BUILTINS: dict[str, _BuiltinBackend] = {
     "ring": _BuiltinBackend("backends.ring", ("torch",), "pip install commlib"),
-    "gloo": _BuiltinBackend("backends.nccl", ("torch",), "pip install commlib"),
-    "nccl": _BuiltinBackend("backends.nccl", ("torch",), "pip install commlib"),
+    "gloo": _BuiltinBackend("backends.torch", ("torch",), "pip install commlib"),
+    "nccl": _BuiltinBackend("backends.torch", ("torch",), "pip install commlib"),
     "mpi": _BuiltinBackend(
         "backends.mpi",
         ("mpi4py",),

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import commlib
+from commlib.diagnosis.flight_recorder import dump_on_error
 from commlib.errors import CommError, error_prefix
-from commlib.flight_recorder import dump_on_error
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp, dtype_name
 from ddp.auto_bucket import AutoBucketReport, AutoBucketSizer
@@ -69,7 +69,7 @@ def resolve_group(process_group: Any) -> IProcessGroup:
 
     Args:
         process_group: A commlib ``IProcessGroup``; a ``torch.distributed.ProcessGroup``
-            (wrapped with ``backends.nccl.from_torch_group``); or None.
+            (wrapped with ``backends.torch.from_torch_group``); or None.
 
     Raises:
         commlib.NotInitializedError: None was given and neither commlib nor

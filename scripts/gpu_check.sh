@@ -113,7 +113,7 @@ run() {
 run environment 300 "$PY" - <<'PY'
 import torch
 from mpi4py import MPI
-from backends._mpi_cuda import detect_cuda_aware
+from backends.mpi.cuda import detect_cuda_aware
 assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
 import cupy
 version = torch.cuda.nccl.version()

@@ -1,4 +1,4 @@
-"""backends._cuda_staging on the CPU: size classes, chunk plans, buffer reuse and the order of copies.
+"""backends.common.cuda_staging on the CPU: size classes, chunk plans, buffer reuse and the order of copies.
 
 A recording fake stands in for the CUDA calls (streams, events, copies, pinned
 memory); CPU tensors play the device tensor, and the fake's copies really copy,
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from backends._cuda_staging import (
+from backends.common.cuda_staging import (
     Chunk,
     ChunkedRequests,
     PinnedBufferPool,

@@ -288,7 +288,7 @@ def test_process_group_none_wraps_torch_distributed(tmp_path, clean_commlib):
     dist = torch.distributed
     if commlib.is_initialized() or dist.is_initialized():
         pytest.skip("a default group exists in this process")
-    pytest.importorskip("backends.nccl")
+    pytest.importorskip("backends.torch")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = nn.Linear(2, 2)

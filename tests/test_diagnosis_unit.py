@@ -25,10 +25,14 @@ from commlib import (
     ReduceOp,
     nan_minmax,
 )
-from commlib.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints, mismatch_detail
-from commlib.flight import main as flight_main
-from commlib.flight_recorder import FlightRecorder, dump_flight_recorder, find_divergence, load_dumps
-from commlib.sidechannel import (
+from commlib.diagnosis.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints, mismatch_detail
+from commlib.diagnosis.flight_recorder import (
+    FlightRecorder,
+    dump_flight_recorder,
+    find_divergence,
+    load_dumps,
+)
+from commlib.diagnosis.sidechannel import (
     FRAME,
     HELLO,
     MAGIC,
@@ -38,7 +42,8 @@ from commlib.sidechannel import (
     hub_host,
     send_frame,
 )
-from commlib.watchdog import CollectiveTracker, Watchdog, format_stall
+from commlib.diagnosis.watchdog import CollectiveTracker, Watchdog, format_stall
+from commlib.flight import main as flight_main
 from commlib.work import CompletedWork, Work
 from tests._fake_groups import FakeGroup
 

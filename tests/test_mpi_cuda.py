@@ -1,4 +1,4 @@
-"""backends._mpi_cuda on the CPU: every branch of the CUDA-aware decision, and CuPy views, with fakes.
+"""backends.mpi.cuda on the CPU: every branch of the CUDA-aware decision, and CuPy views, with fakes.
 
 The MPI library is faked (mpi4py's query, the communicator's info, the vendor's
 C functions), so no MPI is initialised in this process; one test asks the real
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from backends._mpi_cuda import (
+from backends.mpi.cuda import (
     CUDA_AWARE_ENV_VAR,
     CudaAwareness,
     as_cupy,
@@ -193,7 +193,7 @@ def test_the_real_mpi_library_of_this_venv_is_asked(tmp_path) -> None:  # noqa: 
         pytest.skip(mpi_unavailable_reason() or "")
     code = (
         "from mpi4py import MPI\n"
-        "from backends._mpi_cuda import detect_cuda_aware, library_symbol_lookup\n"
+        "from backends.mpi.cuda import detect_cuda_aware, library_symbol_lookup\n"
         "d = detect_cuda_aware(MPI)\n"
         "print(d.log_line())\n"
         "print('found', library_symbol_lookup(MPI)('MPIX_Query_cuda_support') is not None)\n"

@@ -1,4 +1,4 @@
-"""backends._mpi_device in-process: the path per dtype, the one log line, CuPy errors, ``StagedRequest``.
+"""backends.mpi.device_path in-process: the path per dtype, the one log line, CuPy errors, ``StagedRequest``.
 
 No MPI is initialised here: detection asks a fake ``mpi4py.MPI``; the CUDA
 calls are the recording fake of tests/test_cuda_staging.py, with CPU tensors
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from backends._cuda_staging import PinnedBufferPool, StagingConfig
-from backends._mpi_device import DevicePath, StagedRequest
+from backends.common.cuda_staging import PinnedBufferPool, StagingConfig
+from backends.mpi.device_path import DevicePath, StagedRequest
 from commlib.errors import BackendUnavailableError
 from tests.test_cuda_staging import FakeOps
 

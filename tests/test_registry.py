@@ -122,11 +122,11 @@ def test_builtin_table_names_the_backends_and_the_mpi_extra() -> None:
 _LAZY_CHECK = """
 import sys
 import commlib
-heavy = [m for m in ("backends.ring", "backends.nccl", "backends.mpi", "mpi4py", "cupy") if m in sys.modules]
+heavy = [m for m in ("backends.ring", "backends.torch", "backends.mpi", "mpi4py", "cupy") if m in sys.modules]
 print("LOADED", heavy)
 commlib.available_backends()
 commlib.is_available("mpi")
-heavy = [m for m in ("backends.ring", "backends.nccl", "backends.mpi", "mpi4py", "cupy") if m in sys.modules]
+heavy = [m for m in ("backends.ring", "backends.torch", "backends.mpi", "mpi4py", "cupy") if m in sys.modules]
 print("AFTER_QUERY", heavy)
 """
 

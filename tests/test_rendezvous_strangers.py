@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from backends import _lobby
-from backends._rendezvous import RingSockets, rendezvous
-from backends._wire import SocketReader, recv_json, send_json
+from backends.ring import lobby
+from backends.ring.rendezvous import RingSockets, rendezvous
+from backends.ring.wire import SocketReader, recv_json, send_json
 from commlib.env import DistEnv
 from commlib.ports import free_port
 from tests._listeners import listening_ports, port_is_listening, wait_until
@@ -168,7 +168,7 @@ def test_a_stranger_on_a_data_listener_is_dropped_alone(kind: str, commlib_log, 
 
 def test_a_silent_stranger_is_dropped_at_its_own_deadline(commlib_log, pool, monkeypatch) -> None:
     """With nobody else arriving, a silent connection is dropped after its short deadline, not the timeout."""
-    monkeypatch.setattr(_lobby, "STRANGER_DEADLINE_S", 0.3)
+    monkeypatch.setattr(lobby, "STRANGER_DEADLINE_S", 0.3)
     port = free_port()
     rank0 = _start_rank0(pool, port)
     dropped = threading.Event()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from backends._jobtoken import JobToken, job_token, sign_with, verify_with
+from backends.common.jobtoken import JobToken, job_token, sign_with, verify_with
 from commlib.env import DistEnv
 
 REMOTE = "10.1.2.3"  # not this host: no local identity applies
@@ -84,7 +84,7 @@ def test_without_any_id_a_local_job_is_the_process_that_started_it() -> None:
 
 _CHILD = (
     "import sys; sys.path.insert(0, {root!r});"
-    "from backends._jobtoken import job_token; from commlib.env import DistEnv;"
+    "from backends.common.jobtoken import job_token; from commlib.env import DistEnv;"
     "print(job_token(DistEnv(rank=1, world_size=2, launcher='explicit'), {{}}).key.hex())"
 )
 

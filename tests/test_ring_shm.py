@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from backends import _kernels
-from backends._doorbell import Doorbell, abort_frame
-from backends._shared_buffers import SharedBuffers
-from backends._shm import HEADER_BYTES, Region, can_share_descriptors
-from backends._shm_links import Inbox, ShmRecvLink, ShmSendLink
-from backends._wire import PeerClosed, SocketReader
+from backends.common import kernels
+from backends.ring.doorbell import Doorbell, abort_frame
+from backends.ring.shared_buffers import SharedBuffers
+from backends.ring.shm import HEADER_BYTES, Region, can_share_descriptors
+from backends.ring.shm_links import Inbox, ShmRecvLink, ShmSendLink
+from backends.ring.wire import PeerClosed, SocketReader
 from commlib import CommError, CommTimeoutError, PeerFailureError, ReduceOp
 
 needs_memfd = pytest.mark.skipif(not can_share_descriptors(), reason="needs memfd and /proc (Linux)")
@@ -228,7 +228,7 @@ def test_a_record_and_its_payload_share_one_slot(pair, tmp_path, dtype: torch.dt
     assert sender.bell.count == 3  # three messages, three slots' worth
     assert receiver.recv_meta() == b"m" * 96
     total = torch.ones(100, dtype=dtype)
-    receiver.recv_reduce(total, _kernels.reducer(ReduceOp.SUM, dtype))  # straight out of the slot
+    receiver.recv_reduce(total, kernels.reducer(ReduceOp.SUM, dtype))  # straight out of the slot
     assert receiver.recv_meta() == b"n" * 96
     receiver.recv_into(torch.empty(0, dtype=dtype))
     assert receiver.recv_meta() == b"o" * 96
@@ -262,7 +262,7 @@ def test_lent_chunks_are_read_in_place_and_returned(pair, tmp_path) -> None:
     sender.lend(buffer[100:300], region.id, 400)
     sender.lend(buffer[300:1000], region.id, 1200)  # larger than a slot: only its header is posted
     got = torch.zeros(200)
-    receiver.recv_reduce(got, _kernels.reducer(ReduceOp.SUM, torch.float32))
+    receiver.recv_reduce(got, kernels.reducer(ReduceOp.SUM, torch.float32))
     assert torch.equal(got, torch.arange(100, 300, dtype=torch.float32))
     assert receiver.lent_regions == 1  # mapped once, through /proc/<pid>/fd/<fd>
     returned = threading.Event()
@@ -311,7 +311,7 @@ def test_a_record_can_carry_a_lent_chunk(pair, tmp_path) -> None:
     assert receiver.recv_meta() == b"m" * 96
     assert sender.bell.peer_count == 0  # the slot stays taken until the chunk is read
     got = torch.ones(10)
-    receiver.recv_reduce(got, _kernels.reducer(ReduceOp.SUM, torch.float32))
+    receiver.recv_reduce(got, kernels.reducer(ReduceOp.SUM, torch.float32))
     assert torch.equal(got, torch.arange(10, 20, dtype=torch.float32) + 1)
     sender.wait_returned()  # read: returns at once
     assert receiver.lent_regions == 1
@@ -393,24 +393,24 @@ _TORCH_OPS = {
 
 
 @pytest.mark.parametrize("dtype", _DTYPES)
-@pytest.mark.parametrize("numel", [0, 5, _kernels.PIECE + 7, 3 * _kernels.PIECE])
+@pytest.mark.parametrize("numel", [0, 5, kernels.PIECE + 7, 3 * kernels.PIECE])
 def test_kernels_match_torch_bit_for_bit(dtype: torch.dtype, numel: int) -> None:
     gen = torch.Generator().manual_seed(numel)
     a = (torch.randn(numel, generator=gen) * 8).to(dtype)
     b = (torch.randn(numel, generator=gen) * 8).to(dtype)
     for op, func in _TORCH_OPS.items():
         out = a.clone()
-        _kernels.reducer(op, dtype)(out, b)
+        kernels.reducer(op, dtype)(out, b)
         assert torch.equal(out, func(a, b)), op
         out = b.clone()
-        _kernels.combine(op, dtype)(out, a, out)  # out may alias the second operand
+        kernels.combine(op, dtype)(out, a, out)  # out may alias the second operand
         assert torch.equal(out, func(a, b)), op
     copied = torch.empty_like(a)
-    _kernels.copy(copied, a)
+    kernels.copy(copied, a)
     assert torch.equal(copied, a)
     if dtype.is_floating_point:
         divided = a.clone()
-        _kernels.divide(divided, 3)
+        kernels.divide(divided, 3)
         assert torch.equal(divided, a / 3)
 
 
@@ -419,7 +419,7 @@ def test_kernels_never_start_torchs_thread_team() -> None:
     script = textwrap.dedent(
         """
         import os, numpy as np, torch
-        from backends import _kernels
+        from backends.common import kernels
         from commlib import ReduceOp
         torch.set_num_threads(2)
         def threads():
@@ -432,10 +432,10 @@ def test_kernels_never_start_torchs_thread_team() -> None:
         before = threads()
         for dtype in (torch.float32, torch.int64, torch.float16, torch.bfloat16):
             a, b = ones(dtype), ones(dtype)
-            _kernels.reducer(ReduceOp.SUM, dtype)(a, b)
-            _kernels.copy(a, b)
+            kernels.reducer(ReduceOp.SUM, dtype)(a, b)
+            kernels.copy(a, b)
             if dtype.is_floating_point:
-                _kernels.divide(a, 2)
+                kernels.divide(a, 2)
         after = threads()
         a.add_(b)  # torch's own op on as many elements starts the team
         print(before, after, threads())
@@ -453,8 +453,8 @@ def test_kernels_never_start_torchs_thread_team() -> None:
 
 
 def test_numpy_views_of_kernels_write_through() -> None:
-    big = torch.zeros(_kernels.PIECE * 2, dtype=torch.int32)
-    _kernels.reducer(ReduceOp.MAX, torch.int32)(big, torch.arange(big.numel(), dtype=torch.int32))
+    big = torch.zeros(kernels.PIECE * 2, dtype=torch.int32)
+    kernels.reducer(ReduceOp.MAX, torch.int32)(big, torch.arange(big.numel(), dtype=torch.int32))
     assert np.array_equal(big.numpy(), np.arange(big.numel(), dtype=np.int32))
 
 
@@ -463,9 +463,9 @@ def test_a_neighbour_lost_during_link_set_up_leaves_no_shared_memory_files(tmp_p
     import socket
     import threading
 
-    from backends._link_setup import connect_links
-    from backends._rendezvous import RingSockets, host_id
-    from backends._wire import PeerClosed, SocketReader, recv_json, send_json
+    from backends.ring.link_setup import connect_links
+    from backends.ring.rendezvous import RingSockets, host_id
+    from backends.ring.wire import PeerClosed, SocketReader, recv_json, send_json
 
     left, left_peer = socket.socketpair()
     right, right_peer = socket.socketpair()

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from backends import _wire
-from backends._links import TcpRecvLink, TcpSendLink
-from backends._shm import Region
-from backends._shm_links import Inbox, ShmRecvLink, ShmSendLink
-from backends._wire import (
+from backends.ring import RingConfig, wire
+from backends.ring.links import TcpRecvLink, TcpSendLink
+from backends.ring.shm import Region
+from backends.ring.shm_links import Inbox, ShmRecvLink, ShmSendLink
+from backends.ring.wire import (
     PeerClosed,
     SocketReader,
     connect_with_retry,
@@ -21,7 +21,6 @@ from backends._wire import (
     recv_json,
     send_json,
 )
-from backends.ring import RingConfig
 from commlib import CommTimeoutError, PeerFailureError
 from commlib.ports import free_port
 
@@ -216,7 +215,7 @@ def test_connect_retries_when_a_connect_joins_itself(monkeypatch) -> None:
         attempts.append(sock)
         return sock
 
-    monkeypatch.setattr(_wire.socket, "create_connection", connect)
+    monkeypatch.setattr(wire.socket, "create_connection", connect)
     try:
         sock = connect_with_retry("127.0.0.1", port, time.monotonic() + 10, "rank 0")
         with sock:
@@ -229,7 +228,7 @@ def test_connect_retries_when_a_connect_joins_itself(monkeypatch) -> None:
 
 def test_connect_gives_up_at_the_deadline_naming_the_self_connection(monkeypatch) -> None:
     monkeypatch.setattr(
-        _wire.socket, "create_connection", lambda address, timeout=None: _self_connected_socket()
+        wire.socket, "create_connection", lambda address, timeout=None: _self_connected_socket()
     )
     with pytest.raises(
         TimeoutError, match=r"could not connect to rank 0 at 127\.0\.0\.1:\d+: .*connected to itself"

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+from commlib.diagnosis.flight_recorder import FlightRecorder
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
-from commlib.flight_recorder import FlightRecorder
 from ddp import DistributedDataParallel, ParametersChangedError, RanksOutOfStepError, step_guard
 from ddp.step_guard import StepGuard
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads

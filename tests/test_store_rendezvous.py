@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from backends._store_rendezvous import _claim_slot, join_job_store
+from backends.common.store_rendezvous import _claim_slot, join_job_store
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError
 from commlib.ports import free_port

@@ -26,8 +26,8 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 def variant_available(variant: str) -> str | None:
     """Return why ``variant`` cannot run here, or None."""
     backend = VARIANTS[variant][0]
-    if backend == "gloo" and importlib.util.find_spec("backends.nccl") is None:
-        return "backends/nccl.py (the gloo backend) is not present"
+    if backend == "gloo" and importlib.util.find_spec("backends.torch") is None:
+        return "backends/torch/group.py (the gloo backend) is not present"
     return None
 
 

@@ -280,8 +280,8 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
     for ``compute_s`` after issuing the collective; with a progress thread the
     collective finishes meanwhile.
     """
-    from backends import _mpi_device
-    from backends import mpi as mpi_backend
+    from backends.mpi import device_path
+    from backends.mpi import group as mpi_backend
 
     plans = {str(d): mpi_backend._plan(mpi_backend._load_mpi(), d).native for d in ALL_DTYPES}
     t = torch.arange(10, dtype=torch.float32)
@@ -311,7 +311,7 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
         "correct": correct,
         "thread_level": group._thread_level,  # type: ignore[attr-defined]
         # CPU tensors only so far: the CUDA path was never decided, CuPy never imported.
-        "cuda_path_made": _mpi_device._process_path is not None,
+        "cuda_path_made": device_path._process_path is not None,
         "cupy_imported": "cupy" in sys.modules,
     }
 

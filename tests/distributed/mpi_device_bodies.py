@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from backends import _mpi_device
-from backends._cuda_staging import PinnedBufferPool, StagingConfig
+from backends.common.cuda_staging import PinnedBufferPool, StagingConfig
+from backends.mpi import device_path
 from commlib import IProcessGroup, ReduceOp
 from commlib.errors import BackendUnavailableError
 from tests.distributed.mpi_bodies import INT_DTYPES, check_close, reference, seeded_input
@@ -221,7 +221,7 @@ def emulated(
         checked.append(dtype)
         return False  # as a library that gets float16 wrong on device buffers would answer
 
-    path = _mpi_device.DevicePath(
+    path = device_path.DevicePath(
         MPI,
         detect_mpi=query,
         ops=ops,
@@ -232,7 +232,7 @@ def emulated(
         reduction_check=reduction_check,
         use_stream=use_stream,
     )
-    previous = _mpi_device.install(path)
+    previous = device_path.install(path)
     comm = RecordingComm(group._comm, log)  # type: ignore[attr-defined]
     real_comm, group._comm = group._comm, comm  # type: ignore[attr-defined]
     lines = Lines()
@@ -255,7 +255,7 @@ def emulated(
         logger.removeHandler(lines)
         logger.setLevel(old_level)
         group._comm = real_comm  # type: ignore[attr-defined]
-        _mpi_device.install(previous)
+        device_path.install(previous)
 
 
 # -------------------------------------------------------------------- bodies

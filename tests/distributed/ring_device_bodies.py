@@ -6,7 +6,7 @@ body, for its duration (``emulated``):
 - makes "CUDA tensors" that are CPU tensors claiming ``is_cuda`` and device
   ``cuda:0`` (``FakeCudaTensor`` from ``mpi_device_bodies``), so the ring takes
   its staging path;
-- replaces the staging pipeline factory (``backends._cuda_staging.stage``) with one
+- replaces the staging pipeline factory (``backends.common.cuda_staging.stage``) with one
   that builds ``StagingPipeline`` over recording fake CUDA calls
   (``StagingOps``: a copy out reaches the host only once the host has seen its
   event complete, ``lag`` polls after it was queued, so a chunk read before it
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from backends import _cuda_staging
-from backends._cuda_staging import PinnedBufferPool, StagingPipeline
+from backends.common import cuda_staging
+from backends.common.cuda_staging import PinnedBufferPool, StagingPipeline
 from commlib import IProcessGroup, ReduceOp
 from commlib.errors import CommError, GroupClosedError
 from tests._reference import assert_close_to_reference, digest, rank_input, reduce_reference, tolerance
@@ -193,13 +193,13 @@ def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:
         )
 
     links = group._send, group._recv  # type: ignore[attr-defined]
-    previous = _cuda_staging.stage
-    _cuda_staging.stage = pipeline  # type: ignore[assignment]
+    previous = cuda_staging.stage
+    cuda_staging.stage = pipeline  # type: ignore[assignment]
     group._send, group._recv = (RecordingLink(link, log) for link in links)  # type: ignore[attr-defined]
     try:
         yield {"log": log, "ops": ops, "pool": pool, "timeouts": timeouts}
     finally:
-        _cuda_staging.stage = previous
+        cuda_staging.stage = previous
         if group._send is not None:  # type: ignore[attr-defined]  # None once the group is closed
             group._send, group._recv = links  # type: ignore[attr-defined]
 

@@ -54,8 +54,8 @@ def test_bodies_under_torchrun(backend: str, world_size: int) -> None:
     torchrun = _tool("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not installed")
-    if backend == "gloo" and importlib.util.find_spec("backends.nccl") is None:
-        pytest.skip("the gloo backend (backends/nccl.py) is not present")
+    if backend == "gloo" and importlib.util.find_spec("backends.torch") is None:
+        pytest.skip("the gloo backend (backends/torch/group.py) is not present")
     _run(
         [torchrun, "--nproc-per-node", str(world_size), f"--master-port={free_port()}", str(SCRIPT)],
         backend,
@@ -72,6 +72,6 @@ def test_bodies_under_mpirun(backend: str, world_size: int) -> None:
     mpiexec = _tool("mpiexec")
     if mpiexec is None or importlib.util.find_spec("mpi4py") is None:
         pytest.skip("mpiexec / mpi4py are not installed (pip install 'commlib[mpi]')")
-    if backend == "gloo" and importlib.util.find_spec("backends.nccl") is None:
-        pytest.skip("the gloo backend (backends/nccl.py) is not present")
+    if backend == "gloo" and importlib.util.find_spec("backends.torch") is None:
+        pytest.skip("the gloo backend (backends/torch/group.py) is not present")
     _run([mpiexec, "-n", str(world_size), sys.executable, str(SCRIPT)], backend, world_size)

@@ -223,7 +223,7 @@ class _FakePollable:
 
 
 def test_progress_thread_polls_until_done_then_idles() -> None:
-    from backends._mpi_progress import ProgressThread
+    from backends.mpi.progress import ProgressThread
 
     thread = ProgressThread(1e-3, "test-progress")
     items = [_FakePollable(0.02), _FakePollable(0.05)]
@@ -241,7 +241,7 @@ def test_progress_thread_polls_until_done_then_idles() -> None:
 
 
 def test_wait_until_spins_naps_and_times_out() -> None:
-    from backends._mpi_progress import wait_until
+    from backends.mpi.progress import wait_until
 
     calls = []
     start = time.monotonic()

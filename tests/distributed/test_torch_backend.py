@@ -167,7 +167,7 @@ def test_adopts_torch_default_group() -> None:
 
 def _subgroup_body() -> dict[str, Any] | None:
     """A torch sub-group wrapped by commlib: group ranks differ from global ranks (src is a group rank)."""
-    from backends.nccl import from_torch_group
+    from backends.torch import from_torch_group
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _init_torch_gloo(rank, world)
@@ -272,7 +272,7 @@ def test_rank_missing_at_rendezvous_times_out() -> None:
 
 
 def test_torch_distributed_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from backends import nccl
+    from backends.torch import group as nccl
 
     monkeypatch.setattr(nccl.dist, "is_available", lambda: False)
     with pytest.raises(
@@ -329,7 +329,7 @@ def test_nccl_on_cuda_tensors() -> None:
 
 # ------------------------------------------------- in-process unit tests
 def test_error_translation_and_parsing() -> None:
-    from backends.nccl import _parse_backend_spec, _parse_upcast, _translate
+    from backends.torch.group import _parse_backend_spec, _parse_upcast, _translate
 
     closed = RuntimeError(
         "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18838. "
@@ -371,7 +371,7 @@ def test_reference_checker_catches_wrong_answers() -> None:
 
 def _undefined_backend_body() -> dict[str, Any]:
     """torch's init_process_group() without a backend names its group "undefined"; we read what it runs."""
-    from backends.nccl import from_torch_group
+    from backends.torch import from_torch_group
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(
@@ -411,7 +411,7 @@ def test_wraps_a_group_created_without_a_backend() -> None:
 )
 def test_device_map_of_every_kind_of_torch_group(monkeypatch, config, name, expected) -> None:
     """What each kind of torch group serves, on a machine without CUDA (this one)."""
-    import backends.nccl as nccl
+    import backends.torch.group as nccl
 
     if config is None:
         monkeypatch.delattr(nccl.dist, "get_backend_config", raising=False)
@@ -434,7 +434,7 @@ def test_device_map_of_every_kind_of_torch_group(monkeypatch, config, name, expe
 )
 def test_device_map_with_cuda(monkeypatch, config, name, expected) -> None:
     """The same groups where CUDA is available (faked): an NCCL-only group takes CUDA tensors only."""
-    import backends.nccl as nccl
+    import backends.torch.group as nccl
 
     if config is None:
         monkeypatch.delattr(nccl.dist, "get_backend_config", raising=False)

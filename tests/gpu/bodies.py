@@ -178,7 +178,7 @@ def staged_mpi_all_reduce(
     """
     import logging
 
-    from backends._cuda_staging import plan_chunks, shared_pool
+    from backends.common.cuda_staging import plan_chunks, shared_pool
     from commlib import ReduceOp
 
     device = use_gpu(group)
@@ -212,10 +212,10 @@ def staged_mpi_all_reduce(
 
 
 def cupy_zero_copy(group: IProcessGroup) -> dict[str, Any]:
-    """``backends._mpi_cuda``: CuPy views of CUDA tensors share memory; the detection's log line."""
+    """``backends.mpi.cuda``: CuPy views of CUDA tensors share memory; the detection's log line."""
     from mpi4py import MPI
 
-    from backends._mpi_cuda import as_cupy, detect_cuda_aware
+    from backends.mpi.cuda import as_cupy, detect_cuda_aware
 
     device = use_gpu(group)
     prefix = f"[rank {group.rank}/{group.world_size}] mpi.test: "

@@ -1,4 +1,4 @@
-"""backends._cuda_staging and backends._mpi_cuda on a real CUDA device, in this process.
+"""backends.common.cuda_staging and backends.mpi.cuda on a real CUDA device, in this process.
 
 The CPU tests (tests/test_cuda_staging.py, tests/test_mpi_cuda.py) check the
 planning with fakes; these check what only a GPU can show: the copies really
@@ -19,7 +19,7 @@ SIZES = [(40_003, 4096), (40_003, 4096), ((25 << 20) // 4, 1 << 20), (1, 4), (0,
 
 
 def test_pipeline_waits_for_the_producer_and_the_caller_waits_for_the_result() -> None:
-    from backends._cuda_staging import PinnedBufferPool, StagingPipeline, TorchCudaOps
+    from backends.common.cuda_staging import PinnedBufferPool, StagingPipeline, TorchCudaOps
 
     ops = TorchCudaOps()
     pool = PinnedBufferPool(ops)
@@ -49,7 +49,7 @@ def test_pipeline_waits_for_the_producer_and_the_caller_waits_for_the_result() -
 
 
 def test_pipeline_on_a_side_stream_and_an_output_only_tensor() -> None:
-    from backends._cuda_staging import stage
+    from backends.common.cuda_staging import stage
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -63,7 +63,7 @@ def test_pipeline_on_a_side_stream_and_an_output_only_tensor() -> None:
 
 def test_cupy_views_share_memory() -> None:
     pytest.importorskip("cupy")
-    from backends._mpi_cuda import as_cupy
+    from backends.mpi.cuda import as_cupy
 
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
         tensor = torch.arange(12, device="cuda").to(dtype).view(3, 4)

@@ -44,7 +44,7 @@ def fence() -> None:
     CPython's lock acquire and release are atomic read-modify-write
     instructions, which are full barriers on x86-64 (``lock cmpxchg`` /
     ``lock xadd``). On weaker architectures they are acquire/release only;
-    the waits that depend on this (``backends._doorbell``) also wake up on a
+    the waits that depend on this (``backends.ring.doorbell``) also wake up on a
     bounded period, so a missed wake-up there costs time, never a hang.
     """
     _fence_lock.acquire()

@@ -7,7 +7,7 @@
   as CuPy arrays over their memory (no copy) when the MPI library is
   CUDA-aware, after the stream that produced them has finished; otherwise
   they are staged through pooled pinned host memory, chunk by chunk, with the
-  copies overlapping the collective (``backends._mpi_device``). Which path
+  copies overlapping the collective (``backends.mpi.device_path``). Which path
   is decided once per process, when the first CUDA tensor arrives, and said
   in one line at INFO on the ``commlib`` logger.
 - Every collective is a non-blocking MPI call (``Iallreduce``, ``Ibcast``,
@@ -39,10 +39,10 @@ from typing import Any
 import mpi4py  # an ImportError here names mpi4py; the registry turns it into the pip hint
 import torch
 
-from backends import _mpi_device
-from backends._cuda_staging import Chunk
-from backends._mpi_cuda import cuda_aware_override
-from backends._mpi_progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
+from backends.common.cuda_staging import Chunk
+from backends.mpi import device_path
+from backends.mpi.cuda import cuda_aware_override
+from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
@@ -149,7 +149,7 @@ class MPIConfig:
 
     cuda_aware: bool | None = None
     """Whether the MPI library reads and writes CUDA memory; None detects it
-    (``backends._mpi_cuda.detect_cuda_aware``) when the first CUDA tensor arrives.
+    (``backends.mpi.cuda.detect_cuda_aware``) when the first CUDA tensor arrives.
     ``COMMLIB_MPI_CUDA_AWARE`` = 1, 0 or auto."""
 
     def __post_init__(self) -> None:
@@ -572,9 +572,9 @@ class MPIProcessGroup(IProcessGroup):
     def _plan_for(self, dtype: torch.dtype) -> _DtypePlan:
         return _plans.get(dtype) or _plan(self._MPI, dtype)
 
-    def _device(self) -> _mpi_device.DevicePath:
+    def _device(self) -> device_path.DevicePath:
         """The process's CUDA path: made, and its decision taken, when the first CUDA tensor arrives."""
-        return _mpi_device.process_path(self._MPI, self._mpi_config.cuda_aware)
+        return device_path.process_path(self._MPI, self._mpi_config.cuda_aware)
 
     def _staged(self, op: str, tensor: torch.Tensor, plan: _DtypePlan, reduce: bool) -> bool:
         """Return True if CUDA ``tensor`` is staged through host memory for this collective."""
@@ -740,7 +740,7 @@ class MPIProcessGroup(IProcessGroup):
             return self._start(
                 "all_gather",
                 tensor,
-                lambda: _mpi_device.StagedRequest(staged_in, staged_out, start_gather),
+                lambda: device_path.StagedRequest(staged_in, staged_out, start_gather),
                 scatter_out,
                 (tensor, flat_output, outputs),
                 async_op,
@@ -787,7 +787,7 @@ class MPIProcessGroup(IProcessGroup):
             return self._start(
                 "reduce_scatter",
                 output,
-                lambda: _mpi_device.StagedRequest(staged_in, staged_out, start_scatter),
+                lambda: device_path.StagedRequest(staged_in, staged_out, start_scatter),
                 None,
                 (output, source),
                 async_op,

@@ -1,6 +1,6 @@
 """Link set-up: agree with both neighbours on each link's transport and build the two links.
 
-Over the TCP connections of the rendezvous (``backends._rendezvous``), each rank
+Over the TCP connections of the rendezvous (``backends.ring.rendezvous``), each rank
 sends its right neighbour its host, its wish (``COMMLIB_RING_TRANSPORT``) and a
 probe ``memfd``. Each rank then offers its left neighbour either an inbox in
 shared memory (with wake pipes, and whether it could open the probe, which
@@ -14,11 +14,11 @@ import os
 import secrets
 from typing import Any
 
-from backends._links import RecvLink, SendLink, TcpRecvLink, TcpSendLink
-from backends._rendezvous import RingSockets, host_id
-from backends._shm import Region, can_share_descriptors
-from backends._shm_links import Inbox, ShmRecvLink, ShmSendLink, WakePipes
-from backends._wire import SocketReader, recv_json, send_json
+from backends.ring.links import RecvLink, SendLink, TcpRecvLink, TcpSendLink
+from backends.ring.rendezvous import RingSockets, host_id
+from backends.ring.shm import Region, can_share_descriptors
+from backends.ring.shm_links import Inbox, ShmRecvLink, ShmSendLink, WakePipes
+from backends.ring.wire import SocketReader, recv_json, send_json
 from commlib.errors import RendezvousError
 
 __all__ = ["connect_links"]

@@ -27,7 +27,7 @@ import struct
 import time
 from typing import Any
 
-from backends._wire import encode_json, tune_socket
+from backends.ring.wire import encode_json, tune_socket
 
 __all__ = ["Lobby", "Visitor", "STRANGER_DEADLINE_S", "MAX_PENDING"]
 

@@ -3,7 +3,7 @@
 torch's ``tcp://`` rendezvous lets any process that reaches ``MASTER_PORT``
 into its ``TCPStore``: a rank of a second job started on the same port joins
 the first job's group. So commlib opens the store itself and lets a rank in
-only once it has proved that it holds the job token (``backends._jobtoken``),
+only once it has proved that it holds the job token (``backends.common.jobtoken``),
 without sending it:
 
 1. Rank 0 hosts the ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` and publishes a
@@ -30,7 +30,7 @@ without sending it:
 Every wait is bounded by the group's timeout, and a failure names the rank,
 the backend, the address and what was waited for. What the token protects,
 and what it does not (no encryption; the store's contents are readable by
-anyone who reaches it): see ``backends._jobtoken``.
+anyone who reaches it): see ``backends.common.jobtoken``.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from backends._admission import (
+from backends.common.admission import (
     announcement_problem,
     check_rank0_reply,
     missing_ranks_message,
     retry_while_refused,
     token_mismatch_advice,
 )
-from backends._jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
+from backends.common.jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
 

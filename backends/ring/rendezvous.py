@@ -7,7 +7,7 @@ Protocol 2 (length-prefixed JSON frames over TCP):
    (retrying until the deadline) and sends ``hello``: rank, world size, host
    id, data address, pid, its job's description and a nonce. Rank 0 answers
    with a challenge (a nonce of its own); the rank answers with a proof, an
-   HMAC under its job token (``backends._jobtoken``) over both nonces and its
+   HMAC under its job token (``backends.common.jobtoken``) over both nonces and its
    hello. The token itself never travels.
 3. A rank whose proof fails holds another job's token: rank 0 refuses it (the
    answer names both jobs) and goes on waiting for the real one. A refused
@@ -27,9 +27,9 @@ Protocol 2 (length-prefixed JSON frames over TCP):
 
 Whoever else connects to rank 0's port or to a data listener (garbage, a
 silent connection, a huge length prefix, a close at once) is dropped on its
-own and logged at DEBUG on the ``commlib`` logger (``backends._lobby``); it
+own and logged at DEBUG on the ``commlib`` logger (``backends.ring.lobby``); it
 never holds or aborts the rendezvous. What the token protects, and what it does
-not (no encryption: traffic is readable on the wire): see ``backends._jobtoken``.
+not (no encryption: traffic is readable on the wire): see ``backends.common.jobtoken``.
 """
 
 from __future__ import annotations
@@ -43,17 +43,17 @@ import socket
 import time
 from typing import Any
 
-from backends import _lobby
-from backends._admission import (
+from backends.common.admission import (
     announcement_problem,
     check_rank0_reply,
     missing_ranks_message,
     retry_while_refused,
     token_mismatch_advice,
 )
-from backends._jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
-from backends._store_rendezvous import connect_store
-from backends._wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
+from backends.common.jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
+from backends.common.store_rendezvous import connect_store
+from backends.ring.lobby import Lobby, Visitor
+from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
 from commlib.errors import CommError, RendezvousError, RendezvousTimeoutError, error_prefix
 
@@ -285,7 +285,7 @@ class _Leader:
 
     def __init__(self, ctx: _Context, master: socket.socket, me: Peer) -> None:
         self.ctx = ctx
-        self.lobby = _lobby.Lobby(master, f"{ctx.prefix}rendezvous port {ctx.master}", _HELLO_BYTES)
+        self.lobby = Lobby(master, f"{ctx.prefix}rendezvous port {ctx.master}", _HELLO_BYTES)
         self.peers: dict[int, Peer] = {0: me}
         self.conns: dict[int, socket.socket] = {}
         self.keys: dict[int, bytes] = {}
@@ -325,7 +325,7 @@ class _Leader:
             for conn in self.conns.values():
                 conn.close()
 
-    def _on_hello(self, visitor: _lobby.Visitor, hello: Any) -> None:
+    def _on_hello(self, visitor: Visitor, hello: Any) -> None:
         problem = _hello_problem(hello)
         if problem is not None:
             if isinstance(hello, dict) and "protocol" in hello and "rank" in hello:  # another commlib version
@@ -343,7 +343,7 @@ class _Leader:
         if self.lobby.reply(visitor, {"challenge": challenge}):
             visitor.state = f"challenged (claims rank {hello['rank']})"
 
-    def _on_proof(self, visitor: _lobby.Visitor, frame: Any) -> None:
+    def _on_proof(self, visitor: Visitor, frame: Any) -> None:
         hello, challenge = visitor.data["hello"], visitor.data["challenge"]
         proof = frame.get("proof") if isinstance(frame, dict) else None
         if not isinstance(proof, str):
@@ -368,7 +368,7 @@ class _Leader:
             rank, hello["host"], hello["addr"] or visitor.address.split(":")[0], hello["port"], hello["pid"]
         )
 
-    def _refuse(self, visitor: _lobby.Visitor, hello: dict[str, Any]) -> None:
+    def _refuse(self, visitor: Visitor, hello: dict[str, Any]) -> None:
         rank, ctx = hello["rank"], self.ctx
         who = f"pid {hello['pid']} on {hello['host'].split('/')[0]} claiming rank {rank}"
         self.lobby.reply(
@@ -545,7 +545,7 @@ def _accept_left(
 ) -> tuple[socket.socket, SocketReader]:
     """Accept the left neighbour's link; anyone else who connects is dropped."""
     me = ctx.env.rank
-    lobby = _lobby.Lobby(data_listener, f"{ctx.prefix}data listener", _HELLO_BYTES)
+    lobby = Lobby(data_listener, f"{ctx.prefix}data listener", _HELLO_BYTES)
     try:
         while True:
             arrival = lobby.next_frame(ctx.deadline)

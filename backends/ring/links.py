@@ -4,11 +4,11 @@ Each rank sends to its right neighbour (``SendLink``) and receives from its
 left (``RecvLink``). A link carries, in order, metadata records (with a
 payload: a small tensor, or the first chunk of a reduce-scatter), data chunks
 and aborts. Between ranks on one host the links use shared memory
-(``backends._shm_links``); across hosts, TCP (here): ``M`` + record, ``P`` +
+(``backends.ring.shm_links``); across hosts, TCP (here): ``M`` + record, ``P`` +
 length + payload frames; a sender thread writes them so that a rank sending
 to its right never blocks the receive from its left (all ranks send at once in
 a ring step; blocking sends would deadlock once chunks outgrow the kernel's
-socket buffers). ``backends._link_setup`` chooses and builds the two links.
+socket buffers). ``backends.ring.link_setup`` chooses and builds the two links.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from backends._doorbell import ABORT, abort_frame
-from backends._kernels import Reducer
-from backends._shm import RegionId
-from backends._wire import SocketReader
+from backends.common.kernels import Reducer
+from backends.ring.doorbell import ABORT, abort_frame
+from backends.ring.shm import RegionId
+from backends.ring.wire import SocketReader
 from commlib.errors import CommError, PeerFailureError
 
 __all__ = ["SendLink", "RecvLink", "TcpSendLink", "TcpRecvLink", "META_BYTES", "Reducer", "byte_view"]

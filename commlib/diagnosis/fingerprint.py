@@ -2,7 +2,7 @@
 
 A fingerprint names one call: its sequence number in the group, the collective,
 the tensor's dtype and shape, the reduce op and the root. ``COMMLIB_DEBUG=DETAIL``
-exchanges them before every collective (``commlib.diagnostics``); every rank
+exchanges them before every collective (``commlib.diagnosis.diagnostics``); every rank
 compares the full set the same way, so ranks that disagree all raise the same
 ``CollectiveMismatchError``, before any data moves.
 

@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from commlib.diagnosis.watchdog import Record
 from commlib.errors import CommError
 from commlib.types import dtype_name
-from commlib.watchdog import Record
 from commlib.work import Work
 
 __all__ = ["FlightRecorder", "dump_flight_recorder", "find_divergence", "load_dumps", "main"]

@@ -1,6 +1,6 @@
 """Buffers in shared memory that a ring group hands out (``alloc_buffer``) and finds again by address.
 
-Each buffer is its own ``memfd`` region (``backends._shm``). The tensor handed
+Each buffer is its own ``memfd`` region (``backends.ring.shm``). The tensor handed
 out views the region's mapping and keeps it alive; this registry keeps only the
 address range, the region's identity and a weak reference to the mapping, so
 the buffer lives exactly as long as the caller's tensors and views of it. When
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from backends._shm import Region, RegionId
+from backends.ring.shm import Region, RegionId
 
 __all__ = ["SharedBuffers", "Span"]
 

@@ -7,7 +7,7 @@ there is no ``Diagnostics`` and a collective pays one attribute test.
 
 Set-up is one broadcast over the backend itself (the data path is in step at
 creation by construction), on every group of more than one rank: rank 0's
-settings, and, if they need the side channel (``commlib.sidechannel``), the
+settings, and, if they need the side channel (``commlib.diagnosis.sidechannel``), the
 address and token of the hub rank 0 starts; every rank then joins it.
 """
 
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from commlib.deferred import DeferredWork, Launcher, launch_step
+from commlib.diagnosis.deferred import DeferredWork, Launcher, launch_step
+from commlib.diagnosis.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints
+from commlib.diagnosis.flight_recorder import FlightRecorder
+from commlib.diagnosis.sidechannel import SideChannelClient, SideChannelHub, hub_host
+from commlib.diagnosis.watchdog import CollectiveTracker, Record, Watchdog
 from commlib.errors import CommError, CommTimeoutError
-from commlib.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints
-from commlib.flight_recorder import FlightRecorder
-from commlib.sidechannel import SideChannelClient, SideChannelHub, hub_host
 from commlib.types import ReduceOp
-from commlib.watchdog import CollectiveTracker, Record, Watchdog
 from commlib.work import CollectiveLabel, Work
 
 if TYPE_CHECKING:

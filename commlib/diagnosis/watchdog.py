@@ -27,8 +27,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from commlib.fingerprint import describe_call
-from commlib.sidechannel import T_PROGRESS, T_QUERY, T_REPORT, T_STATUS, FrameReader, send_frame
+from commlib.diagnosis.fingerprint import describe_call
+from commlib.diagnosis.sidechannel import T_PROGRESS, T_QUERY, T_REPORT, T_STATUS, FrameReader, send_frame
 from commlib.work import Work
 
 __all__ = ["CollectiveTracker", "Record", "Watchdog", "describe_record", "format_stall"]

@@ -4,12 +4,12 @@ All-reduce is a reduce-scatter followed by an all-gather around the ring, so
 each rank sends ``2 (n - 1) / n`` of the tensor; the tensor streams through
 the ring in chunks (``COMMLIB_RING_CHUNK_BYTES``), so sending, receiving and
 reducing overlap. Between ranks on one host the chunks move through shared
-memory; across hosts over TCP (``backends._link_setup``). A tensor from
+memory; across hosts over TCP (``backends.ring.link_setup``). A tensor from
 ``alloc_buffer`` lives in shared memory itself: the right neighbour reads its
 chunks in place, so an all-reduce costs one add and one copy per byte.
 
 Copies and reductions never start torch's intra-op thread team
-(``backends._kernels``), so the ring runs as fast under torch's default thread
+(``backends.common.kernels``), so the ring runs as fast under torch's default thread
 count as under one thread, and it never changes the caller's thread setting.
 
 Every collective starts by passing a small record (operation, dtype, shape,
@@ -22,7 +22,7 @@ order issued (like a CUDA stream); a synchronous call runs on the caller's
 thread when nothing is queued, and after the queued work otherwise.
 
 CUDA tensors are staged through pinned host memory, chunk by chunk
-(``backends._cuda_staging``): every device-to-host copy is queued on a side
+(``backends.common.cuda_staging``): every device-to-host copy is queued on a side
 stream when the collective is issued, the ring waits for a chunk's copy only
 just before it sends or reduces that chunk (the segments it sends first are
 copied first), and each part of the result is copied back to the device as
@@ -44,14 +44,14 @@ from typing import Literal
 
 import torch
 
-from backends import _cuda_staging, _kernels
-from backends._cuda_staging import StagingPipeline
-from backends._kernels import Reducer
-from backends._link_setup import connect_links
-from backends._links import META_BYTES, RecvLink, SendLink
-from backends._rendezvous import rendezvous
-from backends._shared_buffers import SharedBuffers, Span
-from backends._shm import RegionId
+from backends.common import cuda_staging, kernels
+from backends.common.cuda_staging import StagingPipeline
+from backends.common.kernels import Reducer
+from backends.ring.link_setup import connect_links
+from backends.ring.links import META_BYTES, RecvLink, SendLink
+from backends.ring.rendezvous import rendezvous
+from backends.ring.shared_buffers import SharedBuffers, Span
+from backends.ring.shm import RegionId
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
@@ -654,11 +654,11 @@ class RingProcessGroup(IProcessGroup):
     ) -> StagingPipeline:
         """Return the staging pipeline of CUDA ``tensor`` for the collective being issued.
 
-        Call it on the issuing thread (``_cuda_staging.stage``: the process's
+        Call it on the issuing thread (``cuda_staging.stage``: the process's
         pinned buffer pool, default chunk size). Every host wait for a copy is
         bounded by the group's timeout.
         """
-        return _cuda_staging.stage(
+        return cuda_staging.stage(
             tensor,
             "host staging",
             timeout_s=self.timeout,
@@ -724,7 +724,7 @@ class RingProcessGroup(IProcessGroup):
     def _small_all_reduce(self, meta: _Meta, flat: torch.Tensor, op: ReduceOp) -> None:
         """Every rank's tensor travels with the records; each rank reduces them in rank order."""
         n = self.world_size
-        combine = _kernels.combine(op, flat.dtype)
+        combine = kernels.combine(op, flat.dtype)
         payloads = self._check_meta(meta, flat, hold_last=True)
         if n == 2 and len(payloads) == 1:  # the neighbour's tensor waits in the link
             recv = self._recv
@@ -738,9 +738,9 @@ class RingProcessGroup(IProcessGroup):
             combine(result, payloads[0], payloads[1])
             for source in range(2, n):
                 combine(result, result, payloads[source])
-            _kernels.copy(flat, result)
+            kernels.copy(flat, result)
         if op is ReduceOp.AVG:
-            _kernels.divide(flat, n)
+            kernels.divide(flat, n)
 
     def _ring_all_reduce(
         self, flat: torch.Tensor, op: ReduceOp, meta: _Meta, staged: StagingPipeline | None = None
@@ -754,7 +754,7 @@ class RingProcessGroup(IProcessGroup):
         """
         n, r = self.world_size, self.rank
         segs = _segments(flat, n)
-        reduce = _kernels.reducer(op, flat.dtype)
+        reduce = kernels.reducer(op, flat.dtype)
         lent = self._lendable(flat)
         ready, done = (_waiter(staged), _publisher(staged)) if staged is not None else (None, None)
         carried = self._check_meta_carrying(meta, segs[r], lent, ready)
@@ -771,7 +771,7 @@ class RingProcessGroup(IProcessGroup):
                 ready=ready,
             )
         if op is ReduceOp.AVG:
-            _kernels.divide(segs[(r + 1) % n], n)
+            kernels.divide(segs[(r + 1) % n], n)
         if done is not None:
             done(segs[(r + 1) % n])
         self._flush()
@@ -815,7 +815,7 @@ class RingProcessGroup(IProcessGroup):
 
             def reduce(dst: torch.Tensor, theirs: torch.Tensor) -> None:
                 plain(dst, theirs)
-                _kernels.divide(dst, 2)
+                kernels.divide(dst, 2)
 
         written_back = self._exchange(
             outgoing, incoming, reduce, lent, sent=carried, ready=ready, write_back=True
@@ -870,7 +870,7 @@ class RingProcessGroup(IProcessGroup):
                 staged.wait_host()
             payloads = self._check_meta(meta, flat if self.rank == src else None)
             if self.rank != src:
-                _kernels.copy(flat, payloads[src])
+                kernels.copy(flat, payloads[src])
         else:
             self._check_meta(meta)
             if staged is None:
@@ -944,7 +944,7 @@ class RingProcessGroup(IProcessGroup):
         """
         n, r = self.world_size, self.rank
         if blocks[r].data_ptr() != tensor.data_ptr() or blocks[r].numel() == 0:
-            _kernels.copy(blocks[r].view(-1), tensor.view(-1))
+            kernels.copy(blocks[r].view(-1), tensor.view(-1))
         if done is not None:
             done[r](blocks[r])
         if n == 1:
@@ -953,7 +953,7 @@ class RingProcessGroup(IProcessGroup):
             payloads = self._check_meta(meta, tensor)
             for source, block in enumerate(blocks):
                 if source != r:
-                    _kernels.copy(block.view(-1), payloads[source].view(-1))
+                    kernels.copy(block.view(-1), payloads[source].view(-1))
                     if done is not None:
                         done[source](block)
             return
@@ -999,7 +999,7 @@ class RingProcessGroup(IProcessGroup):
             else:
                 work, lent = torch.empty(n * output.numel(), dtype=output.dtype), None
                 for block, source in zip(_segments(work, n), inputs, strict=True):
-                    _kernels.copy(block, source)
+                    kernels.copy(block, source)
             self._reduce_scatter_host(work, output, op, meta, lent)
 
         return self._submit(describe, body, async_op, (output, inputs))
@@ -1025,7 +1025,7 @@ class RingProcessGroup(IProcessGroup):
             if ready is not None:
                 ready(work)
             payloads = self._check_meta(meta, work)
-            combine = _kernels.combine(op, work.dtype)
+            combine = kernels.combine(op, work.dtype)
             mine = torch.empty_like(blocks[r])
             combine(mine, _segments(payloads[0], n)[r], _segments(payloads[1], n)[r])
             for source in range(2, n):
@@ -1035,9 +1035,9 @@ class RingProcessGroup(IProcessGroup):
         elif ready is not None:
             ready(work)
         if op is ReduceOp.AVG and n > 1:
-            _kernels.divide(mine, n)
+            kernels.divide(mine, n)
         if mine.data_ptr() != output.data_ptr():
-            _kernels.copy(output, mine)
+            kernels.copy(output, mine)
 
     def _ring_reduce_scatter(
         self,
@@ -1055,7 +1055,7 @@ class RingProcessGroup(IProcessGroup):
         staged input, ``ready`` is called with each chunk before it is read.
         """
         n, r = self.world_size, self.rank
-        reduce = _kernels.reducer(op, blocks[0].dtype)
+        reduce = kernels.reducer(op, blocks[0].dtype)
         carried = self._check_meta_carrying(meta, blocks[(r - 1) % n], lent, ready)
         for s in range(n - 1):
             self._exchange(

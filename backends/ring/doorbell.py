@@ -34,8 +34,8 @@ import select
 import struct
 import time
 
-from backends._shm import fence
-from backends._wire import SocketReader
+from backends.ring.shm import fence
+from backends.ring.wire import SocketReader
 from commlib.errors import CommError, CommTimeoutError, PeerFailureError
 
 __all__ = ["Doorbell", "WAKE", "ABORT", "abort_frame"]

@@ -2,7 +2,7 @@
 
 - The receiver owns an inbox of ``slots`` message slots, each a 192-byte
   header (kind, sizes, the metadata record) followed by up to ``chunk_bytes``
-  of payload, and a control block with two doorbells (``backends._doorbell``):
+  of payload, and a control block with two doorbells (``backends.ring.doorbell``):
   the sender's count of messages posted and the receiver's count of messages
   consumed. The sender writes a message into the next free slot and advances
   its count; the receiver polls that count briefly, then sleeps in the kernel,
@@ -12,7 +12,7 @@
   carries aborts and the end-of-file of a peer that died, which wakes a
   sleeping neighbour with an error.
 - Lent chunks: a sender whose tensor lives in a shared buffer
-  (``backends._shared_buffers``) posts only a header naming the buffer and the
+  (``backends.ring.shared_buffers``) posts only a header naming the buffer and the
   chunk's offset, and the receiver reads the chunk straight from the sender's
   memory. The sender must not write that memory again until the receiver's
   count shows it has read it (``ShmSendLink.wait_returned``). A buffer that is
@@ -31,12 +31,12 @@ import struct
 
 import torch
 
-from backends import _kernels
-from backends._doorbell import Doorbell
-from backends._kernels import Reducer
-from backends._links import META_BYTES, RecvLink, SendLink
-from backends._shm import HEADER_BYTES, Region, RegionId
-from backends._wire import SocketReader
+from backends.common import kernels
+from backends.common.kernels import Reducer
+from backends.ring.doorbell import Doorbell
+from backends.ring.links import META_BYTES, RecvLink, SendLink
+from backends.ring.shm import HEADER_BYTES, Region, RegionId
+from backends.ring.wire import SocketReader
 from commlib.errors import CommError, PeerFailureError
 
 __all__ = ["ShmSendLink", "ShmRecvLink", "Inbox", "WakePipes"]
@@ -97,6 +97,7 @@ class Inbox:
         return view
 
     def close(self) -> None:
+        """Drop the views of the mapping, so that it can be unmapped."""
         self.payloads = []
         self._views.clear()
         self.region.close()
@@ -135,6 +136,7 @@ class WakePipes:
         return self.fds[1]
 
     def unlink(self) -> None:
+        """Remove the pipes' names; the open descriptors stay usable."""
         for path in self.paths:
             try:
                 os.unlink(path)
@@ -142,6 +144,7 @@ class WakePipes:
                 pass
 
     def close(self) -> None:
+        """Close both pipe descriptors."""
         for fd in self.fds:
             os.close(fd)
         self.fds = []
@@ -221,7 +224,7 @@ class ShmSendLink(SendLink):
         else:
             index = self._claim(_KIND_META, nbytes, payload=_KIND_DATA)
             if nbytes:
-                _kernels.copy(inbox.payload(index, payload.dtype, nbytes), payload)  # type: ignore[union-attr]
+                kernels.copy(inbox.payload(index, payload.dtype, nbytes), payload)  # type: ignore[union-attr]
         start = inbox.header_at(index)
         inbox.region.map[start + _RECORD_AT : start + _RECORD_AT + META_BYTES] = record
         fd, token = self._retired.popleft() if self._retired else (-1, b"")
@@ -235,7 +238,7 @@ class ShmSendLink(SendLink):
         nbytes = chunk.numel() * chunk.element_size()
         index = self._claim(_KIND_DATA, nbytes)
         if nbytes:
-            _kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
+            kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
         self.bell.advance()
 
     def lend(self, chunk: torch.Tensor, region: RegionId, offset: int) -> None:
@@ -369,7 +372,7 @@ class ShmRecvLink(RecvLink):
 
     def recv_into(self, dst: torch.Tensor) -> None:
         """Copy the next chunk into ``dst``."""
-        _kernels.copy(dst, self._incoming(dst))
+        kernels.copy(dst, self._incoming(dst))
         self.bell.advance()
 
     def recv_reduce(self, dst: torch.Tensor, reduce: Reducer) -> None:
@@ -386,7 +389,7 @@ class ShmRecvLink(RecvLink):
         incoming, lent = self._incoming_lent(dst)
         reduce(dst, incoming)
         if lent:
-            _kernels.copy(incoming, dst)
+            kernels.copy(incoming, dst)
         self.bell.advance()
         return lent
 

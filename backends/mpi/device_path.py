@@ -2,7 +2,7 @@
 
 One ``DevicePath`` per process decides, when the first CUDA tensor reaches the
 backend (so CPU-only jobs never ask, and never import CuPy), whether the MPI
-library reads device memory (``backends._mpi_cuda.detect_cuda_aware``), and
+library reads device memory (``backends.mpi.cuda.detect_cuda_aware``), and
 logs that decision in one line at INFO on the ``commlib`` logger. Then, per
 collective:
 
@@ -13,7 +13,7 @@ collective:
   once per process); bfloat16 reductions are always staged (reduced on the
   host). Moving 16-bit data (broadcast, all-gather) is zero copy.
 - **Staging** (everything else): the tensor is copied through pinned host
-  buffers by ``backends._cuda_staging``. All-reduce and broadcast run one
+  buffers by ``backends.common.cuda_staging``. All-reduce and broadcast run one
   non-blocking MPI collective per chunk (``ChunkedRequests``), so the copy of
   chunk k+1 to the host and of chunk k-1 back overlap the collective on chunk
   k. All-gather and reduce-scatter, whose chunks are not contiguous in the
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from backends._cuda_staging import (
+from backends.common.cuda_staging import (
     Chunk,
     ChunkedRequests,
     DeviceOps,
@@ -51,7 +51,7 @@ from backends._cuda_staging import (
     StagingPipeline,
     shared_pool,
 )
-from backends._mpi_cuda import (
+from backends.mpi.cuda import (
     CudaAwareness,
     SymbolLookup,
     as_cupy,
