@@ -34,6 +34,8 @@ from typing import Any
 from commlib.ports import free_port
 
 _CTX = multiprocessing.get_context("spawn")
+_EXIT_GRACE_S = 20.0
+"""Seconds a rank that has reported may take to exit before it is killed and counted as failed."""
 
 
 def rank_env(
@@ -247,7 +249,10 @@ def run_ranks_outcomes(
             outcomes[rank].timed_out = True
         stacks.collect(procs, list(pending), outcomes)
         for rank, proc in enumerate(procs):
-            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if rank not in pending else 0)
+            # A rank that reported still has to exit: give it a grace that a loaded machine's
+            # interpreter shutdown fits in (a rank hanging at exit is still caught, and killed).
+            grace = max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic()))
+            proc.join(timeout=grace if rank not in pending else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
