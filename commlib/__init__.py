@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# First: an unsupported torch fails here with one clear message, before anything calls it.
+from commlib import _torch_version  # noqa: F401  # isort: skip
 from commlib.config import CommConfig
 from commlib.diagnosis.flight_recorder import dump_flight_recorder
 from commlib.env import DistEnv, detect

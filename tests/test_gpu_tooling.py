@@ -1,5 +1,7 @@
-"""The GPU tooling where there is no GPU: ``scripts/gpu_check.sh`` says so at once and installs nothing,
-and ``benchmarks/gpu_ddp_bench.py`` runs its tiny CPU mode end to end and refuses to pretend without CUDA.
+"""The GPU tooling where there is no GPU: ``scripts/gpu_check.sh`` says so at once and installs nothing;
+its offline mode, driven by a stand-in interpreter that reports a CUDA torch, runs the stages asked for
+with the CuPy for that CUDA and never reaches for a package index; ``benchmarks/gpu_ddp_bench.py`` runs
+its tiny CPU mode end to end and refuses to pretend without CUDA.
 """
 
 from __future__ import annotations
@@ -7,9 +9,11 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +21,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from commlib._torch_version import MIN_TORCH, parse_torch_version, require_torch
+from commlib.ports import free_port
 from tests.conftest import REPO_ROOT, run_job, scrubbed_env
 
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check.sh"
@@ -95,6 +101,296 @@ def test_gpu_check_is_executable_and_valid_bash() -> None:
     bash = shutil.which("bash") or "/bin/bash"
     proc = subprocess.run([bash, "-n", str(SCRIPT)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
+
+
+# --------------------------------------------------- gpu_check.sh offline
+# The stand-in interpreter: the environment probe runs on the real one with torch made to report
+# CUDA (and, as asked, a fake CuPy distribution and an mpi4py without its MPI library); every
+# other call (pytest, a benchmark, pip) is recorded, with PIP_NO_INDEX as the call saw it.
+FAKE_CUDA_PY = """\
+import os, runpy, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the fake cupy / mpi4py first
+import torch, torch.cuda.nccl
+torch.version.cuda = os.environ["FAKE_TORCH_CUDA"] or None
+torch.__version__ = os.environ.get("FAKE_TORCH_VERSION") or torch.__version__
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.get_device_name = lambda device=None: "Fake H100"
+torch.cuda.nccl.version = lambda: (2, 27, 7)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+STAND_IN_PY = """\
+#!/bin/bash
+printf '%s\\n' "PIP_NO_INDEX=${{PIP_NO_INDEX:-}} $*" >> {calls}
+case "$1" in
+    */scripts/gpu_env.py) exec {real} {fake}/fake_cuda.py "$@" ;;
+    -) exec {real} "$@" ;;  # the figures helper (stdin, stdlib only)
+    -m) case "$2" in
+            pip) echo "$0 $*" >> {downloads}; exit 1 ;;
+            pytest) echo "== 7 passed in 0.01s =="; exit 0 ;;
+        esac ;;
+    benchmarks/*)  # writes a CSV of made-up figures where asked
+        csv=""; prev=""
+        for arg in "$@"; do [ "$prev" = --csv ] && csv="$arg"; prev="$arg"; done
+        case "$1" in
+            */gpu_ddp_bench.py) printf '%s\n' "mode,median_ms,vs_torch_ddp,hooks_ms,py_calls_per_param" \
+                "torch-ddp,100.0,1.0,," "ddp-nccl,101.5,1.015,2.5,3.0" > "$csv" ;;
+            */allreduce_bench.py) printf '%s\n' "size,world_size,mode,busbw_GBps,busbw_vs_host,copy_hidden" \
+                "25 MiB,2,ring,9.5,0.85,0.7" "25 MiB,2,torch-gloo,4.25,," > "$csv" ;;
+        esac
+        echo "measured"; exit 0 ;;
+esac
+echo "stand-in python: unexpected call: $*" >&2
+exit 3
+"""
+
+
+def offline_machine(tmp_path: Path, *, cupy: tuple[str, ...] = (), mpi: bool = True) -> dict[str, Path]:
+    """A bin directory with nvidia-smi, the stand-in python, pip shims and (with ``mpi``) mpiexec."""
+    paths = {name: tmp_path / name for name in ("bin", "fake", "out")}
+    paths["calls"], paths["downloads"] = tmp_path / "calls.log", tmp_path / "downloads.log"
+    for d in ("bin", "fake"):
+        paths[d].mkdir()
+    tools = {
+        "nvidia-smi": "#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n",
+        "python": STAND_IN_PY.format(
+            calls=paths["calls"], downloads=paths["downloads"], real=sys.executable, fake=paths["fake"]
+        ),
+        "pip": f'#!/bin/sh\necho "$0 $*" >> {paths["downloads"]}\nexit 1\n',
+    }
+    tools["pip3"] = tools["pip"]
+    if mpi:
+        tools["mpiexec"] = f'#!/bin/sh\nprintf "%s\\n" "mpiexec $*" >> {paths["calls"]}\nexit 0\n'
+    for name, text in tools.items():
+        (paths["bin"] / name).write_text(text)
+        (paths["bin"] / name).chmod(0o755)
+    (paths["fake"] / "fake_cuda.py").write_text(FAKE_CUDA_PY)
+    for dist in cupy:
+        info = paths["fake"] / f"{dist.replace('-', '_')}-14.2.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 14.2.0\n")
+    if cupy:
+        (paths["fake"] / "cupy").mkdir()
+        (paths["fake"] / "cupy" / "__init__.py").write_text(
+            textwrap.dedent(
+                """\
+                import types
+                __version__ = "14.2.0"
+                cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+                """
+            )
+        )
+    if not mpi:  # mpi4py is there, its MPI library is not
+        (paths["fake"] / "mpi4py").mkdir()
+        (paths["fake"] / "mpi4py" / "__init__.py").write_text("")
+        (paths["fake"] / "mpi4py" / "MPI.py").write_text(
+            'raise ImportError("libmpi.so.12: cannot open shared object file: No such file or directory")\n'
+        )
+    return paths
+
+
+def run_offline(
+    paths: dict[str, Path], args: list[str], *, cuda: str, torch_version: str = ""
+) -> subprocess.CompletedProcess[str]:
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: a download attempt fails at once
+    env = scrubbed_env(
+        PATH=f"{paths['bin']}:{SYSTEM_PATH}",
+        FAKE_TORCH_CUDA=cuda,
+        FAKE_TORCH_VERSION=torch_version,
+        http_proxy=closed,
+        https_proxy=closed,
+        HTTP_PROXY=closed,
+        HTTPS_PROXY=closed,
+        PIP_INDEX_URL=closed,
+        GPU_CHECK_VENV=str(paths["out"].parent / "venv-gpu"),
+    )
+    for name in ("OUT", "GPU_CHECK_OUT", "GPU_CHECK_PYTHON", "PIP_NO_INDEX", "PYTHONPATH"):
+        env.pop(name, None)
+    bash = shutil.which("bash") or "/bin/bash"
+    cmd = [bash, str(SCRIPT), "--python", str(paths["bin"] / "python"), "--out", str(paths["out"]), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=paths["bin"])
+
+
+def calls_of(paths: dict[str, Path], *, helpers: bool = False) -> list[str]:
+    """The calls the stand-ins recorded, the probe's first; ``helpers``: with the figure helpers'."""
+    calls = paths["calls"].read_text().splitlines() if paths["calls"].exists() else []
+    return [c for c in calls if helpers or not c.startswith("PIP_NO_INDEX=1 - ")]
+
+
+def summary_of(paths: dict[str, Path]) -> tuple[dict[str, str], dict[str, str]]:
+    """``({check: result}, {check: figures})`` from summary.txt's table."""
+    results, figures = {}, {}
+    for line in (paths["out"] / "summary.txt").read_text().splitlines()[3:]:
+        if line.strip():
+            check, result, *rest = re.split(r"\s{2,}", line.strip(), maxsplit=2)
+            results[check], figures[check] = result, rest[0] if rest else ""
+    return results, figures
+
+
+def assert_offline(paths: dict[str, Path], proc: subprocess.CompletedProcess[str]) -> None:
+    report = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert not paths["downloads"].exists(), f"pip was called: {paths['downloads'].read_text()}\n{report}"
+    assert not (paths["out"].parent / "venv-gpu").exists(), report
+    calls = [c for c in calls_of(paths, helpers=True) if c.startswith("PIP_NO_INDEX=")]
+    assert calls and all(c.startswith("PIP_NO_INDEX=1 ") for c in calls), calls
+    assert "offline: using " in proc.stdout and "PIP_NO_INDEX=1" in proc.stdout, report
+
+
+def test_offline_tests_stage_runs_the_gpu_tests_then_the_cpu_suite(tmp_path: Path) -> None:
+    paths = offline_machine(tmp_path, cupy=("cupy-cuda13x",), mpi=True)
+    proc = run_offline(paths, ["--stage", "tests"], cuda="13.0")
+    report = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    assert_offline(paths, proc)
+    calls = [c.removeprefix("PIP_NO_INDEX=1 ") for c in calls_of(paths)]
+    assert calls[0].endswith("scripts/gpu_env.py")
+    steps = calls[1:]
+    assert len(steps) == 2, calls
+    assert steps[0].startswith("-m pytest -m gpu ") and steps[0].endswith(" tests"), steps
+    assert steps[1].startswith("-m pytest -m not gpu ") and steps[1].endswith(" tests"), steps
+    assert "--timeout 900" in steps[0] and f"--junitxml {paths['out']}/pytest_gpu.xml" in steps[0]
+    out = proc.stdout
+    assert "stages: gpu-tests cpu-tests" in out and "missing:" not in out, out
+    assert "(CUDA 13.0)" in out and "CuPy wanted: cupy-cuda13x (found: cupy-cuda13x 14.2.0)" in out
+    assert "mpiexec " + str(paths["bin"] / "mpiexec") in out
+    results, _ = summary_of(paths)
+    assert results == {"environment": "PASS", "pytest -m gpu": "PASS", "pytest (CPU suite)": "PASS"}, results
+    for name in ("environment.txt", "pytest_gpu.log", "pytest_cpu.log"):
+        assert (paths["out"] / name).is_file(), name
+    assert "7 passed" in (paths["out"] / "pytest_cpu.log").read_text()
+
+
+def test_offline_bench_and_cores_name_a_missing_cupy_and_mpi_and_skip_mpi(tmp_path: Path) -> None:
+    # torch built for CUDA 12 beside the CuPy for CUDA 13, and mpi4py without an MPI library.
+    paths = offline_machine(tmp_path, cupy=("cupy-cuda13x",), mpi=False)
+    proc = run_offline(paths, ["--stage", "bench", "--stage", "cores"], cuda="12.8")
+    report = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 1, report  # the missing pieces fail the run, after the stages ran
+    assert_offline(paths, proc)
+    out = proc.stdout
+    assert "CuPy wanted: cupy-cuda12x (found: cupy-cuda13x 14.2.0)" in out, out
+    assert "missing: cupy-cuda12x is not installed in " in out, out
+    assert "CuPy found: cupy-cuda13x 14.2.0" in out, out
+    assert "missing: MPI: mpi4py " in out, out
+    assert "finds no MPI library (error: ImportError: libmpi.so.12" in out, out
+    assert "carry the mpich wheel (--wheels)" in out, out
+    steps = [c.removeprefix("PIP_NO_INDEX=1 ") for c in calls_of(paths)][1:]
+    out_dir = paths["out"]
+    assert steps == [
+        f"benchmarks/gpu_ddp_bench.py --csv {out_dir}/gpu_ddp_nccl.csv",
+        f"benchmarks/gpu_ddp_bench.py --spawn 2 --csv {out_dir}/gpu_ddp_2ranks.csv",
+        f"benchmarks/allreduce_bench.py --device cuda --sizes 1M,25M,100M --csv {out_dir}/allreduce_cuda.csv "
+        "--spawn 2 --backends ring,gloo",
+        *(
+            f"benchmarks/allreduce_bench.py --spawn {n} --backends ring,gloo --sizes 1M,25M,100M "
+            f"--csv {out_dir}/allreduce_cpu_{n}.csv"
+            for n in (4, 8, 16)
+        ),
+    ], steps
+    results, figures = summary_of(paths)
+    assert results == {
+        "environment": "FAIL (missing)",
+        "gpu_ddp_bench nccl, world 1": "PASS",
+        "gpu_ddp_bench 2 ranks, gloo+ring": "PASS",
+        "allreduce_bench --device cuda": "PASS",
+        "allreduce_bench cpu, 4 ranks": "PASS",
+        "allreduce_bench cpu, 8 ranks": "PASS",
+        "allreduce_bench cpu, 16 ranks": "PASS",
+    }, figures
+    # The figures are read from each benchmark's CSV.
+    ddp = "ddp-nccl/torch-ddp 1.015, hooks 2.50 ms/step, 3.0 py calls/param; torch-ddp step 100.0 ms"
+    assert figures["gpu_ddp_bench nccl, world 1"] == ddp
+    bandwidth = (
+        "2 ranks 25MiB ring 9.50 GB/s (0.85x host, 70% of copies hidden); 2 ranks 25MiB torch-gloo 4.25 GB/s"
+    )
+    assert figures["allreduce_bench --device cuda"] == "mpi not measured (no MPI); " + bandwidth
+    assert figures["environment"].startswith("cupy-cuda12x is not installed in ")
+
+
+def test_offline_with_mpi_runs_the_cuda_allreduce_under_mpiexec(tmp_path: Path) -> None:
+    paths = offline_machine(tmp_path, cupy=("cupy-cuda12x",), mpi=True)
+    proc = run_offline(paths, ["--stage", "bench", "--budget", "300"], cuda="12.4")
+    assert_offline(paths, proc)
+    mpi_runs = [c for c in calls_of(paths) if c.startswith("mpiexec ")]
+    python = paths["bin"] / "python"
+    assert mpi_runs == [
+        f"mpiexec -n 2 {python} benchmarks/allreduce_bench.py --device cuda --sizes 1M,25M,100M "
+        f"--csv {paths['out']}/allreduce_cuda.csv --backends ring,gloo,mpi"
+    ], proc.stdout
+    assert "CuPy wanted: cupy-cuda12x (found: cupy-cuda12x 14.2.0)" in proc.stdout
+    assert "stage bench (budget 300 s)" in proc.stdout
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+
+
+@pytest.mark.parametrize(
+    ("cuda", "torch_version", "says"),
+    [
+        (
+            "",
+            "",
+            "torch {torch} in {py} is a CPU build: "
+            "use an interpreter whose torch has CUDA (--python), or --online",
+        ),
+        (
+            "13.0",
+            "2.10.1+cu130",
+            "commlib does not import with {py}: ImportError: commlib needs torch >= 2.11, "
+            "but this Python has torch 2.10.1+cu130. Install a newer one (pip install 'torch>=2.11'), "
+            "or use the interpreter that has it",
+        ),
+    ],
+    ids=["cpu-torch", "old-torch"],
+)
+def test_offline_refuses_a_torch_it_cannot_use_and_runs_nothing(
+    tmp_path: Path, cuda: str, torch_version: str, says: str
+) -> None:
+    paths = offline_machine(tmp_path, cupy=("cupy-cuda13x",))
+    proc = run_offline(paths, ["--stage", "tests"], cuda=cuda, torch_version=torch_version)
+    assert proc.returncode == 1, proc.stdout
+    error = "gpu_check: error: " + says.format(py=paths["bin"] / "python", torch=torch.__version__)
+    assert error in proc.stdout.splitlines(), proc.stdout
+    assert "nothing run" in proc.stdout
+    assert len(calls_of(paths)) == 1 and calls_of(paths)[0].endswith("scripts/gpu_env.py")
+    assert_offline(paths, proc)
+
+
+def test_gpu_check_rejects_an_unknown_stage(tmp_path: Path) -> None:
+    bash = shutil.which("bash") or "/bin/bash"
+    proc = subprocess.run(
+        [bash, str(SCRIPT), "--stage", "everything"], capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
+    assert proc.returncode == 2 and "unknown stage 'everything'" in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------ torch floor
+def test_torch_floor_matches_pyproject_and_the_installed_torch_passes() -> None:
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    floor = ".".join(map(str, MIN_TORCH))
+    assert f'"torch>={floor}"' in text
+    assert parse_torch_version(torch.__version__) >= MIN_TORCH
+    require_torch()  # the installed torch
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [("2.11.0", (2, 11)), ("2.11.0+cu130", (2, 11)), ("2.13.0a0+git1234", (2, 13)), ("10.0", (10, 0))],
+)
+def test_parse_torch_version(version: str, expected: tuple[int, int]) -> None:
+    assert parse_torch_version(version) == expected
+
+
+def test_require_torch_names_the_floor_and_the_torch_found() -> None:
+    require_torch("2.11.0+cu130")
+    require_torch("3.0.0")
+    require_torch("unknown")  # a source build without a version is let through
+    with pytest.raises(ImportError) as info:
+        require_torch("2.10.2+cpu")
+    assert str(info.value) == (
+        "commlib needs torch >= 2.11, but this Python has torch 2.10.2+cpu. Install a newer one "
+        "(pip install 'torch>=2.11'), or use the interpreter that has it"
+    )
 
 
 # ------------------------------------------------------- gpu_ddp_bench.py

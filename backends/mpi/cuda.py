@@ -39,7 +39,8 @@ from commlib.errors import BackendUnavailableError, CommError
 
 __all__ = [
     "CUDA_AWARE_ENV_VAR",
-    "CUDA_EXTRA_HINT",
+    "cupy_install_hint",
+    "cupy_package",
     "CudaAwareness",
     "as_cupy",
     "cuda_aware_override",
@@ -55,8 +56,8 @@ __all__ = [
 CUDA_AWARE_ENV_VAR = "COMMLIB_MPI_CUDA_AWARE"
 """``1``: hand CUDA tensors to MPI; ``0``: stage them through host memory; ``auto``: ask the library."""
 
-CUDA_EXTRA_HINT = 'pip install "commlib[cuda]"'
-"""The install command that brings CuPy (``cupy-cuda12x``)."""
+_CUPY_EXTRAS = {"cupy-cuda12x": "cuda", "cupy-cuda13x": "cuda13"}
+"""pyproject's extras, by the CuPy wheel each brings."""
 
 MPIX_GPU_SUPPORT_CUDA = 0
 """MPICH's GPU type id for CUDA in ``MPIX_GPU_query_support`` (a type id, not a flag)."""
@@ -263,6 +264,19 @@ def _loaded_mpi_libraries() -> list[str]:
 
 
 # ------------------------------------------------------------------- CuPy
+def cupy_package(cuda_version: str | None) -> str:
+    """Return the CuPy wheel built for a CUDA version: ``"13.0"`` -> ``"cupy-cuda13x"`` (12 when unknown)."""
+    major = (cuda_version or "12").split(".")[0].strip()
+    return f"cupy-cuda{major}x"
+
+
+def cupy_install_hint(cuda_version: str | None) -> str:
+    """Return the command that installs the CuPy for ``cuda_version`` (torch.version.cuda)."""
+    package = cupy_package(cuda_version)
+    extra = _CUPY_EXTRAS.get(package)
+    return f'pip install "commlib[{extra}]" (brings {package})' if extra else f"pip install {package}"
+
+
 def import_cupy(prefix: str) -> Any:
     """Import CuPy (only when a CUDA tensor needs it).
 
@@ -277,7 +291,7 @@ def import_cupy(prefix: str) -> Any:
     except ImportError as e:
         raise BackendUnavailableError(
             f"{prefix}a CUDA tensor reached the mpi backend, whose MPI library takes device memory, "
-            f"but CuPy is not installed: {CUDA_EXTRA_HINT} (brings cupy-cuda12x), or set "
+            f"but CuPy is not installed: {cupy_install_hint(torch.version.cuda)}, or set "
             f"{CUDA_AWARE_ENV_VAR}=0 to stage CUDA tensors through host memory instead ({e})"
         ) from e
     return cupy
