@@ -80,6 +80,12 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 [[ ${#STAGES[@]} -gt 0 ]] || STAGES=("${ALL_STAGES[@]}")
+# Paths given relative to where the script was started (it runs in the repository root).
+absolute() { if [[ "$1" == /* ]]; then echo "$1"; else echo "$PWD/$1"; fi; }
+[[ -n "$WHEELS" ]] && WHEELS="$(absolute "$WHEELS")"
+[[ "$BASE_PY" == */* ]] && BASE_PY="$(absolute "$BASE_PY")"
+OUT_DIR="$(absolute "$OUT_DIR")"
+VENV="$(absolute "${GPU_CHECK_VENV:-$ROOT/.venv-gpu}")"
 [[ $ONLINE == 1 && -n "$WHEELS" ]] && usage "--wheels is for offline runs; --online installs from the index"
 
 # ---------------------------------------------------------------- is there a GPU?
@@ -96,7 +102,6 @@ fi
 cd "$ROOT"
 mkdir -p "$OUT_DIR" || { say "error: cannot create $OUT_DIR"; exit 1; }
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-VENV="${GPU_CHECK_VENV:-$ROOT/.venv-gpu}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 say "GPU(s): $(echo "$GPUS" | paste -sd ';' -); stages: ${STAGES[*]}; outputs in $OUT_DIR"
@@ -127,13 +132,18 @@ install_online() {
 }
 
 install_wheels() {
-    # A venv over the offline interpreter, with DIR's wheels and nothing from any index.
-    local py="$VENV/bin/python" wheels=("$WHEELS"/*.whl)
+    # A venv that sees everything the offline interpreter has, plus DIR's wheels, from DIR alone.
+    local py="$VENV/bin/python" wheels=("$WHEELS"/*.whl) site
     [[ -e "${wheels[0]}" ]] || { say "error: no .whl file in $WHEELS"; return 1; }
     if [[ ! -x "$py" ]]; then
-        "$BASE_PY" -m venv --system-site-packages "$VENV" \
+        "$BASE_PY" -m venv --without-pip --system-site-packages "$VENV" \
             || { say "error: '$BASE_PY -m venv --system-site-packages $VENV' failed"; return 1; }
     fi
+    # --system-site-packages sees the base installation's packages only; where PY is itself a
+    # venv, a .pth adds its site-packages too (after the venv's own, so DIR's wheels come first).
+    site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
+    "$BASE_PY" -c 'import site; print("\n".join(site.getsitepackages()))' >"$site/gpu_check_base.pth" || return 1
+    # pip comes from PY's packages and installs into the venv.
     "$py" -m pip install -q --no-index --find-links "$WHEELS" "${wheels[@]}" || return 1
 }
 
@@ -159,6 +169,12 @@ else
             exit 1
         fi
         PY="$VENV/bin/python"
+        # An MPI library that came with PY's own prefix (an mpich wheel in a venv) stays in reach.
+        base_prefix="$("$BASE_PY" -c 'import sys; print(sys.prefix)')"
+        if compgen -G "$base_prefix/lib/libmpi*.so*" >/dev/null; then
+            export LD_LIBRARY_PATH="$base_prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            export PATH="$PATH:$(dirname "$BASE_PY")"
+        fi
     fi
     say "offline: using $PY, the project from PYTHONPATH, PIP_NO_INDEX=1"
 fi

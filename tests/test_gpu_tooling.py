@@ -6,7 +6,9 @@ its tiny CPU mode end to end and refuses to pretend without CUDA.
 
 from __future__ import annotations
 
+import base64
 import csv
+import hashlib
 import importlib.util
 import os
 import re
@@ -14,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -210,7 +213,7 @@ def run_offline(
         env.pop(name, None)
     bash = shutil.which("bash") or "/bin/bash"
     cmd = [bash, str(SCRIPT), "--python", str(paths["bin"] / "python"), "--out", str(paths["out"]), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=paths["bin"])
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=paths["bin"].parent)
 
 
 def calls_of(paths: dict[str, Path], *, helpers: bool = False) -> list[str]:
@@ -354,6 +357,53 @@ def test_offline_refuses_a_torch_it_cannot_use_and_runs_nothing(
     assert "nothing run" in proc.stdout
     assert len(calls_of(paths)) == 1 and calls_of(paths)[0].endswith("scripts/gpu_env.py")
     assert_offline(paths, proc)
+
+
+def hand_made_wheel(directory: Path, name: str) -> Path:
+    """A pure-Python wheel of one module ``name`` (what pip needs of a wheel, and no more)."""
+    files = {
+        f"{name}.py": "CARRIED = True\n",
+        f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+        f"{name}-0.1.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{name}-0.1.dist-info/RECORD"] = "\n".join([*record, f"{name}-0.1.dist-info/RECORD,,"]) + "\n"
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / f"{name}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return wheel
+
+
+def test_offline_wheels_go_into_a_venv_over_the_interpreter_from_the_directory_alone(tmp_path: Path) -> None:
+    # The real interpreter (a CPU torch): the wheel is installed, then the run stops at the CPU build.
+    paths = offline_machine(tmp_path)
+    hand_made_wheel(tmp_path / "wheels", "gpu_check_carried")
+    proc = run_offline(paths, ["--stage", "tests", "--python", sys.executable, "--wheels", "wheels"], cuda="")
+    report = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}\n--- install.log\n"
+    report += (paths["out"] / "install.log").read_text() if (paths["out"] / "install.log").exists() else ""
+    venv_python = tmp_path / "venv-gpu" / "bin" / "python"
+    assert f"offline: using {venv_python}, the project from PYTHONPATH, PIP_NO_INDEX=1" in proc.stdout, report
+    assert proc.returncode == 1 and "is a CPU build" in proc.stdout, report
+    assert not paths["downloads"].exists() and not paths["calls"].exists(), report
+    # The venv has the carried module and still sees the interpreter's own packages.
+    code = "import gpu_check_carried, importlib.util as u; assert u.find_spec('torch')\n"
+    code += "print(gpu_check_carried.__file__)"
+    probe = subprocess.run(
+        [str(venv_python), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=scrubbed_env(),
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip().startswith(str(tmp_path / "venv-gpu")), probe.stdout
 
 
 def test_gpu_check_rejects_an_unknown_stage(tmp_path: Path) -> None:
