@@ -20,6 +20,8 @@ from backends.mpi.cuda import (
     CudaAwareness,
     as_cupy,
     cuda_aware_override,
+    cupy_install_hint,
+    cupy_package,
     cupy_view_dtype,
     detect_cuda_aware,
     device_reduction_works,
@@ -225,6 +227,25 @@ def test_missing_cupy_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(info.value, ImportError)
     with pytest.raises(BackendUnavailableError, match=r"commlib\[cuda\]"):
         as_cupy(torch.zeros(3), prefix=PREFIX)
+
+
+@pytest.mark.parametrize(
+    ("cuda", "package", "hint"),
+    [
+        (None, "cupy-cuda12x", 'pip install "commlib[cuda]" (brings cupy-cuda12x)'),
+        ("12.8", "cupy-cuda12x", 'pip install "commlib[cuda]" (brings cupy-cuda12x)'),
+        ("13.0", "cupy-cuda13x", 'pip install "commlib[cuda13]" (brings cupy-cuda13x)'),
+        ("11.8", "cupy-cuda11x", "pip install cupy-cuda11x"),
+    ],
+)
+def test_the_cupy_hint_follows_torchs_cuda(cuda: str | None, package: str, hint: str) -> None:
+    assert cupy_package(cuda) == package
+    assert cupy_install_hint(cuda) == hint
+
+
+def test_every_extra_the_hint_names_is_in_pyproject() -> None:
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    assert 'cuda = ["cupy-cuda12x>=13"]' in text and 'cuda13 = ["cupy-cuda13x>=14"]' in text
 
 
 class FakeArray:
