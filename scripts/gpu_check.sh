@@ -192,8 +192,10 @@ fatal() {
     say "nothing run (the environment report: $OUT_DIR/environment.txt, $OUT_DIR/environment.err)"
     exit 1
 }
-[[ -n "$(env_of torch)" ]] \
-    || fatal "$PY cannot import torch ($(env_of torch_error || true)$(tail -n 1 "$OUT_DIR/environment.err"))"
+if [[ -z "$(env_of torch)" ]]; then
+    why="$(env_of torch_error)"
+    fatal "$PY cannot import torch (${why:-$(tail -n 1 "$OUT_DIR/environment.err")})"
+fi
 [[ -n "$(env_of torch_cuda)" ]] \
     || fatal "torch $(env_of torch) in $PY is a CPU build: use an interpreter whose torch has CUDA (--python), or --online"
 [[ "$(env_of commlib)" == ok ]] || fatal "commlib does not import with $PY: $(env_of commlib)"
