@@ -33,6 +33,8 @@ __all__ = ["IProcessGroup", "TensorList"]
 
 TensorList = Sequence[torch.Tensor]
 
+_BOOL = torch.bool
+
 _root_groups = itertools.count()
 """Root groups created in this process: names them (``gloo#0``) alike on every rank."""
 
@@ -286,11 +288,14 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             [tensor],
-            lambda: self._start_all_reduce(tensor, op, async_op),
+            self._start_all_reduce,
+            tensor,
+            op,
+            async_op,
         )
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
-        if op is ReduceOp.SUM and tensor.dtype is not torch.bool:
+        if op is ReduceOp.SUM and tensor.dtype is not _BOOL:
             return self._all_reduce(tensor, op, async_op)
         op, finish = self._prepare_reduction(tensor, op, in_place=True)
         if finish is _NAN_KEYS:
@@ -331,7 +336,7 @@ class IProcessGroup(abc.ABC):
             increment_version(flat)
         self._bytes_issued += tensor.nbytes
         return self._issue(
-            name, tensor, op, dst, async_op, [tensor], lambda: self._start_reduce(flat, dst, op, async_op)
+            name, tensor, op, dst, async_op, [tensor], self._start_reduce, flat, dst, op, async_op
         )
 
     def _start_reduce(self, flat: torch.Tensor, dst: int, op: ReduceOp | PremulSum, async_op: bool) -> Work:
@@ -368,9 +373,7 @@ class IProcessGroup(abc.ABC):
         flat = tensor.detach()
         increment_version(flat)
         self._bytes_issued += tensor.nbytes
-        return self._issue(
-            name, flat, None, src, async_op, [tensor], lambda: self._broadcast(flat, src, async_op)
-        )
+        return self._issue(name, flat, None, src, async_op, [tensor], self._broadcast, flat, src, async_op)
 
     def all_gather(
         self,
@@ -406,7 +409,11 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             output,
-            lambda: self._all_gather(flat_output, outputs, flat, async_op),
+            self._all_gather,
+            flat_output,
+            outputs,
+            flat,
+            async_op,
         )
 
     def all_gather_into_tensor(
@@ -456,7 +463,12 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             [output],
-            lambda: self._start_reduce_scatter(flat, flat_input, inputs, op, async_op),
+            self._start_reduce_scatter,
+            flat,
+            flat_input,
+            inputs,
+            op,
+            async_op,
         )
 
     def reduce_scatter_tensor(
@@ -529,7 +541,7 @@ class IProcessGroup(abc.ABC):
         self._bytes_issued += tensor.nbytes
         flat = tensor.detach().view(-1)
         return self._issue(
-            name, tensor, None, dst, async_op, gather_list, lambda: self._gather(flat, outputs, dst, async_op)
+            name, tensor, None, dst, async_op, gather_list, self._gather, flat, outputs, dst, async_op
         )
 
     def scatter(
@@ -561,7 +573,7 @@ class IProcessGroup(abc.ABC):
         increment_version(flat)
         self._bytes_issued += tensor.nbytes * (self.world_size if inputs is not None else 1)
         return self._issue(
-            name, tensor, None, src, async_op, [tensor], lambda: self._scatter(flat, inputs, src, async_op)
+            name, tensor, None, src, async_op, [tensor], self._scatter, flat, inputs, src, async_op
         )
 
     def all_to_all(
@@ -599,8 +611,11 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             output_tensor_list,
-            lambda: self._all_to_all(outputs, inputs, async_op),
-            counts,
+            self._all_to_all,
+            outputs,
+            inputs,
+            async_op,
+            counts=counts,
         )
 
     def all_to_all_single(
@@ -649,8 +664,11 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             output,
-            lambda: self._all_to_all(outputs, inputs, async_op),
-            counts,
+            self._all_to_all,
+            outputs,
+            inputs,
+            async_op,
+            counts=counts,
         )
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
@@ -660,7 +678,7 @@ class IProcessGroup(abc.ABC):
             async_op: Return a ``Work`` handle instead of waiting.
         """
         self._check_usable("barrier")
-        return self._issue("barrier", None, None, -1, async_op, None, lambda: self._barrier(async_op))
+        return self._issue("barrier", None, None, -1, async_op, None, self._barrier, async_op)
 
     # ----------------------------------------------------------------- objects
     def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
@@ -763,17 +781,18 @@ class IProcessGroup(abc.ABC):
                 )
             peer = self._p2p_peer(name, p2p, f"p2p_op_list[{i}]")
             requests.append(self._p2p_request(name, p2p.kind, p2p.tensor, peer, p2p.tag))
-        return self._issue_p2p(requests, lambda: self._batch_p2p(requests, True))
+        return self._issue_p2p(requests, self._batch_p2p, requests, True)
 
     def _point_to_point(self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> Work:
         self._check_usable(name)
         request = self._p2p_request(name, kind, tensor, peer, tag)
-        if kind == "send":
-            start: Callable[[], Work] = lambda: self._send(request.tensor, peer, tag, True)  # type: ignore[arg-type]  # noqa: E731
-        else:
-            start = lambda: self._recv(request.tensor, peer, tag, True)  # noqa: E731
-        (work,) = self._issue_p2p([request], lambda: [start()])
+        (work,) = self._issue_p2p([request], self._start_p2p, request)
         return work
+
+    def _start_p2p(self, request: P2PRequest) -> list[Work]:
+        if request.kind == "send":
+            return [self._send(request.tensor, request.peer, request.tag, True)]  # type: ignore[arg-type]
+        return [self._recv(request.tensor, request.peer, request.tag, True)]
 
     def _p2p_request(
         self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int
@@ -974,7 +993,8 @@ class IProcessGroup(abc.ABC):
         root: int,
         async_op: bool,
         value: object,
-        start: Callable[[], Work],
+        start: Callable[..., Work],
+        *args: Any,
         counts: tuple[list[int], list[int]] | None = None,
     ) -> Work | None:
         """Issue one collective: number it, let the diagnosis watch it, start it, then wait or return it.
@@ -986,24 +1006,29 @@ class IProcessGroup(abc.ABC):
             root: ``src`` / ``dst`` of a rooted collective; -1 otherwise.
             async_op: Return the work instead of waiting.
             value: What the work's future completes with.
-            start: Calls the backend hook.
+            start: Calls the backend hook: ``start(*args) -> Work``.
+            *args: Arguments of ``start``.
             counts: ``all_to_all`` only: elements received from and sent to each rank.
         """
         diagnostics = self._diagnostics
         if diagnostics is not None:
-            return diagnostics.issue(self, kind, tensor, op, root, async_op, value, start, counts)
+            return diagnostics.issue(self, kind, tensor, op, root, async_op, value, start, args, counts)
         self._seq += 1
-        work = start()
+        work = start(*args)
         if async_op:
             work._set_value(value)  # noqa: SLF001 - what the work's future completes with
             return work
         work.wait()
         return None
 
-    def _issue_p2p(self, requests: list[P2PRequest], start: Callable[[], list[Work]]) -> list[Work]:
+    def _issue_p2p(
+        self, requests: list[P2PRequest], start: Callable[..., list[Work]], *args: Any
+    ) -> list[Work]:
         """Issue point-to-point operations (they never advance ``_seq``); return their works."""
         diagnostics = self._diagnostics
-        works = diagnostics.issue_p2p(self, requests, start) if diagnostics is not None else start()
+        works = (
+            diagnostics.issue_p2p(self, requests, start, args) if diagnostics is not None else start(*args)
+        )
         for request, work in zip(requests, works, strict=True):
             work._set_value([request.tensor])  # noqa: SLF001
             if request.kind == "recv":
@@ -1264,13 +1289,11 @@ class IProcessGroup(abc.ABC):
     def _check_reduction(self, name: str, tensor: object, op: object, arg: str = "tensor") -> None:
         """Check a reduction's tensor and op; a kind of tensor seen before costs a set lookup."""
         kind = None
-        if isinstance(tensor, torch.Tensor) and isinstance(op, (ReduceOp, PremulSum)):
-            kind = (
-                op if isinstance(op, ReduceOp) else ReduceOp.PREMUL_SUM,
-                tensor.dtype,
-                tensor.device,
-                tensor.layout,
-            )
+        if isinstance(tensor, torch.Tensor):
+            if op.__class__ is ReduceOp:
+                kind = (op, tensor.dtype, tensor.device, tensor.layout)
+            elif isinstance(op, PremulSum):  # keyed apart from the bare ReduceOp.PREMUL_SUM, which is refused
+                kind = (PremulSum, tensor.dtype, tensor.device, tensor.layout)
             if kind in self._accepted and tensor.is_contiguous():
                 return
         self._check_tensor(name, tensor, arg)
