@@ -883,8 +883,9 @@ class IProcessGroup(abc.ABC):
             raise TypeError(f"{self._prefix(name)}key must be an int, got {key!r}")
         if color is not None and color < 0:
             color = None
-        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64)
-        everyone = torch.empty(2 * self.world_size, dtype=torch.int64)
+        device = self.preferred_device()
+        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64, device=device)
+        everyone = torch.empty(2 * self.world_size, dtype=torch.int64, device=device)
         self.all_gather(everyone, mine)
         pairs = everyone.view(-1, 2).tolist()
         colors = sorted({c for c, _ in pairs if c >= 0})
