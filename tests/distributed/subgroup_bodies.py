@@ -128,7 +128,7 @@ def body_split(group: IProcessGroup) -> dict[str, Any]:
 
 
 def body_parent_closed(group: IProcessGroup) -> dict[str, Any]:
-    """A subgroup goes on after the group it was made from is closed (on ring and gloo: its own links)."""
+    """A subgroup goes on after the group it was made from is closed."""
     n = group.world_size
     parent = group.new_group(list(range(n)))
     assert parent is not None
