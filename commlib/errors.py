@@ -12,6 +12,8 @@ __all__ = [
     "BackendUnavailableError",
     "NotInitializedError",
     "GroupClosedError",
+    "MessageSizeError",
+    "ReduceOpTypeError",
     "error_prefix",
 ]
 
@@ -50,6 +52,17 @@ class NotInitializedError(CommError):
 
 class GroupClosedError(CommError):
     """A collective was called on a process group after ``close()``, or after it broke."""
+
+
+class MessageSizeError(CommError, ValueError):
+    """A send and its receive disagree on the message's size; both sides raise it, and nothing moved."""
+
+
+class ReduceOpTypeError(TypeError, ValueError):
+    """A reduce op does not apply to the dtype (BAND on floats, AVG on integers), or lacks its argument.
+
+    It is both a ``TypeError`` and a ``ValueError``, so code that caught either keeps working.
+    """
 
 
 def error_prefix(rank: int, world_size: int, backend: str, op: str) -> str:

@@ -152,14 +152,14 @@ class Launcher:
 
 
 def launch_step(
-    work: DeferredWork, check: Callable[[], None], issue: Callable[..., Work], args: tuple[Any, ...]
+    work: DeferredWork, check: Callable[[], None], start: Callable[..., Work], args: tuple[Any, ...]
 ) -> Callable[[], None]:
-    """Return the launcher step for one collective: check, then issue, then hand the work over."""
+    """Return the launcher step for one collective: check, then start, then hand the work over."""
 
     def step() -> None:
         try:
             check()
-            real = issue(*args)
+            real = start(*args)
         except BaseException as e:  # noqa: BLE001 - becomes the work's error
             work.attach(None, e)
             return
