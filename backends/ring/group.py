@@ -54,6 +54,7 @@ from backends.ring.records import COMMON_BYTES, Meta, mismatch, split_mismatch
 from backends.ring.rendezvous import RingSockets, rendezvous
 from backends.ring.shared_buffers import SharedBuffers, Span
 from backends.ring.shm import RegionId
+from backends.ring.subgroups import Parent, new_subgroup
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
@@ -284,7 +285,8 @@ class RingProcessGroup(IProcessGroup):
         )
         self._peers = sockets.peers
         self._session = sockets.session
-        self._shape = shape
+        self._settings = shared
+        self._listen_address = sockets.listener.getsockname()[0] if sockets.listener is not None else ""
         self._subgroups_made = 0
         self._p2p = (
             PointToPoint(
@@ -1268,6 +1270,19 @@ class RingProcessGroup(IProcessGroup):
 
         body = self._on_host(run, Staged(tensor, copy_in=False))
         return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)
+
+    # --------------------------------------------------------------- subgroups
+    def _new_group(self, ranks: list[int], config: CommConfig) -> IProcessGroup | None:
+        """Members form a ring of their own (``backends.ring.subgroups``); the others get None."""
+        parent = Parent(
+            self, self._peers, self._session, self._settings, self._listen_address, self._subgroups_made
+        )
+        self._subgroups_made += 1
+
+        def make(env: DistEnv, config: CommConfig, sockets: RingSockets) -> IProcessGroup:
+            return RingProcessGroup(env, config, self._ring_config, connection=sockets)
+
+        return new_subgroup(parent, sorted(ranks), config, make)
 
     def _point_to_point(self, op: str) -> PointToPoint:
         if self._p2p is None:
