@@ -10,8 +10,10 @@ both ends have opened them.
 - ``connect_links``: the ring's two links, built at once over the connections
   of the rendezvous (each rank is the sender of one and the receiver of the
   other, so the frames of both interleave and cost one round trip).
-- ``open_send_link`` / ``accept_recv_link``: one link between any two ranks,
-  the two halves run by its sender and its receiver (``backends.ring.p2p``).
+- ``open_send_link`` / ``offer_recv_link`` + ``finish_recv_link``: one link
+  between any two ranks, the halves run by its sender and its receiver
+  (``backends.ring.p2p``, whose acceptor reads the frames of many connections
+  at once and so takes the receiver's half in two steps).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from backends.ring.shm_links import Inbox, ShmRecvLink, ShmSendLink, WakePipes
 from backends.ring.wire import SocketReader, recv_json, send_json
 from commlib.errors import RendezvousError
 
-__all__ = ["LinkShape", "connect_links", "open_send_link", "accept_recv_link"]
+__all__ = ["LinkOffer", "LinkShape", "connect_links", "open_send_link", "offer_recv_link", "finish_recv_link"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,7 @@ def _propose(shape: LinkShape) -> tuple[dict[str, Any], Region | None]:
 
 
 @dataclasses.dataclass
-class _Offer:
+class LinkOffer:
     """The receiver's half of a link while it is being set up."""
 
     message: dict[str, Any]
@@ -99,16 +101,17 @@ class _Offer:
     forced: bool = False
 
     def discard(self) -> None:
-        """The link set-up failed: remove the files and unmap."""
-        if self.inbox is not None:
-            self.inbox.region.unlink()
-            self.inbox.close()
-        if self.wake is not None:
-            self.wake.unlink()
-            self.wake.close()
+        """The link set-up failed: remove the files and unmap (calling it again does nothing)."""
+        inbox, wake, self.inbox, self.wake = self.inbox, self.wake, None, None
+        if inbox is not None:
+            inbox.region.unlink()
+            inbox.close()
+        if wake is not None:
+            wake.unlink()
+            wake.close()
 
 
-def _offer(proposal: Any, shape: LinkShape, sender: str, prefix: str) -> _Offer:
+def _offer(proposal: Any, shape: LinkShape, sender: str, prefix: str) -> LinkOffer:
     """The receiver's answer to ``proposal``: an inbox in shared memory, TCP, or an error.
 
     Raises:
@@ -119,7 +122,7 @@ def _offer(proposal: Any, shape: LinkShape, sender: str, prefix: str) -> _Offer:
     theirs = proposal["transport"]
     forced = "shm" in (shape.transport, theirs)
     if "tcp" in (shape.transport, theirs):
-        return _Offer({"transport": "tcp", "why": "COMMLIB_RING_TRANSPORT=tcp on one end"})
+        return LinkOffer({"transport": "tcp", "why": "COMMLIB_RING_TRANSPORT=tcp on one end"})
     if proposal.get("host") != host_id():
         host = str(proposal.get("host", "?")).split("/")[0]
         why = f"{sender} runs on another host ({host})"
@@ -143,13 +146,13 @@ def _offer(proposal: Any, shape: LinkShape, sender: str, prefix: str) -> _Offer:
                 "wake": list(wake.paths) if wake is not None else None,
                 "forced": forced,
             }
-            return _Offer(message, inbox, wake, forced)
+            return LinkOffer(message, inbox, wake, forced)
     if forced:
         message = (
             f"{prefix}COMMLIB_RING_TRANSPORT=shm, but the link from {sender} cannot use shared memory: {why}"
         )
-        return _Offer({"transport": "error", "why": message}, forced=True)
-    return _Offer({"transport": "tcp", "why": why})
+        return LinkOffer({"transport": "error", "why": message}, forced=True)
+    return LinkOffer({"transport": "tcp", "why": why})
 
 
 @dataclasses.dataclass
@@ -218,7 +221,7 @@ def _accept_offer(offer: Any, shape: LinkShape, receiver: str, prefix: str) -> _
     )
 
 
-def _settle_offer(offer: _Offer, confirmation: Any, prefix: str) -> None:
+def _settle_offer(offer: LinkOffer, confirmation: Any, prefix: str) -> None:
     """The sender confirmed (or not): unlink the files; without shared memory, drop the inbox.
 
     Raises:
@@ -265,7 +268,7 @@ def _recv_link(
     reader: SocketReader,
     peer: int,
     name: str,
-    offer: _Offer,
+    offer: LinkOffer,
     proposal: dict[str, Any],
     shape: LinkShape,
 ) -> RecvLink:
@@ -315,7 +318,7 @@ def connect_links(
     right_reader, left_reader = SocketReader(right, right_name), sockets.left_reader
 
     proposal, probe = _propose(shape)
-    offer: _Offer | None = None
+    offer: LinkOffer | None = None
     accepted: _Accepted | None = None
     try:
         send_json(right, proposal)
@@ -377,24 +380,34 @@ def open_send_link(
     return _send_link(sock, reader, peer, name, accepted, shape)
 
 
-def accept_recv_link(
-    sock: socket.socket, reader: SocketReader, peer: int, name: str, shape: LinkShape, prefix: str
-) -> RecvLink:
-    """The receiver's half of a link's set-up, over ``sock`` (the sender's hello already checked).
+def offer_recv_link(proposal: Any, shape: LinkShape, name: str, prefix: str) -> LinkOffer:
+    """The receiver's answer to the sender's proposal: send ``offer.message`` back, then ``finish_recv_link``.
 
-    Every wait is bounded by ``sock``'s timeout.
+    Raises:
+        RendezvousError: The proposal is malformed.
+    """
+    return _offer(proposal, shape, name, prefix)
+
+
+def finish_recv_link(
+    sock: socket.socket,
+    reader: SocketReader,
+    peer: int,
+    name: str,
+    offer: LinkOffer,
+    proposal: dict[str, Any],
+    confirmation: Any,
+    shape: LinkShape,
+    prefix: str,
+) -> RecvLink:
+    """Build the receiver's half once the sender confirmed ``offer`` (on failure the offer is discarded).
 
     Raises:
         RendezvousError: The link cannot be built as both ends asked.
-        CommError: The sender left or did not answer in time.
     """
-    proposal = recv_json(reader, "link set-up")
-    offer = _offer(proposal, shape, name, prefix)
     try:
-        send_json(sock, offer.message)
         if offer.message["transport"] == "error":
             raise RendezvousError(offer.message["why"])
-        confirmation = recv_json(reader, "link set-up")
         _settle_offer(offer, confirmation, prefix)
     except BaseException:
         offer.discard()

@@ -11,9 +11,11 @@ Links:
   link. Two ranks that send to each other at once open two links, so there is
   nothing to settle between them.
 - The receiver's acceptor thread serves its listener from its first receive
-  on. Whoever else connects is dropped as at the rendezvous
-  (``backends.ring.lobby``: a deadline for every frame, a size limit), and each
-  step of a link's set-up has a deadline whatever the peer sends.
+  on, reading every connection frame by frame at once
+  (``backends.ring.lobby``): a link's set-up is three frames from its sender
+  (hello, proposal, confirmation) and one answer, each with a deadline and a
+  size limit, so a stranger, or a peer that stalls, costs only its own
+  connection.
 
 Messages:
 
@@ -57,13 +59,14 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from backends.ring.lanes import Lane
-from backends.ring.link_setup import LinkShape, accept_recv_link, open_send_link
+from backends.ring.link_setup import LinkShape, finish_recv_link, offer_recv_link, open_send_link
 from backends.ring.links import META_BYTES, RecvLink, SendLink
-from backends.ring.lobby import STRANGER_DEADLINE_S, Lobby
+from backends.ring.lobby import Lobby, Visitor
 from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_source
 from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
 from commlib.errors import CommError, CommTimeoutError, GroupClosedError, PeerFailureError
@@ -524,48 +527,73 @@ class PointToPoint:
                 self._acceptor.start()
 
     def _accept_loop(self) -> None:
+        """Serve the listener: every connection is read frame by frame in one lobby, none blocks the others.
+
+        A link's set-up takes three frames from its sender (signed hello,
+        proposal, confirmation) and one answer (the offer); each frame has the
+        lobby's deadline, so a peer that stalls, or a stranger, costs only its
+        own connection.
+        """
         lobby = Lobby(self._listener, f"{self._prefix('p2p')}data listener", _HELLO_BYTES)
         try:
             early, self._early = self._early, []
             for link in early:
-                self._serve(link.sock, link.source, link.leftover)
+                visitor = lobby.adopt(link.sock, f"rank {link.source}", "hello", link.leftover)
+                visitor.data["source"] = link.source
             while not self._closing:
                 arrival = lobby.next_frame(time.monotonic() + _ACCEPT_PERIOD_S)
-                if arrival is None or self._closing:
-                    continue
-                visitor, hello = arrival
-                claim = p2p_hello_source(self._session, hello, self._rank)
-                if claim is None or claim[1] in self._nonces or not 0 <= claim[0] < len(self._peers):
-                    lobby.drop(visitor, f"not a point-to-point link of this group (it sent {hello!r:.80})")
-                    continue
-                self._nonces.add(claim[1])
-                self._serve(lobby.keep(visitor), claim[0], visitor.leftover())
+                if arrival is not None and not self._closing:
+                    self._on_frame(lobby, *arrival)
         except Exception:  # noqa: BLE001 - the acceptor must never take the process down
             if not self._closing:
                 logger.exception("%sthe point-to-point acceptor stopped", self._prefix("p2p"))
         finally:
             lobby.close()
 
-    def _serve(self, sock: socket.socket, src: int, leftover: bytes) -> None:
-        """Build the link whose signed hello came from ``src``; a set-up that fails is dropped and logged."""
-        name = f"rank {src}"
-        try:
-            tune_socket(sock)
-            sock.settimeout(min(self._timeout, STRANGER_DEADLINE_S))
-            reader = SocketReader(sock, name, initial=leftover)
-            link = accept_recv_link(sock, reader, src, name, self._shape, self._prefix("p2p"))
-        except (CommError, OSError) as e:
-            logger.debug("%slink from rank %d not set up: %s", self._prefix("p2p"), src, e)
-            sock.close()
-            return
-        sock.settimeout(self._timeout)
-        with self._links:
-            if self._closing or src in self._incoming:
-                logger.debug("%sa second link from rank %d was refused", self._prefix("p2p"), src)
-                link.close(0)
+    def _on_frame(self, lobby: Lobby, visitor: Visitor, frame: Any) -> None:
+        """One step of a link's set-up (see ``_accept_loop``)."""
+        prefix = self._prefix("p2p")
+        if visitor.state == "new":
+            claim = p2p_hello_source(self._session, frame, self._rank)
+            if claim is None or claim[1] in self._nonces or not 0 <= claim[0] < len(self._peers):
+                lobby.drop(visitor, f"not a point-to-point link of this group (it sent {frame!r:.80})")
                 return
-            self._incoming[src] = _Incoming(link)
-            self._links.notify_all()
+            self._nonces.add(claim[1])
+            visitor.state, visitor.data["source"] = "hello", claim[0]
+        elif visitor.state == "hello":
+            source = visitor.data["source"]
+            try:
+                offer = offer_recv_link(frame, self._shape, f"rank {source}", prefix)
+            except CommError as e:
+                lobby.drop(visitor, str(e))
+                return
+            visitor.on_drop = offer.discard
+            visitor.data.update(offer=offer, proposal=frame)
+            if lobby.reply(visitor, offer.message):
+                visitor.state = "offered"
+        elif visitor.state == "offered":
+            source, offer = visitor.data["source"], visitor.data["offer"]
+            leftover = visitor.leftover()
+            sock = lobby.keep(visitor)
+            name = f"rank {source}"
+            try:
+                tune_socket(sock)
+                sock.settimeout(self._timeout)
+                reader = SocketReader(sock, name, initial=leftover)
+                link = finish_recv_link(
+                    sock, reader, source, name, offer, visitor.data["proposal"], frame, self._shape, prefix
+                )
+            except (CommError, OSError) as e:
+                logger.debug("%slink from rank %d not set up: %s", prefix, source, e)
+                sock.close()
+                return
+            with self._links:
+                if self._closing or source in self._incoming:
+                    logger.debug("%sa second link from rank %d was refused", prefix, source)
+                    link.close(0)
+                    return
+                self._incoming[source] = _Incoming(link)
+                self._links.notify_all()
 
     # --------------------------------------------------------------- close
     def _check_open(self, op: str) -> None:
