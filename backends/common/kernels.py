@@ -8,19 +8,13 @@ cores, and a progress thread's team fights the caller's: a 25 MB all-reduce took
 count is not an option (``torch.set_num_threads`` is process-wide and belongs to
 the user), so the ring moves and combines bytes itself:
 
-- copies of any dtype, and reductions of float32, float64, the integer dtypes
-  and bool, with NumPy, which works on the calling thread only and releases
-  the GIL;
+- copies of any dtype, and reductions of float32, float64 and every integer and
+  bool dtype, with NumPy, which works on the calling thread only and releases the GIL;
 - reductions of float16 and bfloat16 (which NumPy lacks or computes slowly)
   with torch, in pieces below the grain, which torch runs on the calling thread.
 
 Tensors below the grain take the torch path whatever their dtype: it saves the
 NumPy conversion, and torch does not start its team for them either.
-
-Ops follow torch's arithmetic on every dtype: integer SUM and PRODUCT wrap as
-two's complement; on bool, SUM and MAX are OR, PRODUCT and MIN are AND; the
-bitwise ops (``BAND``, ``BOR``, ``BXOR``) apply to integer and bool tensors.
-``AVG`` sums here (the caller divides); ``divide`` is for floating dtypes.
 """
 
 from __future__ import annotations
@@ -45,39 +39,29 @@ PIECE = 16384
 """Elements per torch call: half of torch's parallel grain, so torch never starts its thread team."""
 
 _NUMPY_DTYPES = frozenset(
-    {
-        torch.float32,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    }
+    {torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
 )
 
-# By op name, so that the table does not depend on which ops a ReduceOp version defines.
 _NUMPY_UFUNCS = {
-    "SUM": np.add,
-    "AVG": np.add,
-    "PRODUCT": np.multiply,
-    "MIN": np.minimum,
-    "MAX": np.maximum,
-    "BAND": np.bitwise_and,
-    "BOR": np.bitwise_or,
-    "BXOR": np.bitwise_xor,
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 
 _TORCH_FUNCS = {
-    "SUM": torch.add,
-    "AVG": torch.add,
-    "PRODUCT": torch.mul,
-    "MIN": torch.minimum,
-    "MAX": torch.maximum,
-    "BAND": torch.bitwise_and,
-    "BOR": torch.bitwise_or,
-    "BXOR": torch.bitwise_xor,
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and,
+    ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
 }
 
 
@@ -95,13 +79,8 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 @functools.cache
 def combine(op: ReduceOp, dtype: torch.dtype) -> Combine:
-    """Return ``combine(out, a, b)`` computing ``out = a op b`` for flat contiguous tensors of ``dtype``.
-
-    Raises:
-        KeyError: ``op`` is not an elementwise reduction (``PREMUL_SUM`` is a
-            multiply, then ``SUM``; the caller does the multiply).
-    """
-    func, ufunc = _TORCH_FUNCS[op.name], _NUMPY_UFUNCS[op.name]
+    """Return ``combine(out, a, b)`` computing ``out = a op b`` for flat contiguous tensors of ``dtype``."""
+    func, ufunc = _TORCH_FUNCS[op], _NUMPY_UFUNCS[op]
 
     if dtype in _NUMPY_DTYPES:
 
