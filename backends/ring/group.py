@@ -49,7 +49,7 @@ from backends.common.kernels import Reducer
 from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, connect_links
 from backends.ring.links import RecvLink, SendLink
-from backends.ring.p2p import P2PLabel, PointToPoint
+from backends.ring.p2p import PointToPoint
 from backends.ring.records import COMMON_BYTES, Meta, mismatch, split_mismatch
 from backends.ring.rendezvous import RingSockets, rendezvous
 from backends.ring.shared_buffers import SharedBuffers, Span
@@ -212,7 +212,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _set_source(work: Work, source: int) -> None:
-    work._source_rank = source  # type: ignore[attr-defined]  # a receive's work names its sender
+    work._set_source(source)  # noqa: SLF001 - a receive's work names its sender
 
 
 # --------------------------------------------------------------- the group
@@ -287,8 +287,7 @@ class RingProcessGroup(IProcessGroup):
         self._session = sockets.session
         self._settings = shared
         self._listen_address = sockets.listener.getsockname()[0] if sockets.listener is not None else ""
-        self._subgroups_made = 0
-        self._p2p = (
+        self._peer_links = (
             PointToPoint(
                 rank=env.rank,
                 peers=sockets.peers,
@@ -932,7 +931,7 @@ class RingProcessGroup(IProcessGroup):
 
             return self._submit(describe, self._on_host(run, Staged(output)), async_op, (output, inputs))
         # A list's blocks are joined on the device (on the caller's stream, before the copies out).
-        source = flat_input if flat_input is not None else torch.cat(inputs)
+        source = self._whole(flat_input, inputs)
 
         def first() -> list[tuple[int, int]]:
             if n == 1 or self._is_small(source):
@@ -1249,7 +1248,7 @@ class RingProcessGroup(IProcessGroup):
     # --------------------------------------------------------- point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
         p2p = self._point_to_point("send")
-        label = P2PLabel(self.rank, self.world_size, self.backend_name, "send", dst, tag, tensor)
+        label = self._p2p_label("send", tensor, dst, tag)
         dtype, numel = tensor.dtype, tensor.numel()
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
@@ -1262,7 +1261,7 @@ class RingProcessGroup(IProcessGroup):
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
         p2p = self._point_to_point("recv")
-        label = P2PLabel(self.rank, self.world_size, self.backend_name, "recv", src, tag, tensor)
+        label = self._p2p_label("recv", tensor, src, tag)
         dtype, numel = tensor.dtype, tensor.numel()
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
@@ -1272,22 +1271,19 @@ class RingProcessGroup(IProcessGroup):
         return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)
 
     # --------------------------------------------------------------- subgroups
-    def _new_group(self, ranks: list[int], config: CommConfig) -> IProcessGroup | None:
+    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
         """Members form a ring of their own (``backends.ring.subgroups``); the others get None."""
-        parent = Parent(
-            self, self._peers, self._session, self._settings, self._listen_address, self._subgroups_made
-        )
-        self._subgroups_made += 1
+        parent = Parent(self, self._peers, self._session, self._settings, self._listen_address, name)
 
-        def make(env: DistEnv, config: CommConfig, sockets: RingSockets) -> IProcessGroup:
-            return RingProcessGroup(env, config, self._ring_config, connection=sockets)
+        def make(config: CommConfig, sockets: RingSockets) -> IProcessGroup:
+            return RingProcessGroup(self._subgroup_env(ranks), config, self._ring_config, connection=sockets)
 
-        return new_subgroup(parent, sorted(ranks), config, make)
+        return new_subgroup(parent, ranks, config, make)
 
     def _point_to_point(self, op: str) -> PointToPoint:
-        if self._p2p is None:
+        if self._peer_links is None:
             raise CommError(f"{self._prefix(op)}this group has no other rank to talk to")
-        return self._p2p
+        return self._peer_links
 
     def _barrier(self, async_op: bool) -> Work:
         meta = self._next_meta("barrier", None)
@@ -1297,8 +1293,8 @@ class RingProcessGroup(IProcessGroup):
         return self._submit(describe, lambda: self._check_meta(meta), async_op)
 
     def _close(self) -> None:
-        if self._p2p is not None:
-            self._p2p.close()
+        if self._peer_links is not None:
+            self._peer_links.close()
         self._lane.close()
         linger = min(self.timeout, 10.0)
         with self._run_lock:

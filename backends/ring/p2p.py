@@ -71,7 +71,7 @@ from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_sourc
 from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
 from commlib.errors import CommError, CommTimeoutError, GroupClosedError, PeerFailureError
 
-__all__ = ["P2PLabel", "PointToPoint", "MessageSizeError", "TAKEN", "WRONG_SIZE", "SET_ASIDE"]
+__all__ = ["PointToPoint", "MessageSizeError", "TAKEN", "WRONG_SIZE", "SET_ASIDE"]
 
 logger = logging.getLogger("commlib")
 
@@ -84,43 +84,6 @@ _HEADER_PAD = bytes(META_BYTES - _HEADER.size)
 _HELLO_BYTES = 64 * 1024
 _ACCEPT_PERIOD_S = 1.0  # the acceptor looks at its stop flag at least this often
 _ANY_SLEEP_MAX_S = 1e-3  # longest nap of a receive from any source between looks at the links
-
-
-class P2PLabel:
-    """Names one point-to-point operation in messages: ``[rank 0/2] ring.send to rank 1 (tag 0, ...)``.
-
-    Formatted only when a message needs it.
-    """
-
-    __slots__ = ("rank", "world_size", "backend", "op", "peer", "tag", "dtype", "numel")
-
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        backend: str,
-        op: str,
-        peer: int | None,
-        tag: int,
-        tensor: torch.Tensor,
-    ) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.backend = backend
-        self.op = op
-        self.peer = peer
-        self.tag = tag
-        self.dtype = tensor.dtype
-        self.numel = tensor.numel()
-
-    def __str__(self) -> str:
-        way = "to" if self.op == "send" else "from"
-        peer = f"rank {self.peer}" if self.peer is not None else "any rank"
-        dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"[rank {self.rank}/{self.world_size}] {self.backend}.{self.op} {way} {peer} "
-            f"(tag {self.tag}, {dtype}, {self.numel} elements)"
-        )
 
 
 class MessageSizeError(CommError, ValueError):

@@ -7,10 +7,9 @@ Every rank of the parent takes part (``new_subgroup``), members or not:
 2. The parent all-gathers every rank's port (0: not a member), one number per
    rank: the hosts and addresses are in the parent's peer table already.
 3. The subgroup's session key is derived from the parent's (which only ranks
-   holding the job token have), the subgroup's number in the parent (every
-   rank counts alike, as every rank calls ``new_group`` in the same order),
-   its ranks and the ports; the members' link hellos are signed with it, so a
-   stranger, or a rank of another subgroup, cannot join.
+   holding the job token have), the subgroup's name (unique in the job, the
+   same on every rank), its ranks and the ports; the members' link hellos are
+   signed with it, so a stranger, or a rank of another subgroup, cannot join.
 4. The members link to their neighbours (``backends.ring.rendezvous.link_neighbours``)
    and build a ``RingProcessGroup`` on those connections, with the parent's
    ring settings. Its point-to-point links open on its own listener.
@@ -31,7 +30,6 @@ import torch
 from backends.common.jobtoken import sign_with
 from backends.ring.rendezvous import EarlyLink, Peer, RingSockets, link_neighbours, open_listener
 from commlib.config import CommConfig
-from commlib.env import DistEnv
 from commlib.process_group import IProcessGroup
 
 __all__ = ["Parent", "new_subgroup"]
@@ -49,21 +47,21 @@ class Parent:
     """The ring settings its ranks agreed on."""
     listen_address: str
     """The address this rank's listener has in the parent."""
-    number: int
-    """How many subgroups of the parent were made before this one (the same on every rank)."""
+    name: str
+    """The subgroup's name: the same on every rank of the parent, unique in the job."""
 
 
 def new_subgroup(
     parent: Parent,
     ranks: list[int],
     config: CommConfig,
-    make: Callable[[DistEnv, CommConfig, RingSockets], IProcessGroup],
+    make: Callable[[CommConfig, RingSockets], IProcessGroup],
 ) -> IProcessGroup | None:
-    """Form the subgroup of the parent's ranks ``ranks`` (checked, sorted); every parent rank calls it.
+    """Form the subgroup of the parent's ranks ``ranks`` (checked); every parent rank calls it.
 
     Args:
         parent: The parent group and what the subgroup takes from it.
-        ranks: The members, as parent ranks, in order.
+        ranks: The members, as parent ranks, in the subgroup's rank order.
         config: The subgroup's settings (its timeout bounds the linking).
         make: Builds the ring group on the members' connections.
 
@@ -88,17 +86,7 @@ def new_subgroup(
             Peer(i, table[g].host, table[g].addr, int(ports[g]), table[g].pid) for i, g in enumerate(ranks)
         ]
         rank = ranks.index(me)
-        session = bytes.fromhex(sign_with(parent.session, "subgroup", parent.number, ranks, ports.tolist()))
-        on_my_host = [g for g in ranks if table[g].host == table[me].host]
-        env = DistEnv(
-            rank=rank,
-            world_size=len(ranks),
-            local_rank=on_my_host.index(me),
-            local_world_size=len(on_my_host),
-            master_addr=group.env.master_addr,
-            master_port=group.env.master_port,
-            launcher=group.env.launcher,
-        )
+        session = bytes.fromhex(sign_with(parent.session, "subgroup", parent.name, ranks, ports.tolist()))
         sockets = RingSockets(peers=peers, settings=parent.settings, right=None, left=None)
         if listener is not None:
             prefix = f"[rank {rank}/{len(ranks)}] ring.new_group: "
@@ -115,7 +103,7 @@ def new_subgroup(
             )
             sockets.listener, sockets.session, sockets.early = listener, session, early
             listener = None  # the group owns it now
-        return make(env, config, sockets)
+        return make(config, sockets)
     finally:
         if listener is not None:
             listener.close()
