@@ -111,7 +111,9 @@ def body_send_nobody_receives(group: IProcessGroup) -> list[str]:
                 messages.append(str(e))
             else:
                 raise AssertionError(f"a send to rank {peer} that nobody receives did not time out")
-        assert all(f"rank {peer} did not receive" in m for peer, m in zip((1, 2), messages, strict=True)), messages
+        assert all(f"rank {peer} did not receive" in m for peer, m in zip((1, 2), messages, strict=True)), (
+            messages
+        )
         assert all("tag 9" in m for m in messages), messages
     group.barrier()  # ranks 1 and 2 wait here for rank 0's timeouts
     t = torch.tensor([float(r)])
