@@ -1209,19 +1209,39 @@ class RingProcessGroup(IProcessGroup):
         whole matrix (a mismatch raises on all). Step ``s`` (1 .. n-1) sends the
         right neighbour the blocks that rank ``r - s + 1`` has for the ranks
         after this one; the neighbour keeps the first and passes the rest on
-        in the next step. On two ranks that is one exchange.
+        in the next step. On two ranks that is one exchange, and a block of up
+        to ``small_bytes`` travels with the record itself.
         """
         n, r = self.world_size, self.rank
-        _copy(outputs[r], inputs[r])
         if n == 1:
+            error = split_mismatch([[inputs[0].numel()]], [[outputs[0].numel()]])
+            if error is not None:
+                raise error
+            _copy(outputs[0], inputs[0])
             return
-        sizes = torch.tensor([t.numel() for t in inputs] + [t.numel() for t in outputs], dtype=torch.int64)
-        payloads = self._check_meta(meta, sizes.view(torch.uint8).view(meta.dtype))  # type: ignore[arg-type]
-        rows = {rank: p.view(torch.uint8).view(torch.int64).tolist() for rank, p in payloads.items()}
+        # Two ranks: a small block for the neighbour travels with the record (one message each way).
+        carry = inputs[1 - r] if n == 2 and inputs[1 - r].nbytes <= self._small_bytes else None
+        counts = [t.numel() for t in inputs] + [t.numel() for t in outputs] + [carry is not None]
+        head = torch.tensor(counts, dtype=torch.int64).view(torch.uint8)
+        payload = head if carry is None else torch.cat([head, carry.view(torch.uint8)])
+        payloads = self._check_meta(meta, payload.view(meta.dtype))  # type: ignore[arg-type]
+        rows = {
+            rank: p.view(torch.uint8)[: head.numel()].view(torch.int64).tolist()
+            for rank, p in payloads.items()
+        }
         sent = [rows[i][:n] for i in range(n)]
-        error = split_mismatch(sent, [rows[j][n:] for j in range(n)])
+        error = split_mismatch(sent, [rows[j][n : 2 * n] for j in range(n)])
         if error is not None:
             raise error
+        _copy(outputs[r], inputs[r])
+        if n == 2:
+            left = 1 - r
+            theirs = outputs[left]
+            if rows[left][2 * n]:  # the neighbour's block came with its record
+                kernels.copy(theirs.view(torch.uint8), payloads[left].view(torch.uint8)[head.numel() :])
+            self._stream([] if carry is not None else [inputs[left]], [] if rows[left][2 * n] else [theirs])
+            self._flush()
+            return
         carried: list[torch.Tensor] = []
         for s in range(1, n):
             origin = (r - s) % n  # whose blocks arrive in this step
@@ -1236,6 +1256,8 @@ class RingProcessGroup(IProcessGroup):
         """Send ``outgoing`` to the right while ``incoming`` arrives from the left, one chunk each in turn."""
         send, recv = self._right, self._left
         assert send is not None and recv is not None
+        if not outgoing and not incoming:
+            return
         step = self._chunk_numel(incoming[0] if incoming else outgoing[0])
         out = [t[i : i + step] for t in outgoing for i in range(0, t.numel(), step)]
         into = [t[i : i + step] for t in incoming for i in range(0, t.numel(), step)]
