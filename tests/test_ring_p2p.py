@@ -22,9 +22,9 @@ import torch
 
 from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape
-from backends.ring.p2p import MessageSizeError, PointToPoint
+from backends.ring.p2p import PointToPoint
 from backends.ring.rendezvous import Peer, host_id, open_listener, p2p_hello, p2p_hello_source
-from commlib import CommTimeoutError, GroupClosedError
+from commlib import CommTimeoutError, GroupClosedError, MessageSizeError
 
 SESSION = secrets.token_bytes(32)
 

@@ -1269,7 +1269,7 @@ class RingProcessGroup(IProcessGroup):
 
     # --------------------------------------------------------- point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        p2p = self._point_to_point("send")
+        p2p = self._peer_links_for("send")
         label = self._p2p_label("send", tensor, dst, tag)
         dtype, numel = tensor.dtype, tensor.numel()
 
@@ -1282,7 +1282,7 @@ class RingProcessGroup(IProcessGroup):
         return p2p.send_lane(dst).submit(label, body, async_op, tensor)
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        p2p = self._point_to_point("recv")
+        p2p = self._peer_links_for("recv")
         label = self._p2p_label("recv", tensor, src, tag)
         dtype, numel = tensor.dtype, tensor.numel()
 
@@ -1302,7 +1302,7 @@ class RingProcessGroup(IProcessGroup):
 
         return new_subgroup(parent, ranks, config, make)
 
-    def _point_to_point(self, op: str) -> PointToPoint:
+    def _peer_links_for(self, op: str) -> PointToPoint:
         if self._peer_links is None:
             raise CommError(f"{self._prefix(op)}this group has no other rank to talk to")
         return self._peer_links

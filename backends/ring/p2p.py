@@ -69,9 +69,9 @@ from backends.ring.links import META_BYTES, RecvLink, SendLink
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_source
 from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
-from commlib.errors import CommError, CommTimeoutError, GroupClosedError, PeerFailureError
+from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageSizeError, PeerFailureError
 
-__all__ = ["PointToPoint", "MessageSizeError", "TAKEN", "WRONG_SIZE", "SET_ASIDE"]
+__all__ = ["PointToPoint", "TAKEN", "WRONG_SIZE", "SET_ASIDE"]
 
 logger = logging.getLogger("commlib")
 
@@ -84,10 +84,6 @@ _HEADER_PAD = bytes(META_BYTES - _HEADER.size)
 _HELLO_BYTES = 64 * 1024
 _ACCEPT_PERIOD_S = 1.0  # the acceptor looks at its stop flag at least this often
 _ANY_SLEEP_MAX_S = 1e-3  # longest nap of a receive from any source between looks at the links
-
-
-class MessageSizeError(CommError, ValueError):
-    """A message and the receive buffer it was sent into differ in size (raised on both sides)."""
 
 
 @dataclasses.dataclass(frozen=True)
