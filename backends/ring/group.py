@@ -13,9 +13,22 @@ Copies and reductions never start torch's intra-op thread team
 count as under one thread, and it never changes the caller's thread setting.
 
 Every collective starts by passing a small record (operation, dtype, shape,
-sequence number) around the ring, so ranks that disagree all raise the same
-``CollectiveMismatchError`` naming each rank's tensor; this exchange is also
-the whole of ``barrier()``.
+sequence number) around the ring (``backends.ring.records``), so ranks that
+disagree all raise the same ``CollectiveMismatchError`` naming each rank's
+tensor; this exchange is also the whole of ``barrier()``. Small tensors travel
+with the records.
+
+The rooted collectives run down the chain that starts or ends at the root:
+``reduce`` passes partial results towards ``dst``, ``gather`` passes blocks
+towards ``dst`` (each rank sends its own, then relays the ones before it),
+``scatter`` passes them away from ``src`` (the farthest rank's first).
+``all_to_all`` passes each rank's blocks along the ring, each hop keeping the
+block meant for it; on two ranks that is one exchange.
+
+Point-to-point runs over links of its own between any two ranks, opened on
+first use (``backends.ring.p2p``), and never touches the ring's links or its
+sequence of collectives. A subgroup forms a ring of its own
+(``backends.ring.subgroups``).
 
 ``async_op=True`` runs the collective on one progress thread per group, in the
 order issued (like a CUDA stream); a synchronous call runs on the caller's
@@ -33,19 +46,16 @@ waits for the copies back; the host never waits for the caller's stream.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from backends.common import cuda_staging, kernels
+from backends.common import kernels
 from backends.common.cuda_staging import StagingPipeline
 from backends.common.kernels import Reducer
+from backends.ring.config import RingConfig
 from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, connect_links
 from backends.ring.links import RecvLink, SendLink
@@ -54,9 +64,10 @@ from backends.ring.records import COMMON_BYTES, Meta, mismatch, split_mismatch
 from backends.ring.rendezvous import RingSockets, rendezvous
 from backends.ring.shared_buffers import SharedBuffers, Span
 from backends.ring.shm import RegionId
+from backends.ring.staging import Staged, View, first_chunks, on_host, publisher, waiter
 from backends.ring.subgroups import Parent, new_subgroup
 from commlib.config import CommConfig
-from commlib.env import DistEnv, read_env_var
+from commlib.env import DistEnv
 from commlib.errors import (
     CollectiveMismatchError,
     CommError,
@@ -70,139 +81,12 @@ from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["RingConfig", "RingProcessGroup", "BACKENDS"]
 
-Transport = Literal["auto", "shm", "tcp"]
-
-
-def _transport(text: str) -> Transport:
-    value = text.lower()
-    if value not in ("auto", "shm", "tcp"):
-        raise ValueError("expected auto, shm or tcp")
-    return value  # type: ignore[return-value]
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise ValueError(f"must be >= {minimum}")
-        return value
-
-    return parse
-
-
-def _spin(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1e6:
-        raise ValueError("must be in 0..1e6")
-    return value
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RingConfig:
-    """Settings of the ring backend. Rank 0's chunk and slot settings apply to every rank."""
-
-    transport: Transport = "auto"
-    """``auto``: shared memory between ranks on one host, TCP otherwise; ``shm`` or
-    ``tcp`` force one (``shm`` fails if a link cannot use it). ``COMMLIB_RING_TRANSPORT``."""
-
-    chunk_bytes: int = 1 << 20
-    """Pipeline unit in bytes: tensors move through the ring in chunks this size
-    (also the size of one shared-memory slot). ``COMMLIB_RING_CHUNK_BYTES``."""
-
-    shm_slots: int = 4
-    """Messages (chunks or records) in flight per shared-memory link. ``COMMLIB_RING_SHM_SLOTS``."""
-
-    shm_dir: str | None = None
-    """Where shared-memory files are created (default ``/dev/shm``); they are
-    unlinked as soon as both ends have mapped them. ``COMMLIB_RING_SHM_DIR``."""
-
-    small_bytes: int = 64 * 1024
-    """Tensors up to this size skip the ring: every rank's data travels with the
-    metadata records (one pass round the ring) and each rank reduces locally,
-    in rank order, so results stay identical on every rank. Capped at
-    ``chunk_bytes``; 0 disables it. ``COMMLIB_RING_SMALL_BYTES``."""
-
-    spin_us: float = 50.0
-    """Microseconds a rank waiting for a neighbour polls (the shared-memory
-    counter on one host, the socket across hosts) before it sleeps in the
-    kernel; polling keeps the core across the short waits inside a collective.
-    ``COMMLIB_RING_SPIN_US``."""
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("auto", "shm", "tcp"):
-            raise ValueError(f"RingConfig.transport: expected 'auto', 'shm' or 'tcp', got {self.transport!r}")
-        if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
-            raise ValueError(
-                f"RingConfig.chunk_bytes: must be a multiple of 64 and at least 4096, got {self.chunk_bytes}"
-            )
-        if self.shm_slots < 1:
-            raise ValueError(f"RingConfig.shm_slots: must be >= 1, got {self.shm_slots}")
-        if self.small_bytes < 0:
-            raise ValueError(f"RingConfig.small_bytes: must be >= 0, got {self.small_bytes}")
-        if not 0 <= self.spin_us <= 1e6:
-            raise ValueError(f"RingConfig.spin_us: must be in 0..1e6 microseconds, got {self.spin_us}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> RingConfig:
-        """Build the config from ``COMMLIB_RING_*`` variables (bad values warn and use the default)."""
-        environ = os.environ if environ is None else environ
-        default = cls()
-        chunk = read_env_var("COMMLIB_RING_CHUNK_BYTES", _int_at_least(4096), default.chunk_bytes, environ)
-        return cls(
-            transport=read_env_var("COMMLIB_RING_TRANSPORT", _transport, default.transport, environ),
-            chunk_bytes=chunk - chunk % 64,
-            shm_slots=read_env_var("COMMLIB_RING_SHM_SLOTS", _int_at_least(1), default.shm_slots, environ),
-            shm_dir=environ.get("COMMLIB_RING_SHM_DIR") or None,
-            small_bytes=read_env_var(
-                "COMMLIB_RING_SMALL_BYTES", _int_at_least(0), default.small_bytes, environ
-            ),
-            spin_us=read_env_var("COMMLIB_RING_SPIN_US", _spin, default.spin_us, environ),
-        )
-
 
 def _segments(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """Split ``flat`` into ``parts`` near-equal contiguous pieces (some empty if it is short)."""
     n = flat.numel()
     bounds = [n * i // parts for i in range(parts + 1)]
     return [flat[bounds[i] : bounds[i + 1]] for i in range(parts)]
-
-
-# ------------------------------------------------------------- host staging
-View = Callable[[torch.Tensor], None]
-"""Called with a view of a staged host tensor (wait for it, or publish it)."""
-
-HostRun = Callable[[list[torch.Tensor], list[StagingPipeline | None]], Any]
-"""A collective's work on flat host views of its tensors, given their pipelines (None: on the host)."""
-
-
-class Staged(NamedTuple):
-    """One tensor of a collective and which way its bytes go when it is staged (a CUDA tensor)."""
-
-    tensor: torch.Tensor
-    copy_in: bool = True
-    """Copy it to the host first (an input)."""
-    copy_out: bool = True
-    """Copy the host result back (an output)."""
-    fetch_first: Callable[[], Iterable[tuple[int, int]]] | None = None
-    """Element ranges to copy to the host first (called only when the tensor is staged)."""
-
-
-def _waiter(pipeline: StagingPipeline) -> View:
-    """Return ``wait(view)``: block until ``view`` of the pipeline's host tensor holds the device's data."""
-
-    def wait(view: torch.Tensor) -> None:
-        pipeline.wait_host(*pipeline.element_range(view))
-
-    return wait
-
-
-def _publisher(pipeline: StagingPipeline) -> View:
-    """Return ``publish(view)``: ``view`` of the host tensor is final; its complete chunks go back at once."""
-
-    def publish(view: torch.Tensor) -> None:
-        pipeline.publish(*pipeline.element_range(view))
-
-    return publish
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -575,78 +459,6 @@ class RingProcessGroup(IProcessGroup):
         if self._right is not None:
             self._right.flush()
 
-    # --------------------------------------------------------------- staging
-    def _stage(
-        self,
-        tensor: torch.Tensor,
-        *,
-        copy_in: bool = True,
-        copy_out: bool = True,
-        fetch_first: Iterable[tuple[int, int]] = (),
-    ) -> StagingPipeline:
-        """Return the staging pipeline of CUDA ``tensor`` for the collective being issued.
-
-        Call it on the issuing thread (``cuda_staging.stage``: the process's
-        pinned buffer pool, default chunk size). Every host wait for a copy is
-        bounded by the group's timeout.
-        """
-        return cuda_staging.stage(
-            tensor,
-            "host staging",
-            timeout_s=self.timeout,
-            copy_in=copy_in,
-            copy_out=copy_out,
-            fetch_first=fetch_first,
-        )
-
-    def _fetch_first(self, tensor: torch.Tensor, order: list[int]) -> list[tuple[int, int]]:
-        """Return element ranges of ``tensor`` in the order the ring's reduce-scatter first reads them.
-
-        ``order`` lists the segments (one per rank) in the order the
-        reduce-scatter reads them. Its first step sends ``order[0]`` while it
-        reduces into ``order[1]``, chunk by chunk, so the chunks of those two
-        alternate; the other segments follow whole. Copied to the host in this
-        order, the first step can start as soon as one chunk of each is there.
-        """
-        numel, n = tensor.numel(), self.world_size
-        bounds = [(numel * i // n, numel * (i + 1) // n) for i in order]
-        step = self._chunk_numel(tensor)
-        (a, a_end), (b, b_end) = bounds[0], bounds[1]
-        ranges: list[tuple[int, int]] = []
-        for offset in range(0, max(a_end - a, b_end - b), step):
-            ranges.append((a + offset, min(a + offset + step, a_end)))
-            ranges.append((b + offset, min(b + offset + step, b_end)))
-        return ranges + bounds[2:]
-
-    def _on_host(self, run: HostRun, *specs: Staged) -> Callable[[], Any]:
-        """Return a collective's body: ``run(hosts, staged)`` over flat host views of the ``specs``' tensors.
-
-        CPU tensors are used in place (``staged`` holds None for them). CUDA
-        tensors are staged through pinned memory: the copies are issued now,
-        on the caller's thread, and ``run`` gets each tensor's pipeline, to wait
-        for its input and publish its result (what it does not publish is
-        copied back when it returns). One collective's tensors share a device.
-        """
-        if specs[0].tensor.device.type == "cpu":
-            hosts = [spec.tensor.view(-1) for spec in specs]
-            return functools.partial(run, hosts, [None] * len(specs))
-        pipelines = [
-            self._stage(
-                spec.tensor,
-                copy_in=spec.copy_in,
-                copy_out=spec.copy_out,
-                fetch_first=spec.fetch_first() if spec.fetch_first is not None else (),
-            )
-            for spec in specs
-        ]
-
-        def body() -> Any:
-            with contextlib.ExitStack() as stack:
-                hosts = [stack.enter_context(pipeline).view(-1) for pipeline in pipelines]
-                return run(hosts, pipelines)
-
-        return body
-
     # ------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         meta = self._next_meta("all_reduce", tensor, op)
@@ -658,12 +470,14 @@ class RingProcessGroup(IProcessGroup):
             if self._is_small(tensor):
                 return []
             n, r = self.world_size, self.rank
-            return self._fetch_first(tensor, [(r - s) % n for s in range(n)])
+            return first_chunks(tensor, [(r - s) % n for s in range(n)], n, self._chunk_numel(tensor))
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
             self._all_reduce_host(hosts[0], op, meta, staged[0])
 
-        return self._submit(describe, self._on_host(run, Staged(tensor, fetch_first=first)), async_op, tensor)
+        return self._submit(
+            describe, on_host(self.timeout, run, Staged(tensor, fetch_first=first)), async_op, tensor
+        )
 
     def _all_reduce_host(
         self, flat: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None = None
@@ -711,7 +525,7 @@ class RingProcessGroup(IProcessGroup):
         segs = _segments(flat, n)
         reduce = kernels.reducer(op, flat.dtype)
         lent = self._lendable(flat)
-        ready, done = (_waiter(staged), _publisher(staged)) if staged is not None else (None, None)
+        ready, done = (waiter(staged), publisher(staged)) if staged is not None else (None, None)
         carried = self._check_meta_carrying(meta, segs[r], lent, ready)
         if n == 2:
             self._pair_all_reduce(segs, op, reduce, lent, carried, ready, done)
@@ -806,7 +620,7 @@ class RingProcessGroup(IProcessGroup):
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
             self._broadcast_host(hosts[0], src, meta, staged[0])
 
-        body = self._on_host(run, Staged(tensor, copy_in=sender, copy_out=not sender))
+        body = on_host(self.timeout, run, Staged(tensor, copy_in=sender, copy_out=not sender))
         return self._submit(describe, body, async_op, tensor)
 
     def _broadcast_host(
@@ -824,7 +638,7 @@ class RingProcessGroup(IProcessGroup):
             if staged is None:
                 self._chain_broadcast(flat, src)
             else:
-                self._chain_broadcast(flat, src, ready=_waiter(staged), done=_publisher(staged))
+                self._chain_broadcast(flat, src, ready=waiter(staged), done=publisher(staged))
 
     def _chain_broadcast(
         self, flat: torch.Tensor, src: int, *, ready: View | None = None, done: View | None = None
@@ -871,10 +685,10 @@ class RingProcessGroup(IProcessGroup):
             if staged[0] is not None:
                 staged[0].wait_host()
                 owners = staged[1:] * n if flat_output is not None else staged[1:]  # each block's pipeline
-                done = [_publisher(pipeline) for pipeline in owners]  # type: ignore[arg-type]
+                done = [publisher(pipeline) for pipeline in owners]  # type: ignore[arg-type]
             self._all_gather_host(blocks, hosts[0], meta, done)
 
-        return self._submit(describe, self._on_host(run, *specs), async_op, (outputs, tensor))
+        return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, tensor))
 
     def _all_gather_host(
         self, blocks: list[torch.Tensor], tensor: torch.Tensor, meta: Meta, done: list[View] | None = None
@@ -929,20 +743,25 @@ class RingProcessGroup(IProcessGroup):
                         kernels.copy(block, source)
                 self._reduce_scatter_host(work, hosts[0], op, meta, lent)
 
-            return self._submit(describe, self._on_host(run, Staged(output)), async_op, (output, inputs))
+            return self._submit(
+                describe, on_host(self.timeout, run, Staged(output)), async_op, (output, inputs)
+            )
         # A list's blocks are joined on the device (on the caller's stream, before the copies out).
         source = self._whole(flat_input, inputs)
 
         def first() -> list[tuple[int, int]]:
             if n == 1 or self._is_small(source):
                 return []
-            return self._fetch_first(source, [(r - 1 - s) % n for s in range(n)])
+            return first_chunks(source, [(r - 1 - s) % n for s in range(n)], n, self._chunk_numel(source))
 
         def run_staged(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            self._reduce_scatter_host(hosts[0], hosts[1], op, meta, None, _waiter(staged[0]))  # type: ignore[arg-type]
+            self._reduce_scatter_host(hosts[0], hosts[1], op, meta, None, waiter(staged[0]))  # type: ignore[arg-type]
 
-        body = self._on_host(
-            run_staged, Staged(source, copy_out=False, fetch_first=first), Staged(output, copy_in=False)
+        body = on_host(
+            self.timeout,
+            run_staged,
+            Staged(source, copy_out=False, fetch_first=first),
+            Staged(output, copy_in=False),
         )
         return self._submit(describe, body, async_op, (output, inputs))
 
@@ -1025,7 +844,7 @@ class RingProcessGroup(IProcessGroup):
                 staged[0].wait_host()
             self._reduce_host(hosts[0], dst, op, meta)
 
-        body = self._on_host(run, Staged(tensor, copy_out=self.rank == dst))
+        body = on_host(self.timeout, run, Staged(tensor, copy_out=self.rank == dst))
         return self._submit(describe, body, async_op, tensor)
 
     def _reduce_host(self, flat: torch.Tensor, dst: int, op: ReduceOp, meta: Meta) -> None:
@@ -1087,7 +906,7 @@ class RingProcessGroup(IProcessGroup):
                 staged[0].wait_host()
             self._gather_host(hosts[0], hosts[1:] if outputs is not None else None, dst, meta)
 
-        return self._submit(describe, self._on_host(run, *specs), async_op, (outputs, tensor))
+        return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, tensor))
 
     def _gather_host(
         self, flat: torch.Tensor, blocks: list[torch.Tensor] | None, dst: int, meta: Meta
@@ -1139,7 +958,7 @@ class RingProcessGroup(IProcessGroup):
                     pipeline.wait_host()
             self._scatter_host(hosts[0], hosts[1:] if inputs is not None else None, src, meta)
 
-        return self._submit(describe, self._on_host(run, *specs), async_op, (inputs, tensor))
+        return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (inputs, tensor))
 
     def _scatter_host(
         self, flat: torch.Tensor, blocks: list[torch.Tensor] | None, src: int, meta: Meta
@@ -1200,7 +1019,7 @@ class RingProcessGroup(IProcessGroup):
                     pipeline.wait_host()
             self._all_to_all_host(hosts[n:], hosts[:n], meta)
 
-        return self._submit(describe, self._on_host(run, *specs), async_op, (outputs, inputs))
+        return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, inputs))
 
     def _all_to_all_host(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], meta: Meta) -> None:
         """Block ``inputs[j]`` of every rank i into ``outputs[i]`` of rank j, passed along the ring.
@@ -1278,7 +1097,7 @@ class RingProcessGroup(IProcessGroup):
                 staged[0].wait_host()
             p2p.send(hosts[0].view(torch.uint8), dst, tag, dtype, numel, "send")
 
-        body = self._on_host(run, Staged(tensor, copy_out=False))
+        body = on_host(self.timeout, run, Staged(tensor, copy_out=False))
         return p2p.send_lane(dst).submit(label, body, async_op, tensor)
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
@@ -1289,7 +1108,7 @@ class RingProcessGroup(IProcessGroup):
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
             return p2p.recv(hosts[0].view(torch.uint8), src, tag, dtype, numel, "recv")
 
-        body = self._on_host(run, Staged(tensor, copy_in=False))
+        body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
         return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)
 
     # --------------------------------------------------------------- subgroups

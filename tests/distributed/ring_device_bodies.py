@@ -449,7 +449,7 @@ def peer_dies(group: IProcessGroup, victim: int, numel: int = 40_003, chunks: in
     """``victim`` exits after sending ``chunks`` chunks of the all-reduce; the others fail and abort."""
     with emulated(group, lag=1) as seen:
         if group.rank == victim:
-            group._send = DyingLink(group._send, chunks)  # type: ignore[attr-defined]
+            group._right = DyingLink(group._right, chunks)  # type: ignore[attr-defined]
         start = time.monotonic()
         try:
             group.all_reduce(on_device(torch.ones(numel)))
