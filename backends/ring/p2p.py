@@ -53,13 +53,14 @@ other ranks go on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -86,30 +87,34 @@ _ACCEPT_PERIOD_S = 1.0  # the acceptor looks at its stop flag at least this ofte
 _ANY_SLEEP_MAX_S = 1e-3  # longest nap of a receive from any source between looks at the links
 
 
-@dataclasses.dataclass(frozen=True)
-class _Header:
+class _Header(NamedTuple):
+    """A message's header: its number on the link, tag, size, and how its data was cut."""
+
     msg: int
     tag: int
     nbytes: int
     numel: int
     piece: int
-    dtype: str
+    dtype: bytes
 
     def pack(self) -> bytes:
-        return (
-            _HEADER.pack(_MAGIC, self.msg, self.tag, self.nbytes, self.numel, self.piece, self.dtype.encode())
-            + _HEADER_PAD
-        )
+        return _HEADER.pack(_MAGIC, *self) + _HEADER_PAD
 
     @classmethod
     def unpack(cls, record: bytes, sender: str) -> _Header:
-        magic, msg, tag, nbytes, numel, piece, dtype = _HEADER.unpack_from(record)
-        if magic != _MAGIC or piece <= 0:
+        magic, *fields = _HEADER.unpack_from(record)
+        if magic != _MAGIC or fields[4] <= 0:
             raise CommError(f"protocol error from {sender}: not a point-to-point message header")
-        return cls(msg, tag, nbytes, numel, piece, dtype.rstrip(b"\0").decode(errors="replace"))
+        return cls._make(fields)
 
     def describe(self) -> str:
-        return f"{self.numel} elements of {self.dtype} ({self.nbytes} bytes)"
+        dtype = self.dtype.rstrip(b"\0").decode(errors="replace")
+        return f"{self.numel} elements of {dtype} ({self.nbytes} bytes)"
+
+
+@functools.cache
+def _dtype_bytes(dtype: torch.dtype) -> bytes:
+    return str(dtype).removeprefix("torch.").encode()
 
 
 def describe_buffer(data: torch.Tensor, dtype: torch.dtype, numel: int) -> str:
@@ -219,13 +224,16 @@ class PointToPoint:
         link, piece, nbytes = out.link, self._piece, data.numel()
         msg = out.next_msg
         out.next_msg += 1
-        header = _Header(msg, tag, nbytes, numel, piece, str(dtype).removeprefix("torch."))
+        header = _Header(msg, tag, nbytes, numel, piece, _dtype_bytes(dtype))
         what = f"{op} to rank {dst}, tag {tag}"
         posted = False
         try:
-            link.send_meta(header.pack(), data[:piece])
-            for start in range(piece, nbytes, piece):
-                link.send(data[start : start + piece])
+            if nbytes <= piece:
+                link.send_meta(header.pack(), data)
+            else:
+                link.send_meta(header.pack(), data[:piece])
+                for start in range(piece, nbytes, piece):
+                    link.send(data[start : start + piece])
             posted = True
             code, theirs = link.await_verdict(msg, what)
         except (CommError, OSError) as e:
@@ -426,6 +434,9 @@ class PointToPoint:
     def _read_body(self, link: RecvLink, header: _Header, into: torch.Tensor | None) -> None:
         """Read the message's pieces (the first came with the header) into ``into``, or drop them."""
         piece = header.piece
+        if into is not None and header.nbytes <= piece:
+            link.recv_into(into)
+            return
         for start in range(0, max(header.nbytes, 1), piece):
             size = min(piece, header.nbytes - start)
             if into is not None:
