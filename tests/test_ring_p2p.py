@@ -53,15 +53,17 @@ class Pair:
 
     def send(self, rank: int, tensor: torch.Tensor, tag: int = 0) -> concurrent.futures.Future[Any]:
         end = self.ends[rank]
+        label = f"[rank {rank}/2] ring.send to rank {1 - rank} tag {tag}"
         return self.pool.submit(
-            end.send, tensor.view(-1).view(torch.uint8), 1 - rank, tag, tensor.dtype, tensor.numel(), "send"
+            end.send, tensor.view(-1).view(torch.uint8), 1 - rank, tag, tensor.dtype, tensor.numel(), label
         )
 
     def recv(self, rank: int, tensor: torch.Tensor, tag: int = 0, src: int | None = -1) -> Any:
         end = self.ends[rank]
         source = 1 - rank if src == -1 else src
+        label = f"[rank {rank}/2] ring.recv from rank {source} tag {tag}"
         return self.pool.submit(
-            end.recv, tensor.view(-1).view(torch.uint8), source, tag, tensor.dtype, tensor.numel(), "recv"
+            end.recv, tensor.view(-1).view(torch.uint8), source, tag, tensor.dtype, tensor.numel(), label
         )
 
     def close(self) -> None:
@@ -120,12 +122,14 @@ def test_a_size_mismatch_raises_on_both_sides_naming_both_sizes(pair: Pair, mine
         send.result(timeout=30)
     with pytest.raises(MessageSizeError) as received:
         recv.result(timeout=30)
-    assert f"rank 1 refused the message (tag 7): it has {mine} elements of float32 ({4 * mine} bytes)" in str(
-        sent.value
-    ) and f"holds {4 * theirs} bytes" in str(sent.value)
-    assert (
-        f"the message from rank 0 (tag 7) has {mine} elements of float32 ({4 * mine} bytes), and this "
-        f"recv's buffer holds {theirs} elements of float32 ({4 * theirs} bytes)" in str(received.value)
+    assert str(sent.value) == (
+        f"[rank 0/2] ring.send to rank 1 tag 7: rank 1's matching recv holds {4 * theirs} bytes ({theirs} x "
+        f"float32), but this send has {4 * mine} bytes ({mine} x float32); nothing was taken. A send and its "
+        "recv must have tensors of the same size"
+    )
+    assert str(received.value).startswith(
+        f"[rank 1/2] ring.recv from rank 0 tag 7: rank 0 sends {4 * mine} bytes ({mine} x float32), but this "
+        f"recv's tensor holds {4 * theirs} bytes ({theirs} x float32); nothing was received"
     )
     assert isinstance(sent.value, ValueError)
     # The link is still in step: the next message goes through.
@@ -158,12 +162,15 @@ def test_a_send_nobody_receives_times_out_naming_peer_and_tag_and_the_link_stays
     try:
         # No link yet: the receiver never asked for one.
         with pytest.raises(
-            CommTimeoutError, match=r"\[rank 0/2\] ring\.send: rank 1 did not receive the message \(tag 4\)"
+            CommTimeoutError,
+            match=r"\[rank 0/2\] ring\.send to rank 1 tag 4: rank 1 did not receive the message within 0\.5",
         ):
             pair.send(0, torch.ones(2), tag=4).result(timeout=30)
         # Over an open link: the message waits in it, and a later recv still takes it.
         _done(pair.send(0, torch.ones(1), tag=0), pair.recv(1, torch.empty(1), tag=0))
-        with pytest.raises(CommTimeoutError, match=r"rank 1 did not receive the message \(tag 6, 2 elements"):
+        with pytest.raises(
+            CommTimeoutError, match=r"tag 6: rank 1 did not receive the message within 0\.5 s"
+        ):
             pair.send(0, torch.full((2,), 3.0), tag=6).result(timeout=30)
         late = torch.empty(2)
         _done(pair.recv(1, late, tag=6))
@@ -179,7 +186,8 @@ def test_a_recv_nobody_sends_to_times_out_naming_peer_and_tag() -> None:
     pair = Pair(timeout=0.3)
     try:
         with pytest.raises(
-            CommTimeoutError, match=r"\[rank 1/2\] ring\.recv: no message from rank 0 \(tag 2\)"
+            CommTimeoutError,
+            match=r"\[rank 1/2\] ring\.recv from rank 0 tag 2: no message from rank 0 within",
         ):
             pair.recv(1, torch.empty(1), tag=2).result(timeout=30)
     finally:

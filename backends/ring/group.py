@@ -1095,7 +1095,7 @@ class RingProcessGroup(IProcessGroup):
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
             if staged[0] is not None:
                 staged[0].wait_host()
-            p2p.send(hosts[0].view(torch.uint8), dst, tag, dtype, numel, "send")
+            p2p.send(hosts[0].view(torch.uint8), dst, tag, dtype, numel, label)
 
         body = on_host(self.timeout, run, Staged(tensor, copy_out=False))
         return p2p.send_lane(dst).submit(label, body, async_op, tensor)
@@ -1106,7 +1106,7 @@ class RingProcessGroup(IProcessGroup):
         dtype, numel = tensor.dtype, tensor.numel()
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
-            return p2p.recv(hosts[0].view(torch.uint8), src, tag, dtype, numel, "recv")
+            return p2p.recv(hosts[0].view(torch.uint8), src, tag, dtype, numel, label)
 
         body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
         return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)

@@ -43,7 +43,9 @@ _FRAME_ABORT = ABORT
 _FRAME_VERDICT = ord("V")
 _U64 = struct.Struct("!Q")
 _U32 = struct.Struct("!I")
-_VERDICT = struct.Struct("!QQQ")  # message number, code, the receiver's byte count
+_VERDICT = struct.Struct(
+    "!QQQQQ"
+)  # message number, then the verdict: code, the receiver's bytes, elements, dtype
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -141,12 +143,12 @@ class SendLink(_Link):
     def wait_returned(self) -> None:
         """Block until the receiver has read every chunk lent so far."""
 
-    def await_verdict(self, msg: int, what: str) -> tuple[int, int]:
+    def await_verdict(self, msg: int, what: str) -> tuple[int, ...]:
         """Wait until the receiver has taken everything sent so far; return its verdict on message ``msg``.
 
         Returns:
-            The receiver's code for the message and the byte count it expected
-            (``backends.ring.p2p`` gives them meaning).
+            The receiver's code for the message and what its buffer holds: bytes,
+            elements, dtype code (``backends.ring.p2p`` gives them meaning).
 
         Raises:
             CommTimeoutError: The receiver did not take it within the link's timeout.
@@ -190,7 +192,7 @@ class RecvLink(_Link):
         self.recv_into(chunk)
         send.send(chunk)
 
-    def post_verdict(self, msg: int, code: int, nbytes: int) -> None:
+    def post_verdict(self, msg: int, verdict: tuple[int, int, int, int]) -> None:
         """Give the sender the verdict on message ``msg``; call it before taking the message's last chunk."""
         raise NotImplementedError
 
@@ -264,15 +266,15 @@ class TcpSendLink(SendLink):
         view = byte_view(chunk)
         self._enqueue((bytes([_FRAME_PAYLOAD]) + _U64.pack(len(view)), view))
 
-    def await_verdict(self, msg: int, what: str) -> tuple[int, int]:
+    def await_verdict(self, msg: int, what: str) -> tuple[int, ...]:
         """Hand everything to the kernel, then read verdicts up to the one on ``msg`` (older: stale)."""
         self.flush()
         while True:
             kind = self.reader.read_byte(what)
             self._check_frame(kind, _FRAME_VERDICT, what)
-            number, code, nbytes = _VERDICT.unpack(self.reader.read_exact(_VERDICT.size, what))
+            number, *verdict = _VERDICT.unpack(self.reader.read_exact(_VERDICT.size, what))
             if number == msg:
-                return code, nbytes
+                return tuple(verdict)
 
     def flush(self) -> None:
         """Wait until the sender thread has handed every queued chunk to the kernel."""
@@ -327,10 +329,10 @@ class TcpRecvLink(RecvLink):
         self.reader.readinto_exact(byte_view(incoming), "data")
         reduce(dst, incoming.view(dst.dtype))
 
-    def post_verdict(self, msg: int, code: int, nbytes: int) -> None:
+    def post_verdict(self, msg: int, verdict: tuple[int, int, int, int]) -> None:
         """Send the verdict back on the same connection (a few bytes: never blocks for long)."""
         try:
-            self.sock.sendall(bytes([_FRAME_VERDICT]) + _VERDICT.pack(msg, code, nbytes))
+            self.sock.sendall(bytes([_FRAME_VERDICT]) + _VERDICT.pack(msg, *verdict))
         except OSError as e:
             raise PeerFailureError(f"cannot answer {self.describe}: {e}") from e
 

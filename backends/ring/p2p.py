@@ -53,7 +53,6 @@ other ranks go on.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import socket
 import struct
@@ -80,7 +79,7 @@ TAKEN, WRONG_SIZE, SET_ASIDE = 0, 1, 2
 """The receiver's verdicts on a message."""
 
 _MAGIC = b"p2p1"
-_HEADER = struct.Struct("!4sQqQQQ16s")  # magic, message number, tag, bytes, elements, piece bytes, dtype
+_HEADER = struct.Struct("!4sQqQQQB")  # magic, message number, tag, bytes, elements, piece bytes, dtype code
 _HEADER_PAD = bytes(META_BYTES - _HEADER.size)
 _HELLO_BYTES = 64 * 1024
 _ACCEPT_PERIOD_S = 1.0  # the acceptor looks at its stop flag at least this often
@@ -95,7 +94,8 @@ class _Header(NamedTuple):
     nbytes: int
     numel: int
     piece: int
-    dtype: bytes
+    dtype: int
+    """The sender's dtype (``_DTYPES`` index)."""
 
     def pack(self) -> bytes:
         return _HEADER.pack(_MAGIC, *self) + _HEADER_PAD
@@ -107,19 +107,30 @@ class _Header(NamedTuple):
             raise CommError(f"protocol error from {sender}: not a point-to-point message header")
         return cls._make(fields)
 
-    def describe(self) -> str:
-        dtype = self.dtype.rstrip(b"\0").decode(errors="replace")
-        return f"{self.numel} elements of {dtype} ({self.nbytes} bytes)"
+
+_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+)
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
-@functools.cache
-def _dtype_bytes(dtype: torch.dtype) -> bytes:
-    return str(dtype).removeprefix("torch.").encode()
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _CODES.get(dtype, 255)
 
 
-def describe_buffer(data: torch.Tensor, dtype: torch.dtype, numel: int) -> str:
-    """``1000 elements of float32 (4000 bytes)``."""
-    return f"{numel} elements of {str(dtype).removeprefix('torch.')} ({data.numel()} bytes)"
+def _describe(nbytes: int, numel: int, dtype: int) -> str:
+    """``32 bytes (8 x float32)``."""
+    name = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "unknown dtype"
+    return f"{nbytes} bytes ({numel} x {name})"
 
 
 @dataclasses.dataclass
@@ -207,25 +218,28 @@ class PointToPoint:
         return lane
 
     # ---------------------------------------------------------------- send
-    def send(self, data: torch.Tensor, dst: int, tag: int, dtype: torch.dtype, numel: int, op: str) -> None:
+    def send(
+        self, data: torch.Tensor, dst: int, tag: int, dtype: torch.dtype, numel: int, label: object
+    ) -> None:
         """Send flat bytes ``data`` to ``dst``; return once ``dst`` has taken them.
+
+        ``label`` names the operation in errors (``[rank 0/2] ring.send #1 to rank 1 tag 0 ...``).
 
         Raises:
             MessageSizeError: The receive buffer had another size.
             CommTimeoutError: ``dst`` did not take the message within the timeout.
             PeerFailureError: The link to ``dst`` failed (now or earlier).
         """
-        out = self._outgoing_to(dst, tag, op)
+        out = self._outgoing_to(dst, label)
         if out.failed is not None:
             raise PeerFailureError(
-                f"{self._prefix(op)}the link to rank {dst} failed earlier ({out.failed}); "
-                "point-to-point with the other ranks still works"
+                f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
+                "the other ranks still works"
             )
         link, piece, nbytes = out.link, self._piece, data.numel()
         msg = out.next_msg
         out.next_msg += 1
-        header = _Header(msg, tag, nbytes, numel, piece, _dtype_bytes(dtype))
-        what = f"{op} to rank {dst}, tag {tag}"
+        header = _Header(msg, tag, nbytes, numel, piece, _dtype_code(dtype))
         posted = False
         try:
             if nbytes <= piece:
@@ -235,56 +249,52 @@ class PointToPoint:
                 for start in range(piece, nbytes, piece):
                     link.send(data[start : start + piece])
             posted = True
-            code, theirs = link.await_verdict(msg, what)
+            code, *theirs = link.await_verdict(msg, f"rank {dst} to take the message")
         except (CommError, OSError) as e:
             if self._closing:
-                raise GroupClosedError(f"{self._prefix(op)}the group was closed during the send") from e
+                raise GroupClosedError(f"{label}: the group was closed during the send") from e
             if isinstance(e, CommTimeoutError) and posted:
                 raise CommTimeoutError(
-                    f"{self._prefix(op)}rank {dst} did not receive the message (tag {tag}, "
-                    f"{header.describe()}) within {self._timeout:.1f} s: it never called recv for it, or "
-                    "is stuck. The message stays queued for a later recv"
+                    f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it "
+                    "posted no matching recv, or is stuck. The message stays queued for a later recv"
                 ) from e
             self._fail(out, f"rank {self._rank} gave up sending to rank {dst} (tag {tag}): {e}")
             if isinstance(e, CommTimeoutError):
                 raise CommTimeoutError(
-                    f"{self._prefix(op)}rank {dst} did not receive the message (tag {tag}, "
-                    f"{header.describe()}) within {self._timeout:.1f} s: {e}. The link to rank {dst} "
-                    "is closed; the other ranks are still reachable"
+                    f"{label}: rank {dst} did not receive the message within {self._timeout:g} s ({e}). "
+                    f"The link to rank {dst} is closed; the other ranks are still reachable"
                 ) from e
-            raise PeerFailureError(f"{self._prefix(op)}sending to rank {dst} (tag {tag}) failed: {e}") from e
+            raise PeerFailureError(f"{label}: sending to rank {dst} failed: {e}") from e
         if code == WRONG_SIZE:
             raise MessageSizeError(
-                f"{self._prefix(op)}rank {dst} refused the message (tag {tag}): it has "
-                f"{header.describe()}, and the recv buffer on rank {dst} holds {theirs} bytes. "
-                "A send and its recv must have tensors of the same size"
+                f"{label}: rank {dst}'s matching recv holds {_describe(*theirs)}, but this send has "
+                f"{_describe(nbytes, numel, header.dtype)}; nothing was taken. A send and its recv must "
+                "have tensors of the same size"
             )
 
-    def _outgoing_to(self, dst: int, tag: int, op: str) -> _Outgoing:
+    def _outgoing_to(self, dst: int, label: object) -> _Outgoing:
         """The link to ``dst``, opened now if this is the first send to it."""
         out = self._outgoing.get(dst)
         if out is not None:
             return out
-        self._check_open(op)
+        self._check_open(label)
         peer, name = self._peers[dst], f"rank {dst}"
         deadline = time.monotonic() + self._timeout
         try:
             sock = connect_with_retry(peer.addr, peer.port, deadline, name)
         except (TimeoutError, OSError) as e:
             raise CommTimeoutError(
-                f"{self._prefix(op)}cannot connect to rank {dst} at {peer.addr}:{peer.port} to send "
-                f"(tag {tag}): {e}"
+                f"{label}: cannot connect to rank {dst} at {peer.addr}:{peer.port}: {e}"
             ) from None
         try:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             send_json(sock, p2p_hello(self._session, self._rank, dst))
-            link = open_send_link(sock, SocketReader(sock, name), dst, name, self._shape, self._prefix(op))
+            link = open_send_link(sock, SocketReader(sock, name), dst, name, self._shape, f"{label}: ")
         except CommTimeoutError as e:
             sock.close()
             raise CommTimeoutError(
-                f"{self._prefix(op)}rank {dst} did not receive the message (tag {tag}) within "
-                f"{self._timeout:.1f} s: it never called recv (its first from this rank opens the link), "
-                f"or is stuck ({e})"
+                f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it posted no "
+                f"recv from this rank (its first opens the link), or is stuck ({e})"
             ) from None
         except BaseException:
             sock.close()
@@ -295,7 +305,7 @@ class PointToPoint:
             if self._closing:
                 link.shutdown()
                 link.close(0)
-                raise GroupClosedError(f"{self._prefix(op)}the group was closed during the send")
+                raise GroupClosedError(f"{label}: the group was closed during the send")
             self._outgoing[dst] = out
         return out
 
@@ -310,7 +320,7 @@ class PointToPoint:
 
     # ---------------------------------------------------------------- recv
     def recv(
-        self, data: torch.Tensor, src: int | None, tag: int, dtype: torch.dtype, numel: int, op: str
+        self, data: torch.Tensor, src: int | None, tag: int, dtype: torch.dtype, numel: int, label: object
     ) -> int:
         """Receive the next message with ``tag`` from ``src`` (None: any source) into flat bytes ``data``.
 
@@ -323,18 +333,19 @@ class PointToPoint:
             PeerFailureError: The link from ``src`` failed (now or earlier).
         """
         self._start_acceptor()
+        mine = (data.numel(), numel, _dtype_code(dtype))
         if src is None:
-            return self._recv_any(data, tag, dtype, numel, op)
-        incoming = self._incoming_from(src, tag, op)
+            return self._recv_any(data, tag, mine, label)
+        incoming = self._incoming_from(src, label)
         with incoming.lock:
             aside = self._aside(incoming, tag)
             if aside is None:
-                self._take(incoming, src, data, tag, dtype, numel, op, wait=True)
+                self._take(incoming, src, data, tag, mine, label, wait=True)
             else:
-                self._deliver(aside, src, data, dtype, numel, op)
+                self._deliver(aside, src, data, mine, label)
         return src
 
-    def _incoming_from(self, src: int, tag: int, op: str) -> _Incoming:
+    def _incoming_from(self, src: int, label: object) -> _Incoming:
         """The link from ``src``, waiting for ``src`` to open it (its first send does)."""
         incoming = self._incoming.get(src)
         if incoming is not None:
@@ -342,12 +353,12 @@ class PointToPoint:
         deadline = time.monotonic() + self._timeout
         with self._links:
             while src not in self._incoming:
-                self._check_open(op)
+                self._check_open(label)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CommTimeoutError(
-                        f"{self._prefix(op)}no message from rank {src} (tag {tag}) within "
-                        f"{self._timeout:.1f} s: rank {src} never sent to this rank, or is stuck"
+                        f"{label}: no message from rank {src} within {self._timeout:g} s: rank {src} never "
+                        "sent to this rank, or is stuck"
                     )
                 self._links.wait(left)
             return self._incoming[src]
@@ -359,16 +370,17 @@ class PointToPoint:
                 return incoming.aside.pop(i)
         return None
 
+    @staticmethod
     def _deliver(
-        self, aside: _Aside, src: int, data: torch.Tensor, dtype: torch.dtype, numel: int, op: str
+        aside: _Aside, src: int, data: torch.Tensor, mine: tuple[int, int, int], label: object
     ) -> None:
-        if aside.header.nbytes != data.numel():
+        header = aside.header
+        if header.nbytes != data.numel():
             raise MessageSizeError(
-                f"{self._prefix(op)}the message from rank {src} (tag {aside.header.tag}) has "
-                f"{aside.header.describe()}, and this recv's buffer holds "
-                f"{describe_buffer(data, dtype, numel)}. A send and its recv must have tensors of the "
-                "same size (the message came before a recv with its tag and was kept aside: its "
-                "sender was not told)"
+                f"{label}: rank {src} sent {_describe(header.nbytes, header.numel, header.dtype)}, but this "
+                f"recv's tensor holds {_describe(*mine)}; nothing was received. The message came before a "
+                "recv with its tag and was kept aside, so its sender was not told. A send and its recv must "
+                "have tensors of the same size"
             )
         if data.numel():
             data.copy_(aside.data)
@@ -379,9 +391,8 @@ class PointToPoint:
         src: int,
         data: torch.Tensor,
         tag: int,
-        dtype: torch.dtype,
-        numel: int,
-        op: str,
+        mine: tuple[int, int, int],
+        label: object,
         *,
         wait: bool,
     ) -> bool:
@@ -392,8 +403,8 @@ class PointToPoint:
         """
         if incoming.failed is not None:
             raise PeerFailureError(
-                f"{self._prefix(op)}the link from rank {src} failed earlier ({incoming.failed}); "
-                "point-to-point with the other ranks still works"
+                f"{label}: the link from rank {src} failed earlier ({incoming.failed}); point-to-point "
+                "with the other ranks still works"
             )
         link = incoming.link
         while wait or link.ready():
@@ -401,34 +412,33 @@ class PointToPoint:
                 header = _Header.unpack(link.recv_meta(), link.describe)
             except CommTimeoutError as e:
                 raise CommTimeoutError(
-                    f"{self._prefix(op)}no message from rank {src} (tag {tag}) within {self._timeout:.1f} s: "
-                    f"rank {src} never sent it, or is stuck ({e})"
+                    f"{label}: no message from rank {src} within {self._timeout:g} s: rank {src} never sent "
+                    f"it, or is stuck ({e})"
                 ) from None
             except (CommError, OSError) as e:
-                raise self._broken(incoming, src, tag, op, e) from e
+                raise self._broken(incoming, src, label, e) from e
             try:
                 if header.tag != tag:
-                    link.post_verdict(header.msg, SET_ASIDE, header.nbytes)
+                    link.post_verdict(header.msg, (SET_ASIDE, header.nbytes, header.numel, header.dtype))
                     kept = torch.empty(header.nbytes, dtype=torch.uint8)
                     self._read_body(link, header, kept)
                     incoming.aside.append(_Aside(header, kept))
                     continue
                 if header.nbytes != data.numel():
-                    link.post_verdict(header.msg, WRONG_SIZE, data.numel())
+                    link.post_verdict(header.msg, (WRONG_SIZE, *mine))
                     self._read_body(link, header, None)
                     raise MessageSizeError(
-                        f"{self._prefix(op)}the message from rank {src} (tag {tag}) has {header.describe()}, "
-                        f"and this recv's buffer holds {describe_buffer(data, dtype, numel)}. A send and its "
-                        "recv must have tensors of the same size (the message was dropped; the sender "
-                        "raises too)"
+                        f"{label}: rank {src} sends {_describe(header.nbytes, header.numel, header.dtype)}, "
+                        f"but this recv's tensor holds {_describe(*mine)}; nothing was received (the sender "
+                        "raises too). A send and its recv must have tensors of the same size"
                     )
-                link.post_verdict(header.msg, TAKEN, header.nbytes)
+                link.post_verdict(header.msg, (TAKEN, *mine))
                 self._read_body(link, header, data)
                 return True
             except MessageSizeError:
                 raise
             except (CommError, OSError) as e:
-                raise self._broken(incoming, src, tag, op, e) from e
+                raise self._broken(incoming, src, label, e) from e
         return False
 
     def _read_body(self, link: RecvLink, header: _Header, into: torch.Tensor | None) -> None:
@@ -449,18 +459,18 @@ class PointToPoint:
             self._scratch = torch.empty(max(size, self._piece), dtype=torch.uint8)
         return self._scratch[:size]
 
-    def _broken(self, incoming: _Incoming, src: int, tag: int, op: str, e: BaseException) -> CommError:
+    def _broken(self, incoming: _Incoming, src: int, label: object, e: BaseException) -> CommError:
         if self._closing:
-            return GroupClosedError(f"{self._prefix(op)}the group was closed during the recv")
+            return GroupClosedError(f"{label}: the group was closed during the recv")
         incoming.failed = e
-        return PeerFailureError(f"{self._prefix(op)}receiving from rank {src} (tag {tag}) failed: {e}")
+        return PeerFailureError(f"{label}: receiving from rank {src} failed: {e}")
 
-    def _recv_any(self, data: torch.Tensor, tag: int, dtype: torch.dtype, numel: int, op: str) -> int:
+    def _recv_any(self, data: torch.Tensor, tag: int, mine: tuple[int, int, int], label: object) -> int:
         """Poll every source whose own receive lane is idle for a message with ``tag``."""
         deadline = time.monotonic() + self._timeout
         nap = 0.0
         while True:
-            self._check_open(op)
+            self._check_open(label)
             for src, incoming in list(self._incoming.items()):
                 lane = self._recv_lanes.get(src)
                 if lane is not None and not lane.idle:
@@ -470,18 +480,16 @@ class PointToPoint:
                 try:
                     aside = self._aside(incoming, tag)
                     if aside is not None:
-                        self._deliver(aside, src, data, dtype, numel, op)
+                        self._deliver(aside, src, data, mine, label)
                         return src
                     if incoming.failed is None and self._take(
-                        incoming, src, data, tag, dtype, numel, op, wait=False
+                        incoming, src, data, tag, mine, label, wait=False
                     ):
                         return src
                 finally:
                     incoming.lock.release()
             if time.monotonic() >= deadline:
-                raise CommTimeoutError(
-                    f"{self._prefix(op)}no message with tag {tag} from any rank within {self._timeout:.1f} s"
-                )
+                raise CommTimeoutError(f"{label}: no message from any rank within {self._timeout:g} s")
             nap = min(_ANY_SLEEP_MAX_S, nap * 2 or 1e-5)
             time.sleep(nap)
 
@@ -566,9 +574,9 @@ class PointToPoint:
                 self._links.notify_all()
 
     # --------------------------------------------------------------- close
-    def _check_open(self, op: str) -> None:
+    def _check_open(self, label: object) -> None:
         if self._closing:
-            raise GroupClosedError(f"{self._prefix(op)}the process group was closed")
+            raise GroupClosedError(f"{label}: the process group was closed")
 
     @property
     def links(self) -> tuple[dict[int, str], dict[int, str]]:

@@ -47,7 +47,7 @@ _POSTED = 8  # messages the sender has posted
 _RECV_SLEEPING = 16  # the receiver sleeps, waiting for _POSTED
 _CONSUMED = 24  # messages the receiver has finished with (their slots are free)
 _SEND_SLEEPING = 32  # the sender sleeps, waiting for _CONSUMED
-_VERDICT = 40  # point-to-point: the receiver's verdict on a message (number, code, its byte count)
+_VERDICT = 40  # point-to-point: the receiver's verdict on a message (number, then 4 words of verdict)
 
 # A slot: a header, then (metadata messages) the record and a retired region, then the payload.
 # Header: kind, where a metadata message's payload is (_NO_PAYLOAD, _KIND_DATA: in the slot,
@@ -255,7 +255,7 @@ class ShmSendLink(SendLink):
         """Wait until the receiver has consumed every message up to the last lent chunk."""
         self.bell.wait_for(self._lent_until, f"{self.describe} to finish reading this rank's buffer")
 
-    def await_verdict(self, msg: int, what: str) -> tuple[int, int]:
+    def await_verdict(self, msg: int, what: str) -> tuple[int, ...]:
         """Wait until the receiver has consumed every message posted; read its verdict words.
 
         The receiver writes them before it consumes the message's last slot, so
@@ -263,12 +263,12 @@ class ShmSendLink(SendLink):
         """
         self.bell.wait_for(self.bell.count, what)
         words = self.inbox.region.words
-        number, code, nbytes = words[_VERDICT], words[_VERDICT + 1], words[_VERDICT + 2]
-        if number != msg:
+        if words[_VERDICT] != msg:
             raise CommError(
-                f"protocol error from {self.describe} ({what}): its verdict names message {number}, not {msg}"
+                f"protocol error from {self.describe} ({what}): its verdict names message "
+                f"{words[_VERDICT]}, not {msg}"
             )
-        return code, nbytes
+        return tuple(words[_VERDICT + 1 : _VERDICT + 5])
 
     def retire(self, fd: int, token: bytes) -> None:
         """Tell the receiver, in a coming metadata record, that a lent region is gone (any thread)."""
@@ -387,11 +387,11 @@ class ShmRecvLink(RecvLink):
             self._lent[(fd, token)] = region
         return region
 
-    def post_verdict(self, msg: int, code: int, nbytes: int) -> None:
+    def post_verdict(self, msg: int, verdict: tuple[int, int, int, int]) -> None:
         """Write the verdict words; the counter's next advance (fenced) publishes them."""
         words = self.inbox.region.words
-        words[_VERDICT + 1] = code
-        words[_VERDICT + 2] = nbytes
+        for i, value in enumerate(verdict, _VERDICT + 1):
+            words[i] = value
         words[_VERDICT] = msg
 
     def ready(self) -> bool:
