@@ -19,9 +19,11 @@ Links:
 
 Messages:
 
-- A message is a header (message number, tag, size, dtype) carrying the first
-  piece of the data, then the other pieces; pieces of ``chunk_bytes / slots``
-  let the receiver copy one piece out while the sender copies the next in.
+- A message is a header (message number, tag, size, dtype, piece size)
+  carrying the first piece of the data, then the other pieces: a quarter of
+  the message, between ``chunk_bytes / slots`` and ``chunk_bytes``, so the
+  receiver copies one piece out while the sender copies the next in, and a
+  long message costs few hand-offs.
 - The receiver gives its verdict before it takes the message's last piece
   (``RecvLink.post_verdict``): taken, refused for its size (the receiver's
   byte count rides along), or set aside. The sender's operation completes when
@@ -188,7 +190,8 @@ class PointToPoint:
         self._timeout = timeout
         self._prefix = prefix
         self._early = list(early)
-        self._piece = max(4096, shape.chunk_bytes // max(1, shape.slots) // 64 * 64)
+        self._piece = max(4096, shape.chunk_bytes // max(1, shape.slots) // 64 * 64)  # the smallest
+        self._chunk_bytes = shape.chunk_bytes
         self._outgoing: dict[int, _Outgoing] = {}
         self._incoming: dict[int, _Incoming] = {}
         self._links = threading.Condition()  # guards both dicts, the lanes and the acceptor
@@ -236,7 +239,10 @@ class PointToPoint:
                 f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
                 "the other ranks still works"
             )
-        link, piece, nbytes = out.link, self._piece, data.numel()
+        link, nbytes = out.link, data.numel()
+        # Four pieces or more, each between a slot's share and a whole slot: copies overlap, and a
+        # long message costs few hand-offs.
+        piece = min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
         msg = out.next_msg
         out.next_msg += 1
         header = _Header(msg, tag, nbytes, numel, piece, _dtype_code(dtype))
