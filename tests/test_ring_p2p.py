@@ -239,6 +239,16 @@ def test_p2p_hellos_verify_only_for_their_own_session_source_and_destination() -
     assert p2p_hello_source(SESSION, ["not", "a", "dict"], 5) is None
 
 
+def test_close_wakes_a_send_waiting_for_its_link(pair: Pair) -> None:
+    waiting = pair.send(0, torch.ones(1))  # rank 1 never receives: the link's set-up waits for it
+    deadline = time.monotonic() + 10
+    while not pair.ends[0]._connecting and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.01)
+    pair.ends[0].close()
+    with pytest.raises(GroupClosedError):
+        waiting.result(timeout=5)  # well before the pair's 10 s timeout
+
+
 def test_close_wakes_a_waiting_recv(pair: Pair) -> None:
     waiting = pair.recv(1, torch.empty(1))
     time.sleep(0.05)

@@ -198,6 +198,7 @@ class PointToPoint:
         self._send_lanes: dict[int, Lane] = {}
         self._recv_lanes: dict[int | None, Lane] = {}
         self._nonces: set[str] = {e.nonce for e in early}
+        self._connecting: set[socket.socket] = set()  # links being set up by a send
         self._acceptor: threading.Thread | None = None
         self._closing = False
         self._scratch: torch.Tensor | None = None
@@ -286,25 +287,26 @@ class PointToPoint:
         self._check_open(label)
         peer, name = self._peers[dst], f"rank {dst}"
         deadline = time.monotonic() + self._timeout
-        try:
-            sock = connect_with_retry(peer.addr, peer.port, deadline, name)
-        except (TimeoutError, OSError) as e:
-            raise CommTimeoutError(
-                f"{label}: cannot connect to rank {dst} at {peer.addr}:{peer.port}: {e}"
-            ) from None
+        sock = self._connect(peer, name, deadline, label)
+        link: SendLink | None = None
         try:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             send_json(sock, p2p_hello(self._session, self._rank, dst))
             link = open_send_link(sock, SocketReader(sock, name), dst, name, self._shape, f"{label}: ")
-        except CommTimeoutError as e:
-            sock.close()
+        except (CommError, OSError) as e:
+            if self._closing:
+                raise GroupClosedError(f"{label}: the group was closed during the send") from e
+            if not isinstance(e, CommTimeoutError):
+                raise
             raise CommTimeoutError(
                 f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it posted no "
                 f"recv from this rank (its first opens the link), or is stuck ({e})"
             ) from None
-        except BaseException:
-            sock.close()
-            raise
+        finally:
+            with self._links:
+                self._connecting.discard(sock)
+            if link is None:
+                sock.close()
         sock.settimeout(self._timeout)
         out = _Outgoing(link)
         with self._links:
@@ -314,6 +316,25 @@ class PointToPoint:
                 raise GroupClosedError(f"{label}: the group was closed during the send")
             self._outgoing[dst] = out
         return out
+
+    def _connect(self, peer: Peer, name: str, deadline: float, label: object) -> socket.socket:
+        """Connect to ``peer``'s listener, retrying until ``deadline``; ``close`` cuts the wait short."""
+        while True:
+            self._check_open(label)
+            try:
+                sock = connect_with_retry(peer.addr, peer.port, min(deadline, time.monotonic() + 1.0), name)
+            except (TimeoutError, OSError) as e:
+                if time.monotonic() < deadline and isinstance(e, TimeoutError):
+                    continue
+                raise CommTimeoutError(
+                    f"{label}: cannot connect to {name} at {peer.addr}:{peer.port}: {e}"
+                ) from None
+            with self._links:
+                if self._closing:
+                    sock.close()
+                    raise GroupClosedError(f"{label}: the group was closed during the send")
+                self._connecting.add(sock)  # close() shuts it, waking the set-up's waits
+            return sock
 
     def _fail(self, out: _Outgoing, reason: str) -> None:
         """End a link whose message was cut off: the receiver learns it, later sends raise."""
@@ -600,6 +621,12 @@ class PointToPoint:
             lanes = list(self._send_lanes.values()) + list(self._recv_lanes.values())
             links: list[SendLink | RecvLink] = [o.link for o in self._outgoing.values()]
             links += [i.link for i in self._incoming.values()]
+            connecting = list(self._connecting)
+        for sock in connecting:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for link in links:
             try:
                 link.sock.shutdown(socket.SHUT_RDWR)  # a lane waiting on it wakes with an error
