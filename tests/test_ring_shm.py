@@ -414,6 +414,14 @@ def test_kernels_match_torch_bit_for_bit(dtype: torch.dtype, numel: int) -> None
         assert torch.equal(divided, a / 3)
 
 
+@pytest.mark.parametrize("numel", [16, 3 * kernels.PIECE])
+def test_a_copy_moves_bytes_as_they_are_even_in_bool_tensors(numel: int) -> None:
+    packed = (torch.arange(numel, dtype=torch.int64) % 7).to(torch.uint8)  # bytes 2..6 are no canonical bool
+    out = torch.empty(numel, dtype=torch.bool)
+    kernels.copy(out, packed.view(torch.bool))
+    assert torch.equal(out.view(torch.uint8), packed)
+
+
 def test_kernels_never_start_torchs_thread_team() -> None:
     """With torch's default intra-op threads, the kernels run on the calling thread only."""
     script = textwrap.dedent(

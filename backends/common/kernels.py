@@ -70,7 +70,13 @@ def _pieces(*tensors: torch.Tensor) -> zip[tuple[torch.Tensor, ...]]:
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy flat contiguous ``src`` into ``dst`` (same dtype and size) on the calling thread."""
+    """Copy the bytes of flat contiguous ``src`` into ``dst`` (same dtype and size) on the calling thread.
+
+    Bytes as they are: a bool tensor's bytes other than 0 and 1 (a payload packed
+    into a bool message) are not folded to 1, as torch's own bool copy would.
+    """
+    if dst.dtype is torch.bool:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
     if dst.numel() < PIECE:
         dst.copy_(src)
     else:

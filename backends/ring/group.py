@@ -13,9 +13,22 @@ Copies and reductions never start torch's intra-op thread team
 count as under one thread, and it never changes the caller's thread setting.
 
 Every collective starts by passing a small record (operation, dtype, shape,
-sequence number) around the ring, so ranks that disagree all raise the same
-``CollectiveMismatchError`` naming each rank's tensor; this exchange is also
-the whole of ``barrier()``.
+sequence number) around the ring (``backends.ring.records``), so ranks that
+disagree all raise the same ``CollectiveMismatchError`` naming each rank's
+tensor; this exchange is also the whole of ``barrier()``. Small tensors travel
+with the records.
+
+The rooted collectives run down the chain that starts or ends at the root:
+``reduce`` passes partial results towards ``dst``, ``gather`` passes blocks
+towards ``dst`` (each rank sends its own, then relays the ones before it),
+``scatter`` passes them away from ``src`` (the farthest rank's first).
+``all_to_all`` passes each rank's blocks along the ring, each hop keeping the
+block meant for it; on two ranks that is one exchange.
+
+Point-to-point runs over links of its own between any two ranks, opened on
+first use (``backends.ring.p2p``), and never touches the ring's links or its
+sequence of collectives. A subgroup forms a ring of its own
+(``backends.ring.subgroups``).
 
 ``async_op=True`` runs the collective on one progress thread per group, in the
 order issued (like a CUDA stream); a synchronous call runs on the caller's
@@ -33,27 +46,28 @@ waits for the copies back; the host never waits for the caller's stream.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import dataclasses
-import os
-import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from typing import Literal
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from backends.common import cuda_staging, kernels
+from backends.common import kernels
 from backends.common.cuda_staging import StagingPipeline
 from backends.common.kernels import Reducer
-from backends.ring.link_setup import connect_links
-from backends.ring.links import META_BYTES, RecvLink, SendLink
-from backends.ring.rendezvous import rendezvous
+from backends.ring.config import RingConfig
+from backends.ring.lanes import Lane
+from backends.ring.link_setup import LinkShape, connect_links
+from backends.ring.links import RecvLink, SendLink
+from backends.ring.p2p import PointToPoint
+from backends.ring.records import COMMON_BYTES, Meta, mismatch, split_mismatch
+from backends.ring.rendezvous import RingSockets, rendezvous
 from backends.ring.shared_buffers import SharedBuffers, Span
 from backends.ring.shm import RegionId
+from backends.ring.staging import Staged, View, first_chunks, on_host, publisher, waiter
+from backends.ring.subgroups import Parent, new_subgroup
 from commlib.config import CommConfig
-from commlib.env import DistEnv, read_env_var
+from commlib.env import DistEnv
 from commlib.errors import (
     CollectiveMismatchError,
     CommError,
@@ -62,177 +76,10 @@ from commlib.errors import (
     PeerFailureError,
 )
 from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp, dtype_name
-from commlib.work import CollectiveLabel, CompletedWork, EventWork, Work
+from commlib.types import ReduceOp
+from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["RingConfig", "RingProcessGroup", "BACKENDS"]
-
-Transport = Literal["auto", "shm", "tcp"]
-
-
-def _transport(text: str) -> Transport:
-    value = text.lower()
-    if value not in ("auto", "shm", "tcp"):
-        raise ValueError("expected auto, shm or tcp")
-    return value  # type: ignore[return-value]
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise ValueError(f"must be >= {minimum}")
-        return value
-
-    return parse
-
-
-def _spin(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1e6:
-        raise ValueError("must be in 0..1e6")
-    return value
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RingConfig:
-    """Settings of the ring backend. Rank 0's chunk and slot settings apply to every rank."""
-
-    transport: Transport = "auto"
-    """``auto``: shared memory between ranks on one host, TCP otherwise; ``shm`` or
-    ``tcp`` force one (``shm`` fails if a link cannot use it). ``COMMLIB_RING_TRANSPORT``."""
-
-    chunk_bytes: int = 1 << 20
-    """Pipeline unit in bytes: tensors move through the ring in chunks this size
-    (also the size of one shared-memory slot). ``COMMLIB_RING_CHUNK_BYTES``."""
-
-    shm_slots: int = 4
-    """Messages (chunks or records) in flight per shared-memory link. ``COMMLIB_RING_SHM_SLOTS``."""
-
-    shm_dir: str | None = None
-    """Where shared-memory files are created (default ``/dev/shm``); they are
-    unlinked as soon as both ends have mapped them. ``COMMLIB_RING_SHM_DIR``."""
-
-    small_bytes: int = 64 * 1024
-    """Tensors up to this size skip the ring: every rank's data travels with the
-    metadata records (one pass round the ring) and each rank reduces locally,
-    in rank order, so results stay identical on every rank. Capped at
-    ``chunk_bytes``; 0 disables it. ``COMMLIB_RING_SMALL_BYTES``."""
-
-    spin_us: float = 50.0
-    """Microseconds a rank waiting for a neighbour polls (the shared-memory
-    counter on one host, the socket across hosts) before it sleeps in the
-    kernel; polling keeps the core across the short waits inside a collective.
-    ``COMMLIB_RING_SPIN_US``."""
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("auto", "shm", "tcp"):
-            raise ValueError(f"RingConfig.transport: expected 'auto', 'shm' or 'tcp', got {self.transport!r}")
-        if self.chunk_bytes < 4096 or self.chunk_bytes % 64:
-            raise ValueError(
-                f"RingConfig.chunk_bytes: must be a multiple of 64 and at least 4096, got {self.chunk_bytes}"
-            )
-        if self.shm_slots < 1:
-            raise ValueError(f"RingConfig.shm_slots: must be >= 1, got {self.shm_slots}")
-        if self.small_bytes < 0:
-            raise ValueError(f"RingConfig.small_bytes: must be >= 0, got {self.small_bytes}")
-        if not 0 <= self.spin_us <= 1e6:
-            raise ValueError(f"RingConfig.spin_us: must be in 0..1e6 microseconds, got {self.spin_us}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> RingConfig:
-        """Build the config from ``COMMLIB_RING_*`` variables (bad values warn and use the default)."""
-        environ = os.environ if environ is None else environ
-        default = cls()
-        chunk = read_env_var("COMMLIB_RING_CHUNK_BYTES", _int_at_least(4096), default.chunk_bytes, environ)
-        return cls(
-            transport=read_env_var("COMMLIB_RING_TRANSPORT", _transport, default.transport, environ),
-            chunk_bytes=chunk - chunk % 64,
-            shm_slots=read_env_var("COMMLIB_RING_SHM_SLOTS", _int_at_least(1), default.shm_slots, environ),
-            shm_dir=environ.get("COMMLIB_RING_SHM_DIR") or None,
-            small_bytes=read_env_var(
-                "COMMLIB_RING_SMALL_BYTES", _int_at_least(0), default.small_bytes, environ
-            ),
-            spin_us=read_env_var("COMMLIB_RING_SPIN_US", _spin, default.spin_us, environ),
-        )
-
-
-# --------------------------------------------------------- metadata records
-_KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
-_OPS = tuple(ReduceOp)
-_MAX_DIMS = 8
-# What every rank of one collective must agree on (seq, kind, dtype, op, src, numel), then what
-# may differ: ndim, dims (a shape of the same element count), rank, payload elements + 1 (0: none).
-_COMMON = struct.Struct("!QBBBiQ")
-_META = struct.Struct(f"!QBBBiQB{_MAX_DIMS}qiI")
-_COMMON_BYTES = _COMMON.size
-assert _META.size == META_BYTES
-
-
-@dataclasses.dataclass(frozen=True)
-class _Meta:
-    seq: int
-    kind: str
-    dtype: torch.dtype | None
-    op: ReduceOp | None
-    src: int
-    rank: int
-    numel: int
-    shape: tuple[int, ...]
-    payload_numel: int | None = None
-
-    def pack(self, payload: torch.Tensor | None = None) -> bytes:
-        dims = list(self.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
-        return _META.pack(
-            self.seq,
-            _KINDS.index(self.kind),
-            _DTYPES.index(self.dtype) if self.dtype is not None else 255,
-            _OPS.index(self.op) if self.op is not None else 255,
-            self.src,
-            self.numel,
-            len(self.shape),
-            *dims,
-            self.rank,
-            0 if payload is None else payload.numel() + 1,
-        )
-
-    @classmethod
-    def unpack(cls, data: bytes) -> _Meta:
-        seq, kind, dtype, op, src, numel, ndim, *values = _META.unpack(data)
-        dims, rank, payload = values[:_MAX_DIMS], values[_MAX_DIMS], values[_MAX_DIMS + 1]
-        return cls(
-            seq=seq,
-            kind=_KINDS[kind] if kind < len(_KINDS) else f"unknown({kind})",
-            dtype=_DTYPES[dtype] if dtype < len(_DTYPES) else None,
-            op=_OPS[op] if op < len(_OPS) else None,
-            src=src,
-            rank=rank,
-            numel=numel,
-            shape=tuple(dims[: min(ndim, _MAX_DIMS)]) + ((-1,) if ndim > _MAX_DIMS else ()),
-            payload_numel=payload - 1 if payload else None,
-        )
-
-    def tensor_text(self) -> str:
-        shape = (
-            "("
-            + ", ".join("..." if d < 0 else str(d) for d in self.shape)
-            + ("," if len(self.shape) == 1 else "")
-            + ")"
-        )
-        dtype = dtype_name(self.dtype) if self.dtype is not None else "?"
-        return f"{dtype} {shape} [{self.numel} elements]"
-
-
-def _group_ranks(metas: list[_Meta], key: Callable[[_Meta], str]) -> str:
-    by_value: dict[str, list[int]] = {}
-    for meta in metas:
-        by_value.setdefault(key(meta), []).append(meta.rank)
-    parts = []
-    for value, ranks in by_value.items():
-        label = "rank" if len(ranks) == 1 else "ranks"
-        parts.append(f"{label} {', '.join(map(str, ranks))}: {value}")
-    return "; ".join(parts)
 
 
 def _segments(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -242,27 +89,14 @@ def _segments(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [flat[bounds[i] : bounds[i + 1]] for i in range(parts)]
 
 
-# ------------------------------------------------------------- host staging
-View = Callable[[torch.Tensor], None]
-"""Called with a view of a staged host tensor (wait for it, or publish it)."""
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy flat ``src`` into ``dst`` unless they are the same memory."""
+    if dst.data_ptr() != src.data_ptr() or dst.numel() == 0:
+        kernels.copy(dst, src)
 
 
-def _waiter(pipeline: StagingPipeline) -> View:
-    """Return ``wait(view)``: block until ``view`` of the pipeline's host tensor holds the device's data."""
-
-    def wait(view: torch.Tensor) -> None:
-        pipeline.wait_host(*pipeline.element_range(view))
-
-    return wait
-
-
-def _publisher(pipeline: StagingPipeline) -> View:
-    """Return ``publish(view)``: ``view`` of the host tensor is final; its complete chunks go back at once."""
-
-    def publish(view: torch.Tensor) -> None:
-        pipeline.publish(*pipeline.element_range(view))
-
-    return publish
+def _set_source(work: Work, source: int) -> None:
+    work._set_source(source)  # noqa: SLF001 - a receive's work names its sender
 
 
 # --------------------------------------------------------------- the group
@@ -282,7 +116,12 @@ class RingProcessGroup(IProcessGroup):
     supported_devices = frozenset({"cpu", "cuda"})
 
     def __init__(
-        self, env: DistEnv, config: CommConfig | None = None, ring_config: RingConfig | None = None
+        self,
+        env: DistEnv,
+        config: CommConfig | None = None,
+        ring_config: RingConfig | None = None,
+        *,
+        connection: RingSockets | None = None,
     ) -> None:
         super().__init__(env, config)
         self._ring_config = ring_config if ring_config is not None else RingConfig.from_env()
@@ -291,36 +130,59 @@ class RingProcessGroup(IProcessGroup):
             "slots": self._ring_config.shm_slots,
             "small_bytes": self._ring_config.small_bytes,
         }
-        sockets = rendezvous(env, self.timeout, settings, self.backend_name)
+        sockets = connection or rendezvous(env, self.timeout, settings, self.backend_name)
         shared = sockets.settings
         self._chunk_bytes = int(shared["chunk_bytes"])
         self._small_bytes = min(int(shared["small_bytes"]), self._chunk_bytes)
-        self._send: SendLink | None
-        self._recv: RecvLink | None
+        shape = LinkShape(
+            self._ring_config.transport,
+            self._chunk_bytes,
+            int(shared["slots"]),
+            self._ring_config.shm_dir,
+            self._ring_config.spin_us * 1e-6,
+        )
+        self._right: SendLink | None
+        self._left: RecvLink | None
         try:
-            self._send, self._recv = connect_links(
+            self._right, self._left = connect_links(
                 sockets,
                 env.rank,
                 env.world_size,
-                transport=self._ring_config.transport,
-                chunk_bytes=self._chunk_bytes,
-                slots=int(shared["slots"]),
-                shm_dir=self._ring_config.shm_dir,
+                transport=shape.transport,
+                chunk_bytes=shape.chunk_bytes,
+                slots=shape.slots,
+                shm_dir=shape.shm_dir,
                 prefix=self._prefix("rendezvous"),
-                spin_s=self._ring_config.spin_us * 1e-6,
+                spin_s=shape.spin_s,
             )
         except BaseException:
-            for sock in (sockets.left, sockets.right):
-                if sock is not None:
-                    sock.close()
+            sockets.close()
             raise
         self._run_lock = threading.Lock()
-        self._state_lock = threading.Lock()
-        self._inflight = 0
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # Every step of a collective waits at most the group's timeout; the bound only
+        # catches a progress thread that stopped.
+        self._lane = Lane("progress", bound_s=self.timeout * 2 + 30.0)
         self._buffers = (
-            SharedBuffers(self._send.retire)  # type: ignore[attr-defined]
-            if self._send is not None and self._send.can_lend
+            SharedBuffers(self._right.retire)  # type: ignore[attr-defined]
+            if self._right is not None and self._right.can_lend
+            else None
+        )
+        self._peers = sockets.peers
+        self._session = sockets.session
+        self._settings = shared
+        self._listen_address = sockets.listener.getsockname()[0] if sockets.listener is not None else ""
+        self._peer_links = (
+            PointToPoint(
+                rank=env.rank,
+                peers=sockets.peers,
+                listener=sockets.listener,
+                session=sockets.session,
+                shape=shape,
+                timeout=self.timeout,
+                prefix=self._prefix,
+                early=sockets.early,
+            )
+            if sockets.listener is not None
             else None
         )
 
@@ -329,8 +191,8 @@ class RingProcessGroup(IProcessGroup):
     def transports(self) -> tuple[str, str]:
         """Transport of the (send, receive) links: ``shm`` or ``tcp`` (``none`` at world size 1)."""
         return (
-            self._send.transport if self._send is not None else "none",
-            self._recv.transport if self._recv is not None else "none",
+            self._right.transport if self._right is not None else "none",
+            self._left.transport if self._left is not None else "none",
         )
 
     @property
@@ -346,7 +208,7 @@ class RingProcessGroup(IProcessGroup):
     @property
     def mapped_peer_buffers(self) -> int:
         """How many of the left neighbour's shared buffers this rank has mapped to read in place."""
-        return getattr(self._recv, "lent_regions", 0)
+        return getattr(self._left, "lent_regions", 0)
 
     # ---------------------------------------------------------------- buffers
     def alloc_buffer(
@@ -406,37 +268,14 @@ class RingProcessGroup(IProcessGroup):
         return True
 
     def _submit(
-        self, label: CollectiveLabel, body: Callable[[], None], async_op: bool, keep_alive: object = None
+        self, label: CollectiveLabel, body: Callable[[], Any], async_op: bool, keep_alive: object = None
     ) -> Work:
-        with self._state_lock:
-            inline = not async_op and self._inflight == 0
-            if not inline:
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(
-                        1, thread_name_prefix="commlib-ring-progress"
-                    )
-                self._inflight += 1
-        if inline:
+        def run() -> None:
             self._execute(label, body)
-            return CompletedWork(label=label)
-        # Every step of a collective waits at most the group's timeout; the bound only
-        # catches a progress thread that stopped.
-        work = EventWork(label, bound_s=self.timeout * 2 + 30.0, keep_alive=keep_alive)
-        self._executor.submit(self._run_async, work, body)  # type: ignore[union-attr]
-        return work
 
-    def _run_async(self, work: EventWork, body: Callable[[], None]) -> None:
-        error: BaseException | None = None
-        try:
-            self._execute(work.label, body)  # type: ignore[arg-type]
-        except BaseException as e:  # noqa: BLE001 - handed to the work
-            error = e
-        finally:
-            with self._state_lock:
-                self._inflight -= 1
-        work._settle(error)  # noqa: SLF001 - the progress thread completes its work
+        return self._lane.submit(label, run, async_op, keep_alive)
 
-    def _execute(self, describe: CollectiveLabel | str, body: Callable[[], None]) -> None:
+    def _execute(self, describe: CollectiveLabel | str, body: Callable[[], Any]) -> None:
         with self._run_lock:
             if self._closed or self._broken is not None:
                 reason = "closed" if self._closed else f"unusable after an earlier failure ({self._broken})"
@@ -448,7 +287,7 @@ class RingProcessGroup(IProcessGroup):
             except (CommError, OSError) as e:
                 error = self._wrap(describe, e)
                 self._mark_broken(error)
-                for link in (self._send, self._recv):
+                for link in (self._right, self._left):
                     if link is not None:
                         link.abort(f"rank {self.rank} gave up: {error}")
                 raise error from e
@@ -468,8 +307,8 @@ class RingProcessGroup(IProcessGroup):
         op: ReduceOp | None = None,
         src: int = -1,
         shape: tuple[int, ...] | None = None,
-    ) -> _Meta:
-        return _Meta(
+    ) -> Meta:
+        return Meta(
             seq=self._seq,
             kind=kind,
             dtype=tensor.dtype if tensor is not None else None,
@@ -485,7 +324,7 @@ class RingProcessGroup(IProcessGroup):
 
     def _check_meta(
         self,
-        mine: _Meta,
+        mine: Meta,
         payload: torch.Tensor | None = None,
         *,
         hold_last: bool = False,
@@ -505,10 +344,10 @@ class RingProcessGroup(IProcessGroup):
             The payloads that travelled with the records and were read, by
             source rank (this rank's own included).
         """
-        send, recv = self._send, self._recv
+        send, recv = self._right, self._left
         assert send is not None and recv is not None
         record = mine.pack(payload)
-        common = record[:_COMMON_BYTES]
+        common = record[:COMMON_BYTES]
         records = [record]
         payloads: dict[int, torch.Tensor] = {} if payload is None else {self.rank: payload}
         outgoing = payload
@@ -521,9 +360,9 @@ class RingProcessGroup(IProcessGroup):
             outgoing = None
             if record[-4:] == b"\0\0\0\0":  # no payload
                 continue
-            if hold and record[:_COMMON_BYTES] == common:
+            if hold and record[:COMMON_BYTES] == common:
                 continue  # agreed; the caller reads the payload
-            meta = _Meta.unpack(record)
+            meta = Meta.unpack(record)
             if meta.dtype is None or meta.payload_numel is None:
                 raise CommError(
                     f"rank {meta.rank} sent a payload of unknown dtype; is it running another "
@@ -533,39 +372,16 @@ class RingProcessGroup(IProcessGroup):
             recv.recv_into(outgoing)
             payloads[meta.rank] = outgoing
         send.flush()  # a queued payload may be a view of the caller's tensor, about to be overwritten
-        if all(r[:_COMMON_BYTES] == common for r in records):
+        if all(r[:COMMON_BYTES] == common for r in records):
             return payloads  # shapes may differ: the calls agree on the element count
-        metas = sorted((_Meta.unpack(r) for r in records), key=lambda m: m.rank)
-        if len({(m.kind, m.seq) for m in metas}) > 1:
-            raise CollectiveMismatchError(
-                "ranks called different collectives: "
-                + _group_ranks(metas, lambda m: f"{m.kind} #{m.seq}")
-                + ". Every rank must issue the same collectives in the same order"
-            )
-        if len({(m.dtype, m.numel) for m in metas}) > 1:
-            raise CollectiveMismatchError(
-                "ranks passed tensors of different sizes or dtypes: "
-                + _group_ranks(metas, _Meta.tensor_text)
-                + ". Every rank must pass a tensor of the same size and dtype"
-            )
-        if len({m.op for m in metas}) > 1:
-            raise CollectiveMismatchError(
-                "ranks disagree on the reduce op: "
-                + _group_ranks(metas, lambda m: m.op.name if m.op is not None else "none")
-                + ". Every rank must pass the same op"
-            )
-        raise CollectiveMismatchError(
-            "ranks disagree on the source rank: "
-            + _group_ranks(metas, lambda m: f"src={m.src}")
-            + ". Every rank must name the same src"
-        )
+        raise mismatch(records)
 
     def _chunk_numel(self, tensor: torch.Tensor) -> int:
         """Elements of ``tensor``'s dtype in one chunk (at least one)."""
         return max(1, self._chunk_bytes // tensor.element_size())
 
     def _check_meta_carrying(
-        self, meta: _Meta, outgoing: torch.Tensor, lent: Span | None, ready: View | None
+        self, meta: Meta, outgoing: torch.Tensor, lent: Span | None, ready: View | None
     ) -> int:
         """Check the records; on two ranks they carry the first chunk of ``outgoing``. Return its size.
 
@@ -610,7 +426,7 @@ class RingProcessGroup(IProcessGroup):
         Returns:
             How many chunks were written back.
         """
-        send, recv = self._send, self._recv
+        send, recv = self._right, self._left
         assert send is not None and recv is not None
         step = self._chunk_numel(outgoing)
         n_out, n_in = outgoing.numel(), incoming.numel()
@@ -640,51 +456,8 @@ class RingProcessGroup(IProcessGroup):
         return written_back
 
     def _flush(self) -> None:
-        if self._send is not None:
-            self._send.flush()
-
-    # --------------------------------------------------------------- staging
-    def _stage(
-        self,
-        tensor: torch.Tensor,
-        *,
-        copy_in: bool = True,
-        copy_out: bool = True,
-        fetch_first: Iterable[tuple[int, int]] = (),
-    ) -> StagingPipeline:
-        """Return the staging pipeline of CUDA ``tensor`` for the collective being issued.
-
-        Call it on the issuing thread (``cuda_staging.stage``: the process's
-        pinned buffer pool, default chunk size). Every host wait for a copy is
-        bounded by the group's timeout.
-        """
-        return cuda_staging.stage(
-            tensor,
-            "host staging",
-            timeout_s=self.timeout,
-            copy_in=copy_in,
-            copy_out=copy_out,
-            fetch_first=fetch_first,
-        )
-
-    def _fetch_first(self, tensor: torch.Tensor, order: list[int]) -> list[tuple[int, int]]:
-        """Return element ranges of ``tensor`` in the order the ring's reduce-scatter first reads them.
-
-        ``order`` lists the segments (one per rank) in the order the
-        reduce-scatter reads them. Its first step sends ``order[0]`` while it
-        reduces into ``order[1]``, chunk by chunk, so the chunks of those two
-        alternate; the other segments follow whole. Copied to the host in this
-        order, the first step can start as soon as one chunk of each is there.
-        """
-        numel, n = tensor.numel(), self.world_size
-        bounds = [(numel * i // n, numel * (i + 1) // n) for i in order]
-        step = self._chunk_numel(tensor)
-        (a, a_end), (b, b_end) = bounds[0], bounds[1]
-        ranges: list[tuple[int, int]] = []
-        for offset in range(0, max(a_end - a, b_end - b), step):
-            ranges.append((a + offset, min(a + offset + step, a_end)))
-            ranges.append((b + offset, min(b + offset + step, b_end)))
-        return ranges + bounds[2:]
+        if self._right is not None:
+            self._right.flush()
 
     # ------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
@@ -692,26 +465,22 @@ class RingProcessGroup(IProcessGroup):
         describe = self._label("all_reduce", tensor)
         if self.world_size == 1:
             return CompletedWork(label=describe)
-        if tensor.device.type == "cpu":
 
-            def body() -> None:
-                self._all_reduce_host(tensor.view(-1), op, meta)
-
-        else:
+        def first() -> list[tuple[int, int]]:
+            if self._is_small(tensor):
+                return []
             n, r = self.world_size, self.rank
-            first = (
-                () if self._is_small(tensor) else self._fetch_first(tensor, [(r - s) % n for s in range(n)])
-            )
-            pipeline = self._stage(tensor, fetch_first=first)
+            return first_chunks(tensor, [(r - s) % n for s in range(n)], n, self._chunk_numel(tensor))
 
-            def body() -> None:
-                with pipeline as host:
-                    self._all_reduce_host(host.view(-1), op, meta, pipeline)
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            self._all_reduce_host(hosts[0], op, meta, staged[0])
 
-        return self._submit(describe, body, async_op, tensor)
+        return self._submit(
+            describe, on_host(self.timeout, run, Staged(tensor, fetch_first=first)), async_op, tensor
+        )
 
     def _all_reduce_host(
-        self, flat: torch.Tensor, op: ReduceOp, meta: _Meta, staged: StagingPipeline | None = None
+        self, flat: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None = None
     ) -> None:
         """All-reduce host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
         if self._is_small(flat):
@@ -721,13 +490,13 @@ class RingProcessGroup(IProcessGroup):
         else:
             self._ring_all_reduce(flat, op, meta, staged)
 
-    def _small_all_reduce(self, meta: _Meta, flat: torch.Tensor, op: ReduceOp) -> None:
+    def _small_all_reduce(self, meta: Meta, flat: torch.Tensor, op: ReduceOp) -> None:
         """Every rank's tensor travels with the records; each rank reduces them in rank order."""
         n = self.world_size
         combine = kernels.combine(op, flat.dtype)
         payloads = self._check_meta(meta, flat, hold_last=True)
         if n == 2 and len(payloads) == 1:  # the neighbour's tensor waits in the link
-            recv = self._recv
+            recv = self._left
             assert recv is not None
             if self.rank == 0:
                 recv.recv_reduce(flat, lambda mine, theirs: combine(mine, mine, theirs))
@@ -743,7 +512,7 @@ class RingProcessGroup(IProcessGroup):
             kernels.divide(flat, n)
 
     def _ring_all_reduce(
-        self, flat: torch.Tensor, op: ReduceOp, meta: _Meta, staged: StagingPipeline | None = None
+        self, flat: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None = None
     ) -> None:
         """Reduce-scatter, then all-gather, around the ring.
 
@@ -756,7 +525,7 @@ class RingProcessGroup(IProcessGroup):
         segs = _segments(flat, n)
         reduce = kernels.reducer(op, flat.dtype)
         lent = self._lendable(flat)
-        ready, done = (_waiter(staged), _publisher(staged)) if staged is not None else (None, None)
+        ready, done = (waiter(staged), publisher(staged)) if staged is not None else (None, None)
         carried = self._check_meta_carrying(meta, segs[r], lent, ready)
         if n == 2:
             self._pair_all_reduce(segs, op, reduce, lent, carried, ready, done)
@@ -782,8 +551,8 @@ class RingProcessGroup(IProcessGroup):
             self._exchange(segs[(r + 1 - t) % n], segs[(r - t) % n], None, lent, done=done)
         self._flush()
         if lent is not None:  # done only when nobody reads this rank's buffer any more
-            assert self._send is not None
-            self._send.wait_returned()
+            assert self._right is not None
+            self._right.wait_returned()
 
     def _pair_all_reduce(
         self,
@@ -806,7 +575,7 @@ class RingProcessGroup(IProcessGroup):
         counter has passed every lent chunk); if not, the result comes back
         through the slots as in the ring.
         """
-        send, recv = self._send, self._recv
+        send, recv = self._right, self._left
         assert send is not None and recv is not None
         r = self.rank
         outgoing, incoming = segs[r], segs[1 - r]
@@ -846,23 +615,16 @@ class RingProcessGroup(IProcessGroup):
         describe = self._label("broadcast", tensor)
         if self.world_size == 1:
             return CompletedWork(label=describe)
-        if tensor.device.type == "cpu":
+        sender = self.rank == src
 
-            def body() -> None:
-                self._broadcast_host(tensor.view(-1), src, meta)
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            self._broadcast_host(hosts[0], src, meta, staged[0])
 
-        else:
-            sender = self.rank == src
-            pipeline = self._stage(tensor, copy_in=sender, copy_out=not sender)
-
-            def body() -> None:
-                with pipeline as host:
-                    self._broadcast_host(host.view(-1), src, meta, pipeline)
-
+        body = on_host(self.timeout, run, Staged(tensor, copy_in=sender, copy_out=not sender))
         return self._submit(describe, body, async_op, tensor)
 
     def _broadcast_host(
-        self, flat: torch.Tensor, src: int, meta: _Meta, staged: StagingPipeline | None = None
+        self, flat: torch.Tensor, src: int, meta: Meta, staged: StagingPipeline | None = None
     ) -> None:
         """Broadcast host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
         if self._is_small(flat):
@@ -876,7 +638,7 @@ class RingProcessGroup(IProcessGroup):
             if staged is None:
                 self._chain_broadcast(flat, src)
             else:
-                self._chain_broadcast(flat, src, ready=_waiter(staged), done=_publisher(staged))
+                self._chain_broadcast(flat, src, ready=waiter(staged), done=publisher(staged))
 
     def _chain_broadcast(
         self, flat: torch.Tensor, src: int, *, ready: View | None = None, done: View | None = None
@@ -886,7 +648,7 @@ class RingProcessGroup(IProcessGroup):
         Staged tensors pass ``ready`` (the source calls it with each chunk before
         sending it) and ``done`` (the others call it with each chunk received).
         """
-        send, recv = self._send, self._recv
+        send, recv = self._right, self._left
         assert send is not None and recv is not None
         distance = (self.rank - src) % self.world_size
         step = self._chunk_numel(flat)
@@ -912,31 +674,24 @@ class RingProcessGroup(IProcessGroup):
         n = self.world_size
         meta = self._next_meta("all_gather", tensor)
         describe = self._label("all_gather", tensor)
-        if tensor.device.type == "cpu":
+        # Staged, the input has a buffer of its own, even when it lies in the output.
+        specs = [Staged(tensor, copy_out=False)] + [
+            Staged(t, copy_in=False) for t in ([flat_output] if flat_output is not None else outputs)
+        ]
 
-            def body() -> None:
-                self._all_gather_host(outputs, tensor, meta)
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            blocks = _segments(hosts[1], n) if flat_output is not None else hosts[1:]
+            done = None
+            if staged[0] is not None:
+                staged[0].wait_host()
+                owners = staged[1:] * n if flat_output is not None else staged[1:]  # each block's pipeline
+                done = [publisher(pipeline) for pipeline in owners]  # type: ignore[arg-type]
+            self._all_gather_host(blocks, hosts[0], meta, done)
 
-        else:
-            # The input is staged through a buffer of its own, even when it lies in the output.
-            staged_in = self._stage(tensor, copy_out=False)
-            staged_out = [
-                self._stage(t, copy_in=False) for t in ([flat_output] if flat_output is not None else outputs)
-            ]
-            owners = staged_out * n if flat_output is not None else staged_out  # the pipeline of each block
-
-            def body() -> None:
-                with contextlib.ExitStack() as stack:
-                    host = stack.enter_context(staged_in).view(-1)
-                    hosts = [stack.enter_context(pipeline).view(-1) for pipeline in staged_out]
-                    blocks = _segments(hosts[0], n) if flat_output is not None else hosts
-                    staged_in.wait_host()
-                    self._all_gather_host(blocks, host, meta, [_publisher(p) for p in owners])
-
-        return self._submit(describe, body, async_op, (outputs, tensor))
+        return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, tensor))
 
     def _all_gather_host(
-        self, blocks: list[torch.Tensor], tensor: torch.Tensor, meta: _Meta, done: list[View] | None = None
+        self, blocks: list[torch.Tensor], tensor: torch.Tensor, meta: Meta, done: list[View] | None = None
     ) -> None:
         """Gather every rank's ``tensor`` into ``blocks`` (flat host views, one per rank).
 
@@ -974,34 +729,40 @@ class RingProcessGroup(IProcessGroup):
         n, r = self.world_size, self.rank
         meta = self._next_meta("reduce_scatter", output, op)
         describe = self._label("reduce_scatter", output)
-        if output.device.type != "cpu":
-            # A list's blocks are joined on the device (on the caller's stream, before the copies out).
-            source = flat_input if flat_input is not None else torch.cat(inputs)
-            small = n == 1 or self._is_small(source)
-            first = () if small else self._fetch_first(source, [(r - 1 - s) % n for s in range(n)])
-            staged_in = self._stage(source, copy_out=False, fetch_first=first)
-            staged_out = self._stage(output, copy_in=False)
+        if output.device.type == "cpu":
+            # Reduce in the caller's buffer when the output is its block (lending it when shared).
+            in_place = self._is_rank_block(output, flat_input)
 
-            def staged_body() -> None:
-                with staged_in as work, staged_out as result:
-                    self._reduce_scatter_host(
-                        work.view(-1), result.view(-1), op, meta, None, _waiter(staged_in)
-                    )
+            def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+                if in_place:
+                    assert flat_input is not None
+                    work, lent = flat_input, self._lendable(flat_input)
+                else:
+                    work, lent = torch.empty(n * output.numel(), dtype=output.dtype), None
+                    for block, source in zip(_segments(work, n), inputs, strict=True):
+                        kernels.copy(block, source)
+                self._reduce_scatter_host(work, hosts[0], op, meta, lent)
 
-            return self._submit(describe, staged_body, async_op, (output, inputs))
+            return self._submit(
+                describe, on_host(self.timeout, run, Staged(output)), async_op, (output, inputs)
+            )
+        # A list's blocks are joined on the device (on the caller's stream, before the copies out).
+        source = self._whole(flat_input, inputs)
 
-        in_place = self._is_rank_block(output, flat_input)
+        def first() -> list[tuple[int, int]]:
+            if n == 1 or self._is_small(source):
+                return []
+            return first_chunks(source, [(r - 1 - s) % n for s in range(n)], n, self._chunk_numel(source))
 
-        def body() -> None:
-            if in_place:  # reduce in the caller's buffer, lending it when it is shared
-                assert flat_input is not None
-                work, lent = flat_input, self._lendable(flat_input)
-            else:
-                work, lent = torch.empty(n * output.numel(), dtype=output.dtype), None
-                for block, source in zip(_segments(work, n), inputs, strict=True):
-                    kernels.copy(block, source)
-            self._reduce_scatter_host(work, output, op, meta, lent)
+        def run_staged(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            self._reduce_scatter_host(hosts[0], hosts[1], op, meta, None, waiter(staged[0]))  # type: ignore[arg-type]
 
+        body = on_host(
+            self.timeout,
+            run_staged,
+            Staged(source, copy_out=False, fetch_first=first),
+            Staged(output, copy_in=False),
+        )
         return self._submit(describe, body, async_op, (output, inputs))
 
     def _reduce_scatter_host(
@@ -1009,7 +770,7 @@ class RingProcessGroup(IProcessGroup):
         work: torch.Tensor,
         output: torch.Tensor,
         op: ReduceOp,
-        meta: _Meta,
+        meta: Meta,
         lent: Span | None,
         ready: View | None = None,
     ) -> None:
@@ -1043,7 +804,7 @@ class RingProcessGroup(IProcessGroup):
         self,
         blocks: list[torch.Tensor],
         op: ReduceOp,
-        meta: _Meta,
+        meta: Meta,
         lent: Span | None,
         ready: View | None = None,
     ) -> None:
@@ -1068,8 +829,302 @@ class RingProcessGroup(IProcessGroup):
             )
         self._flush()
         if lent is not None:  # done only when nobody reads this rank's buffer any more
-            assert self._send is not None
-            self._send.wait_returned()
+            assert self._right is not None
+            self._right.wait_returned()
+
+    # ------------------------------------------------------- rooted collectives
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
+        meta = self._next_meta("reduce", tensor, op, src=dst)
+        describe = self._label("reduce", tensor)
+        if self.world_size == 1:
+            return CompletedWork(label=describe)
+
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            if staged[0] is not None:
+                staged[0].wait_host()
+            self._reduce_host(hosts[0], dst, op, meta)
+
+        body = on_host(self.timeout, run, Staged(tensor, copy_out=self.rank == dst))
+        return self._submit(describe, body, async_op, tensor)
+
+    def _reduce_host(self, flat: torch.Tensor, dst: int, op: ReduceOp, meta: Meta) -> None:
+        """Reduce into ``flat`` on ``dst``; small tensors travel with the records, large ones down a chain."""
+        n = self.world_size
+        if self._is_small(flat):
+            payloads = self._check_meta(meta, flat)
+            if self.rank == dst:
+                combine = kernels.combine(op, flat.dtype)
+                result = torch.empty_like(flat)
+                combine(result, payloads[0], payloads[1])
+                for source in range(2, n):
+                    combine(result, result, payloads[source])
+                kernels.copy(flat, result)
+        else:
+            self._check_meta(meta)
+            self._chain_reduce(flat, dst, op)
+        if op is ReduceOp.AVG and self.rank == dst:
+            kernels.divide(flat, n)
+
+    def _chain_reduce(self, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
+        """Partial results flow down the chain that starts right of ``dst`` and ends at it, chunk by chunk.
+
+        Each rank between adds its own chunk to the partial result into a
+        scratch tensor (its input stays as it was) and passes it on; ``dst``
+        adds the last partial result into its tensor.
+        """
+        send, recv = self._right, self._left
+        assert send is not None and recv is not None
+        n = self.world_size
+        position = (self.rank - dst - 1) % n  # 0 starts the chain, n - 1 is dst
+        step = self._chunk_numel(flat)
+        starts = range(0, flat.numel(), step)
+        if position == 0:
+            for start in starts:
+                send.send(flat[start : start + step])
+        elif position == n - 1:
+            reduce = kernels.reducer(op, flat.dtype)
+            for start in starts:
+                recv.recv_reduce(flat[start : start + step], reduce)
+        else:
+            combine = kernels.combine(op, flat.dtype)
+            partial = torch.empty_like(flat)
+            for start in starts:
+                mine, out = flat[start : start + step], partial[start : start + step]
+                recv.recv_reduce(out, lambda o, theirs, mine=mine: combine(o, theirs, mine))
+                send.send(out)
+        self._flush()
+
+    def _gather(
+        self, tensor: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, async_op: bool
+    ) -> Work:
+        meta = self._next_meta("gather", tensor, src=dst)
+        describe = self._label("gather", tensor)
+        specs = [Staged(tensor, copy_out=False)] + [Staged(t, copy_in=False) for t in outputs or ()]
+
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            if staged[0] is not None:
+                staged[0].wait_host()
+            self._gather_host(hosts[0], hosts[1:] if outputs is not None else None, dst, meta)
+
+        return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, tensor))
+
+    def _gather_host(
+        self, flat: torch.Tensor, blocks: list[torch.Tensor] | None, dst: int, meta: Meta
+    ) -> None:
+        """Every rank's ``flat`` into ``blocks`` on ``dst`` (None elsewhere).
+
+        Small tensors travel with the records. Large ones flow down the chain
+        that ends at ``dst``: each rank sends its own block, then passes on
+        those of the ranks before it, so ``dst`` receives the nearest first.
+        """
+        n, r = self.world_size, self.rank
+        if blocks is not None:
+            _copy(blocks[r], flat)
+        if n == 1:
+            return
+        if self._is_small(flat):
+            payloads = self._check_meta(meta, flat)
+            if blocks is not None:
+                for source, block in enumerate(blocks):
+                    if source != r:
+                        kernels.copy(block, payloads[source])
+            return
+        self._check_meta(meta)
+        send, recv = self._right, self._left
+        assert send is not None and recv is not None
+        step = self._chunk_numel(flat)
+        position = (r - dst - 1) % n
+        if blocks is not None:
+            for k in range(1, n):
+                block = blocks[(dst - k) % n]
+                for start in range(0, block.numel(), step):
+                    recv.recv_into(block[start : start + step])
+        else:
+            for start in range(0, flat.numel(), step):
+                send.send(flat[start : start + step])
+            self._relay(flat, position)
+        self._flush()
+
+    def _scatter(
+        self, tensor: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, async_op: bool
+    ) -> Work:
+        meta = self._next_meta("scatter", tensor, src=src)
+        describe = self._label("scatter", tensor)
+        specs = [Staged(tensor, copy_in=False)] + [Staged(t, copy_out=False) for t in inputs or ()]
+
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            for pipeline in staged[1:]:
+                if pipeline is not None:
+                    pipeline.wait_host()
+            self._scatter_host(hosts[0], hosts[1:] if inputs is not None else None, src, meta)
+
+        return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (inputs, tensor))
+
+    def _scatter_host(
+        self, flat: torch.Tensor, blocks: list[torch.Tensor] | None, src: int, meta: Meta
+    ) -> None:
+        """Block ``rank`` of ``blocks`` (on ``src``; None elsewhere) into every rank's ``flat``.
+
+        Small blocks travel with the records (the source's, joined). Large ones
+        flow down the chain from ``src``, the farthest rank's first: each rank
+        passes on the blocks for the ranks after it and keeps the last.
+        """
+        n, r = self.world_size, self.rank
+        if blocks is not None:
+            _copy(flat, blocks[r])
+        if n == 1:
+            return
+        if self._is_small(flat) and flat.numel() * flat.element_size() * n <= self._small_bytes:
+            payloads = self._check_meta(meta, torch.cat(blocks) if blocks is not None else None)
+            if blocks is None:
+                kernels.copy(flat, _segments(payloads[src], n)[r])
+            return
+        self._check_meta(meta)
+        send, recv = self._right, self._left
+        assert send is not None and recv is not None
+        step = self._chunk_numel(flat)
+        distance = (r - src) % n
+        if blocks is not None:
+            for k in range(n - 1, 0, -1):
+                block = blocks[(src + k) % n]
+                for start in range(0, block.numel(), step):
+                    send.send(block[start : start + step])
+        else:
+            self._relay(flat, n - 1 - distance)
+            for start in range(0, flat.numel(), step):
+                recv.recv_into(flat[start : start + step])
+        self._flush()
+
+    def _relay(self, like: torch.Tensor, count: int) -> None:
+        """Pass ``count`` blocks of ``like``'s size from the left neighbour on to the right one."""
+        if not count:
+            return
+        send, recv = self._right, self._left
+        assert send is not None and recv is not None
+        step = self._chunk_numel(like)
+        for _ in range(count):
+            for start in range(0, like.numel(), step):
+                recv.forward(like[start : start + step], send)
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
+        n = self.world_size
+        dtype = inputs[0].dtype
+        meta = Meta(self._seq, "all_to_all", dtype, None, -1, self.rank, 0, (sum(t.numel() for t in inputs),))
+        describe = self._label("all_to_all", inputs[0])
+        specs = [Staged(t, copy_out=False) for t in inputs] + [Staged(t, copy_in=False) for t in outputs]
+
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            for pipeline in staged[:n]:
+                if pipeline is not None:
+                    pipeline.wait_host()
+            self._all_to_all_host(hosts[n:], hosts[:n], meta)
+
+        return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, inputs))
+
+    def _all_to_all_host(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], meta: Meta) -> None:
+        """Block ``inputs[j]`` of every rank i into ``outputs[i]`` of rank j, passed along the ring.
+
+        The records carry every rank's split sizes, so every rank checks the
+        whole matrix (a mismatch raises on all). Step ``s`` (1 .. n-1) sends the
+        right neighbour the blocks that rank ``r - s + 1`` has for the ranks
+        after this one; the neighbour keeps the first and passes the rest on
+        in the next step. On two ranks that is one exchange, and a block of up
+        to ``small_bytes`` travels with the record itself.
+        """
+        n, r = self.world_size, self.rank
+        if n == 1:
+            error = split_mismatch([[inputs[0].numel()]], [[outputs[0].numel()]])
+            if error is not None:
+                raise error
+            _copy(outputs[0], inputs[0])
+            return
+        # Two ranks: a small block for the neighbour travels with the record (one message each way).
+        carry = inputs[1 - r] if n == 2 and inputs[1 - r].nbytes <= self._small_bytes else None
+        counts = [t.numel() for t in inputs] + [t.numel() for t in outputs] + [carry is not None]
+        head = torch.tensor(counts, dtype=torch.int64).view(torch.uint8)
+        payload = head if carry is None else torch.cat([head, carry.view(torch.uint8)])
+        payloads = self._check_meta(meta, payload.view(meta.dtype))  # type: ignore[arg-type]
+        rows = {
+            rank: p.view(torch.uint8)[: head.numel()].view(torch.int64).tolist()
+            for rank, p in payloads.items()
+        }
+        sent = [rows[i][:n] for i in range(n)]
+        error = split_mismatch(sent, [rows[j][n : 2 * n] for j in range(n)])
+        if error is not None:
+            raise error
+        _copy(outputs[r], inputs[r])
+        if n == 2:
+            left = 1 - r
+            theirs = outputs[left]
+            if rows[left][2 * n]:  # the neighbour's block came with its record
+                kernels.copy(theirs.view(torch.uint8), payloads[left].view(torch.uint8)[head.numel() :])
+            self._stream([] if carry is not None else [inputs[left]], [] if rows[left][2 * n] else [theirs])
+            self._flush()
+            return
+        carried: list[torch.Tensor] = []
+        for s in range(1, n):
+            origin = (r - s) % n  # whose blocks arrive in this step
+            ahead = [(r + k) % n for k in range(1, n - s)]  # the ranks they are for, after this one
+            outgoing = [inputs[(r + k) % n] for k in range(1, n)] if s == 1 else carried
+            incoming = [outputs[origin]] + [torch.empty(sent[origin][d], dtype=meta.dtype) for d in ahead]
+            self._stream(outgoing, incoming)
+            self._flush()
+            carried = incoming[1:]
+
+    def _stream(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> None:
+        """Send ``outgoing`` to the right while ``incoming`` arrives from the left, one chunk each in turn."""
+        send, recv = self._right, self._left
+        assert send is not None and recv is not None
+        if not outgoing and not incoming:
+            return
+        step = self._chunk_numel(incoming[0] if incoming else outgoing[0])
+        out = [t[i : i + step] for t in outgoing for i in range(0, t.numel(), step)]
+        into = [t[i : i + step] for t in incoming for i in range(0, t.numel(), step)]
+        for k in range(max(len(out), len(into))):
+            if k < len(out):
+                send.send(out[k])
+            if k < len(into):
+                recv.recv_into(into[k])
+
+    # --------------------------------------------------------- point-to-point
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
+        p2p = self._peer_links_for("send")
+        label = self._p2p_label("send", tensor, dst, tag)
+        dtype, numel = tensor.dtype, tensor.numel()
+
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+            if staged[0] is not None:
+                staged[0].wait_host()
+            p2p.send(hosts[0].view(torch.uint8), dst, tag, dtype, numel, label)
+
+        body = on_host(self.timeout, run, Staged(tensor, copy_out=False))
+        return p2p.send_lane(dst).submit(label, body, async_op, tensor)
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
+        p2p = self._peer_links_for("recv")
+        label = self._p2p_label("recv", tensor, src, tag)
+        dtype, numel = tensor.dtype, tensor.numel()
+
+        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
+            return p2p.recv(hosts[0].view(torch.uint8), src, tag, dtype, numel, label)
+
+        body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
+        return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)
+
+    # --------------------------------------------------------------- subgroups
+    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
+        """Members form a ring of their own (``backends.ring.subgroups``); the others get None."""
+        parent = Parent(self, self._peers, self._session, self._settings, self._listen_address, name)
+
+        def make(config: CommConfig, sockets: RingSockets) -> IProcessGroup:
+            return RingProcessGroup(self._subgroup_env(ranks), config, self._ring_config, connection=sockets)
+
+        return new_subgroup(parent, ranks, config, make)
+
+    def _peer_links_for(self, op: str) -> PointToPoint:
+        if self._peer_links is None:
+            raise CommError(f"{self._prefix(op)}this group has no other rank to talk to")
+        return self._peer_links
 
     def _barrier(self, async_op: bool) -> Work:
         meta = self._next_meta("barrier", None)
@@ -1079,17 +1134,17 @@ class RingProcessGroup(IProcessGroup):
         return self._submit(describe, lambda: self._check_meta(meta), async_op)
 
     def _close(self) -> None:
-        executor = self._executor
-        if executor is not None:
-            executor.shutdown(wait=True)
+        if self._peer_links is not None:
+            self._peer_links.close()
+        self._lane.close()
         linger = min(self.timeout, 10.0)
         with self._run_lock:
-            links = [link for link in (self._send, self._recv) if link is not None]
+            links = [link for link in (self._right, self._left) if link is not None]
             for link in links:
                 link.shutdown()
             for link in links:
                 link.close(linger)
-            self._send = self._recv = None
+            self._right = self._left = None
 
 
 def _create(env: DistEnv, config: CommConfig) -> IProcessGroup:

@@ -9,11 +9,18 @@ length + payload frames; a sender thread writes them so that a rank sending
 to its right never blocks the receive from its left (all ranks send at once in
 a ring step; blocking sends would deadlock once chunks outgrow the kernel's
 socket buffers). ``backends.ring.link_setup`` chooses and builds the two links.
+
+The same links carry point-to-point messages between any two ranks
+(``backends.ring.p2p``): there the receiver also returns a verdict on each
+message (taken, or refused for its size) that its sender waits for; over TCP
+as a ``V`` frame on the same connection, in shared memory in the inbox's
+control words.
 """
 
 from __future__ import annotations
 
 import queue
+import select
 import socket
 import struct
 import threading
@@ -33,8 +40,12 @@ META_BYTES = 96
 _FRAME_PAYLOAD = ord("P")
 _FRAME_META = ord("M")
 _FRAME_ABORT = ABORT
+_FRAME_VERDICT = ord("V")
 _U64 = struct.Struct("!Q")
 _U32 = struct.Struct("!I")
+_VERDICT = struct.Struct(
+    "!QQQQQ"
+)  # message number, then the verdict: code, the receiver's bytes, elements, dtype
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -101,6 +112,8 @@ class SendLink(_Link):
     chunk_bytes: int
     can_lend = False
     """True if the receiver can read chunks straight from this rank's shared buffers (``lend``)."""
+    copies_at_once = False
+    """True if ``send`` has copied the chunk when it returns (the chunk may change at once)."""
 
     def send_meta(
         self, record: bytes, payload: torch.Tensor | None = None, lent: tuple[RegionId, int] | None = None
@@ -129,6 +142,19 @@ class SendLink(_Link):
 
     def wait_returned(self) -> None:
         """Block until the receiver has read every chunk lent so far."""
+
+    def await_verdict(self, msg: int, what: str) -> tuple[int, ...]:
+        """Wait until the receiver has taken everything sent so far; return its verdict on message ``msg``.
+
+        Returns:
+            The receiver's code for the message and what its buffer holds: bytes,
+            elements, dtype code (``backends.ring.p2p`` gives them meaning).
+
+        Raises:
+            CommTimeoutError: The receiver did not take it within the link's timeout.
+            PeerFailureError: The receiver aborted or left.
+        """
+        raise NotImplementedError
 
 
 class RecvLink(_Link):
@@ -159,6 +185,20 @@ class RecvLink(_Link):
         """
         self.recv_reduce(dst, reduce)
         return False
+
+    def forward(self, like: torch.Tensor, send: SendLink) -> None:
+        """Pass the next chunk (``like``'s size and dtype) on through ``send`` unchanged."""
+        chunk = torch.empty_like(like)  # a TCP send holds it until written
+        self.recv_into(chunk)
+        send.send(chunk)
+
+    def post_verdict(self, msg: int, verdict: tuple[int, int, int, int]) -> None:
+        """Give the sender the verdict on message ``msg``; call it before taking the message's last chunk."""
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """True if a message (or an abort, or the end of the connection) waits to be read; never blocks."""
+        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------- TCP
@@ -226,6 +266,16 @@ class TcpSendLink(SendLink):
         view = byte_view(chunk)
         self._enqueue((bytes([_FRAME_PAYLOAD]) + _U64.pack(len(view)), view))
 
+    def await_verdict(self, msg: int, what: str) -> tuple[int, ...]:
+        """Hand everything to the kernel, then read verdicts up to the one on ``msg`` (older: stale)."""
+        self.flush()
+        while True:
+            kind = self.reader.read_byte(what)
+            self._check_frame(kind, _FRAME_VERDICT, what)
+            number, *verdict = _VERDICT.unpack(self.reader.read_exact(_VERDICT.size, what))
+            if number == msg:
+                return tuple(verdict)
+
     def flush(self) -> None:
         """Wait until the sender thread has handed every queued chunk to the kernel."""
         timeout = self.sock.gettimeout()
@@ -278,3 +328,17 @@ class TcpRecvLink(RecvLink):
         incoming = self._scratch[:nbytes]
         self.reader.readinto_exact(byte_view(incoming), "data")
         reduce(dst, incoming.view(dst.dtype))
+
+    def post_verdict(self, msg: int, verdict: tuple[int, int, int, int]) -> None:
+        """Send the verdict back on the same connection (a few bytes: never blocks for long)."""
+        try:
+            self.sock.sendall(bytes([_FRAME_VERDICT]) + _VERDICT.pack(msg, *verdict))
+        except OSError as e:
+            raise PeerFailureError(f"cannot answer {self.describe}: {e}") from e
+
+    def ready(self) -> bool:
+        """True if bytes wait in the reader or the socket."""
+        if self.reader.buffered():
+            return True
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)

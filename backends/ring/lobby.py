@@ -25,6 +25,7 @@ import selectors
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from backends.ring.wire import encode_json, tune_socket
@@ -58,6 +59,8 @@ class Visitor:
     deadline: float
     state: str = "new"
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    on_drop: Callable[[], None] | None = None
+    """Called when the lobby drops the visitor (what it was given must be released)."""
     _buffer: bytearray = dataclasses.field(default_factory=bytearray)
 
     def leftover(self) -> bytes:
@@ -133,6 +136,7 @@ class Lobby:
         self._selector.unregister(visitor.sock)
         del self._visitors[visitor.sock]
         visitor.sock.setblocking(True)
+        visitor.on_drop = None
         return visitor.sock
 
     def drop(self, visitor: Visitor, reason: str, level: int = logging.DEBUG) -> None:
@@ -141,7 +145,19 @@ class Lobby:
             self._selector.unregister(visitor.sock)
             del self._visitors[visitor.sock]
         visitor.sock.close()
+        if visitor.on_drop is not None:
+            on_drop, visitor.on_drop = visitor.on_drop, None
+            on_drop()
         logger.log(level, "%s: dropped a connection from %s: %s", self._what, visitor.address, reason)
+
+    def adopt(self, sock: socket.socket, address: str, state: str, leftover: bytes = b"") -> Visitor:
+        """Read ``sock``, taken from another lobby, frame by frame here (``leftover``: bytes already read)."""
+        sock.setblocking(False)
+        visitor = Visitor(sock, address, time.monotonic() + STRANGER_DEADLINE_S, state)
+        visitor._buffer += leftover
+        self._visitors[sock] = visitor
+        self._selector.register(sock, selectors.EVENT_READ)
+        return visitor
 
     def close(self) -> None:
         """Drop every visitor still in the lobby (the listener stays open)."""

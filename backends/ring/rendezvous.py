@@ -23,7 +23,9 @@ Protocol 2 (length-prefixed JSON frames over TCP):
 5. Each rank connects to its right neighbour's data listener with a hello
    signed by the session key, and accepts its left neighbour's: two sockets
    per rank (at world size 2, 0->1 and 1->0 are separate links). Nothing else
-   is accepted, and the listener closes once the left neighbour is in.
+   is accepted until the left neighbour is in. The listener then stays open
+   for the links any two ranks open later (``backends.ring.p2p``), whose
+   hellos are signed by the session key too.
 
 Whoever else connects to rank 0's port or to a data listener (garbage, a
 silent connection, a huge length prefix, a close at once) is dropped on its
@@ -57,7 +59,17 @@ from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send
 from commlib.env import DistEnv
 from commlib.errors import CommError, RendezvousError, RendezvousTimeoutError, error_prefix
 
-__all__ = ["Peer", "RingSockets", "rendezvous", "host_id"]
+__all__ = [
+    "EarlyLink",
+    "Peer",
+    "RingSockets",
+    "host_id",
+    "link_neighbours",
+    "open_listener",
+    "p2p_hello",
+    "p2p_hello_source",
+    "rendezvous",
+]
 
 logger = logging.getLogger("commlib")
 
@@ -87,6 +99,48 @@ class RingSockets:
     right: socket.socket | None  # we send data on it
     left: socket.socket | None  # we receive data on it
     left_reader: SocketReader | None = None  # holds bytes already read from ``left``
+    listener: socket.socket | None = None  # this rank's data listener, for links opened later
+    session: bytes = b""  # the key every rank of the group signs its link hellos with
+    early: list[EarlyLink] = dataclasses.field(default_factory=list)  # p2p links that came first
+
+    def close(self) -> None:
+        """Close every socket (the set-up of the links failed)."""
+        for sock in [self.left, self.right, self.listener] + [e.sock for e in self.early]:
+            if sock is not None:
+                sock.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyLink:
+    """A signed point-to-point hello that came while this rank still waited for its left neighbour."""
+
+    sock: socket.socket
+    source: int
+    nonce: str
+    leftover: bytes
+
+
+def p2p_hello(session: bytes, source: int, dest: int) -> dict[str, Any]:
+    """The first frame of a point-to-point link from ``source`` to ``dest``, signed with the session key."""
+    nonce = secrets.token_hex(16)
+    return {
+        "p2p_hello": source,
+        "to": dest,
+        "nonce": nonce,
+        "proof": sign_with(session, "p2p", source, dest, nonce),
+    }
+
+
+def p2p_hello_source(session: bytes, hello: Any, me: int) -> tuple[int, str] | None:
+    """The source rank and nonce of a point-to-point hello to ``me`` signed with ``session``, else None."""
+    if not isinstance(hello, dict):
+        return None
+    source, dest, nonce = hello.get("p2p_hello"), hello.get("to"), hello.get("nonce")
+    if not isinstance(source, int) or isinstance(source, bool) or dest != me or not isinstance(nonce, str):
+        return None
+    if not verify_with(session, hello.get("proof"), "p2p", source, me, nonce):
+        return None
+    return source, nonce
 
 
 def host_id() -> str:
@@ -152,24 +206,49 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
     through_store = uses_torchrun_agent_store(env)
     ctx = _Context(env, prefix, deadline, timeout, master_ip, job_token(env, local_parent=not through_store))
 
-    data_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    data_listener = open_listener(master_ip if loopback else "0.0.0.0")
     try:
-        data_listener.bind((master_ip if loopback else "0.0.0.0", 0))
-        data_listener.listen(64)
         if through_store:
             peers, shared, session = _exchange_through_store(ctx, data_listener, settings)
         elif env.rank == 0:
             peers, shared, session = _lead(ctx, loopback, data_listener, settings)
         else:
             peers, shared, session = _follow(ctx, data_listener)
-        right, left, left_reader = _link_neighbours(ctx, peers, data_listener, session)
+        early: list[EarlyLink] = []
+        right, left, left_reader = link_neighbours(
+            env.rank, peers, data_listener, session, prefix, deadline, timeout, early
+        )
     except CommError:
+        data_listener.close()
         raise
     except OSError as e:  # a socket call outside the waits above failed; say where we were
-        raise RendezvousError(f"{prefix}socket error during the rendezvous at {ctx.master}: {e}") from e
-    finally:
         data_listener.close()
-    return RingSockets(peers=peers, settings=shared, right=right, left=left, left_reader=left_reader)
+        raise RendezvousError(f"{prefix}socket error during the rendezvous at {ctx.master}: {e}") from e
+    except BaseException:
+        data_listener.close()
+        raise
+    return RingSockets(
+        peers=peers,
+        settings=shared,
+        right=right,
+        left=left,
+        left_reader=left_reader,
+        listener=data_listener,
+        session=session,
+        early=early,
+    )
+
+
+def open_listener(addr: str) -> socket.socket:
+    """A data listener on an ephemeral port of ``addr`` (``0.0.0.0``: every interface)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((addr, 0))
+        listener.listen(64)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
 
 
 def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:
@@ -515,46 +594,74 @@ def _read_table(
 
 
 # ------------------------------------------------------------- neighbours
-def _link_neighbours(
-    ctx: _Context, peers: list[Peer], data_listener: socket.socket, session: bytes
+def link_neighbours(
+    rank: int,
+    peers: list[Peer],
+    data_listener: socket.socket,
+    session: bytes,
+    prefix: str,
+    deadline: float,
+    timeout: float,
+    early: list[EarlyLink],
 ) -> tuple[socket.socket, socket.socket, SocketReader]:
-    env, prefix = ctx.env, ctx.prefix
-    right_rank = (env.rank + 1) % env.world_size
-    left_rank = (env.rank - 1) % env.world_size
+    """Connect to the right neighbour's listener and accept the left neighbour's connection.
+
+    Both hellos are signed with ``session``. A rank that opens a point-to-point
+    link to this one meanwhile (it finished its own set-up first) is kept in
+    ``early``, for ``backends.ring.p2p`` to serve; whoever else connects is dropped.
+
+    Returns:
+        The right socket, the left socket and a reader holding what was already read from it.
+    """
+    world_size = len(peers)
+    right_rank = (rank + 1) % world_size
+    left_rank = (rank - 1) % world_size
     right_peer = peers[right_rank]
     try:
-        right = connect_with_retry(right_peer.addr, right_peer.port, ctx.deadline, f"rank {right_rank}")
+        right = connect_with_retry(right_peer.addr, right_peer.port, deadline, f"rank {right_rank}")
     except (TimeoutError, OSError) as e:
         raise RendezvousTimeoutError(
             f"{prefix}cannot connect to rank {right_rank} (right neighbour) at {right_peer.addr}:"
             f"{right_peer.port}: {e}. A firewall, or a rank that exited right after start-up?"
         ) from None
     try:
-        send_json(right, {"ring_hello": env.rank, "proof": sign_with(session, "link", env.rank, right_rank)})
-        left, reader = _accept_left(ctx, data_listener, session, left_rank)
+        send_json(right, {"ring_hello": rank, "proof": sign_with(session, "link", rank, right_rank)})
+        left, reader = _accept_left(rank, data_listener, session, left_rank, prefix, deadline, timeout, early)
     except BaseException:
         right.close()
+        for link in early:
+            link.sock.close()
+        early.clear()
         raise
     for sock in (left, right):
-        sock.settimeout(ctx.timeout)
+        sock.settimeout(timeout)
     return right, left, reader
 
 
 def _accept_left(
-    ctx: _Context, data_listener: socket.socket, session: bytes, left_rank: int
+    me: int,
+    data_listener: socket.socket,
+    session: bytes,
+    left_rank: int,
+    prefix: str,
+    deadline: float,
+    timeout: float,
+    early: list[EarlyLink],
 ) -> tuple[socket.socket, SocketReader]:
-    """Accept the left neighbour's link; anyone else who connects is dropped."""
-    me = ctx.env.rank
-    lobby = Lobby(data_listener, f"{ctx.prefix}data listener", _HELLO_BYTES)
+    """Accept the left neighbour's link; keep early point-to-point links; drop anyone else."""
+    lobby = Lobby(data_listener, f"{prefix}data listener", _HELLO_BYTES)
     try:
         while True:
-            arrival = lobby.next_frame(ctx.deadline)
+            arrival = lobby.next_frame(deadline)
             if arrival is None:
                 raise RendezvousTimeoutError(
-                    f"{ctx.prefix}rank {left_rank} (left neighbour) did not connect within "
-                    f"{ctx.timeout:.1f} s"
+                    f"{prefix}rank {left_rank} (left neighbour) did not connect within {timeout:.1f} s"
                 )
             visitor, hello = arrival
+            p2p = p2p_hello_source(session, hello, me)
+            if p2p is not None:
+                early.append(EarlyLink(lobby.keep(visitor), p2p[0], p2p[1], visitor.leftover()))
+                continue
             claimed = hello.get("ring_hello") if isinstance(hello, dict) else None
             if claimed != left_rank or not verify_with(session, hello.get("proof"), "link", left_rank, me):
                 lobby.drop(visitor, f"not rank {left_rank}'s link (it sent {hello!r:.80})")

@@ -47,6 +47,7 @@ _POSTED = 8  # messages the sender has posted
 _RECV_SLEEPING = 16  # the receiver sleeps, waiting for _POSTED
 _CONSUMED = 24  # messages the receiver has finished with (their slots are free)
 _SEND_SLEEPING = 32  # the sender sleeps, waiting for _CONSUMED
+_VERDICT = 40  # point-to-point: the receiver's verdict on a message (number, then 4 words of verdict)
 
 # A slot: a header, then (metadata messages) the record and a retired region, then the payload.
 # Header: kind, where a metadata message's payload is (_NO_PAYLOAD, _KIND_DATA: in the slot,
@@ -167,6 +168,7 @@ class ShmSendLink(SendLink):
     ) -> None:
         super().__init__(sock, reader, peer, describe)
         self.transport = "shm"
+        self.copies_at_once = True
         self.inbox = inbox
         self.chunk_bytes = inbox.chunk_bytes
         self.can_lend = can_lend
@@ -252,6 +254,21 @@ class ShmSendLink(SendLink):
     def wait_returned(self) -> None:
         """Wait until the receiver has consumed every message up to the last lent chunk."""
         self.bell.wait_for(self._lent_until, f"{self.describe} to finish reading this rank's buffer")
+
+    def await_verdict(self, msg: int, what: str) -> tuple[int, ...]:
+        """Wait until the receiver has consumed every message posted; read its verdict words.
+
+        The receiver writes them before it consumes the message's last slot, so
+        they are final once the counter has passed it.
+        """
+        self.bell.wait_for(self.bell.count, what)
+        words = self.inbox.region.words
+        if words[_VERDICT] != msg:
+            raise CommError(
+                f"protocol error from {self.describe} ({what}): its verdict names message "
+                f"{words[_VERDICT]}, not {msg}"
+            )
+        return tuple(words[_VERDICT + 1 : _VERDICT + 5])
 
     def retire(self, fd: int, token: bytes) -> None:
         """Tell the receiver, in a coming metadata record, that a lent region is gone (any thread)."""
@@ -370,9 +387,32 @@ class ShmRecvLink(RecvLink):
             self._lent[(fd, token)] = region
         return region
 
+    def post_verdict(self, msg: int, verdict: tuple[int, int, int, int]) -> None:
+        """Write the verdict words; the counter's next advance (fenced) publishes them."""
+        words = self.inbox.region.words
+        for i, value in enumerate(verdict, _VERDICT + 1):
+            words[i] = value
+        words[_VERDICT] = msg
+
+    def ready(self) -> bool:
+        """True if a message is posted (or held) and not yet consumed.
+
+        The socket is not looked at: wake bytes may wait there without a
+        message; an abort or a closed peer shows once a wait reads it.
+        """
+        return self._held is not None or self.bell.peer_count > self.bell.count
+
     def recv_into(self, dst: torch.Tensor) -> None:
         """Copy the next chunk into ``dst``."""
         kernels.copy(dst, self._incoming(dst))
+        self.bell.advance()
+
+    def forward(self, like: torch.Tensor, send: SendLink) -> None:
+        """Pass the next chunk on straight out of the slot when ``send`` copies it at once."""
+        if not send.copies_at_once:
+            super().forward(like, send)
+            return
+        send.send(self._incoming(like))
         self.bell.advance()
 
     def recv_reduce(self, dst: torch.Tensor, reduce: Reducer) -> None:

@@ -180,15 +180,6 @@ class SocketReader:
                 )
             got += n
 
-    def drain_nonblocking(self) -> None:
-        """Read whatever is available without waiting (used on close)."""
-        try:
-            self.sock.setblocking(False)
-            while self.sock.recv(65536):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
 
 def encode_json(obj: Any) -> bytes:
     """Return ``obj`` as one length-prefixed JSON control frame."""

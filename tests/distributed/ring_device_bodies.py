@@ -192,16 +192,16 @@ def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:
             fetch_first=fetch_first,
         )
 
-    links = group._send, group._recv  # type: ignore[attr-defined]
+    links = group._right, group._left  # type: ignore[attr-defined]
     previous = cuda_staging.stage
     cuda_staging.stage = pipeline  # type: ignore[assignment]
-    group._send, group._recv = (RecordingLink(link, log) for link in links)  # type: ignore[attr-defined]
+    group._right, group._left = (RecordingLink(link, log) for link in links)  # type: ignore[attr-defined]
     try:
         yield {"log": log, "ops": ops, "pool": pool, "timeouts": timeouts}
     finally:
         cuda_staging.stage = previous
-        if group._send is not None:  # type: ignore[attr-defined]  # None once the group is closed
-            group._send, group._recv = links  # type: ignore[attr-defined]
+        if group._right is not None:  # type: ignore[attr-defined]  # None once the group is closed
+            group._right, group._left = links  # type: ignore[attr-defined]
 
 
 def _ops_for(group: IProcessGroup, dtype: torch.dtype) -> list[ReduceOp]:
@@ -449,7 +449,7 @@ def peer_dies(group: IProcessGroup, victim: int, numel: int = 40_003, chunks: in
     """``victim`` exits after sending ``chunks`` chunks of the all-reduce; the others fail and abort."""
     with emulated(group, lag=1) as seen:
         if group.rank == victim:
-            group._send = DyingLink(group._send, chunks)  # type: ignore[attr-defined]
+            group._right = DyingLink(group._right, chunks)  # type: ignore[attr-defined]
         start = time.monotonic()
         try:
             group.all_reduce(on_device(torch.ones(numel)))

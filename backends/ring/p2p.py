@@ -1,0 +1,649 @@
+"""Point-to-point messages between any two ranks of a ring group, over links opened on first use.
+
+Links:
+
+- Each direction between two ranks is a one-way link of its own, built as the
+  ring's are (``backends.ring.link_setup``: shared memory on one host, TCP
+  across hosts). Its sender opens it the first time it sends to that peer: it
+  connects to the peer's data listener (whose address every rank learnt at the
+  rendezvous) and sends a hello signed with the group's session key, which
+  only ranks holding the job token have; a nonce makes each hello good for one
+  link. Two ranks that send to each other at once open two links, so there is
+  nothing to settle between them.
+- The receiver's acceptor thread serves its listener from its first receive
+  on, reading every connection frame by frame at once
+  (``backends.ring.lobby``): a link's set-up is three frames from its sender
+  (hello, proposal, confirmation) and one answer, each with a deadline and a
+  size limit, so a stranger, or a peer that stalls, costs only its own
+  connection.
+
+Messages:
+
+- A message is a header (message number, tag, size, dtype, piece size)
+  carrying the first piece of the data, then the other pieces: a quarter of
+  the message, between ``chunk_bytes / slots`` and ``chunk_bytes``, so the
+  receiver copies one piece out while the sender copies the next in, and a
+  long message costs few hand-offs.
+- The receiver gives its verdict before it takes the message's last piece
+  (``RecvLink.post_verdict``): taken, refused for its size (the receiver's
+  byte count rides along), or set aside. The sender's operation completes when
+  the receiver has taken the whole message and reads the verdict then, so a
+  size mismatch raises on both sides and the success path costs no round trip
+  beyond the receiver's own progress.
+- Receives from one source run in the order issued; each takes the next
+  message with its tag, so messages between one pair with one tag arrive in
+  order. A message with another tag that comes first is copied aside for a
+  later receive with that tag; its send completes then (as MPI's eager sends
+  do), and a size mismatch found later raises on the receiver only.
+- A receive from any source takes the first message, with its tag, from a
+  source that has no receive of its own queued; it polls the links (a
+  fraction of a millisecond apart once idle).
+
+Progress: sends to one peer run in order on one lane, receives from one source
+on another (``backends.ring.lanes``), so a send waiting for its receiver never
+holds up a receive, and two ranks may ``isend`` and ``irecv`` to each other at
+once. None of this touches the ring's links or its collective sequence.
+
+Failures: a send whose receiver never takes it raises ``CommTimeoutError``
+naming the peer and the tag after the group's timeout; if the whole message
+was posted the link stays usable (the message is not withdrawn: a later
+receive still takes it). A failure in the middle of a message ends that link
+(the other end raises on it from then on); the ring and the links between
+other ranks go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from backends.ring.lanes import Lane
+from backends.ring.link_setup import LinkShape, finish_recv_link, offer_recv_link, open_send_link
+from backends.ring.links import META_BYTES, RecvLink, SendLink
+from backends.ring.lobby import Lobby, Visitor
+from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_source
+from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
+from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageSizeError, PeerFailureError
+
+__all__ = ["PointToPoint", "TAKEN", "WRONG_SIZE", "SET_ASIDE"]
+
+logger = logging.getLogger("commlib")
+
+TAKEN, WRONG_SIZE, SET_ASIDE = 0, 1, 2
+"""The receiver's verdicts on a message."""
+
+_MAGIC = b"p2p1"
+_HEADER = struct.Struct("!4sQqQQQB")  # magic, message number, tag, bytes, elements, piece bytes, dtype code
+_HEADER_PAD = bytes(META_BYTES - _HEADER.size)
+_HELLO_BYTES = 64 * 1024
+_ACCEPT_PERIOD_S = 1.0  # the acceptor looks at its stop flag at least this often
+_ANY_SLEEP_MAX_S = 1e-3  # longest nap of a receive from any source between looks at the links
+
+
+class _Header(NamedTuple):
+    """A message's header: its number on the link, tag, size, and how its data was cut."""
+
+    msg: int
+    tag: int
+    nbytes: int
+    numel: int
+    piece: int
+    dtype: int
+    """The sender's dtype (``_DTYPES`` index)."""
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(_MAGIC, *self) + _HEADER_PAD
+
+    @classmethod
+    def unpack(cls, record: bytes, sender: str) -> _Header:
+        magic, *fields = _HEADER.unpack_from(record)
+        if magic != _MAGIC or fields[4] <= 0:
+            raise CommError(f"protocol error from {sender}: not a point-to-point message header")
+        return cls._make(fields)
+
+
+_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+)
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _CODES.get(dtype, 255)
+
+
+def _describe(nbytes: int, numel: int, dtype: int) -> str:
+    """``32 bytes (8 x float32)``."""
+    name = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "unknown dtype"
+    return f"{nbytes} bytes ({numel} x {name})"
+
+
+@dataclasses.dataclass
+class _Outgoing:
+    link: SendLink
+    next_msg: int = 1
+    failed: BaseException | None = None
+
+
+@dataclasses.dataclass
+class _Aside:
+    header: _Header
+    data: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Incoming:
+    link: RecvLink
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    aside: list[_Aside] = dataclasses.field(default_factory=list)
+    failed: BaseException | None = None
+
+
+class PointToPoint:
+    """The point-to-point side of one ring group: its links, lanes and acceptor.
+
+    Args:
+        rank: This rank in the group.
+        peers: Every rank's data listener, by rank.
+        listener: This rank's data listener (owned from now on).
+        session: The group's session key, which signs link hellos.
+        shape: Chunk size, slots and transport wish of every link.
+        timeout: Seconds any one wait may take.
+        prefix: Returns the ``[rank R/N] ring.<op>: `` prefix of messages.
+        early: Hellos that reached the listener during the ring's own set-up.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        peers: list[Peer],
+        listener: socket.socket,
+        session: bytes,
+        shape: LinkShape,
+        timeout: float,
+        prefix: Callable[[str], str],
+        early: list[EarlyLink],
+    ) -> None:
+        self._rank = rank
+        self._peers = peers
+        self._listener = listener
+        self._session = session
+        self._shape = shape
+        self._timeout = timeout
+        self._prefix = prefix
+        self._early = list(early)
+        self._piece = max(4096, shape.chunk_bytes // max(1, shape.slots) // 64 * 64)  # the smallest
+        self._chunk_bytes = shape.chunk_bytes
+        self._outgoing: dict[int, _Outgoing] = {}
+        self._incoming: dict[int, _Incoming] = {}
+        self._links = threading.Condition()  # guards both dicts, the lanes and the acceptor
+        self._send_lanes: dict[int, Lane] = {}
+        self._recv_lanes: dict[int | None, Lane] = {}
+        self._nonces: set[str] = {e.nonce for e in early}
+        self._connecting: set[socket.socket] = set()  # links being set up by a send
+        self._acceptor: threading.Thread | None = None
+        self._closing = False
+        self._scratch: torch.Tensor | None = None
+
+    # --------------------------------------------------------------- lanes
+    def send_lane(self, dst: int) -> Lane:
+        """The lane every send to ``dst`` runs on, in order."""
+        lane = self._send_lanes.get(dst)
+        if lane is None:
+            with self._links:
+                lane = self._send_lanes.setdefault(dst, Lane(f"send-{dst}", self._timeout * 3 + 30.0))
+        return lane
+
+    def recv_lane(self, src: int | None) -> Lane:
+        """The lane every receive from ``src`` (None: any source) runs on, in order."""
+        lane = self._recv_lanes.get(src)
+        if lane is None:
+            with self._links:
+                name = f"recv-{src if src is not None else 'any'}"
+                lane = self._recv_lanes.setdefault(src, Lane(name, self._timeout * 3 + 30.0))
+        return lane
+
+    # ---------------------------------------------------------------- send
+    def send(
+        self, data: torch.Tensor, dst: int, tag: int, dtype: torch.dtype, numel: int, label: object
+    ) -> None:
+        """Send flat bytes ``data`` to ``dst``; return once ``dst`` has taken them.
+
+        ``label`` names the operation in errors (``[rank 0/2] ring.send #1 to rank 1 tag 0 ...``).
+
+        Raises:
+            MessageSizeError: The receive buffer had another size.
+            CommTimeoutError: ``dst`` did not take the message within the timeout.
+            PeerFailureError: The link to ``dst`` failed (now or earlier).
+        """
+        out = self._outgoing_to(dst, label)
+        if out.failed is not None:
+            raise PeerFailureError(
+                f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
+                "the other ranks still works"
+            )
+        link, nbytes = out.link, data.numel()
+        # Four pieces or more, each between a slot's share and a whole slot: copies overlap, and a
+        # long message costs few hand-offs.
+        piece = min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
+        msg = out.next_msg
+        out.next_msg += 1
+        header = _Header(msg, tag, nbytes, numel, piece, _dtype_code(dtype))
+        posted = False
+        try:
+            if nbytes <= piece:
+                link.send_meta(header.pack(), data)
+            else:
+                link.send_meta(header.pack(), data[:piece])
+                for start in range(piece, nbytes, piece):
+                    link.send(data[start : start + piece])
+            posted = True
+            code, *theirs = link.await_verdict(msg, f"rank {dst} to take the message")
+        except (CommError, OSError) as e:
+            if self._closing:
+                raise GroupClosedError(f"{label}: the group was closed during the send") from e
+            if isinstance(e, CommTimeoutError) and posted:
+                raise CommTimeoutError(
+                    f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it "
+                    "posted no matching recv, or is stuck. The message stays queued for a later recv"
+                ) from e
+            self._fail(out, f"rank {self._rank} gave up sending to rank {dst} (tag {tag}): {e}")
+            if isinstance(e, CommTimeoutError):
+                raise CommTimeoutError(
+                    f"{label}: rank {dst} did not receive the message within {self._timeout:g} s ({e}). "
+                    f"The link to rank {dst} is closed; the other ranks are still reachable"
+                ) from e
+            raise PeerFailureError(f"{label}: sending to rank {dst} failed: {e}") from e
+        if code == WRONG_SIZE:
+            raise MessageSizeError(
+                f"{label}: rank {dst}'s matching recv holds {_describe(*theirs)}, but this send has "
+                f"{_describe(nbytes, numel, header.dtype)}; nothing was taken. A send and its recv must "
+                "have tensors of the same size"
+            )
+
+    def _outgoing_to(self, dst: int, label: object) -> _Outgoing:
+        """The link to ``dst``, opened now if this is the first send to it."""
+        out = self._outgoing.get(dst)
+        if out is not None:
+            return out
+        self._check_open(label)
+        peer, name = self._peers[dst], f"rank {dst}"
+        deadline = time.monotonic() + self._timeout
+        sock = self._connect(peer, name, deadline, label)
+        link: SendLink | None = None
+        try:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            send_json(sock, p2p_hello(self._session, self._rank, dst))
+            link = open_send_link(sock, SocketReader(sock, name), dst, name, self._shape, f"{label}: ")
+        except (CommError, OSError) as e:
+            if self._closing:
+                raise GroupClosedError(f"{label}: the group was closed during the send") from e
+            if not isinstance(e, CommTimeoutError):
+                raise
+            raise CommTimeoutError(
+                f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it posted no "
+                f"recv from this rank (its first opens the link), or is stuck ({e})"
+            ) from None
+        finally:
+            with self._links:
+                self._connecting.discard(sock)
+            if link is None:
+                sock.close()
+        sock.settimeout(self._timeout)
+        out = _Outgoing(link)
+        with self._links:
+            if self._closing:
+                link.shutdown()
+                link.close(0)
+                raise GroupClosedError(f"{label}: the group was closed during the send")
+            self._outgoing[dst] = out
+        return out
+
+    def _connect(self, peer: Peer, name: str, deadline: float, label: object) -> socket.socket:
+        """Connect to ``peer``'s listener, retrying until ``deadline``; ``close`` cuts the wait short."""
+        while True:
+            self._check_open(label)
+            try:
+                sock = connect_with_retry(peer.addr, peer.port, min(deadline, time.monotonic() + 1.0), name)
+            except (TimeoutError, OSError) as e:
+                if time.monotonic() < deadline and isinstance(e, TimeoutError):
+                    continue
+                raise CommTimeoutError(
+                    f"{label}: cannot connect to {name} at {peer.addr}:{peer.port}: {e}"
+                ) from None
+            with self._links:
+                if self._closing:
+                    sock.close()
+                    raise GroupClosedError(f"{label}: the group was closed during the send")
+                self._connecting.add(sock)  # close() shuts it, waking the set-up's waits
+            return sock
+
+    def _fail(self, out: _Outgoing, reason: str) -> None:
+        """End a link whose message was cut off: the receiver learns it, later sends raise."""
+        out.failed = CommError(reason)
+        out.link.abort(reason)
+        try:
+            out.link.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # ---------------------------------------------------------------- recv
+    def recv(
+        self, data: torch.Tensor, src: int | None, tag: int, dtype: torch.dtype, numel: int, label: object
+    ) -> int:
+        """Receive the next message with ``tag`` from ``src`` (None: any source) into flat bytes ``data``.
+
+        Returns:
+            The source rank.
+
+        Raises:
+            MessageSizeError: The message has another size (it is dropped, and its sender told).
+            CommTimeoutError: No such message came within the timeout.
+            PeerFailureError: The link from ``src`` failed (now or earlier).
+        """
+        self._start_acceptor()
+        mine = (data.numel(), numel, _dtype_code(dtype))
+        if src is None:
+            return self._recv_any(data, tag, mine, label)
+        incoming = self._incoming_from(src, label)
+        with incoming.lock:
+            aside = self._aside(incoming, tag)
+            if aside is None:
+                self._take(incoming, src, data, tag, mine, label, wait=True)
+            else:
+                self._deliver(aside, src, data, mine, label)
+        return src
+
+    def _incoming_from(self, src: int, label: object) -> _Incoming:
+        """The link from ``src``, waiting for ``src`` to open it (its first send does)."""
+        incoming = self._incoming.get(src)
+        if incoming is not None:
+            return incoming
+        deadline = time.monotonic() + self._timeout
+        with self._links:
+            while src not in self._incoming:
+                self._check_open(label)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeoutError(
+                        f"{label}: no message from rank {src} within {self._timeout:g} s: rank {src} never "
+                        "sent to this rank, or is stuck"
+                    )
+                self._links.wait(left)
+            return self._incoming[src]
+
+    @staticmethod
+    def _aside(incoming: _Incoming, tag: int) -> _Aside | None:
+        for i, aside in enumerate(incoming.aside):
+            if aside.header.tag == tag:
+                return incoming.aside.pop(i)
+        return None
+
+    @staticmethod
+    def _deliver(
+        aside: _Aside, src: int, data: torch.Tensor, mine: tuple[int, int, int], label: object
+    ) -> None:
+        header = aside.header
+        if header.nbytes != data.numel():
+            raise MessageSizeError(
+                f"{label}: rank {src} sent {_describe(header.nbytes, header.numel, header.dtype)}, but this "
+                f"recv's tensor holds {_describe(*mine)}; nothing was received. The message came before a "
+                "recv with its tag and was kept aside, so its sender was not told. A send and its recv must "
+                "have tensors of the same size"
+            )
+        if data.numel():
+            data.copy_(aside.data)
+
+    def _take(
+        self,
+        incoming: _Incoming,
+        src: int,
+        data: torch.Tensor,
+        tag: int,
+        mine: tuple[int, int, int],
+        label: object,
+        *,
+        wait: bool,
+    ) -> bool:
+        """Read messages from ``src`` until one has ``tag`` (others go aside).
+
+        Returns:
+            False if no message waits and ``wait`` is off.
+        """
+        if incoming.failed is not None:
+            raise PeerFailureError(
+                f"{label}: the link from rank {src} failed earlier ({incoming.failed}); point-to-point "
+                "with the other ranks still works"
+            )
+        link = incoming.link
+        while wait or link.ready():
+            try:
+                header = _Header.unpack(link.recv_meta(), link.describe)
+            except CommTimeoutError as e:
+                raise CommTimeoutError(
+                    f"{label}: no message from rank {src} within {self._timeout:g} s: rank {src} never sent "
+                    f"it, or is stuck ({e})"
+                ) from None
+            except (CommError, OSError) as e:
+                raise self._broken(incoming, src, label, e) from e
+            try:
+                if header.tag != tag:
+                    link.post_verdict(header.msg, (SET_ASIDE, header.nbytes, header.numel, header.dtype))
+                    kept = torch.empty(header.nbytes, dtype=torch.uint8)
+                    self._read_body(link, header, kept)
+                    incoming.aside.append(_Aside(header, kept))
+                    continue
+                if header.nbytes != data.numel():
+                    link.post_verdict(header.msg, (WRONG_SIZE, *mine))
+                    self._read_body(link, header, None)
+                    raise MessageSizeError(
+                        f"{label}: rank {src} sends {_describe(header.nbytes, header.numel, header.dtype)}, "
+                        f"but this recv's tensor holds {_describe(*mine)}; nothing was received (the sender "
+                        "raises too). A send and its recv must have tensors of the same size"
+                    )
+                link.post_verdict(header.msg, (TAKEN, *mine))
+                self._read_body(link, header, data)
+                return True
+            except MessageSizeError:
+                raise
+            except (CommError, OSError) as e:
+                raise self._broken(incoming, src, label, e) from e
+        return False
+
+    def _read_body(self, link: RecvLink, header: _Header, into: torch.Tensor | None) -> None:
+        """Read the message's pieces (the first came with the header) into ``into``, or drop them."""
+        piece = header.piece
+        if into is not None and header.nbytes <= piece:
+            link.recv_into(into)
+            return
+        for start in range(0, max(header.nbytes, 1), piece):
+            size = min(piece, header.nbytes - start)
+            if into is not None:
+                link.recv_into(into[start : start + size])
+            else:
+                link.recv_into(self._scratch_bytes(size))
+
+    def _scratch_bytes(self, size: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(max(size, self._piece), dtype=torch.uint8)
+        return self._scratch[:size]
+
+    def _broken(self, incoming: _Incoming, src: int, label: object, e: BaseException) -> CommError:
+        if self._closing:
+            return GroupClosedError(f"{label}: the group was closed during the recv")
+        incoming.failed = e
+        return PeerFailureError(f"{label}: receiving from rank {src} failed: {e}")
+
+    def _recv_any(self, data: torch.Tensor, tag: int, mine: tuple[int, int, int], label: object) -> int:
+        """Poll every source whose own receive lane is idle for a message with ``tag``."""
+        deadline = time.monotonic() + self._timeout
+        nap = 0.0
+        while True:
+            self._check_open(label)
+            for src, incoming in list(self._incoming.items()):
+                lane = self._recv_lanes.get(src)
+                if lane is not None and not lane.idle:
+                    continue  # a receive from that source came first
+                if not incoming.lock.acquire(blocking=False):
+                    continue
+                try:
+                    aside = self._aside(incoming, tag)
+                    if aside is not None:
+                        self._deliver(aside, src, data, mine, label)
+                        return src
+                    if incoming.failed is None and self._take(
+                        incoming, src, data, tag, mine, label, wait=False
+                    ):
+                        return src
+                finally:
+                    incoming.lock.release()
+            if time.monotonic() >= deadline:
+                raise CommTimeoutError(f"{label}: no message from any rank within {self._timeout:g} s")
+            nap = min(_ANY_SLEEP_MAX_S, nap * 2 or 1e-5)
+            time.sleep(nap)
+
+    # ------------------------------------------------------------ acceptor
+    def _start_acceptor(self) -> None:
+        if self._acceptor is not None:
+            return
+        with self._links:
+            if self._acceptor is None and not self._closing:
+                self._acceptor = threading.Thread(
+                    target=self._accept_loop, name=f"commlib-ring-accept-{self._rank}", daemon=True
+                )
+                self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        """Serve the listener: every connection is read frame by frame in one lobby, none blocks the others.
+
+        A link's set-up takes three frames from its sender (signed hello,
+        proposal, confirmation) and one answer (the offer); each frame has the
+        lobby's deadline, so a peer that stalls, or a stranger, costs only its
+        own connection.
+        """
+        lobby = Lobby(self._listener, f"{self._prefix('p2p')}data listener", _HELLO_BYTES)
+        try:
+            early, self._early = self._early, []
+            for link in early:
+                visitor = lobby.adopt(link.sock, f"rank {link.source}", "hello", link.leftover)
+                visitor.data["source"] = link.source
+            while not self._closing:
+                arrival = lobby.next_frame(time.monotonic() + _ACCEPT_PERIOD_S)
+                if arrival is not None and not self._closing:
+                    self._on_frame(lobby, *arrival)
+        except Exception:  # noqa: BLE001 - the acceptor must never take the process down
+            if not self._closing:
+                logger.exception("%sthe point-to-point acceptor stopped", self._prefix("p2p"))
+        finally:
+            lobby.close()
+
+    def _on_frame(self, lobby: Lobby, visitor: Visitor, frame: Any) -> None:
+        """One step of a link's set-up (see ``_accept_loop``)."""
+        prefix = self._prefix("p2p")
+        if visitor.state == "new":
+            claim = p2p_hello_source(self._session, frame, self._rank)
+            if claim is None or claim[1] in self._nonces or not 0 <= claim[0] < len(self._peers):
+                lobby.drop(visitor, f"not a point-to-point link of this group (it sent {frame!r:.80})")
+                return
+            self._nonces.add(claim[1])
+            visitor.state, visitor.data["source"] = "hello", claim[0]
+        elif visitor.state == "hello":
+            source = visitor.data["source"]
+            try:
+                offer = offer_recv_link(frame, self._shape, f"rank {source}", prefix)
+            except CommError as e:
+                lobby.drop(visitor, str(e))
+                return
+            visitor.on_drop = offer.discard
+            visitor.data.update(offer=offer, proposal=frame)
+            if lobby.reply(visitor, offer.message):
+                visitor.state = "offered"
+        elif visitor.state == "offered":
+            source, offer = visitor.data["source"], visitor.data["offer"]
+            leftover = visitor.leftover()
+            sock = lobby.keep(visitor)
+            name = f"rank {source}"
+            try:
+                tune_socket(sock)
+                sock.settimeout(self._timeout)
+                reader = SocketReader(sock, name, initial=leftover)
+                link = finish_recv_link(
+                    sock, reader, source, name, offer, visitor.data["proposal"], frame, self._shape, prefix
+                )
+            except (CommError, OSError) as e:
+                logger.debug("%slink from rank %d not set up: %s", prefix, source, e)
+                sock.close()
+                return
+            with self._links:
+                if self._closing or source in self._incoming:
+                    logger.debug("%sa second link from rank %d was refused", prefix, source)
+                    link.close(0)
+                    return
+                self._incoming[source] = _Incoming(link)
+                self._links.notify_all()
+
+    # --------------------------------------------------------------- close
+    def _check_open(self, label: object) -> None:
+        if self._closing:
+            raise GroupClosedError(f"{label}: the process group was closed")
+
+    @property
+    def links(self) -> tuple[dict[int, str], dict[int, str]]:
+        """Transport of each open link: (to each peer, from each peer)."""
+        return (
+            {dst: out.link.transport for dst, out in self._outgoing.items()},
+            {src: inc.link.transport for src, inc in self._incoming.items()},
+        )
+
+    def close(self) -> None:
+        """Wake every waiting operation, stop the lanes and the acceptor, close the links."""
+        with self._links:
+            self._closing = True
+            self._links.notify_all()
+            lanes = list(self._send_lanes.values()) + list(self._recv_lanes.values())
+            links: list[SendLink | RecvLink] = [o.link for o in self._outgoing.values()]
+            links += [i.link for i in self._incoming.values()]
+            connecting = list(self._connecting)
+        for sock in connecting:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for link in links:
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)  # a lane waiting on it wakes with an error
+            except OSError:
+                pass
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor
+        except OSError:
+            pass
+        acceptor = self._acceptor
+        if acceptor is not None:
+            acceptor.join(timeout=_ACCEPT_PERIOD_S + 5.0)
+        for lane in lanes:
+            lane.close()
+        for link in links:
+            link.shutdown()
+            link.close(0)
+        for early in self._early:
+            early.sock.close()
+        self._listener.close()

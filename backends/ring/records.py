@@ -1,0 +1,183 @@
+"""The record every rank of a ring collective sends round the ring first, and what a mismatch says.
+
+A record is ``META_BYTES`` long: what every rank of one collective must agree
+on (sequence number, kind, dtype, op, root, element count), then what may
+differ (the shape, of the same element count; the rank; the size of a small
+payload that travels with it). Ranks compare the common part byte for byte;
+when they differ, every rank holds every record and raises the same
+``CollectiveMismatchError`` (``mismatch``).
+
+The tables below index kinds, dtypes and ops on the wire: new entries go at
+the end, so that a record keeps its meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable
+
+import torch
+
+from backends.ring.links import META_BYTES
+from commlib.errors import CollectiveMismatchError
+from commlib.types import ReduceOp, dtype_name
+
+__all__ = ["COMMON_BYTES", "Meta", "mismatch", "split_mismatch"]
+
+_KINDS = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+)
+_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+)
+_OPS = tuple(ReduceOp)
+_MAX_DIMS = 8
+# Common part: seq, kind, dtype, op, src, numel. Then: ndim, dims, rank, payload elements + 1 (0: none).
+_COMMON = struct.Struct("!QBBBiQ")
+_META = struct.Struct(f"!QBBBiQB{_MAX_DIMS}qiI")
+COMMON_BYTES = _COMMON.size
+"""Bytes at the start of a record that every rank of a collective must send alike."""
+assert _META.size == META_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """One rank's record of one collective."""
+
+    seq: int
+    kind: str
+    dtype: torch.dtype | None
+    op: ReduceOp | None
+    src: int
+    rank: int
+    numel: int
+    shape: tuple[int, ...]
+    payload_numel: int | None = None
+
+    def pack(self, payload: torch.Tensor | None = None) -> bytes:
+        """The record on the wire; ``payload``: the small tensor that travels with it (its size is noted)."""
+        dims = list(self.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
+        return _META.pack(
+            self.seq,
+            _KINDS.index(self.kind),
+            _DTYPES.index(self.dtype) if self.dtype is not None else 255,
+            _OPS.index(self.op) if self.op is not None else 255,
+            self.src,
+            self.numel,
+            len(self.shape),
+            *dims,
+            self.rank,
+            0 if payload is None else payload.numel() + 1,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Meta:
+        """Read a record (values this version does not know come out as ``unknown`` / None)."""
+        seq, kind, dtype, op, src, numel, ndim, *values = _META.unpack(data)
+        dims, rank, payload = values[:_MAX_DIMS], values[_MAX_DIMS], values[_MAX_DIMS + 1]
+        return cls(
+            seq=seq,
+            kind=_KINDS[kind] if kind < len(_KINDS) else f"unknown({kind})",
+            dtype=_DTYPES[dtype] if dtype < len(_DTYPES) else None,
+            op=_OPS[op] if op < len(_OPS) else None,
+            src=src,
+            rank=rank,
+            numel=numel,
+            shape=tuple(dims[: min(ndim, _MAX_DIMS)]) + ((-1,) if ndim > _MAX_DIMS else ()),
+            payload_numel=payload - 1 if payload else None,
+        )
+
+    def tensor_text(self) -> str:
+        """``float32 (4, 5) [20 elements]``."""
+        shape = (
+            "("
+            + ", ".join("..." if d < 0 else str(d) for d in self.shape)
+            + ("," if len(self.shape) == 1 else "")
+            + ")"
+        )
+        dtype = dtype_name(self.dtype) if self.dtype is not None else "?"
+        return f"{dtype} {shape} [{self.numel} elements]"
+
+
+def _group_ranks(metas: list[Meta], key: Callable[[Meta], str]) -> str:
+    by_value: dict[str, list[int]] = {}
+    for meta in metas:
+        by_value.setdefault(key(meta), []).append(meta.rank)
+    parts = []
+    for value, ranks in by_value.items():
+        label = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{label} {', '.join(map(str, ranks))}: {value}")
+    return "; ".join(parts)
+
+
+_ROOTS = {"reduce": ("destination", "dst"), "gather": ("destination", "dst")}
+
+
+def mismatch(records: list[bytes]) -> CollectiveMismatchError:
+    """The error every rank raises when the common parts of ``records`` (one per rank) differ."""
+    metas = sorted((Meta.unpack(r) for r in records), key=lambda m: m.rank)
+    if len({(m.kind, m.seq) for m in metas}) > 1:
+        return CollectiveMismatchError(
+            "ranks called different collectives: "
+            + _group_ranks(metas, lambda m: f"{m.kind} #{m.seq}")
+            + ". Every rank must issue the same collectives in the same order"
+        )
+    if len({(m.dtype, m.numel) for m in metas}) > 1:
+        return CollectiveMismatchError(
+            "ranks passed tensors of different sizes or dtypes: "
+            + _group_ranks(metas, Meta.tensor_text)
+            + ". Every rank must pass a tensor of the same size and dtype"
+        )
+    if len({m.op for m in metas}) > 1:
+        return CollectiveMismatchError(
+            "ranks disagree on the reduce op: "
+            + _group_ranks(metas, lambda m: m.op.name if m.op is not None else "none")
+            + ". Every rank must pass the same op"
+        )
+    root, name = _ROOTS.get(metas[0].kind, ("source", "src"))
+    return CollectiveMismatchError(
+        f"ranks disagree on the {root} rank: "
+        + _group_ranks(metas, lambda m: f"{name}={m.src}")
+        + f". Every rank must name the same {name}"
+    )
+
+
+def split_mismatch(sent: list[list[int]], expected: list[list[int]]) -> CollectiveMismatchError | None:
+    """Compare an all-to-all's split sizes: ``sent[i][j]`` elements from rank i to j, ``expected[j][i]``.
+
+    Returns:
+        The error every rank raises (each holds every rank's sizes), or None if they agree.
+    """
+    wrong = [
+        f"rank {i} sends {sent[i][j]} to rank {j}, which expects {expected[j][i]}"
+        for i in range(len(sent))
+        for j in range(len(sent))
+        if sent[i][j] != expected[j][i]
+    ]
+    if not wrong:
+        return None
+    more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
+    return CollectiveMismatchError(
+        "ranks disagree on the split sizes: "
+        + "; ".join(wrong[:4])
+        + more
+        + ". Each rank's output_split_sizes[i] must equal rank i's input_split_sizes for it"
+    )

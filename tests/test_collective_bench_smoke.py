@@ -1,0 +1,115 @@
+"""Smoke test of ``benchmarks/collective_bench.py --quick`` on 2 ranks, plus its helpers in-process."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, run_job, scrubbed_env
+
+BENCH = REPO_ROOT / "benchmarks" / "collective_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("collective_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_quick_benchmark_on_two_ranks(tmp_path: Path, bench: ModuleType) -> None:
+    csv_path = tmp_path / "collectives.csv"
+    if mpi_unavailable_reason() is None:
+        cmd = [*mpiexec_command(2), sys.executable, str(BENCH), "--quick", "--csv", str(csv_path)]
+        expected = {"ring", "torch-gloo", "mpi4py"}
+    else:
+        cmd = [sys.executable, str(BENCH), "--spawn", "2", "--quick", "--csv", str(csv_path)]
+        expected = {"ring", "torch-gloo"}
+    try:
+        proc = run_job(cmd, timeout=240, env=scrubbed_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"benchmark did not finish within 240 s:\n{e.stdout}\n{e.stderr}")
+    report = f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    assert any(line.split() == bench.TABLE_COLUMNS for line in proc.stdout.splitlines()), report
+    with csv_path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == bench.CSV_COLUMNS
+        rows = list(reader)
+    assert {(row["op"], int(row["size_bytes"])) for row in rows} == {
+        (op, size) for op in ("pingpong", "all_to_all") for size in (4096, 65536)
+    }
+    assert expected <= {row["mode"] for row in rows}, report
+    for row in rows:
+        assert row["correct"] == "ok", row
+        assert float(row["median_us"]) > 0 and float(row["bw_GBps"]) > 0
+        assert float(row["min_us"]) <= float(row["median_us"]) <= float(row["max_us"])
+        if row["mode"] == "torch-gloo":
+            assert float(row["ratio_vs_gloo"]) == pytest.approx(1.0)
+    assert "the ring against the targets" in proc.stdout, report
+
+
+def _mode(bench: ModuleType, name: str, kind: str = "commlib") -> object:
+    return bench.Mode(name=name, kind=kind, ops={}, barrier=lambda: None, close=lambda: None)
+
+
+def test_rows_give_half_round_trips_and_ratios_to_the_references(bench: ModuleType) -> None:
+    ring, gloo, mpi = (
+        _mode(bench, "ring"),
+        _mode(bench, "torch-gloo", "reference"),
+        _mode(bench, "mpi4py", "reference"),
+    )
+    results = [
+        bench.Result("pingpong", 1 << 20, ring, 20, [4e-4, 5e-4, 6e-4], True),  # round trips
+        bench.Result("pingpong", 1 << 20, gloo, 20, [2e-3], True),
+        bench.Result("pingpong", 1 << 20, mpi, 20, [4e-4], True),
+    ]
+    rows = {r["mode"]: r for r in bench.rows_for(results, 2, 3)}
+    assert rows["ring"]["median_us"] == "250.0"  # half of the median round trip
+    assert (rows["ring"]["min_us"], rows["ring"]["max_us"]) == ("200.0", "300.0")
+    assert rows["ring"]["ratio_vs_mpi"] == "1.250" and rows["ring"]["ratio_vs_gloo"] == "0.250"
+    assert rows["ring"]["bw_GBps"] == f"{(1 << 20) / 250e-6 / 1e9:.4f}"
+    assert list(rows["ring"]) == bench.CSV_COLUMNS
+    a2a = bench.rows_for([bench.Result("all_to_all", 4096, ring, 10, [1e-4], True)], 2, 1)[0]
+    assert a2a["median_us"] == "100.0" and a2a["ratio_vs_gloo"] == ""
+
+
+def test_target_lines_say_met_or_not(bench: ModuleType) -> None:
+    def row(op: str, nbytes: int, vs_mpi: str, vs_gloo: str) -> dict[str, str]:
+        return {
+            "mode": "ring",
+            "op": op,
+            "size": bench.format_size(nbytes),
+            "size_bytes": str(nbytes),
+            "median_us": "1.0",
+            "ratio_vs_mpi": vs_mpi,
+            "ratio_vs_gloo": vs_gloo,
+        }
+
+    lines = bench.target_lines(
+        [
+            row("pingpong", 4096, "1.5", ""),
+            row("pingpong", 1 << 20, "1.5", ""),  # 0.67x MPICH's bandwidth
+            row("all_to_all", 25 << 20, "", "0.25"),  # 4x Gloo's
+        ]
+    )
+    assert lines == [
+        "  ping-pong 4 KiB: half round trip 1.50x MPICH's (target <= 2x): met",
+        "  send/recv 1 MiB: 0.67x MPICH's bandwidth (target >= 0.8x): NOT met",
+        "  all_to_all 25 MiB: 4.00x Gloo's bandwidth (target >= 2x): met",
+    ]

@@ -1,0 +1,293 @@
+"""Single-process tests of the ring's point-to-point links: two ``PointToPoint`` ends talking through threads.
+
+Each end has its own listener on loopback and the other's address in its peer
+table, as two ranks would after the rendezvous; the operations run in threads
+because a send waits for its receive.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from backends.ring.lanes import Lane
+from backends.ring.link_setup import LinkShape
+from backends.ring.p2p import PointToPoint
+from backends.ring.rendezvous import Peer, host_id, open_listener, p2p_hello, p2p_hello_source
+from commlib import CommTimeoutError, GroupClosedError, MessageSizeError
+
+SESSION = secrets.token_bytes(32)
+
+
+class Pair:
+    """Two point-to-point ends (ranks 0 and 1) and a pool to run their operations in."""
+
+    def __init__(self, transport: str = "auto", timeout: float = 10.0, chunk_bytes: int = 4096) -> None:
+        listeners = [open_listener("127.0.0.1") for _ in range(2)]
+        self.peers = [Peer(r, host_id(), "127.0.0.1", listeners[r].getsockname()[1], 0) for r in range(2)]
+        shape = LinkShape(transport, chunk_bytes, 4, None, 20e-6)
+        self.ends = [
+            PointToPoint(
+                rank=r,
+                peers=self.peers,
+                listener=listeners[r],
+                session=SESSION,
+                shape=shape,
+                timeout=timeout,
+                prefix=lambda op, r=r: f"[rank {r}/2] ring.{op}: ",
+                early=[],
+            )
+            for r in range(2)
+        ]
+        self.pool = concurrent.futures.ThreadPoolExecutor(4)
+
+    def send(self, rank: int, tensor: torch.Tensor, tag: int = 0) -> concurrent.futures.Future[Any]:
+        end = self.ends[rank]
+        label = f"[rank {rank}/2] ring.send to rank {1 - rank} tag {tag}"
+        return self.pool.submit(
+            end.send, tensor.view(-1).view(torch.uint8), 1 - rank, tag, tensor.dtype, tensor.numel(), label
+        )
+
+    def recv(self, rank: int, tensor: torch.Tensor, tag: int = 0, src: int | None = -1) -> Any:
+        end = self.ends[rank]
+        source = 1 - rank if src == -1 else src
+        label = f"[rank {rank}/2] ring.recv from rank {source} tag {tag}"
+        return self.pool.submit(
+            end.recv, tensor.view(-1).view(torch.uint8), source, tag, tensor.dtype, tensor.numel(), label
+        )
+
+    def close(self) -> None:
+        for end in self.ends:
+            end.close()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def _done(*futures: concurrent.futures.Future[Any]) -> list[Any]:
+    return [f.result(timeout=30) for f in futures]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("numel", [0, 1, 1000, 5000])  # 5000 floats: several pieces of a 4 KiB chunk
+def test_messages_go_both_ways_over_links_opened_on_first_use(transport: str, numel: int) -> None:
+    pair = Pair(transport)
+    try:
+        assert pair.ends[0].links == ({}, {})
+        a, b = torch.arange(numel, dtype=torch.float32), torch.arange(numel, dtype=torch.float32) * -1
+        into_a, into_b = torch.empty(numel), torch.empty(numel)
+        # Both ends send first: each direction is its own link, opened by its sender.
+        results = _done(pair.send(0, a), pair.send(1, b), pair.recv(1, into_b), pair.recv(0, into_a))
+        assert results[2:] == [0, 1]  # each receive names its source
+        assert torch.equal(into_b, a) and torch.equal(into_a, b)
+        assert pair.ends[0].links == ({1: transport}, {1: transport})
+    finally:
+        pair.close()
+
+
+def test_many_messages_with_one_tag_arrive_in_order(pair: Pair) -> None:
+    def sends() -> None:
+        for i in range(300):
+            pair.ends[0].send(torch.tensor([i]).view(torch.uint8), 1, 3, torch.int64, 1, "send")
+
+    sender = pair.pool.submit(sends)
+    got = []
+    for _ in range(300):
+        x = torch.empty(1, dtype=torch.int64)
+        pair.ends[1].recv(x.view(torch.uint8), 0, 3, torch.int64, 1, "recv")
+        got.append(int(x))
+    sender.result(timeout=30)
+    assert got == list(range(300))
+
+
+@pytest.mark.parametrize(("mine", "theirs"), [(10, 12), (12, 10)])
+def test_a_size_mismatch_raises_on_both_sides_naming_both_sizes(pair: Pair, mine: int, theirs: int) -> None:
+    send, recv = pair.send(0, torch.ones(mine), tag=7), pair.recv(1, torch.empty(theirs), tag=7)
+    with pytest.raises(MessageSizeError) as sent:
+        send.result(timeout=30)
+    with pytest.raises(MessageSizeError) as received:
+        recv.result(timeout=30)
+    assert str(sent.value) == (
+        f"[rank 0/2] ring.send to rank 1 tag 7: rank 1's matching recv holds {4 * theirs} bytes ({theirs} x "
+        f"float32), but this send has {4 * mine} bytes ({mine} x float32); nothing was taken. A send and its "
+        "recv must have tensors of the same size"
+    )
+    assert str(received.value).startswith(
+        f"[rank 1/2] ring.recv from rank 0 tag 7: rank 0 sends {4 * mine} bytes ({mine} x float32), but this "
+        f"recv's tensor holds {4 * theirs} bytes ({theirs} x float32); nothing was received"
+    )
+    assert isinstance(sent.value, ValueError)
+    # The link is still in step: the next message goes through.
+    x = torch.empty(3)
+    _done(pair.send(0, torch.full((3,), 5.0), tag=7), pair.recv(1, x, tag=7))
+    assert x.tolist() == [5.0] * 3
+
+
+def test_a_message_with_another_tag_waits_aside_for_its_own_recv(pair: Pair) -> None:
+    def sends() -> None:  # tag 1 first; its send completes when the receiver sets it aside
+        for tag in (1, 2):
+            pair.ends[0].send(torch.tensor([float(tag)]).view(torch.uint8), 1, tag, torch.float32, 1, "send")
+
+    sender = pair.pool.submit(sends)
+    y2, y1 = torch.empty(1), torch.empty(1)
+    _done(pair.recv(1, y2, tag=2), sender)
+    _done(pair.recv(1, y1, tag=1))
+    assert (y1.item(), y2.item()) == (1.0, 2.0)
+
+
+def test_a_recv_from_any_source_names_the_sender(pair: Pair) -> None:
+    x = torch.empty(4)
+    got = pair.recv(1, x, tag=5, src=None)
+    _done(pair.send(0, torch.full((4,), 9.0), tag=5))
+    assert got.result(timeout=30) == 0 and x.tolist() == [9.0] * 4
+
+
+def test_a_send_nobody_receives_times_out_naming_peer_and_tag_and_the_link_stays_usable() -> None:
+    pair = Pair(timeout=0.5)
+    try:
+        # No link yet: the receiver never asked for one.
+        with pytest.raises(
+            CommTimeoutError,
+            match=r"\[rank 0/2\] ring\.send to rank 1 tag 4: rank 1 did not receive the message within 0\.5",
+        ):
+            pair.send(0, torch.ones(2), tag=4).result(timeout=30)
+        # Over an open link: the message waits in it, and a later recv still takes it.
+        _done(pair.send(0, torch.ones(1), tag=0), pair.recv(1, torch.empty(1), tag=0))
+        with pytest.raises(
+            CommTimeoutError, match=r"tag 6: rank 1 did not receive the message within 0\.5 s"
+        ):
+            pair.send(0, torch.full((2,), 3.0), tag=6).result(timeout=30)
+        late = torch.empty(2)
+        _done(pair.recv(1, late, tag=6))
+        assert late.tolist() == [3.0, 3.0]
+        y = torch.empty(1)
+        _done(pair.send(0, torch.tensor([8.0]), tag=0), pair.recv(1, y, tag=0))
+        assert y.item() == 8.0
+    finally:
+        pair.close()
+
+
+def test_a_recv_nobody_sends_to_times_out_naming_peer_and_tag() -> None:
+    pair = Pair(timeout=0.3)
+    try:
+        with pytest.raises(
+            CommTimeoutError,
+            match=r"\[rank 1/2\] ring\.recv from rank 0 tag 2: no message from rank 0 within",
+        ):
+            pair.recv(1, torch.empty(1), tag=2).result(timeout=30)
+    finally:
+        pair.close()
+
+
+def _connect(pair: Pair, rank: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", pair.peers[rank].port), timeout=5)
+
+
+def _frame(obj: Any) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack("!I", len(body)) + body
+
+
+def test_strangers_and_replayed_hellos_are_dropped_while_ranks_get_through(pair: Pair) -> None:
+    pair.ends[1]._start_acceptor()  # noqa: SLF001 - serve the listener before any recv
+    silent = _connect(pair, 1)  # says nothing at all
+    garbage = _connect(pair, 1)
+    garbage.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    huge = _connect(pair, 1)
+    huge.sendall(struct.pack("!I", 1 << 30))
+    forged = _connect(pair, 1)
+    forged.sendall(_frame({"p2p_hello": 0, "to": 1, "nonce": "x", "proof": "00" * 32}))
+    x = torch.empty(2)
+    _done(pair.send(0, torch.ones(2), tag=1), pair.recv(1, x, tag=1))  # the real rank gets through
+    assert x.tolist() == [1.0, 1.0]
+    # A hello copied off the wire is good for one link only.
+    hello = p2p_hello(SESSION, 0, 1)
+    first, second = _connect(pair, 1), _connect(pair, 1)
+    first.sendall(_frame(hello))
+    deadline = time.monotonic() + 10
+    while hello["nonce"] not in pair.ends[1]._nonces and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.01)
+    second.sendall(_frame(hello))
+    second.settimeout(5)
+    assert second.recv(100) == b""  # dropped
+    for sock in (silent, garbage, huge, forged, first, second):
+        sock.close()
+    assert pair.ends[1].links[1] == {0: pair.ends[1].links[1][0]}  # still the one link from rank 0
+
+
+def test_p2p_hellos_verify_only_for_their_own_session_source_and_destination() -> None:
+    hello = p2p_hello(SESSION, 2, 5)
+    assert p2p_hello_source(SESSION, hello, 5) == (2, hello["nonce"])
+    assert p2p_hello_source(SESSION, hello, 4) is None
+    assert p2p_hello_source(secrets.token_bytes(32), hello, 5) is None
+    assert p2p_hello_source(SESSION, {**hello, "p2p_hello": 3}, 5) is None
+    assert p2p_hello_source(SESSION, ["not", "a", "dict"], 5) is None
+
+
+def test_close_wakes_a_send_waiting_for_its_link(pair: Pair) -> None:
+    waiting = pair.send(0, torch.ones(1))  # rank 1 never receives: the link's set-up waits for it
+    deadline = time.monotonic() + 10
+    while not pair.ends[0]._connecting and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.01)
+    pair.ends[0].close()
+    with pytest.raises(GroupClosedError):
+        waiting.result(timeout=5)  # well before the pair's 10 s timeout
+
+
+def test_close_wakes_a_waiting_recv(pair: Pair) -> None:
+    waiting = pair.recv(1, torch.empty(1))
+    time.sleep(0.05)
+    pair.ends[1].close()
+    with pytest.raises(GroupClosedError):
+        waiting.result(timeout=30)
+
+
+# -------------------------------------------------------------------- lanes
+def test_a_lane_runs_inline_when_idle_and_in_order_behind_queued_work() -> None:
+    lane = Lane("test", bound_s=30)
+    order: list[str] = []
+    gate = threading.Event()
+    inline = lane.submit(
+        "inline", lambda: threading.current_thread().name, False, on_value=lambda w, v: order.append(v)
+    )
+    assert order == [threading.current_thread().name]
+    assert lane.idle
+    first = lane.submit("first", lambda: (gate.wait(10), order.append("first")), True)
+    second = lane.submit("second", lambda: order.append("second"), False)  # queued behind: not inline
+    assert not lane.idle
+    gate.set()
+    first.wait()
+    second.wait()
+    assert order[1:] == ["first", "second"] and inline.is_completed()
+    lane.close()
+
+
+def test_a_lane_hands_errors_and_values_to_the_work() -> None:
+    lane = Lane("test", bound_s=30)
+    values: list[Any] = []
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    work = lane.submit("failing", fail, True)
+    with pytest.raises(ValueError, match="boom"):
+        work.wait()
+    work = lane.submit("value", lambda: 7, True, on_value=lambda w, v: values.append(v))
+    work.wait()
+    assert values == [7]
+    lane.close()
