@@ -50,6 +50,7 @@ from backends.common.cuda_staging import (
     StagingConfig,
     StagingPipeline,
     shared_pool,
+    stage,
 )
 from backends.mpi.cuda import (
     CudaAwareness,
@@ -212,17 +213,18 @@ class DevicePath:
         copy_in: bool = True,
         copy_out: bool = True,
     ) -> StagingPipeline:
-        """A staging pipeline for ``tensor``; create it on the thread that issues the collective."""
-        ops, pool = self.parts()
-        return StagingPipeline(
+        """A staging pipeline for ``tensor`` (``cuda_staging.stage`` on this path's parts and chunk size).
+
+        Create it on the thread that issues the collective.
+        """
+        return stage(
             tensor,
-            describe=describe,
-            ops=ops,
-            pool=pool,
-            chunk_bytes=self.staging.chunk_bytes,
+            describe,
             timeout_s=timeout_s,
+            config=self.staging,
             copy_in=copy_in,
             copy_out=copy_out,
+            parts=self.parts(),
         )
 
     def chunked(

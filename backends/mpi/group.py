@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import os
 import sys
 import threading
@@ -42,6 +43,7 @@ import torch
 from backends.common.cuda_staging import Chunk
 from backends.mpi import device_path
 from backends.mpi.cuda import cuda_aware_override
+from backends.mpi.dtypes import DtypePlan, plan_for
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
@@ -61,35 +63,6 @@ __all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from
 
 _MPI: Any = None
 """The ``mpi4py.MPI`` module, imported (and MPI initialised) on first use."""
-
-_MPI_OPS: dict[ReduceOp, str] = {
-    ReduceOp.SUM: "SUM",
-    ReduceOp.PRODUCT: "PROD",
-    ReduceOp.MIN: "MIN",
-    ReduceOp.MAX: "MAX",
-}
-"""commlib op -> name of the predefined ``MPI.Op`` (AVG never reaches the backend: it sums)."""
-
-_TORCH_REDUCE: dict[str, Callable[..., Any]] = {
-    "SUM": torch.add,
-    "PROD": torch.mul,
-    "MIN": torch.minimum,
-    "MAX": torch.maximum,
-}
-"""MPI op name -> torch function used by the user-defined reductions (bfloat16)."""
-
-_MPI_TYPES: dict[torch.dtype, str] = {
-    torch.float32: "FLOAT",
-    torch.float64: "DOUBLE",
-    torch.int32: "INT32_T",
-    torch.int64: "INT64_T",
-    torch.float16: "FLOAT16_T",
-    torch.bfloat16: "BFLOAT16_T",
-}
-"""torch dtype -> predefined (or extension) MPI datatype, when the library has it."""
-
-_NO_NUMPY = frozenset({torch.bfloat16})
-"""dtypes NumPy cannot hold: handed to MPI as an int16 view of the same bytes."""
 
 _PROGRESS_MODES = ("thread", "none")
 
@@ -190,76 +163,6 @@ def _load_mpi() -> Any:
     return MPI
 
 
-@dataclasses.dataclass
-class _DtypePlan:
-    """How one torch dtype travels through MPI."""
-
-    datatype: Any
-    view: torch.dtype
-    native: bool
-    """True: MPI's predefined ops reduce it. False: a user-defined op does (host memory only)."""
-    ops: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-_plans: dict[torch.dtype, _DtypePlan] = {}
-
-
-def _user_op(MPI: Any, dtype: torch.dtype, name: str) -> Any:
-    """Create an MPI op that reduces ``dtype`` buffers in torch (for types MPI cannot reduce)."""
-    reduce = _TORCH_REDUCE[name]
-
-    def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        if len(inoutbuf) == 0:  # torch.frombuffer refuses empty buffers
-            return
-        incoming = torch.frombuffer(inbuf, dtype=dtype)
-        result = torch.frombuffer(inoutbuf, dtype=dtype)
-        reduce(result, incoming, out=result)
-
-    return MPI.Op.Create(apply, commute=True)
-
-
-def _extension_type_works(MPI: Any, datatype: Any, dtype: torch.dtype) -> bool:
-    """Check locally (no communication) that MPI reduces ``dtype`` correctly with ``datatype``."""
-    a = torch.tensor([1.5, -2.25, 3.0, 0.5], dtype=dtype)
-    b = torch.tensor([0.25, 4.0, -1.0, 2.0], dtype=dtype)
-    view = torch.int16 if dtype in _NO_NUMPY else dtype
-    try:
-        for name, expected in (("SUM", a + b), ("MAX", torch.maximum(a, b)), ("PROD", a * b)):
-            out = b.clone()
-            getattr(MPI, name).Reduce_local(
-                [a.view(view).numpy(), datatype], [out.view(view).numpy(), datatype]
-            )
-            if not torch.equal(out, expected):
-                return False
-    except Exception:  # noqa: BLE001 - the library cannot do it: use the fallback
-        return False
-    return True
-
-
-def _plan(MPI: Any, dtype: torch.dtype) -> _DtypePlan:
-    plan = _plans.get(dtype)
-    if plan is not None:
-        return plan
-    with _lock:
-        plan = _plans.get(dtype)
-        if plan is not None:
-            return plan
-        view = torch.int16 if dtype in _NO_NUMPY else dtype
-        datatype = getattr(MPI, _MPI_TYPES[dtype], MPI.DATATYPE_NULL)
-        native = datatype != MPI.DATATYPE_NULL
-        if native and dtype in (torch.float16, torch.bfloat16):
-            native = _extension_type_works(MPI, datatype, dtype)
-        if native:
-            ops = {name: getattr(MPI, name) for name in set(_MPI_OPS.values())}
-        else:
-            # Same bytes as 16-bit integers; the reduction is ours.
-            view, datatype = torch.int16, MPI.INT16_T
-            ops = {name: _user_op(MPI, dtype, name) for name in set(_MPI_OPS.values())}
-        plan = _DtypePlan(datatype=datatype, view=view, native=native, ops=ops)
-        _plans[dtype] = plan
-        return plan
-
-
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -287,6 +190,8 @@ class _MPIWork(Work):
     ) -> None:
         super().__init__(label, keep_alive)
         self._group = group
+        self._key = next(group._keys)
+        """This work's entry in the group's ``_pending`` while its request may be in flight."""
         self._request = request
         self._stream = stream
         """The CUDA stream current when the collective was issued (None for host tensors)."""
@@ -312,7 +217,7 @@ class _MPIWork(Work):
         if self._error is not None:
             self._group._mark_broken(self._error)
         if not self._abandoned:
-            self._group._pending.pop(self._label.seq, None)  # type: ignore[union-attr]
+            self._group._pending.pop(self._key, None)
 
     def _test_locked(self) -> bool:
         """Test once (the caller holds the drive lock); settle the work if the request is done.
@@ -329,7 +234,7 @@ class _MPIWork(Work):
             return True
         if flag:
             if self._abandoned:
-                self._group._pending.pop(self._label.seq, None)  # type: ignore[union-attr]
+                self._group._pending.pop(self._key, None)
             self._settle()
         return bool(flag)
 
@@ -460,6 +365,7 @@ class MPIProcessGroup(IProcessGroup):
         self._MPI = MPI
         self._mpi_config = mpi_config if mpi_config is not None else MPIConfig.from_env()
         self._pending: dict[int, _MPIWork] = {}
+        self._keys = itertools.count()
         self._side_comm: Any = None
         self._thread_level = MPI.Query_thread()
         # Without thread level MULTIPLE only the calling thread may test requests.
@@ -516,7 +422,8 @@ class MPIProcessGroup(IProcessGroup):
             )
             self._mark_broken(error)
             label = CollectiveLabel(self.rank, self.world_size, self.backend_name, "init", 0)
-            self._pending[0] = _MPIWork(self, label, request, None, issued=started)
+            work = _MPIWork(self, label, request, None, issued=started)
+            self._pending[work._key] = work
             _register(self)
             raise error
         return comm
@@ -557,7 +464,7 @@ class MPIProcessGroup(IProcessGroup):
                 if not isinstance(label, CollectiveLabel):
                     label = self._label("fingerprint")
                 work = _MPIWork(self, label, request, everyone, issued)
-                self._pending[label.seq] = work
+                self._pending[work._key] = work
                 work._expired(None, timeout)  # raises CommTimeoutError, marks the group broken
             return bytes(everyone)
 
@@ -569,14 +476,14 @@ class MPIProcessGroup(IProcessGroup):
         return "thread" if self._progress is not None else "none"
 
     # ------------------------------------------------------------------ buffers
-    def _plan_for(self, dtype: torch.dtype) -> _DtypePlan:
-        return _plans.get(dtype) or _plan(self._MPI, dtype)
+    def _plan_for(self, dtype: torch.dtype) -> DtypePlan:
+        return plan_for(self._MPI, dtype)
 
     def _device(self) -> device_path.DevicePath:
         """The process's CUDA path: made, and its decision taken, when the first CUDA tensor arrives."""
         return device_path.process_path(self._MPI, self._mpi_config.cuda_aware)
 
-    def _staged(self, op: str, tensor: torch.Tensor, plan: _DtypePlan, reduce: bool) -> bool:
+    def _staged(self, op: str, tensor: torch.Tensor, plan: DtypePlan, reduce: bool) -> bool:
         """Return True if CUDA ``tensor`` is staged through host memory for this collective."""
         return not self._device().zero_copy(
             tensor.dtype, plan.datatype, plan.native, reduce, tensor.device, self._prefix(op)
@@ -587,13 +494,13 @@ class MPIProcessGroup(IProcessGroup):
             tensor, str(self._label(op, tensor)), self.timeout, copy_in=copy_in, copy_out=copy_out
         )
 
-    def _buffer(self, op: str, tensor: torch.Tensor, plan: _DtypePlan) -> list[Any]:
+    def _buffer(self, op: str, tensor: torch.Tensor, plan: DtypePlan) -> list[Any]:
         """MPI's view of ``tensor``'s memory, on the host or (zero copy) on the device."""
         if not tensor.is_cuda:
             return self._host_buffer(tensor, plan)
         return [self._device().as_cupy(tensor, self._prefix(op)), plan.datatype]
 
-    def _host_buffer(self, tensor: torch.Tensor, plan: _DtypePlan) -> list[Any]:
+    def _host_buffer(self, tensor: torch.Tensor, plan: DtypePlan) -> list[Any]:
         """MPI's view of a contiguous host tensor's memory: no copy, no NumPy array.
 
         ``MPI.memory.fromaddress`` costs a third of ``tensor.numpy()`` and works for
@@ -612,7 +519,6 @@ class MPIProcessGroup(IProcessGroup):
         keep_alive: Any,
         async_op: bool,
     ) -> Work:
-        seq = self._seq
         issued = time.monotonic()
         # Finishing steps (AVG's division, a scatter into outputs) run on the stream that is
         # current now, whichever thread settles the work: staging made it wait for the copies back.
@@ -647,7 +553,7 @@ class MPIProcessGroup(IProcessGroup):
         if finish is not None:
             work.add_finisher(finish)
         # Every unfinished request is listed, for the exit hook (dict ops are atomic under the GIL).
-        self._pending[seq] = work
+        self._pending[work._key] = work
         if not async_op:
             work._expired(None, self.timeout)  # raises CommTimeoutError, marks the group broken
         if self._progress is not None:
@@ -672,7 +578,7 @@ class MPIProcessGroup(IProcessGroup):
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         plan = self._plan_for(tensor.dtype)
-        mpi_op = plan.ops[_MPI_OPS[op]]
+        mpi_op = plan.ops[op]
         comm, in_place = self._comm, self._MPI.IN_PLACE
         if tensor.is_cuda and self._staged("all_reduce", tensor, plan, reduce=True):
             pipeline = self._pipeline("all_reduce", tensor)
@@ -772,7 +678,7 @@ class MPIProcessGroup(IProcessGroup):
         async_op: bool,
     ) -> Work:
         plan = self._plan_for(output.dtype)
-        mpi_op = plan.ops[_MPI_OPS[op]]
+        mpi_op = plan.ops[op]
         comm = self._comm
         source = flat_input if flat_input is not None else torch.cat(inputs)
         if output.is_cuda and self._staged("reduce_scatter", output, plan, reduce=True):
