@@ -257,20 +257,21 @@ class StagedRequest:
     Args:
         inputs: Pipelines of the tensors read (started here).
         output: Pipeline of the tensor written (started here; ``copy_in=False`` if
-            the collective only writes it).
+            the collective only writes it), or None where this rank writes nothing
+            (a gather's non-root ranks).
         start: ``start(host_inputs, host_output)`` issues the collective on the host
-            tensors and returns its request.
+            tensors (``host_output`` None without an output) and returns its request.
     """
 
     def __init__(
         self,
         inputs: Sequence[StagingPipeline],
-        output: StagingPipeline,
-        start: Callable[[list[torch.Tensor], torch.Tensor], Any],
+        output: StagingPipeline | None,
+        start: Callable[[list[torch.Tensor], torch.Tensor | None], Any],
     ) -> None:
         self._inputs = list(inputs)
         self._output = output
-        self._all = [*self._inputs, output]
+        self._all = [*self._inputs, *([output] if output is not None else [])]
         self._start = start
         self._hosts: list[torch.Tensor] | None = None
         self._request: Any = None
@@ -295,7 +296,9 @@ class StagedRequest:
         if self._request is None:
             if not all(pipeline.ready() for pipeline in self._all):
                 return False
-            self._request = self._start(self._hosts[:-1], self._hosts[-1])
+            count = len(self._inputs)
+            host_output = self._hosts[count] if self._output is not None else None
+            self._request = self._start(self._hosts[:count], host_output)
         if not self._request.Test():
             return False
         for pipeline in self._all:

@@ -717,6 +717,173 @@ class MPIProcessGroup(IProcessGroup):
             async_op,
         )
 
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
+        plan = self._plan_for(tensor.dtype)
+        mpi_op = plan.ops[op]
+        comm, root, in_place = self._comm, self.rank == dst, self._MPI.IN_PLACE
+        if tensor.is_cuda and self._staged("reduce", tensor, plan, reduce=True):
+            # Only the root copies the result back; the others' tensors stay as they were.
+            pipeline = self._pipeline("reduce", tensor, copy_out=root)
+
+            def start_chunk(chunk: Chunk, host: torch.Tensor) -> Any:
+                buf = self._host_buffer(host, plan)
+                return comm.Ireduce(in_place if root else buf, buf if root else None, mpi_op, root=dst)
+
+            start: Callable[[], Any] = lambda: self._device().chunked(pipeline, start_chunk)  # noqa: E731
+            return self._start("reduce", tensor, start, None, tensor, async_op)
+        buf = self._buffer("reduce", tensor, plan)
+        send, recv = (in_place, buf) if root else (buf, None)
+        start = lambda: comm.Ireduce(send, recv, mpi_op, root=dst)  # noqa: E731
+        return self._start("reduce", tensor, start, None, (tensor, buf), async_op)
+
+    def _gather(
+        self, tensor: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, async_op: bool
+    ) -> Work:
+        plan = self._plan_for(tensor.dtype)
+        comm = self._comm
+        flat_output, copy_out = self._receive_span(outputs) if outputs is not None else (None, None)
+        if tensor.is_cuda and self._staged("gather", tensor, plan, reduce=False):
+            staged_in = [self._pipeline("gather", tensor, copy_out=False)]
+            staged_out = (
+                self._pipeline("gather", flat_output, copy_in=False) if flat_output is not None else None
+            )
+
+            def start_gather(ins: list[torch.Tensor], out: torch.Tensor | None) -> Any:
+                recv = self._host_buffer(out, plan) if out is not None else None
+                return comm.Igather(self._host_buffer(ins[0], plan), recv, root=dst)
+
+            return self._start(
+                "gather",
+                tensor,
+                lambda: device_path.StagedRequest(staged_in, staged_out, start_gather),
+                copy_out,
+                (tensor, flat_output, outputs),
+                async_op,
+            )
+        send: Any
+        if flat_output is None:
+            send, recv = self._buffer("gather", tensor, plan), None
+        else:
+            block = flat_output[dst * tensor.numel() : (dst + 1) * tensor.numel()]
+            if copy_out is None and tensor.numel() and tensor.data_ptr() == block.data_ptr():
+                send = self._MPI.IN_PLACE  # the root's block already holds its data
+            else:
+                source = tensor.clone() if _overlaps(tensor, flat_output) else tensor
+                send = self._buffer("gather", source, plan)
+            recv = self._buffer("gather", flat_output, plan)
+        return self._start(
+            "gather",
+            tensor,
+            lambda: comm.Igather(send, recv, root=dst),
+            copy_out,
+            (tensor, flat_output, outputs, send, recv),
+            async_op,
+        )
+
+    def _scatter(
+        self, tensor: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, async_op: bool
+    ) -> Work:
+        plan = self._plan_for(tensor.dtype)
+        comm = self._comm
+        flat_input = self._send_span(inputs) if inputs is not None else None
+        if tensor.is_cuda and self._staged("scatter", tensor, plan, reduce=False):
+            staged_in = (
+                [self._pipeline("scatter", flat_input, copy_out=False)] if flat_input is not None else []
+            )
+            staged_out = self._pipeline("scatter", tensor, copy_in=False)
+
+            def start_scatter(ins: list[torch.Tensor], out: torch.Tensor | None) -> Any:
+                send = self._host_buffer(ins[0], plan) if ins else None
+                return comm.Iscatter(send, self._host_buffer(out, plan), root=src)  # type: ignore[arg-type]
+
+            return self._start(
+                "scatter",
+                tensor,
+                lambda: device_path.StagedRequest(staged_in, staged_out, start_scatter),
+                None,
+                (tensor, flat_input),
+                async_op,
+            )
+        send: Any = None
+        recv: Any = self._buffer("scatter", tensor, plan)
+        if flat_input is not None:
+            block = flat_input[src * tensor.numel() : (src + 1) * tensor.numel()]
+            if tensor.numel() and tensor.data_ptr() == block.data_ptr():
+                recv = self._MPI.IN_PLACE  # the root's block is its own result already
+            elif _overlaps(tensor, flat_input):
+                flat_input = flat_input.clone()
+            send = self._buffer("scatter", flat_input, plan)
+        return self._start(
+            "scatter",
+            tensor,
+            lambda: comm.Iscatter(send, recv, root=src),
+            None,
+            (tensor, flat_input, send, recv),
+            async_op,
+        )
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
+        tensor = inputs[self.rank]
+        plan = self._plan_for(tensor.dtype)
+        comm = self._comm
+        flat_input = self._send_span(inputs)
+        flat_output, copy_out = self._receive_span(outputs)
+        if copy_out is None and _overlaps(flat_input, flat_output):
+            flat_input = flat_input.clone()
+        send_counts = [t.numel() for t in inputs]
+        recv_counts = [t.numel() for t in outputs]
+        send_layout = (send_counts, _displacements(send_counts))
+        recv_layout = (recv_counts, _displacements(recv_counts))
+        if flat_output.is_cuda and self._staged("all_to_all", flat_output, plan, reduce=False):
+            staged_in = [self._pipeline("all_to_all", flat_input, copy_out=False)]
+            staged_out = self._pipeline("all_to_all", flat_output, copy_in=False)
+
+            def start_exchange(ins: list[torch.Tensor], out: torch.Tensor | None) -> Any:
+                send = [self._host_buffer(ins[0], plan)[0], send_layout, plan.datatype]
+                recv = [self._host_buffer(out, plan)[0], recv_layout, plan.datatype]  # type: ignore[arg-type]
+                return comm.Ialltoallv(send, recv)
+
+            return self._start(
+                "all_to_all",
+                flat_output,
+                lambda: device_path.StagedRequest(staged_in, staged_out, start_exchange),
+                copy_out,
+                (flat_input, flat_output, outputs),
+                async_op,
+            )
+        send_buf = self._buffer("all_to_all", flat_input, plan)
+        recv_buf = self._buffer("all_to_all", flat_output, plan)
+        send = [send_buf[0], send_layout, plan.datatype]
+        recv = [recv_buf[0], recv_layout, plan.datatype]
+        return self._start(
+            "all_to_all",
+            flat_output,
+            lambda: comm.Ialltoallv(send, recv),
+            copy_out,
+            (flat_input, flat_output, outputs, send_buf, recv_buf),
+            async_op,
+        )
+
+    def _send_span(self, views: list[torch.Tensor]) -> torch.Tensor:
+        """One flat tensor holding ``views`` back to back: theirs if they already lie so, else a copy."""
+        span = _tiled(views)
+        return span if span is not None else torch.cat(views)
+
+    def _receive_span(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """One flat tensor to receive ``views`` into, and the step that copies it out (None if theirs)."""
+        span = _tiled(views)
+        if span is not None:
+            return span, None
+        scratch = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
+
+        def copy_out() -> None:
+            offset = 0
+            for view in views:
+                view.copy_(scratch[offset : offset + view.numel()])
+                offset += view.numel()
+
+        return scratch, copy_out
+
     def _barrier(self, async_op: bool) -> Work:
         return self._start("barrier", None, self._comm.Ibarrier, None, None, async_op)
 
@@ -750,6 +917,28 @@ class MPIProcessGroup(IProcessGroup):
                 "the same collectives in the same order, with tensors of the same size and dtype."
             )
         return CommError(f"{describe}: {type(error).__name__}: {error}")
+
+
+def _tiled(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """Return a flat tensor over ``views`` if they lie back to back, in order, in one storage; else None.
+
+    ``all_to_all_single`` and a flat gather output arrive as such views, and go to MPI without a copy.
+    """
+    filled = [view for view in views if view.numel()]
+    if not filled:
+        return views[0][:0]
+    first = filled[0]
+    storage, expected = first.untyped_storage().data_ptr(), first.data_ptr()
+    for view in filled:
+        if view.untyped_storage().data_ptr() != storage or view.data_ptr() != expected:
+            return None
+        expected += view.numel() * view.element_size()
+    return first.as_strided((sum(view.numel() for view in filled),), (1,))
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    """Offsets of blocks of ``counts`` elements laid back to back."""
+    return list(itertools.accumulate(counts, initial=0))[:-1]
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
