@@ -62,7 +62,7 @@ from backends.mpi.cuda import (
     synchronize_producer,
 )
 
-__all__ = ["DevicePath", "StagedRequest", "install", "process_path"]
+__all__ = ["DevicePath", "StagedPayload", "StagedRequest", "install", "process_path"]
 
 logger = logging.getLogger("commlib")
 
@@ -305,6 +305,48 @@ class StagedRequest:
             pipeline.finish()
         self._done = True
         return True
+
+
+class StagedPayload:
+    """One point-to-point message of a CUDA tensor staged through pinned host memory (a ``p2p.Payload``).
+
+    A send's pipeline copies the tensor to the host (``copy_out=False``); the
+    message is posted once it is there. A receive's pipeline copies nothing in
+    (``copy_in=False``) and copies the message back to the device when it has
+    arrived; a message drained for its size copies nothing back.
+
+    Args:
+        pipeline: The tensor's pipeline, not yet started (created when the send or receive is issued).
+        to_buffer: Turns the host tensor into MPI's buffer specification.
+    """
+
+    def __init__(self, pipeline: StagingPipeline, to_buffer: Callable[[torch.Tensor], Any]) -> None:
+        self._pipeline = pipeline
+        self._to_buffer = to_buffer
+        self._host: torch.Tensor | None = None
+
+    def _started(self) -> torch.Tensor:
+        if self._host is None:
+            self._host = self._pipeline.start()
+        return self._host
+
+    def ready(self) -> bool:
+        """Start the copies (once); True when the tensor is on the host."""
+        self._started()
+        return self._pipeline.ready()
+
+    def buffer(self) -> Any:
+        """MPI's view of the host tensor."""
+        return self._to_buffer(self._started())
+
+    def finish(self) -> None:
+        """Copy a received message back to the device; return the pinned buffer."""
+        self._started()
+        self._pipeline.finish()
+
+    def abort(self) -> None:
+        """Return the pinned buffer; copy nothing back."""
+        self._pipeline.abort()
 
 
 # ------------------------------------------------------------ the process's

@@ -44,6 +44,7 @@ from backends.common.cuda_staging import Chunk
 from backends.mpi import device_path
 from backends.mpi.cuda import cuda_aware_override
 from backends.mpi.dtypes import DtypePlan, plan_for
+from backends.mpi.p2p import DirectPayload, P2PEngine, Payload, RecvRequest, SendRequest, SizeMismatch
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
@@ -51,6 +52,7 @@ from commlib.errors import (
     BackendUnavailableError,
     CommError,
     CommTimeoutError,
+    GroupClosedError,
     RendezvousError,
     RendezvousTimeoutError,
     error_prefix,
@@ -63,6 +65,10 @@ __all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from
 
 _MPI: Any = None
 """The ``mpi4py.MPI`` module, imported (and MPI initialised) on first use."""
+
+class P2PSizeError(CommError, ValueError):  # provisional: until the interface has its own
+    """A send and its recv disagree on the message size."""
+
 
 _PROGRESS_MODES = ("thread", "none")
 
@@ -214,7 +220,7 @@ class _MPIWork(Work):
             # the issuing thread's stream, which the copies back have been ordered before.
             with self._group._device().on_stream(self._stream):
                 super()._settle(error)
-        if self._error is not None:
+        if self._error is not None and self._breaks_group(self._error):
             self._group._mark_broken(self._error)
         if not self._abandoned:
             self._group._pending.pop(self._key, None)
@@ -230,12 +236,12 @@ class _MPIWork(Work):
         try:
             flag = self._request.Test()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-            self._settle(self._group._mpi_error(self.describe, e))
+            self._settle(self._group._failure(self.describe, e))
             return True
         if flag:
             if self._abandoned:
                 self._group._pending.pop(self._key, None)
-            self._settle()
+            self._succeeded()
         return bool(flag)
 
     def _test(self) -> bool:
@@ -251,9 +257,9 @@ class _MPIWork(Work):
             if self._test_locked():
                 return True
             if time.monotonic() - self._issued > self._group.timeout:
-                # The request is still in flight (MPI cannot cancel it): it stays listed for
-                # the exit hook, which aborts the job rather than hang in MPI_Finalize.
-                self._abandoned = True
+                # Unless it can be withdrawn, the request is still in flight: it stays listed
+                # for the exit hook, which aborts the job rather than hang in MPI_Finalize.
+                self._abandoned = not self._withdraw()
                 self._settle(self._timeout_error(self._group.timeout))
                 return True
             return False
@@ -279,12 +285,13 @@ class _MPIWork(Work):
             if progress is not None:
                 progress.waiter_enter()
             try:
-                done = wait_until(self._request.Test, deadline, pure_spin_s=self._group._pure_spin_s)
+                test = self._group._tester(self._request)
+                done = wait_until(test, deadline, pure_spin_s=self._group._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-                self._settle(self._group._mpi_error(self.describe, e))
+                self._settle(self._group._failure(self.describe, e))
             else:
                 if done:
-                    self._settle()
+                    self._succeeded()
                 else:
                     self._expired(timeout, limit)
             finally:
@@ -304,6 +311,22 @@ class _MPIWork(Work):
     def _arm_future(self) -> None:
         self._group._ensure_polled(self)
 
+    def _succeeded(self) -> None:
+        """The request finished: settle the work (a receive records its source first)."""
+        self._settle()
+
+    def _withdraw(self) -> bool:
+        """At the group's timeout: take the request back from MPI if possible; True if nothing remains.
+
+        A collective cannot be withdrawn.
+        """
+        return False
+
+    @staticmethod
+    def _breaks_group(error: BaseException) -> bool:
+        """Return True if failing with ``error`` leaves the group unusable (every collective failure does)."""
+        return True
+
     def _timeout_error(self, limit: float) -> CommTimeoutError:
         return CommTimeoutError(
             f"{self.describe}: no progress for {limit:g} s; a peer rank is missing, stuck "
@@ -320,9 +343,62 @@ class _MPIWork(Work):
                 "collective finished; it is still in flight. Wait again, or look for a "
                 "rank that has not issued the same collective."
             )
+        withdrawn = self._withdraw()
         error = self._timeout_error(limit)
-        self._group._mark_broken(error)
+        if withdrawn:
+            self._settle(error)
+        elif self._breaks_group(error):
+            self._group._mark_broken(error)
         raise error
+
+
+class _P2PWork(_MPIWork):
+    """The work of a send or receive: its failures leave the group usable.
+
+    A size mismatch consumed the message on both sides; a receive that times
+    out unmatched is withdrawn (it held nothing in MPI); a send that times out
+    stays queued at its peer (MPI cannot withdraw a send) and is said so.
+    """
+
+    _request: SendRequest | RecvRequest
+
+    def _succeeded(self) -> None:
+        request = self._request
+        if isinstance(request, RecvRequest) and request.source is not None:
+            self._set_source(request.source)
+        self._settle()
+
+    def _withdraw(self) -> bool:
+        request = self._request
+        return isinstance(request, RecvRequest) and self._group._p2p.cancel(request)
+
+    @staticmethod
+    def _breaks_group(error: BaseException) -> bool:
+        return not isinstance(error, (CommTimeoutError, P2PSizeError))
+
+    def _timeout_error(self, limit: float) -> CommTimeoutError:
+        request = self._request
+        hint = "Raise COMMLIB_TIMEOUT if the peer is just slow."
+        if isinstance(request, RecvRequest):
+            if request.cancelled:
+                return CommTimeoutError(
+                    f"{self.describe}: no message arrived within {limit:g} s; did the sender call send "
+                    f"with the same tag ({request.tag})? The receive was withdrawn: the group stays "
+                    f"usable. {hint}"
+                )
+            return CommTimeoutError(
+                f"{self.describe}: the message from rank {request.source} ({request.sent} bytes) started "
+                f"but did not finish within {limit:g} s; the sender stopped or died. It stays in flight: "
+                "this process aborts the MPI job when it exits if it never finishes."
+            )
+        return CommTimeoutError(
+            f"{self.describe}: rank {request.peer} did not receive the message within {limit:g} s: no "
+            f"matching recv (tag {request.tag}) was posted there. MPI cannot withdraw a send: the message "
+            f"stays queued for rank {request.peer}, and its next recv with tag {request.tag} from this "
+            "rank receives it first. The group stays usable for collectives and other messages; if the "
+            "message is never received, this process aborts the MPI job when it exits (MPI_Finalize "
+            f"would wait for it). {hint}"
+        )
 
 
 # --------------------------------------------------------------------- group
@@ -372,6 +448,9 @@ class MPIProcessGroup(IProcessGroup):
         self._works_testable_from_any_thread = self._thread_level >= MPI.THREAD_MULTIPLE
         self._progress: ProgressThread | None = None
         self._comm = self._duplicate(parent)
+        # Point-to-point traffic on communicators of its own: never matched with a collective's.
+        self._p2p = P2PEngine(MPI, self._duplicate(self._comm), self._duplicate(self._comm))
+        self._tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
         # Spin like MPI while every rank has a core; with more ranks than cores on this
         # host, yield between tests so that the rank we wait for can run.
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -518,8 +597,25 @@ class MPIProcessGroup(IProcessGroup):
         finish: Callable[[], None] | None,
         keep_alive: Any,
         async_op: bool,
+        *,
+        label: CollectiveLabel | None = None,
+        work_type: type[_MPIWork] = _MPIWork,
     ) -> Work:
+        """Issue a request with ``start()``; wait for it here, or return a pending work.
+
+        Args:
+            op: The operation's name (for its label).
+            tensor: Its tensor (named in messages; a CUDA tensor's stream runs ``finish``).
+            start: Issues the request (anything with an MPI request's ``Test``).
+            finish: Runs once the request has finished successfully.
+            keep_alive: Held until the request has finished.
+            async_op: Return a pending work instead of waiting.
+            label: Names the operation (default: the collective's, ``_label(op, tensor)``).
+            work_type: ``_P2PWork`` for sends and receives.
+        """
         issued = time.monotonic()
+        if label is None:
+            label = self._label(op, tensor)
         # Finishing steps (AVG's division, a scatter into outputs) run on the stream that is
         # current now, whichever thread settles the work: staging made it wait for the copies back.
         on_device = tensor is not None and tensor.is_cuda
@@ -527,7 +623,7 @@ class MPIProcessGroup(IProcessGroup):
         try:
             request = start()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
-            error = self._mpi_error(self._label(op, tensor), e)
+            error = self._failure(str(label), e)
             self._mark_broken(error)
             raise error from e
         if not async_op:
@@ -536,20 +632,25 @@ class MPIProcessGroup(IProcessGroup):
             if progress is not None:
                 progress.waiter_enter()  # this wait drives the outstanding async work too
             try:
-                done = wait_until(request.Test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
+                test = self._tester(request)
+                done = wait_until(test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception
-                error = self._mpi_error(self._label(op, tensor), e)
-                self._mark_broken(error)
+                error = self._failure(str(label), e)
+                if work_type._breaks_group(error):
+                    self._mark_broken(error)
                 raise error from e
             finally:
                 if progress is not None:
                     progress.waiter_exit()
             if done:
-                completed = CompletedWork()
+                completed = CompletedWork(label=label)
+                source = getattr(request, "source", None)
+                if source is not None:
+                    completed._set_source(source)
                 if finish is not None:
                     completed.add_finisher(finish)
                 return completed
-        work = _MPIWork(self, self._label(op, tensor), request, keep_alive, issued, stream)
+        work = work_type(self, label, request, keep_alive, issued, stream)
         if finish is not None:
             work.add_finisher(finish)
         # Every unfinished request is listed, for the exit hook (dict ops are atomic under the GIL).
@@ -559,6 +660,23 @@ class MPIProcessGroup(IProcessGroup):
         if self._progress is not None:
             self._progress.submit(work)
         return work
+
+    def _tester(self, request: Any) -> Callable[[], bool]:
+        """``request.Test``, also matching this group's waiting receives when it has any.
+
+        A sender waits until its receiver has matched the message (the size
+        verdict), and a receive is matched only while someone tests: whoever
+        waits drives the matching, as the progress thread would when nobody waits.
+        """
+        if not self._p2p.waiting:
+            return request.Test  # type: ignore[no-any-return]
+        match, test = self._p2p.match, request.Test
+
+        def drive() -> bool:
+            match()
+            return bool(test())
+
+        return drive
 
     def _ensure_polled(self, work: _MPIWork) -> None:
         """Have a thread poll ``work`` even without a waiter (its future must complete)."""
@@ -864,6 +982,69 @@ class MPIProcessGroup(IProcessGroup):
             async_op,
         )
 
+    # --------------------------------------------------------- point-to-point
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
+        self._check_tag("send", tag)
+        label = self._p2p_label("send", tensor, dst, tag)
+        payload = self._payload("send", tensor, str(label), send=True)
+        nbytes = tensor.nbytes
+        return self._start(
+            "send",
+            tensor,
+            lambda: self._p2p.send(payload, nbytes, dst, tag),
+            None,
+            (tensor, payload),
+            async_op,
+            label=label,
+            work_type=_P2PWork,
+        )
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
+        self._check_tag("recv", tag)
+        label = self._p2p_label("recv", tensor, src, tag)
+        payload = self._payload("recv", tensor, str(label), send=False)
+        nbytes = tensor.nbytes
+        return self._start(
+            "recv",
+            tensor,
+            lambda: self._p2p.recv(payload, nbytes, src, tag),
+            None,
+            (tensor, payload),
+            async_op,
+            label=label,
+            work_type=_P2PWork,
+        )
+
+    def _p2p_label(self, op: str, tensor: torch.Tensor, peer: int | None, tag: int) -> CollectiveLabel:
+        # provisional: until the interface numbers point-to-point operations per peer and tag
+        counts = self.__dict__.setdefault("_p2p_counts", {})
+        key = (op, peer, tag)
+        counts[key] = counts.get(key, 0) + 1
+        label = CollectiveLabel(self.rank, self.world_size, self.backend, op, counts[key], tensor)
+        return label
+
+    def _check_tag(self, op: str, tag: int) -> None:
+        if tag > self._tag_ub:
+            raise ValueError(
+                f"{self._prefix(op)}tag={tag} is larger than this MPI library allows (MPI_TAG_UB = "
+                f"{self._tag_ub}); use a tag in 0..{self._tag_ub}"
+            )
+
+    def _payload(self, op: str, tensor: torch.Tensor, describe: str, *, send: bool) -> Payload:
+        """The message's bytes as MPI gets them: the tensor's memory, or a staging pipeline for it."""
+        byte = self._MPI.BYTE
+        if not tensor.is_cuda:
+            return DirectPayload([self._MPI.memory.fromaddress(tensor.data_ptr(), tensor.nbytes), byte])
+        device = self._device()
+        plan = self._plan_for(tensor.dtype)
+        if device.zero_copy(tensor.dtype, plan.datatype, plan.native, False, tensor.device, self._prefix(op)):
+            return DirectPayload([device.as_cupy(tensor, self._prefix(op)), byte])
+        pipeline = device.pipeline(tensor, describe, self.timeout, copy_in=send, copy_out=not send)
+        return device_path.StagedPayload(
+            pipeline, lambda host: [self._MPI.memory.fromaddress(host.data_ptr(), host.nbytes), byte]
+        )
+
+    # --------------------------------------------------------------- helpers
     def _send_span(self, views: list[torch.Tensor]) -> torch.Tensor:
         """One flat tensor holding ``views`` back to back: theirs if they already lie so, else a copy."""
         span = _tiled(views)
@@ -889,13 +1070,14 @@ class MPIProcessGroup(IProcessGroup):
 
     def _close(self) -> None:
         self._stop_progress()
+        self._withdraw_receives()
         if self._pending:
             # The communicator still has collectives in flight: keep it (and this
             # group, in _live_groups) for the exit hook, which aborts the job rather than hang.
             return
         _live_groups.pop(id(self), None)
         if not self._MPI.Is_finalized():
-            for comm in (self._comm, self._side_comm):
+            for comm in (self._comm, self._side_comm, *self._p2p.comms):
                 if comm is None:
                     continue
                 try:
@@ -903,11 +1085,39 @@ class MPIProcessGroup(IProcessGroup):
                 except Exception:  # noqa: BLE001 - closing must not raise
                     pass
 
+    def _withdraw_receives(self) -> None:
+        """Fail the receives still waiting for a message (they hold nothing in MPI)."""
+        withdrawn = self._p2p.cancel_all()
+        if not withdrawn:
+            return
+        for work in list(self._pending.values()):
+            if work._request in withdrawn:
+                work._settle(
+                    GroupClosedError(f"{work.describe}: the group was closed before a message arrived")
+                )
+
     def _stop_progress(self) -> None:
         if self._progress is not None:
             self._progress.stop()
 
     # ------------------------------------------------------------------ errors
+    def _failure(self, describe: str, error: BaseException) -> CommError:
+        """The error a request failed with, for people: a size mismatch or an MPI error."""
+        if isinstance(error, SizeMismatch):
+            return self._size_error(describe, error)
+        return self._mpi_error(describe, error)
+
+    def _size_error(self, describe: str, mismatch: SizeMismatch) -> P2PSizeError:
+        sent, expected = mismatch.sent, mismatch.expected
+        if mismatch.side == "send":
+            what = f"sent {sent} bytes, but the recv on rank {mismatch.peer} has a buffer of {expected} bytes"
+        else:
+            what = f"rank {mismatch.peer} sent {sent} bytes, but this recv's buffer has {expected} bytes"
+        return P2PSizeError(
+            f"{describe}: {what}; send and recv must use tensors of the same size (in bytes). The message "
+            "was discarded on both sides, the receiving tensor is unchanged, and the group stays usable."
+        )
+
     def _mpi_error(self, describe: str, error: BaseException) -> CommError:
         MPI = self._MPI
         if isinstance(error, MPI.Exception):
