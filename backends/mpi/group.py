@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import itertools
 import os
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mpi4py  # an ImportError here names mpi4py; the registry turns it into the pip hint
@@ -1044,6 +1045,66 @@ class MPIProcessGroup(IProcessGroup):
             pipeline, lambda host: [self._MPI.memory.fromaddress(host.data_ptr(), host.nbytes), byte]
         )
 
+    # ---------------------------------------------------------------- subgroups
+    def _new_group(self, ranks: Sequence[int], config: CommConfig) -> MPIProcessGroup | None:
+        """``Comm.Create_group`` over the members (sorted); every rank of this group calls it.
+
+        ``Create_group`` blocks, and only the members take part, so an all-gather
+        on this group first checks, within the timeout, that every rank passed
+        the same ranks (else ``Create_group`` could wait forever).
+        """
+        members = sorted(ranks)
+        digests = self._all_gather_ints("new_group", [len(members), _digest(members)])
+        different = [rank for rank, digest in enumerate(digests) if digest != digests[self.rank]]
+        if different:
+            raise CommError(
+                f"{self._prefix('new_group')}ranks {different} passed other ranks than this rank "
+                f"({members}); every rank of the group must call new_group with the same ranks, in the "
+                "same order of calls"
+            )
+        if self.rank not in members:
+            return None
+        everyone = self._comm.Get_group()
+        try:
+            chosen = everyone.Incl(members)
+        finally:
+            everyone.Free()
+        try:
+            comm = self._comm.Create_group(chosen)
+        finally:
+            chosen.Free()
+        return self._wrap(comm, config)
+
+    def _split(self, color: int | None, key: int, config: CommConfig) -> MPIProcessGroup | None:
+        """``Comm.Split``: one group per color, ordered by ``(key, rank)``; a color of None or < 0 gets None.
+
+        ``Comm.Split`` blocks: a barrier first checks, within the timeout, that
+        every rank has called ``split``.
+        """
+        self._start("split", None, self._comm.Ibarrier, None, None, False)
+        undefined = color is None or color < 0
+        comm = self._comm.Split(self._MPI.UNDEFINED if undefined else color, key)
+        if comm == self._MPI.COMM_NULL:
+            return None
+        return self._wrap(comm, config)
+
+    def _wrap(self, comm: Any, config: CommConfig) -> MPIProcessGroup:
+        """A group over a duplicate of ``comm`` (freed here), with this group's backend settings."""
+        try:
+            env = dataclasses.replace(self._env, rank=comm.Get_rank(), world_size=comm.Get_size())
+            return MPIProcessGroup(env, config, comm=comm, mpi_config=self._mpi_config)
+        finally:
+            comm.Free()
+
+    def _all_gather_ints(self, op: str, values: list[int]) -> list[tuple[int, ...]]:
+        """All-gather a few int64 from every rank (bounded by the timeout); return every rank's."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        everyone = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        plan = self._plan_for(torch.int64)
+        send, recv = self._host_buffer(mine, plan), self._host_buffer(everyone, plan)
+        self._start(op, None, lambda: self._comm.Iallgather(send, recv), None, (mine, everyone), False)
+        return [tuple(row) for row in everyone.view(self.world_size, -1).tolist()]
+
     # --------------------------------------------------------------- helpers
     def _send_span(self, views: list[torch.Tensor]) -> torch.Tensor:
         """One flat tensor holding ``views`` back to back: theirs if they already lie so, else a copy."""
@@ -1127,6 +1188,11 @@ class MPIProcessGroup(IProcessGroup):
                 "the same collectives in the same order, with tensors of the same size and dtype."
             )
         return CommError(f"{describe}: {type(error).__name__}: {error}")
+
+
+def _digest(values: list[int]) -> int:
+    """A 56-bit digest of a list of ints (the same on every rank for the same list)."""
+    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=7).digest(), "little")
 
 
 def _tiled(views: list[torch.Tensor]) -> torch.Tensor | None:
