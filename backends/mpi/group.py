@@ -1116,7 +1116,7 @@ class MPIProcessGroup(IProcessGroup):
         span = _tiled(views)
         if span is not None:
             return span, None
-        scratch = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
+        scratch = views[0].new_empty(sum(v.numel() for v in views))
 
         def copy_out() -> None:
             offset = 0
