@@ -1132,6 +1132,8 @@ class MPIProcessGroup(IProcessGroup):
     def _close(self) -> None:
         self._stop_progress()
         self._withdraw_receives()
+        for work in list(self._pending.values()):
+            work._test()  # a send abandoned at its timeout may have been received since
         if self._pending:
             # The communicator still has collectives in flight: keep it (and this
             # group, in _live_groups) for the exit hook, which aborts the job rather than hang.

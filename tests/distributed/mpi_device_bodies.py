@@ -407,3 +407,95 @@ def missing_cupy(group: IProcessGroup) -> dict[str, Any]:
             sys.modules.pop("cupy", None)
         else:
             sys.modules["cupy"] = saved
+
+
+def _new_ops(group: IProcessGroup, calls: list[tuple[str, str, bool]]) -> dict[str, Any]:
+    """reduce, gather, scatter, all_to_all (uneven) and send/recv on emulated CUDA tensors, exactly.
+
+    Returns the failures, and for each (operation, dtype) whether MPI saw device buffers.
+    """
+    world, rank = group.world_size, group.rank
+    failures: list[str] = []
+    paths: dict[str, set[bool]] = {}
+    checked = 0
+
+    def note(key: str, before: int) -> None:
+        paths.setdefault(key, set()).update(device for _, _, device in calls[before:])
+
+    def values(seed: int, r: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return ((torch.arange(n) * 7 + seed + 3 * r) % 5).to(dtype)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool):
+        for n in (0, 1, 13, 1000):
+            inputs = [values(n, r, n, dtype) for r in range(world)]
+            high = torch.stack([t.to(torch.float64) for t in inputs]).max(0).values.to(dtype)
+            for root in range(world):
+                t = on_device(inputs[rank])
+                before = len(calls)
+                group.reduce(t, root, ReduceOp.MAX)
+                note(f"reduce {dtype}", before)
+                expected = high if rank == root else inputs[rank]
+                if not torch.equal(on_host(t), expected):
+                    failures.append(f"reduce {dtype} n={n} dst={root}: got {on_host(t)[:6].tolist()}")
+                outs = None
+                if rank == root:
+                    outs = [on_device(torch.zeros(n, dtype=dtype)) for _ in range(world)]
+                before = len(calls)
+                group.gather(on_device(inputs[rank]), outs, root)
+                note(f"gather {dtype}", before)
+                if outs is not None and not all(
+                    torch.equal(on_host(o), i) for o, i in zip(outs, inputs, strict=True)
+                ):
+                    failures.append(f"gather {dtype} n={n} dst={root}")
+                t = on_device(torch.zeros(n, dtype=dtype))
+                before = len(calls)
+                group.scatter(t, [on_device(i) for i in inputs] if rank == root else None, root)
+                note(f"scatter {dtype}", before)
+                if not torch.equal(on_host(t), inputs[rank]):
+                    failures.append(f"scatter {dtype} n={n} src={root}")
+            # Uneven: rank r sends (r + j) % 3 * n elements to rank j.
+            send_sizes = [(rank + j) % 3 * n for j in range(world)]
+            recv_sizes = [(j + rank) % 3 * n for j in range(world)]
+            flat_in = on_device(torch.cat([values(j, rank, send_sizes[j], dtype) for j in range(world)]))
+            flat_out = on_device(torch.zeros(sum(recv_sizes), dtype=dtype))
+            before = len(calls)
+            group.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes)
+            note(f"all_to_all {dtype}", before)
+            expected = torch.cat([values(rank, j, recv_sizes[j], dtype) for j in range(world)])
+            if not torch.equal(on_host(flat_out), expected):
+                failures.append(f"all_to_all_single {dtype} n={n}")
+            # A ring of messages, received from any rank.
+            t = on_device(inputs[rank])
+            got = on_device(torch.zeros(n, dtype=dtype))
+            before = len(calls)
+            send = group.isend(t, (rank + 1) % world, tag=5)
+            recv = group.irecv(got, tag=5)
+            send.wait()
+            recv.wait()
+            note(f"p2p {dtype}", before)
+            left = (rank - 1) % world
+            if not torch.equal(on_host(got), inputs[left]) or recv.source_rank() != left:
+                failures.append(f"p2p {dtype} n={n}: from {recv.source_rank()}: {on_host(got)[:6].tolist()}")
+            checked += 1
+    return {
+        "checked": checked,
+        "failures": failures,
+        "device_buffers": {key: sorted(seen) for key, seen in paths.items()},
+    }
+
+
+def staged_new_ops(group: IProcessGroup) -> dict[str, Any]:
+    """Not CUDA-aware: the new operations staged through host memory."""
+    with emulated(group, aware=0, lag=1) as seen:
+        result = _new_ops(group, seen["comm"].calls)
+        stats = seen["pool"].stats
+        result.update(allocated=stats.allocated, reused=stats.reused, synced=len(seen["synced"]))
+    return result
+
+
+def zero_copy_new_ops(group: IProcessGroup) -> dict[str, Any]:
+    """CUDA-aware: the new operations hand MPI the tensors' own memory."""
+    with emulated(group, aware=1) as seen:
+        result = _new_ops(group, seen["comm"].calls)
+        result.update(synced=len(seen["synced"]))
+    return result
