@@ -615,8 +615,6 @@ class MPIProcessGroup(IProcessGroup):
             work_type: ``_P2PWork`` for sends and receives.
         """
         issued = time.monotonic()
-        if label is None:
-            label = self._label(op, tensor)
         # Finishing steps (AVG's division, a scatter into outputs) run on the stream that is
         # current now, whichever thread settles the work: staging made it wait for the copies back.
         on_device = tensor is not None and tensor.is_cuda
@@ -624,7 +622,7 @@ class MPIProcessGroup(IProcessGroup):
         try:
             request = start()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
-            error = self._failure(str(label), e)
+            error = self._failure(str(label or self._label(op, tensor)), e)
             self._mark_broken(error)
             raise error from e
         if not async_op:
@@ -636,7 +634,7 @@ class MPIProcessGroup(IProcessGroup):
                 test = self._tester(request)
                 done = wait_until(test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception
-                error = self._failure(str(label), e)
+                error = self._failure(str(label or self._label(op, tensor)), e)
                 if work_type._breaks_group(error):
                     self._mark_broken(error)
                 raise error from e
@@ -644,14 +642,13 @@ class MPIProcessGroup(IProcessGroup):
                 if progress is not None:
                     progress.waiter_exit()
             if done:
-                completed = CompletedWork(label=label)
-                source = getattr(request, "source", None)
-                if source is not None:
-                    completed._set_source(source)
+                completed = CompletedWork() if label is None else CompletedWork(label=label)
+                if isinstance(request, RecvRequest) and request.source is not None:
+                    completed._set_source(request.source)
                 if finish is not None:
                     completed.add_finisher(finish)
                 return completed
-        work = work_type(self, label, request, keep_alive, issued, stream)
+        work = work_type(self, label or self._label(op, tensor), request, keep_alive, issued, stream)
         if finish is not None:
             work.add_finisher(finish)
         # Every unfinished request is listed, for the exit hook (dict ops are atomic under the GIL).
