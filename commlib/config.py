@@ -10,13 +10,16 @@ from collections.abc import Mapping
 
 from commlib.env import read_env_var
 
-__all__ = ["CommConfig", "DEBUG_MODES", "DEFAULT_STALL_S", "DEFAULT_TIMEOUT_S"]
+__all__ = ["CommConfig", "DEBUG_MODES", "DEFAULT_MAX_OBJECT_BYTES", "DEFAULT_STALL_S", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default for every blocking wait, in seconds (``COMMLIB_TIMEOUT`` overrides it)."""
 
 DEFAULT_STALL_S = 60.0
 """Default for ``COMMLIB_STALL_S``: seconds a collective waits before a stall warning."""
+
+DEFAULT_MAX_OBJECT_BYTES = 1 << 30
+"""Default for ``COMMLIB_MAX_OBJECT_BYTES``: the largest pickled object an object collective moves (1 GiB)."""
 
 DEBUG_MODES = ("off", "detail")
 """Values of ``COMMLIB_DEBUG`` (case-insensitive)."""
@@ -42,6 +45,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise ValueError("must be >= 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("must be >= 1")
     return value
 
 
@@ -87,6 +97,11 @@ class CommConfig:
     """Directory the flight recorder writes ``commlib_flight_rank{R}.json`` into;
     None: the system's temporary directory. ``COMMLIB_DUMP_DIR``."""
 
+    max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES
+    """Largest pickled object, in bytes, that the object collectives
+    (``broadcast_object_list``...) send or accept; a larger one raises on every rank
+    before its bytes move. Default 1 GiB, or ``COMMLIB_MAX_OBJECT_BYTES``."""
+
     def __post_init__(self) -> None:
         timeout = self.timeout
         if isinstance(timeout, datetime.timedelta):
@@ -125,6 +140,13 @@ class CommConfig:
             raise ValueError(
                 f"CommConfig.flight_recorder: must be >= 0 (0 disables), got {self.flight_recorder}"
             )
+        if isinstance(self.max_object_bytes, bool) or not isinstance(self.max_object_bytes, int):
+            raise TypeError(
+                f"CommConfig.max_object_bytes: expected a number of bytes (an int), "
+                f"got {type(self.max_object_bytes).__name__}"
+            )
+        if self.max_object_bytes < 1:
+            raise ValueError(f"CommConfig.max_object_bytes: must be >= 1, got {self.max_object_bytes}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> CommConfig:
@@ -136,6 +158,9 @@ class CommConfig:
             "stall_s": read_env_var("COMMLIB_STALL_S", _non_negative_float, DEFAULT_STALL_S, environ),
             "flight_recorder": read_env_var("COMMLIB_FLIGHT_RECORDER", _non_negative_int, 0, environ),
             "dump_dir": environ.get("COMMLIB_DUMP_DIR", "").strip() or None,
+            "max_object_bytes": read_env_var(
+                "COMMLIB_MAX_OBJECT_BYTES", _positive_int, DEFAULT_MAX_OBJECT_BYTES, environ
+            ),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ __all__ = [
     "BackendUnavailableError",
     "NotInitializedError",
     "GroupClosedError",
+    "ReduceOpTypeError",
     "error_prefix",
 ]
 
@@ -50,6 +51,13 @@ class NotInitializedError(CommError):
 
 class GroupClosedError(CommError):
     """A collective was called on a process group after ``close()``, or after it broke."""
+
+
+class ReduceOpTypeError(TypeError, ValueError):
+    """A reduce op does not apply to the dtype (BAND on floats, AVG on integers), or lacks its argument.
+
+    It is both a ``TypeError`` and a ``ValueError``, so code that caught either keeps working.
+    """
 
 
 def error_prefix(rank: int, world_size: int, backend: str, op: str) -> str:

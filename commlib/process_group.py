@@ -1,30 +1,40 @@
 """``IProcessGroup``: the collective interface every backend implements.
 
 Public methods check their arguments once, before any communication, then call
-the backend's ``_all_reduce`` / ``_broadcast`` / ... implementation, which
-returns a ``Work``. A synchronous call waits on that ``Work`` before returning.
+one backend hook (``_all_reduce``, ``_send``, ``_new_group``...), which returns a
+``Work``. Every operation is issued by one helper, ``_issue`` (collectives) or
+``_issue_p2p`` (point-to-point), which numbers it, hands it to the diagnosis
+when that is on, and waits for it unless the caller asked for ``async_op``.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import ClassVar
+import dataclasses
+import datetime
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch.autograd.graph import increment_version
 
-from commlib import nan_minmax
+from commlib import nan_minmax, objects
 from commlib.config import CommConfig
-from commlib.diagnosis.diagnostics import Diagnostics, FingerprintExchange
+from commlib.diagnosis import Diagnostics, FingerprintExchange
 from commlib.env import DistEnv
-from commlib.errors import GroupClosedError, error_prefix
-from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, ReduceOp, dtype_name
+from commlib.errors import CommError, GroupClosedError, ReduceOpTypeError, error_prefix
+from commlib.p2p import P2POp, P2PRequest
+from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, dtype_name, op_applies
 from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
 
 TensorList = Sequence[torch.Tensor]
+
+_root_groups = itertools.count()
+"""Root groups created in this process: names them (``gloo#0``) alike on every rank."""
 
 
 class IProcessGroup(abc.ABC):
@@ -33,19 +43,24 @@ class IProcessGroup(abc.ABC):
     Every collective is in place on torch tensors and must be called by every
     rank of the group, in the same order, with tensors of the same dtype and
     size. With ``async_op=True`` it returns a ``Work`` handle; otherwise it
-    returns ``None`` once the result is in the tensor.
+    returns ``None`` once the result is in the tensor. Ranks (``src``, ``dst``,
+    ``peer``) are ranks of this group.
 
     Subclasses set ``backend_name`` and implement ``_all_reduce``,
     ``_broadcast``, ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and
-    ``_close``. They may narrow ``supported_dtypes`` and ``supported_devices``
-    or override ``supports``. What every backend needs is here: argument checks,
-    the sequence number and label of each collective (``_seq``, ``_label``),
-    ``ReduceOp.AVG`` for backends that cannot average natively (``_native_avg``
-    False: the backend sums, then the interface divides once), MAX and MIN that
-    propagate NaN for backends whose own drop it (``_propagates_nan`` False), the
-    autograd version bump of every tensor a collective writes, and the diagnosis
+    ``_close``; the hooks of the other operations (``_reduce``, ``_gather``,
+    ``_scatter``, ``_all_to_all``, ``_send``, ``_recv``, ``_new_group``) raise
+    ``NotImplementedError`` until a backend implements them. Backends may narrow
+    ``supported_dtypes`` and ``supported_devices`` or override ``supports``. What
+    every backend needs is here: argument checks, the sequence number and label
+    of each collective (``_seq``, ``_label``; point-to-point operations are
+    counted per peer and tag instead, ``_p2p_label``), ``ReduceOp.AVG`` and
+    ``PREMUL_SUM`` for backends that cannot do them natively, MAX and MIN that
+    propagate NaN for backends whose own drop it (``_propagates_nan`` False), bool
+    reductions as BAND/BOR, the autograd version bump of every tensor a
+    collective writes, subgroups' global ranks and names, and the diagnosis
     (stall reports, ``COMMLIB_DEBUG=DETAIL``, the flight recorder; see
-    ``commlib.diagnosis.diagnostics``), which whoever creates the group starts with
+    ``commlib.diagnosis``), which whoever creates the group starts with
     ``_start_diagnostics()`` once it is connected.
 
     Args:
@@ -57,13 +72,16 @@ class IProcessGroup(abc.ABC):
     """Name of the backend, as chosen with ``COMMLIB_BACKEND``."""
 
     supported_dtypes: ClassVar[frozenset[torch.dtype]] = SUPPORTED_DTYPES
-    """Tensor dtypes this backend reduces."""
+    """Tensor dtypes this backend moves and reduces."""
 
     supported_devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     """Device types (``cpu``, ``cuda``) whose tensors this backend accepts."""
 
     default_debug: ClassVar[str] = "off"
     """``COMMLIB_DEBUG`` when it is unset: ``off`` or ``detail`` (the fingerprint check)."""
+
+    max_tag: ClassVar[int] = (1 << 24) - 1
+    """Largest point-to-point tag (tags are ``0..max_tag``)."""
 
     _works_testable_from_any_thread: bool = True
     """Whether the watchdog thread may call ``Work.is_completed()`` on this group's works."""
@@ -78,9 +96,15 @@ class IProcessGroup(abc.ABC):
         self._accepted: set[tuple[object, ...]] = set()
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
+        self._p2p_counts: dict[tuple[str, int | None, int], int] = {}
+        """Point-to-point operations issued so far, per (``send``/``recv``, peer, tag)."""
         self._diagnostics: Diagnostics | None = None
         """Stall watchdog, fingerprint check and flight recorder, when any is on."""
         self._bytes_issued = 0
+        self._global_ranks: tuple[int, ...] = tuple(range(env.world_size))
+        self._group_name = f"#{next(_root_groups)}"
+        self._subgroups_made = 0
+        """``new_group`` / ``split`` calls on this group: numbers the groups they make."""
 
     # ------------------------------------------------------------------ identity
     @property
@@ -112,6 +136,17 @@ class IProcessGroup(abc.ABC):
     def timeout(self) -> float:
         """Seconds a blocking wait may take before it raises ``CommTimeoutError``."""
         return self._config.timeout
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """The members' ranks in the root group (the one with no parent), in this group's rank order."""
+        return self._global_ranks
+
+    @property
+    def group_name(self) -> str:
+        """The group's name, alike on every member: ``gloo#0`` (a root group), ``gloo#0.2`` (a subgroup)."""
+        name = self._group_name
+        return f"{self.backend}{name}" if name.startswith("#") else name
 
     @property
     def bytes_issued(self) -> int:
@@ -168,15 +203,20 @@ class IProcessGroup(abc.ABC):
         """
         return True
 
-    def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    def supports(
+        self, op: ReduceOp | PremulSum, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> bool:
         """Return True if this backend can reduce ``dtype`` tensors on ``device`` with ``op``.
 
-        ``AVG`` is defined for floating point dtypes only.
+        The op must apply to the dtype (``commlib.types.op_applies``: AVG and
+        PREMUL_SUM on floating point only, BAND/BOR/BXOR on integers and bool only).
         """
+        if isinstance(op, PremulSum):
+            op = op.op
         device_type = torch.device(device).type
         if dtype not in self.supported_dtypes or device_type not in self.supported_devices:
             return False
-        return not (op is ReduceOp.AVG and dtype in INT_DTYPES)
+        return op_applies(op, dtype)
 
     @property
     def shares_buffers(self) -> bool:
@@ -208,13 +248,13 @@ class IProcessGroup(abc.ABC):
 
     # ------------------------------------------------------------- collectives
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+        self, tensor: torch.Tensor, op: ReduceOp | PremulSum = ReduceOp.SUM, *, async_op: bool = False
     ) -> Work | None:
         """Reduce ``tensor`` across all ranks, in place; every rank gets the result.
 
         Args:
             tensor: Contiguous tensor, the same shape and dtype on every rank.
-            op: How to combine the ranks' tensors.
+            op: How to combine the ranks' tensors (a ``ReduceOp``, or ``commlib.premul_sum(f)``).
             async_op: Return a ``Work`` handle instead of waiting.
 
         Returns:
@@ -239,37 +279,76 @@ class IProcessGroup(abc.ABC):
             tensor = tensor.detach()
         increment_version(tensor)
         self._bytes_issued += tensor.nbytes
-        if self._diagnostics is not None:
-            return self._diagnostics.run(
-                self,
-                "all_reduce",
-                tensor,
-                op,
-                -1,
-                async_op,
-                [tensor],
-                self._start_all_reduce,
-                tensor,
-                op,
-                async_op,
-            )
-        self._seq += 1
-        return self._finish(self._start_all_reduce(tensor, op, async_op), async_op, [tensor])
+        return self._issue(
+            "all_reduce",
+            tensor,
+            op,
+            -1,
+            async_op,
+            [tensor],
+            lambda: self._start_all_reduce(tensor, op, async_op),
+        )
 
-    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
-        if op is ReduceOp.SUM:
+    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
+        if op is ReduceOp.SUM and tensor.dtype is not torch.bool:
             return self._all_reduce(tensor, op, async_op)
-        if op is ReduceOp.AVG and not self._native_avg(tensor):
-            work = self._all_reduce(tensor, ReduceOp.SUM, async_op)
-            work.add_finisher(_Divide(tensor, self.world_size))
+        op, finish = self._prepare_reduction(tensor, op, in_place=True)
+        if finish is _NAN_KEYS:
+            keys = nan_minmax.encode(tensor, op, in_place=True)  # type: ignore[arg-type]
+            work = self._all_reduce(keys, op, async_op)  # type: ignore[arg-type]
+            work.add_finisher(_Decode(keys, tensor))
             return work
-        if (op is ReduceOp.MAX or op is ReduceOp.MIN) and tensor.is_floating_point():
-            if not self._propagates_nan(tensor):
-                keys = nan_minmax.encode(tensor, op, in_place=True)
-                work = self._all_reduce(keys, op, async_op)
-                work.add_finisher(_Decode(keys, tensor))
-                return work
-        return self._all_reduce(tensor, op, async_op)
+        work = self._all_reduce(tensor, op, async_op)  # type: ignore[arg-type]
+        if finish is not None:
+            work.add_finisher(finish)
+        return work
+
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        op: ReduceOp | PremulSum = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduce ``tensor`` across all ranks into ``tensor`` on rank ``dst``; the others' are left unchanged.
+
+        Args:
+            tensor: Contiguous tensor, the same shape and dtype on every rank.
+            dst: Rank that receives the result.
+            op: How to combine the ranks' tensors.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+        """
+        name = "reduce"
+        self._check_usable(name)
+        self._check_reduction(name, tensor, op)
+        self._check_rank(name, dst, "dst")
+        flat = tensor.detach().view(-1)
+        if self.rank == dst:
+            increment_version(flat)
+        self._bytes_issued += tensor.nbytes
+        return self._issue(
+            name, tensor, op, dst, async_op, [tensor], lambda: self._start_reduce(flat, dst, op, async_op)
+        )
+
+    def _start_reduce(self, flat: torch.Tensor, dst: int, op: ReduceOp | PremulSum, async_op: bool) -> Work:
+        root = self.rank == dst
+        op, finish = self._prepare_reduction(flat, op, in_place=root)
+        if finish is _NAN_KEYS:
+            keys = nan_minmax.encode(flat, op, in_place=root)  # type: ignore[arg-type]
+            work = self._reduce(keys, dst, op, async_op)  # type: ignore[arg-type]
+            if root:
+                work.add_finisher(_Decode(keys, flat))
+            return work
+        if isinstance(finish, _Scaled):  # not the root: reduce a scaled copy, leave the tensor alone
+            return self._reduce(finish.tensor, dst, op, async_op)  # type: ignore[arg-type]
+        work = self._reduce(flat, dst, op, async_op)  # type: ignore[arg-type]
+        if finish is not None and root:
+            work.add_finisher(finish)
+        return work
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank.
@@ -289,12 +368,9 @@ class IProcessGroup(abc.ABC):
         flat = tensor.detach()
         increment_version(flat)
         self._bytes_issued += tensor.nbytes
-        if self._diagnostics is not None:
-            return self._diagnostics.run(
-                self, name, flat, None, src, async_op, [tensor], self._broadcast, flat, src, async_op
-            )
-        self._seq += 1
-        return self._finish(self._broadcast(flat, src, async_op), async_op, [tensor])
+        return self._issue(
+            name, flat, None, src, async_op, [tensor], lambda: self._broadcast(flat, src, async_op)
+        )
 
     def all_gather(
         self,
@@ -323,29 +399,29 @@ class IProcessGroup(abc.ABC):
         increment_version(outputs if flat_output is None else flat_output)
         self._bytes_issued += tensor.nbytes
         flat = tensor.detach().view(-1)
-        if self._diagnostics is not None:
-            return self._diagnostics.run(
-                self,
-                name,
-                tensor,
-                None,
-                -1,
-                async_op,
-                output,
-                self._all_gather,
-                flat_output,
-                outputs,
-                flat,
-                async_op,
-            )
-        self._seq += 1
-        return self._finish(self._all_gather(flat_output, outputs, flat, async_op), async_op, output)
+        return self._issue(
+            name,
+            tensor,
+            None,
+            -1,
+            async_op,
+            output,
+            lambda: self._all_gather(flat_output, outputs, flat, async_op),
+        )
+
+    def all_gather_into_tensor(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *, async_op: bool = False
+    ) -> Work | None:
+        """``all_gather`` into one tensor of ``world_size * input_tensor.numel()`` elements (torch's name)."""
+        if not isinstance(output_tensor, torch.Tensor):
+            self._check_tensor("all_gather_into_tensor", output_tensor, "output_tensor")
+        return self.all_gather(output_tensor, input_tensor, async_op=async_op)
 
     def reduce_scatter(
         self,
         output: torch.Tensor,
         input: torch.Tensor | TensorList,  # noqa: A002 - the torch.distributed name
-        op: ReduceOp = ReduceOp.SUM,
+        op: ReduceOp | PremulSum = ReduceOp.SUM,
         *,
         async_op: bool = False,
     ) -> Work | None:
@@ -373,53 +449,209 @@ class IProcessGroup(abc.ABC):
         flat = output.detach().view(-1)
         increment_version(flat)
         self._bytes_issued += output.nbytes * self.world_size
-        if self._diagnostics is not None:
-            return self._diagnostics.run(
-                self,
-                name,
-                output,
-                op,
-                -1,
-                async_op,
-                [output],
-                self._start_reduce_scatter,
-                flat,
-                flat_input,
-                inputs,
-                op,
-                async_op,
-            )
-        self._seq += 1
-        return self._finish(
-            self._start_reduce_scatter(flat, flat_input, inputs, op, async_op), async_op, [output]
+        return self._issue(
+            name,
+            output,
+            op,
+            -1,
+            async_op,
+            [output],
+            lambda: self._start_reduce_scatter(flat, flat_input, inputs, op, async_op),
         )
+
+    def reduce_scatter_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - the torch.distributed name
+        op: ReduceOp | PremulSum = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """``reduce_scatter`` from one tensor of ``world_size * output.numel()`` elements (torch's name)."""
+        if not isinstance(input, torch.Tensor):
+            self._check_tensor("reduce_scatter_tensor", input, "input")
+        return self.reduce_scatter(output, input, op, async_op=async_op)
 
     def _start_reduce_scatter(
         self,
         flat: torch.Tensor,
         flat_input: torch.Tensor | None,
         inputs: list[torch.Tensor],
-        op: ReduceOp,
+        op: ReduceOp | PremulSum,
         async_op: bool,
     ) -> Work:
-        if op is ReduceOp.AVG and not self._native_avg(flat):
-            work = self._reduce_scatter(flat, flat_input, inputs, ReduceOp.SUM, async_op)
-            work.add_finisher(_Divide(flat, self.world_size))
-            return work
-        if (
-            (op is ReduceOp.MAX or op is ReduceOp.MIN)
-            and flat.is_floating_point()
-            and not self._propagates_nan(flat)
-        ):
+        op, finish = self._prepare_reduction(flat, op, in_place=False, inputs=(flat_input, inputs))
+        if finish is _NAN_KEYS:
             keys_out = nan_minmax.output_keys(flat)
-            source = flat_input if flat_input is not None else torch.cat(inputs)
-            keys_in = nan_minmax.encode(source, op, in_place=False)
+            keys_in = nan_minmax.encode(self._whole(flat_input, inputs), op, in_place=False)  # type: ignore[arg-type]
             block = flat.numel()
             blocks = [keys_in[i * block : (i + 1) * block] for i in range(self.world_size)]
-            work = self._reduce_scatter(keys_out, keys_in, blocks, op, async_op)
+            work = self._reduce_scatter(keys_out, keys_in, blocks, op, async_op)  # type: ignore[arg-type]
             work.add_finisher(_Decode(keys_out, flat))
             return work
-        return self._reduce_scatter(flat, flat_input, inputs, op, async_op)
+        if isinstance(finish, _Scaled):
+            scaled = finish.tensor
+            block = flat.numel()
+            blocks = [scaled[i * block : (i + 1) * block] for i in range(self.world_size)]
+            return self._reduce_scatter(flat, scaled, blocks, op, async_op)  # type: ignore[arg-type]
+        work = self._reduce_scatter(flat, flat_input, inputs, op, async_op)  # type: ignore[arg-type]
+        if finish is not None:
+            work.add_finisher(finish)
+        return work
+
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: TensorList | None = None,
+        dst: int = 0,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst``.
+
+        Args:
+            tensor: This rank's contribution; the same number of elements and dtype on every rank.
+            gather_list: On ``dst``, a list of ``world_size`` tensors of ``tensor.numel()``
+                elements (entry ``i`` receives rank ``i``'s data); elsewhere None.
+            dst: Rank that receives.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+        """
+        name = "gather"
+        self._check_usable(name)
+        self._check_tensor(name, tensor, "tensor")
+        self._check_rank(name, dst, "dst")
+        outputs = self._root_list(name, gather_list, "gather_list", tensor, dst)
+        if outputs is not None:
+            increment_version(outputs)
+        self._bytes_issued += tensor.nbytes
+        flat = tensor.detach().view(-1)
+        return self._issue(
+            name, tensor, None, dst, async_op, gather_list, lambda: self._gather(flat, outputs, dst, async_op)
+        )
+
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: TensorList | None = None,
+        src: int = 0,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Send entry ``i`` of ``scatter_list`` on rank ``src`` into ``tensor`` on rank ``i``.
+
+        Args:
+            tensor: Receives this rank's entry; the same number of elements and dtype on every rank.
+            scatter_list: On ``src``, a list of ``world_size`` tensors of ``tensor.numel()``
+                elements; elsewhere None.
+            src: Rank that sends.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+        """
+        name = "scatter"
+        self._check_usable(name)
+        self._check_tensor(name, tensor, "tensor")
+        self._check_rank(name, src, "src")
+        inputs = self._root_list(name, scatter_list, "scatter_list", tensor, src)
+        flat = tensor.detach().view(-1)
+        increment_version(flat)
+        self._bytes_issued += tensor.nbytes * (self.world_size if inputs is not None else 1)
+        return self._issue(
+            name, tensor, None, src, async_op, [tensor], lambda: self._scatter(flat, inputs, src, async_op)
+        )
+
+    def all_to_all(
+        self,
+        output_tensor_list: TensorList,
+        input_tensor_list: TensorList,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Send ``input_tensor_list[j]`` to rank ``j``; receive rank ``j``'s into ``output_tensor_list[j]``.
+
+        Entries may differ in size from peer to peer (what rank ``i`` sends to
+        ``j`` must have as many elements as ``j``'s output entry ``i``).
+
+        Args:
+            output_tensor_list: ``world_size`` contiguous tensors that receive.
+            input_tensor_list: ``world_size`` contiguous tensors to send, of the outputs' dtype.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+        """
+        name = "all_to_all"
+        self._check_usable(name)
+        outputs = self._tensor_list(name, output_tensor_list, "output_tensor_list", None)
+        inputs = self._tensor_list(name, input_tensor_list, "input_tensor_list", output_tensor_list[0])
+        increment_version(outputs)
+        like = input_tensor_list[0]
+        self._bytes_issued += sum(t.nbytes for t in inputs)
+        counts = ([t.numel() for t in outputs], [t.numel() for t in inputs])
+        return self._issue(
+            name,
+            like,
+            None,
+            -1,
+            async_op,
+            output_tensor_list,
+            lambda: self._all_to_all(outputs, inputs, async_op),
+            counts,
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - the torch.distributed name
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """``all_to_all`` on two tensors split along dim 0.
+
+        Args:
+            output: Receives the blocks, rank ``j``'s at split ``j``.
+            input: Sends split ``j`` to rank ``j``.
+            output_split_sizes: Rows of ``output`` received from each rank; None: equal
+                splits (``output.shape[0]`` divisible by the world size).
+            input_split_sizes: Rows of ``input`` sent to each rank; None: equal splits.
+            async_op: Return a ``Work`` handle instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+
+        Example::
+
+            >>> inp = torch.arange(4) + 4 * rank          # 2 ranks
+            >>> out = torch.empty(4, dtype=torch.int64)
+            >>> group.all_to_all_single(out, inp)
+            >>> out   # rank 0: tensor([0, 1, 4, 5]); rank 1: tensor([2, 3, 6, 7])
+        """
+        name = "all_to_all_single"
+        self._check_usable(name)
+        self._check_tensor(name, output, "output")
+        self._check_tensor(name, input, "input")
+        self._check_same_kind(name, input, "input", output)
+        outputs = self._split_rows(name, output, output_split_sizes, "output")
+        inputs = self._split_rows(name, input, input_split_sizes, "input")
+        increment_version(output.detach())
+        self._bytes_issued += input.nbytes
+        counts = ([t.numel() for t in outputs], [t.numel() for t in inputs])
+        return self._issue(
+            "all_to_all",
+            input,
+            None,
+            -1,
+            async_op,
+            output,
+            lambda: self._all_to_all(outputs, inputs, async_op),
+            counts,
+        )
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
         """Block until every rank of the group has called ``barrier``.
@@ -428,17 +660,300 @@ class IProcessGroup(abc.ABC):
             async_op: Return a ``Work`` handle instead of waiting.
         """
         self._check_usable("barrier")
-        if self._diagnostics is not None:
-            return self._diagnostics.run(
-                self, "barrier", None, None, -1, async_op, None, self._barrier, async_op
-            )
-        self._seq += 1
-        return self._finish(self._barrier(async_op), async_op, None)
+        return self._issue("barrier", None, None, -1, async_op, None, lambda: self._barrier(async_op))
 
+    # ----------------------------------------------------------------- objects
+    def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
+        """Replace ``object_list``'s entries on every rank with ``src``'s (pickled; see ``commlib.objects``).
+
+        Args:
+            object_list: On ``src``, the objects to send; elsewhere, a list of the same length to fill.
+            src: Rank whose objects are sent.
+        """
+        objects.broadcast_object_list(self, object_list, src)
+
+    def all_gather_object(self, object_list: list[Any], obj: Any) -> None:
+        """Fill ``object_list`` (``world_size`` entries) with every rank's ``obj``, in rank order."""
+        objects.all_gather_object(self, object_list, obj)
+
+    def gather_object(self, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0) -> None:
+        """Collect every rank's ``obj`` into ``object_gather_list`` (``world_size`` entries) on ``dst``."""
+        objects.gather_object(self, obj, object_gather_list, dst)
+
+    def scatter_object_list(
+        self,
+        scatter_object_output_list: list[Any],
+        scatter_object_input_list: list[Any] | None = None,
+        src: int = 0,
+    ) -> None:
+        """Put entry ``i`` of ``src``'s input list into ``scatter_object_output_list[0]`` on rank ``i``."""
+        objects.scatter_object_list(self, scatter_object_output_list, scatter_object_input_list, src)
+
+    # ---------------------------------------------------------- point-to-point
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to rank ``dst``; return once it can be reused.
+
+        The matching ``recv`` must name this rank (or any rank) and ``tag`` and
+        pass a tensor of as many bytes. Messages from one rank to another with
+        one tag arrive in the order sent.
+
+        Args:
+            tensor: Contiguous tensor to send.
+            dst: The receiving rank (not this one).
+            tag: Matches the receive (``0..max_tag``).
+
+        Raises:
+            CommError: The receiver's tensor has a different size (raised on both
+                sides), or the peer failed.
+            CommTimeoutError: No matching receive within the group's timeout.
+        """
+        self._p2p("send", "send", tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
+        """Receive a message from rank ``src`` (None: any rank) into ``tensor``; return the sender's rank.
+
+        Args:
+            tensor: Contiguous tensor with as many bytes as the message.
+            src: The sending rank, or None for whichever sends first.
+            tag: Matches the send.
+
+        Raises:
+            CommError: The message has a different size than ``tensor`` (raised on
+                both sides), or the peer failed.
+            CommTimeoutError: No message within the group's timeout.
+        """
+        work = self._p2p("recv", "recv", tensor, src, tag)
+        work.wait()
+        return work.source_rank()
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        """Start ``send``; return its ``Work`` (do not touch ``tensor`` until it completes)."""
+        return self._p2p("isend", "send", tensor, dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
+        """Start ``recv``; return its ``Work`` (``work.source_rank()`` names the sender once it completed)."""
+        return self._p2p("irecv", "recv", tensor, src, tag)
+
+    def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
+        """Start every send and receive of ``p2p_op_list`` at once; return their works, in order.
+
+        Sends and receives in one batch never wait for each other, so two ranks may
+        send to each other in one batch each. Every op must belong to this group
+        (``P2POp(..., group=group)``, or ``group.isend`` / ``group.irecv`` as ``op``).
+
+        Raises:
+            ValueError: The list is empty, or an op names another group, a bad peer or tag.
+        """
+        name = "batch_isend_irecv"
+        self._check_usable(name)
+        if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+            raise ValueError(
+                f"{self._prefix(name)}expected a non-empty list of commlib.P2POp, got {p2p_op_list!r}"
+            )
+        requests = []
+        for i, p2p in enumerate(p2p_op_list):
+            if not isinstance(p2p, P2POp):
+                raise TypeError(
+                    f"{self._prefix(name)}p2p_op_list[{i}] is {type(p2p).__name__}, not a commlib.P2POp"
+                )
+            if p2p.group is not None and p2p.group is not self:
+                raise ValueError(
+                    f"{self._prefix(name)}p2p_op_list[{i}] belongs to another group ({p2p.group!r}); "
+                    "every op of one batch must belong to the group it is issued on"
+                )
+            peer = self._p2p_peer(name, p2p, f"p2p_op_list[{i}]")
+            requests.append(self._p2p_request(name, p2p.kind, p2p.tensor, peer, p2p.tag))
+        return self._issue_p2p(requests, lambda: self._batch_p2p(requests, True))
+
+    def _p2p(self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> Work:
+        self._check_usable(name)
+        request = self._p2p_request(name, kind, tensor, peer, tag)
+        if kind == "send":
+            start: Callable[[], Work] = lambda: self._send(request.tensor, peer, tag, True)  # type: ignore[arg-type]  # noqa: E731
+        else:
+            start = lambda: self._recv(request.tensor, peer, tag, True)  # noqa: E731
+        (work,) = self._issue_p2p([request], lambda: [start()])
+        return work
+
+    def _p2p_request(
+        self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int
+    ) -> P2PRequest:
+        """Check one send or receive and count it; return what the backend gets."""
+        self._check_tensor(name, tensor, "tensor")
+        arg = "dst" if kind == "send" else "src"
+        if peer is not None or kind == "send":
+            self._check_rank(name, peer, arg)
+            if peer == self.rank:
+                raise ValueError(
+                    f"{self._prefix(name)}{arg}={peer} is this rank; a rank cannot {kind} to itself "
+                    "(copy the tensor instead)"
+                )
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self.max_tag:
+            raise ValueError(f"{self._prefix(name)}tag must be an int in 0..{self.max_tag}, got {tag!r}")
+        flat = tensor.detach().view(-1)
+        if kind == "recv":
+            increment_version(flat)
+        key = (kind, peer, tag)
+        seq = self._p2p_counts.get(key, 0) + 1
+        self._p2p_counts[key] = seq
+        return P2PRequest(kind, flat, peer, tag, seq)
+
+    def _p2p_peer(self, name: str, p2p: P2POp, what: str) -> int | None:
+        """The group rank a ``P2POp`` names (``peer`` is global, ``group_peer`` a rank of this group)."""
+        if (p2p.peer is None) == (p2p.group_peer is None):
+            if p2p.kind == "recv" and p2p.peer is None:
+                return None
+            raise ValueError(f"{self._prefix(name)}{what}: give exactly one of peer (global) and group_peer")
+        if p2p.group_peer is not None:
+            return p2p.group_peer
+        return self._group_rank_of(name, p2p.peer, f"{what}.peer")
+
+    # ---------------------------------------------------------------- subgroups
+    def new_group(
+        self, ranks: Sequence[int], *, timeout: float | datetime.timedelta | None = None
+    ) -> IProcessGroup | None:
+        """Make a group of some of this group's ranks; every rank of this group must call it.
+
+        Call it on every rank, in the same order relative to other ``new_group``
+        and ``split`` calls, with the same ``ranks``. The new group's ranks follow
+        the sorted order of ``ranks``, as torch's.
+
+        Args:
+            ranks: Ranks of this group that join.
+            timeout: The new group's timeout (seconds or a timedelta); default this group's.
+
+        Returns:
+            The new group on its members; None on the other ranks.
+
+        Raises:
+            TypeError: A rank is not an int.
+            ValueError: ``ranks`` is empty, holds a rank twice, or one out of range.
+
+        Example::
+
+            >>> dp = group.new_group([r for r in range(4) if r % 2 == group.rank % 2])
+        """
+        name = "new_group"
+        self._check_usable(name)
+        members = sorted(self._check_members(name, ranks))
+        config = self._sub_config(name, timeout)
+        names = [self._next_subgroup_name()]
+        return self._finish_split(name, [members], config, names)
+
+    def split(self, color: int | None, key: int = 0) -> IProcessGroup | None:
+        """Split this group into disjoint groups by ``color``, as MPI's ``Comm_split``; every rank calls it.
+
+        Ranks that pass the same ``color`` form one group, ordered by ``(key, rank)``.
+
+        Args:
+            color: A non-negative int; None (or a negative int) joins no group.
+            key: Orders the ranks within their group.
+
+        Returns:
+            This rank's group, or None for ``color=None``.
+
+        Example::
+
+            >>> tp = group.split(color=group.rank // 2)   # ranks {0, 1} and {2, 3}
+        """
+        name = "split"
+        self._check_usable(name)
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)):
+            raise TypeError(f"{self._prefix(name)}color must be an int or None, got {color!r}")
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise TypeError(f"{self._prefix(name)}key must be an int, got {key!r}")
+        if color is not None and color < 0:
+            color = None
+        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64)
+        everyone = torch.empty(2 * self.world_size, dtype=torch.int64)
+        self.all_gather(everyone, mine)
+        pairs = everyone.view(-1, 2).tolist()
+        colors = sorted({c for c, _ in pairs if c >= 0})
+        groups = [
+            sorted((r for r in range(self.world_size) if pairs[r][0] == c), key=lambda r: (pairs[r][1], r))
+            for c in colors
+        ]
+        names = [self._next_subgroup_name() for _ in groups]
+        return self._finish_split(name, groups, self._config, names)
+
+    def _finish_split(
+        self, op: str, groups: list[list[int]], config: CommConfig, names: list[str]
+    ) -> IProcessGroup | None:
+        """Have the backend make ``groups``; set up this rank's (global ranks, name, diagnosis)."""
+        child = self._split(groups, config, names)
+        mine = next((i for i, g in enumerate(groups) if self.rank in g), None)
+        if child is None:
+            if mine is not None:
+                raise CommError(f"{self._prefix(op)}the {self.backend} backend made no group for a member")
+            return None
+        ranks = groups[mine]  # type: ignore[index]
+        if (child.rank, child.world_size) != (ranks.index(self.rank), len(ranks)):
+            child.close()
+            raise CommError(
+                f"{self._prefix(op)}the {self.backend} backend made a group where this rank is "
+                f"{child.rank}/{child.world_size}, expected {ranks.index(self.rank)}/{len(ranks)}"
+            )
+        child._global_ranks = tuple(self._global_ranks[r] for r in ranks)
+        child._group_name = names[mine]  # type: ignore[index]
+        child._start_diagnostics()
+        return child
+
+    def _sub_config(self, op: str, timeout: float | datetime.timedelta | None) -> CommConfig:
+        if timeout is None:
+            return self._config
+        try:
+            return dataclasses.replace(self._config, timeout=timeout)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{self._prefix(op)}{e}") from None
+
+    def _next_subgroup_name(self) -> str:
+        name = f"{self.group_name}.{self._subgroups_made}"
+        self._subgroups_made += 1
+        return name
+
+    def _subgroup_env(self, ranks: Sequence[int]) -> DistEnv:
+        """The ``DistEnv`` of this rank in the subgroup of ``ranks`` (parent ranks, in the new order).
+
+        Local rank and size stay those of a one-host job when this group lives on
+        one host; otherwise they are unknown here, and say one process per host.
+        """
+        env = self._env
+        single_host = env.local_world_size >= env.world_size
+        rank = list(ranks).index(self.rank)
+        return dataclasses.replace(
+            env,
+            rank=rank,
+            world_size=len(ranks),
+            local_rank=rank if single_host else 0,
+            local_world_size=len(ranks) if single_host else 1,
+        )
+
+    def get_group_rank(self, global_rank: int) -> int:
+        """Return the rank in this group of the member whose root-group rank is ``global_rank``."""
+        return self._group_rank_of("get_group_rank", global_rank, "global_rank")
+
+    def get_global_rank(self, group_rank: int) -> int:
+        """Return the root-group rank of this group's rank ``group_rank``."""
+        self._check_rank("get_global_rank", group_rank, "group_rank")
+        return self._global_ranks[group_rank]
+
+    def _group_rank_of(self, op: str, global_rank: object, arg: str) -> int:
+        if isinstance(global_rank, bool) or not isinstance(global_rank, int):
+            raise TypeError(f"{self._prefix(op)}{arg} must be an int rank, got {global_rank!r}")
+        try:
+            return self._global_ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(
+                f"{self._prefix(op)}{arg}={global_rank} is not a member of this group "
+                f"(its global ranks: {list(self._global_ranks)})"
+            ) from None
+
+    # -------------------------------------------------------------------- close
     def close(self) -> None:
         """Release connections and buffers; later collectives raise ``GroupClosedError``.
 
-        Calling it again does nothing.
+        Calling it again does nothing. Subgroups made from this group stay usable
+        where the backend allows it (see docs/backends.md).
         """
         if self._closed:
             return
@@ -450,20 +965,78 @@ class IProcessGroup(abc.ABC):
         finally:
             self._close()
 
+    # -------------------------------------------------------------- issuing
+    def _issue(
+        self,
+        kind: str,
+        tensor: torch.Tensor | None,
+        op: ReduceOp | PremulSum | None,
+        root: int,
+        async_op: bool,
+        value: object,
+        start: Callable[[], Work],
+        counts: tuple[list[int], list[int]] | None = None,
+    ) -> Work | None:
+        """Issue one collective: number it, let the diagnosis watch it, start it, then wait or return it.
+
+        Args:
+            kind: The collective's name.
+            tensor: Its tensor (None for ``barrier``).
+            op: Its reduce op, for reductions.
+            root: ``src`` / ``dst`` of a rooted collective; -1 otherwise.
+            async_op: Return the work instead of waiting.
+            value: What the work's future completes with.
+            start: Calls the backend hook.
+            counts: ``all_to_all`` only: elements received from and sent to each rank.
+        """
+        diagnostics = self._diagnostics
+        if diagnostics is not None:
+            return diagnostics.issue(self, kind, tensor, op, root, async_op, value, start, counts)
+        self._seq += 1
+        work = start()
+        if async_op:
+            work._set_value(value)  # noqa: SLF001 - what the work's future completes with
+            return work
+        work.wait()
+        return None
+
+    def _issue_p2p(self, requests: list[P2PRequest], start: Callable[[], list[Work]]) -> list[Work]:
+        """Issue point-to-point operations (they never advance ``_seq``); return their works."""
+        diagnostics = self._diagnostics
+        works = diagnostics.issue_p2p(self, requests, start) if diagnostics is not None else start()
+        for request, work in zip(requests, works, strict=True):
+            work._set_value([request.tensor])  # noqa: SLF001
+            if request.kind == "recv":
+                work._is_recv = True  # noqa: SLF001
+                if request.peer is not None:
+                    work._source = request.peer  # noqa: SLF001
+        return works
+
+    def _next_seq(self) -> int:
+        """Advance ``_seq`` for the collective being issued now (the diagnosis's issuing thread calls it)."""
+        self._seq += 1
+        return self._seq
+
     # ------------------------------------------------------------- diagnosis
     def _start_diagnostics(self) -> None:
         """Start stall reports, the fingerprint check and the flight recorder, as ``config`` asks.
 
         Called once the backend is connected, by whoever created the group
-        (``commlib.create_process_group``, ``from_torch_group``, ``from_mpi_comm``);
-        every rank must call it, as it sets up the side channel with one broadcast.
-        A group that was never started runs without diagnosis.
+        (``commlib.create_process_group``, ``from_torch_group``, ``from_mpi_comm``,
+        ``new_group``); every rank must call it, as it sets up the side channel
+        with one broadcast. A group that was never started runs without
+        diagnosis. If it fails, the group is closed.
 
         Raises:
             CommError: ``COMMLIB_DEBUG=DETAIL`` asks for the side channel and it could not be set up.
         """
-        if self._diagnostics is None and not self._closed:
+        if self._diagnostics is not None or self._closed:
+            return
+        try:
             self._diagnostics = Diagnostics.start(self)
+        except BaseException:
+            self.close()
+            raise
 
     def _fingerprint_exchange(self) -> FingerprintExchange | None:
         """Return a cheaper way than the side channel to swap fingerprints, or None to use the side channel.
@@ -489,9 +1062,20 @@ class IProcessGroup(abc.ABC):
         """
         return False
 
+    def _native_premul_sum(self, tensor: torch.Tensor) -> bool:
+        """Return True if the backend does ``PREMUL_SUM`` itself (it then gets the ``PremulSum`` as op).
+
+        The default is False: the interface multiplies by the factor and the backend sums.
+        """
+        return False
+
     @abc.abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
-        """Run the all-reduce; arguments are already checked and ``_seq`` counts this call."""
+        """Run the all-reduce; arguments are already checked and ``_seq`` counts this call.
+
+        Bool tensors come with BAND, BOR or BXOR only; AVG and PREMUL_SUM only if
+        ``_native_avg`` / ``_native_premul_sum`` say so.
+        """
 
     @abc.abstractmethod
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
@@ -521,7 +1105,10 @@ class IProcessGroup(abc.ABC):
         op: ReduceOp,
         async_op: bool,
     ) -> Work:
-        """Run the reduce-scatter (``output`` and ``inputs`` flat; see ``_all_gather``)."""
+        """Run the reduce-scatter (``output`` and ``inputs`` flat; see ``_all_gather``).
+
+        ``_whole(flat_input, inputs)`` gives the input as one tensor.
+        """
 
     @abc.abstractmethod
     def _barrier(self, async_op: bool) -> Work:
@@ -531,6 +1118,79 @@ class IProcessGroup(abc.ABC):
     def _close(self) -> None:
         """Release the backend's resources (called once)."""
 
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
+        """Run the reduce: the result lands in ``tensor`` (flat) on ``dst``; leave it unchanged elsewhere."""
+        raise self._not_implemented("reduce")
+
+    def _gather(
+        self, tensor: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, async_op: bool
+    ) -> Work:
+        """Run the gather: ``outputs`` holds ``world_size`` flat views on ``dst``, None elsewhere."""
+        raise self._not_implemented("gather")
+
+    def _scatter(
+        self, tensor: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, async_op: bool
+    ) -> Work:
+        """Run the scatter: ``inputs`` holds ``world_size`` flat views on ``src``, None elsewhere."""
+        raise self._not_implemented("scatter")
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
+        """Run the all-to-all: ``inputs[j]`` goes to rank ``j``, rank ``j``'s lands in ``outputs[j]``.
+
+        Both lists hold ``world_size`` flat views; sizes may differ from peer to peer.
+        """
+        raise self._not_implemented("all_to_all")
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
+        """Start a send of flat ``tensor`` to ``dst`` (never this rank).
+
+        The work fails on both sides if the receiver's tensor has a different
+        size, and with ``CommTimeoutError`` naming peer and tag if no receive
+        comes within the group's timeout. It must not advance ``_seq``.
+        """
+        raise self._not_implemented("send")
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
+        """Start a receive into flat ``tensor`` from ``src`` (None: any rank; ``work._set_source(r)``)."""
+        raise self._not_implemented("recv")
+
+    def _batch_p2p(self, requests: list[P2PRequest], async_op: bool) -> list[Work]:
+        """Start every request at once, in order; return their works.
+
+        The default calls ``_send`` / ``_recv`` with ``async_op=True`` for each. A
+        backend overrides it only if those could block each other (two ranks
+        sending to each other in one batch must not deadlock).
+        """
+        return [
+            self._send(r.tensor, r.peer, r.tag, True)  # type: ignore[arg-type]
+            if r.kind == "send"
+            else self._recv(r.tensor, r.peer, r.tag, True)
+            for r in requests
+        ]
+
+    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
+        """Make the group of ``ranks`` (ranks of this group, in the new group's rank order).
+
+        Every rank of this group calls it; members return the connected group
+        (built with ``_subgroup_env(ranks)`` and ``config``), others None. ``name``
+        is the same on every member and unique in the job (for rendezvous keys).
+        The interface sets up the result's global ranks and diagnosis.
+        """
+        raise self._not_implemented("new_group")
+
+    def _split(self, groups: list[list[int]], config: CommConfig, names: list[str]) -> IProcessGroup | None:
+        """Make every group of ``groups`` (disjoint, each in rank order); return this rank's, or None.
+
+        The default calls ``_new_group`` once per group, in order, on every rank.
+        A backend with a native split (MPI's ``Comm_split``) overrides it.
+        """
+        mine = None
+        for ranks, name in zip(groups, names, strict=True):
+            child = self._new_group(ranks, config, name)
+            if child is not None:
+                mine = child
+        return mine
+
     # ------------------------------------------------------------------ helpers
     def _prefix(self, op: str) -> str:
         return error_prefix(self.rank, self.world_size, self.backend, op)
@@ -539,17 +1199,23 @@ class IProcessGroup(abc.ABC):
         """Name the current collective (sequence number ``_seq``) for messages."""
         return CollectiveLabel(self.rank, self.world_size, self.backend, op, self._seq, tensor)
 
+    def _p2p_label(self, op: str, tensor: torch.Tensor | None, peer: int | None, tag: int) -> CollectiveLabel:
+        """Name the latest ``send`` / ``recv`` with ``peer`` and ``tag`` for messages."""
+        seq = self._p2p_counts.get((op, peer, tag), 0)
+        return CollectiveLabel(self.rank, self.world_size, self.backend, op, seq, tensor, peer, tag)
+
+    def _not_implemented(self, op: str) -> NotImplementedError:
+        return NotImplementedError(f"{self._prefix(op)}the {self.backend} backend does not implement {op}")
+
     def _mark_broken(self, error: BaseException) -> None:
         """Record that the group cannot be used any more (a peer died, a wait timed out)."""
         if self._broken is None:
             self._broken = error
 
-    def _finish(self, work: Work, async_op: bool, value: object) -> Work | None:
-        if async_op:
-            work._set_value(value)  # noqa: SLF001 - what the work's future completes with
-            return work
-        work.wait()
-        return None
+    @staticmethod
+    def _whole(flat: torch.Tensor | None, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """One tensor of every block: ``flat`` when the caller gave one, else the blocks joined."""
+        return flat if flat is not None else torch.cat(blocks)
 
     def _check_usable(self, op: str) -> None:
         if self._closed:
@@ -598,8 +1264,13 @@ class IProcessGroup(abc.ABC):
     def _check_reduction(self, name: str, tensor: object, op: object, arg: str = "tensor") -> None:
         """Check a reduction's tensor and op; a kind of tensor seen before costs a set lookup."""
         kind = None
-        if isinstance(tensor, torch.Tensor) and isinstance(op, ReduceOp):
-            kind = (op, tensor.dtype, tensor.device, tensor.layout)
+        if isinstance(tensor, torch.Tensor) and isinstance(op, (ReduceOp, PremulSum)):
+            kind = (
+                op if isinstance(op, ReduceOp) else ReduceOp.PREMUL_SUM,
+                tensor.dtype,
+                tensor.device,
+                tensor.layout,
+            )
             if kind in self._accepted and tensor.is_contiguous():
                 return
         self._check_tensor(name, tensor, arg)
@@ -608,21 +1279,69 @@ class IProcessGroup(abc.ABC):
             self._accepted.add(kind)
 
     def _check_op(self, name: str, op: object, tensor: torch.Tensor) -> None:
+        if op is ReduceOp.PREMUL_SUM:
+            raise ReduceOpTypeError(
+                f"{self._prefix(name)}ReduceOp.PREMUL_SUM needs its factor: pass commlib.premul_sum(factor)"
+            )
+        if isinstance(op, PremulSum):
+            op = op.op
         if not isinstance(op, ReduceOp):
-            choices = ", ".join(o.name for o in ReduceOp)
-            raise TypeError(f"{self._prefix(name)}op must be a commlib.ReduceOp ({choices}), got {op!r}")
-        if not self.supports(op, tensor.dtype, tensor.device):
-            if op is ReduceOp.AVG and tensor.dtype in INT_DTYPES:
+            choices = ", ".join(o.name for o in ReduceOp if o is not ReduceOp.PREMUL_SUM)
+            raise TypeError(
+                f"{self._prefix(name)}op must be a commlib.ReduceOp ({choices}) or "
+                "commlib.premul_sum(factor), "
+                f"got {op!r}"
+            )
+        if not op_applies(op, tensor.dtype):
+            if op is ReduceOp.AVG or op is ReduceOp.PREMUL_SUM:
                 detail = (
-                    "AVG is defined for floating point tensors only (an integer average would "
+                    f"{op.name} is defined for floating point tensors only (an integer average would "
                     "round silently); use SUM and divide, or convert to a float dtype"
                 )
             else:
-                detail = f"{op.name} is not supported for this dtype and device on this backend"
-            raise ValueError(
+                detail = f"{op.name} is defined for integer and bool tensors only"
+            raise ReduceOpTypeError(
                 f"{self._prefix(name)}op {op.name} on {dtype_name(tensor.dtype)} "
                 f"({tensor.device.type}): {detail}"
             )
+        if not self.supports(op, tensor.dtype, tensor.device):
+            raise ValueError(
+                f"{self._prefix(name)}op {op.name} on {dtype_name(tensor.dtype)} "
+                f"({tensor.device.type}): {op.name} is not supported for this dtype and device on this "
+                "backend"
+            )
+
+    def _prepare_reduction(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp | PremulSum,
+        *,
+        in_place: bool,
+        inputs: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None,
+    ) -> tuple[ReduceOp | PremulSum, object]:
+        """Turn ``op`` into what the backend gets, and the step that completes the result.
+
+        Returns ``(op, finish)``: ``finish`` is None, a finisher (AVG's division),
+        ``_NAN_KEYS`` (reduce float MAX/MIN as integer keys), or a ``_Scaled``
+        (PREMUL_SUM: reduce ``finish.tensor``, the scaled input, with SUM).
+        """
+        if tensor.dtype is torch.bool:
+            return bool_op(op), None  # type: ignore[arg-type]
+        if isinstance(op, PremulSum):
+            if self._native_premul_sum(tensor):
+                return op, None
+            factor = op.scalar()
+            source = tensor if inputs is None else self._whole(*inputs)
+            if in_place:
+                source.mul_(factor)
+                return ReduceOp.SUM, None
+            return ReduceOp.SUM, _Scaled(source.mul(factor))
+        if op is ReduceOp.AVG and not self._native_avg(tensor):
+            return ReduceOp.SUM, _Divide(tensor, self.world_size)
+        if (op is ReduceOp.MAX or op is ReduceOp.MIN) and tensor.is_floating_point():
+            if not self._propagates_nan(tensor):
+                return op, _NAN_KEYS
+        return op, None
 
     def _check_rank(self, op: str, value: object, arg: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -633,16 +1352,112 @@ class IProcessGroup(abc.ABC):
                 f"(valid: 0..{self.world_size - 1})"
             )
 
+    def _check_members(self, op: str, ranks: object) -> list[int]:
+        if not isinstance(ranks, (list, tuple, range)):
+            raise TypeError(f"{self._prefix(op)}ranks must be a list of int ranks, got {ranks!r}")
+        members = list(ranks)
+        if not members:
+            raise ValueError(f"{self._prefix(op)}ranks is empty; a group needs at least one rank")
+        for i, r in enumerate(members):
+            self._check_rank(op, r, f"ranks[{i}]")
+        if len(set(members)) != len(members):
+            twice = sorted({r for r in members if members.count(r) > 1})
+            raise ValueError(f"{self._prefix(op)}ranks lists rank(s) {twice} more than once: {members}")
+        return members
+
+    def _root_list(
+        self, op: str, value: object, arg: str, like: torch.Tensor, root: int
+    ) -> list[torch.Tensor] | None:
+        """Check ``gather_list`` / ``scatter_list``: ``world_size`` tensors on ``root``, None elsewhere."""
+        if self.rank != root:
+            if value is not None and not (isinstance(value, (list, tuple)) and not value):
+                raise ValueError(
+                    f"{self._prefix(op)}'{arg}' is given on rank {self.rank}, which is not the root "
+                    f"({'dst' if op == 'gather' else 'src'}={root}); pass it on the root only"
+                )
+            return None
+        if value is None:
+            raise ValueError(
+                f"{self._prefix(op)}'{arg}' is required on the root (rank {root}): a list of "
+                f"{self.world_size} tensors of {like.numel()} elements"
+            )
+        _, views = self._split_world(op, value, arg, like, lists_only=True)  # type: ignore[arg-type]
+        return views
+
+    def _tensor_list(self, op: str, value: object, arg: str, like: torch.Tensor | None) -> list[torch.Tensor]:
+        """Check ``world_size`` tensors of one dtype and device (sizes may differ); return flat views."""
+        world = self.world_size
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(
+                f"{self._prefix(op)}'{arg}' must be a list of {world} tensors, got {type(value).__name__}"
+            )
+        if len(value) != world:
+            raise ValueError(
+                f"{self._prefix(op)}'{arg}' has {len(value)} tensors; expected one per rank ({world})"
+            )
+        views = []
+        for i, item in enumerate(value):
+            self._check_tensor(op, item, f"{arg}[{i}]")
+            if like is None:
+                like = item
+            self._check_same_kind(op, item, f"{arg}[{i}]", like)
+            views.append(item.detach().view(-1))
+        return views
+
+    def _split_rows(
+        self, op: str, tensor: torch.Tensor, splits: Sequence[int] | None, arg: str
+    ) -> list[torch.Tensor]:
+        """Cut ``tensor`` along dim 0 into ``world_size`` flat views of ``splits`` rows (None: equal)."""
+        world = self.world_size
+        if tensor.dim() == 0:
+            raise ValueError(
+                f"{self._prefix(op)}'{arg}' is 0-dimensional; all_to_all_single splits along dim 0"
+            )
+        rows = tensor.shape[0]
+        if splits is None:
+            if rows % world:
+                raise ValueError(
+                    f"{self._prefix(op)}'{arg}' has {rows} rows, not divisible by the world size {world}; "
+                    f"pass {arg}_split_sizes"
+                )
+            splits = [rows // world] * world
+        else:
+            if not isinstance(splits, (list, tuple)) or any(
+                isinstance(s, bool) or not isinstance(s, int) for s in splits
+            ):
+                raise TypeError(f"{self._prefix(op)}{arg}_split_sizes must be a list of ints, got {splits!r}")
+            if len(splits) != world:
+                raise ValueError(
+                    f"{self._prefix(op)}{arg}_split_sizes has {len(splits)} entries; expected one per rank "
+                    f"({world})"
+                )
+            if any(s < 0 for s in splits):
+                raise ValueError(f"{self._prefix(op)}{arg}_split_sizes has a negative entry: {list(splits)}")
+            if sum(splits) != rows:
+                raise ValueError(
+                    f"{self._prefix(op)}{arg}_split_sizes sum to {sum(splits)}, but '{arg}' has {rows} rows "
+                    f"(dim 0): {list(splits)}"
+                )
+        row = math.prod(tensor.shape[1:])
+        flat = tensor.detach().reshape(-1)
+        views, start = [], 0
+        for s in splits:
+            views.append(flat[start : start + s * row])
+            start += s * row
+        return views
+
     def _split_world(
         self,
         op: str,
         value: torch.Tensor | TensorList,
         arg: str,
         like: torch.Tensor,
+        *,
+        lists_only: bool = False,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Turn a list of ``world_size`` tensors, or one big tensor, into flat per-rank views."""
         world, numel = self.world_size, like.numel()
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not lists_only:
             self._check_tensor(op, value, arg)
             self._check_same_kind(op, value, arg, like)
             if value.numel() != world * numel:
@@ -653,10 +1468,8 @@ class IProcessGroup(abc.ABC):
             flat = value.detach().view(-1)
             return flat, [flat[i * numel : (i + 1) * numel] for i in range(world)]
         if not isinstance(value, (list, tuple)):
-            raise TypeError(
-                f"{self._prefix(op)}'{arg}' must be a tensor or a list of {world} tensors, "
-                f"got {type(value).__name__}"
-            )
+            shape = f"a list of {world} tensors" if lists_only else f"a tensor or a list of {world} tensors"
+            raise TypeError(f"{self._prefix(op)}'{arg}' must be {shape}, got {type(value).__name__}")
         if len(value) != world:
             raise ValueError(
                 f"{self._prefix(op)}'{arg}' has {len(value)} tensors; expected one per rank ({world})"
@@ -692,6 +1505,19 @@ class IProcessGroup(abc.ABC):
                 f"but the collective's tensor is {dtype_name(like.dtype)} on {like.device}; "
                 "all tensors of one collective must share dtype and device"
             )
+
+
+_NAN_KEYS = object()
+"""``_prepare_reduction``'s mark for "reduce float MAX/MIN as integer keys"."""
+
+
+class _Scaled:
+    """PREMUL_SUM on a scratch copy: the scaled input that the backend sums."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 class _Decode:

@@ -175,11 +175,7 @@ def create_process_group(name: str, env: DistEnv, config: CommConfig) -> IProces
     group = _resolve(key)(env, config)
     if not isinstance(group, IProcessGroup):
         raise TypeError(f"backend {key!r} factory returned {type(group).__name__}, not an IProcessGroup")
-    try:
-        group._start_diagnostics()
-    except BaseException:
-        group.close()
-        raise
+    group._start_diagnostics()
     return group
 
 

@@ -24,23 +24,36 @@ __all__ = ["CollectiveLabel", "CompletedWork", "EventWork", "Work"]
 
 
 class CollectiveLabel:
-    """Names one collective in messages: ``[rank 0/2] gloo.all_reduce #7 (float32, 1024 elements)``.
+    """Names one operation in messages: ``[rank 0/2] gloo.all_reduce #7 (float32, 1024 elements)``.
 
-    It is formatted only when a message needs it, so the hot path pays for no string.
+    Point-to-point operations name their peer and tag, and count per peer and
+    tag: ``[rank 0/2] gloo.send #3 to rank 1 tag 0 (float32, 8 elements)``. It is
+    formatted only when a message needs it, so the hot path pays for no string.
 
     Args:
         rank: This rank.
         world_size: Ranks in the group.
         backend: Backend name.
-        op: Collective name (``all_reduce``...).
-        seq: The collective's sequence number in its group (1 for the first).
-        tensor: The tensor the collective works on, if any (its dtype and size are named).
+        op: Operation name (``all_reduce``, ``send``...).
+        seq: The collective's sequence number in its group (1 for the first); for
+            point-to-point, its number among this rank's operations with that peer and tag.
+        tensor: The tensor the operation works on, if any (its dtype and size are named).
+        peer: Point-to-point only: the other rank (None: a receive from any rank).
+        tag: Point-to-point only: the tag (None for collectives).
     """
 
-    __slots__ = ("rank", "world_size", "backend", "op", "seq", "dtype", "numel")
+    __slots__ = ("rank", "world_size", "backend", "op", "seq", "dtype", "numel", "peer", "tag")
 
     def __init__(
-        self, rank: int, world_size: int, backend: str, op: str, seq: int, tensor: torch.Tensor | None = None
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        op: str,
+        seq: int,
+        tensor: torch.Tensor | None = None,
+        peer: int | None = None,
+        tag: int | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -49,10 +62,16 @@ class CollectiveLabel:
         self.seq = seq
         self.dtype = tensor.dtype if tensor is not None else None
         self.numel = tensor.numel() if tensor is not None else 0
+        self.peer = peer
+        self.tag = tag
 
     def __str__(self) -> str:
         what = f" ({dtype_name(self.dtype)}, {self.numel} elements)" if self.dtype is not None else ""
-        return f"[rank {self.rank}/{self.world_size}] {self.backend}.{self.op} #{self.seq}{what}"
+        pair = ""
+        if self.tag is not None:
+            other = f"rank {self.peer}" if self.peer is not None else "any rank"
+            pair = f" {'to' if self.op == 'send' else 'from'} {other} tag {self.tag}"
+        return f"[rank {self.rank}/{self.world_size}] {self.backend}.{self.op} #{self.seq}{pair}{what}"
 
     def __repr__(self) -> str:
         return f"CollectiveLabel({self})"
@@ -79,6 +98,12 @@ class Work:
 
     _context: str | Callable[[], object] | None = None
     """What the caller attached with ``annotate`` (a class default: most works carry none)."""
+
+    _is_recv = False
+    """True for the work of a ``recv`` / ``irecv`` (set by the interface)."""
+
+    _source: int | None = None
+    """The rank a receive got its message from, once known (``source_rank()``)."""
 
     def __init__(self, label: CollectiveLabel | str = "collective", keep_alive: Any = None) -> None:
         self._label = label
@@ -165,6 +190,25 @@ class Work:
         """Return the error the collective failed with, or None (also while running)."""
         return self._error
 
+    def source_rank(self) -> int:
+        """Return the group rank a completed ``recv`` / ``irecv`` received its message from.
+
+        Useful after ``irecv(tensor, src=None)``, which takes a message from any rank.
+
+        Raises:
+            CommError: This is not the work of a receive, it has not completed
+                (call ``wait()`` first), or it failed.
+        """
+        if not self._is_recv:
+            raise CommError(f"{self._label}: source_rank() is defined for the work of recv / irecv only")
+        if not self.is_completed():
+            raise CommError(f"{self._label}: the receive has not completed; call wait() before source_rank()")
+        if self._error is not None:
+            raise CommError(f"{self._label}: the receive failed, so it has no source: {self._error}")
+        if self._source is None:
+            raise CommError(f"{self._label}: the backend did not report which rank the message came from")
+        return self._source
+
     def get_future(self) -> torch.futures.Future[Any]:
         """Return a ``torch.futures.Future`` that completes when the collective does.
 
@@ -226,6 +270,10 @@ class Work:
     def _set_value(self, value: Any) -> None:
         """Set what the future completes with (the interface does, for async collectives)."""
         self._value = value
+
+    def _set_source(self, rank: int) -> None:
+        """Record the sender of a receive from any rank (backends call it before the work settles)."""
+        self._source = rank
 
     # --------------------------------------------------------- for backends
     def _wait_for_backend(self, timeout: float | None) -> None:

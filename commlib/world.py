@@ -1,4 +1,4 @@
-"""``init_process_group`` and the default group, plus torch.distributed-style module functions."""
+"""``init_process_group`` and the default group (the module functions are in ``commlib.functions``)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,11 @@ import datetime
 import os
 import threading
 
-import torch
-
 from commlib.config import CommConfig
 from commlib.env import detect
 from commlib.errors import CommError, NotInitializedError
-from commlib.process_group import IProcessGroup, TensorList
+from commlib.process_group import IProcessGroup
 from commlib.registry import create_process_group
-from commlib.types import ReduceOp
-from commlib.work import Work
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -25,11 +21,6 @@ __all__ = [
     "is_initialized",
     "get_rank",
     "get_world_size",
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "barrier",
 ]
 
 DEFAULT_BACKEND = "ring"
@@ -139,46 +130,3 @@ def get_rank(group: IProcessGroup | None = None) -> int:
 def get_world_size(group: IProcessGroup | None = None) -> int:
     """Return the number of ranks in ``group`` (default group if None)."""
     return _group(group).world_size
-
-
-def all_reduce(
-    tensor: torch.Tensor,
-    op: ReduceOp = ReduceOp.SUM,
-    group: IProcessGroup | None = None,
-    async_op: bool = False,
-) -> Work | None:
-    """``IProcessGroup.all_reduce`` on ``group`` (default group if None)."""
-    return _group(group).all_reduce(tensor, op, async_op=async_op)
-
-
-def broadcast(
-    tensor: torch.Tensor, src: int = 0, group: IProcessGroup | None = None, async_op: bool = False
-) -> Work | None:
-    """``IProcessGroup.broadcast`` on ``group`` (default group if None)."""
-    return _group(group).broadcast(tensor, src, async_op=async_op)
-
-
-def all_gather(
-    output: torch.Tensor | TensorList,
-    tensor: torch.Tensor,
-    group: IProcessGroup | None = None,
-    async_op: bool = False,
-) -> Work | None:
-    """``IProcessGroup.all_gather`` on ``group`` (default group if None)."""
-    return _group(group).all_gather(output, tensor, async_op=async_op)
-
-
-def reduce_scatter(
-    output: torch.Tensor,
-    input: torch.Tensor | TensorList,  # noqa: A002
-    op: ReduceOp = ReduceOp.SUM,
-    group: IProcessGroup | None = None,
-    async_op: bool = False,
-) -> Work | None:
-    """``IProcessGroup.reduce_scatter`` on ``group`` (default group if None)."""
-    return _group(group).reduce_scatter(output, input, op, async_op=async_op)
-
-
-def barrier(group: IProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """``IProcessGroup.barrier`` on ``group`` (default group if None)."""
-    return _group(group).barrier(async_op=async_op)

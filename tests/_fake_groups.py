@@ -58,7 +58,7 @@ class Call:
 class FakeGroup(IProcessGroup):
     """An ``IProcessGroup`` whose implementation only records what reached it.
 
-    ``calls`` lists every ``_all_reduce`` / ``_broadcast`` / ... call with its
+    ``calls`` lists every ``_all_reduce`` / ``_broadcast`` / ``_send`` / ... call with its
     arguments and the ``RecordingWork`` it returned; ``close_calls`` counts
     ``_close``. Set ``next_error`` to make the next returned Work fail on wait.
     """
@@ -70,6 +70,8 @@ class FakeGroup(IProcessGroup):
         self.calls: list[Call] = []
         self.close_calls = 0
         self.next_error: BaseException | None = None
+        self.any_source = 0
+        """What a receive from any rank reports as its sender."""
 
     def _record(self, method: str, **args: Any) -> RecordingWork:
         work = RecordingWork(self.next_error)
@@ -108,6 +110,37 @@ class FakeGroup(IProcessGroup):
 
     def _barrier(self, async_op: bool) -> Work:
         return self._record("barrier", async_op=async_op)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
+        return self._record("reduce", tensor=tensor, dst=dst, op=op, async_op=async_op)
+
+    def _gather(
+        self, tensor: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, async_op: bool
+    ) -> Work:
+        return self._record("gather", tensor=tensor, outputs=outputs, dst=dst, async_op=async_op)
+
+    def _scatter(
+        self, tensor: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, async_op: bool
+    ) -> Work:
+        return self._record("scatter", tensor=tensor, inputs=inputs, src=src, async_op=async_op)
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
+        return self._record("all_to_all", outputs=outputs, inputs=inputs, async_op=async_op)
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
+        return self._record("send", tensor=tensor, dst=dst, tag=tag, async_op=async_op)
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
+        work = self._record("recv", tensor=tensor, src=src, tag=tag, async_op=async_op)
+        if src is None:
+            work._set_source(self.any_source)
+        return work
+
+    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
+        self._record("new_group", ranks=list(ranks), config=config, name=name)
+        if self.rank not in ranks:
+            return None
+        return type(self)(self._subgroup_env(ranks), config)
 
     def _close(self) -> None:
         self.close_calls += 1

@@ -60,8 +60,13 @@ def fp(rank: int, **changes: object) -> Fingerprint:
 def test_fingerprint_round_trip() -> None:
     original = fp(3, tensor=torch.zeros(2, 3, 4, dtype=torch.int64), op=ReduceOp.MAX)
     data = original.pack()
-    assert len(data) == FINGERPRINT.size == 96
+    assert len(data) == FINGERPRINT.size == 112
     assert Fingerprint.unpack(data) == original
+    exchange = Fingerprint.of(
+        2, 5, "all_to_all", torch.zeros(7, dtype=torch.bool), None, -1, ([1, 2, 4], [3, 3, 1])
+    )
+    assert exchange.received and exchange.sent
+    assert Fingerprint.unpack(exchange.pack()) == exchange
     many = fp(0, tensor=torch.zeros([1] * 10))
     assert Fingerprint.unpack(many.pack()).shape == (1,) * 8 + (-1,)
     barrier = Fingerprint.of(1, 2, "barrier", None)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import commlib
 from commlib import (
     CollectiveLabel,
     CommError,
@@ -20,9 +21,10 @@ from commlib import (
     GroupClosedError,
     PeerFailureError,
     ReduceOp,
+    ReduceOpTypeError,
 )
 from commlib.process_group import IProcessGroup
-from commlib.types import FLOAT_DTYPES, INT_DTYPES, SUPPORTED_DTYPES
+from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, op_applies
 from tests._fake_groups import FakeGroup, FloatOnlyGroup, NoProductGroup, RecordingWork, make_env
 
 RANK, WORLD = 1, 4
@@ -113,9 +115,7 @@ def test_every_collective_checks_its_tensor(group: FakeGroup, op: str) -> None:
 
 
 # ------------------------------------------------------------------ dtype
-@pytest.mark.parametrize(
-    "dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.complex64, torch.complex128]
-)
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.uint16, torch.float8_e4m3fn])
 def test_unsupported_dtype_is_a_type_error(group: FakeGroup, dtype: torch.dtype) -> None:
     t = torch.zeros(4, dtype=dtype)
     name = str(dtype).removeprefix("torch.")
@@ -125,15 +125,15 @@ def test_unsupported_dtype_is_a_type_error(group: FakeGroup, dtype: torch.dtype)
         TypeError,
         "all_reduce",
         f"'tensor' has dtype {name}, which this backend does not support",
-        "supported: bfloat16, float16, float32, float64, int32, int64",
+        "supported: bfloat16, bool, float16, float32, float64, int16, int32, int64, int8, uint8",
         ".to(...)",
     )
 
 
 @pytest.mark.parametrize("op", ["broadcast", "all_gather", "reduce_scatter"])
 def test_dtype_is_checked_by_every_collective(group: FakeGroup, op: str) -> None:
-    call = all_collectives(group, torch.zeros(4, dtype=torch.bool))[op]
-    check_refused(group, call, TypeError, op, "has dtype bool")
+    call = all_collectives(group, torch.zeros(4, dtype=torch.complex64))[op]
+    check_refused(group, call, TypeError, op, "has dtype complex64")
 
 
 def test_backend_can_narrow_the_dtypes() -> None:
@@ -203,7 +203,8 @@ def test_op_must_be_a_commlib_reduce_op(group: FakeGroup, op: object) -> None:
         lambda: group.all_reduce(torch.zeros(2), op),
         TypeError,
         "all_reduce",  # type: ignore[arg-type]
-        "op must be a commlib.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX)",
+        "op must be a commlib.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR) or "
+        "commlib.premul_sum(factor)",
         f"got {op!r}",
     )
     check_refused(
@@ -255,8 +256,14 @@ VALID_COMBINATIONS = [
     pytest.param(op, dtype, id=f"{op.name}-{str(dtype).removeprefix('torch.')}")
     for op in ReduceOp
     for dtype in sorted(SUPPORTED_DTYPES, key=str)
-    if not (op is ReduceOp.AVG and dtype not in FLOAT_DTYPES)  # refused, tested above
+    if op is not ReduceOp.PREMUL_SUM and op_applies(op, dtype)  # the others are refused, tested below
 ]
+BOOL_AS = {
+    ReduceOp.SUM: ReduceOp.BOR,
+    ReduceOp.MAX: ReduceOp.BOR,
+    ReduceOp.PRODUCT: ReduceOp.BAND,
+    ReduceOp.MIN: ReduceOp.BAND,
+}
 
 
 @pytest.mark.parametrize(("op", "dtype"), VALID_COMBINATIONS)
@@ -267,6 +274,8 @@ def test_supported_combinations_reach_the_backend(group: FakeGroup, op: ReduceOp
     (call,) = group.calls
     # AVG reaches a backend that cannot average natively as SUM; the interface divides.
     expected = ReduceOp.SUM if op is ReduceOp.AVG else op
+    # Bool SUM/PRODUCT/MIN/MAX reach it as BOR/BAND (a native sum of bools may leave a 2 in a byte).
+    expected = BOOL_AS.get(expected, expected) if dtype is torch.bool else expected
     # Float MAX/MIN reach it as integer keys that order NaN first (commlib.nan_minmax).
     keys = op in (ReduceOp.MAX, ReduceOp.MIN) and dtype.is_floating_point
     wire = (torch.int64 if dtype is torch.float64 else torch.int32) if keys else dtype
@@ -741,3 +750,365 @@ def test_a_group_without_cpu_or_cuda_has_no_control_device() -> None:
 
     with pytest.raises(ValueError, match=r"takes tensors on \['meta'\] only"):
         MetaOnly().preferred_device()
+
+
+# ======================================================= the complete interface
+# ------------------------------------------------------------ ops and dtypes
+@pytest.mark.parametrize("op", [ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_bitwise_ops_on_floats_are_refused_as_type_and_value_errors(
+    group: FakeGroup, op: ReduceOp, dtype: torch.dtype
+) -> None:
+    name = str(dtype).removeprefix("torch.")
+    error = check_refused(
+        group,
+        lambda: group.all_reduce(torch.ones(3, dtype=dtype), op),
+        ReduceOpTypeError,
+        "all_reduce",
+        f"op {op.name} on {name} (cpu)",
+        "integer and bool tensors only",
+    )
+    assert isinstance(error, TypeError) and isinstance(error, ValueError)
+    assert not group.supports(op, dtype)
+
+
+@pytest.mark.parametrize("dtype", sorted(INT_DTYPES | {torch.bool}, key=str))
+def test_avg_and_premul_sum_on_integers_and_bool_are_refused(group: FakeGroup, dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    for op in (ReduceOp.AVG, commlib.premul_sum(2.0)):
+        shown = "AVG" if op is ReduceOp.AVG else "PREMUL_SUM"
+        check_refused(
+            group,
+            lambda op=op: group.all_reduce(torch.ones(2, dtype=dtype), op),
+            ReduceOpTypeError,
+            "all_reduce",
+            f"op {shown} on {name}",
+            "floating point tensors only",
+        )
+
+
+def test_bare_premul_sum_names_the_factory(group: FakeGroup) -> None:
+    check_refused(
+        group,
+        lambda: group.all_reduce(torch.ones(2), ReduceOp.PREMUL_SUM),
+        TypeError,
+        "all_reduce",
+        "pass commlib.premul_sum(factor)",
+    )
+    with pytest.raises(TypeError, match="one floating point element"):
+        commlib.premul_sum(torch.ones(2))
+    with pytest.raises(TypeError, match="one floating point element"):
+        commlib.premul_sum(torch.tensor([3]))
+    with pytest.raises(TypeError, match="real number"):
+        commlib.premul_sum(True)  # type: ignore[arg-type]
+
+
+def test_op_table() -> None:
+    for dtype in SUPPORTED_DTYPES:
+        for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX):
+            assert op_applies(op, dtype)
+        floating = dtype.is_floating_point
+        assert op_applies(ReduceOp.AVG, dtype) == op_applies(ReduceOp.PREMUL_SUM, dtype) == floating
+        for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+            assert op_applies(op, dtype) == (not floating)
+
+
+def test_premul_sum_scales_in_place_then_sums(group: FakeGroup) -> None:
+    t = torch.full((3,), 2.0)
+    group.all_reduce(t, commlib.premul_sum(0.25))
+    (call,) = group.calls
+    assert call.args["op"] is ReduceOp.SUM and call.args["tensor"].data_ptr() == t.data_ptr()
+    assert torch.equal(t, torch.full((3,), 0.5))
+    group.calls.clear()
+    source = torch.arange(8.0)
+    out = torch.empty(2)
+    group.reduce_scatter(out, source, commlib.premul_sum(torch.tensor([2.0])))
+    (call,) = group.calls
+    assert call.args["op"] is ReduceOp.SUM and torch.equal(call.args["flat_input"], torch.arange(8.0) * 2)
+    assert torch.equal(source, torch.arange(8.0)), "reduce_scatter scaled the caller's input"
+
+
+# ------------------------------------------------------------------- reduce
+def test_reduce_checks_dst_and_op(group: FakeGroup) -> None:
+    check_refused(
+        group,
+        lambda: group.reduce(torch.ones(2), 4),
+        ValueError,
+        "reduce",
+        "dst=4 is not a rank of this group",
+    )
+    check_refused(
+        group, lambda: group.reduce(torch.ones(2), "0"), TypeError, "reduce", "dst must be an int rank"
+    )  # type: ignore[arg-type]
+    check_refused(
+        group,
+        lambda: group.reduce(torch.ones(2, dtype=torch.int8), 0, ReduceOp.AVG),
+        ReduceOpTypeError,
+        "reduce",
+    )
+
+
+def test_reduce_leaves_other_ranks_tensors_alone(group: FakeGroup) -> None:
+    t = torch.full((2,), 3.0)
+    group.reduce(t, 0, ReduceOp.AVG)  # rank 1 is not the destination: no division
+    group.reduce(t, 0, commlib.premul_sum(2.0))  # a scaled copy reaches the backend
+    assert torch.equal(t, torch.full((2,), 3.0))
+    assert group.calls[1].args["tensor"].data_ptr() != t.data_ptr()
+    assert torch.equal(group.calls[1].args["tensor"], torch.full((2,), 6.0))
+    group.reduce(t, RANK, ReduceOp.AVG)  # the destination divides
+    assert torch.equal(t, torch.full((2,), 3.0 / WORLD))
+
+
+# ----------------------------------------------------------- gather / scatter
+def test_gather_list_only_on_the_root(group: FakeGroup) -> None:
+    t = torch.ones(3)
+    check_refused(
+        group,
+        lambda: group.gather(t, [torch.empty(3) for _ in range(WORLD)], dst=0),
+        ValueError,
+        "gather",
+        "'gather_list' is given on rank 1, which is not the root (dst=0)",
+    )
+    check_refused(
+        group, lambda: group.gather(t, None, dst=RANK), ValueError, "gather", "required on the root"
+    )
+    check_refused(
+        group,
+        lambda: group.gather(t, [torch.empty(3)] * 3, dst=RANK),
+        ValueError,
+        "gather",
+        "'gather_list' has 3 tensors; expected one per rank (4)",
+    )
+    check_refused(
+        group,
+        lambda: group.gather(t, [torch.empty(3), torch.empty(3), torch.empty(2), torch.empty(3)], dst=RANK),
+        ValueError,
+        "gather",
+        "'gather_list[2]' has 2 elements, expected 3",
+    )
+    check_refused(
+        group,
+        lambda: group.gather(t, [torch.empty(3, dtype=torch.int64)] * WORLD, dst=RANK),
+        TypeError,
+        "gather",
+        "'gather_list[0]' is int64",
+    )
+    group.gather(t, [], dst=0)  # an empty list on a non-root is fine, as None
+    outputs = [torch.empty(3) for _ in range(WORLD)]
+    group.gather(t, outputs, dst=RANK)
+    assert group.calls[0].args["outputs"] is None and group.calls[0].args["dst"] == 0
+    assert [v.data_ptr() for v in group.calls[1].args["outputs"]] == [o.data_ptr() for o in outputs]
+
+
+def test_scatter_list_only_on_the_root(group: FakeGroup) -> None:
+    t = torch.ones(2, dtype=torch.int16)
+    check_refused(
+        group,
+        lambda: group.scatter(t, [t.clone() for _ in range(WORLD)], src=3),
+        ValueError,
+        "scatter",
+        "'scatter_list' is given on rank 1, which is not the root (src=3)",
+    )
+    check_refused(
+        group, lambda: group.scatter(t, None, src=RANK), ValueError, "scatter", "required on the root"
+    )
+    check_refused(group, lambda: group.scatter(t, t, src=RANK), TypeError, "scatter", "must be a list of 4")
+    group.scatter(t, [t.clone() for _ in range(WORLD)], src=RANK)
+    assert len(group.calls[0].args["inputs"]) == WORLD
+
+
+# --------------------------------------------------------------- all_to_all
+def test_all_to_all_lists(group: FakeGroup) -> None:
+    outs = [torch.empty(i) for i in range(WORLD)]
+    ins = [torch.ones(2 * i) for i in range(WORLD)]
+    check_refused(
+        group,
+        lambda: group.all_to_all(outs[:3], ins),
+        ValueError,
+        "all_to_all",
+        "'output_tensor_list' has 3 tensors; expected one per rank (4)",
+    )
+    check_refused(
+        group,
+        lambda: group.all_to_all(outs, [t.long() for t in ins]),
+        TypeError,
+        "all_to_all",
+        "'input_tensor_list[0]' is int64 on cpu, but the collective's tensor is float32",
+    )
+    group.all_to_all(outs, ins)
+    (call,) = group.calls
+    assert [v.numel() for v in call.args["outputs"]] == [0, 1, 2, 3]
+    assert [v.numel() for v in call.args["inputs"]] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize(
+    ("out_splits", "in_splits", "error", "text"),
+    [
+        ([1, 1, 1], None, ValueError, "output_split_sizes has 3 entries; expected one per rank (4)"),
+        ([1, 1, 1, 2], None, ValueError, "output_split_sizes sum to 5, but 'output' has 4 rows"),
+        ([2, -1, 2, 1], None, ValueError, "output_split_sizes has a negative entry"),
+        ([1, 1, 1, 1.0], None, TypeError, "output_split_sizes must be a list of ints"),
+        (None, [3, 0, 0, 0], ValueError, "input_split_sizes sum to 3, but 'input' has 8 rows"),
+    ],
+)
+def test_all_to_all_single_split_sizes(
+    group: FakeGroup, out_splits: Any, in_splits: Any, error: type[BaseException], text: str
+) -> None:
+    call = lambda: group.all_to_all_single(torch.empty(4, 3), torch.ones(8, 3), out_splits, in_splits)  # noqa: E731
+    check_refused(group, call, error, "all_to_all_single", text)
+
+
+def test_all_to_all_single_equal_splits_need_divisible_rows(group: FakeGroup) -> None:
+    check_refused(
+        group,
+        lambda: group.all_to_all_single(torch.empty(6), torch.ones(8)),
+        ValueError,
+        "all_to_all_single",
+        "'output' has 6 rows, not divisible by the world size 4; pass output_split_sizes",
+    )
+    check_refused(
+        group,
+        lambda: group.all_to_all_single(torch.empty(()), torch.ones(())),
+        ValueError,
+        "all_to_all_single",
+        "0-dimensional",
+    )
+    group.all_to_all_single(torch.empty(5, 2), torch.ones(8, 2), [2, 0, 3, 0])
+    (call,) = group.calls
+    assert [v.numel() for v in call.args["outputs"]] == [4, 0, 6, 0]
+    assert [v.numel() for v in call.args["inputs"]] == [4, 4, 4, 4]
+
+
+# ----------------------------------------------------------- point-to-point
+@pytest.mark.parametrize(
+    ("call", "error", "op", "text"),
+    [
+        (lambda g: g.send(torch.ones(2), 4), ValueError, "send", "dst=4 is not a rank of this group"),
+        (lambda g: g.send(torch.ones(2), RANK), ValueError, "send", "dst=1 is this rank"),
+        (lambda g: g.isend(torch.ones(2), -1), ValueError, "isend", "dst=-1 is not a rank"),
+        (lambda g: g.recv(torch.ones(2), RANK), ValueError, "recv", "src=1 is this rank"),
+        (lambda g: g.irecv(torch.ones(2), 9), ValueError, "irecv", "src=9 is not a rank"),
+        (lambda g: g.send(torch.ones(2), 0, tag=-1), ValueError, "send", "tag must be an int in 0..16777215"),
+        (lambda g: g.send(torch.ones(2), 0, tag=1 << 24), ValueError, "send", "got 16777216"),
+        (lambda g: g.recv(torch.ones(2), 0, tag=True), ValueError, "recv", "got True"),
+        (lambda g: g.send([1.0], 0), TypeError, "send", "expected a torch.Tensor"),
+        (lambda g: g.recv(torch.ones(4)[::2], 0), ValueError, "recv", "not contiguous"),
+    ],
+)
+def test_p2p_checks(
+    group: FakeGroup, call: Callable[[FakeGroup], Any], error: type, op: str, text: str
+) -> None:
+    check_refused(group, lambda: call(group), error, op, text)
+
+
+def test_p2p_never_advances_the_collective_sequence(group: FakeGroup) -> None:
+    group.barrier()
+    group.send(torch.ones(2), 0, tag=3)
+    work = group.isend(torch.ones(2), 0, tag=3)
+    assert group.recv(torch.ones(2), 2) == 2
+    group.any_source = 3
+    assert group.recv(torch.ones(2)) == 3
+    assert group._seq == 1
+    assert group._p2p_counts == {("send", 0, 3): 2, ("recv", 2, 0): 1, ("recv", None, 0): 1}
+    assert (
+        str(group._p2p_label("send", torch.ones(2), 0, 3))
+        == "[rank 1/4] fake.send #2 to rank 0 tag 3 (float32, 2 elements)"
+    )
+    with pytest.raises(CommError, match="source_rank\\(\\) is defined for the work of recv / irecv only"):
+        work.source_rank()
+
+
+def test_batch_isend_irecv_checks_every_op_first(group: FakeGroup) -> None:
+    other = FakeGroup(make_env(RANK, WORLD))
+    ops = [commlib.P2POp(commlib.isend, torch.ones(2), 0), commlib.P2POp(commlib.irecv, torch.ones(2), RANK)]
+    check_refused(
+        group, lambda: group.batch_isend_irecv(ops), ValueError, "batch_isend_irecv", "is this rank"
+    )
+    check_refused(
+        group, lambda: group.batch_isend_irecv([]), ValueError, "batch_isend_irecv", "non-empty list"
+    )
+    foreign = [commlib.P2POp(other.isend, torch.ones(2), 0)]
+    check_refused(
+        group, lambda: group.batch_isend_irecv(foreign), ValueError, "batch_isend_irecv", "another group"
+    )
+    with pytest.raises(TypeError, match="op must be commlib.isend or commlib.irecv"):
+        commlib.P2POp(commlib.send, torch.ones(2), 0)  # type: ignore[arg-type]
+    works = group.batch_isend_irecv(
+        [
+            commlib.P2POp(group.isend, torch.ones(2), 0),
+            commlib.P2POp(group.irecv, torch.ones(2), group_peer=2),
+        ]
+    )
+    assert [c.method for c in group.calls] == ["send", "recv"] and len(works) == 2
+    assert works[1].source_rank() == 2
+
+
+# ---------------------------------------------------------------- subgroups
+@pytest.mark.parametrize(
+    ("ranks", "error", "text"),
+    [
+        ([], ValueError, "ranks is empty"),
+        ([0, 2, 2], ValueError, "ranks lists rank(s) [2] more than once"),
+        ([0, 4], ValueError, "ranks[1]=4 is not a rank of this group (valid: 0..3)"),
+        ([0, -1], ValueError, "ranks[1]=-1 is not a rank"),
+        ([0, True], TypeError, "ranks[1] must be an int rank, got True"),
+        ("01", TypeError, "ranks must be a list of int ranks"),
+    ],
+)
+def test_new_group_checks_ranks(group: FakeGroup, ranks: Any, error: type, text: str) -> None:
+    check_refused(group, lambda: group.new_group(ranks), error, "new_group", text)
+
+
+def test_new_group_sets_up_global_ranks_and_names(group: FakeGroup) -> None:
+    child = group.new_group([3, 1], timeout=12.0)
+    assert child is not None and (child.rank, child.world_size) == (0, 2)
+    assert child.global_ranks == (1, 3) and child.timeout == 12.0
+    assert child.group_name == f"{group.group_name}.0"
+    assert group.new_group([0, 2]) is None  # not a member
+    grandchild = child.new_group([1, 0])
+    assert (
+        grandchild is not None
+        and grandchild.global_ranks == (1, 3)
+        and grandchild.group_name.endswith(".0.0")
+    )
+    assert child.get_group_rank(3) == 1 and child.get_global_rank(1) == 3
+    assert commlib.get_process_group_ranks(child) == [1, 3]
+    with pytest.raises(
+        ValueError, match=re.escape("[rank 0/2] fake.get_group_rank: global_rank=2 is not a member")
+    ):
+        child.get_group_rank(2)
+    child.close()
+    group.barrier()  # the parent goes on
+    assert [c.method for c in group.calls][-1] == "barrier"
+
+
+def test_split_checks_color_and_key(group: FakeGroup) -> None:
+    check_refused(group, lambda: group.split("a"), TypeError, "split", "color must be an int or None")  # type: ignore[arg-type]
+    check_refused(group, lambda: group.split(1, key=1.5), TypeError, "split", "key must be an int")  # type: ignore[arg-type]
+
+
+def test_unimplemented_hooks_name_backend_and_op() -> None:
+    class OldBackend(FakeGroup):
+        _send = IProcessGroup._send  # type: ignore[assignment]
+        _new_group = IProcessGroup._new_group  # type: ignore[assignment]
+
+    old = OldBackend(make_env(RANK, WORLD))
+    with pytest.raises(
+        NotImplementedError, match=re.escape("[rank 1/4] fake.send: the fake backend does not implement send")
+    ):
+        old.send(torch.ones(1), 0)
+    with pytest.raises(NotImplementedError, match="does not implement new_group"):
+        old.new_group([0, 1])
+
+
+def test_module_functions_take_one_of_global_and_group_rank(group: FakeGroup) -> None:
+    with pytest.raises(ValueError, match="give dst .* or group_dst .*, not both"):
+        commlib.reduce(torch.ones(2), dst=0, group=group, group_dst=0)
+    with pytest.raises(ValueError, match=re.escape("give dst (a global rank) or group_dst (a group rank)")):
+        commlib.send(torch.ones(2), group=group)
+    child = group.new_group([1, 3])
+    assert child is not None
+    commlib.broadcast(torch.ones(2), src=3, group=child)
+    assert child.calls[-1].args["src"] == 1  # global rank 3 is the child's rank 1
+    with pytest.raises(ValueError, match="src=0 is not a member of this group"):
+        commlib.broadcast(torch.ones(2), src=0, group=child)

@@ -8,8 +8,8 @@ cores, and a progress thread's team fights the caller's: a 25 MB all-reduce took
 count is not an option (``torch.set_num_threads`` is process-wide and belongs to
 the user), so the ring moves and combines bytes itself:
 
-- copies of any dtype, and reductions of float32, float64, int32 and int64,
-  with NumPy, which works on the calling thread only and releases the GIL;
+- copies of any dtype, and reductions of float32, float64 and every integer and
+  bool dtype, with NumPy, which works on the calling thread only and releases the GIL;
 - reductions of float16 and bfloat16 (which NumPy lacks or computes slowly)
   with torch, in pieces below the grain, which torch runs on the calling thread.
 
@@ -38,7 +38,9 @@ Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 PIECE = 16384
 """Elements per torch call: half of torch's parallel grain, so torch never starts its thread team."""
 
-_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
+_NUMPY_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+)
 
 _NUMPY_UFUNCS = {
     ReduceOp.SUM: np.add,
@@ -46,6 +48,9 @@ _NUMPY_UFUNCS = {
     ReduceOp.PRODUCT: np.multiply,
     ReduceOp.MIN: np.minimum,
     ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 
 _TORCH_FUNCS = {
@@ -54,6 +59,9 @@ _TORCH_FUNCS = {
     ReduceOp.PRODUCT: torch.mul,
     ReduceOp.MIN: torch.minimum,
     ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and,
+    ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
 }
 
 

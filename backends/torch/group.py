@@ -349,7 +349,7 @@ class TorchDistProcessGroup(IProcessGroup):
     def _needs_upcast(self, tensor: torch.Tensor) -> bool:
         return tensor.dtype in self._upcast and tensor.device.type == "cpu"
 
-    def _issue(
+    def _launch_torch(
         self,
         label: CollectiveLabel,
         tensor: torch.Tensor | None,
@@ -381,7 +381,7 @@ class TorchDistProcessGroup(IProcessGroup):
         if self._needs_upcast(tensor):
             return self._all_reduce_upcast(tensor, op, label)
         torch_op = _TORCH_OPS[op]
-        return self._issue(
+        return self._launch_torch(
             label,
             tensor,
             lambda: dist.all_reduce(tensor, op=torch_op, group=self._pg, async_op=True),
@@ -393,7 +393,7 @@ class TorchDistProcessGroup(IProcessGroup):
 
     def _all_reduce_upcast(self, tensor: torch.Tensor, op: ReduceOp, label: CollectiveLabel) -> Work:
         wide = tensor.float()
-        return self._issue(
+        return self._launch_torch(
             label,
             wide,
             lambda: dist.all_reduce(wide, op=_TORCH_OPS[op], group=self._pg, async_op=True),
@@ -404,7 +404,7 @@ class TorchDistProcessGroup(IProcessGroup):
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         label = self._label("broadcast", tensor)
         root = src if self._is_world else dist.get_global_rank(self._pg, src)
-        return self._issue(
+        return self._launch_torch(
             label, tensor, lambda: dist.broadcast(tensor, src=root, group=self._pg, async_op=True), tensor
         )
 
@@ -422,7 +422,7 @@ class TorchDistProcessGroup(IProcessGroup):
             call = lambda: _all_gather_single(flat_output, tensor, group=self._pg, async_op=True)  # noqa: E731
         else:
             call = lambda: dist.all_gather(outputs, tensor, group=self._pg, async_op=True)  # noqa: E731
-        return self._issue(label, tensor, call, (flat_output, outputs, tensor))
+        return self._launch_torch(label, tensor, call, (flat_output, outputs, tensor))
 
     def _reduce_scatter(
         self,
@@ -446,7 +446,7 @@ class TorchDistProcessGroup(IProcessGroup):
             call = lambda: dist.reduce_scatter(  # noqa: E731
                 output, inputs, op=torch_op, group=self._pg, async_op=True
             )
-        return self._issue(
+        return self._launch_torch(
             label,
             output,
             call,
@@ -484,7 +484,7 @@ class TorchDistProcessGroup(IProcessGroup):
         if mine.data_ptr() != tensor.data_ptr():
             mine.copy_(tensor.view(-1))
         theirs = flat_output[(1 - self.rank) * b : (2 - self.rank) * b]
-        return self._issue(label, tensor, lambda: self._exchange(theirs, mine), (flat_output, tensor))
+        return self._launch_torch(label, tensor, lambda: self._exchange(theirs, mine), (flat_output, tensor))
 
     def _reduce_scatter_by_all_to_all(
         self,
@@ -526,7 +526,7 @@ class TorchDistProcessGroup(IProcessGroup):
             finally:
                 self._scratch.give_back(received)
 
-        work = self._issue(
+        work = self._launch_torch(
             label,
             output,
             start,
@@ -551,7 +551,7 @@ class TorchDistProcessGroup(IProcessGroup):
     ) -> Work:
         wide_out = output.float()
         wide_in = (flat_input if flat_input is not None else torch.cat(inputs)).float()
-        return self._issue(
+        return self._launch_torch(
             label,
             wide_out,
             lambda: _reduce_scatter_single(
@@ -562,7 +562,8 @@ class TorchDistProcessGroup(IProcessGroup):
         )
 
     def _barrier(self, async_op: bool) -> Work:
-        return self._issue(self._label("barrier"), None, lambda: dist.barrier(group=self._pg, async_op=True))
+        label = self._label("barrier")
+        return self._launch_torch(label, None, lambda: dist.barrier(group=self._pg, async_op=True))
 
     def _close(self) -> None:
         global _owner_count
@@ -788,11 +789,7 @@ def from_torch_group(pg: Any = None, *, config: CommConfig | None = None) -> Tor
     group = TorchDistProcessGroup(
         env, config if config is not None else CommConfig.from_env(), pg=pg, name=name
     )
-    try:
-        group._start_diagnostics()
-    except BaseException:
-        group.close()
-        raise
+    group._start_diagnostics()
     return group
 
 

@@ -17,7 +17,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from commlib.errors import CommError, CommTimeoutError
 from commlib.work import CollectiveLabel, Work
@@ -152,14 +151,14 @@ class Launcher:
 
 
 def launch_step(
-    work: DeferredWork, check: Callable[[], None], issue: Callable[..., Work], args: tuple[Any, ...]
+    work: DeferredWork, check: Callable[[], None], start: Callable[[], Work]
 ) -> Callable[[], None]:
-    """Return the launcher step for one collective: check, then issue, then hand the work over."""
+    """Return the launcher step for one collective: check, then start, then hand the work over."""
 
     def step() -> None:
         try:
             check()
-            real = issue(*args)
+            real = start()
         except BaseException as e:  # noqa: BLE001 - becomes the work's error
             work.attach(None, e)
             return

@@ -2,7 +2,7 @@
 
 ``IProcessGroup`` creates a ``Diagnostics`` once the backend is connected
 (``IProcessGroup._start_diagnostics``), if the config asks for any of the three,
-and then routes every collective through ``Diagnostics.run``. With all three off
+and then hands it every operation (``Diagnostics.issue``, ``Diagnostics.issue_p2p``). With all three off
 there is no ``Diagnostics`` and a collective pays one attribute test.
 
 Set-up is one broadcast over the backend itself (the data path is in step at
@@ -16,24 +16,31 @@ from __future__ import annotations
 import logging
 import secrets
 import struct
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import torch
 
+from commlib.config import CommConfig
 from commlib.diagnosis.deferred import DeferredWork, Launcher, launch_step
-from commlib.diagnosis.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints
+from commlib.diagnosis.fingerprint import (
+    FINGERPRINT,
+    Fingerprint,
+    check_fingerprints,
+    check_splits,
+    only_splits_differ,
+)
 from commlib.diagnosis.flight_recorder import FlightRecorder
 from commlib.diagnosis.sidechannel import SideChannelClient, SideChannelHub, hub_host
 from commlib.diagnosis.watchdog import CollectiveTracker, Record, Watchdog
+from commlib.env import DistEnv
 from commlib.errors import CommError, CommTimeoutError
-from commlib.types import ReduceOp
+from commlib.p2p import P2PRequest
+from commlib.types import PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, Work
 
-if TYPE_CHECKING:
-    from commlib.process_group import IProcessGroup
-
-__all__ = ["Diagnostics", "FingerprintExchange"]
+__all__ = ["DiagnosedGroup", "Diagnostics", "FingerprintExchange"]
 
 logger = logging.getLogger("commlib")
 
@@ -42,6 +49,35 @@ FingerprintExchange = Callable[[bytes, float, object, bool], bytes]
 
 ``background`` is True on the launcher thread: there, wait without spinning (the
 caller is computing meanwhile)."""
+
+
+class DiagnosedGroup(Protocol):
+    """What the diagnosis reads and calls on the group it watches (``IProcessGroup`` has all of it)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    group_name: str
+    global_ranks: tuple[int, ...]
+    config: CommConfig
+    env: DistEnv
+    timeout: float
+    default_debug: str
+    _seq: int
+    _closed: bool
+    _broken: BaseException | None
+    _p2p_counts: dict[tuple[str, int | None, int], int]
+    _works_testable_from_any_thread: bool
+
+    def preferred_device(self) -> torch.device: ...  # noqa: D102
+    def _prefix(self, op: str) -> str: ...
+    def _label(self, op: str, tensor: torch.Tensor | None = None) -> CollectiveLabel: ...
+    def _next_seq(self) -> int: ...
+    def _check_usable(self, op: str) -> None: ...
+    def _mark_broken(self, error: BaseException) -> None: ...
+    def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work: ...
+    def _fingerprint_exchange(self) -> FingerprintExchange | None: ...
+
 
 _ADDRESS = struct.Struct("!8s?dq16sH")
 """Set-up broadcast: magic, rank 0's DETAIL flag and stall seconds, hub port (0: no hub),
@@ -84,7 +120,7 @@ class Diagnostics:
 
     # --------------------------------------------------------------- set-up
     @classmethod
-    def start(cls, group: IProcessGroup) -> Diagnostics | None:
+    def start(cls, group: DiagnosedGroup) -> Diagnostics | None:
         """Set up what the group's config asks for; None if it asks for nothing.
 
         Every rank of the group must call this: with more than one rank it
@@ -99,7 +135,15 @@ class Diagnostics:
         config = group.config
         world = group.world_size
         recorder = (
-            FlightRecorder(config.flight_recorder, group.backend, group.rank, world, config.dump_dir)
+            FlightRecorder(
+                config.flight_recorder,
+                group.backend,
+                group.rank,
+                world,
+                config.dump_dir,
+                name=group.group_name,
+                global_ranks=group.global_ranks,
+            )
             if config.flight_recorder > 0
             else None
         )
@@ -137,7 +181,7 @@ class Diagnostics:
             exchange = client.exchange
         watchdog = tracker = None
         if stall_s > 0:
-            tracker = CollectiveTracker()
+            tracker = CollectiveTracker(group._p2p_counts)
             testable = group._works_testable_from_any_thread
             watchdog = Watchdog(
                 tracker,
@@ -145,6 +189,8 @@ class Diagnostics:
                 stall_s=stall_s,
                 timeout_s=group.timeout,
                 label=f"[rank {group.rank}/{world}] {group.backend}",
+                rank=group.rank,
+                group=group.group_name,
                 may_test=lambda work: testable,
                 name=f"commlib-watchdog-{group.backend}-rank{group.rank}",
             )
@@ -175,47 +221,49 @@ class Diagnostics:
         if self._hub is not None:
             self._hub.close()
 
-    # ------------------------------------------------------------ collectives
-    def run(
+    # ------------------------------------------------------------ operations
+    def issue(
         self,
-        group: IProcessGroup,
+        group: DiagnosedGroup,
         kind: str,
         tensor: torch.Tensor | None,
-        op: ReduceOp | None,
+        op: ReduceOp | PremulSum | None,
         root: int,
         async_op: bool,
         value: object,
-        issue: Callable[..., Work],
-        *args: Any,
+        start: Callable[[], Work],
+        counts: tuple[list[int], list[int]] | None = None,
     ) -> Work | None:
-        """Run one collective under watch: number it, record it, check it (DETAIL), issue it, follow it.
+        """Run one collective under watch: number it, record it, check it (DETAIL), start it, follow it.
 
-        The group's ``_seq`` is advanced here, by whichever thread issues the
-        collective to the backend: an asynchronous collective under the
-        fingerprint check is checked and issued by the launcher thread, in order,
-        so that ``async_op=True`` does not wait for the other ranks.
+        An asynchronous collective under the fingerprint check is checked and
+        started by the launcher thread, in order, so that ``async_op=True`` does not
+        wait for the other ranks; every other collective is checked and started here.
 
         Args:
             group: The group.
             kind: The collective's name.
             tensor: Its tensor (None for ``barrier``).
             op: Its reduce op, for reductions.
-            root: The source rank of ``broadcast``; -1 otherwise.
+            root: The root rank of a rooted collective; -1 otherwise.
             async_op: Return the work instead of waiting.
             value: What the work's future completes with.
-            issue: Starts the collective: ``issue(*args) -> Work``.
-            *args: Arguments of ``issue``.
+            start: Calls the backend hook.
+            counts: ``all_to_all`` only: elements received from and sent to each rank.
         """
         launcher = self._launcher
-        if launcher is not None and async_op and (tensor is None or tensor.device.type == "cpu"):
-            return self._defer(group, kind, tensor, op, root, value, issue, args)
-        if launcher is not None and not launcher.idle and not launcher.drain(group.timeout * 2 + 30.0):
-            raise CommTimeoutError(
-                f"{group._label(kind, tensor)}: the collectives issued before it did not start within "
-                f"{group.timeout * 2 + 30.0:g} s: the group's launcher thread is stuck"
-            )
-        group._seq += 1
-        self._last_seq = seq = group._seq
+        deferred = launcher is not None and async_op and (tensor is None or tensor.device.type == "cpu")
+        if launcher is not None and not deferred and not launcher.idle:
+            bound = group.timeout * 2 + 30.0
+            if not launcher.drain(bound):
+                raise CommTimeoutError(
+                    f"{group._label(kind, tensor)}: the collectives issued before it did not start within "
+                    f"{bound:g} s: the group's launcher thread is stuck"
+                )
+        self._last_seq += 1
+        seq = self._last_seq
+        if isinstance(op, PremulSum):
+            op = op.op
         record: Record = (
             seq,
             kind,
@@ -225,13 +273,26 @@ class Diagnostics:
             root,
         )
         tracker, recorder = self.tracker, self.recorder
+        if deferred:
+            label = CollectiveLabel(group.rank, group.world_size, group.backend, kind, seq, tensor)
+            work: Work = DeferredWork(label, bound_s=group.timeout * 2 + 30.0)
+            work._set_value(value)  # noqa: SLF001 - what the work's future completes with
+            if tracker is not None:
+                tracker.issued = record
+                tracker.pending.append((record, work))
+            if recorder is not None:
+                recorder.follow(recorder.begin(record), work)
+            assert launcher is not None
+            launcher.submit(
+                launch_step(work, lambda: self._launch(group, record, tensor, counts, label, True), start)
+            )
+            return work
         if tracker is not None:
             tracker.issued = tracker.active = record
         entry = recorder.begin(record) if recorder is not None else None
         try:
-            if self.exchange is not None:
-                self._check(group, record, tensor, group._label(kind, tensor), False)
-            work = issue(*args)
+            self._launch(group, record, tensor, counts, None, False)
+            work = start()
             if async_op:
                 if tracker is not None:
                     tracker.pending.append((record, work))
@@ -253,76 +314,100 @@ class Diagnostics:
             recorder.completed(entry)  # type: ignore[union-attr]
         return None
 
-    def _defer(
+    def _launch(
         self,
-        group: IProcessGroup,
-        kind: str,
+        group: DiagnosedGroup,
+        record: Record,
         tensor: torch.Tensor | None,
-        op: ReduceOp | None,
-        root: int,
-        value: object,
-        issue: Callable[..., Work],
-        args: tuple[Any, ...],
-    ) -> Work:
-        """Queue an asynchronous collective's check and issue on the launcher; return its work at once."""
-        self._last_seq += 1
-        seq = self._last_seq
-        label = CollectiveLabel(group.rank, group.world_size, group.backend, kind, seq, tensor)
-        record: Record = (
-            seq,
-            kind,
-            tensor.dtype if tensor is not None else None,
-            tensor.shape if tensor is not None else (),
-            op,
-            root,
-        )
-        work = DeferredWork(label, bound_s=group.timeout * 2 + 30.0)
-        work._set_value(value)  # noqa: SLF001 - what the work's future completes with
+        counts: tuple[list[int], list[int]] | None,
+        label: CollectiveLabel | None,
+        background: bool,
+    ) -> None:
+        """What comes right before a collective reaches the backend, on whichever thread starts it.
+
+        Advances the group's sequence number (on the launcher thread while it has
+        work queued, so that the backend sees the number of the collective it
+        starts) and, under DETAIL, checks that every rank makes the same call.
+        """
+        group._next_seq()
+        if background and (group._closed or group._broken is not None):
+            group._check_usable(record[1])
+        if self.exchange is not None:
+            self._check(group, record, tensor, counts, label or group._label(record[1], tensor), background)
+
+    def issue_p2p(
+        self, group: DiagnosedGroup, requests: list[P2PRequest], start: Callable[[], list[Work]]
+    ) -> list[Work]:
+        """Record sends and receives, start them, and follow their works (no fingerprint, no ``_seq``)."""
+        now = time.monotonic()
+        records: list[Record] = [
+            (r.seq, r.kind, r.tensor.dtype, r.tensor.shape, None, r.peer, r.tag) for r in requests
+        ]
+        recorder = self.recorder
+        entries = [recorder.begin(record) for record in records] if recorder is not None else None
+        try:
+            works = start()
+        except BaseException as e:
+            if entries is not None:
+                for entry in entries:
+                    recorder.failed(entry, e)  # type: ignore[union-attr]
+            raise
         if self.tracker is not None:
-            self.tracker.issued = record
-            self.tracker.pending.append((record, work))
-        if self.recorder is not None:
-            self.recorder.follow(self.recorder.begin(record), work)
-
-        def check() -> None:
-            group._seq += 1  # only the launcher advances it while it has work queued
-            if group._closed or group._broken is not None:
-                group._check_usable(kind)
-            self._check(group, record, tensor, label, True)
-
-        assert self._launcher is not None
-        self._launcher.submit(launch_step(work, check, issue, args))
-        return work
+            self.tracker.p2p_pending.extend(
+                (record, work, now) for record, work in zip(records, works, strict=True)
+            )
+        if entries is not None:
+            for entry, work in zip(entries, works, strict=True):
+                recorder.follow(entry, work)  # type: ignore[union-attr]
+        return works
 
     def _check(
         self,
-        group: IProcessGroup,
+        group: DiagnosedGroup,
         record: Record,
         tensor: torch.Tensor | None,
+        counts: tuple[list[int], list[int]] | None,
         label: object,
         background: bool,
     ) -> None:
         """Exchange fingerprints; raise ``CollectiveMismatchError`` on every rank if they differ."""
         seq, kind, _, _, op, root = record
-        mine = Fingerprint.of(group.rank, seq, kind, tensor, op, root).pack()
+        mine = Fingerprint.of(group.rank, seq, kind, tensor, op, root, counts).pack()
+        everyone = self._exchange(group, mine, label, background)
+        size = FINGERPRINT.size
+        head, tail = mine[: _RANK_FIELD.start], mine[_RANK_FIELD.stop :]
+        if all(
+            everyone[i : i + _RANK_FIELD.start] == head and everyone[i + _RANK_FIELD.stop : i + size] == tail
+            for i in range(0, len(everyone), size)
+        ):
+            return
+        prints = [Fingerprint.unpack(everyone[i : i + size]) for i in range(0, len(everyone), size)]
+        if counts is not None and only_splits_differ(prints):
+            # The all_to_all calls agree but their splits do not add up: swap the splits to name them.
+            row = struct.Struct(f"!{2 * self._world}q")
+            matrix = self._exchange(group, row.pack(*counts[0], *counts[1]), label, background, row.size)
+            check_splits(label, [row.unpack_from(matrix, i) for i in range(0, len(matrix), row.size)])
+        check_fingerprints(label, prints)
+
+    def _exchange(
+        self,
+        group: DiagnosedGroup,
+        mine: bytes,
+        label: object,
+        background: bool,
+        size: int = FINGERPRINT.size,
+    ) -> bytes:
         assert self.exchange is not None
         try:
             everyone = self.exchange(mine, group.timeout, label, background)
         except CommError as e:
             group._mark_broken(e)
             raise
-        size = FINGERPRINT.size
         if len(everyone) != size * self._world:
             raise CommError(
                 f"{label}: the fingerprint exchange returned {len(everyone)} bytes, not {size * self._world}"
             )
-        head, tail = mine[: _RANK_FIELD.start], mine[_RANK_FIELD.stop :]
-        for start in range(0, len(everyone), size):
-            theirs = everyone[start : start + size]
-            if theirs[: _RANK_FIELD.start] != head or theirs[_RANK_FIELD.stop :] != tail:
-                prints = [Fingerprint.unpack(everyone[i : i + size]) for i in range(0, len(everyone), size)]
-                check_fingerprints(label, prints)
-                return
+        return everyone
 
 
 class _Agreement:
@@ -344,7 +429,7 @@ class _Agreement:
         self.problem = problem
         """Why there is no hub, when there is none."""
 
-    def join(self, group: IProcessGroup, *, control: bool) -> SideChannelClient:
+    def join(self, group: DiagnosedGroup, *, control: bool) -> SideChannelClient:
         """Connect this rank to the hub.
 
         Raises:
@@ -366,7 +451,7 @@ class _Agreement:
         )
 
 
-def _agree(group: IProcessGroup, detail: bool, stall_s: float) -> _Agreement:
+def _agree(group: DiagnosedGroup, detail: bool, stall_s: float) -> _Agreement:
     """Broadcast rank 0's settings and, if they need one, the address of the hub it starts."""
     env = group.env
     hub = None

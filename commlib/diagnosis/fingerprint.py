@@ -6,15 +6,24 @@ exchanges them before every collective (``commlib.diagnosis.diagnostics``); ever
 compares the full set the same way, so ranks that disagree all raise the same
 ``CollectiveMismatchError``, before any data moves.
 
-Wire format (``FINGERPRINT``, 96 bytes, network order): ``Q`` sequence number,
+An ``all_to_all`` moves a different number of elements from rank to rank, so
+its fingerprint carries two digests instead: of what the rank receives from
+each peer and of what it sends to each. Summed over the ranks they are equal
+exactly when every rank's input split ``j`` matches rank ``j``'s output split
+for it; when they are not, the ranks swap their splits and the error names
+the pairs that disagree.
+
+Wire format (``FINGERPRINT``, 112 bytes, network order): ``Q`` sequence number,
 ``B`` collective, ``B`` dtype, ``B`` reduce op, ``B`` number of dimensions,
 ``i`` root (-1: none), ``i`` rank, ``q`` number of elements, ``8q`` the first
-eight dimensions (unused ones -1), ``I`` reserved (0).
+eight dimensions (unused ones -1), ``Q`` digest of what the rank receives and
+``Q`` of what it sends (``all_to_all``; else 0), ``I`` reserved (0).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import struct
 from collections.abc import Callable, Sequence
 
@@ -23,18 +32,64 @@ import torch
 from commlib.errors import CollectiveMismatchError
 from commlib.types import ReduceOp, dtype_name
 
-__all__ = ["COLLECTIVES", "FINGERPRINT", "Fingerprint", "check_fingerprints", "describe_call"]
+__all__ = [
+    "COLLECTIVES",
+    "FINGERPRINT",
+    "Fingerprint",
+    "check_fingerprints",
+    "check_splits",
+    "describe_call",
+    "mismatch_detail",
+    "only_splits_differ",
+]
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+)
 """Collectives a fingerprint can name, by their index on the wire."""
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
+_ROOTS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
+"""What the root of a rooted collective is called."""
+
+_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+)
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8
 _NONE = 255
+_MASK = (1 << 64) - 1
+_PAIR = struct.Struct("!qqq")
 
-FINGERPRINT = struct.Struct(f"!QBBBBiiq{_MAX_DIMS}qI")
+FINGERPRINT = struct.Struct(f"!QBBBBiiq{_MAX_DIMS}qQQI")
 """Packed layout of one fingerprint."""
+
+
+def _pair_digest(src: int, dst: int, count: int) -> int:
+    return int.from_bytes(hashlib.blake2b(_PAIR.pack(src, dst, count), digest_size=8).digest(), "big")
+
+
+def split_digests(rank: int, received: list[int], sent: list[int]) -> tuple[int, int]:
+    """Digests of an all_to_all's splits: what ``rank`` receives from and sends to each rank."""
+    into = sum(_pair_digest(src, rank, n) for src, n in enumerate(received)) & _MASK
+    out = sum(_pair_digest(rank, dst, n) for dst, n in enumerate(sent)) & _MASK
+    return into, out
 
 
 def describe_call(
@@ -47,7 +102,7 @@ def describe_call(
     if op is not None:
         parts.append(op.name)
     if root >= 0:
-        parts.append(f"src={root}")
+        parts.append(f"{_ROOTS.get(kind, 'src')}={root}")
     return " ".join(parts)
 
 
@@ -68,7 +123,9 @@ class Fingerprint:
         shape: The tensor's shape (``all_gather``: the input; ``reduce_scatter``: the output).
         numel: The tensor's number of elements.
         op: The reduce op, for reductions.
-        root: The source rank of ``broadcast``; -1 otherwise.
+        root: The root rank of a rooted collective; -1 otherwise.
+        received: ``all_to_all``: digest of the elements received from each rank (else 0).
+        sent: ``all_to_all``: digest of the elements sent to each rank (else 0).
     """
 
     rank: int
@@ -79,6 +136,8 @@ class Fingerprint:
     numel: int
     op: ReduceOp | None = None
     root: int = -1
+    received: int = 0
+    sent: int = 0
 
     @classmethod
     def of(
@@ -89,11 +148,18 @@ class Fingerprint:
         tensor: torch.Tensor | None,
         op: ReduceOp | None = None,
         root: int = -1,
+        counts: tuple[list[int], list[int]] | None = None,
     ) -> Fingerprint:
-        """Fingerprint a call on ``tensor`` (None for ``barrier``)."""
+        """Fingerprint a call on ``tensor`` (None for ``barrier``).
+
+        ``counts``: an ``all_to_all``'s elements received from and sent to each rank.
+        """
         if tensor is None:
             return cls(rank, seq, kind, None, (), 0, op, root)
-        return cls(rank, seq, kind, tensor.dtype, tuple(tensor.shape), tensor.numel(), op, root)
+        received, sent = split_digests(rank, *counts) if counts is not None else (0, 0)
+        return cls(
+            rank, seq, kind, tensor.dtype, tuple(tensor.shape), tensor.numel(), op, root, received, sent
+        )
 
     def pack(self) -> bytes:
         """Return the 96-byte wire form."""
@@ -108,6 +174,8 @@ class Fingerprint:
             self.rank,
             self.numel,
             *dims,
+            self.received,
+            self.sent,
             0,
         )
 
@@ -116,6 +184,7 @@ class Fingerprint:
         """Read the wire form (unknown codes, from another commlib version, read as ``unknown``)."""
         seq, kind, dtype, op, ndim, root, rank, numel, *rest = FINGERPRINT.unpack(data)
         dims = rest[:_MAX_DIMS]
+        received, sent = rest[_MAX_DIMS], rest[_MAX_DIMS + 1]
         shape = tuple(dims[: min(ndim, _MAX_DIMS)]) + ((-1,) if ndim > _MAX_DIMS else ())
         return cls(
             rank=rank,
@@ -126,6 +195,8 @@ class Fingerprint:
             numel=numel,
             op=_OPS[op] if op < len(_OPS) else None,
             root=root,
+            received=received,
+            sent=sent,
         )
 
     def call_text(self) -> str:
@@ -165,7 +236,8 @@ def mismatch_detail(prints: Sequence[Fingerprint]) -> str | None:
             + _by_value(ordered, lambda fp: f"{fp.kind} #{fp.seq}")
             + ". Every rank must issue the same collectives in the same order"
         )
-    if len({(fp.dtype, fp.numel) for fp in ordered}) > 1:
+    sizes_vary = ordered[0].kind == "all_to_all"  # each rank sends what its peers expect, not one size
+    if len({(fp.dtype, None if sizes_vary else fp.numel) for fp in ordered}) > 1:
         return (
             "ranks passed tensors of different sizes or dtypes: "
             + _by_value(ordered, Fingerprint.tensor_text)
@@ -178,12 +250,46 @@ def mismatch_detail(prints: Sequence[Fingerprint]) -> str | None:
             + ". Every rank must pass the same op"
         )
     if len({fp.root for fp in ordered}) > 1:
+        arg = _ROOTS.get(ordered[0].kind, "src")
         return (
-            "ranks disagree on the source rank: "
-            + _by_value(ordered, lambda fp: f"src={fp.root}")
-            + ". Every rank must name the same src"
+            f"ranks disagree on the {'destination' if arg == 'dst' else 'source'} rank: "
+            + _by_value(ordered, lambda fp: f"{arg}={fp.root}")
+            + f". Every rank must name the same {arg}"
+        )
+    if sizes_vary and sum(fp.received for fp in ordered) & _MASK != sum(fp.sent for fp in ordered) & _MASK:
+        return (
+            "ranks disagree on the all_to_all splits: what some rank sends to another is not what that "
+            "rank expects from it. Rank i's input split j must equal rank j's output split i"
         )
     return None
+
+
+def only_splits_differ(prints: Sequence[Fingerprint]) -> bool:
+    """True if the ranks' calls agree except for an all_to_all's splits (then swap them to say which)."""
+    detail = mismatch_detail(prints)
+    return detail is not None and detail.startswith("ranks disagree on the all_to_all splits")
+
+
+def check_splits(label: object, rows: Sequence[Sequence[int]]) -> None:
+    """Raise ``CollectiveMismatchError`` naming the rank pairs whose all_to_all splits disagree.
+
+    Args:
+        label: This rank's name for the call.
+        rows: Per rank: the elements it receives from each rank, then those it sends to each.
+    """
+    world = len(rows)
+    wrong = []
+    for src in range(world):
+        for dst in range(world):
+            sent, expected = rows[src][world + dst], rows[dst][src]
+            if sent != expected:
+                wrong.append(f"rank {src} sends {sent} elements to rank {dst}, which expects {expected}")
+    if wrong:
+        shown = "; ".join(wrong[:6]) + (f"; and {len(wrong) - 6} more" if len(wrong) > 6 else "")
+        raise CollectiveMismatchError(
+            f"{label}: ranks disagree on the all_to_all splits: {shown}. Rank i's input split j must "
+            "equal rank j's output split i"
+        )
 
 
 def check_fingerprints(label: object, prints: Sequence[Fingerprint]) -> None:

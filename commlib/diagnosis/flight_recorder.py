@@ -1,14 +1,18 @@
 """Flight recorder: the last N collectives of each group, written out when something goes wrong.
 
-With ``COMMLIB_FLIGHT_RECORDER=N`` every group keeps its last ``N`` collectives
-(op, sequence number, dtype, shape, start and end, status). The process writes
-them all to ``COMMLIB_DUMP_DIR/commlib_flight_rank{R}.json`` on any
-``CommError`` a collective raises, on SIGUSR1, and on ``dump_flight_recorder()``.
+With ``COMMLIB_FLIGHT_RECORDER=N`` every group keeps its last ``N`` operations
+(op, sequence number, dtype, shape, start and end, status; sends and receives
+with their peer and tag, numbered per peer and tag). Each group is named alike
+on every member (``gloo#0``, its subgroups ``gloo#0.1``...) and lists its
+members' global ranks. The process writes them all to
+``COMMLIB_DUMP_DIR/commlib_flight_rank{R}.json`` (``R``: its global rank) on any
+``CommError`` an operation raises, on SIGUSR1, and on ``dump_flight_recorder()``.
 
 Read the dumps of every rank with ``python -m commlib.flight DIR``, which
 prints, per group, the first sequence number at which the ranks disagree
 (different collective, dtype, size, op or root) or at which some rank is
-missing, and each rank's last collective. That command line is its own module,
+missing, each rank's last collective, and the sends and receives that did not
+complete. That command line is its own module,
 ``commlib.flight``, which ``import commlib`` does not import: ``python -m`` then
 runs it afresh instead of warning that it was imported already.
 """
@@ -67,16 +71,18 @@ class _Entry:
         self.work: Work | None = None
 
     def as_json(self) -> dict[str, Any]:
-        seq, kind, dtype, shape, op, root = self.record
+        seq, kind, dtype, shape, op, root = self.record[:6]
         work = self.work
+        extra = {"peer": root, "tag": self.record[6]} if len(self.record) > 6 else {}
         return {
+            **extra,
             "seq": seq,
             "op": kind,
             "dtype": dtype_name(dtype) if dtype is not None else None,
             "shape": list(shape),
             "numel": math.prod(shape) if dtype is not None else 0,
             "reduce_op": op.name if op is not None else None,
-            "root": root,
+            "root": -1 if extra else root,
             "start": self.start,
             "end": self.end,
             "duration_s": None if self.end is None else round(self.end - self.start, 6),
@@ -95,18 +101,33 @@ class FlightRecorder:
         rank: This rank in the group.
         world_size: Ranks in the group.
         dump_dir: Where dumps go (None: ``COMMLIB_DUMP_DIR``, else the temporary directory).
+        name: The group's name, alike on every member (default: backend and creation order).
+        global_ranks: The members' global ranks (default: ``0..world_size-1``).
     """
 
-    def __init__(self, capacity: int, backend: str, rank: int, world_size: int, dump_dir: str | None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        backend: str,
+        rank: int,
+        world_size: int,
+        dump_dir: str | None,
+        *,
+        name: str | None = None,
+        global_ranks: tuple[int, ...] | None = None,
+    ) -> None:
         global _created
         self._entries: deque[_Entry] = deque(maxlen=capacity)
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.dump_dir = dump_dir
+        self.global_ranks = global_ranks if global_ranks is not None else tuple(range(world_size))
+        self.global_rank = self.global_ranks[rank]
+        """This process's global rank: names its dump file."""
         with _lock:
-            self.name = f"{backend}#{_created}"
-            """Names the group in dumps: backend and creation order in the process (alike on every rank)."""
+            self.name = name if name is not None else f"{backend}#{_created}"
+            """Names the group in dumps, alike on every member."""
             _created += 1
             _recorders.append(weakref.ref(self))
         _install_signal_dump()
@@ -151,6 +172,7 @@ class FlightRecorder:
             "backend": self.backend,
             "rank": self.rank,
             "world_size": self.world_size,
+            "global_ranks": list(self.global_ranks),
             "capacity": self._entries.maxlen,
             "entries": [entry.as_json() for entry in list(self._entries)],
         }
@@ -168,7 +190,7 @@ def dump_flight_recorder(
 ) -> Path | None:
     """Write this process's flight recorders to ``path/commlib_flight_rank{R}.json``.
 
-    ``R`` is this process's rank in its first group. Every rank writes its own
+    ``R`` is this process's global rank. Every rank writes its own
     file, so one directory gathers the whole job for ``python -m commlib.flight DIR``.
 
     Args:
@@ -189,10 +211,10 @@ def dump_flight_recorder(
         else (first.dump_dir or os.environ.get("COMMLIB_DUMP_DIR") or tempfile.gettempdir())
     )
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / DUMP_PATTERN.format(rank=first.rank)
+    target = directory / DUMP_PATTERN.format(rank=first.global_rank)
     document = {
-        "rank": first.rank,
-        "world_size": first.world_size,
+        "rank": first.global_rank,
+        "world_size": max(len(r.global_ranks) if r.global_ranks else r.world_size for r in recorders),
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "time": time.time(),
@@ -305,6 +327,17 @@ def _call_text(entry: dict[str, Any]) -> str:
     return " ".join(parts) + f" [{status}]"
 
 
+def _p2p_text(rank: int, entry: dict[str, Any]) -> str:
+    peer = "any rank" if entry.get("peer") is None else f"rank {entry['peer']}"
+    way = "to" if entry["op"] == "send" else "from"
+    status = entry["status"] + (f": {entry['error']}" if entry.get("error") else "")
+    return f"rank {rank}: {entry['op']} #{entry['seq']} {way} {peer} tag {entry['tag']} [{status}]"
+
+
+def _is_p2p(entry: dict[str, Any]) -> bool:
+    return "tag" in entry
+
+
 def _key(entry: dict[str, Any]) -> tuple[Any, ...]:
     return (entry["op"], entry.get("dtype"), entry.get("numel"), entry.get("reduce_op"), entry.get("root"))
 
@@ -338,7 +371,13 @@ def _group_divergence(name: str, by_rank: dict[int, dict[str, Any]], world: int)
     if absent:
         head += f"; no dump from rank(s) {', '.join(map(str, absent))}"
     lines = [head]
-    entries = {r: {e["seq"]: e for e in g["entries"]} for r, g in by_rank.items()}
+    unfinished = [
+        _p2p_text(r, e)
+        for r, g in sorted(by_rank.items())
+        for e in g["entries"]
+        if _is_p2p(e) and e["status"] != "completed"
+    ]
+    entries = {r: {e["seq"]: e for e in g["entries"] if not _is_p2p(e)} for r, g in by_rank.items()}
     first = {r: min(e, default=0) for r, e in entries.items()}
     last = {r: max(e, default=0) for r, e in entries.items()}
     divergence = None
@@ -371,6 +410,9 @@ def _group_divergence(name: str, by_rank: dict[int, dict[str, Any]], world: int)
     for r in sorted(entries):
         tail = entries[r].get(last[r])
         lines.append(f"  rank {r} last: {_call_text(tail) if tail else 'nothing recorded'}")
+    if unfinished:
+        lines.append("  sends and receives not completed:")
+        lines.extend(f"    {text}" for text in unfinished)
     return lines
 
 

@@ -10,8 +10,15 @@ collective. It repeats at most every ``stall_s`` while the collective waits; the
 collective itself goes on waiting until its timeout. The same thread answers
 the other ranks' progress questions.
 
-Records are tuples ``(seq, kind, dtype, shape, op, root)``: cheap to build, and
-turned into text only when a report needs it.
+Point-to-point operations are watched too: a send or receive that waits
+``stall_s`` gets a report naming the pair and the tag, and what the peer has
+posted for it (its progress answer lists each rank's sends and receives per
+peer and tag).
+
+Records are tuples ``(seq, kind, dtype, shape, op, root)`` for collectives and
+``(seq, kind, dtype, shape, None, peer, tag)`` for point-to-point (``seq``
+counts per peer and tag there): cheap to build, and turned into text only when
+a report needs it.
 """
 
 from __future__ import annotations
@@ -31,12 +38,16 @@ from commlib.diagnosis.fingerprint import describe_call
 from commlib.diagnosis.sidechannel import T_PROGRESS, T_QUERY, T_REPORT, T_STATUS, FrameReader, send_frame
 from commlib.work import Work
 
-__all__ = ["CollectiveTracker", "Record", "Watchdog", "describe_record", "format_stall"]
+__all__ = ["CollectiveTracker", "Record", "Watchdog", "describe_record", "format_p2p_stall", "format_stall"]
 
 logger = logging.getLogger("commlib")
 
 Record = tuple[Any, ...]
-"""``(seq, kind, dtype, shape, op, root)`` of one collective."""
+"""``(seq, kind, dtype, shape, op, root)`` of one collective; ``(seq, kind, dtype, shape, None, peer, tag)``
+of one send or receive."""
+
+P2PKey = tuple[str, "int | None", int]
+"""``(send or recv, peer, tag)``."""
 
 _REPORT_WAIT_S = 5.0
 """How long the watchdog waits for the hub's answer before it reports what it knows alone."""
@@ -46,8 +57,18 @@ def describe_record(record: Record | None) -> str:
     """``#7 all_reduce float32 (100,) SUM``, or ``none`` for no collective."""
     if record is None:
         return "none"
+    if len(record) > 6:
+        return f"#{record[0]} {_p2p_call(record)}"
     seq, kind, dtype, shape, op, root = record
     return f"#{seq} {describe_call(kind, dtype, shape, op, root)}"
+
+
+def _p2p_call(record: Record) -> str:
+    """``send to rank 1 tag 0 float32 (8,)``."""
+    _, kind, dtype, shape, _, peer, tag = record
+    other = f"rank {peer}" if peer is not None else "any rank"
+    tensor = describe_call(kind, dtype, shape, None, -1).removeprefix(kind).strip()
+    return f"{kind} {'to' if kind == 'send' else 'from'} {other} tag {tag} {tensor}"
 
 
 class CollectiveTracker:
@@ -59,15 +80,23 @@ class CollectiveTracker:
             call, or the issue of an asynchronous one), else None.
         completed: The last collective known to have finished successfully.
         pending: Asynchronous collectives issued and not yet seen finished, oldest first.
+        p2p_pending: Sends and receives not yet seen finished, with when they were issued, oldest first.
+        p2p_done: Per (``send``/``recv``, peer, tag): the number of the last one seen finished.
+
+    Args:
+        p2p_issued: The group's own count of sends and receives per (kind, peer, tag), read here.
     """
 
-    __slots__ = ("issued", "active", "completed", "pending")
+    __slots__ = ("issued", "active", "completed", "pending", "p2p_pending", "p2p_done", "_p2p_issued")
 
-    def __init__(self) -> None:
+    def __init__(self, p2p_issued: dict[P2PKey, int] | None = None) -> None:
         self.issued: Record | None = None
         self.active: Record | None = None
         self.completed: Record | None = None
         self.pending: deque[tuple[Record, Work]] = deque(maxlen=4096)
+        self.p2p_pending: deque[tuple[Record, Work, float]] = deque(maxlen=4096)
+        self.p2p_done: dict[P2PKey, int] = {}
+        self._p2p_issued = p2p_issued if p2p_issued is not None else {}
 
     def prune(self, may_test: Callable[[Work], bool]) -> None:
         """Forget finished asynchronous collectives (oldest first); note the last that succeeded.
@@ -85,6 +114,27 @@ class CollectiveTracker:
             if work.exception() is None and (self.completed is None or record[0] > self.completed[0]):
                 self.completed = record
 
+    def prune_p2p(self, may_test: Callable[[Work], bool]) -> None:
+        """Forget sends and receives that finished (in any order; each counts toward its peer and tag)."""
+        if not self.p2p_pending:
+            return
+        kept = []
+        for item in list(self.p2p_pending):
+            record, work, _ = item
+            if work._done or (may_test(work) and work.is_completed()):  # noqa: SLF001 - a plain read
+                if work.exception() is None:
+                    key = (record[1], record[5], record[6])
+                    self.p2p_done[key] = max(self.p2p_done.get(key, 0), record[0])
+            else:
+                kept.append(item)
+        self.p2p_pending.clear()
+        self.p2p_pending.extend(kept)
+
+    def oldest_p2p(self) -> tuple[Record, Work, float] | None:
+        """The send or receive in flight the longest, with its work and when it was issued."""
+        pending = list(self.p2p_pending)
+        return min(pending, key=lambda item: item[2]) if pending else None
+
     def oldest_in_flight(self) -> tuple[Record, Work | None] | None:
         """Return the oldest collective still in flight, with its work if it is asynchronous."""
         candidates: list[tuple[Record, Work | None]] = []
@@ -101,11 +151,24 @@ class CollectiveTracker:
     def progress(self) -> dict[str, Any]:
         """This rank's progress, as JSON-ready values (for the other ranks' stall reports)."""
         in_flight = self.oldest_in_flight()
-        return {
+        progress: dict[str, Any] = {
             "issued": _record_json(self.issued),
             "completed": _record_json(self.completed),
             "waiting": _record_json(in_flight[0]) if in_flight else None,
         }
+        issued = dict(self._p2p_issued)  # one C-level copy: the issuing thread may add keys meanwhile
+        if issued:
+            done = dict(self.p2p_done)
+            progress["p2p"] = {
+                _p2p_key_text(key): {"issued": count, "completed": done.get(key, 0)}
+                for key, count in issued.items()
+            }
+        return progress
+
+
+def _p2p_key_text(key: P2PKey) -> str:
+    kind, peer, tag = key
+    return f"{kind} {'any' if peer is None else peer} {tag}"
 
 
 def _record_json(record: Record | None) -> dict[str, Any] | None:
@@ -179,6 +242,81 @@ def format_stall(
     return " ".join(parts)
 
 
+def format_p2p_stall(
+    label: str,
+    rank: int,
+    record: Record,
+    waited_s: float,
+    stall_s: float,
+    timeout_s: float,
+    peers: dict[str, Any] | None,
+    context: str | None,
+    no_peers_reason: str = "",
+) -> str:
+    """Compose the stall warning of a send or receive: the pair, the tag, and what the peer has posted.
+
+    Args:
+        label: ``[rank 0/2] gloo``: this rank and backend.
+        rank: This rank.
+        record: The send or receive that waits (``(seq, kind, dtype, shape, None, peer, tag)``).
+        waited_s: How long it has waited.
+        stall_s: ``COMMLIB_STALL_S``.
+        timeout_s: The group's timeout.
+        peers: Every rank's progress, or None.
+        context: What the caller attached to the operation (``Work.annotate``).
+        no_peers_reason: Why ``peers`` is None.
+    """
+    seq, kind, _, _, _, peer, tag = record
+    head = (
+        f"{label}.{kind} #{seq} {_p2p_call(record).removeprefix(kind).strip()} has waited {waited_s:.0f} s "
+        f"(COMMLIB_STALL_S={stall_s:g}); it goes on waiting until the timeout ({timeout_s:g} s, "
+        "COMMLIB_TIMEOUT)."
+    )
+    if context:
+        head += f" Context: {context}."
+    if peers is None:
+        return f"{head} The other ranks could not be asked: {no_peers_reason}"
+    other = "recv" if kind == "send" else "send"
+    senders = [peer] if peer is not None else [int(r) for r in sorted(peers, key=int) if int(r) != rank]
+    parts = [head]
+    for sender in senders:
+        info = peers.get(str(sender)) or {"absent": "no answer"}
+        if "absent" in info:
+            parts.append(f"Rank {sender} did not answer ({info['absent']}).")
+            continue
+        table = info.get("p2p") or {}
+        if other == "recv":
+            mine = table.get(f"recv {rank} {tag}", {}).get("issued", 0)
+            anyone = table.get(f"recv any {tag}", {}).get("issued", 0)
+            if mine + anyone >= seq:
+                parts.append(
+                    f"Rank {sender} has posted {mine} receive(s) from rank {rank} and {anyone} from any rank "
+                    f"with tag {tag}: the matching receive was issued; it is stuck inside the backend, "
+                    "or the two tensors differ in size."
+                )
+            else:
+                parts.append(
+                    f"Rank {sender} has posted {mine} receive(s) from rank {rank} and {anyone} from any rank "
+                    f"with tag {tag}: it has not reached the receive that matches send #{seq}."
+                )
+        else:
+            sent = table.get(f"send {rank} {tag}", {}).get("issued", 0)
+            if peer is None:
+                if sent:
+                    parts.append(f"Rank {sender} has issued {sent} send(s) to rank {rank} with tag {tag}.")
+                continue
+            verdict = (
+                "the matching send was issued; it is stuck inside the backend, or the two tensors "
+                "differ in size"
+                if sent >= seq
+                else f"it has not reached the send that matches receive #{seq}"
+            )
+            parts.append(f"Rank {sender} has issued {sent} send(s) to rank {rank} with tag {tag}: {verdict}.")
+    if peer is None and len(parts) == 1:
+        parts.append(f"No rank has issued a send to rank {rank} with tag {tag}.")
+    return " ".join(parts)
+
+
 def _call_at(seq: int, info: dict[str, Any]) -> str:
     """What one rank that reached ``seq`` called there, from its progress answer."""
     for key in ("waiting", "issued"):
@@ -231,6 +369,8 @@ class Watchdog:
         label: ``[rank 0/2] gloo``.
         may_test: Whether a work may be tested from the watchdog thread.
         name: The thread's name.
+        rank: This rank (named in point-to-point reports).
+        group: The group's name, added to the label of a subgroup's reports.
     """
 
     def __init__(
@@ -243,12 +383,17 @@ class Watchdog:
         label: str,
         may_test: Callable[[Work], bool],
         name: str,
+        rank: int = 0,
+        group: str | None = None,
     ) -> None:
         self._tracker = tracker
         self._control = control
         self._stall_s = stall_s
         self._timeout_s = timeout_s
-        self._label = label
+        self._label = label if group is None or "." not in group else f"{label} (group {group})"
+        self._rank = rank
+        self._p2p_warned: tuple[int, float] | None = None
+        """The send or receive warned about last (its work's id), and when."""
         self._may_test = may_test
         self._poll_s = min(1.0, stall_s / 4)
         self._reader = FrameReader()
@@ -325,6 +470,32 @@ class Watchdog:
         return True
 
     def _check(self, now: float) -> None:
+        self._check_collectives(now)
+        asked = self._asked
+        if asked is not None:
+            if now - asked[3] > _REPORT_WAIT_S:
+                self._report(None, f"rank 0's side channel did not answer within {_REPORT_WAIT_S:g} s")
+            return
+        self._check_p2p(now)
+
+    def _check_p2p(self, now: float) -> None:
+        tracker = self._tracker
+        tracker.prune_p2p(self._may_test)
+        oldest = tracker.oldest_p2p()
+        if oldest is None:
+            return
+        record, work, since = oldest
+        if now - since < self._stall_s:
+            return
+        warned = self._p2p_warned
+        if warned is not None and warned[0] == id(work) and now - warned[1] < self._stall_s:
+            return
+        self._p2p_warned = (id(work), now)
+        self._asked = (record, work, now - since, now)
+        if not self._send(T_QUERY):
+            self._report(None)
+
+    def _check_collectives(self, now: float) -> None:
         tracker = self._tracker
         tracker.prune(_never)
         in_flight = tracker.oldest_in_flight()
@@ -341,8 +512,6 @@ class Watchdog:
             self._last_warned = 0.0
             return
         if self._asked is not None:
-            if now - self._asked[3] > _REPORT_WAIT_S:
-                self._report(None, f"rank 0's side channel did not answer within {_REPORT_WAIT_S:g} s")
             return
         if not self._overdue(record[0], now) or (
             self._last_warned and now - self._last_warned < self._stall_s
@@ -365,8 +534,20 @@ class Watchdog:
         if peers is None and reason is None:
             reason = self._channel_lost or "this group has no side channel"
         context = work.context if work is not None else None
-        logger.warning(
-            format_stall(
+        if len(record) > 6:
+            text = format_p2p_stall(
+                self._label,
+                self._rank,
+                record,
+                waited,
+                self._stall_s,
+                self._timeout_s,
+                peers,
+                context,
+                reason or "",
+            )
+        else:
+            text = format_stall(
                 self._label, record, waited, self._stall_s, self._timeout_s, peers, context, reason or ""
             )
-        )
+        logger.warning(text)

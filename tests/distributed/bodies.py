@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from commlib import IProcessGroup, ReduceOp
+from commlib.types import op_applies
 from tests._reference import (
     FLOAT_DTYPES,
     assert_close_to_reference,
@@ -25,7 +26,12 @@ SIZES = (0, 1, 13, 1000, 40_003)
 
 
 def _ops_for(dtype: torch.dtype) -> list[ReduceOp]:
-    return [op for op in ReduceOp if not (op is ReduceOp.AVG and not dtype.is_floating_point)]
+    return [
+        op
+        for op in ReduceOp
+        if op_applies(op, dtype)
+        and op not in (ReduceOp.PREMUL_SUM, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+    ]
 
 
 def body_all_reduce(

@@ -205,7 +205,11 @@ def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:
 
 
 def _ops_for(group: IProcessGroup, dtype: torch.dtype) -> list[ReduceOp]:
-    return [op for op in ReduceOp if group.supports(op, dtype, "cuda")]
+    return [
+        op
+        for op in ReduceOp
+        if group.supports(op, dtype, "cuda") and op.value in ("sum", "avg", "product", "min", "max")
+    ]
 
 
 # ------------------------------------------------------------ correctness

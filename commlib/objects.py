@@ -1,0 +1,254 @@
+"""Object collectives: any picklable Python object, moved through the group's tensor collectives.
+
+As torch.distributed does, each object is pickled into a uint8 tensor. Every
+call starts with one small all-gather in which each rank announces the size of
+what it sends, its own size limit (``CommConfig.max_object_bytes``,
+``COMMLIB_MAX_OBJECT_BYTES``) and whether its arguments are well formed. Every
+rank then reaches the same verdict from the same numbers: an object over a
+receiver's limit, or a list of the wrong length on any rank, raises the same
+``ValueError`` on every rank before any object's bytes move (and before any
+buffer of that size is allocated). Then the bytes move: one broadcast,
+all-gather, gather or scatter of uint8 tensors padded to the largest object.
+
+Unpickling runs code chosen by whoever produced the bytes: only exchange
+objects with ranks you trust (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import Any, Protocol
+
+import torch
+
+from commlib.config import CommConfig
+from commlib.work import Work
+
+__all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
+
+_LENGTH = struct.Struct("!q")
+"""The length before each pickled object inside a padded block."""
+
+
+class ObjectGroup(Protocol):
+    """The tensor collectives the object collectives run on (``IProcessGroup`` has them)."""
+
+    rank: int
+    world_size: int
+    config: CommConfig
+
+    def preferred_device(self) -> torch.device: ...  # noqa: D102
+    def _prefix(self, op: str) -> str: ...
+    def _check_rank(self, op: str, value: object, arg: str) -> None: ...
+    def all_gather(self, output: Any, tensor: torch.Tensor, *, async_op: bool = False) -> Work | None: ...  # noqa: D102
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None: ...  # noqa: D102
+    def gather(  # noqa: D102
+        self, tensor: torch.Tensor, gather_list: Any = None, dst: int = 0, *, async_op: bool = False
+    ) -> Work | None: ...
+    def scatter(  # noqa: D102
+        self, tensor: torch.Tensor, scatter_list: Any = None, src: int = 0, *, async_op: bool = False
+    ) -> Work | None: ...
+
+
+def broadcast_object_list(group: ObjectGroup, object_list: list[Any], src: int = 0) -> None:
+    """Replace ``object_list``'s entries on every rank with those of rank ``src``.
+
+    Args:
+        group: The group.
+        object_list: On ``src``, the objects to send; elsewhere, a list of as many entries, overwritten.
+        src: The sending rank.
+
+    Raises:
+        ValueError: (on every rank) a list's length differs from ``src``'s, or the pickled
+            objects exceed some rank's ``COMMLIB_MAX_OBJECT_BYTES``.
+    """
+    op = "broadcast_object_list"
+    group._check_rank(op, src, "src")
+    _check_list(group, op, object_list, "object_list")
+    payload = b""
+    if group.rank == src:
+        pickles = [_dumps(group, op, obj) for obj in object_list]
+        payload = struct.pack(f"!{len(pickles)}q", *map(len, pickles)) + b"".join(pickles)
+    rows = _agree(group, op, len(payload), len(object_list), 0)
+    size, count = rows[src][0], rows[src][1]
+    wrong = [r for r, row in enumerate(rows) if row[1] != count]
+    if wrong:
+        raise ValueError(
+            f"{group._prefix(op)}rank {src} sends {count} objects, but the object_list of rank(s) "
+            f"{', '.join(map(str, wrong))} has {', '.join(str(rows[r][1]) for r in wrong)} entries; "
+            "pass a list of the same length on every rank"
+        )
+    _over_limit(group, op, rows, [(src, r) for r in range(group.world_size)])
+    buffer = _tensor(group, payload if group.rank == src else size)
+    group.broadcast(buffer, src)
+    if group.rank != src:
+        data = _bytes(buffer)
+        sizes = struct.unpack_from(f"!{count}q", data)
+        offset = 8 * count
+        for i, length in enumerate(sizes):
+            object_list[i] = pickle.loads(data[offset : offset + length])
+            offset += length
+
+
+def all_gather_object(group: ObjectGroup, object_list: list[Any], obj: Any) -> None:
+    """Fill ``object_list`` (``world_size`` entries) with every rank's ``obj``, in rank order.
+
+    Raises:
+        ValueError: (on every rank) some ``object_list`` does not have ``world_size`` entries,
+            or an object exceeds some rank's ``COMMLIB_MAX_OBJECT_BYTES``.
+    """
+    op = "all_gather_object"
+    world = group.world_size
+    _check_list(group, op, object_list, "object_list")
+    data = _dumps(group, op, obj)
+    rows = _agree(group, op, len(data), len(object_list), world)
+    _wrong_length(group, op, rows, world, "object_list", range(world))
+    _over_limit(group, op, rows, [(s, r) for s in range(world) for r in range(world)])
+    width = max(row[0] for row in rows)
+    gathered = _tensor(group, width * world)
+    group.all_gather(gathered, _tensor(group, data, width))
+    whole = _bytes(gathered)
+    for r, row in enumerate(rows):
+        object_list[r] = pickle.loads(whole[r * width : r * width + row[0]])
+
+
+def gather_object(
+    group: ObjectGroup, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0
+) -> None:
+    """Collect every rank's ``obj`` into ``object_gather_list`` (``world_size`` entries) on rank ``dst``.
+
+    Raises:
+        ValueError: (on every rank) ``dst``'s list does not have ``world_size`` entries, a
+            non-root rank passes a list, or an object exceeds ``dst``'s ``COMMLIB_MAX_OBJECT_BYTES``.
+    """
+    op = "gather_object"
+    world = group.world_size
+    group._check_rank(op, dst, "dst")
+    if object_gather_list is not None:
+        _check_list(group, op, object_gather_list, "object_gather_list")
+    data = _dumps(group, op, obj)
+    length = -1 if object_gather_list is None else len(object_gather_list)
+    rows = _agree(group, op, len(data), length, world if group.rank == dst else -1)
+    _wrong_length(group, op, rows, world, "object_gather_list", [dst])
+    extra = [r for r, row in enumerate(rows) if r != dst and row[1] > 0]
+    if extra:
+        raise ValueError(
+            f"{group._prefix(op)}rank(s) {', '.join(map(str, extra))} pass an object_gather_list, but only "
+            "the "
+            f"destination (dst={dst}) receives; pass None elsewhere"
+        )
+    _over_limit(group, op, rows, [(s, dst) for s in range(world)])
+    width = max(row[0] for row in rows)
+    blocks = [_tensor(group, width) for _ in range(world)] if group.rank == dst else None
+    group.gather(_tensor(group, data, width), blocks, dst)
+    if blocks is not None and object_gather_list is not None:
+        for r, row in enumerate(rows):
+            object_gather_list[r] = pickle.loads(_bytes(blocks[r])[: row[0]])
+
+
+def scatter_object_list(
+    group: ObjectGroup,
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int = 0,
+) -> None:
+    """Put entry ``i`` of ``src``'s input list into ``scatter_object_output_list[0]`` on rank ``i``.
+
+    Raises:
+        ValueError: (on every rank) ``src``'s input list does not have ``world_size`` entries,
+            some output list is empty, or an object exceeds its receiver's ``COMMLIB_MAX_OBJECT_BYTES``.
+    """
+    op = "scatter_object_list"
+    world = group.world_size
+    group._check_rank(op, src, "src")
+    _check_list(group, op, scatter_object_output_list, "scatter_object_output_list")
+    pieces: list[bytes] = []
+    if group.rank == src:
+        if scatter_object_input_list is not None:
+            _check_list(group, op, scatter_object_input_list, "scatter_object_input_list")
+            pieces = [_dumps(group, op, obj) for obj in scatter_object_input_list]
+    width = max(map(len, pieces), default=0) + _LENGTH.size
+    count = len(pieces) if group.rank == src else world
+    rows = _agree(group, op, width, count, world if scatter_object_output_list else -1)
+    _wrong_length(group, op, rows, world, "scatter_object_input_list", [src])
+    empty = [r for r, row in enumerate(rows) if row[3] < 0]
+    if empty:
+        raise ValueError(
+            f"{group._prefix(op)}the scatter_object_output_list of rank(s) {', '.join(map(str, empty))} "
+            "is empty; "
+            "pass a list with one entry to receive into"
+        )
+    width = rows[src][0]
+    _over_limit(group, op, rows, [(src, r) for r in range(world)], width - _LENGTH.size)
+    blocks = [_tensor(group, _LENGTH.pack(len(p)) + p, width) for p in pieces] if group.rank == src else None
+    mine = _tensor(group, width)
+    group.scatter(mine, blocks, src)
+    data = _bytes(mine)
+    (length,) = _LENGTH.unpack_from(data)
+    scatter_object_output_list[0] = pickle.loads(data[_LENGTH.size : _LENGTH.size + length])
+
+
+# ------------------------------------------------------------------ helpers
+def _check_list(group: ObjectGroup, op: str, value: object, arg: str) -> None:
+    if not isinstance(value, list):
+        raise TypeError(f"{group._prefix(op)}{arg} must be a list, got {type(value).__name__}")
+
+
+def _dumps(group: ObjectGroup, op: str, obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise TypeError(f"{group._prefix(op)}cannot pickle {type(obj).__qualname__}: {e}") from e
+
+
+def _agree(group: ObjectGroup, op: str, size: int, length: int, expected: int) -> list[list[int]]:
+    """All-gather every rank's (size it sends, list length, its limit, list length it should have)."""
+    device = group.preferred_device()
+    mine = torch.tensor(
+        [size, length, group.config.max_object_bytes, expected], dtype=torch.int64, device=device
+    )
+    everyone = torch.empty(4 * group.world_size, dtype=torch.int64, device=device)
+    group.all_gather(everyone, mine)
+    rows: list[list[int]] = everyone.view(group.world_size, 4).tolist()
+    return rows
+
+
+def _wrong_length(
+    group: ObjectGroup, op: str, rows: list[list[int]], world: int, arg: str, ranks: Any
+) -> None:
+    wrong = [r for r in ranks if rows[r][1] != world]
+    if wrong:
+        lengths = ", ".join(f"rank {r}: {'None' if rows[r][1] < 0 else rows[r][1]}" for r in wrong)
+        raise ValueError(f"{group._prefix(op)}{arg} must hold one entry per rank ({world}) ({lengths})")
+
+
+def _over_limit(
+    group: ObjectGroup, op: str, rows: list[list[int]], flows: list[tuple[int, int]], size: int | None = None
+) -> None:
+    """Raise on every rank if what ``src`` sends to ``dst`` (for each pair) exceeds either's limit."""
+    for src, dst in flows:
+        announced = rows[src][0] if size is None else size
+        for rank in (src, dst):
+            limit = rows[rank][2]
+            if announced > limit:
+                raise ValueError(
+                    f"{group._prefix(op)}rank {src} sends {announced} bytes of pickled objects, over rank "
+                    f"{rank}'s limit of {limit} bytes; raise COMMLIB_MAX_OBJECT_BYTES (CommConfig."
+                    "max_object_bytes) on every rank, or send smaller objects"
+                )
+
+
+def _tensor(group: ObjectGroup, data: bytes | int, width: int | None = None) -> torch.Tensor:
+    """A uint8 tensor on the group's control device: ``data`` padded to ``width``, or ``data`` zero bytes."""
+    device = group.preferred_device()
+    if isinstance(data, int):
+        return torch.zeros(data, dtype=torch.uint8, device=device)
+    padded = bytearray(data) + bytes((width if width is not None else len(data)) - len(data))
+    if not padded:
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(padded, dtype=torch.uint8).to(device)
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().numpy().tobytes() if tensor.numel() else b""
