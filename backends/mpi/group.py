@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import mpi4py  # an ImportError here names mpi4py; the registry turns it into the pip hint
@@ -371,7 +371,7 @@ class _P2PWork(_MPIWork):
 
     def _withdraw(self) -> bool:
         request = self._request
-        return isinstance(request, RecvRequest) and self._group._p2p.cancel(request)
+        return isinstance(request, RecvRequest) and self._group._messages.cancel(request)
 
     @staticmethod
     def _breaks_group(error: BaseException) -> bool:
@@ -450,7 +450,7 @@ class MPIProcessGroup(IProcessGroup):
         self._progress: ProgressThread | None = None
         self._comm = self._duplicate(parent)
         # Point-to-point traffic on communicators of its own: never matched with a collective's.
-        self._p2p = P2PEngine(MPI, self._duplicate(self._comm), self._duplicate(self._comm))
+        self._messages = P2PEngine(MPI, self._duplicate(self._comm), self._duplicate(self._comm))
         self._tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
         # Spin like MPI while every rank has a core; with more ranks than cores on this
         # host, yield between tests so that the rank we wait for can run.
@@ -475,16 +475,6 @@ class MPIProcessGroup(IProcessGroup):
                     "(mpi4py.rc.thread_level = 'multiple') to overlap them with compute.",
                 )
         _register(self)
-
-    def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-        """Return True if this backend can reduce ``dtype`` tensors on ``device`` with ``op``.
-
-        Every dtype of the contract, on CPU and CUDA; AVG for floating point only.
-        """
-        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-        if dtype not in self.supported_dtypes or device_type not in self.supported_devices:
-            return False
-        return not (op is ReduceOp.AVG and not dtype.is_floating_point)
 
     # ------------------------------------------------------------------ set-up
     def _duplicate(self, parent: Any) -> Any:
@@ -666,9 +656,9 @@ class MPIProcessGroup(IProcessGroup):
         verdict), and a receive is matched only while someone tests: whoever
         waits drives the matching, as the progress thread would when nobody waits.
         """
-        if not self._p2p.waiting:
+        if not self._messages.waiting:
             return request.Test  # type: ignore[no-any-return]
-        match, test = self._p2p.match, request.Test
+        match, test = self._messages.match, request.Test
 
         def drive() -> bool:
             match()
@@ -989,7 +979,7 @@ class MPIProcessGroup(IProcessGroup):
         return self._start(
             "send",
             tensor,
-            lambda: self._p2p.send(payload, nbytes, dst, tag),
+            lambda: self._messages.send(payload, nbytes, dst, tag),
             None,
             (tensor, payload),
             async_op,
@@ -1005,21 +995,13 @@ class MPIProcessGroup(IProcessGroup):
         return self._start(
             "recv",
             tensor,
-            lambda: self._p2p.recv(payload, nbytes, src, tag),
+            lambda: self._messages.recv(payload, nbytes, src, tag),
             None,
             (tensor, payload),
             async_op,
             label=label,
             work_type=_P2PWork,
         )
-
-    def _p2p_label(self, op: str, tensor: torch.Tensor, peer: int | None, tag: int) -> CollectiveLabel:
-        # provisional: until the interface numbers point-to-point operations per peer and tag
-        counts = self.__dict__.setdefault("_p2p_counts", {})
-        key = (op, peer, tag)
-        counts[key] = counts.get(key, 0) + 1
-        label = CollectiveLabel(self.rank, self.world_size, self.backend, op, counts[key], tensor)
-        return label
 
     def _check_tag(self, op: str, tag: int) -> None:
         if tag > self._tag_ub:
@@ -1043,55 +1025,65 @@ class MPIProcessGroup(IProcessGroup):
         )
 
     # ---------------------------------------------------------------- subgroups
-    def _new_group(self, ranks: Sequence[int], config: CommConfig) -> MPIProcessGroup | None:
-        """``Comm.Create_group`` over the members (sorted); every rank of this group calls it.
+    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> MPIProcessGroup | None:
+        """``Comm.Create_group`` over ``ranks``, in their order; every rank of this group calls it.
 
-        ``Create_group`` blocks, and only the members take part, so an all-gather
-        on this group first checks, within the timeout, that every rank passed
-        the same ranks (else ``Create_group`` could wait forever).
+        ``Create_group`` blocks and only the members take part, so the ranks
+        first agree on the members, within the timeout (``_agree``).
         """
-        members = sorted(ranks)
-        digests = self._all_gather_ints("new_group", [len(members), _digest(members)])
-        different = [rank for rank, digest in enumerate(digests) if digest != digests[self.rank]]
-        if different:
-            raise CommError(
-                f"{self._prefix('new_group')}ranks {different} passed other ranks than this rank "
-                f"({members}); every rank of the group must call new_group with the same ranks, in the "
-                "same order of calls"
-            )
-        if self.rank not in members:
+        self._agree("new_group", [ranks])
+        if self.rank not in ranks:
             return None
         everyone = self._comm.Get_group()
         try:
-            chosen = everyone.Incl(members)
+            chosen = everyone.Incl(ranks)
         finally:
             everyone.Free()
         try:
             comm = self._comm.Create_group(chosen)
         finally:
             chosen.Free()
-        return self._wrap(comm, config)
+        return self._wrap(comm, ranks, config)
 
-    def _split(self, color: int | None, key: int, config: CommConfig) -> MPIProcessGroup | None:
-        """``Comm.Split``: one group per color, ordered by ``(key, rank)``; a color of None or < 0 gets None.
+    def _split(self, groups: list[list[int]], config: CommConfig, names: list[str]) -> MPIProcessGroup | None:
+        """One ``Comm.Split``: color = the index of the group holding this rank, key = its place there.
 
-        ``Comm.Split`` blocks: a barrier first checks, within the timeout, that
-        every rank has called ``split``.
+        ``Comm.Split`` blocks, so the ranks first agree on the groups, within the timeout (``_agree``).
         """
-        self._start("split", None, self._comm.Ibarrier, None, None, False)
-        undefined = color is None or color < 0
-        comm = self._comm.Split(self._MPI.UNDEFINED if undefined else color, key)
+        self._agree("split", groups)
+        color, key = self._MPI.UNDEFINED, 0
+        for index, ranks in enumerate(groups):
+            if self.rank in ranks:
+                color, key = index, ranks.index(self.rank)
+        comm = self._comm.Split(color, key)
         if comm == self._MPI.COMM_NULL:
             return None
-        return self._wrap(comm, config)
+        return self._wrap(comm, groups[color], config)
 
-    def _wrap(self, comm: Any, config: CommConfig) -> MPIProcessGroup:
+    def _wrap(self, comm: Any, ranks: list[int], config: CommConfig) -> MPIProcessGroup:
         """A group over a duplicate of ``comm`` (freed here), with this group's backend settings."""
         try:
-            env = dataclasses.replace(self._env, rank=comm.Get_rank(), world_size=comm.Get_size())
-            return MPIProcessGroup(env, config, comm=comm, mpi_config=self._mpi_config)
+            return MPIProcessGroup(self._subgroup_env(ranks), config, comm=comm, mpi_config=self._mpi_config)
         finally:
             comm.Free()
+
+    def _agree(self, op: str, groups: list[list[int]]) -> None:
+        """Check, with one all-gather bounded by the timeout, that every rank is here with the same groups.
+
+        MPI's communicator constructors block without a deadline; after this
+        every rank is about to call the same one, so it returns promptly.
+
+        Raises:
+            CommError: Some ranks passed other groups (named).
+            CommTimeoutError: A rank did not arrive within the timeout.
+        """
+        digests = self._all_gather_ints(op, [len(groups), _digest(groups)])
+        different = [rank for rank, digest in enumerate(digests) if digest != digests[self.rank]]
+        if different:
+            raise CommError(
+                f"{self._prefix(op)}ranks {different} asked for other groups than this rank ({groups}); "
+                f"every rank of the group must call {op} with the same arguments, in the same order of calls"
+            )
 
     def _all_gather_ints(self, op: str, values: list[int]) -> list[tuple[int, ...]]:
         """All-gather a few int64 from every rank (bounded by the timeout); return every rank's."""
@@ -1137,7 +1129,7 @@ class MPIProcessGroup(IProcessGroup):
             return
         _live_groups.pop(id(self), None)
         if not self._MPI.Is_finalized():
-            for comm in (self._comm, self._side_comm, *self._p2p.comms):
+            for comm in (self._comm, self._side_comm, *self._messages.comms):
                 if comm is None:
                     continue
                 try:
@@ -1147,7 +1139,7 @@ class MPIProcessGroup(IProcessGroup):
 
     def _withdraw_receives(self) -> None:
         """Fail the receives still waiting for a message (they hold nothing in MPI)."""
-        withdrawn = self._p2p.cancel_all()
+        withdrawn = self._messages.cancel_all()
         if not withdrawn:
             return
         for work in list(self._pending.values()):
@@ -1189,8 +1181,8 @@ class MPIProcessGroup(IProcessGroup):
         return CommError(f"{describe}: {type(error).__name__}: {error}")
 
 
-def _digest(values: list[int]) -> int:
-    """A 56-bit digest of a list of ints (the same on every rank for the same list)."""
+def _digest(values: list[Any]) -> int:
+    """A 56-bit digest of a list of ints or of lists of ints (the same on every rank for the same list)."""
     return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=7).digest(), "little")
 
 
@@ -1328,11 +1320,7 @@ def from_mpi_comm(comm: Any, *, config: CommConfig | None = None) -> MPIProcessG
     _load_mpi()
     env = DistEnv(rank=comm.Get_rank(), world_size=comm.Get_size(), launcher="explicit")
     group = MPIProcessGroup(env, config if config is not None else CommConfig.from_env(), comm=comm)
-    try:
-        group._start_diagnostics()
-    except BaseException:
-        group.close()
-        raise
+    group._start_diagnostics()
     return group
 
 
