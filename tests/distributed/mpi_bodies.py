@@ -437,6 +437,18 @@ def cuda_collectives(group: IProcessGroup) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------- runner
+def run_calls(group: IProcessGroup, calls: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """Run many bodies in one job, each with its own arguments: ``calls`` is ``[[name, [args...]], ...]``.
+
+    Returns ``{"name(args)": value}``. A body that raises ends the job (its
+    traceback shows in the launcher's output), as the bodies assert on every rank alike.
+    """
+    values = {}
+    for name, args in calls:
+        values[f"{name}{tuple(args)}"] = _resolve(name)(group, *args)
+    return values
+
+
 def _resolve(name: str) -> Callable[..., Any]:
     if ":" in name:
         module, func = name.split(":", 1)

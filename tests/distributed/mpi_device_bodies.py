@@ -179,7 +179,7 @@ class RecordingComm:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._comm, name)
-        if not name.startswith("I") or name == "Idup":
+        if not name.startswith("I") or name in ("Idup", "Improbe"):
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -238,6 +238,11 @@ def emulated(
     previous = device_path.install(path)
     comm = RecordingComm(group._comm, log)  # type: ignore[attr-defined]
     real_comm, group._comm = group._comm, comm  # type: ignore[attr-defined]
+    # Point-to-point sends go through the group's own message communicator: record them too.
+    messages = group._messages  # type: ignore[attr-defined]
+    real_data = messages._data_comm
+    messages._data_comm = RecordingComm(real_data, log)
+    messages._data_comm.calls = comm.calls
     lines = Lines()
     logger = logging.getLogger("commlib")
     old_level = logger.level
@@ -258,6 +263,7 @@ def emulated(
         logger.removeHandler(lines)
         logger.setLevel(old_level)
         group._comm = real_comm  # type: ignore[attr-defined]
+        messages._data_comm = real_data
         device_path.install(previous)
 
 
@@ -432,13 +438,14 @@ def _new_ops(group: IProcessGroup, calls: list[tuple[str, str, bool]]) -> dict[s
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool):
         for n in (0, 1, 13, 1000):
             inputs = [values(n, r, n, dtype) for r in range(world)]
-            high = torch.stack([t.to(torch.float64) for t in inputs]).max(0).values.to(dtype)
+            # SUM (OR on bool): small integers, exact in every dtype.
+            total = torch.stack([t.to(torch.float64) for t in inputs]).sum(0).to(dtype)
             for root in range(world):
                 t = on_device(inputs[rank])
                 before = len(calls)
-                group.reduce(t, root, ReduceOp.MAX)
+                group.reduce(t, root, ReduceOp.SUM)
                 note(f"reduce {dtype}", before)
-                expected = high if rank == root else inputs[rank]
+                expected = total if rank == root else inputs[rank]
                 if not torch.equal(on_host(t), expected):
                     failures.append(f"reduce {dtype} n={n} dst={root}: got {on_host(t)[:6].tolist()}")
                 outs = None
@@ -492,8 +499,15 @@ def staged_new_ops(group: IProcessGroup) -> dict[str, Any]:
     """Not CUDA-aware: the new operations staged through host memory."""
     with emulated(group, aware=0, lag=1) as seen:
         result = _new_ops(group, seen["comm"].calls)
-        stats = seen["pool"].stats
-        result.update(allocated=stats.allocated, reused=stats.reused, synced=len(seen["synced"]))
+        pool = seen["pool"]
+        stats = pool.stats
+        idle = sum(len(buffers) for buffers in pool._idle.values())
+        result.update(
+            allocated=stats.allocated,
+            reused=stats.reused,
+            held=stats.allocated - stats.dropped - idle,  # buffers never given back
+            synced=len(seen["synced"]),
+        )
     return result
 
 
