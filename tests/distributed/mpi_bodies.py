@@ -258,7 +258,7 @@ def async_semantics(group: IProcessGroup) -> dict[str, Any]:
     # Unsupported dtype and op: clear errors before any communication.
     errors = []
     for bad in (
-        lambda: group.all_reduce(torch.zeros(2, dtype=torch.uint8)),
+        lambda: group.all_reduce(torch.zeros(2, dtype=torch.uint16)),
         lambda: group.all_reduce(torch.zeros(2, dtype=torch.int32), ReduceOp.AVG),
         lambda: group.all_reduce(torch.zeros(2, dtype=torch.complex64)),
     ):
