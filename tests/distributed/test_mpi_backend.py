@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -109,6 +110,92 @@ def test_equivalent_to_gloo_on_three_ranks() -> None:
         assert eq["backends"] == ["mpi", "gloo"]
         assert eq["failures"] == [], f"rank {rank}:\n" + "\n".join(eq["failures"])
         assert eq["compared"] == 48
+
+
+# ------------------------------------- point-to-point, subgroups: one job per size
+FEATURES = "tests.distributed.mpi_feature_bodies"
+
+CALLS: dict[int, list[tuple[str, list[Any]]]] = {
+    2: [(f"{FEATURES}:p2p_sizes_sources_order", []), (f"{FEATURES}:p2p_timeouts", [])],
+    3: [(f"{FEATURES}:p2p_sizes_sources_order", []), (f"{FEATURES}:mpi_subgroups", [])],
+    4: [(f"{FEATURES}:mpi_subgroups", [])],
+}
+"""The bodies each world size runs, in one mpiexec job (MPICH ranks busy-poll: few launches)."""
+
+_jobs: dict[int, LaunchResult] = {}
+
+
+def _job(nprocs: int) -> dict[int, dict[str, Any]]:
+    """``{rank: {"body(args)": value}}`` of the job of ``nprocs`` ranks, launched on first use."""
+    if nprocs not in _jobs:
+        _jobs[nprocs] = launch("run_calls", nprocs, [CALLS[nprocs]], env=TEST_TIMEOUT, timeout=300)
+    return {rank: values["run_calls"] for rank, values in _ok(_jobs[nprocs], nprocs).items()}
+
+
+def _body(values: dict[str, Any], name: str) -> Any:
+    return values[f"{FEATURES}:{name}()"]
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_p2p_sizes_any_source_and_order(nprocs: int) -> None:
+    """A size mismatch fails both sides and leaves the receiver's tensor as it was; any source; order."""
+    for rank, values in _job(nprocs).items():
+        r = _body(values, "p2p_sizes_sources_order")
+        if rank == 0:
+            (larger, smaller) = r["send"]
+            for error, sent in ((larger, 40), (smaller, 8)):
+                name, is_value_error, message = error
+                assert name == "P2PSizeError" and is_value_error, error
+                assert message.startswith(f"[rank 0/{nprocs}] mpi.send #") and "to rank 1 tag 9" in message
+                assert f"sent {sent} bytes, but the recv on rank 1 has a buffer of 16 bytes" in message
+            assert r["any_source"] == [(k, [10 * k, 10 * k]) for k in range(1, nprocs)]
+        elif rank == 1:
+            for ((name, is_value_error, message), tensor), sent in zip(r["recv"], (40, 8), strict=True):
+                assert name == "P2PSizeError" and is_value_error
+                assert "mpi.recv #" in message and "from rank 0 tag 9" in message
+                assert f"rank 0 sent {sent} bytes, but this recv's buffer has 16 bytes" in message
+                assert tensor == [7.0] * 4, "the receiving tensor is left as it was"
+            assert r["after"] == [5.0] * 4, "the next message on the same tag arrives intact"
+            assert r["order"] and r["order_sources"] == [0] and r["early"], r
+
+
+@pytest.mark.launcher
+def test_p2p_timeouts_leave_the_group_usable() -> None:
+    for rank, values in _job(2).items():
+        r = _body(values, "p2p_timeouts")
+        assert r["all_reduce"] == 2.0 and r["left_in_flight"] == 0, r
+        if rank == 0:
+            assert r["send"].startswith("[rank 0/2] mpi.send #1 to rank 1 tag 12 (float32, 3 elements): ")
+            assert "within 1.5 s" in r["send"] and "MPI cannot withdraw a send" in r["send"]
+            assert r["back"] == [1.0, 1.0]
+        else:
+            assert r["recv"].startswith("[rank 1/2] mpi.recv #1 from rank 0 tag 11 (float32, 3 elements): ")
+            assert "no message arrived within 1.5 s" in r["recv"] and "withdrawn" in r["recv"]
+            assert r["recv_tensor"] == [2.0] * 3
+            # The send that timed out was still queued: the next recv with its tag receives it.
+            assert r["late_source"] == 0 and r["late"] == [8.0] * 3
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("nprocs", [3, 4])
+def test_subgroups_are_mpi_communicators(nprocs: int) -> None:
+    """new_group is Create_group over the members, split one Comm.Split; a child outlives its parent."""
+    for rank, values in _job(nprocs).items():
+        r = _body(values, "mpi_subgroups")
+        last = nprocs - 1
+        if rank in (0, last):
+            assert r["pair"] == ([0, last].index(rank), 2, [0, last], [0, last])
+        else:
+            assert "pair" not in r
+        # Same parity, ordered by key = -rank: the highest rank first.
+        same = sorted((k for k in range(nprocs) if k % 2 == rank % 2), reverse=True)
+        assert r["halves"] == (same.index(rank), len(same), same)
+        assert r["split_none"] == (rank == 0)
+        if rank > 0:
+            assert r["child_after_parent_closed"] == [float(nprocs - 1)] * 3
+            assert r["child_comms_freed"]
+        assert r["parent_after"] == float(nprocs)
 
 
 # ------------------------------------------------------------------- faults
