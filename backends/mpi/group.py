@@ -11,17 +11,21 @@
   is decided once per process, when the first CUDA tensor arrives, and said
   in one line at INFO on the ``commlib`` logger.
 - Every collective is a non-blocking MPI call (``Iallreduce``, ``Ibcast``,
-  ``Iallgather``, ``Ireduce_scatter_block``, ``Ibarrier``). A synchronous call
-  waits on it at once; ``async_op=True`` hands the request to a progress
-  thread that tests it every ``COMMLIB_MPI_PROGRESS_US`` microseconds, so it
-  advances while the caller computes. Every wait ends at the timeout with
-  ``CommTimeoutError``; a collective that never finishes cannot be cancelled in
-  MPI, so a process that exits with one outstanding aborts the MPI job
-  (``MPI_Abort``) instead of hanging in ``MPI_Finalize``.
-- float16 uses MPI's extension type (``MPIX_C_FLOAT16``) when the library has
-  it and it reduces correctly (checked once, locally); bfloat16, and float16
-  without it, reduce through a user-defined MPI operation that adds in torch.
-  AVG is SUM, then a true division by the world size (done by the interface).
+  ``Iallgather``, ``Ireduce_scatter_block``, ``Ireduce``, ``Igather``,
+  ``Iscatter``, ``Ialltoallv``, ``Ibarrier``). A synchronous call waits on it at
+  once; ``async_op=True`` hands the request to a progress thread that tests it
+  every ``COMMLIB_MPI_PROGRESS_US`` microseconds, so it advances while the
+  caller computes. Every wait ends at the timeout with ``CommTimeoutError``; a
+  collective that never finishes cannot be cancelled in MPI, so a process that
+  exits with one outstanding aborts the MPI job (``MPI_Abort``) instead of
+  hanging in ``MPI_Finalize``.
+- Point-to-point messages go through ``backends.mpi.p2p`` on two more
+  duplicates of the communicator (messages, and the receivers' size answers);
+  their failures (a size mismatch, a timeout) leave the group usable.
+- Subgroups are MPI communicators (``Create_group``, ``Split``) wrapped in a
+  group of their own, made after a bounded agreement on the parent.
+- How each dtype travels and reduces: ``backends.mpi.dtypes``. AVG and
+  PREMUL_SUM are SUM here; the interface divides or scales.
 """
 
 from __future__ import annotations
