@@ -12,6 +12,7 @@ __all__ = [
     "BackendUnavailableError",
     "NotInitializedError",
     "GroupClosedError",
+    "MessageSizeError",
     "ReduceOpTypeError",
     "error_prefix",
 ]
@@ -51,6 +52,10 @@ class NotInitializedError(CommError):
 
 class GroupClosedError(CommError):
     """A collective was called on a process group after ``close()``, or after it broke."""
+
+
+class MessageSizeError(CommError, ValueError):
+    """A send and its receive disagree on the message's size; both sides raise it, and nothing moved."""
 
 
 class ReduceOpTypeError(TypeError, ValueError):

@@ -707,7 +707,7 @@ class IProcessGroup(abc.ABC):
                 sides), or the peer failed.
             CommTimeoutError: No matching receive within the group's timeout.
         """
-        self._p2p("send", "send", tensor, dst, tag).wait()
+        self._point_to_point("send", "send", tensor, dst, tag).wait()
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive a message from rank ``src`` (None: any rank) into ``tensor``; return the sender's rank.
@@ -722,17 +722,17 @@ class IProcessGroup(abc.ABC):
                 both sides), or the peer failed.
             CommTimeoutError: No message within the group's timeout.
         """
-        work = self._p2p("recv", "recv", tensor, src, tag)
+        work = self._point_to_point("recv", "recv", tensor, src, tag)
         work.wait()
         return work.source_rank()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start ``send``; return its ``Work`` (do not touch ``tensor`` until it completes)."""
-        return self._p2p("isend", "send", tensor, dst, tag)
+        return self._point_to_point("isend", "send", tensor, dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         """Start ``recv``; return its ``Work`` (``work.source_rank()`` names the sender once it completed)."""
-        return self._p2p("irecv", "recv", tensor, src, tag)
+        return self._point_to_point("irecv", "recv", tensor, src, tag)
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
         """Start every send and receive of ``p2p_op_list`` at once; return their works, in order.
@@ -765,7 +765,7 @@ class IProcessGroup(abc.ABC):
             requests.append(self._p2p_request(name, p2p.kind, p2p.tensor, peer, p2p.tag))
         return self._issue_p2p(requests, lambda: self._batch_p2p(requests, True))
 
-    def _p2p(self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> Work:
+    def _point_to_point(self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> Work:
         self._check_usable(name)
         request = self._p2p_request(name, kind, tensor, peer, tag)
         if kind == "send":

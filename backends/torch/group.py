@@ -25,6 +25,20 @@ Gloo's own reduce-scatter is an all-reduce of the whole input; here it is an
 all-to-all of the blocks and a reduction of the received ones on Gloo's
 thread. On two ranks, all-gather and reduce-scatter are one exchange of blocks
 straight into place.
+
+What Gloo lacks is built here: int16 moves as float16 (the same bytes) and
+reduces as int32 (then wraps back); ``reduce`` hands Gloo a copy on the ranks
+that do not receive (Gloo's reduce writes there); ``all_to_all`` with sizes that
+differ by peer is one ``alltoall_base`` over packed buffers; point-to-point
+checks sizes before any data moves (``backends.torch.p2p``).
+
+Every operation calls the torch backend object itself (``allreduce``,
+``alltoall_base``, ``send``...) with ranks of this group. Subgroups
+(``new_group``, ``split``) are built by their members alone: a
+``ProcessGroupGloo`` (and, for CUDA, a ``ProcessGroupNCCL``) over a
+``PrefixStore`` of the job's store, keyed by the group's name; torch's own
+``new_group`` would need every rank of torch's world. A subgroup does not use
+its parent's connections, so closing the parent leaves it working.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import torch.distributed as dist
 
 from backends.common import kernels
 from backends.common.store_rendezvous import join_job_store
+from backends.torch.p2p import P2PEngine
 from commlib.config import CommConfig
 from commlib.env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, DistEnv, read_env_var
 from commlib.errors import (
@@ -72,6 +87,9 @@ _TORCH_OPS: dict[ReduceOp, Any] = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
 """commlib op -> torch.distributed op (AVG is used natively by NCCL only)."""
 
@@ -92,18 +110,43 @@ _TORCH_DEFAULT_BACKENDS = "cpu:gloo,cuda:nccl"
 _PEER_RE = re.compile(r"\[[^\]/\s]+\]:\d+")
 """A peer address in Gloo's messages (not the ``[path/file.cc:123]`` source location)."""
 
-_UPCASTABLE = frozenset({torch.float16, torch.bfloat16})
+_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int16: torch.int32}
+"""What a dtype Gloo cannot reduce is reduced as (integers wrap back on the way down)."""
 
-# torch renamed the tensor forms of all_gather / reduce_scatter in 2.13; use
-# whichever this torch has, without its deprecation warning.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_UPCASTABLE = frozenset(_WIDE)
+
+_GLOO_MOVES_AS = {torch.int16: torch.float16}
+"""Dtypes Gloo cannot move, and a dtype of the same size it moves the bytes of."""
+
+_GLOO_CANNOT_REDUCE = frozenset({torch.int16})
 
 _owner_lock = threading.Lock()
 _owner_count = 0
 """Open commlib groups over the torch default group that commlib itself created."""
 
 _warned_no_cuda = False
+
+
+def _options(kind: Any, **fields: Any) -> Any:
+    """A torch options struct (``AllreduceOptions``...) for an asynchronous call, with ``fields`` set."""
+    opts = kind()
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+def _span(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat tensor over ``views`` if they lie end to end in one storage, in order; else None."""
+    first = views[0]
+    end = first.data_ptr()
+    for view in views:
+        if view.data_ptr() != end or view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        end += view.numel() * view.element_size()
+    total = sum(v.numel() for v in views)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
 
 
 def _parse_upcast(text: str) -> frozenset[torch.dtype]:
@@ -271,11 +314,14 @@ class TorchDistProcessGroup(IProcessGroup):
     Args:
         env: Rank, world size and rendezvous address of this process.
         config: Shared settings (timeouts).
-        pg: The torch process group to run on.
+        pg: The torch process group to run on (None for a subgroup commlib built).
         name: ``gloo`` or ``nccl``.
         owns_default: True if commlib created torch's default group for this
             object (it is destroyed when the last such group closes).
-
+        backends: Subgroups: the torch backend object serving each device type.
+        devices: Subgroups: ``{device type: torch backend name}``.
+        store: The job's store, from which subgroups rendezvous (default: torch's default store).
+        torch_ranks: The members' ranks in torch's default group (default: read from ``pg``).
     """
 
     backend_name = "gloo"
@@ -288,21 +334,31 @@ class TorchDistProcessGroup(IProcessGroup):
         pg: Any,
         name: str,
         owns_default: bool = False,
+        backends: dict[str, Any] | None = None,
+        devices: dict[str, str] | None = None,
+        store: Any = None,
+        torch_ranks: list[int] | None = None,
     ) -> None:
         super().__init__(env, config)
         self._pg = pg
         self._name = name
         self._owns_default = owns_default
-        self._devices = _device_map(pg)
+        self._devices = devices if devices is not None else _device_map(pg)
+        self._backends = backends if backends is not None else dict.fromkeys(self._devices, pg)
+        """The torch object each device type's operations call (a torch ProcessGroup serves every device)."""
         # Narrow the class-wide device set to what this torch group serves.
         self.supported_devices = frozenset(self._devices)  # type: ignore[misc]
         no_upcast: frozenset[torch.dtype] = frozenset()
         self._upcast: set[torch.dtype] = set(read_env_var("COMMLIB_GLOO_UPCAST", _parse_upcast, no_upcast))
-        self._is_world = pg is dist.GroupMember.WORLD
+        if self._devices.get("cpu") == "gloo":
+            self._upcast |= _GLOO_CANNOT_REDUCE
+        self._store = store
+        self._torch_ranks = torch_ranks
         self._waiter: threading.Thread | None = None
         self._waiter_lock = threading.Lock()
         self._waiting: queue.SimpleQueue[_TorchWork | None] = queue.SimpleQueue()
         self._scratch = _ScratchPool()
+        self._engine: P2PEngine | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -312,7 +368,7 @@ class TorchDistProcessGroup(IProcessGroup):
 
     @property
     def torch_group(self) -> Any:
-        """The underlying ``torch.distributed`` process group."""
+        """The underlying ``torch.distributed`` process group (None for a subgroup made by ``new_group``)."""
         return self._pg
 
     def torch_backend_for(self, device: torch.device | str) -> str | None:
@@ -349,6 +405,19 @@ class TorchDistProcessGroup(IProcessGroup):
     def _needs_upcast(self, tensor: torch.Tensor) -> bool:
         return tensor.dtype in self._upcast and tensor.device.type == "cpu"
 
+    def _torch(self, tensor: torch.Tensor | None) -> Any:
+        """The torch backend object for ``tensor``'s device (the CPU one for ``barrier``)."""
+        if tensor is None:
+            return self._backends.get("cpu") or next(iter(self._backends.values()))
+        return self._backends[tensor.device.type]
+
+    def _movable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or a view of its bytes as a dtype Gloo moves (int16 as float16)."""
+        moved = _GLOO_MOVES_AS.get(tensor.dtype)
+        if moved is not None and self._on_gloo(tensor):
+            return tensor.view(moved)
+        return tensor
+
     def _launch_torch(
         self,
         label: CollectiveLabel,
@@ -364,7 +433,7 @@ class TorchDistProcessGroup(IProcessGroup):
         except Exception as e:  # noqa: BLE001
             if upcast_retry is not None and tensor is not None and _is_dtype_rejection(e):
                 # This Gloo cannot reduce the dtype; every rank fails the same way before
-                # sending anything, so every rank switches to float32 together.
+                # sending anything, so every rank switches to a wider dtype together.
                 self._upcast.add(tensor.dtype)
                 return upcast_retry()
             error = _translate(label, e, self.timeout)
@@ -380,11 +449,12 @@ class TorchDistProcessGroup(IProcessGroup):
         label = self._label("all_reduce", tensor)
         if self._needs_upcast(tensor):
             return self._all_reduce_upcast(tensor, op, label)
-        torch_op = _TORCH_OPS[op]
+        opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
+        pg = self._torch(tensor)
         return self._launch_torch(
             label,
             tensor,
-            lambda: dist.all_reduce(tensor, op=torch_op, group=self._pg, async_op=True),
+            lambda: pg.allreduce([tensor], opts),
             tensor,
             upcast_retry=(lambda: self._all_reduce_upcast(tensor, op, label))
             if tensor.dtype in _UPCASTABLE
@@ -392,21 +462,37 @@ class TorchDistProcessGroup(IProcessGroup):
         )
 
     def _all_reduce_upcast(self, tensor: torch.Tensor, op: ReduceOp, label: CollectiveLabel) -> Work:
-        wide = tensor.float()
+        wide = tensor.to(_WIDE[tensor.dtype])
+        opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
+        pg = self._torch(tensor)
         return self._launch_torch(
             label,
             wide,
-            lambda: dist.all_reduce(wide, op=_TORCH_OPS[op], group=self._pg, async_op=True),
+            lambda: pg.allreduce([wide], opts),
             (tensor, wide),
             finish=lambda: tensor.copy_(wide),
         )
 
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
+        """Gloo's reduce writes into every rank's tensor: the others reduce a copy."""
+        label = self._label("reduce", tensor)
+        root = self.rank == dst
+        wide = _WIDE[tensor.dtype] if self._needs_upcast(tensor) else None
+        if wide is not None:
+            source = tensor.to(wide)
+        else:
+            source = tensor if root else tensor.clone()
+        opts = _options(dist.ReduceOptions, reduceOp=_TORCH_OPS[op], rootRank=dst, rootTensor=0)
+        pg = self._torch(tensor)
+        finish = (lambda: tensor.copy_(source)) if root and source is not tensor else None
+        return self._launch_torch(label, source, lambda: pg.reduce([source], opts), (tensor, source), finish)
+
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         label = self._label("broadcast", tensor)
-        root = src if self._is_world else dist.get_global_rank(self._pg, src)
-        return self._launch_torch(
-            label, tensor, lambda: dist.broadcast(tensor, src=root, group=self._pg, async_op=True), tensor
-        )
+        moved = self._movable(tensor)
+        opts = _options(dist.BroadcastOptions, rootRank=src, rootTensor=0)
+        pg = self._torch(tensor)
+        return self._launch_torch(label, tensor, lambda: pg.broadcast([moved], opts), tensor)
 
     def _all_gather(
         self,
@@ -418,11 +504,64 @@ class TorchDistProcessGroup(IProcessGroup):
         label = self._label("all_gather", tensor)
         if flat_output is not None and self._pairwise(tensor):
             return self._exchange_all_gather(flat_output, tensor, label)
+        pg = self._torch(tensor)
+        moved = self._movable(tensor)
         if flat_output is not None:
-            call = lambda: _all_gather_single(flat_output, tensor, group=self._pg, async_op=True)  # noqa: E731
+            out = self._movable(flat_output)
+            call = lambda: pg._allgather_base(out, moved, _options(_AllgatherOptions))  # noqa: E731, SLF001
         else:
-            call = lambda: dist.all_gather(outputs, tensor, group=self._pg, async_op=True)  # noqa: E731
+            outs = [self._movable(o) for o in outputs]
+            call = lambda: pg.allgather([outs], [moved], _options(_AllgatherOptions))  # noqa: E731
         return self._launch_torch(label, tensor, call, (flat_output, outputs, tensor))
+
+    def _gather(
+        self, tensor: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, async_op: bool
+    ) -> Work:
+        label = self._label("gather", tensor)
+        pg = self._torch(tensor)
+        outs = [[self._movable(o) for o in outputs]] if outputs is not None else []
+        moved = self._movable(tensor)
+        opts = _options(dist.GatherOptions, rootRank=dst)
+        return self._launch_torch(label, tensor, lambda: pg.gather(outs, [moved], opts), (outputs, tensor))
+
+    def _scatter(
+        self, tensor: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, async_op: bool
+    ) -> Work:
+        label = self._label("scatter", tensor)
+        pg = self._torch(tensor)
+        ins = [[self._movable(i) for i in inputs]] if inputs is not None else []
+        moved = self._movable(tensor)
+        opts = _options(dist.ScatterOptions, rootRank=src)
+        return self._launch_torch(label, tensor, lambda: pg.scatter([moved], ins, opts), (inputs, tensor))
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
+        """One ``alltoall_base`` with a split per peer; lists that do not lie end to end are packed first."""
+        label = self._label("all_to_all", inputs[0])
+        out_splits = [o.numel() for o in outputs]
+        in_splits = [i.numel() for i in inputs]
+        flat_out = _span(outputs)
+        unpack = None
+        if flat_out is None:
+            flat_out = outputs[0].new_empty(sum(out_splits))
+            parts = list(flat_out.split(out_splits))
+
+            def unpack() -> None:
+                for part, out in zip(parts, outputs, strict=True):
+                    out.copy_(part)
+
+        flat_in = _span(inputs)
+        if flat_in is None:
+            flat_in = torch.cat(inputs)
+        pg = self._torch(flat_in)
+        out, src = self._movable(flat_out), self._movable(flat_in)
+        opts = _options(_AllToAllOptions)
+        return self._launch_torch(
+            label,
+            flat_in,
+            lambda: pg.alltoall_base(out, src, out_splits, in_splits, opts),
+            (outputs, inputs, flat_out, flat_in),
+            unpack,
+        )
 
     def _reduce_scatter(
         self,
@@ -437,15 +576,12 @@ class TorchDistProcessGroup(IProcessGroup):
             return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
         if self._on_gloo(output) and output.numel():
             return self._reduce_scatter_by_all_to_all(output, flat_input, inputs, op, label)
-        torch_op = _TORCH_OPS[op]
+        opts = _options(_ReduceScatterOptions, reduceOp=_TORCH_OPS[op])
+        pg = self._torch(output)
         if flat_input is not None:
-            call = lambda: _reduce_scatter_single(  # noqa: E731
-                output, flat_input, op=torch_op, group=self._pg, async_op=True
-            )
+            call = lambda: pg._reduce_scatter_base(output, flat_input, opts)  # noqa: E731, SLF001
         else:
-            call = lambda: dist.reduce_scatter(  # noqa: E731
-                output, inputs, op=torch_op, group=self._pg, async_op=True
-            )
+            call = lambda: pg.reduce_scatter([output], [inputs], opts)  # noqa: E731
         return self._launch_torch(
             label,
             output,
@@ -468,8 +604,9 @@ class TorchDistProcessGroup(IProcessGroup):
         """Start the two-rank exchange: ``sent`` goes to the other rank, whose block lands in ``received``."""
         splits = [0, 0]
         splits[1 - self.rank] = sent.numel()
-        return dist.all_to_all_single(
-            received, sent, output_split_sizes=splits, input_split_sizes=splits, group=self._pg, async_op=True
+        pg = self._torch(sent)
+        return pg.alltoall_base(
+            self._movable(received), self._movable(sent), splits, splits, _options(_AllToAllOptions)
         )
 
     def _exchange_all_gather(
@@ -503,7 +640,7 @@ class TorchDistProcessGroup(IProcessGroup):
         rank order, on Gloo's thread as soon as they have arrived.
         """
         n, r = self.world_size, self.rank
-        source = flat_input if flat_input is not None else torch.cat(inputs)
+        source = self._whole(flat_input, inputs)
         if self._pairwise(output):
             b = output.numel()
             received = self._scratch.take(b, source.dtype)
@@ -512,7 +649,9 @@ class TorchDistProcessGroup(IProcessGroup):
         else:
             received = self._scratch.take(source.numel(), source.dtype)
             blocks = list(received.chunk(n))
-            start = lambda: dist.all_to_all_single(received, source, group=self._pg, async_op=True)  # noqa: E731
+            splits = [output.numel()] * n
+            pg = self._torch(source)
+            start = lambda: pg.alltoall_base(received, source, splits, splits, _options(_AllToAllOptions))  # noqa: E731
         combine = kernels.combine(op, output.dtype)
 
         def reduce_blocks() -> None:
@@ -549,21 +688,98 @@ class TorchDistProcessGroup(IProcessGroup):
         op: ReduceOp,
         label: CollectiveLabel,
     ) -> Work:
-        wide_out = output.float()
-        wide_in = (flat_input if flat_input is not None else torch.cat(inputs)).float()
+        wide = _WIDE[output.dtype]
+        wide_out = output.to(wide)
+        wide_in = self._whole(flat_input, inputs).to(wide)
+        opts = _options(_ReduceScatterOptions, reduceOp=_TORCH_OPS[op])
+        pg = self._torch(output)
         return self._launch_torch(
             label,
             wide_out,
-            lambda: _reduce_scatter_single(
-                wide_out, wide_in, op=_TORCH_OPS[op], group=self._pg, async_op=True
-            ),
+            lambda: pg._reduce_scatter_base(wide_out, wide_in, opts),  # noqa: SLF001
             (output, wide_out, wide_in),
             finish=lambda: output.copy_(wide_out),
         )
 
     def _barrier(self, async_op: bool) -> Work:
         label = self._label("barrier")
-        return self._launch_torch(label, None, lambda: dist.barrier(group=self._pg, async_op=True))
+        pg = self._torch(None)
+        return self._launch_torch(label, None, lambda: pg.barrier(_options(dist.BarrierOptions)))
+
+    # ---------------------------------------------------------- point-to-point
+    def _p2p_engine(self, op: str) -> P2PEngine:
+        engine = self._engine
+        if engine is None:
+            cpu = self._backends.get("cpu")
+            if cpu is None or self._devices.get("cpu") != "gloo":
+                raise NotImplementedError(
+                    f"{self._prefix(op)}point-to-point needs Gloo for the size check, and this torch group "
+                    f"has none ({self._devices}); create it with backend 'cpu:gloo,cuda:nccl'"
+                )
+            engine = self._engine = P2PEngine(
+                cpu, self.timeout, self._mark_broken, _translate, f"commlib-{self._name}-p2p-rank{self.rank}"
+            )
+        return engine
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
+        label = self._p2p_label("send", tensor, dst, tag)
+        return self._p2p_engine("send").send(tensor, dst, tag, label)
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
+        label = self._p2p_label("recv", tensor, src, tag)
+        return self._p2p_engine("recv").recv(tensor, src, tag, label)
+
+    # ---------------------------------------------------------------- subgroups
+    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
+        """Members build the torch backends over a ``PrefixStore`` keyed by ``name``; others do nothing."""
+        if self.rank not in ranks:
+            return None
+        prefix = error_prefix(self.rank, self.world_size, self._name, "new_group")
+        if self._torch_ranks is None:
+            self._torch_ranks = _torch_ranks_of(self._pg, self.world_size)
+        torch_ranks = [self._torch_ranks[r] for r in ranks]
+        store = self._store if self._store is not None else _default_store(prefix)
+        scope = f"commlib/{name}/{'-'.join(map(str, torch_ranks))}"
+        rank, size = ranks.index(self.rank), len(ranks)
+        timeout = datetime.timedelta(seconds=config.timeout)
+        backends: dict[str, Any] = {}
+        try:
+            for device, kind in self._devices.items():
+                device_store = dist.PrefixStore(f"{scope}/{device}/", store)
+                if kind == "gloo":
+                    backends[device] = dist.ProcessGroupGloo(device_store, rank, size, timeout)
+                elif kind == "nccl":
+                    options = dist.ProcessGroupNCCL.Options()
+                    options._timeout = timeout
+                    backends[device] = dist.ProcessGroupNCCL(device_store, rank, size, options)
+                else:
+                    raise BackendUnavailableError(
+                        f"{prefix}commlib cannot make a {kind} subgroup of this torch group"
+                    )
+        except CommError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            kind = (
+                RendezvousTimeoutError
+                if "timeout" in text.lower() or "timed out" in text.lower()
+                else RendezvousError
+            )
+            raise kind(
+                f"{prefix}the members {list(ranks)} did not all connect within {config.timeout:g} s "
+                f"({text}); every rank of the parent group must call new_group / split in the same order "
+                "with the same ranks"
+            ) from e
+        return TorchDistProcessGroup(
+            self._subgroup_env(ranks),
+            config,
+            pg=None,
+            name=self._name,
+            backends=backends,
+            devices=dict(self._devices),
+            store=store,
+            torch_ranks=torch_ranks,
+        )
 
     def _close(self) -> None:
         global _owner_count
@@ -572,6 +788,9 @@ class TorchDistProcessGroup(IProcessGroup):
         # Drop the torch group: a closed group must not keep its store (and rank 0's
         # listening port) alive after torch.distributed itself is torn down.
         self._pg = None
+        self._backends = {}
+        self._engine = None
+        self._store = None
         if not self._owns_default:
             return
         with _owner_lock:
@@ -586,6 +805,26 @@ class TorchDistProcessGroup(IProcessGroup):
                     RuntimeWarning,
                     stacklevel=3,
                 )
+
+
+_AllgatherOptions = dist.distributed_c10d.AllgatherOptions
+_AllToAllOptions = dist.distributed_c10d.AllToAllOptions
+_ReduceScatterOptions = dist.distributed_c10d.ReduceScatterOptions
+
+
+def _torch_ranks_of(pg: Any, size: int) -> list[int]:
+    """The ranks in torch's default group of ``pg``'s members, in ``pg``'s rank order."""
+    if pg is None or pg is dist.GroupMember.WORLD:
+        return list(range(size))
+    return list(dist.get_process_group_ranks(pg))
+
+
+def _default_store(prefix: str) -> Any:
+    """Return torch's default store, where a group commlib did not create finds its subgroups' peers."""
+    try:
+        return dist.distributed_c10d._get_default_store()  # noqa: SLF001 - no public accessor
+    except Exception as e:  # noqa: BLE001
+        raise CommError(f"{prefix}torch.distributed's default store is not available: {e}") from e
 
 
 def _translate(describe: CollectiveLabel | str, error: BaseException, limit: float) -> CommError:
@@ -681,7 +920,9 @@ def _create(name: str, env: DistEnv, config: CommConfig) -> TorchDistProcessGrou
         raise RendezvousError(f"{prefix}{detail}") from e
     with _owner_lock:
         _owner_count += 1
-    return TorchDistProcessGroup(env, config, pg=dist.GroupMember.WORLD, name=name, owns_default=True)
+    return TorchDistProcessGroup(
+        env, config, pg=dist.GroupMember.WORLD, name=name, owns_default=True, store=store
+    )
 
 
 def _adopt_default(name: str, env: DistEnv, config: CommConfig, prefix: str) -> TorchDistProcessGroup:

@@ -1,0 +1,228 @@
+"""Point-to-point over a torch.distributed backend: a size check before the data, one lane per peer and tag.
+
+Gloo aborts the process when a message does not fit its receive buffer, so the
+data never travels before the receiver has checked its size. One send to rank
+``D`` with tag ``T`` is three messages on the pair (torch tags ``3T``, ``3T+1``,
+``3T+2``; commlib tags stop at ``max_tag``, so these fit Gloo's 31 bits):
+
+- header, sender -> receiver: int64 ``(MAGIC, bytes, dtype code, elements)``;
+- verdict, receiver -> sender: int64 ``(ACCEPT or REFUSE, bytes, dtype code,
+  elements)`` of the receive's tensor;
+- data, sender -> receiver: the tensor's bytes, only after ACCEPT (none if empty).
+
+A size mismatch therefore raises ``MessageSizeError`` on both sides, with both
+sizes, and leaves the pair in step: the group goes on. A receive from any rank
+posts its header receive on any source; the header names the sender.
+
+Order: one lane (a thread that lives while it has work) runs the operations of
+each (send or recv, peer, tag) one after the other. Gloo completes a send only
+once the peer has posted the matching receive, so a second header from one
+sender can only be matched after its first data: messages between one pair
+with one tag arrive in the order sent. Different lanes run at once, so sends
+and receives never wait for each other (two ranks may send to each other in
+one batch).
+
+Timeouts: every message waits at most the group's timeout (Gloo's own). A send
+whose receive never comes raises ``CommTimeoutError`` naming the peer and the
+tag; Gloo then closes its connection to that peer, so the group is marked
+unusable (every rank must create a new one).
+
+CUDA tensors travel through host memory over Gloo (the group's CPU backend).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from commlib.errors import CommError, CommTimeoutError, MessageSizeError
+from commlib.types import dtype_name
+from commlib.work import CollectiveLabel, EventWork, Work
+
+__all__ = ["P2PEngine"]
+
+MAGIC = 0x434C5032  # "CLP2"
+ACCEPT = 1
+REFUSE = 2
+
+_CODES = {
+    dtype: code
+    for code, dtype in enumerate(
+        (
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+            torch.uint8,
+            torch.int8,
+            torch.int16,
+        )
+    )
+}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+
+
+def _describe(nbytes: int, numel: int, code: int) -> str:
+    dtype = _DTYPES.get(code)
+    return f"{nbytes} bytes ({numel} x {dtype_name(dtype) if dtype is not None else 'unknown dtype'})"
+
+
+class _Lanes:
+    """Runs steps one after the other per key, different keys at once, each lane on a thread of its own."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._queues: dict[Any, collections.deque[Callable[[], None]]] = {}
+
+    def submit(self, key: Any, step: Callable[[], None]) -> None:
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue is not None:  # its thread is running: it takes the step in turn
+                queue.append(step)
+                return
+            self._queues[key] = collections.deque([step])
+        threading.Thread(target=self._run, args=(key,), name=f"{self._name}-{key}", daemon=True).start()
+
+    def _run(self, key: Any) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues[key]
+                if not queue:
+                    del self._queues[key]
+                    return
+                step = queue.popleft()
+            step()
+
+
+class P2PEngine:
+    """Sends and receives of one group over its CPU torch backend.
+
+    Args:
+        backend: The torch (Gloo) backend object: ``send``, ``recv``, ``recv_anysource``.
+        timeout: The group's timeout, named in messages.
+        mark_broken: Called with the error after a timeout or a lost peer (Gloo closed the pair).
+        translate: Turns any other torch error into the matching ``CommError``.
+        name: Names the lane threads.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        timeout: float,
+        mark_broken: Callable[[BaseException], None],
+        translate: Callable[[object, BaseException, float], CommError],
+        name: str,
+    ) -> None:
+        self._backend = backend
+        self._timeout = timeout
+        self._mark_broken = mark_broken
+        self._translate = translate
+        self._lanes = _Lanes(name)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, label: CollectiveLabel) -> Work:
+        """Start a send of flat ``tensor``; the work completes once the receiver has the data."""
+        work = EventWork(label, bound_s=3 * self._timeout + 30.0, keep_alive=tensor)
+        self._lanes.submit(("send", dst, tag), lambda: self._run(work, self._send, tensor, dst, tag))
+        return work
+
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: int, label: CollectiveLabel) -> Work:
+        """Start a receive into flat ``tensor`` from ``src`` (None: any rank)."""
+        work = EventWork(label, bound_s=3 * self._timeout + 30.0, keep_alive=tensor)
+        self._lanes.submit(("recv", src, tag), lambda: self._run(work, self._recv, tensor, src, tag))
+        return work
+
+    def _run(self, work: EventWork, step: Callable[..., None], *args: Any) -> None:
+        try:
+            step(work, *args)
+        except MessageSizeError as e:
+            work._settle(e)  # noqa: SLF001 - the pair is in step: the group goes on
+        except CommError as e:
+            self._mark_broken(e)
+            work._settle(e)  # noqa: SLF001
+        except Exception as e:  # noqa: BLE001 - every failure becomes the work's error
+            error = CommError(f"{work.label}: {type(e).__name__}: {e}")
+            error.__cause__ = e
+            self._mark_broken(error)
+            work._settle(error)  # noqa: SLF001
+        else:
+            work._settle()  # noqa: SLF001
+
+    def _send(self, work: EventWork, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        label = work.label
+        data = tensor.view(torch.uint8)
+        if data.device.type != "cpu":
+            data = data.cpu()
+        mine = (data.numel(), tensor.numel(), _CODES.get(tensor.dtype, -1))
+        header = torch.tensor([MAGIC, *mine], dtype=torch.int64)
+        self._wait(self._backend.send([header], dst, 3 * tag), label, f"rank {dst} posted no matching recv")
+        verdict = torch.empty(4, dtype=torch.int64)
+        self._wait(self._backend.recv([verdict], dst, 3 * tag + 1), label, f"rank {dst} did not answer")
+        answer, *theirs = verdict.tolist()
+        if answer == REFUSE:
+            raise MessageSizeError(
+                f"{label}: rank {dst}'s matching recv holds {_describe(*theirs)}, "
+                f"but this send has {_describe(mine[0], mine[1], mine[2])}; nothing was sent. Send and "
+                "receive tensors of the same size"
+            )
+        if answer != ACCEPT:
+            raise CommError(f"{label}: rank {dst} answered the header with garbage ({verdict.tolist()})")
+        if mine[0]:
+            self._wait(self._backend.send([data], dst, 3 * tag + 2), label, f"rank {dst} took no data")
+
+    def _recv(self, work: EventWork, tensor: torch.Tensor, src: int | None, tag: int) -> None:
+        label = work.label
+        header = torch.empty(4, dtype=torch.int64)
+        source = "any rank" if src is None else f"rank {src}"
+        if src is None:
+            handle = self._backend.recv_anysource([header], 3 * tag)
+            self._wait(handle, label, f"no message from {source}")
+            src = int(handle._source_rank())  # noqa: SLF001 - torch's name for it
+        else:
+            self._wait(self._backend.recv([header], src, 3 * tag), label, f"no message from {source}")
+        magic, *theirs = header.tolist()
+        if magic != MAGIC:
+            raise CommError(
+                f"{label}: rank {src} sent a header commlib does not know ({header.tolist()}); another "
+                "program uses this group's tags"
+            )
+        mine = (tensor.numel() * tensor.element_size(), tensor.numel(), _CODES.get(tensor.dtype, -1))
+        accept = theirs[0] == mine[0]
+        verdict = torch.tensor([ACCEPT if accept else REFUSE, *mine], dtype=torch.int64)
+        self._wait(self._backend.send([verdict], src, 3 * tag + 1), label, f"rank {src} took no answer")
+        work._set_source(src)  # noqa: SLF001
+        if not accept:
+            raise MessageSizeError(
+                f"{label}: rank {src} sends {_describe(*theirs)}, but this recv's tensor holds "
+                f"{_describe(*mine)}; nothing was received. Send and receive tensors of the same size"
+            )
+        if not mine[0]:
+            return
+        data = tensor.view(torch.uint8)
+        host = data if data.device.type == "cpu" else torch.empty(mine[0], dtype=torch.uint8)
+        self._wait(
+            self._backend.recv([host], src, 3 * tag + 2), label, f"the data from rank {src} never came"
+        )
+        if host is not data:
+            data.copy_(host)
+            torch.cuda.current_stream(data.device).synchronize()
+
+    def _wait(self, handle: Any, label: object, missing: str) -> None:
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+            text = str(e)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise CommTimeoutError(
+                    f"{label}: {missing} within {self._timeout:g} s; Gloo closed its connection to that "
+                    "rank, so this group is unusable: every rank must create a new one. (torch.distributed: "
+                    f"{text.strip().splitlines()[0] if text.strip() else type(e).__name__})"
+                ) from e
+            raise self._translate(label, e, self._timeout) from e
