@@ -58,6 +58,7 @@ from commlib.errors import (
     CommError,
     CommTimeoutError,
     GroupClosedError,
+    MessageSizeError,
     RendezvousError,
     RendezvousTimeoutError,
     error_prefix,
@@ -70,10 +71,6 @@ __all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from
 
 _MPI: Any = None
 """The ``mpi4py.MPI`` module, imported (and MPI initialised) on first use."""
-
-class P2PSizeError(CommError, ValueError):  # provisional: until the interface has its own
-    """A send and its recv disagree on the message size."""
-
 
 _PROGRESS_MODES = ("thread", "none")
 
@@ -379,7 +376,7 @@ class _P2PWork(_MPIWork):
 
     @staticmethod
     def _breaks_group(error: BaseException) -> bool:
-        return not isinstance(error, (CommTimeoutError, P2PSizeError))
+        return not isinstance(error, (CommTimeoutError, MessageSizeError))
 
     def _timeout_error(self, limit: float) -> CommTimeoutError:
         request = self._request
@@ -1163,13 +1160,13 @@ class MPIProcessGroup(IProcessGroup):
             return self._size_error(describe, error)
         return self._mpi_error(describe, error)
 
-    def _size_error(self, describe: str, mismatch: SizeMismatch) -> P2PSizeError:
+    def _size_error(self, describe: str, mismatch: SizeMismatch) -> MessageSizeError:
         sent, expected = mismatch.sent, mismatch.expected
         if mismatch.side == "send":
             what = f"sent {sent} bytes, but the recv on rank {mismatch.peer} has a buffer of {expected} bytes"
         else:
             what = f"rank {mismatch.peer} sent {sent} bytes, but this recv's buffer has {expected} bytes"
-        return P2PSizeError(
+        return MessageSizeError(
             f"{describe}: {what}; send and recv must use tensors of the same size (in bytes). The message "
             "was discarded on both sides, the receiving tensor is unchanged, and the group stays usable."
         )
