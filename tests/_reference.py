@@ -14,6 +14,10 @@ from commlib import ReduceOp
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 FLOAT_DTYPES = DTYPES[:4]
+SMALL_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16)
+"""The dtypes that joined the contract with the bitwise ops: their whole range wraps in a sum of four."""
+ALL_DTYPES = DTYPES + SMALL_DTYPES
+ALL_DTYPE_NAMES = tuple(str(d).removeprefix("torch.") for d in ALL_DTYPES)
 
 _EPS = {
     torch.float16: 2.0**-10,
@@ -31,8 +35,17 @@ def rank_input(
     Integer-valued inputs make every dtype exact (sums of small integers are
     representable in float16 and bfloat16); PRODUCT uses values in {1, 2} (or
     near 1 for random floats) so that products of four ranks cannot overflow.
+    uint8, int8 and int16 take values over their whole range, so sums and
+    products wrap (two's complement); bools are True three times in four for
+    the ops that AND (PRODUCT, MIN, BAND), else one time in two.
     """
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype is torch.bool:
+        ands = op in (ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.BAND)
+        return torch.randint(0, 4 if ands else 2, (numel,), generator=gen) > 0
+    if dtype in SMALL_DTYPES:
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max + 1, (numel,), generator=gen).to(dtype)
     if integer_valued or not dtype.is_floating_point:
         if op is ReduceOp.PRODUCT:
             values = torch.randint(1, 3, (numel,), generator=gen) * (
@@ -47,7 +60,11 @@ def rank_input(
 
 
 def reduce_reference(inputs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
-    """Reduce in float64 (int64 for integers), in rank order."""
+    """Reduce in float64 (int64 for integers and bools), in rank order.
+
+    Narrow integers wrap when the result is converted to their dtype; for bools any
+    non-zero sum or product is True, so SUM is OR and PRODUCT is AND.
+    """
     wide = [t.to(torch.float64) if t.dtype.is_floating_point else t.to(torch.int64) for t in inputs]
     out = wide[0].clone()
     for t in wide[1:]:
@@ -57,8 +74,16 @@ def reduce_reference(inputs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
             out *= t
         elif op is ReduceOp.MIN:
             out = torch.minimum(out, t)
-        else:
+        elif op is ReduceOp.MAX:
             out = torch.maximum(out, t)
+        elif op is ReduceOp.BAND:
+            out &= t
+        elif op is ReduceOp.BOR:
+            out |= t
+        elif op is ReduceOp.BXOR:
+            out ^= t
+        else:
+            raise ValueError(f"no reference for {op}")
     if op is ReduceOp.AVG:
         out = out / len(inputs)
     return out

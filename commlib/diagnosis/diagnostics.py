@@ -386,7 +386,7 @@ class Diagnostics:
             # The all_to_all calls agree but their splits do not add up: swap the splits to name them.
             row = struct.Struct(f"!{2 * self._world}q")
             matrix = self._exchange(group, row.pack(*counts[0], *counts[1]), label, background, row.size)
-            check_splits(label, [row.unpack_from(matrix, i) for i in range(0, len(matrix), row.size)])
+            check_splits(label, [row.unpack_from(matrix, i) for i in range(0, len(matrix), row.size)], prints)
         check_fingerprints(label, prints)
 
     def _exchange(

@@ -270,12 +270,13 @@ def only_splits_differ(prints: Sequence[Fingerprint]) -> bool:
     return detail is not None and detail.startswith("ranks disagree on the all_to_all splits")
 
 
-def check_splits(label: object, rows: Sequence[Sequence[int]]) -> None:
+def check_splits(label: object, rows: Sequence[Sequence[int]], prints: Sequence[Fingerprint]) -> None:
     """Raise ``CollectiveMismatchError`` naming the rank pairs whose all_to_all splits disagree.
 
     Args:
         label: This rank's name for the call.
         rows: Per rank: the elements it receives from each rank, then those it sends to each.
+        prints: Every rank's fingerprint of the call (named in the message).
     """
     world = len(rows)
     wrong = []
@@ -286,9 +287,10 @@ def check_splits(label: object, rows: Sequence[Sequence[int]]) -> None:
                 wrong.append(f"rank {src} sends {sent} elements to rank {dst}, which expects {expected}")
     if wrong:
         shown = "; ".join(wrong[:6]) + (f"; and {len(wrong) - 6} more" if len(wrong) > 6 else "")
+        calls = _by_value(sorted(prints, key=lambda fp: fp.rank), Fingerprint.call_text)
         raise CollectiveMismatchError(
             f"{label}: ranks disagree on the all_to_all splits: {shown}. Rank i's input split j must "
-            "equal rank j's output split i"
+            f"equal rank j's output split i (each rank's call: {calls})"
         )
 
 

@@ -1,17 +1,23 @@
 """Collective test bodies: the same functions run on spawned ranks and under torchrun / mpirun.
 
 Each body takes the process group first, checks its results against a float64
-reference (exactly for integers and integer-valued floats) and returns a
-digest of its results so the caller can check that all ranks agree bit for bit.
+reference (exactly for integers, bools and integer-valued floats; integer SUM and
+PRODUCT wrap as two's complement) and returns a digest of its results so the
+caller can check that all ranks agree bit for bit. A body covers every dtype it
+is given in one call, so a test matrix pays one round trip per collective.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+import commlib
 from commlib import IProcessGroup, ReduceOp
-from commlib.types import op_applies
+from commlib.types import PremulSum, op_applies
 from tests._reference import (
+    ALL_DTYPE_NAMES,
     FLOAT_DTYPES,
     assert_close_to_reference,
     digest,
@@ -24,126 +30,313 @@ from tests.distributed.diagnosis_bodies import version_bumps
 SIZES = (0, 1, 13, 1000, 40_003)
 """Empty, one element, a prime, past the small-message path, many chunks (and not divisible by 2, 3 or 4)."""
 
+PREMUL = 0.5
+"""The PREMUL_SUM factor: a power of two, so integer-valued inputs stay exact."""
 
-def _ops_for(dtype: torch.dtype) -> list[ReduceOp]:
-    return [
-        op
-        for op in ReduceOp
-        if op_applies(op, dtype)
-        and op not in (ReduceOp.PREMUL_SUM, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
-    ]
+
+def _ops_for(dtype: torch.dtype) -> list[ReduceOp | PremulSum]:
+    """Every op that applies to ``dtype``; PREMUL_SUM as ``premul_sum`` of a float, then of a tensor."""
+    ops: list[ReduceOp | PremulSum] = []
+    for op in ReduceOp:
+        if not op_applies(op, dtype):
+            continue
+        if op is ReduceOp.PREMUL_SUM:
+            ops += [
+                commlib.premul_sum(PREMUL),
+                commlib.premul_sum(torch.tensor([PREMUL], dtype=torch.float64)),
+            ]
+        else:
+            ops.append(op)
+    return ops
+
+
+def _name(op: ReduceOp | PremulSum) -> str:
+    return f"premul_sum({op.factor!r})" if isinstance(op, PremulSum) else op.name
+
+
+def _dtypes(dtype_names: str | Sequence[str]) -> list[tuple[str, torch.dtype]]:
+    names = [dtype_names] if isinstance(dtype_names, str) else list(dtype_names)
+    return [(name, getattr(torch, name)) for name in names]
+
+
+def _expected(inputs: list[torch.Tensor], op: ReduceOp | PremulSum, dtype: torch.dtype) -> torch.Tensor:
+    """The reference in float64 (int64 for integers and bools; ``_check`` wraps them to the width)."""
+    if isinstance(op, PremulSum):
+        return reduce_reference([t.to(torch.float64) * op.scalar() for t in inputs], ReduceOp.SUM)
+    return reduce_reference(inputs, op)
+
+
+def _tolerance(
+    inputs: list[torch.Tensor], op: ReduceOp | PremulSum, dtype: torch.dtype, exact: bool
+) -> torch.Tensor | float:
+    if exact or not dtype.is_floating_point:
+        return 0.0
+    if isinstance(op, PremulSum):
+        return tolerance([t.to(torch.float64) * op.scalar() for t in inputs], ReduceOp.SUM, dtype)
+    return tolerance(inputs, op, dtype)
+
+
+def _inputs(
+    n: int, numel: int, dtype: torch.dtype, op: ReduceOp | PremulSum, seed: int, integer_valued: bool
+) -> list[torch.Tensor]:
+    kind = op if isinstance(op, ReduceOp) else ReduceOp.SUM
+    return [rank_input(k, numel, dtype, kind, seed, integer_valued) for k in range(n)]
 
 
 def body_all_reduce(
-    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 1, device: str = "cpu"
+    group: IProcessGroup,
+    dtype_names: str | Sequence[str] = ALL_DTYPE_NAMES,
+    sizes: tuple[int, ...] = SIZES,
+    seed: int = 1,
+    device: str = "cpu",
 ) -> list[str]:
-    """Every op x size for one dtype, with integer-valued and random inputs (tensors on ``device``)."""
-    dtype = getattr(torch, dtype_name)
+    """Every op x size for each dtype, with integer-valued and random inputs (tensors on ``device``)."""
     n, r = group.world_size, group.rank
     digests = []
-    for op in _ops_for(dtype):
-        for integer_valued in (True, False) if dtype.is_floating_point else (True,):
-            for numel in sizes:
-                inputs = [rank_input(k, numel, dtype, op, seed, integer_valued) for k in range(n)]
-                tensor = inputs[r].to(device, copy=True)
-                group.all_reduce(tensor, op)
-                result = tensor.cpu()
-                expected = reduce_reference(inputs, op)
-                exact = integer_valued and op is not ReduceOp.AVG
-                tol = 0.0 if exact else tolerance(inputs, op, dtype)
-                what = (
-                    f"all_reduce {op.name} {dtype_name} numel={numel} "
-                    f"integer_valued={integer_valued} world={n}"
-                )
-                assert_close_to_reference(result, expected, tol, what)
-                digests.append(digest(result))
+    for dtype_name, dtype in _dtypes(dtype_names):
+        for op in _ops_for(dtype):
+            for integer_valued in (True, False) if dtype.is_floating_point else (True,):
+                for numel in sizes:
+                    inputs = _inputs(n, numel, dtype, op, seed, integer_valued)
+                    tensor = inputs[r].to(device, copy=True)
+                    group.all_reduce(tensor, op)
+                    result = tensor.cpu()
+                    exact = integer_valued and op is not ReduceOp.AVG
+                    what = (
+                        f"all_reduce {_name(op)} {dtype_name} numel={numel} "
+                        f"integer_valued={integer_valued} world={n}"
+                    )
+                    expected = _expected(inputs, op, dtype)
+                    _check(result, expected, _tolerance(inputs, op, dtype, exact), what)
+                    digests.append(digest(result))
     return digests
 
 
+def _check(result: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor | float, what: str) -> None:
+    """Compare with the reference: integers and bools exactly after wrapping to ``result``'s dtype."""
+    if result.dtype.is_floating_point:
+        assert_close_to_reference(result, expected, tol, what)
+        return
+    wrapped = expected.to(result.dtype)  # int64 -> int8/int16/uint8 keeps the low bits: two's complement
+    assert torch.equal(result, wrapped), (
+        f"{what}: {int((result != wrapped).sum())}/{result.numel()} elements differ; first: got "
+        f"{result[result != wrapped][:4].tolist()}, expected {wrapped[result != wrapped][:4].tolist()}"
+    )
+
+
+def body_reduce(
+    group: IProcessGroup,
+    dtype_names: str | Sequence[str] = ALL_DTYPE_NAMES,
+    sizes: tuple[int, ...] = SIZES,
+    seed: int = 5,
+    device: str = "cpu",
+) -> list[str]:
+    """Every op x size per dtype, the destination taking turns; the other ranks' tensors stay as they were."""
+    n, r = group.world_size, group.rank
+    turn = 0
+    for dtype_name, dtype in _dtypes(dtype_names):
+        for op in _ops_for(dtype):
+            for numel in sizes:
+                dst = turn % n
+                turn += 1
+                inputs = _inputs(n, numel, dtype, op, seed + turn, True)
+                tensor = inputs[r].to(device, copy=True)
+                group.reduce(tensor, dst, op)
+                what = f"reduce {_name(op)} {dtype_name} numel={numel} dst={dst} world={n}"
+                if r == dst:
+                    exact = op is not ReduceOp.AVG
+                    expected = _expected(inputs, op, dtype)
+                    _check(tensor.cpu(), expected, _tolerance(inputs, op, dtype, exact), what)
+                else:
+                    assert torch.equal(tensor.cpu(), inputs[r]), (
+                        f"{what}: a rank that does not receive was changed"
+                    )
+    return []
+
+
 def body_broadcast(
-    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 2, device: str = "cpu"
+    group: IProcessGroup,
+    dtype_names: str | Sequence[str] = ALL_DTYPE_NAMES,
+    sizes: tuple[int, ...] = SIZES,
+    seed: int = 2,
+    device: str = "cpu",
 ) -> list[str]:
     """Broadcast from every source rank; the result must equal the source's tensor exactly."""
-    dtype = getattr(torch, dtype_name)
     n, r = group.world_size, group.rank
-    for src in range(n):
-        for numel in sizes:
-            inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed + src, False) for k in range(n)]
-            tensor = inputs[r].to(device, copy=True)
-            group.broadcast(tensor, src)
-            assert torch.equal(tensor.cpu(), inputs[src]), (
-                f"broadcast src={src} {dtype_name} numel={numel}: wrong data"
-            )
+    for dtype_name, dtype in _dtypes(dtype_names):
+        for src in range(n):
+            for numel in sizes:
+                inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed + src, False) for k in range(n)]
+                tensor = inputs[r].to(device, copy=True)
+                group.broadcast(tensor, src)
+                assert torch.equal(tensor.cpu(), inputs[src]), (
+                    f"broadcast src={src} {dtype_name} numel={numel}: wrong data"
+                )
     return []
 
 
 def body_all_gather(
-    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 3, device: str = "cpu"
+    group: IProcessGroup,
+    dtype_names: str | Sequence[str] = ALL_DTYPE_NAMES,
+    sizes: tuple[int, ...] = SIZES,
+    seed: int = 3,
+    device: str = "cpu",
 ) -> list[str]:
-    """All-gather into one tensor and into a list; both must hold every rank's input exactly."""
-    dtype = getattr(torch, dtype_name)
+    """All-gather into one tensor (both names) and into a list; each must hold every rank's input exactly."""
     n, r = group.world_size, group.rank
-    for numel in sizes:
-        inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed, False) for k in range(n)]
-        flat = torch.full((n * numel,), 7, dtype=dtype, device=device)
-        group.all_gather(flat, inputs[r].to(device))
-        assert torch.equal(flat.cpu(), torch.cat(inputs)), (
-            f"all_gather(tensor) {dtype_name} numel={numel}: wrong data"
-        )
-        as_list = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(n)]
-        group.all_gather(as_list, inputs[r].to(device))
-        for k in range(n):
-            assert torch.equal(as_list[k].cpu(), inputs[k]), (
-                f"all_gather(list)[{k}] {dtype_name} numel={numel}: wrong data"
-            )
+    for dtype_name, dtype in _dtypes(dtype_names):
+        for numel in sizes:
+            inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed, False) for k in range(n)]
+            for into_tensor in (False, True):
+                flat = torch.full((n * numel,), 7, dtype=dtype, device=device)
+                if into_tensor:
+                    group.all_gather_into_tensor(flat, inputs[r].to(device))
+                else:
+                    group.all_gather(flat, inputs[r].to(device))
+                assert torch.equal(flat.cpu(), torch.cat(inputs)), (
+                    f"all_gather(tensor) {dtype_name} numel={numel} into_tensor={into_tensor}: wrong data"
+                )
+            as_list = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(n)]
+            group.all_gather(as_list, inputs[r].to(device))
+            for k in range(n):
+                assert torch.equal(as_list[k].cpu(), inputs[k]), (
+                    f"all_gather(list)[{k}] {dtype_name} numel={numel}: wrong data"
+                )
     return []
 
 
 def body_reduce_scatter(
-    group: IProcessGroup, dtype_name: str, sizes: tuple[int, ...] = SIZES, seed: int = 4, device: str = "cpu"
+    group: IProcessGroup,
+    dtype_names: str | Sequence[str] = ALL_DTYPE_NAMES,
+    sizes: tuple[int, ...] = SIZES,
+    seed: int = 4,
+    device: str = "cpu",
 ) -> list[str]:
-    """Reduce-scatter from one tensor and from a list; the input must be left untouched.
+    """Reduce-scatter from one tensor (both names) and from a list; the input must be left untouched.
 
     Each rank holds a different block, so there is nothing to compare across ranks.
     """
-    dtype = getattr(torch, dtype_name)
     n, r = group.world_size, group.rank
-    for op in _ops_for(dtype):
+    for dtype_name, dtype in _dtypes(dtype_names):
+        for op in _ops_for(dtype):
+            for numel in sizes:
+                inputs = _inputs(n, n * numel, dtype, op, seed, True)
+                blocks = [t[r * numel : (r + 1) * numel] for t in inputs]
+                expected = _expected(blocks, op, dtype)
+                tol = _tolerance(blocks, op, dtype, op is not ReduceOp.AVG)
+                for form in ("tensor", "list", "reduce_scatter_tensor"):
+                    source = inputs[r].to(device, copy=True)
+                    arg = list(source.split(numel)) if form == "list" and numel else source
+                    if form == "list" and not numel:
+                        arg = [source.new_empty(0) for _ in range(n)]
+                    output = torch.zeros(numel, dtype=dtype, device=device)
+                    if form == "reduce_scatter_tensor":
+                        group.reduce_scatter_tensor(output, source, op)
+                    else:
+                        group.reduce_scatter(output, arg, op)
+                    what = f"reduce_scatter {_name(op)} {dtype_name} numel={numel} form={form} world={n}"
+                    _check(output.cpu(), expected, tol, what)
+                    assert torch.equal(source.cpu(), inputs[r]), f"{what}: the input was modified"
+                for shared in (False, True):  # the in-place form, in ordinary and in the group's own memory
+                    what = f"in-place reduce_scatter {_name(op)} {dtype_name} numel={numel} world={n}"
+                    what += f" shared={shared}"
+                    size = n * numel + 2
+                    base = (
+                        group.alloc_buffer(size, dtype, device)
+                        if shared
+                        else torch.empty(size, dtype=dtype, device=device)
+                    )
+                    base.fill_(
+                        True if dtype is torch.bool else 11
+                    )  # a guard element either side of the input
+                    guard = base[0].item()
+                    flat = base[1:-1]
+                    flat.copy_(inputs[r])
+                    output = flat[r * numel : (r + 1) * numel]
+                    group.reduce_scatter(output, flat, op)
+                    _check(output.cpu(), expected, tol, what)
+                    assert base[0].item() == guard and base[-1].item() == guard, (
+                        f"{what}: wrote outside the input"
+                    )
+    return []
+
+
+def body_gather_scatter(
+    group: IProcessGroup,
+    dtype_names: str | Sequence[str] = ALL_DTYPE_NAMES,
+    sizes: tuple[int, ...] = SIZES,
+    seed: int = 6,
+    device: str = "cpu",
+) -> list[str]:
+    """Gather to, and scatter from, each root in turn; every entry exact, the other ranks' lists untouched."""
+    n, r = group.world_size, group.rank
+    turn = 0
+    for dtype_name, dtype in _dtypes(dtype_names):
         for numel in sizes:
-            inputs = [rank_input(k, n * numel, dtype, op, seed, True) for k in range(n)]
-            expected = reduce_reference(inputs, op)[r * numel : (r + 1) * numel]
-            tol = (
-                0.0
-                if op is not ReduceOp.AVG
-                else tolerance([t[r * numel : (r + 1) * numel] for t in inputs], op, dtype)
+            root = turn % n
+            turn += 1
+            inputs = [rank_input(k, numel, dtype, ReduceOp.SUM, seed + turn, False) for k in range(n)]
+            outputs = (
+                [torch.zeros(numel, dtype=dtype, device=device) for _ in range(n)] if r == root else None
             )
-            for as_list in (False, True):
-                source = inputs[r].to(device, copy=True)
-                arg = list(source.split(numel)) if as_list and numel else source
-                if as_list and not numel:
-                    arg = [source.new_empty(0) for _ in range(n)]
-                output = torch.zeros(numel, dtype=dtype, device=device)
-                group.reduce_scatter(output, arg, op)
-                what = f"reduce_scatter {op.name} {dtype_name} numel={numel} list={as_list} world={n}"
-                assert_close_to_reference(output.cpu(), expected, tol, what)
-                assert torch.equal(source.cpu(), inputs[r]), f"{what}: the input was modified"
-            for shared in (False, True):  # the in-place form, in ordinary and in the group's own memory
-                what = (
-                    f"in-place reduce_scatter {op.name} {dtype_name} numel={numel} world={n} shared={shared}"
+            group.gather(inputs[r].to(device), outputs, root)
+            if outputs is not None:
+                for k in range(n):
+                    assert torch.equal(outputs[k].cpu(), inputs[k]), (
+                        f"gather dst={root} {dtype_name} numel={numel}: entry {k} wrong"
+                    )
+            pieces = [rank_input(k, numel, dtype, ReduceOp.SUM, seed + 100 + turn, False) for k in range(n)]
+            mine = torch.zeros(numel, dtype=dtype, device=device)
+            group.scatter(mine, [p.to(device) for p in pieces] if r == root else None, root)
+            assert torch.equal(mine.cpu(), pieces[r]), (
+                f"scatter src={root} {dtype_name} numel={numel}: wrong data"
+            )
+    return []
+
+
+def _count(src: int, dst: int, base: int) -> int:
+    """Elements ``src`` sends to ``dst`` in the uneven all_to_all: about ``base``, unlike for every pair."""
+    return (src + 2 * dst) % 3 if base == 0 else base + src + 2 * dst
+
+
+def body_all_to_all(
+    group: IProcessGroup,
+    dtype_names: str | Sequence[str] = ALL_DTYPE_NAMES,
+    sizes: tuple[int, ...] = SIZES,
+    seed: int = 7,
+    device: str = "cpu",
+) -> list[str]:
+    """List and single-tensor all_to_all, even and uneven, exact against every rank's regenerated input."""
+    n, r = group.world_size, group.rank
+
+    def piece(src: int, dst: int, count: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+        return rank_input(src * 64 + dst, count, dtype, ReduceOp.SUM, seed + salt, False)
+
+    for dtype_name, dtype in _dtypes(dtype_names):
+        for salt, base in enumerate(sizes):
+            what = f"{dtype_name} base={base} world={n}"
+            ins = [piece(r, j, _count(r, j, base), dtype, salt).to(device) for j in range(n)]
+            outs = [torch.full((_count(j, r, base),), 3, dtype=dtype, device=device) for j in range(n)]
+            group.all_to_all(outs, ins)
+            for j in range(n):
+                assert torch.equal(outs[j].cpu(), piece(j, r, _count(j, r, base), dtype, salt)), (
+                    f"all_to_all(list) {what}: block from rank {j} wrong"
                 )
-                size = n * numel + 2
-                base = (
-                    group.alloc_buffer(size, dtype, device)
-                    if shared
-                    else torch.empty(size, dtype=dtype, device=device)
-                )
-                base.fill_(11)  # a guard element either side of the input
-                flat = base[1:-1]
-                flat.copy_(inputs[r])
-                output = flat[r * numel : (r + 1) * numel]
-                group.reduce_scatter(output, flat, op)
-                assert_close_to_reference(output.cpu(), expected, tol, what)
-                assert base[0].item() == 11 and base[-1].item() == 11, f"{what}: wrote outside the input"
+            # One tensor, rows of 3 elements, uneven splits along dim 0.
+            send_rows = [_count(r, j, base) for j in range(n)]
+            recv_rows = [_count(j, r, base) for j in range(n)]
+            source = torch.cat([piece(r, j, 3 * send_rows[j], dtype, salt) for j in range(n)]).view(-1, 3)
+            output = torch.zeros(sum(recv_rows), 3, dtype=dtype, device=device)
+            group.all_to_all_single(output, source.to(device), recv_rows, send_rows)
+            expected = torch.cat([piece(j, r, 3 * recv_rows[j], dtype, salt) for j in range(n)]).view(-1, 3)
+            assert torch.equal(output.cpu(), expected), f"all_to_all_single(uneven) {what}: wrong data"
+            # Equal splits (None): block j of the input goes to rank j.
+            block = base
+            source = torch.cat([piece(r, j, block, dtype, salt + 50) for j in range(n)])
+            output = torch.zeros(n * block, dtype=dtype, device=device)
+            group.all_to_all_single(output, source.to(device))
+            expected = torch.cat([piece(j, r, block, dtype, salt + 50) for j in range(n)])
+            assert torch.equal(output.cpu(), expected), f"all_to_all_single(even) {what}: wrong data"
     return []
 
 
@@ -154,6 +347,10 @@ def body_async_order(group: IProcessGroup, count: int = 6, numel: int = 50_000) 
     works = [group.all_reduce(t, ReduceOp.SUM, async_op=True) for t in tensors]
     bcast = torch.arange(numel, dtype=torch.float64) if r == 0 else torch.zeros(numel, dtype=torch.float64)
     works.append(group.broadcast(bcast, 0, async_op=True))
+    gathered = torch.zeros(n * 4, dtype=torch.int8)
+    works.append(group.all_gather(gathered, torch.full((4,), r, dtype=torch.int8), async_op=True))
+    exchanged = torch.zeros(n, dtype=torch.int16)
+    works.append(group.all_to_all_single(exchanged, torch.full((n,), r, dtype=torch.int16), async_op=True))
     barrier = group.barrier(async_op=True)
     sync_after = torch.full((3,), float(r))
     group.all_reduce(sync_after)  # a synchronous call waits for the queued ones
@@ -165,8 +362,13 @@ def body_async_order(group: IProcessGroup, count: int = 6, numel: int = 50_000) 
         assert w.is_completed() and w.exception() is None
         expected = sum(k + 1 + i for k in range(n))
         assert torch.all(t == expected), f"async all_reduce #{i}: got {t[0].item()}, expected {expected}"
-    works[-1].wait()  # type: ignore[union-attr]
+    for w in works[count:]:
+        w.wait()  # type: ignore[union-attr]
     assert torch.equal(bcast, torch.arange(numel, dtype=torch.float64)), "async broadcast: wrong data"
+    assert torch.equal(gathered, torch.arange(n, dtype=torch.int8).repeat_interleave(4)), (
+        "async all_gather: wrong"
+    )
+    assert torch.equal(exchanged, torch.arange(n, dtype=torch.int16)), "async all_to_all_single: wrong data"
     assert torch.all(sync_after == sum(range(n))), "sync all_reduce after async ones: wrong data"
     return [digest(t) for t in tensors]
 
@@ -233,6 +435,7 @@ def body_nan_max_min(group: IProcessGroup, numel: int = 3 * 2048 + 5) -> list[st
 
     ``numel`` spans several ring chunks in every float dtype (2048 float16 per
     4 KiB chunk) and splits unevenly into segments; 6 elements take the small-message path.
+    ``reduce`` propagates it too, on the destination.
     """
     n, r = group.world_size, group.rank
     digests = []
@@ -245,6 +448,12 @@ def body_nan_max_min(group: IProcessGroup, numel: int = 3 * 2048 + 5) -> list[st
                 group.all_reduce(tensor, op)
                 _same_with_nan(tensor, expected, f"all_reduce {op.name} {dtype} numel={size} world={n}")
                 digests.append(digest(tensor))
+                tensor = inputs[r].clone()
+                group.reduce(tensor, n - 1, op)
+                if r == n - 1:
+                    _same_with_nan(tensor, expected, f"reduce {op.name} {dtype} numel={size} world={n}")
+                else:
+                    _same_with_nan(tensor, inputs[r], f"reduce {op.name} {dtype}: a non-destination changed")
             sources = [nan_rank_input(k, n, n * numel, dtype) for k in range(n)]
             block = torch.empty(numel, dtype=dtype)
             group.reduce_scatter(block, sources[r].clone(), op)
@@ -272,12 +481,34 @@ def body_in_place_bumps_version(group: IProcessGroup, numel: int = 10_000) -> li
     group.all_reduce(large)
     assert large._version > before, f"all_reduce of {numel} elements left the version at {before}"
     assert torch.all(large == group.world_size)
+    n, r = group.world_size, group.rank
+    for dst in range(n):  # only the destination's tensor is written
+        t = torch.ones(2)
+        before = t._version
+        group.reduce(t, dst)
+        assert (t._version > before) == (dst == r), f"reduce dst={dst}: version {before} -> {t._version}"
+    t = torch.ones(2)
+    before = t._version
+    group.scatter(t, [torch.ones(2)] * n if r == 0 else None, 0)
+    assert t._version > before, "scatter left the version"
+    t = torch.ones(n)
+    before = t._version
+    group.all_to_all_single(t, torch.ones(n))
+    assert t._version > before, "all_to_all_single left the version"
+    gathered = [torch.ones(2) for _ in range(n)]
+    versions = [g._version for g in gathered]
+    group.gather(torch.ones(2), gathered if r == 0 else None, 0)
+    if r == 0:
+        assert all(g._version > v for g, v in zip(gathered, versions, strict=True)), "gather left a version"
     return [digest(large)]
 
 
 ALL_BODIES = {
     "all_reduce": body_all_reduce,
+    "reduce": body_reduce,
     "broadcast": body_broadcast,
     "all_gather": body_all_gather,
     "reduce_scatter": body_reduce_scatter,
+    "gather_scatter": body_gather_scatter,
+    "all_to_all": body_all_to_all,
 }

@@ -74,6 +74,25 @@ def _collective(group: IProcessGroup, rank: int) -> None:
         group.broadcast(t, src=0)
 
 
+def _gather_scatter(group: IProcessGroup, rank: int) -> None:
+    t = torch.ones(8)
+    if rank == 0:
+        group.gather(t, [torch.empty(8) for _ in range(group.world_size)], 0)
+    else:
+        group.scatter(t, None, 0)
+
+
+def _reduce_dst(group: IProcessGroup, rank: int) -> None:
+    group.reduce(torch.ones(16), dst=0 if rank == 0 else 1)
+
+
+def _a2a_splits(group: IProcessGroup, rank: int) -> None:
+    """Rank 0 sends 3 rows to rank 1, which expects 2; every other pair agrees."""
+    sent, received = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [2, 2])
+    output = torch.empty(sum(received), dtype=torch.int64)
+    group.all_to_all_single(output, torch.ones(sum(sent), dtype=torch.int64), received, sent)
+
+
 DESYNCS: dict[str, Callable[[IProcessGroup, int], None]] = {
     "size": _size,
     "size_1m": _size_1m,
@@ -81,6 +100,9 @@ DESYNCS: dict[str, Callable[[IProcessGroup, int], None]] = {
     "op": _op,
     "root": _root,
     "collective": _collective,
+    "gather_scatter": _gather_scatter,
+    "reduce_dst": _reduce_dst,
+    "a2a_splits": _a2a_splits,
 }
 """Rank 0 and the other ranks disagree on one thing each (size, dtype, op, root, collective)."""
 
@@ -355,9 +377,7 @@ def version_bumps(group: IProcessGroup) -> dict[str, Any]:
         y.sum().backward()
         out["all_reduce"] = f"no error; grad {x.grad.item():.2f}"
     except RuntimeError as e:
-        out["all_reduce"] = (
-            "RuntimeError" if "modified by an inplace operation" in str(e) else str(e)
-        )
+        out["all_reduce"] = "RuntimeError" if "modified by an inplace operation" in str(e) else str(e)
     for name, call in (
         ("broadcast", lambda t: group.broadcast(t, 0)),
         (

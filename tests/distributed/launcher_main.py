@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import commlib  # noqa: E402
-from tests.distributed import bodies  # noqa: E402
+from tests.distributed import bodies, object_bodies, p2p_bodies, subgroup_bodies  # noqa: E402
 
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+SIZES = (0, 1, 13, 1000)
+"""The spawned tests cover 40003 elements; here the bodies check the launchers' wiring on every dtype."""
 
 
 def main() -> int:
@@ -32,10 +33,17 @@ def main() -> int:
     label = f"rank {group.rank}/{group.world_size} backend {group.backend}"
     try:
         for body in bodies.ALL_BODIES.values():
-            for dtype_name in DTYPES:
-                body(group, dtype_name)
+            body(group, sizes=SIZES)
         bodies.body_async_order(group)
         bodies.body_shapes_and_views(group)
+        p2p_bodies.body_ring_exchange(group)
+        p2p_bodies.body_skipping_pairs(group)
+        p2p_bodies.body_many_in_order(group, 50)
+        p2p_bodies.body_size_mismatch(group)
+        subgroup_bodies.body_split(group)
+        if group.world_size >= 3:
+            subgroup_bodies.body_overlapping_groups(group, rounds=1)
+        object_bodies.body_objects(group)
         # Every rank must hold bitwise the same all_reduce results: compare digests.
         digests = bodies.body_all_reduce(group, "float32", (1000,))
         mine = torch.tensor([int(d, 16) % (1 << 52) for d in digests], dtype=torch.float64)

@@ -40,10 +40,20 @@ EXPECTED = {
     "op": "ranks disagree on the reduce op: rank 0: SUM; rank 1: MAX",
     "root": "ranks disagree on the source rank: rank 0: src=0; rank 1: src=1",
     "collective": "ranks called different collectives: rank 0: all_reduce #{seq}; rank 1: broadcast #{seq}",
+    "gather_scatter": "ranks called different collectives: rank 0: gather #{seq}; rank 1: scatter #{seq}",
+    "reduce_dst": "ranks disagree on the destination rank: rank 0: dst=0; rank 1: dst=1",
+    "a2a_splits": "ranks disagree on the all_to_all splits: rank 0 sends 3 elements to rank 1, which "
+    "expects 2. Rank i's input split j must equal rank j's output split i",
 }
 """What each desync case's error must say (on every rank)."""
 
-FIRST_OP = {"root": ("broadcast", "broadcast"), "collective": ("all_reduce", "broadcast")}
+FIRST_OP = {
+    "root": ("broadcast", "broadcast"),
+    "collective": ("all_reduce", "broadcast"),
+    "gather_scatter": ("gather", "scatter"),
+    "reduce_dst": ("reduce", "reduce"),
+    "a2a_splits": ("all_to_all", "all_to_all"),
+}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,223 @@
+"""Subgroup test bodies: overlapping groups, groups of one, closing, split, DDP / Join / ZeRO on subgroups.
+
+Every check is against values computed from the ranks' global ranks, so the
+expected result is known on every rank; a body returns what the ranks must
+agree on (group names, global ranks, digests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import commlib
+from commlib import IProcessGroup, ReduceOp
+from ddp import DistributedDataParallel, Join, ZeroRedundancyOptimizer
+from tests.distributed.ddp_feature_bodies import batch, digest, mlp
+
+
+def _layout(world: int) -> tuple[list[int], list[int]]:
+    """Two overlapping groups: {0, 1} and {1, 2} on 3 ranks; {0, 1, 2} and {1, 2, 3} on 4."""
+    if world == 3:
+        return [0, 1], [1, 2]
+    return [0, 1, 2], [1, 2, 3]
+
+
+def _exercise(group: IProcessGroup, members: list[int], salt: int) -> None:
+    """Collectives and point-to-point on ``group``, whose members are the parent ranks ``members``."""
+    n, r = group.world_size, group.rank
+    assert list(group.global_ranks) == members, (group.global_ranks, members)
+    mine = members[r]
+    t = torch.full((5,), float(mine + salt))
+    group.all_reduce(t)
+    assert torch.all(t == sum(m + salt for m in members)), f"all_reduce on {members}: {t.tolist()}"
+    t = torch.full((3,), mine, dtype=torch.int16)
+    group.broadcast(t, n - 1)
+    assert torch.all(t == members[-1]), f"broadcast on {members}: {t.tolist()}"
+    gathered = torch.empty(n, dtype=torch.int64)
+    group.all_gather(gathered, torch.tensor([mine + salt]))
+    assert gathered.tolist() == [m + salt for m in members], f"all_gather on {members}: {gathered.tolist()}"
+    t = torch.tensor([mine], dtype=torch.int32)
+    group.reduce(t, 0, ReduceOp.MAX)
+    assert r != 0 or t.item() == max(members), f"reduce on {members}: {t.item()}"
+    exchanged = torch.empty(n, dtype=torch.int64)
+    group.all_to_all_single(exchanged, torch.tensor([mine * 10 + j for j in range(n)]))
+    assert exchanged.tolist() == [m * 10 + r for m in members], f"all_to_all on {members}"
+    if n > 1:
+        got = torch.empty(2)
+        work = group.isend(torch.full((2,), float(mine + salt)), (r + 1) % n, tag=salt)
+        assert group.recv(got, (r - 1) % n, tag=salt) == (r - 1) % n
+        work.wait()
+        assert torch.all(got == members[(r - 1) % n] + salt), f"p2p on {members}: {got.tolist()}"
+
+
+def body_overlapping_groups(group: IProcessGroup, rounds: int = 3) -> dict[str, Any]:
+    """Overlapping groups in turn, a group of one per rank, a nested group, closing as the parent goes on."""
+    n, r = group.world_size, group.rank
+    a_ranks, b_ranks = _layout(n)
+    a = group.new_group(a_ranks)
+    b = group.new_group(b_ranks, timeout=45)
+    assert (a is not None) == (r in a_ranks) and (b is not None) == (r in b_ranks)
+    for k in range(rounds):
+        if a is not None:
+            _exercise(a, a_ranks, 10 * k + 1)
+        if b is not None:
+            _exercise(b, b_ranks, 10 * k + 2)
+        t = torch.ones(1)
+        group.all_reduce(t)
+        assert t.item() == n
+    names = {"a": a.group_name if a else None, "b": b.group_name if b else None}
+    timeouts = {"b": b.timeout if b else None}
+    # Module functions take global ranks (the pool's group is the default group).
+    if b is not None:
+        t = torch.full((2,), float(r))
+        commlib.broadcast(t, src=b_ranks[0], group=b)
+        assert torch.all(t == b_ranks[0]), "commlib.broadcast(src=global rank) on a subgroup"
+        assert commlib.get_group_rank(b, b_ranks[-1]) == len(b_ranks) - 1
+        assert commlib.get_global_rank(b, 0) == b_ranks[0]
+    # Groups of one: every rank calls new_group for each rank; each gets its own.
+    singles = [group.new_group([k]) for k in range(n)]
+    assert [s is not None for s in singles] == [k == r for k in range(n)]
+    own = singles[r]
+    assert own is not None
+    _exercise(own, [r], 5)
+    own.barrier()
+    names["single"] = own.group_name
+    # A group made from a subgroup: global ranks follow through.
+    nested = None
+    if b is not None:
+        nested = b.new_group([len(b_ranks) - 1, 0])
+        if nested is not None:
+            _exercise(nested, [b_ranks[0], b_ranks[-1]], 7)
+            names["nested"] = nested.group_name
+    # Close one group on its members while the parent and the other group go on.
+    if a is not None:
+        a.close()
+    t = torch.ones(2)
+    group.all_reduce(t)
+    assert torch.all(t == n), "the parent after a subgroup closed"
+    if b is not None:
+        _exercise(b, b_ranks, 30)
+    again = group.new_group(a_ranks)
+    if again is not None:
+        _exercise(again, a_ranks, 40)
+        again.close()
+    for g in (b, nested, *singles):
+        if g is not None:
+            g.close()
+    return {"names": names, "timeouts": timeouts}
+
+
+def body_split(group: IProcessGroup) -> dict[str, Any]:
+    """``split``: colors make disjoint groups ordered by key; None joins none; the groups work apart."""
+    n, r = group.world_size, group.rank
+    halves = group.split(r % 2, key=-r)  # reverse rank order within each color
+    assert halves is not None
+    members = sorted((k for k in range(n) if k % 2 == r % 2), reverse=True)
+    _exercise(halves, members, 3)
+    lonely = group.split(None if r == n - 1 else 0)
+    assert (lonely is None) == (r == n - 1)
+    if lonely is not None:
+        _exercise(lonely, list(range(n - 1)), 4)
+        lonely.close()
+    out = {"halves": halves.group_name, "global_ranks": list(halves.global_ranks)}
+    halves.close()
+    return out
+
+
+# ------------------------------------------------------------------ training
+def _dp_layout(group: IProcessGroup) -> tuple[IProcessGroup, int]:
+    """Data-parallel groups {0, 2} and {1, 3} of 4 ranks, beside pipeline pairs {0, 1} and {2, 3}."""
+    r = group.rank
+    assert group.world_size == 4, "these bodies lay out 4 ranks"
+    dp = group.split(r % 2)
+    pipe = group.split(r // 2)
+    assert dp is not None and pipe is not None
+    pipe.close()  # made beside, as a model-parallel layout would; unused here
+    return dp, r % 2
+
+
+def _reference_step(model: nn.Module, grads: list[torch.Tensor], lr: float) -> None:
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.sub_(lr * g)
+
+
+def _local_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def body_ddp_on_subgroups(group: IProcessGroup, steps: int = 4, lr: float = 0.1) -> dict[str, Any]:
+    """DDP on each data-parallel group equals one process on that group's batches; the groups never mix."""
+    dp, color = _dp_layout(group)
+    model = mlp(100 + color).double()
+    reference = mlp(100 + color).double()
+    ddp = DistributedDataParallel(model, dp, bucket_size_mb=0.0005)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = (t.double() for t in batch(50 * color + step, 2, dp.rank))
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        x, y = (t.double() for t in batch(50 * color + step, 2, None))
+        _reference_step(reference, _local_grads(reference, x, y), lr)
+    out = {"color": color, "diff": _max_diff(model, reference), "digest": digest(model)}
+    dp.close()
+    return out
+
+
+def body_join_on_subgroups(group: IProcessGroup, lr: float = 0.1) -> dict[str, Any]:
+    """Join on a data-parallel subgroup: dp rank 0 has 2 batches, dp rank 1 has 4; the result is known."""
+    dp, color = _dp_layout(group)
+    counts = (2, 4)
+    model = mlp(200 + color).double()
+    reference = mlp(200 + color).double()
+    ddp = DistributedDataParallel(model, dp, bucket_size_mb=0.0005)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    with Join([ddp]):
+        for step in range(counts[dp.rank]):
+            x, y = (t.double() for t in batch(70 * color + step, 2, dp.rank))
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+    # The reference: while both train, the mean of their gradients; after, half of dp rank 1's.
+    for step in range(max(counts)):
+        shares = [
+            _local_grads(reference, *(t.double() for t in batch(70 * color + step, 2, k)))
+            for k in range(2)
+            if step < counts[k]
+        ]
+        _reference_step(reference, [sum(gs) / 2 for gs in zip(*shares, strict=True)], lr)
+    out = {"color": color, "diff": _max_diff(model, reference), "digest": digest(model)}
+    dp.close()
+    return out
+
+
+def body_zero_on_subgroups(group: IProcessGroup, steps: int = 4, lr: float = 0.01) -> dict[str, Any]:
+    """ZeRO (Adam) with DDP on a data-parallel subgroup equals Adam in one process on the group's batches."""
+    dp, color = _dp_layout(group)
+    model = mlp(300 + color).double()
+    reference = mlp(300 + color).double()
+    ddp = DistributedDataParallel(model, dp, bucket_size_mb=0.0005)
+    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, dp, lr=lr)
+    plain = torch.optim.Adam(reference.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = (t.double() for t in batch(90 * color + step, 2, dp.rank))
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        x, y = (t.double() for t in batch(90 * color + step, 2, None))
+        plain.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(reference(x), y).backward()
+        plain.step()
+    out = {"color": color, "diff": _max_diff(model, reference), "digest": digest(model)}
+    dp.close()
+    return out

@@ -1,0 +1,38 @@
+"""Subgroups on every backend variant: overlapping groups used in turn, groups of one, closing, split."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import subgroup_bodies as bodies
+from tests.distributed.conftest import VARIANTS
+
+pytestmark = pytest.mark.multiprocess
+
+CASES = [(v, w) for v in VARIANTS for w in (3, 4) if not (v == "ring-tcp" and w == 4)]
+
+
+@pytest.mark.parametrize(("variant", "world_size"), CASES)
+def test_overlapping_single_nested_and_closed_groups(get_pool, variant: str, world_size: int) -> None:
+    values = get_pool(variant, world_size).run(bodies.body_overlapping_groups, timeout=240)
+    a_ranks, b_ranks = bodies._layout(world_size)
+    names = [v["names"] for v in values]
+    # Members agree on each group's name; it is the parent's name and the call's number.
+    (a_name,) = {names[r]["a"] for r in a_ranks}
+    (b_name,) = {names[r]["b"] for r in b_ranks}
+    assert a_name.endswith(".0") and b_name.endswith(".1") and a_name[:-2] == b_name[:-2], (a_name, b_name)
+    assert all(names[r]["a"] is None for r in range(world_size) if r not in a_ranks)
+    singles = [n["single"] for n in names]
+    assert len(set(singles)) == world_size, f"each rank's group of one has a name of its own: {singles}"
+    (nested,) = {names[r]["nested"] for r in (b_ranks[0], b_ranks[-1])}
+    assert nested.startswith(b_name + "."), nested
+    assert all(values[r]["timeouts"]["b"] == 45 for r in b_ranks)
+
+
+@pytest.mark.parametrize(("variant", "world_size"), CASES)
+def test_split(get_pool, variant: str, world_size: int) -> None:
+    values = get_pool(variant, world_size).run(bodies.body_split, timeout=120)
+    for r, value in enumerate(values):
+        mine = sorted((k for k in range(world_size) if k % 2 == r % 2), reverse=True)
+        assert value["global_ranks"] == mine, value
+    assert values[0]["halves"] != values[1]["halves"], "two colors, two groups"
