@@ -9,6 +9,7 @@ the earliest posted receive that accepts it, exactly as MPI would match it.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any
 
 import pytest
@@ -99,7 +100,7 @@ class VerdictComm:
         self.awaited: list[tuple[int, int, Pending]] = []
 
     def Isend(self, buffer: list[Any], dest: int, tag: int) -> Done:  # noqa: N802
-        self.answers_sent.append((dest, tag, int.from_bytes(buffer[0], "little", signed=True)))
+        self.answers_sent.append((dest, tag, *struct.unpack("<qqq", buffer[0])))
         return Done()
 
     def Irecv(self, buffer: list[Any], source: int, tag: int) -> Pending:  # noqa: N802
@@ -107,10 +108,10 @@ class VerdictComm:
         self.awaited.append((source, tag, request))
         return request
 
-    def answer(self, index: int, nbytes: int) -> None:
+    def answer(self, index: int, nbytes: int, numel: int = 0, code: int = -1) -> None:
         """The receiver's answer to the ``index``-th send arrives."""
         request = self.awaited[index][2]
-        request.buffer[:] = nbytes.to_bytes(8, "little", signed=True)
+        request.buffer[:] = struct.pack("<qqq", nbytes, numel, code)
         request.done = True
 
 
@@ -148,14 +149,14 @@ def test_a_message_goes_to_the_earliest_posted_receive_that_accepts_it() -> None
 def test_receives_match_in_posting_order_and_other_tags_do_not_interfere() -> None:
     engine, data, verdict = _engine()
     data.queue += [Message(1, 5, 4), Message(1, 0, 8), Message(1, 0, 8)]
-    first = engine.recv(DirectPayload("first"), 8, None, tag=0)
-    second = engine.recv(DirectPayload("second"), 8, 1, tag=0)
-    other_tag = engine.recv(DirectPayload("other"), 4, 1, tag=5)
+    first = engine.recv(DirectPayload("first"), 8, None, tag=0, holds=(2, 0))
+    second = engine.recv(DirectPayload("second"), 8, 1, tag=0, holds=(1, 1))
+    other_tag = engine.recv(DirectPayload("other"), 4, 1, tag=5, holds=(4, 8))
     assert [r.source for r in (first, second, other_tag)] == [1, 1, 1]
     assert data.queue == []  # every message taken
     assert [r.Test() for r in (first, second, other_tag)] == [True, True, True]
-    # Each receive answered its sender with its own buffer size, in matching order.
-    assert verdict.answers_sent == [(1, 0, 8), (1, 0, 8), (1, 5, 4)]
+    # Each receive answered its sender with what its buffer holds, in matching order.
+    assert verdict.answers_sent == [(1, 0, 8, 2, 0), (1, 0, 8, 1, 1), (1, 5, 4, 4, 8)]
 
 
 def test_an_unmatched_receive_is_withdrawn_and_a_matched_one_is_not() -> None:
@@ -193,14 +194,15 @@ def test_a_size_mismatch_fails_both_sides_and_drains_the_message() -> None:
     engine, data, verdict = _engine()
     message = Message(1, 9, 40)
     data.queue.append(message)
-    recv = engine.recv(DirectPayload("tensor of 16 bytes"), 16, 1, tag=9)
+    recv = engine.recv(DirectPayload("tensor of 16 bytes"), 16, 1, tag=9, holds=(4, 0))
     with pytest.raises(SizeMismatch) as info:
         recv.Test()
     assert (info.value.side, info.value.peer, info.value.sent, info.value.expected) == ("recv", 1, 40, 16)
     assert message.received_into[0] == bytearray(0), "drained into no memory, not into the tensor"
-    assert verdict.answers_sent == [(1, 9, 16)]
+    assert verdict.answers_sent == [(1, 9, 16, 4, 0)]
     send = engine.send(DirectPayload("10 floats"), 40, 1, tag=9)
-    verdict.answer(0, 16)
+    verdict.answer(0, 16, 4, 0)
     with pytest.raises(SizeMismatch) as info:
         send.Test()
-    assert (info.value.side, info.value.sent, info.value.expected) == ("send", 40, 16)
+    value = info.value
+    assert (value.side, value.sent, value.expected, value.holds) == ("send", 40, 16, (4, 0))

@@ -48,7 +48,7 @@ import torch
 from backends.common.cuda_staging import Chunk
 from backends.mpi import device_path
 from backends.mpi.cuda import cuda_aware_override
-from backends.mpi.dtypes import DtypePlan, plan_for
+from backends.mpi.dtypes import DtypePlan, code_dtype, dtype_code, plan_for
 from backends.mpi.p2p import DirectPayload, P2PEngine, Payload, RecvRequest, SendRequest, SizeMismatch
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
@@ -64,7 +64,7 @@ from commlib.errors import (
     error_prefix,
 )
 from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp
+from commlib.types import ReduceOp, dtype_name
 from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from_mpi_comm"]
@@ -238,7 +238,7 @@ class _MPIWork(Work):
         try:
             flag = self._request.Test()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-            self._settle(self._group._failure(self.describe, e))
+            self._settle(self._group._failure(self._label, e))
             return True
         if flag:
             if self._abandoned:
@@ -290,7 +290,7 @@ class _MPIWork(Work):
                 test = self._group._tester(self._request)
                 done = wait_until(test, deadline, pure_spin_s=self._group._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-                self._settle(self._group._failure(self.describe, e))
+                self._settle(self._group._failure(self._label, e))
             else:
                 if done:
                     self._succeeded()
@@ -613,7 +613,7 @@ class MPIProcessGroup(IProcessGroup):
         try:
             request = start()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
-            error = self._failure(str(label or self._label(op, tensor)), e)
+            error = self._failure(label or self._label(op, tensor), e)
             self._mark_broken(error)
             raise error from e
         if not async_op:
@@ -625,7 +625,7 @@ class MPIProcessGroup(IProcessGroup):
                 test = self._tester(request)
                 done = wait_until(test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception
-                error = self._failure(str(label or self._label(op, tensor)), e)
+                error = self._failure(label or self._label(op, tensor), e)
                 if work_type._breaks_group(error):
                     self._mark_broken(error)
                 raise error from e
@@ -992,11 +992,11 @@ class MPIProcessGroup(IProcessGroup):
         self._check_tag("recv", tag)
         label = self._p2p_label("recv", tensor, src, tag)
         payload = self._payload("recv", tensor, str(label), send=False)
-        nbytes = tensor.nbytes
+        nbytes, holds = tensor.nbytes, (tensor.numel(), dtype_code(tensor.dtype))
         return self._start(
             "recv",
             tensor,
-            lambda: self._messages.recv(payload, nbytes, src, tag),
+            lambda: self._messages.recv(payload, nbytes, src, tag, holds),
             None,
             (tensor, payload),
             async_op,
@@ -1154,21 +1154,30 @@ class MPIProcessGroup(IProcessGroup):
             self._progress.stop()
 
     # ------------------------------------------------------------------ errors
-    def _failure(self, describe: str, error: BaseException) -> CommError:
+    def _failure(self, label: CollectiveLabel | str, error: BaseException) -> CommError:
         """The error a request failed with, for people: a size mismatch or an MPI error."""
         if isinstance(error, SizeMismatch):
-            return self._size_error(describe, error)
-        return self._mpi_error(describe, error)
+            return self._size_error(label, error)
+        return self._mpi_error(str(label), error)
 
-    def _size_error(self, describe: str, mismatch: SizeMismatch) -> MessageSizeError:
-        sent, expected = mismatch.sent, mismatch.expected
+    @staticmethod
+    def _size_error(label: CollectiveLabel | str, mismatch: SizeMismatch) -> MessageSizeError:
+        numel, code = mismatch.holds
+        dtype = code_dtype(code)
+        holds = f"{mismatch.expected} bytes ({numel} x {dtype_name(dtype) if dtype else 'unknown dtype'})"
+        peer = mismatch.peer
         if mismatch.side == "send":
-            what = f"sent {sent} bytes, but the recv on rank {mismatch.peer} has a buffer of {expected} bytes"
+            has = f"{mismatch.sent} bytes"
+            if isinstance(label, CollectiveLabel) and label.dtype is not None:
+                has += f" ({label.numel} x {dtype_name(label.dtype)})"
+            what = f"rank {peer}'s matching recv holds {holds}, but this send has {has}; it was discarded"
         else:
-            what = f"rank {mismatch.peer} sent {sent} bytes, but this recv's buffer has {expected} bytes"
+            what = (
+                f"rank {peer} sends {mismatch.sent} bytes, but this recv's tensor holds {holds}; the "
+                "message was discarded and the tensor is unchanged"
+            )
         return MessageSizeError(
-            f"{describe}: {what}; send and recv must use tensors of the same size (in bytes). The message "
-            "was discarded on both sides, the receiving tensor is unchanged, and the group stays usable."
+            f"{label}: {what}. Send and receive tensors of the same size (the group stays usable)"
         )
 
     def _mpi_error(self, describe: str, error: BaseException) -> CommError:

@@ -4,12 +4,13 @@ Each group keeps two communicators of its own for point-to-point traffic,
 duplicates of its collective one (so no message ever matches a collective's):
 
 - **data**: the sender ``Isend``s the tensor's bytes to ``(peer, tag)``.
-- **verdict**: the receiver answers every message it matches with one int64,
-  the byte size of its own buffer. The sender posts the receive for that
-  answer when it sends, and its send completes only when the data has left and
-  the answer has come. Equal sizes: both succeed. Different sizes: both raise,
-  naming both sizes. On success this costs one 8-byte message, sent the
-  moment the receiver matches, so it travels while the data does.
+- **verdict**: the receiver answers every message it matches with what its
+  buffer holds (bytes, elements, a dtype code: three int64). The sender posts
+  the receive for that answer when it sends, and its send completes only when
+  the data has left and the answer has come. Equal sizes: both succeed.
+  Different sizes: both raise, naming both sizes. On success this costs one
+  24-byte message, sent the moment the receiver matches, so it travels while
+  the data does.
 
 A receive is matched by a matched probe (``Improbe``) before any byte lands,
 so a message of the wrong size is drained (received into an empty buffer,
@@ -34,12 +35,14 @@ the same peer and tag still pair with their own answers.
 from __future__ import annotations
 
 import collections
+import struct
 import threading
 from typing import Any, Protocol
 
 __all__ = ["P2PEngine", "Payload", "DirectPayload", "RecvRequest", "SendRequest", "SizeMismatch"]
 
-_VERDICT_BYTES = 8
+_ANSWER = struct.Struct("<qqq")
+"""The receiver's answer: bytes, elements and dtype code of its buffer."""
 
 
 class Payload(Protocol):
@@ -84,7 +87,9 @@ class DirectPayload:
 class SizeMismatch(Exception):  # noqa: N818 - a fact reported to the group, which raises its own error
     """A message's size differs from the receiver's buffer: both sides fail with these numbers."""
 
-    def __init__(self, side: str, peer: int, tag: int, sent: int, expected: int) -> None:
+    def __init__(
+        self, side: str, peer: int, tag: int, sent: int, expected: int, holds: tuple[int, int]
+    ) -> None:
         super().__init__(f"{side} with rank {peer}, tag {tag}: {sent} bytes sent, {expected} bytes expected")
         self.side = side
         """``send`` or ``recv``: which end reports it."""
@@ -95,6 +100,8 @@ class SizeMismatch(Exception):  # noqa: N818 - a fact reported to the group, whi
         """Bytes the sender sent."""
         self.expected = expected
         """Bytes of the receiver's buffer."""
+        self.holds = holds
+        """Elements and dtype code of the receiver's buffer."""
 
 
 class SendRequest:
@@ -106,7 +113,7 @@ class SendRequest:
         self.nbytes = nbytes
         self._engine = engine
         self._payload = payload
-        self._answer = bytearray(_VERDICT_BYTES)
+        self._answer = bytearray(_ANSWER.size)
         self._verdict = engine._verdict_comm.Irecv([self._answer, engine._MPI.BYTE], source=peer, tag=tag)
         self._data: Any = None
         self._data_done = False
@@ -148,9 +155,9 @@ class SendRequest:
         if not (self._data_done and self._verdict_done):
             return False
         self._done = True
-        expected = int.from_bytes(self._answer, "little", signed=True)
+        expected, numel, code = _ANSWER.unpack(self._answer)
         if expected != self.nbytes:
-            raise SizeMismatch("send", self.peer, self.tag, self.nbytes, expected)
+            raise SizeMismatch("send", self.peer, self.tag, self.nbytes, expected, (numel, code))
         self._payload.finish()
         return True
 
@@ -162,7 +169,13 @@ class RecvRequest:
     """
 
     def __init__(
-        self, engine: P2PEngine, payload: Payload, nbytes: int, source: int | None, tag: int
+        self,
+        engine: P2PEngine,
+        payload: Payload,
+        nbytes: int,
+        source: int | None,
+        tag: int,
+        holds: tuple[int, int],
     ) -> None:
         self.wanted = source
         """The source asked for (None: any)."""
@@ -174,7 +187,8 @@ class RecvRequest:
         self.cancelled = False
         self._engine = engine
         self._payload = payload
-        self._reply = (nbytes).to_bytes(_VERDICT_BYTES, "little", signed=True)
+        self._holds = holds
+        self._reply = _ANSWER.pack(nbytes, *holds)
         self._requests: list[Any] | None = None
         """The data receive (or drain) and the answer's send, once matched."""
         self._done = False
@@ -235,7 +249,9 @@ class RecvRequest:
             return False
         self._done = True
         if self.sent != self.nbytes:
-            raise SizeMismatch("recv", self.source, self.tag, self.sent, self.nbytes)  # type: ignore[arg-type]
+            raise SizeMismatch(
+                "recv", self.source, self.tag, self.sent, self.nbytes, self._holds  # type: ignore[arg-type]
+            )
         self._payload.finish()
         return True
 
@@ -279,9 +295,14 @@ class P2PEngine:
             self._post_ready(queue, peer, tag)
         return request
 
-    def recv(self, payload: Payload, nbytes: int, source: int | None, tag: int) -> RecvRequest:
-        """Receive ``nbytes`` bytes from ``source`` (None: any) with ``tag``; matched at once if one waits."""
-        request = RecvRequest(self, payload, nbytes, source, tag)
+    def recv(
+        self, payload: Payload, nbytes: int, source: int | None, tag: int, holds: tuple[int, int] = (0, -1)
+    ) -> RecvRequest:
+        """Receive ``nbytes`` bytes from ``source`` (None: any) with ``tag``; matched at once if one waits.
+
+        ``holds`` (elements, dtype code) describes the buffer to a sender whose size differs.
+        """
+        request = RecvRequest(self, payload, nbytes, source, tag, holds)
         with self._lock:
             self._unmatched.append(request)
         self.match()

@@ -148,13 +148,17 @@ def test_p2p_sizes_any_source_and_order(nprocs: int) -> None:
                 name, is_value_error, message = error
                 assert name == "MessageSizeError" and is_value_error, error
                 assert message.startswith(f"[rank 0/{nprocs}] mpi.send #") and "to rank 1 tag 9" in message
-                assert f"sent {sent} bytes, but the recv on rank 1 has a buffer of 16 bytes" in message
+                assert (
+                    f"rank 1's matching recv holds 16 bytes (4 x float32), but this send has {sent} bytes "
+                    f"({sent // 4} x float32)" in message
+                )
             assert r["any_source"] == [(k, [10 * k, 10 * k]) for k in range(1, nprocs)]
         elif rank == 1:
             for ((name, is_value_error, message), tensor), sent in zip(r["recv"], (40, 8), strict=True):
                 assert name == "MessageSizeError" and is_value_error
                 assert "mpi.recv #" in message and "from rank 0 tag 9" in message
-                assert f"rank 0 sent {sent} bytes, but this recv's buffer has 16 bytes" in message
+                holds = "this recv's tensor holds 16 bytes (4 x float32)"
+                assert f"rank 0 sends {sent} bytes, but {holds}" in message
                 assert tensor == [7.0] * 4, "the receiving tensor is left as it was"
             assert r["after"] == [5.0] * 4, "the next message on the same tag arrives intact"
             assert r["order"] and r["order_sources"] == [0] and r["early"], r
