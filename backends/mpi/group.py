@@ -324,6 +324,13 @@ class _MPIWork(Work):
         """
         return False
 
+    def _let_go(self) -> bool:
+        """When the group closes or the process exits: True if MPI no longer holds anything of it.
+
+        A collective in flight is held until it finishes.
+        """
+        return False
+
     @staticmethod
     def _breaks_group(error: BaseException) -> bool:
         """Return True if failing with ``error`` leaves the group unusable (every collective failure does)."""
@@ -345,12 +352,11 @@ class _MPIWork(Work):
                 "collective finished; it is still in flight. Wait again, or look for a "
                 "rank that has not issued the same collective."
             )
-        withdrawn = self._withdraw()
+        # Failed for its caller (a later wait raises the same error); unless withdrawn, the request
+        # stays listed for the exit hook, as one abandoned by the progress thread.
+        self._abandoned = not self._withdraw()
         error = self._timeout_error(limit)
-        if withdrawn:
-            self._settle(error)
-        elif self._breaks_group(error):
-            self._group._mark_broken(error)
+        self._settle(error)
         raise error
 
 
@@ -373,6 +379,14 @@ class _P2PWork(_MPIWork):
     def _withdraw(self) -> bool:
         request = self._request
         return isinstance(request, RecvRequest) and self._group._messages.cancel(request)
+
+    def _let_go(self) -> bool:
+        request = self._request
+        with self._drive_lock:
+            if isinstance(request, SendRequest) and request.let_go():
+                self._group._pending.pop(self._key, None)
+                return True
+        return False
 
     @staticmethod
     def _breaks_group(error: BaseException) -> bool:
@@ -1123,7 +1137,9 @@ class MPIProcessGroup(IProcessGroup):
         self._stop_progress()
         self._withdraw_receives()
         for work in list(self._pending.values()):
-            work._test()  # a send abandoned at its timeout may have been received since
+            # A send abandoned at its timeout may have been received since, or its data have left.
+            if not work._test():
+                work._let_go()
         if self._pending:
             # The communicator still has collectives in flight: keep it (and this
             # group, in _live_groups) for the exit hook, which aborts the job rather than hang.
@@ -1277,7 +1293,7 @@ def _abort_if_unfinished(grace_s: float = 1.0) -> None:
     for group in groups:
         works = list(group._pending.values())
         for work in works:
-            if wait_until(work._test, deadline):
+            if wait_until(work._test, deadline) or work._let_go():
                 continue
             MPI = group._MPI
             if MPI.Is_finalized():

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import struct
 import threading
+import time
 from typing import Any, Protocol
 
 __all__ = ["P2PEngine", "Payload", "DirectPayload", "RecvRequest", "SendRequest", "SizeMismatch"]
@@ -124,6 +125,25 @@ class SendRequest:
     def posted(self) -> bool:
         """True once the data's ``Isend`` is posted."""
         return self._data is not None
+
+    def let_go(self, bound_s: float = 1.0) -> bool:
+        """Stop waiting for the answer (the group closes); return True if MPI holds nothing of this send.
+
+        Only once the data has left: the answer's receive is then cancelled
+        (receives cancel reliably), and a message still queued at the peer is
+        the peer's. A send whose data has not left cannot be let go.
+        """
+        if self._data is None or not (self._data_done or self._data.Test()):
+            return False
+        if not self._verdict_done:
+            self._verdict.Cancel()
+            deadline = time.monotonic() + bound_s
+            while not self._verdict.Test():
+                if time.monotonic() > deadline:
+                    return False
+        self._done = True
+        self._payload.abort()
+        return True
 
     def _post(self) -> None:
         self._data = self._engine._data_comm.Isend(self._payload.buffer(), dest=self.peer, tag=self.tag)
