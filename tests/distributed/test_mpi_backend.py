@@ -3,8 +3,11 @@
 Spawned ranks are MPI singletons, so every multi-rank test here starts
 ``mpiexec -n N python tests/distributed/mpi_bodies.py BODY`` in a subprocess
 with a timeout, and asserts on its exit code, output and the values each rank
-pickled. Unit tests of the pieces (config, progress thread, wait loop) run
-in-process without initialising MPI.
+pickled. The interface's bodies (collective matrix, point-to-point, subgroups,
+objects, training on subgroups) and mpi's own run in one job per world size
+(``CALLS``), launched once and shared by the tests that read it. Unit tests
+of the pieces (config, progress thread, wait loop) run in-process without
+initialising MPI.
 """
 
 from __future__ import annotations
@@ -52,14 +55,97 @@ def _is_hydra() -> bool:
     return "HYDRA" in out.upper()
 
 
+# ------------------------- the interface's bodies and mpi's own: one job per size
+FEATURES = "tests.distributed.mpi_feature_bodies"
+BODIES = "tests.distributed.bodies"
+P2P = "tests.distributed.p2p_bodies"
+SUBGROUPS = "tests.distributed.subgroup_bodies"
+OBJECTS = "tests.distributed.object_bodies"
+
+_MATRIX = [(f"{BODIES}:{body.__name__}", []) for body in bodies.ALL_BODIES.values()]
+_P2P = [
+    (f"{P2P}:body_ring_exchange", []),
+    (f"{P2P}:body_skipping_pairs", []),
+    (f"{P2P}:body_many_in_order", []),
+    (f"{P2P}:body_p2p_keeps_collectives_numbered", []),
+]
+_SUBGROUPS = [(f"{SUBGROUPS}:body_overlapping_groups", []), (f"{SUBGROUPS}:body_split", [])]
+
+CALLS: dict[int, list[tuple[str, list[Any]]]] = {
+    1: [("collectives_matrix", []), *_MATRIX, (f"{OBJECTS}:body_objects", [])],
+    2: [
+        ("collectives_matrix", []),
+        *_MATRIX,
+        (f"{BODIES}:body_async_order", []),
+        (f"{BODIES}:body_shapes_and_views", []),
+        (f"{BODIES}:body_nan_max_min", []),
+        (f"{BODIES}:body_in_place_bumps_version", []),
+        *_P2P,
+        (f"{P2P}:body_large", []),
+        (f"{P2P}:body_size_mismatch", []),
+        (f"{FEATURES}:p2p_sizes_sources_order", []),
+        (f"{FEATURES}:p2p_timeouts", []),
+        # Last: a failure writes the flight recorder's file again, and the test reads this one's.
+        (f"{P2P}:body_unmatched_send", [4.0]),
+    ],
+    3: [
+        ("collectives_matrix", []),
+        *_MATRIX,
+        (f"{BODIES}:body_async_order", []),
+        *_P2P,
+        *_SUBGROUPS,
+        (f"{OBJECTS}:body_objects", []),
+        (f"{OBJECTS}:body_object_limits", []),
+        (f"{FEATURES}:p2p_sizes_sources_order", []),
+        (f"{FEATURES}:mpi_subgroups", []),
+    ],
+    4: [
+        *_MATRIX,
+        *_P2P,
+        *_SUBGROUPS,
+        (f"{SUBGROUPS}:body_ddp_on_subgroups", []),
+        (f"{SUBGROUPS}:body_join_on_subgroups", []),
+        (f"{SUBGROUPS}:body_zero_on_subgroups", []),
+        (f"{FEATURES}:mpi_subgroups", []),
+    ],
+}
+"""The bodies each world size runs, in one mpiexec job (MPICH ranks busy-poll: few launches)."""
+
+Job = Callable[[int], dict[int, dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """``job(n)``: ``{rank: {"module:body(args)": value}}`` of the job of ``n`` ranks, launched on first use.
+
+    The job of 2 ranks also reports stalls after 1 s and keeps a flight recorder
+    (for ``body_unmatched_send``).
+    """
+    launched: dict[int, LaunchResult] = {}
+    dumps = tmp_path_factory.mktemp("mpi-dumps")
+    watched = {"COMMLIB_STALL_S": "1", "COMMLIB_FLIGHT_RECORDER": "32", "COMMLIB_DUMP_DIR": str(dumps)}
+
+    def get(nprocs: int) -> dict[int, dict[str, Any]]:
+        if nprocs not in launched:
+            env = {**TEST_TIMEOUT, **watched} if nprocs == 2 else TEST_TIMEOUT
+            launched[nprocs] = launch("run_calls", nprocs, [CALLS[nprocs]], env=env, timeout=600)
+        return {rank: values["run_calls"] for rank, values in _ok(launched[nprocs], nprocs).items()}
+
+    return get
+
+
+def _body(values: dict[str, Any], name: str, *args: Any) -> Any:
+    module = FEATURES if ":" not in name else ""
+    return values[f"{module}:{name}{args}" if module else f"{name}{args}"]
+
+
 # ------------------------------------------------------------- correctness
 @pytest.mark.launcher
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
-def test_collectives_matrix(nprocs: int) -> None:
-    """op x dtype x size through all four collectives (sync and async) against a float64 reference."""
-    results = _ok(launch("collectives_matrix", nprocs, env=TEST_TIMEOUT, timeout=150), nprocs)
-    for rank, values in results.items():
-        matrix = values["collectives_matrix"]
+def test_collectives_matrix(job: Job, nprocs: int) -> None:
+    """op x dtype x size through the first four collectives (sync and async) against a float64 reference."""
+    for rank, values in job(nprocs).items():
+        matrix = values["collectives_matrix()"]
         assert matrix["failures"] == [], f"rank {rank}:\n" + "\n".join(matrix["failures"][:20])
         assert matrix["checked"] == 270
 
@@ -114,88 +200,6 @@ def test_equivalent_to_gloo_on_three_ranks() -> None:
         assert eq["backends"] == ["mpi", "gloo"]
         assert eq["failures"] == [], f"rank {rank}:\n" + "\n".join(eq["failures"])
         assert eq["compared"] == 48
-
-
-# ------------------------- the interface's bodies and mpi's own: one job per size
-FEATURES = "tests.distributed.mpi_feature_bodies"
-BODIES = "tests.distributed.bodies"
-P2P = "tests.distributed.p2p_bodies"
-SUBGROUPS = "tests.distributed.subgroup_bodies"
-OBJECTS = "tests.distributed.object_bodies"
-
-_MATRIX = [(f"{BODIES}:{body.__name__}", []) for body in bodies.ALL_BODIES.values()]
-_P2P = [
-    (f"{P2P}:body_ring_exchange", []),
-    (f"{P2P}:body_skipping_pairs", []),
-    (f"{P2P}:body_many_in_order", []),
-    (f"{P2P}:body_p2p_keeps_collectives_numbered", []),
-]
-_SUBGROUPS = [(f"{SUBGROUPS}:body_overlapping_groups", []), (f"{SUBGROUPS}:body_split", [])]
-
-CALLS: dict[int, list[tuple[str, list[Any]]]] = {
-    1: [*_MATRIX, (f"{OBJECTS}:body_objects", [])],
-    2: [
-        *_MATRIX,
-        (f"{BODIES}:body_async_order", []),
-        (f"{BODIES}:body_shapes_and_views", []),
-        (f"{BODIES}:body_nan_max_min", []),
-        (f"{BODIES}:body_in_place_bumps_version", []),
-        *_P2P,
-        (f"{P2P}:body_large", []),
-        (f"{P2P}:body_size_mismatch", []),
-        (f"{FEATURES}:p2p_sizes_sources_order", []),
-        (f"{FEATURES}:p2p_timeouts", []),
-        # Last: a failure writes the flight recorder's file again, and the test reads this one's.
-        (f"{P2P}:body_unmatched_send", [4.0]),
-    ],
-    3: [
-        *_MATRIX,
-        (f"{BODIES}:body_async_order", []),
-        *_P2P,
-        *_SUBGROUPS,
-        (f"{OBJECTS}:body_objects", []),
-        (f"{OBJECTS}:body_object_limits", []),
-        (f"{FEATURES}:p2p_sizes_sources_order", []),
-        (f"{FEATURES}:mpi_subgroups", []),
-    ],
-    4: [
-        *_MATRIX,
-        *_P2P,
-        *_SUBGROUPS,
-        (f"{SUBGROUPS}:body_ddp_on_subgroups", []),
-        (f"{SUBGROUPS}:body_join_on_subgroups", []),
-        (f"{SUBGROUPS}:body_zero_on_subgroups", []),
-        (f"{FEATURES}:mpi_subgroups", []),
-    ],
-}
-"""The bodies each world size runs, in one mpiexec job (MPICH ranks busy-poll: few launches)."""
-
-Job = Callable[[int], dict[int, dict[str, Any]]]
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """``job(n)``: ``{rank: {"module:body(args)": value}}`` of the job of ``n`` ranks, launched on first use.
-
-    The job of 2 ranks also reports stalls after 1 s and keeps a flight recorder
-    (for ``body_unmatched_send``).
-    """
-    launched: dict[int, LaunchResult] = {}
-    dumps = tmp_path_factory.mktemp("mpi-dumps")
-    watched = {"COMMLIB_STALL_S": "1", "COMMLIB_FLIGHT_RECORDER": "32", "COMMLIB_DUMP_DIR": str(dumps)}
-
-    def get(nprocs: int) -> dict[int, dict[str, Any]]:
-        if nprocs not in launched:
-            env = {**TEST_TIMEOUT, **watched} if nprocs == 2 else TEST_TIMEOUT
-            launched[nprocs] = launch("run_calls", nprocs, [CALLS[nprocs]], env=env, timeout=600)
-        return {rank: values["run_calls"] for rank, values in _ok(launched[nprocs], nprocs).items()}
-
-    return get
-
-
-def _body(values: dict[str, Any], name: str, *args: Any) -> Any:
-    module = FEATURES if ":" not in name else ""
-    return values[f"{module}:{name}{args}" if module else f"{name}{args}"]
 
 
 @pytest.mark.launcher
