@@ -13,7 +13,6 @@ import abc
 import dataclasses
 import datetime
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -21,23 +20,24 @@ import torch
 from torch.autograd.graph import increment_version
 
 from commlib import nan_minmax, objects
+from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
 from commlib.diagnosis import Diagnostics, FingerprintExchange
 from commlib.env import DistEnv
-from commlib.errors import CommError, GroupClosedError, ReduceOpTypeError, error_prefix
+from commlib.errors import CommError, error_prefix
 from commlib.p2p import P2POp, P2PRequest
-from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, dtype_name, op_applies
+from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, op_applies
 from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
 
-TensorList = Sequence[torch.Tensor]
+_BOOL = torch.bool
 
 _root_groups = itertools.count()
 """Root groups created in this process: names them (``gloo#0``) alike on every rank."""
 
 
-class IProcessGroup(abc.ABC):
+class IProcessGroup(ArgumentChecks, abc.ABC):
     """A group of ranks that run collectives together.
 
     Every collective is in place on torch tensors and must be called by every
@@ -286,11 +286,14 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             [tensor],
-            lambda: self._start_all_reduce(tensor, op, async_op),
+            self._start_all_reduce,
+            tensor,
+            op,
+            async_op,
         )
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
-        if op is ReduceOp.SUM and tensor.dtype is not torch.bool:
+        if op is ReduceOp.SUM and tensor.dtype is not _BOOL:
             return self._all_reduce(tensor, op, async_op)
         op, finish = self._prepare_reduction(tensor, op, in_place=True)
         if finish is _NAN_KEYS:
@@ -331,7 +334,7 @@ class IProcessGroup(abc.ABC):
             increment_version(flat)
         self._bytes_issued += tensor.nbytes
         return self._issue(
-            name, tensor, op, dst, async_op, [tensor], lambda: self._start_reduce(flat, dst, op, async_op)
+            name, tensor, op, dst, async_op, [tensor], self._start_reduce, flat, dst, op, async_op
         )
 
     def _start_reduce(self, flat: torch.Tensor, dst: int, op: ReduceOp | PremulSum, async_op: bool) -> Work:
@@ -368,9 +371,7 @@ class IProcessGroup(abc.ABC):
         flat = tensor.detach()
         increment_version(flat)
         self._bytes_issued += tensor.nbytes
-        return self._issue(
-            name, flat, None, src, async_op, [tensor], lambda: self._broadcast(flat, src, async_op)
-        )
+        return self._issue(name, flat, None, src, async_op, [tensor], self._broadcast, flat, src, async_op)
 
     def all_gather(
         self,
@@ -406,7 +407,11 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             output,
-            lambda: self._all_gather(flat_output, outputs, flat, async_op),
+            self._all_gather,
+            flat_output,
+            outputs,
+            flat,
+            async_op,
         )
 
     def all_gather_into_tensor(
@@ -456,7 +461,12 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             [output],
-            lambda: self._start_reduce_scatter(flat, flat_input, inputs, op, async_op),
+            self._start_reduce_scatter,
+            flat,
+            flat_input,
+            inputs,
+            op,
+            async_op,
         )
 
     def reduce_scatter_tensor(
@@ -529,7 +539,7 @@ class IProcessGroup(abc.ABC):
         self._bytes_issued += tensor.nbytes
         flat = tensor.detach().view(-1)
         return self._issue(
-            name, tensor, None, dst, async_op, gather_list, lambda: self._gather(flat, outputs, dst, async_op)
+            name, tensor, None, dst, async_op, gather_list, self._gather, flat, outputs, dst, async_op
         )
 
     def scatter(
@@ -561,7 +571,7 @@ class IProcessGroup(abc.ABC):
         increment_version(flat)
         self._bytes_issued += tensor.nbytes * (self.world_size if inputs is not None else 1)
         return self._issue(
-            name, tensor, None, src, async_op, [tensor], lambda: self._scatter(flat, inputs, src, async_op)
+            name, tensor, None, src, async_op, [tensor], self._scatter, flat, inputs, src, async_op
         )
 
     def all_to_all(
@@ -599,8 +609,11 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             output_tensor_list,
-            lambda: self._all_to_all(outputs, inputs, async_op),
-            counts,
+            self._all_to_all,
+            outputs,
+            inputs,
+            async_op,
+            counts=counts,
         )
 
     def all_to_all_single(
@@ -649,8 +662,11 @@ class IProcessGroup(abc.ABC):
             -1,
             async_op,
             output,
-            lambda: self._all_to_all(outputs, inputs, async_op),
-            counts,
+            self._all_to_all,
+            outputs,
+            inputs,
+            async_op,
+            counts=counts,
         )
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
@@ -660,7 +676,7 @@ class IProcessGroup(abc.ABC):
             async_op: Return a ``Work`` handle instead of waiting.
         """
         self._check_usable("barrier")
-        return self._issue("barrier", None, None, -1, async_op, None, lambda: self._barrier(async_op))
+        return self._issue("barrier", None, None, -1, async_op, None, self._barrier, async_op)
 
     # ----------------------------------------------------------------- objects
     def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
@@ -763,17 +779,18 @@ class IProcessGroup(abc.ABC):
                 )
             peer = self._p2p_peer(name, p2p, f"p2p_op_list[{i}]")
             requests.append(self._p2p_request(name, p2p.kind, p2p.tensor, peer, p2p.tag))
-        return self._issue_p2p(requests, lambda: self._batch_p2p(requests, True))
+        return self._issue_p2p(requests, self._batch_p2p, requests, True)
 
     def _point_to_point(self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> Work:
         self._check_usable(name)
         request = self._p2p_request(name, kind, tensor, peer, tag)
-        if kind == "send":
-            start: Callable[[], Work] = lambda: self._send(request.tensor, peer, tag, True)  # type: ignore[arg-type]  # noqa: E731
-        else:
-            start = lambda: self._recv(request.tensor, peer, tag, True)  # noqa: E731
-        (work,) = self._issue_p2p([request], lambda: [start()])
+        (work,) = self._issue_p2p([request], self._start_p2p, request)
         return work
+
+    def _start_p2p(self, request: P2PRequest) -> list[Work]:
+        if request.kind == "send":
+            return [self._send(request.tensor, request.peer, request.tag, True)]  # type: ignore[arg-type]
+        return [self._recv(request.tensor, request.peer, request.tag, True)]
 
     def _p2p_request(
         self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int
@@ -864,8 +881,9 @@ class IProcessGroup(abc.ABC):
             raise TypeError(f"{self._prefix(name)}key must be an int, got {key!r}")
         if color is not None and color < 0:
             color = None
-        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64)
-        everyone = torch.empty(2 * self.world_size, dtype=torch.int64)
+        device = self.preferred_device()
+        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64, device=device)
+        everyone = torch.empty(2 * self.world_size, dtype=torch.int64, device=device)
         self.all_gather(everyone, mine)
         pairs = everyone.view(-1, 2).tolist()
         colors = sorted({c for c, _ in pairs if c >= 0})
@@ -974,7 +992,8 @@ class IProcessGroup(abc.ABC):
         root: int,
         async_op: bool,
         value: object,
-        start: Callable[[], Work],
+        start: Callable[..., Work],
+        *args: Any,
         counts: tuple[list[int], list[int]] | None = None,
     ) -> Work | None:
         """Issue one collective: number it, let the diagnosis watch it, start it, then wait or return it.
@@ -986,24 +1005,29 @@ class IProcessGroup(abc.ABC):
             root: ``src`` / ``dst`` of a rooted collective; -1 otherwise.
             async_op: Return the work instead of waiting.
             value: What the work's future completes with.
-            start: Calls the backend hook.
+            start: Calls the backend hook: ``start(*args) -> Work``.
+            *args: Arguments of ``start``.
             counts: ``all_to_all`` only: elements received from and sent to each rank.
         """
         diagnostics = self._diagnostics
         if diagnostics is not None:
-            return diagnostics.issue(self, kind, tensor, op, root, async_op, value, start, counts)
+            return diagnostics.issue(self, kind, tensor, op, root, async_op, value, start, args, counts)
         self._seq += 1
-        work = start()
+        work = start(*args)
         if async_op:
             work._set_value(value)  # noqa: SLF001 - what the work's future completes with
             return work
         work.wait()
         return None
 
-    def _issue_p2p(self, requests: list[P2PRequest], start: Callable[[], list[Work]]) -> list[Work]:
+    def _issue_p2p(
+        self, requests: list[P2PRequest], start: Callable[..., list[Work]], *args: Any
+    ) -> list[Work]:
         """Issue point-to-point operations (they never advance ``_seq``); return their works."""
         diagnostics = self._diagnostics
-        works = diagnostics.issue_p2p(self, requests, start) if diagnostics is not None else start()
+        works = (
+            diagnostics.issue_p2p(self, requests, start, args) if diagnostics is not None else start(*args)
+        )
         for request, work in zip(requests, works, strict=True):
             work._set_value([request.tensor])  # noqa: SLF001
             if request.kind == "recv":
@@ -1217,100 +1241,6 @@ class IProcessGroup(abc.ABC):
         """One tensor of every block: ``flat`` when the caller gave one, else the blocks joined."""
         return flat if flat is not None else torch.cat(blocks)
 
-    def _check_usable(self, op: str) -> None:
-        if self._closed:
-            raise GroupClosedError(
-                f"{self._prefix(op)}the process group was closed; create a new one with "
-                "commlib.init_process_group()"
-            )
-        if self._broken is not None:
-            raise GroupClosedError(
-                f"{self._prefix(op)}the process group is unusable after an earlier failure "
-                f"({self._broken}); every rank must create a new group"
-            ) from self._broken
-
-    def _check_tensor(self, op: str, tensor: object, arg: str) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            hint = "; wrap it with torch.from_numpy()" if type(tensor).__module__ == "numpy" else ""
-            raise TypeError(
-                f"{self._prefix(op)}expected a torch.Tensor for '{arg}', "
-                f"got {type(tensor).__module__}.{type(tensor).__qualname__}{hint}"
-            )
-        if tensor.layout is not torch.strided:
-            raise TypeError(
-                f"{self._prefix(op)}'{arg}' has layout {tensor.layout}; only dense (strided) "
-                "tensors are supported: call .to_dense() first"
-            )
-        if tensor.dtype not in self.supported_dtypes:
-            names = ", ".join(sorted(dtype_name(d) for d in self.supported_dtypes))
-            raise TypeError(
-                f"{self._prefix(op)}'{arg}' has dtype {dtype_name(tensor.dtype)}, which this "
-                f"backend does not support (supported: {names}); convert it with .to(...)"
-            )
-        if tensor.device.type not in self.supported_devices:
-            devices = ", ".join(sorted(self.supported_devices))
-            raise ValueError(
-                f"{self._prefix(op)}'{arg}' is on device {tensor.device}, which the "
-                f"{self.backend} backend cannot use (devices: {devices}); move it with "
-                f".to('cpu') or choose a backend that supports {tensor.device.type}"
-            )
-        if not tensor.is_contiguous():
-            raise ValueError(
-                f"{self._prefix(op)}'{arg}' is not contiguous (shape {tuple(tensor.shape)}, "
-                f"stride {tensor.stride()}); the result is written in place, so pass a "
-                "contiguous tensor (x = x.contiguous()) and read the result from it"
-            )
-
-    def _check_reduction(self, name: str, tensor: object, op: object, arg: str = "tensor") -> None:
-        """Check a reduction's tensor and op; a kind of tensor seen before costs a set lookup."""
-        kind = None
-        if isinstance(tensor, torch.Tensor) and isinstance(op, (ReduceOp, PremulSum)):
-            kind = (
-                op if isinstance(op, ReduceOp) else ReduceOp.PREMUL_SUM,
-                tensor.dtype,
-                tensor.device,
-                tensor.layout,
-            )
-            if kind in self._accepted and tensor.is_contiguous():
-                return
-        self._check_tensor(name, tensor, arg)
-        self._check_op(name, op, tensor)  # type: ignore[arg-type]
-        if kind is not None:
-            self._accepted.add(kind)
-
-    def _check_op(self, name: str, op: object, tensor: torch.Tensor) -> None:
-        if op is ReduceOp.PREMUL_SUM:
-            raise ReduceOpTypeError(
-                f"{self._prefix(name)}ReduceOp.PREMUL_SUM needs its factor: pass commlib.premul_sum(factor)"
-            )
-        if isinstance(op, PremulSum):
-            op = op.op
-        if not isinstance(op, ReduceOp):
-            choices = ", ".join(o.name for o in ReduceOp if o is not ReduceOp.PREMUL_SUM)
-            raise TypeError(
-                f"{self._prefix(name)}op must be a commlib.ReduceOp ({choices}) or "
-                "commlib.premul_sum(factor), "
-                f"got {op!r}"
-            )
-        if not op_applies(op, tensor.dtype):
-            if op is ReduceOp.AVG or op is ReduceOp.PREMUL_SUM:
-                detail = (
-                    f"{op.name} is defined for floating point tensors only (an integer average would "
-                    "round silently); use SUM and divide, or convert to a float dtype"
-                )
-            else:
-                detail = f"{op.name} is defined for integer and bool tensors only"
-            raise ReduceOpTypeError(
-                f"{self._prefix(name)}op {op.name} on {dtype_name(tensor.dtype)} "
-                f"({tensor.device.type}): {detail}"
-            )
-        if not self.supports(op, tensor.dtype, tensor.device):
-            raise ValueError(
-                f"{self._prefix(name)}op {op.name} on {dtype_name(tensor.dtype)} "
-                f"({tensor.device.type}): {op.name} is not supported for this dtype and device on this "
-                "backend"
-            )
-
     def _prepare_reduction(
         self,
         tensor: torch.Tensor,
@@ -1343,149 +1273,6 @@ class IProcessGroup(abc.ABC):
                 return op, _NAN_KEYS
         return op, None
 
-    def _check_rank(self, op: str, value: object, arg: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{self._prefix(op)}{arg} must be an int rank, got {value!r}")
-        if not 0 <= value < self.world_size:
-            raise ValueError(
-                f"{self._prefix(op)}{arg}={value} is not a rank of this group "
-                f"(valid: 0..{self.world_size - 1})"
-            )
-
-    def _check_members(self, op: str, ranks: object) -> list[int]:
-        if not isinstance(ranks, (list, tuple, range)):
-            raise TypeError(f"{self._prefix(op)}ranks must be a list of int ranks, got {ranks!r}")
-        members = list(ranks)
-        if not members:
-            raise ValueError(f"{self._prefix(op)}ranks is empty; a group needs at least one rank")
-        for i, r in enumerate(members):
-            self._check_rank(op, r, f"ranks[{i}]")
-        if len(set(members)) != len(members):
-            twice = sorted({r for r in members if members.count(r) > 1})
-            raise ValueError(f"{self._prefix(op)}ranks lists rank(s) {twice} more than once: {members}")
-        return members
-
-    def _root_list(
-        self, op: str, value: object, arg: str, like: torch.Tensor, root: int
-    ) -> list[torch.Tensor] | None:
-        """Check ``gather_list`` / ``scatter_list``: ``world_size`` tensors on ``root``, None elsewhere."""
-        if self.rank != root:
-            if value is not None and not (isinstance(value, (list, tuple)) and not value):
-                raise ValueError(
-                    f"{self._prefix(op)}'{arg}' is given on rank {self.rank}, which is not the root "
-                    f"({'dst' if op == 'gather' else 'src'}={root}); pass it on the root only"
-                )
-            return None
-        if value is None:
-            raise ValueError(
-                f"{self._prefix(op)}'{arg}' is required on the root (rank {root}): a list of "
-                f"{self.world_size} tensors of {like.numel()} elements"
-            )
-        _, views = self._split_world(op, value, arg, like, lists_only=True)  # type: ignore[arg-type]
-        return views
-
-    def _tensor_list(self, op: str, value: object, arg: str, like: torch.Tensor | None) -> list[torch.Tensor]:
-        """Check ``world_size`` tensors of one dtype and device (sizes may differ); return flat views."""
-        world = self.world_size
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(
-                f"{self._prefix(op)}'{arg}' must be a list of {world} tensors, got {type(value).__name__}"
-            )
-        if len(value) != world:
-            raise ValueError(
-                f"{self._prefix(op)}'{arg}' has {len(value)} tensors; expected one per rank ({world})"
-            )
-        views = []
-        for i, item in enumerate(value):
-            self._check_tensor(op, item, f"{arg}[{i}]")
-            if like is None:
-                like = item
-            self._check_same_kind(op, item, f"{arg}[{i}]", like)
-            views.append(item.detach().view(-1))
-        return views
-
-    def _split_rows(
-        self, op: str, tensor: torch.Tensor, splits: Sequence[int] | None, arg: str
-    ) -> list[torch.Tensor]:
-        """Cut ``tensor`` along dim 0 into ``world_size`` flat views of ``splits`` rows (None: equal)."""
-        world = self.world_size
-        if tensor.dim() == 0:
-            raise ValueError(
-                f"{self._prefix(op)}'{arg}' is 0-dimensional; all_to_all_single splits along dim 0"
-            )
-        rows = tensor.shape[0]
-        if splits is None:
-            if rows % world:
-                raise ValueError(
-                    f"{self._prefix(op)}'{arg}' has {rows} rows, not divisible by the world size {world}; "
-                    f"pass {arg}_split_sizes"
-                )
-            splits = [rows // world] * world
-        else:
-            if not isinstance(splits, (list, tuple)) or any(
-                isinstance(s, bool) or not isinstance(s, int) for s in splits
-            ):
-                raise TypeError(f"{self._prefix(op)}{arg}_split_sizes must be a list of ints, got {splits!r}")
-            if len(splits) != world:
-                raise ValueError(
-                    f"{self._prefix(op)}{arg}_split_sizes has {len(splits)} entries; expected one per rank "
-                    f"({world})"
-                )
-            if any(s < 0 for s in splits):
-                raise ValueError(f"{self._prefix(op)}{arg}_split_sizes has a negative entry: {list(splits)}")
-            if sum(splits) != rows:
-                raise ValueError(
-                    f"{self._prefix(op)}{arg}_split_sizes sum to {sum(splits)}, but '{arg}' has {rows} rows "
-                    f"(dim 0): {list(splits)}"
-                )
-        row = math.prod(tensor.shape[1:])
-        flat = tensor.detach().reshape(-1)
-        views, start = [], 0
-        for s in splits:
-            views.append(flat[start : start + s * row])
-            start += s * row
-        return views
-
-    def _split_world(
-        self,
-        op: str,
-        value: torch.Tensor | TensorList,
-        arg: str,
-        like: torch.Tensor,
-        *,
-        lists_only: bool = False,
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """Turn a list of ``world_size`` tensors, or one big tensor, into flat per-rank views."""
-        world, numel = self.world_size, like.numel()
-        if isinstance(value, torch.Tensor) and not lists_only:
-            self._check_tensor(op, value, arg)
-            self._check_same_kind(op, value, arg, like)
-            if value.numel() != world * numel:
-                raise ValueError(
-                    f"{self._prefix(op)}'{arg}' has {value.numel()} elements; expected "
-                    f"world_size x {numel} = {world * numel} (one block of {numel} per rank)"
-                )
-            flat = value.detach().view(-1)
-            return flat, [flat[i * numel : (i + 1) * numel] for i in range(world)]
-        if not isinstance(value, (list, tuple)):
-            shape = f"a list of {world} tensors" if lists_only else f"a tensor or a list of {world} tensors"
-            raise TypeError(f"{self._prefix(op)}'{arg}' must be {shape}, got {type(value).__name__}")
-        if len(value) != world:
-            raise ValueError(
-                f"{self._prefix(op)}'{arg}' has {len(value)} tensors; expected one per rank ({world})"
-            )
-        views = []
-        for i, item in enumerate(value):
-            self._check_tensor(op, item, f"{arg}[{i}]")
-            self._check_same_kind(op, item, f"{arg}[{i}]", like)
-            if item.numel() != numel:
-                raise ValueError(
-                    f"{self._prefix(op)}'{arg}[{i}]' has {item.numel()} elements, expected "
-                    f"{numel} (as many as this rank's block)"
-                )
-            views.append(item.detach().view(-1))
-        return None, views
-
     def _is_rank_block(self, output: torch.Tensor, flat_input: torch.Tensor | None) -> bool:
         """True if ``output`` is block ``rank`` of ``flat_input``: ``reduce_scatter``'s in-place form."""
         if flat_input is None or output.numel() == 0:
@@ -1497,14 +1284,6 @@ class IProcessGroup(abc.ABC):
             and output.data_ptr() == flat_input[start:].data_ptr()
             and output.is_contiguous()
         )
-
-    def _check_same_kind(self, op: str, tensor: torch.Tensor, arg: str, like: torch.Tensor) -> None:
-        if tensor.dtype != like.dtype or tensor.device != like.device:
-            raise TypeError(
-                f"{self._prefix(op)}'{arg}' is {dtype_name(tensor.dtype)} on {tensor.device}, "
-                f"but the collective's tensor is {dtype_name(like.dtype)} on {like.device}; "
-                "all tensors of one collective must share dtype and device"
-            )
 
 
 _NAN_KEYS = object()

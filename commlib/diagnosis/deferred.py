@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from commlib.errors import CommError, CommTimeoutError
 from commlib.work import CollectiveLabel, Work
@@ -151,14 +152,14 @@ class Launcher:
 
 
 def launch_step(
-    work: DeferredWork, check: Callable[[], None], start: Callable[[], Work]
+    work: DeferredWork, check: Callable[[], None], start: Callable[..., Work], args: tuple[Any, ...]
 ) -> Callable[[], None]:
     """Return the launcher step for one collective: check, then start, then hand the work over."""
 
     def step() -> None:
         try:
             check()
-            real = start()
+            real = start(*args)
         except BaseException as e:  # noqa: BLE001 - becomes the work's error
             work.attach(None, e)
             return

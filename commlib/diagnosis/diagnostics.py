@@ -18,7 +18,7 @@ import secrets
 import struct
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -231,7 +231,8 @@ class Diagnostics:
         root: int,
         async_op: bool,
         value: object,
-        start: Callable[[], Work],
+        start: Callable[..., Work],
+        args: tuple[Any, ...],
         counts: tuple[list[int], list[int]] | None = None,
     ) -> Work | None:
         """Run one collective under watch: number it, record it, check it (DETAIL), start it, follow it.
@@ -248,7 +249,8 @@ class Diagnostics:
             root: The root rank of a rooted collective; -1 otherwise.
             async_op: Return the work instead of waiting.
             value: What the work's future completes with.
-            start: Calls the backend hook.
+            start: Calls the backend hook: ``start(*args) -> Work``.
+            args: Arguments of ``start``.
             counts: ``all_to_all`` only: elements received from and sent to each rank.
         """
         launcher = self._launcher
@@ -262,8 +264,8 @@ class Diagnostics:
                 )
         self._last_seq += 1
         seq = self._last_seq
-        if isinstance(op, PremulSum):
-            op = op.op
+        if op.__class__ is PremulSum:
+            op = op.op  # type: ignore[union-attr]
         record: Record = (
             seq,
             kind,
@@ -284,15 +286,17 @@ class Diagnostics:
                 recorder.follow(recorder.begin(record), work)
             assert launcher is not None
             launcher.submit(
-                launch_step(work, lambda: self._launch(group, record, tensor, counts, label, True), start)
+                launch_step(work, lambda: self._launch(group, record, tensor, counts, label), start, args)
             )
             return work
         if tracker is not None:
             tracker.issued = tracker.active = record
         entry = recorder.begin(record) if recorder is not None else None
         try:
-            self._launch(group, record, tensor, counts, None, False)
-            work = start()
+            group._next_seq()
+            if self.exchange is not None:
+                self._check(group, record, tensor, counts, group._label(kind, tensor), False)
+            work = start(*args)
             if async_op:
                 if tracker is not None:
                     tracker.pending.append((record, work))
@@ -320,23 +324,24 @@ class Diagnostics:
         record: Record,
         tensor: torch.Tensor | None,
         counts: tuple[list[int], list[int]] | None,
-        label: CollectiveLabel | None,
-        background: bool,
+        label: CollectiveLabel,
     ) -> None:
-        """What comes right before a collective reaches the backend, on whichever thread starts it.
+        """The launcher thread's step before it starts a deferred collective: number it, then check it.
 
-        Advances the group's sequence number (on the launcher thread while it has
-        work queued, so that the backend sees the number of the collective it
-        starts) and, under DETAIL, checks that every rank makes the same call.
+        The launcher advances the group's sequence number while it has work
+        queued, so that the backend sees the number of the collective it starts.
         """
         group._next_seq()
-        if background and (group._closed or group._broken is not None):
+        if group._closed or group._broken is not None:
             group._check_usable(record[1])
-        if self.exchange is not None:
-            self._check(group, record, tensor, counts, label or group._label(record[1], tensor), background)
+        self._check(group, record, tensor, counts, label, True)
 
     def issue_p2p(
-        self, group: DiagnosedGroup, requests: list[P2PRequest], start: Callable[[], list[Work]]
+        self,
+        group: DiagnosedGroup,
+        requests: list[P2PRequest],
+        start: Callable[..., list[Work]],
+        args: tuple[Any, ...],
     ) -> list[Work]:
         """Record sends and receives, start them, and follow their works (no fingerprint, no ``_seq``)."""
         now = time.monotonic()
@@ -346,7 +351,7 @@ class Diagnostics:
         recorder = self.recorder
         entries = [recorder.begin(record) for record in records] if recorder is not None else None
         try:
-            works = start()
+            works = start(*args)
         except BaseException as e:
             if entries is not None:
                 for entry in entries:

@@ -127,6 +127,22 @@ def body_split(group: IProcessGroup) -> dict[str, Any]:
     return out
 
 
+def body_parent_closed(group: IProcessGroup) -> dict[str, Any]:
+    """A subgroup goes on after the group it was made from is closed."""
+    n = group.world_size
+    parent = group.new_group(list(range(n)))
+    assert parent is not None
+    members = list(range(0, n, 2)) if n > 2 else list(range(n))
+    child = parent.new_group(members)
+    parent.close()
+    if child is not None:
+        _exercise(child, members, 9)
+        child.close()
+    t = torch.ones(1)
+    group.all_reduce(t)
+    return {"member": child is not None, "sum": t.item()}
+
+
 # ------------------------------------------------------------------ training
 def _dp_layout(group: IProcessGroup) -> tuple[IProcessGroup, int]:
     """Data-parallel groups {0, 2} and {1, 3} of 4 ranks, beside pipeline pairs {0, 1} and {2, 3}."""

@@ -36,3 +36,10 @@ def test_split(get_pool, variant: str, world_size: int) -> None:
         mine = sorted((k for k in range(world_size) if k % 2 == r % 2), reverse=True)
         assert value["global_ranks"] == mine, value
     assert values[0]["halves"] != values[1]["halves"], "two colors, two groups"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_subgroup_outlives_its_parent(get_pool, variant: str) -> None:
+    values = get_pool(variant, 3).run(bodies.body_parent_closed, timeout=120)
+    assert [v["member"] for v in values] == [True, False, True]
+    assert all(v["sum"] == 3.0 for v in values)
