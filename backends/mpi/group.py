@@ -411,9 +411,9 @@ class _P2PWork(_MPIWork):
             f"{self.describe}: rank {request.peer} did not receive the message within {limit:g} s: no "
             f"matching recv (tag {request.tag}) was posted there. MPI cannot withdraw a send: the message "
             f"stays queued for rank {request.peer}, and its next recv with tag {request.tag} from this "
-            "rank receives it first. The group stays usable for collectives and other messages; if the "
-            "message is never received, this process aborts the MPI job when it exits (MPI_Finalize "
-            f"would wait for it). {hint}"
+            "rank receives it first. The group stays usable for collectives and other messages. A "
+            "large message that never leaves this process makes it abort the MPI job when it exits "
+            f"(MPI_Finalize would wait for it). {hint}"
         )
 
 
