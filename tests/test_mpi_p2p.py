@@ -46,6 +46,9 @@ class Pending:
     def Test(self) -> bool:  # noqa: N802
         return self.done
 
+    def Cancel(self) -> None:  # noqa: N802
+        self.cancelled = self.done = True
+
 
 class Status:
     def __init__(self) -> None:
@@ -206,3 +209,12 @@ def test_a_size_mismatch_fails_both_sides_and_drains_the_message() -> None:
         send.Test()
     value = info.value
     assert (value.side, value.sent, value.expected, value.holds) == ("send", 40, 16, (4, 0))
+
+
+def test_a_send_whose_bytes_have_left_is_let_go_and_one_not_posted_is_not() -> None:
+    engine, data, verdict = _engine()
+    left = engine.send(DirectPayload("small"), 8, 1, tag=0)
+    assert not left.Test()  # no answer yet
+    assert left.let_go() and verdict.awaited[0][2].cancelled
+    stuck = engine.send(LatePayload("still on the device"), 8, 1, tag=1)
+    assert not stuck.let_go(), "a send not posted yet (its tensor still being copied) is not let go"
