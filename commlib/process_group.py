@@ -13,6 +13,7 @@ import abc
 import dataclasses
 import datetime
 import itertools
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -932,8 +933,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     def _subgroup_env(self, ranks: Sequence[int]) -> DistEnv:
         """The ``DistEnv`` of this rank in the subgroup of ``ranks`` (parent ranks, in the new order).
 
-        Local rank and size stay those of a one-host job when this group lives on
-        one host; otherwise they are unknown here, and say one process per host.
+        On one host, local rank and size are the subgroup's own. Across hosts they are
+        unknown here (one process per host is assumed), and ``master_addr`` becomes this
+        host's address: the subgroup's rank 0, wherever it runs, serves its own
+        diagnosis side channel there.
         """
         env = self._env
         single_host = env.local_world_size >= env.world_size
@@ -944,6 +947,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             world_size=len(ranks),
             local_rank=rank if single_host else 0,
             local_world_size=len(ranks) if single_host else 1,
+            master_addr=env.master_addr if single_host else _host_address(env.master_addr),
         )
 
     def get_group_rank(self, global_rank: int) -> int:
@@ -1284,6 +1288,14 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             and output.data_ptr() == flat_input[start:].data_ptr()
             and output.is_contiguous()
         )
+
+
+def _host_address(fallback: str) -> str:
+    """This host's address as other hosts reach it (its name's), else ``fallback``."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return fallback
 
 
 _NAN_KEYS = object()

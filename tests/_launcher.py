@@ -35,6 +35,9 @@ from commlib.ports import free_port
 
 _CTX = multiprocessing.get_context("spawn")
 
+EXIT_GRACE_S = 30.0
+"""How long a rank that has reported may take to exit before it is killed and counted as failed."""
+
 
 def rank_env(
     rank: int, world_size: int, port: int, backend: str | None, extra: Mapping[str, str] | None
@@ -247,7 +250,10 @@ def run_ranks_outcomes(
             outcomes[rank].timed_out = True
         stacks.collect(procs, list(pending), outcomes)
         for rank, proc in enumerate(procs):
-            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if rank not in pending else 0)
+            # A rank that reported may still take seconds to exit: tearing down torch alone took 5-7 s
+            # on the 2-core machine under load, so it gets EXIT_GRACE_S before it counts as stuck.
+            grace = max(0.0, min(EXIT_GRACE_S, deadline - time.monotonic()))
+            proc.join(timeout=grace if rank not in pending else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)

@@ -350,8 +350,7 @@ class TorchDistProcessGroup(IProcessGroup):
         self.supported_devices = frozenset(self._devices)  # type: ignore[misc]
         no_upcast: frozenset[torch.dtype] = frozenset()
         self._upcast: set[torch.dtype] = set(read_env_var("COMMLIB_GLOO_UPCAST", _parse_upcast, no_upcast))
-        if self._devices.get("cpu") == "gloo":
-            self._upcast |= _GLOO_CANNOT_REDUCE
+        """Dtypes reduced through a wider copy on CPU: COMMLIB_GLOO_UPCAST's, and those a Gloo refused."""
         self._store = store
         self._torch_ranks = torch_ranks
         self._waiter: threading.Thread | None = None
@@ -403,7 +402,9 @@ class TorchDistProcessGroup(IProcessGroup):
         return self._devices.get(tensor.device.type) in _NATIVE_AVG_BACKENDS
 
     def _needs_upcast(self, tensor: torch.Tensor) -> bool:
-        return tensor.dtype in self._upcast and tensor.device.type == "cpu"
+        if tensor.device.type != "cpu":
+            return False
+        return tensor.dtype in self._upcast or (tensor.dtype in _GLOO_CANNOT_REDUCE and self._on_gloo(tensor))
 
     def _torch(self, tensor: torch.Tensor | None) -> Any:
         """The torch backend object for ``tensor``'s device (the CPU one for ``barrier``)."""

@@ -88,7 +88,7 @@ def _reduce_dst(group: IProcessGroup, rank: int) -> None:
 
 def _a2a_splits(group: IProcessGroup, rank: int) -> None:
     """Rank 0 sends 3 rows to rank 1, which expects 2; every other pair agrees."""
-    sent, received = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [2, 2])
+    sent, received = ([1, 3], [1, 3]) if rank == 0 else ([3, 3], [2, 3])
     output = torch.empty(sum(received), dtype=torch.int64)
     group.all_to_all_single(output, torch.ones(sum(sent), dtype=torch.int64), received, sent)
 

@@ -180,6 +180,15 @@ def _subgroup_body() -> dict[str, Any] | None:
         s = torch.ones(2)
         wrapped.all_reduce(s)
         out = dict(rank=wrapped.rank, size=wrapped.world_size, broadcast=b.tolist(), sum=s.tolist())
+        # A commlib subgroup of the wrapped one, in reverse order: built over torch's default store.
+        child = wrapped.split(0, key=-wrapped.rank)
+        assert child is not None and child.rank == 1 - wrapped.rank
+        c = torch.full((1,), float(rank))
+        child.broadcast(c, src=0)  # the wrapped group's rank 1: global rank 2
+        got = torch.empty(1)
+        child.send(c, 1 - child.rank) if child.rank == 0 else child.recv(got, 0)
+        out["child"] = c.tolist()
+        child.close()
         wrapped.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -190,7 +199,7 @@ def test_wraps_a_torch_subgroup() -> None:
     values = run_ranks(_subgroup_body, 3, backend=None, init=False, timeout=90)
     assert values[1] is None
     for rank in (0, 2):
-        assert values[rank] == dict(rank=rank // 2, size=2, broadcast=[2.0, 2.0], sum=[2.0, 2.0])
+        assert values[rank] == dict(rank=rank // 2, size=2, broadcast=[2.0, 2.0], sum=[2.0, 2.0], child=[2.0])
 
 
 def _shared_default_group_body() -> dict[str, Any]:
