@@ -818,18 +818,31 @@ def stage(
     copy_in: bool = True,
     copy_out: bool = True,
     fetch_first: Iterable[tuple[int, int]] = (),
+    parts: tuple[DeviceOps, PinnedBufferPool] | None = None,
 ) -> StagingPipeline:
-    """Return a ``StagingPipeline`` for CUDA ``tensor`` on the shared ops and pool (see that class).
+    """Return a ``StagingPipeline`` for CUDA ``tensor`` (see that class for the arguments it shares).
 
     Call it on the thread that issues the collective, when it is issued.
 
+    Args:
+        tensor: Contiguous CUDA tensor.
+        describe: Names the collective in errors.
+        timeout_s: Bound of every host wait for a copy.
+        config: Chunk and pool sizes (default ``StagingConfig()``).
+        copy_in: Copy the tensor to the host.
+        copy_out: Copy the host result back.
+        fetch_first: Element ranges to copy out first.
+        parts: The CUDA calls and pinned pool to stage through; default the
+            process's shared ones (``shared_pool(config)``).
+
     Raises:
-        CommError: ``tensor`` is not a CUDA tensor.
+        CommError: ``tensor`` is not a CUDA tensor (checked on the shared parts only:
+            injected ones drive whatever device they emulate).
     """
-    if tensor.device.type != "cuda":
+    if parts is None and tensor.device.type != "cuda":
         raise CommError(f"{describe}: host staging is for CUDA tensors, got one on {tensor.device}")
     config = config or StagingConfig()
-    ops, pool = shared_pool(config)
+    ops, pool = parts if parts is not None else shared_pool(config)
     return StagingPipeline(
         tensor,
         describe=describe,

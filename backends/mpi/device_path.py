@@ -50,6 +50,7 @@ from backends.common.cuda_staging import (
     StagingConfig,
     StagingPipeline,
     shared_pool,
+    stage,
 )
 from backends.mpi.cuda import (
     CudaAwareness,
@@ -61,7 +62,7 @@ from backends.mpi.cuda import (
     synchronize_producer,
 )
 
-__all__ = ["DevicePath", "StagedRequest", "install", "process_path"]
+__all__ = ["DevicePath", "StagedPayload", "StagedRequest", "install", "process_path"]
 
 logger = logging.getLogger("commlib")
 
@@ -212,17 +213,18 @@ class DevicePath:
         copy_in: bool = True,
         copy_out: bool = True,
     ) -> StagingPipeline:
-        """A staging pipeline for ``tensor``; create it on the thread that issues the collective."""
-        ops, pool = self.parts()
-        return StagingPipeline(
+        """A staging pipeline for ``tensor`` (``cuda_staging.stage`` on this path's parts and chunk size).
+
+        Create it on the thread that issues the collective.
+        """
+        return stage(
             tensor,
-            describe=describe,
-            ops=ops,
-            pool=pool,
-            chunk_bytes=self.staging.chunk_bytes,
+            describe,
             timeout_s=timeout_s,
+            config=self.staging,
             copy_in=copy_in,
             copy_out=copy_out,
+            parts=self.parts(),
         )
 
     def chunked(
@@ -255,20 +257,21 @@ class StagedRequest:
     Args:
         inputs: Pipelines of the tensors read (started here).
         output: Pipeline of the tensor written (started here; ``copy_in=False`` if
-            the collective only writes it).
+            the collective only writes it), or None where this rank writes nothing
+            (a gather's non-root ranks).
         start: ``start(host_inputs, host_output)`` issues the collective on the host
-            tensors and returns its request.
+            tensors (``host_output`` None without an output) and returns its request.
     """
 
     def __init__(
         self,
         inputs: Sequence[StagingPipeline],
-        output: StagingPipeline,
-        start: Callable[[list[torch.Tensor], torch.Tensor], Any],
+        output: StagingPipeline | None,
+        start: Callable[[list[torch.Tensor], torch.Tensor | None], Any],
     ) -> None:
         self._inputs = list(inputs)
         self._output = output
-        self._all = [*self._inputs, output]
+        self._all = [*self._inputs, *([output] if output is not None else [])]
         self._start = start
         self._hosts: list[torch.Tensor] | None = None
         self._request: Any = None
@@ -293,13 +296,57 @@ class StagedRequest:
         if self._request is None:
             if not all(pipeline.ready() for pipeline in self._all):
                 return False
-            self._request = self._start(self._hosts[:-1], self._hosts[-1])
+            count = len(self._inputs)
+            host_output = self._hosts[count] if self._output is not None else None
+            self._request = self._start(self._hosts[:count], host_output)
         if not self._request.Test():
             return False
         for pipeline in self._all:
             pipeline.finish()
         self._done = True
         return True
+
+
+class StagedPayload:
+    """One point-to-point message of a CUDA tensor staged through pinned host memory (a ``p2p.Payload``).
+
+    A send's pipeline copies the tensor to the host (``copy_out=False``); the
+    message is posted once it is there. A receive's pipeline copies nothing in
+    (``copy_in=False``) and copies the message back to the device when it has
+    arrived; a message drained for its size copies nothing back.
+
+    Args:
+        pipeline: The tensor's pipeline, not yet started (created when the send or receive is issued).
+        to_buffer: Turns the host tensor into MPI's buffer specification.
+    """
+
+    def __init__(self, pipeline: StagingPipeline, to_buffer: Callable[[torch.Tensor], Any]) -> None:
+        self._pipeline = pipeline
+        self._to_buffer = to_buffer
+        self._host: torch.Tensor | None = None
+
+    def _started(self) -> torch.Tensor:
+        if self._host is None:
+            self._host = self._pipeline.start()
+        return self._host
+
+    def ready(self) -> bool:
+        """Start the copies (once); True when the tensor is on the host."""
+        self._started()
+        return self._pipeline.ready()
+
+    def buffer(self) -> Any:
+        """MPI's view of the host tensor."""
+        return self._to_buffer(self._started())
+
+    def finish(self) -> None:
+        """Copy a received message back to the device; return the pinned buffer."""
+        self._started()
+        self._pipeline.finish()
+
+    def abort(self) -> None:
+        """Return the pinned buffer; copy nothing back."""
+        self._pipeline.abort()
 
 
 # ------------------------------------------------------------ the process's

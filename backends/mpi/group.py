@@ -11,23 +11,29 @@
   is decided once per process, when the first CUDA tensor arrives, and said
   in one line at INFO on the ``commlib`` logger.
 - Every collective is a non-blocking MPI call (``Iallreduce``, ``Ibcast``,
-  ``Iallgather``, ``Ireduce_scatter_block``, ``Ibarrier``). A synchronous call
-  waits on it at once; ``async_op=True`` hands the request to a progress
-  thread that tests it every ``COMMLIB_MPI_PROGRESS_US`` microseconds, so it
-  advances while the caller computes. Every wait ends at the timeout with
-  ``CommTimeoutError``; a collective that never finishes cannot be cancelled in
-  MPI, so a process that exits with one outstanding aborts the MPI job
-  (``MPI_Abort``) instead of hanging in ``MPI_Finalize``.
-- float16 uses MPI's extension type (``MPIX_C_FLOAT16``) when the library has
-  it and it reduces correctly (checked once, locally); bfloat16, and float16
-  without it, reduce through a user-defined MPI operation that adds in torch.
-  AVG is SUM, then a true division by the world size (done by the interface).
+  ``Iallgather``, ``Ireduce_scatter_block``, ``Ireduce``, ``Igather``,
+  ``Iscatter``, ``Ialltoallv``, ``Ibarrier``). A synchronous call waits on it at
+  once; ``async_op=True`` hands the request to a progress thread that tests it
+  every ``COMMLIB_MPI_PROGRESS_US`` microseconds, so it advances while the
+  caller computes. Every wait ends at the timeout with ``CommTimeoutError``; a
+  collective that never finishes cannot be cancelled in MPI, so a process that
+  exits with one outstanding aborts the MPI job (``MPI_Abort``) instead of
+  hanging in ``MPI_Finalize``.
+- Point-to-point messages go through ``backends.mpi.p2p`` on two more
+  duplicates of the communicator (messages, and the receivers' size answers);
+  their failures (a size mismatch, a timeout) leave the group usable.
+- Subgroups are MPI communicators (``Create_group``, ``Split``) wrapped in a
+  group of their own, made after a bounded agreement on the parent.
+- How each dtype travels and reduces: ``backends.mpi.dtypes``. AVG and
+  PREMUL_SUM are SUM here; the interface divides or scales.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -42,6 +48,8 @@ import torch
 from backends.common.cuda_staging import Chunk
 from backends.mpi import device_path
 from backends.mpi.cuda import cuda_aware_override
+from backends.mpi.dtypes import DtypePlan, code_dtype, dtype_code, plan_for
+from backends.mpi.p2p import DirectPayload, P2PEngine, Payload, RecvRequest, SendRequest, SizeMismatch
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
@@ -49,47 +57,20 @@ from commlib.errors import (
     BackendUnavailableError,
     CommError,
     CommTimeoutError,
+    GroupClosedError,
+    MessageSizeError,
     RendezvousError,
     RendezvousTimeoutError,
     error_prefix,
 )
 from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp
+from commlib.types import ReduceOp, dtype_name
 from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from_mpi_comm"]
 
 _MPI: Any = None
 """The ``mpi4py.MPI`` module, imported (and MPI initialised) on first use."""
-
-_MPI_OPS: dict[ReduceOp, str] = {
-    ReduceOp.SUM: "SUM",
-    ReduceOp.PRODUCT: "PROD",
-    ReduceOp.MIN: "MIN",
-    ReduceOp.MAX: "MAX",
-}
-"""commlib op -> name of the predefined ``MPI.Op`` (AVG never reaches the backend: it sums)."""
-
-_TORCH_REDUCE: dict[str, Callable[..., Any]] = {
-    "SUM": torch.add,
-    "PROD": torch.mul,
-    "MIN": torch.minimum,
-    "MAX": torch.maximum,
-}
-"""MPI op name -> torch function used by the user-defined reductions (bfloat16)."""
-
-_MPI_TYPES: dict[torch.dtype, str] = {
-    torch.float32: "FLOAT",
-    torch.float64: "DOUBLE",
-    torch.int32: "INT32_T",
-    torch.int64: "INT64_T",
-    torch.float16: "FLOAT16_T",
-    torch.bfloat16: "BFLOAT16_T",
-}
-"""torch dtype -> predefined (or extension) MPI datatype, when the library has it."""
-
-_NO_NUMPY = frozenset({torch.bfloat16})
-"""dtypes NumPy cannot hold: handed to MPI as an int16 view of the same bytes."""
 
 _PROGRESS_MODES = ("thread", "none")
 
@@ -190,76 +171,6 @@ def _load_mpi() -> Any:
     return MPI
 
 
-@dataclasses.dataclass
-class _DtypePlan:
-    """How one torch dtype travels through MPI."""
-
-    datatype: Any
-    view: torch.dtype
-    native: bool
-    """True: MPI's predefined ops reduce it. False: a user-defined op does (host memory only)."""
-    ops: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-_plans: dict[torch.dtype, _DtypePlan] = {}
-
-
-def _user_op(MPI: Any, dtype: torch.dtype, name: str) -> Any:
-    """Create an MPI op that reduces ``dtype`` buffers in torch (for types MPI cannot reduce)."""
-    reduce = _TORCH_REDUCE[name]
-
-    def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        if len(inoutbuf) == 0:  # torch.frombuffer refuses empty buffers
-            return
-        incoming = torch.frombuffer(inbuf, dtype=dtype)
-        result = torch.frombuffer(inoutbuf, dtype=dtype)
-        reduce(result, incoming, out=result)
-
-    return MPI.Op.Create(apply, commute=True)
-
-
-def _extension_type_works(MPI: Any, datatype: Any, dtype: torch.dtype) -> bool:
-    """Check locally (no communication) that MPI reduces ``dtype`` correctly with ``datatype``."""
-    a = torch.tensor([1.5, -2.25, 3.0, 0.5], dtype=dtype)
-    b = torch.tensor([0.25, 4.0, -1.0, 2.0], dtype=dtype)
-    view = torch.int16 if dtype in _NO_NUMPY else dtype
-    try:
-        for name, expected in (("SUM", a + b), ("MAX", torch.maximum(a, b)), ("PROD", a * b)):
-            out = b.clone()
-            getattr(MPI, name).Reduce_local(
-                [a.view(view).numpy(), datatype], [out.view(view).numpy(), datatype]
-            )
-            if not torch.equal(out, expected):
-                return False
-    except Exception:  # noqa: BLE001 - the library cannot do it: use the fallback
-        return False
-    return True
-
-
-def _plan(MPI: Any, dtype: torch.dtype) -> _DtypePlan:
-    plan = _plans.get(dtype)
-    if plan is not None:
-        return plan
-    with _lock:
-        plan = _plans.get(dtype)
-        if plan is not None:
-            return plan
-        view = torch.int16 if dtype in _NO_NUMPY else dtype
-        datatype = getattr(MPI, _MPI_TYPES[dtype], MPI.DATATYPE_NULL)
-        native = datatype != MPI.DATATYPE_NULL
-        if native and dtype in (torch.float16, torch.bfloat16):
-            native = _extension_type_works(MPI, datatype, dtype)
-        if native:
-            ops = {name: getattr(MPI, name) for name in set(_MPI_OPS.values())}
-        else:
-            # Same bytes as 16-bit integers; the reduction is ours.
-            view, datatype = torch.int16, MPI.INT16_T
-            ops = {name: _user_op(MPI, dtype, name) for name in set(_MPI_OPS.values())}
-        plan = _DtypePlan(datatype=datatype, view=view, native=native, ops=ops)
-        _plans[dtype] = plan
-        return plan
-
-
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -287,6 +198,8 @@ class _MPIWork(Work):
     ) -> None:
         super().__init__(label, keep_alive)
         self._group = group
+        self._key = next(group._keys)
+        """This work's entry in the group's ``_pending`` while its request may be in flight."""
         self._request = request
         self._stream = stream
         """The CUDA stream current when the collective was issued (None for host tensors)."""
@@ -309,10 +222,10 @@ class _MPIWork(Work):
             # the issuing thread's stream, which the copies back have been ordered before.
             with self._group._device().on_stream(self._stream):
                 super()._settle(error)
-        if self._error is not None:
+        if self._error is not None and self._breaks_group(self._error):
             self._group._mark_broken(self._error)
         if not self._abandoned:
-            self._group._pending.pop(self._label.seq, None)  # type: ignore[union-attr]
+            self._group._pending.pop(self._key, None)
 
     def _test_locked(self) -> bool:
         """Test once (the caller holds the drive lock); settle the work if the request is done.
@@ -325,12 +238,12 @@ class _MPIWork(Work):
         try:
             flag = self._request.Test()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-            self._settle(self._group._mpi_error(self.describe, e))
+            self._settle(self._group._failure(self._label, e))
             return True
         if flag:
             if self._abandoned:
-                self._group._pending.pop(self._label.seq, None)  # type: ignore[union-attr]
-            self._settle()
+                self._group._pending.pop(self._key, None)
+            self._succeeded()
         return bool(flag)
 
     def _test(self) -> bool:
@@ -346,9 +259,9 @@ class _MPIWork(Work):
             if self._test_locked():
                 return True
             if time.monotonic() - self._issued > self._group.timeout:
-                # The request is still in flight (MPI cannot cancel it): it stays listed for
-                # the exit hook, which aborts the job rather than hang in MPI_Finalize.
-                self._abandoned = True
+                # Unless it can be withdrawn, the request is still in flight: it stays listed
+                # for the exit hook, which aborts the job rather than hang in MPI_Finalize.
+                self._abandoned = not self._withdraw()
                 self._settle(self._timeout_error(self._group.timeout))
                 return True
             return False
@@ -374,12 +287,13 @@ class _MPIWork(Work):
             if progress is not None:
                 progress.waiter_enter()
             try:
-                done = wait_until(self._request.Test, deadline, pure_spin_s=self._group._pure_spin_s)
+                test = self._group._tester(self._request)
+                done = wait_until(test, deadline, pure_spin_s=self._group._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-                self._settle(self._group._mpi_error(self.describe, e))
+                self._settle(self._group._failure(self._label, e))
             else:
                 if done:
-                    self._settle()
+                    self._succeeded()
                 else:
                     self._expired(timeout, limit)
             finally:
@@ -399,6 +313,29 @@ class _MPIWork(Work):
     def _arm_future(self) -> None:
         self._group._ensure_polled(self)
 
+    def _succeeded(self) -> None:
+        """The request finished: settle the work (a receive records its source first)."""
+        self._settle()
+
+    def _withdraw(self) -> bool:
+        """At the group's timeout: take the request back from MPI if possible; True if nothing remains.
+
+        A collective cannot be withdrawn.
+        """
+        return False
+
+    def _let_go(self) -> bool:
+        """When the group closes or the process exits: True if MPI no longer holds anything of it.
+
+        A collective in flight is held until it finishes.
+        """
+        return False
+
+    @staticmethod
+    def _breaks_group(error: BaseException) -> bool:
+        """Return True if failing with ``error`` leaves the group unusable (every collective failure does)."""
+        return True
+
     def _timeout_error(self, limit: float) -> CommTimeoutError:
         return CommTimeoutError(
             f"{self.describe}: no progress for {limit:g} s; a peer rank is missing, stuck "
@@ -415,9 +352,69 @@ class _MPIWork(Work):
                 "collective finished; it is still in flight. Wait again, or look for a "
                 "rank that has not issued the same collective."
             )
+        # Failed for its caller (a later wait raises the same error); unless withdrawn, the request
+        # stays listed for the exit hook, as one abandoned by the progress thread.
+        self._abandoned = not self._withdraw()
         error = self._timeout_error(limit)
-        self._group._mark_broken(error)
+        self._settle(error)
         raise error
+
+
+class _P2PWork(_MPIWork):
+    """The work of a send or receive: its failures leave the group usable.
+
+    A size mismatch consumed the message on both sides; a receive that times
+    out unmatched is withdrawn (it held nothing in MPI); a send that times out
+    stays queued at its peer (MPI cannot withdraw a send) and is said so.
+    """
+
+    _request: SendRequest | RecvRequest
+
+    def _succeeded(self) -> None:
+        request = self._request
+        if isinstance(request, RecvRequest) and request.source is not None:
+            self._set_source(request.source)
+        self._settle()
+
+    def _withdraw(self) -> bool:
+        request = self._request
+        return isinstance(request, RecvRequest) and self._group._messages.cancel(request)
+
+    def _let_go(self) -> bool:
+        request = self._request
+        with self._drive_lock:
+            if isinstance(request, SendRequest) and request.let_go():
+                self._group._pending.pop(self._key, None)
+                return True
+        return False
+
+    @staticmethod
+    def _breaks_group(error: BaseException) -> bool:
+        return not isinstance(error, (CommTimeoutError, MessageSizeError))
+
+    def _timeout_error(self, limit: float) -> CommTimeoutError:
+        request = self._request
+        hint = "Raise COMMLIB_TIMEOUT if the peer is just slow."
+        if isinstance(request, RecvRequest):
+            if request.cancelled:
+                return CommTimeoutError(
+                    f"{self.describe}: no message arrived within {limit:g} s; did the sender call send "
+                    f"with the same tag ({request.tag})? The receive was withdrawn: the group stays "
+                    f"usable. {hint}"
+                )
+            return CommTimeoutError(
+                f"{self.describe}: the message from rank {request.source} ({request.sent} bytes) started "
+                f"but did not finish within {limit:g} s; the sender stopped or died. It stays in flight: "
+                "this process aborts the MPI job when it exits if it never finishes."
+            )
+        return CommTimeoutError(
+            f"{self.describe}: rank {request.peer} did not receive the message within {limit:g} s: no "
+            f"matching recv (tag {request.tag}) was posted there. MPI cannot withdraw a send: the message "
+            f"stays queued for rank {request.peer}, and its next recv with tag {request.tag} from this "
+            "rank receives it first. The group stays usable for collectives and other messages. A "
+            "large message that never leaves this process makes it abort the MPI job when it exits "
+            f"(MPI_Finalize would wait for it). {hint}"
+        )
 
 
 # --------------------------------------------------------------------- group
@@ -460,12 +457,16 @@ class MPIProcessGroup(IProcessGroup):
         self._MPI = MPI
         self._mpi_config = mpi_config if mpi_config is not None else MPIConfig.from_env()
         self._pending: dict[int, _MPIWork] = {}
+        self._keys = itertools.count()
         self._side_comm: Any = None
         self._thread_level = MPI.Query_thread()
         # Without thread level MULTIPLE only the calling thread may test requests.
         self._works_testable_from_any_thread = self._thread_level >= MPI.THREAD_MULTIPLE
         self._progress: ProgressThread | None = None
         self._comm = self._duplicate(parent)
+        # Point-to-point traffic on communicators of its own: never matched with a collective's.
+        self._messages = P2PEngine(MPI, self._duplicate(self._comm), self._duplicate(self._comm))
+        self._tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
         # Spin like MPI while every rank has a core; with more ranks than cores on this
         # host, yield between tests so that the rank we wait for can run.
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -490,16 +491,6 @@ class MPIProcessGroup(IProcessGroup):
                 )
         _register(self)
 
-    def supports(self, op: ReduceOp, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-        """Return True if this backend can reduce ``dtype`` tensors on ``device`` with ``op``.
-
-        Every dtype of the contract, on CPU and CUDA; AVG for floating point only.
-        """
-        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-        if dtype not in self.supported_dtypes or device_type not in self.supported_devices:
-            return False
-        return not (op is ReduceOp.AVG and not dtype.is_floating_point)
-
     # ------------------------------------------------------------------ set-up
     def _duplicate(self, parent: Any) -> Any:
         """Duplicate ``parent`` (collective), bounded by the timeout."""
@@ -516,7 +507,8 @@ class MPIProcessGroup(IProcessGroup):
             )
             self._mark_broken(error)
             label = CollectiveLabel(self.rank, self.world_size, self.backend_name, "init", 0)
-            self._pending[0] = _MPIWork(self, label, request, None, issued=started)
+            work = _MPIWork(self, label, request, None, issued=started)
+            self._pending[work._key] = work
             _register(self)
             raise error
         return comm
@@ -557,7 +549,7 @@ class MPIProcessGroup(IProcessGroup):
                 if not isinstance(label, CollectiveLabel):
                     label = self._label("fingerprint")
                 work = _MPIWork(self, label, request, everyone, issued)
-                self._pending[label.seq] = work
+                self._pending[work._key] = work
                 work._expired(None, timeout)  # raises CommTimeoutError, marks the group broken
             return bytes(everyone)
 
@@ -569,14 +561,14 @@ class MPIProcessGroup(IProcessGroup):
         return "thread" if self._progress is not None else "none"
 
     # ------------------------------------------------------------------ buffers
-    def _plan_for(self, dtype: torch.dtype) -> _DtypePlan:
-        return _plans.get(dtype) or _plan(self._MPI, dtype)
+    def _plan_for(self, dtype: torch.dtype) -> DtypePlan:
+        return plan_for(self._MPI, dtype)
 
     def _device(self) -> device_path.DevicePath:
         """The process's CUDA path: made, and its decision taken, when the first CUDA tensor arrives."""
         return device_path.process_path(self._MPI, self._mpi_config.cuda_aware)
 
-    def _staged(self, op: str, tensor: torch.Tensor, plan: _DtypePlan, reduce: bool) -> bool:
+    def _staged(self, op: str, tensor: torch.Tensor, plan: DtypePlan, reduce: bool) -> bool:
         """Return True if CUDA ``tensor`` is staged through host memory for this collective."""
         return not self._device().zero_copy(
             tensor.dtype, plan.datatype, plan.native, reduce, tensor.device, self._prefix(op)
@@ -587,13 +579,13 @@ class MPIProcessGroup(IProcessGroup):
             tensor, str(self._label(op, tensor)), self.timeout, copy_in=copy_in, copy_out=copy_out
         )
 
-    def _buffer(self, op: str, tensor: torch.Tensor, plan: _DtypePlan) -> list[Any]:
+    def _buffer(self, op: str, tensor: torch.Tensor, plan: DtypePlan) -> list[Any]:
         """MPI's view of ``tensor``'s memory, on the host or (zero copy) on the device."""
         if not tensor.is_cuda:
             return self._host_buffer(tensor, plan)
         return [self._device().as_cupy(tensor, self._prefix(op)), plan.datatype]
 
-    def _host_buffer(self, tensor: torch.Tensor, plan: _DtypePlan) -> list[Any]:
+    def _host_buffer(self, tensor: torch.Tensor, plan: DtypePlan) -> list[Any]:
         """MPI's view of a contiguous host tensor's memory: no copy, no NumPy array.
 
         ``MPI.memory.fromaddress`` costs a third of ``tensor.numpy()`` and works for
@@ -611,8 +603,22 @@ class MPIProcessGroup(IProcessGroup):
         finish: Callable[[], None] | None,
         keep_alive: Any,
         async_op: bool,
+        *,
+        label: CollectiveLabel | None = None,
+        work_type: type[_MPIWork] = _MPIWork,
     ) -> Work:
-        seq = self._seq
+        """Issue a request with ``start()``; wait for it here, or return a pending work.
+
+        Args:
+            op: The operation's name (for its label).
+            tensor: Its tensor (named in messages; a CUDA tensor's stream runs ``finish``).
+            start: Issues the request (anything with an MPI request's ``Test``).
+            finish: Runs once the request has finished successfully.
+            keep_alive: Held until the request has finished.
+            async_op: Return a pending work instead of waiting.
+            label: Names the operation (default: the collective's, ``_label(op, tensor)``).
+            work_type: ``_P2PWork`` for sends and receives.
+        """
         issued = time.monotonic()
         # Finishing steps (AVG's division, a scatter into outputs) run on the stream that is
         # current now, whichever thread settles the work: staging made it wait for the copies back.
@@ -621,7 +627,7 @@ class MPIProcessGroup(IProcessGroup):
         try:
             request = start()
         except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
-            error = self._mpi_error(self._label(op, tensor), e)
+            error = self._failure(label or self._label(op, tensor), e)
             self._mark_broken(error)
             raise error from e
         if not async_op:
@@ -630,29 +636,50 @@ class MPIProcessGroup(IProcessGroup):
             if progress is not None:
                 progress.waiter_enter()  # this wait drives the outstanding async work too
             try:
-                done = wait_until(request.Test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
+                test = self._tester(request)
+                done = wait_until(test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception
-                error = self._mpi_error(self._label(op, tensor), e)
-                self._mark_broken(error)
+                error = self._failure(label or self._label(op, tensor), e)
+                if work_type._breaks_group(error):
+                    self._mark_broken(error)
                 raise error from e
             finally:
                 if progress is not None:
                     progress.waiter_exit()
             if done:
-                completed = CompletedWork()
+                completed = CompletedWork() if label is None else CompletedWork(label=label)
+                if isinstance(request, RecvRequest) and request.source is not None:
+                    completed._set_source(request.source)
                 if finish is not None:
                     completed.add_finisher(finish)
                 return completed
-        work = _MPIWork(self, self._label(op, tensor), request, keep_alive, issued, stream)
+        work = work_type(self, label or self._label(op, tensor), request, keep_alive, issued, stream)
         if finish is not None:
             work.add_finisher(finish)
         # Every unfinished request is listed, for the exit hook (dict ops are atomic under the GIL).
-        self._pending[seq] = work
+        self._pending[work._key] = work
         if not async_op:
             work._expired(None, self.timeout)  # raises CommTimeoutError, marks the group broken
         if self._progress is not None:
             self._progress.submit(work)
         return work
+
+    def _tester(self, request: Any) -> Callable[[], bool]:
+        """``request.Test``, also matching this group's waiting receives when it has any.
+
+        A sender waits until its receiver has matched the message (the size
+        verdict), and a receive is matched only while someone tests: whoever
+        waits drives the matching, as the progress thread would when nobody waits.
+        """
+        if not self._messages.waiting:
+            return request.Test  # type: ignore[no-any-return]
+        match, test = self._messages.match, request.Test
+
+        def drive() -> bool:
+            match()
+            return bool(test())
+
+        return drive
 
     def _ensure_polled(self, work: _MPIWork) -> None:
         """Have a thread poll ``work`` even without a waiter (its future must complete)."""
@@ -672,7 +699,7 @@ class MPIProcessGroup(IProcessGroup):
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         plan = self._plan_for(tensor.dtype)
-        mpi_op = plan.ops[_MPI_OPS[op]]
+        mpi_op = plan.ops[op]
         comm, in_place = self._comm, self._MPI.IN_PLACE
         if tensor.is_cuda and self._staged("all_reduce", tensor, plan, reduce=True):
             pipeline = self._pipeline("all_reduce", tensor)
@@ -772,7 +799,7 @@ class MPIProcessGroup(IProcessGroup):
         async_op: bool,
     ) -> Work:
         plan = self._plan_for(output.dtype)
-        mpi_op = plan.ops[_MPI_OPS[op]]
+        mpi_op = plan.ops[op]
         comm = self._comm
         source = flat_input if flat_input is not None else torch.cat(inputs)
         if output.is_cuda and self._staged("reduce_scatter", output, plan, reduce=True):
@@ -811,18 +838,315 @@ class MPIProcessGroup(IProcessGroup):
             async_op,
         )
 
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
+        plan = self._plan_for(tensor.dtype)
+        mpi_op = plan.ops[op]
+        comm, root, in_place = self._comm, self.rank == dst, self._MPI.IN_PLACE
+        if tensor.is_cuda and self._staged("reduce", tensor, plan, reduce=True):
+            # Only the root copies the result back; the others' tensors stay as they were.
+            pipeline = self._pipeline("reduce", tensor, copy_out=root)
+
+            def start_chunk(chunk: Chunk, host: torch.Tensor) -> Any:
+                buf = self._host_buffer(host, plan)
+                return comm.Ireduce(in_place if root else buf, buf if root else None, mpi_op, root=dst)
+
+            start: Callable[[], Any] = lambda: self._device().chunked(pipeline, start_chunk)  # noqa: E731
+            return self._start("reduce", tensor, start, None, tensor, async_op)
+        buf = self._buffer("reduce", tensor, plan)
+        send, recv = (in_place, buf) if root else (buf, None)
+        start = lambda: comm.Ireduce(send, recv, mpi_op, root=dst)  # noqa: E731
+        return self._start("reduce", tensor, start, None, (tensor, buf), async_op)
+
+    def _gather(
+        self, tensor: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, async_op: bool
+    ) -> Work:
+        plan = self._plan_for(tensor.dtype)
+        comm = self._comm
+        flat_output, copy_out = self._receive_span(outputs) if outputs is not None else (None, None)
+        if tensor.is_cuda and self._staged("gather", tensor, plan, reduce=False):
+            staged_in = [self._pipeline("gather", tensor, copy_out=False)]
+            staged_out = (
+                self._pipeline("gather", flat_output, copy_in=False) if flat_output is not None else None
+            )
+
+            def start_gather(ins: list[torch.Tensor], out: torch.Tensor | None) -> Any:
+                recv = self._host_buffer(out, plan) if out is not None else None
+                return comm.Igather(self._host_buffer(ins[0], plan), recv, root=dst)
+
+            return self._start(
+                "gather",
+                tensor,
+                lambda: device_path.StagedRequest(staged_in, staged_out, start_gather),
+                copy_out,
+                (tensor, flat_output, outputs),
+                async_op,
+            )
+        send: Any
+        if flat_output is None:
+            send, recv = self._buffer("gather", tensor, plan), None
+        else:
+            block = flat_output[dst * tensor.numel() : (dst + 1) * tensor.numel()]
+            if copy_out is None and tensor.numel() and tensor.data_ptr() == block.data_ptr():
+                send = self._MPI.IN_PLACE  # the root's block already holds its data
+            else:
+                source = tensor.clone() if _overlaps(tensor, flat_output) else tensor
+                send = self._buffer("gather", source, plan)
+            recv = self._buffer("gather", flat_output, plan)
+        return self._start(
+            "gather",
+            tensor,
+            lambda: comm.Igather(send, recv, root=dst),
+            copy_out,
+            (tensor, flat_output, outputs, send, recv),
+            async_op,
+        )
+
+    def _scatter(
+        self, tensor: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, async_op: bool
+    ) -> Work:
+        plan = self._plan_for(tensor.dtype)
+        comm = self._comm
+        flat_input = self._send_span(inputs) if inputs is not None else None
+        if tensor.is_cuda and self._staged("scatter", tensor, plan, reduce=False):
+            staged_in = (
+                [self._pipeline("scatter", flat_input, copy_out=False)] if flat_input is not None else []
+            )
+            staged_out = self._pipeline("scatter", tensor, copy_in=False)
+
+            def start_scatter(ins: list[torch.Tensor], out: torch.Tensor | None) -> Any:
+                send = self._host_buffer(ins[0], plan) if ins else None
+                return comm.Iscatter(send, self._host_buffer(out, plan), root=src)  # type: ignore[arg-type]
+
+            return self._start(
+                "scatter",
+                tensor,
+                lambda: device_path.StagedRequest(staged_in, staged_out, start_scatter),
+                None,
+                (tensor, flat_input),
+                async_op,
+            )
+        send: Any = None
+        recv: Any = self._buffer("scatter", tensor, plan)
+        if flat_input is not None:
+            block = flat_input[src * tensor.numel() : (src + 1) * tensor.numel()]
+            if tensor.numel() and tensor.data_ptr() == block.data_ptr():
+                recv = self._MPI.IN_PLACE  # the root's block is its own result already
+            elif _overlaps(tensor, flat_input):
+                flat_input = flat_input.clone()
+            send = self._buffer("scatter", flat_input, plan)
+        return self._start(
+            "scatter",
+            tensor,
+            lambda: comm.Iscatter(send, recv, root=src),
+            None,
+            (tensor, flat_input, send, recv),
+            async_op,
+        )
+
+    def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
+        tensor = inputs[self.rank]
+        plan = self._plan_for(tensor.dtype)
+        comm = self._comm
+        flat_input = self._send_span(inputs)
+        flat_output, copy_out = self._receive_span(outputs)
+        if copy_out is None and _overlaps(flat_input, flat_output):
+            flat_input = flat_input.clone()
+        send_counts = [t.numel() for t in inputs]
+        recv_counts = [t.numel() for t in outputs]
+        send_layout = (send_counts, _displacements(send_counts))
+        recv_layout = (recv_counts, _displacements(recv_counts))
+        if flat_output.is_cuda and self._staged("all_to_all", flat_output, plan, reduce=False):
+            staged_in = [self._pipeline("all_to_all", flat_input, copy_out=False)]
+            staged_out = self._pipeline("all_to_all", flat_output, copy_in=False)
+
+            def start_exchange(ins: list[torch.Tensor], out: torch.Tensor | None) -> Any:
+                send = [self._host_buffer(ins[0], plan)[0], send_layout, plan.datatype]
+                recv = [self._host_buffer(out, plan)[0], recv_layout, plan.datatype]  # type: ignore[arg-type]
+                return comm.Ialltoallv(send, recv)
+
+            return self._start(
+                "all_to_all",
+                flat_output,
+                lambda: device_path.StagedRequest(staged_in, staged_out, start_exchange),
+                copy_out,
+                (flat_input, flat_output, outputs),
+                async_op,
+            )
+        send_buf = self._buffer("all_to_all", flat_input, plan)
+        recv_buf = self._buffer("all_to_all", flat_output, plan)
+        send = [send_buf[0], send_layout, plan.datatype]
+        recv = [recv_buf[0], recv_layout, plan.datatype]
+        return self._start(
+            "all_to_all",
+            flat_output,
+            lambda: comm.Ialltoallv(send, recv),
+            copy_out,
+            (flat_input, flat_output, outputs, send_buf, recv_buf),
+            async_op,
+        )
+
+    # --------------------------------------------------------- point-to-point
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
+        self._check_tag("send", tag)
+        label = self._p2p_label("send", tensor, dst, tag)
+        payload = self._payload("send", tensor, str(label), send=True)
+        nbytes = tensor.nbytes
+        return self._start(
+            "send",
+            tensor,
+            lambda: self._messages.send(payload, nbytes, dst, tag),
+            None,
+            (tensor, payload),
+            async_op,
+            label=label,
+            work_type=_P2PWork,
+        )
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
+        self._check_tag("recv", tag)
+        label = self._p2p_label("recv", tensor, src, tag)
+        payload = self._payload("recv", tensor, str(label), send=False)
+        nbytes, holds = tensor.nbytes, (tensor.numel(), dtype_code(tensor.dtype))
+        return self._start(
+            "recv",
+            tensor,
+            lambda: self._messages.recv(payload, nbytes, src, tag, holds),
+            None,
+            (tensor, payload),
+            async_op,
+            label=label,
+            work_type=_P2PWork,
+        )
+
+    def _check_tag(self, op: str, tag: int) -> None:
+        if tag > self._tag_ub:
+            raise ValueError(
+                f"{self._prefix(op)}tag={tag} is larger than this MPI library allows (MPI_TAG_UB = "
+                f"{self._tag_ub}); use a tag in 0..{self._tag_ub}"
+            )
+
+    def _payload(self, op: str, tensor: torch.Tensor, describe: str, *, send: bool) -> Payload:
+        """The message's bytes as MPI gets them: the tensor's memory, or a staging pipeline for it."""
+        byte = self._MPI.BYTE
+        if not tensor.is_cuda:
+            return DirectPayload([self._MPI.memory.fromaddress(tensor.data_ptr(), tensor.nbytes), byte])
+        device = self._device()
+        plan = self._plan_for(tensor.dtype)
+        if device.zero_copy(tensor.dtype, plan.datatype, plan.native, False, tensor.device, self._prefix(op)):
+            return DirectPayload([device.as_cupy(tensor, self._prefix(op)), byte])
+        pipeline = device.pipeline(tensor, describe, self.timeout, copy_in=send, copy_out=not send)
+        return device_path.StagedPayload(
+            pipeline, lambda host: [self._MPI.memory.fromaddress(host.data_ptr(), host.nbytes), byte]
+        )
+
+    # ---------------------------------------------------------------- subgroups
+    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> MPIProcessGroup | None:
+        """``Comm.Create_group`` over ``ranks``, in their order; every rank of this group calls it.
+
+        ``Create_group`` blocks and only the members take part, so the ranks
+        first agree on the members, within the timeout (``_agree``).
+        """
+        self._agree("new_group", [ranks])
+        if self.rank not in ranks:
+            return None
+        everyone = self._comm.Get_group()
+        try:
+            chosen = everyone.Incl(ranks)
+        finally:
+            everyone.Free()
+        try:
+            comm = self._comm.Create_group(chosen)
+        finally:
+            chosen.Free()
+        return self._wrap(comm, ranks, config)
+
+    def _split(self, groups: list[list[int]], config: CommConfig, names: list[str]) -> MPIProcessGroup | None:
+        """One ``Comm.Split``: color = the index of the group holding this rank, key = its place there.
+
+        ``Comm.Split`` blocks, so the ranks first agree on the groups, within the timeout (``_agree``).
+        """
+        self._agree("split", groups)
+        color, key = self._MPI.UNDEFINED, 0
+        for index, ranks in enumerate(groups):
+            if self.rank in ranks:
+                color, key = index, ranks.index(self.rank)
+        comm = self._comm.Split(color, key)
+        if comm == self._MPI.COMM_NULL:
+            return None
+        return self._wrap(comm, groups[color], config)
+
+    def _wrap(self, comm: Any, ranks: list[int], config: CommConfig) -> MPIProcessGroup:
+        """A group over a duplicate of ``comm`` (freed here), with this group's backend settings."""
+        try:
+            return MPIProcessGroup(self._subgroup_env(ranks), config, comm=comm, mpi_config=self._mpi_config)
+        finally:
+            comm.Free()
+
+    def _agree(self, op: str, groups: list[list[int]]) -> None:
+        """Check, with one all-gather bounded by the timeout, that every rank is here with the same groups.
+
+        MPI's communicator constructors block without a deadline; after this
+        every rank is about to call the same one, so it returns promptly.
+
+        Raises:
+            CommError: Some ranks passed other groups (named).
+            CommTimeoutError: A rank did not arrive within the timeout.
+        """
+        digests = self._all_gather_ints(op, [len(groups), _digest(groups)])
+        different = [rank for rank, digest in enumerate(digests) if digest != digests[self.rank]]
+        if different:
+            raise CommError(
+                f"{self._prefix(op)}ranks {different} asked for other groups than this rank ({groups}); "
+                f"every rank of the group must call {op} with the same arguments, in the same order of calls"
+            )
+
+    def _all_gather_ints(self, op: str, values: list[int]) -> list[tuple[int, ...]]:
+        """All-gather a few int64 from every rank (bounded by the timeout); return every rank's."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        everyone = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        plan = self._plan_for(torch.int64)
+        send, recv = self._host_buffer(mine, plan), self._host_buffer(everyone, plan)
+        self._start(op, None, lambda: self._comm.Iallgather(send, recv), None, (mine, everyone), False)
+        return [tuple(row) for row in everyone.view(self.world_size, -1).tolist()]
+
+    # --------------------------------------------------------------- helpers
+    def _send_span(self, views: list[torch.Tensor]) -> torch.Tensor:
+        """One flat tensor holding ``views`` back to back: theirs if they already lie so, else a copy."""
+        span = _tiled(views)
+        return span if span is not None else torch.cat(views)
+
+    def _receive_span(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """One flat tensor to receive ``views`` into, and the step that copies it out (None if theirs)."""
+        span = _tiled(views)
+        if span is not None:
+            return span, None
+        scratch = views[0].new_empty(sum(v.numel() for v in views))
+
+        def copy_out() -> None:
+            offset = 0
+            for view in views:
+                view.copy_(scratch[offset : offset + view.numel()])
+                offset += view.numel()
+
+        return scratch, copy_out
+
     def _barrier(self, async_op: bool) -> Work:
         return self._start("barrier", None, self._comm.Ibarrier, None, None, async_op)
 
     def _close(self) -> None:
         self._stop_progress()
+        self._withdraw_receives()
+        for work in list(self._pending.values()):
+            # A send abandoned at its timeout may have been received since, or its data have left.
+            if not work._test():
+                work._let_go()
         if self._pending:
             # The communicator still has collectives in flight: keep it (and this
             # group, in _live_groups) for the exit hook, which aborts the job rather than hang.
             return
         _live_groups.pop(id(self), None)
         if not self._MPI.Is_finalized():
-            for comm in (self._comm, self._side_comm):
+            for comm in (self._comm, self._side_comm, *self._messages.comms):
                 if comm is None:
                     continue
                 try:
@@ -830,11 +1154,48 @@ class MPIProcessGroup(IProcessGroup):
                 except Exception:  # noqa: BLE001 - closing must not raise
                     pass
 
+    def _withdraw_receives(self) -> None:
+        """Fail the receives still waiting for a message (they hold nothing in MPI)."""
+        withdrawn = self._messages.cancel_all()
+        if not withdrawn:
+            return
+        for work in list(self._pending.values()):
+            if work._request in withdrawn:
+                work._settle(
+                    GroupClosedError(f"{work.describe}: the group was closed before a message arrived")
+                )
+
     def _stop_progress(self) -> None:
         if self._progress is not None:
             self._progress.stop()
 
     # ------------------------------------------------------------------ errors
+    def _failure(self, label: CollectiveLabel | str, error: BaseException) -> CommError:
+        """The error a request failed with, for people: a size mismatch or an MPI error."""
+        if isinstance(error, SizeMismatch):
+            return self._size_error(label, error)
+        return self._mpi_error(str(label), error)
+
+    @staticmethod
+    def _size_error(label: CollectiveLabel | str, mismatch: SizeMismatch) -> MessageSizeError:
+        numel, code = mismatch.holds
+        dtype = code_dtype(code)
+        holds = f"{mismatch.expected} bytes ({numel} x {dtype_name(dtype) if dtype else 'unknown dtype'})"
+        peer = mismatch.peer
+        if mismatch.side == "send":
+            has = f"{mismatch.sent} bytes"
+            if isinstance(label, CollectiveLabel) and label.dtype is not None:
+                has += f" ({label.numel} x {dtype_name(label.dtype)})"
+            what = f"rank {peer}'s matching recv holds {holds}, but this send has {has}; it was discarded"
+        else:
+            what = (
+                f"rank {peer} sends {mismatch.sent} bytes, but this recv's tensor holds {holds}; the "
+                "message was discarded and the tensor is unchanged"
+            )
+        return MessageSizeError(
+            f"{label}: {what}. Send and receive tensors of the same size (the group stays usable)"
+        )
+
     def _mpi_error(self, describe: str, error: BaseException) -> CommError:
         MPI = self._MPI
         if isinstance(error, MPI.Exception):
@@ -844,6 +1205,33 @@ class MPIProcessGroup(IProcessGroup):
                 "the same collectives in the same order, with tensors of the same size and dtype."
             )
         return CommError(f"{describe}: {type(error).__name__}: {error}")
+
+
+def _digest(values: list[Any]) -> int:
+    """A 56-bit digest of a list of ints or of lists of ints (the same on every rank for the same list)."""
+    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=7).digest(), "little")
+
+
+def _tiled(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """Return a flat tensor over ``views`` if they lie back to back, in order, in one storage; else None.
+
+    ``all_to_all_single`` and a flat gather output arrive as such views, and go to MPI without a copy.
+    """
+    filled = [view for view in views if view.numel()]
+    if not filled:
+        return views[0][:0]
+    first = filled[0]
+    storage, expected = first.untyped_storage().data_ptr(), first.data_ptr()
+    for view in filled:
+        if view.untyped_storage().data_ptr() != storage or view.data_ptr() != expected:
+            return None
+        expected += view.numel() * view.element_size()
+    return first.as_strided((sum(view.numel() for view in filled),), (1,))
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    """Offsets of blocks of ``counts`` elements laid back to back."""
+    return list(itertools.accumulate(counts, initial=0))[:-1]
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -905,7 +1293,7 @@ def _abort_if_unfinished(grace_s: float = 1.0) -> None:
     for group in groups:
         works = list(group._pending.values())
         for work in works:
-            if wait_until(work._test, deadline):
+            if wait_until(work._test, deadline) or work._let_go():
                 continue
             MPI = group._MPI
             if MPI.Is_finalized():
@@ -958,11 +1346,7 @@ def from_mpi_comm(comm: Any, *, config: CommConfig | None = None) -> MPIProcessG
     _load_mpi()
     env = DistEnv(rank=comm.Get_rank(), world_size=comm.Get_size(), launcher="explicit")
     group = MPIProcessGroup(env, config if config is not None else CommConfig.from_env(), comm=comm)
-    try:
-        group._start_diagnostics()
-    except BaseException:
-        group.close()
-        raise
+    group._start_diagnostics()
     return group
 
 

@@ -286,8 +286,9 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
     """
     from backends.mpi import device_path
     from backends.mpi import group as mpi_backend
+    from backends.mpi.dtypes import plan_for
 
-    plans = {str(d): mpi_backend._plan(mpi_backend._load_mpi(), d).native for d in ALL_DTYPES}
+    plans = {str(d): plan_for(mpi_backend._load_mpi(), d).native for d in ALL_DTYPES}
     t = torch.arange(10, dtype=torch.float32)
     spec = group._buffer("all_reduce", t, group._plan_for(t.dtype))  # type: ignore[attr-defined]
     zero_copy = _address(spec[0]) == t.data_ptr() and len(spec[0]) == t.nbytes
@@ -436,6 +437,18 @@ def cuda_collectives(group: IProcessGroup) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------- runner
+def run_calls(group: IProcessGroup, calls: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """Run many bodies in one job, each with its own arguments: ``calls`` is ``[[name, [args...]], ...]``.
+
+    Returns ``{"name(args)": value}``. A body that raises ends the job (its
+    traceback shows in the launcher's output), as the bodies assert on every rank alike.
+    """
+    values = {}
+    for name, args in calls:
+        values[f"{name}{tuple(args)}"] = _resolve(name)(group, *args)
+    return values
+
+
 def _resolve(name: str) -> Callable[..., Any]:
     if ":" in name:
         module, func = name.split(":", 1)

@@ -117,6 +117,9 @@ _TYPESTR = {
     torch.float16: "<f2",
     torch.float32: "<f4",
     torch.float64: "<f8",
+    torch.bool: "|b1",
+    torch.int8: "|i1",
+    torch.uint8: "|u1",
     torch.int16: "<i2",
     torch.int32: "<i4",
     torch.int64: "<i8",
@@ -176,7 +179,7 @@ class RecordingComm:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._comm, name)
-        if not name.startswith("I") or name == "Idup":
+        if not name.startswith("I") or name in ("Idup", "Improbe"):
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -235,6 +238,11 @@ def emulated(
     previous = device_path.install(path)
     comm = RecordingComm(group._comm, log)  # type: ignore[attr-defined]
     real_comm, group._comm = group._comm, comm  # type: ignore[attr-defined]
+    # Point-to-point sends go through the group's own message communicator: record them too.
+    messages = group._messages  # type: ignore[attr-defined]
+    real_data = messages._data_comm
+    messages._data_comm = RecordingComm(real_data, log)
+    messages._data_comm.calls = comm.calls
     lines = Lines()
     logger = logging.getLogger("commlib")
     old_level = logger.level
@@ -255,6 +263,7 @@ def emulated(
         logger.removeHandler(lines)
         logger.setLevel(old_level)
         group._comm = real_comm  # type: ignore[attr-defined]
+        messages._data_comm = real_data
         device_path.install(previous)
 
 
@@ -408,3 +417,103 @@ def missing_cupy(group: IProcessGroup) -> dict[str, Any]:
             sys.modules.pop("cupy", None)
         else:
             sys.modules["cupy"] = saved
+
+
+def _new_ops(group: IProcessGroup, calls: list[tuple[str, str, bool]]) -> dict[str, Any]:
+    """reduce, gather, scatter, all_to_all (uneven) and send/recv on emulated CUDA tensors, exactly.
+
+    Returns the failures, and for each (operation, dtype) whether MPI saw device buffers.
+    """
+    world, rank = group.world_size, group.rank
+    failures: list[str] = []
+    paths: dict[str, set[bool]] = {}
+    checked = 0
+
+    def note(key: str, before: int) -> None:
+        paths.setdefault(key, set()).update(device for _, _, device in calls[before:])
+
+    def values(seed: int, r: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return ((torch.arange(n) * 7 + seed + 3 * r) % 5).to(dtype)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool):
+        for n in (0, 1, 13, 1000):
+            inputs = [values(n, r, n, dtype) for r in range(world)]
+            # SUM (OR on bool): small integers, exact in every dtype.
+            total = torch.stack([t.to(torch.float64) for t in inputs]).sum(0).to(dtype)
+            for root in range(world):
+                t = on_device(inputs[rank])
+                before = len(calls)
+                group.reduce(t, root, ReduceOp.SUM)
+                note(f"reduce {dtype}", before)
+                expected = total if rank == root else inputs[rank]
+                if not torch.equal(on_host(t), expected):
+                    failures.append(f"reduce {dtype} n={n} dst={root}: got {on_host(t)[:6].tolist()}")
+                outs = None
+                if rank == root:
+                    outs = [on_device(torch.zeros(n, dtype=dtype)) for _ in range(world)]
+                before = len(calls)
+                group.gather(on_device(inputs[rank]), outs, root)
+                note(f"gather {dtype}", before)
+                if outs is not None and not all(
+                    torch.equal(on_host(o), i) for o, i in zip(outs, inputs, strict=True)
+                ):
+                    failures.append(f"gather {dtype} n={n} dst={root}")
+                t = on_device(torch.zeros(n, dtype=dtype))
+                before = len(calls)
+                group.scatter(t, [on_device(i) for i in inputs] if rank == root else None, root)
+                note(f"scatter {dtype}", before)
+                if not torch.equal(on_host(t), inputs[rank]):
+                    failures.append(f"scatter {dtype} n={n} src={root}")
+            # Uneven: rank r sends (r + j) % 3 * n elements to rank j.
+            send_sizes = [(rank + j) % 3 * n for j in range(world)]
+            recv_sizes = [(j + rank) % 3 * n for j in range(world)]
+            flat_in = on_device(torch.cat([values(j, rank, send_sizes[j], dtype) for j in range(world)]))
+            flat_out = on_device(torch.zeros(sum(recv_sizes), dtype=dtype))
+            before = len(calls)
+            group.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes)
+            note(f"all_to_all {dtype}", before)
+            expected = torch.cat([values(rank, j, recv_sizes[j], dtype) for j in range(world)])
+            if not torch.equal(on_host(flat_out), expected):
+                failures.append(f"all_to_all_single {dtype} n={n}")
+            # A ring of messages, received from any rank.
+            t = on_device(inputs[rank])
+            got = on_device(torch.zeros(n, dtype=dtype))
+            before = len(calls)
+            send = group.isend(t, (rank + 1) % world, tag=5)
+            recv = group.irecv(got, tag=5)
+            send.wait()
+            recv.wait()
+            note(f"p2p {dtype}", before)
+            left = (rank - 1) % world
+            if not torch.equal(on_host(got), inputs[left]) or recv.source_rank() != left:
+                failures.append(f"p2p {dtype} n={n}: from {recv.source_rank()}: {on_host(got)[:6].tolist()}")
+            checked += 1
+    return {
+        "checked": checked,
+        "failures": failures,
+        "device_buffers": {key: sorted(seen) for key, seen in paths.items()},
+    }
+
+
+def staged_new_ops(group: IProcessGroup) -> dict[str, Any]:
+    """Not CUDA-aware: the new operations staged through host memory."""
+    with emulated(group, aware=0, lag=1) as seen:
+        result = _new_ops(group, seen["comm"].calls)
+        pool = seen["pool"]
+        stats = pool.stats
+        idle = sum(len(buffers) for buffers in pool._idle.values())
+        result.update(
+            allocated=stats.allocated,
+            reused=stats.reused,
+            held=stats.allocated - stats.dropped - idle,  # buffers never given back
+            synced=len(seen["synced"]),
+        )
+    return result
+
+
+def zero_copy_new_ops(group: IProcessGroup) -> dict[str, Any]:
+    """CUDA-aware: the new operations hand MPI the tensors' own memory."""
+    with emulated(group, aware=1) as seen:
+        result = _new_ops(group, seen["comm"].calls)
+        result.update(synced=len(seen["synced"]))
+    return result

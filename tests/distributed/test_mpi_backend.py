@@ -3,23 +3,31 @@
 Spawned ranks are MPI singletons, so every multi-rank test here starts
 ``mpiexec -n N python tests/distributed/mpi_bodies.py BODY`` in a subprocess
 with a timeout, and asserts on its exit code, output and the values each rank
-pickled. Unit tests of the pieces (config, progress thread, wait loop) run
-in-process without initialising MPI.
+pickled. The interface's bodies (collective matrix, point-to-point, subgroups,
+objects, training on subgroups) and mpi's own run in one job per world size
+(``CALLS``), launched once and shared by the tests that read it. Unit tests
+of the pieces (config, progress thread, wait loop) run in-process without
+initialising MPI.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from commlib import BackendUnavailableError, CommConfig, DistEnv
 from tests._launcher import run_ranks_outcomes
 from tests.conftest import find_mpiexec, requires_gpu, requires_mpi
+from tests.distributed import bodies, p2p_bodies, subgroup_bodies
 from tests.distributed.mpi_bodies import LaunchResult, launch
 
 pytestmark = [pytest.mark.mpi, pytest.mark.multiprocess, requires_mpi]
@@ -47,14 +55,97 @@ def _is_hydra() -> bool:
     return "HYDRA" in out.upper()
 
 
+# ------------------------- the interface's bodies and mpi's own: one job per size
+FEATURES = "tests.distributed.mpi_feature_bodies"
+BODIES = "tests.distributed.bodies"
+P2P = "tests.distributed.p2p_bodies"
+SUBGROUPS = "tests.distributed.subgroup_bodies"
+OBJECTS = "tests.distributed.object_bodies"
+
+_MATRIX = [(f"{BODIES}:{body.__name__}", []) for body in bodies.ALL_BODIES.values()]
+_P2P = [
+    (f"{P2P}:body_ring_exchange", []),
+    (f"{P2P}:body_skipping_pairs", []),
+    (f"{P2P}:body_many_in_order", []),
+    (f"{P2P}:body_p2p_keeps_collectives_numbered", []),
+]
+_SUBGROUPS = [(f"{SUBGROUPS}:body_overlapping_groups", []), (f"{SUBGROUPS}:body_split", [])]
+
+CALLS: dict[int, list[tuple[str, list[Any]]]] = {
+    1: [("collectives_matrix", []), *_MATRIX, (f"{OBJECTS}:body_objects", [])],
+    2: [
+        ("collectives_matrix", []),
+        *_MATRIX,
+        (f"{BODIES}:body_async_order", []),
+        (f"{BODIES}:body_shapes_and_views", []),
+        (f"{BODIES}:body_nan_max_min", []),
+        (f"{BODIES}:body_in_place_bumps_version", []),
+        *_P2P,
+        (f"{P2P}:body_large", []),
+        (f"{P2P}:body_size_mismatch", []),
+        (f"{FEATURES}:p2p_sizes_sources_order", []),
+        (f"{FEATURES}:p2p_timeouts", []),
+        # Last: a failure writes the flight recorder's file again, and the test reads this one's.
+        (f"{P2P}:body_unmatched_send", [4.0]),
+    ],
+    3: [
+        ("collectives_matrix", []),
+        *_MATRIX,
+        (f"{BODIES}:body_async_order", []),
+        *_P2P,
+        *_SUBGROUPS,
+        (f"{OBJECTS}:body_objects", []),
+        (f"{OBJECTS}:body_object_limits", []),
+        (f"{FEATURES}:p2p_sizes_sources_order", []),
+        (f"{FEATURES}:mpi_subgroups", []),
+    ],
+    4: [
+        *_MATRIX,
+        *_P2P,
+        *_SUBGROUPS,
+        (f"{SUBGROUPS}:body_ddp_on_subgroups", []),
+        (f"{SUBGROUPS}:body_join_on_subgroups", []),
+        (f"{SUBGROUPS}:body_zero_on_subgroups", []),
+        (f"{FEATURES}:mpi_subgroups", []),
+    ],
+}
+"""The bodies each world size runs, in one mpiexec job (MPICH ranks busy-poll: few launches)."""
+
+Job = Callable[[int], dict[int, dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """``job(n)``: ``{rank: {"module:body(args)": value}}`` of the job of ``n`` ranks, launched on first use.
+
+    The job of 2 ranks also reports stalls after 1 s and keeps a flight recorder
+    (for ``body_unmatched_send``).
+    """
+    launched: dict[int, LaunchResult] = {}
+    dumps = tmp_path_factory.mktemp("mpi-dumps")
+    watched = {"COMMLIB_STALL_S": "1", "COMMLIB_FLIGHT_RECORDER": "32", "COMMLIB_DUMP_DIR": str(dumps)}
+
+    def get(nprocs: int) -> dict[int, dict[str, Any]]:
+        if nprocs not in launched:
+            env = {**TEST_TIMEOUT, **watched} if nprocs == 2 else TEST_TIMEOUT
+            launched[nprocs] = launch("run_calls", nprocs, [CALLS[nprocs]], env=env, timeout=600)
+        return {rank: values["run_calls"] for rank, values in _ok(launched[nprocs], nprocs).items()}
+
+    return get
+
+
+def _body(values: dict[str, Any], name: str, *args: Any) -> Any:
+    module = FEATURES if ":" not in name else ""
+    return values[f"{module}:{name}{args}" if module else f"{name}{args}"]
+
+
 # ------------------------------------------------------------- correctness
 @pytest.mark.launcher
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
-def test_collectives_matrix(nprocs: int) -> None:
-    """op x dtype x size through all four collectives (sync and async) against a float64 reference."""
-    results = _ok(launch("collectives_matrix", nprocs, env=TEST_TIMEOUT, timeout=150), nprocs)
-    for rank, values in results.items():
-        matrix = values["collectives_matrix"]
+def test_collectives_matrix(job: Job, nprocs: int) -> None:
+    """op x dtype x size through the first four collectives (sync and async) against a float64 reference."""
+    for rank, values in job(nprocs).items():
+        matrix = values["collectives_matrix()"]
         assert matrix["failures"] == [], f"rank {rank}:\n" + "\n".join(matrix["failures"][:20])
         assert matrix["checked"] == 270
 
@@ -73,9 +164,9 @@ def test_async_semantics_progress_and_zero_copy() -> None:
         if rank == 0:
             assert "[rank 0/2] mpi.all_reduce #" in a["expired_message"]
             assert "Work.wait(timeout=0.05) expired" in a["expired_message"]
-        uint8, avg_int, complex64 = a["errors"]
-        assert uint8.startswith(f"TypeError: [rank {rank}/2] mpi.all_reduce:") and "uint8" in uint8
-        assert avg_int.startswith("ValueError:") and "AVG on int32" in avg_int
+        uint16, avg_int, complex64 = a["errors"]
+        assert uint16.startswith(f"TypeError: [rank {rank}/2] mpi.all_reduce:") and "uint16" in uint16
+        assert avg_int.startswith("ReduceOpTypeError:") and "AVG on int32" in avg_int
         assert "complex64" in complex64
 
         m = values["mpi_internals"]
@@ -109,6 +200,181 @@ def test_equivalent_to_gloo_on_three_ranks() -> None:
         assert eq["backends"] == ["mpi", "gloo"]
         assert eq["failures"] == [], f"rank {rank}:\n" + "\n".join(eq["failures"])
         assert eq["compared"] == 48
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_p2p_sizes_any_source_and_order(job: Job, nprocs: int) -> None:
+    """A size mismatch fails both sides and leaves the receiver's tensor as it was; any source; order."""
+    for rank, values in job(nprocs).items():
+        r = _body(values, "p2p_sizes_sources_order")
+        if rank == 0:
+            (larger, smaller) = r["send"]
+            for error, sent in ((larger, 40), (smaller, 8)):
+                name, is_value_error, message = error
+                assert name == "MessageSizeError" and is_value_error, error
+                assert message.startswith(f"[rank 0/{nprocs}] mpi.send #") and "to rank 1 tag 9" in message
+                assert (
+                    f"rank 1's matching recv holds 16 bytes (4 x float32), but this send has {sent} bytes "
+                    f"({sent // 4} x float32)" in message
+                )
+            assert r["any_source"] == [(k, [10 * k, 10 * k]) for k in range(1, nprocs)]
+        elif rank == 1:
+            for ((name, is_value_error, message), tensor), sent in zip(r["recv"], (40, 8), strict=True):
+                assert name == "MessageSizeError" and is_value_error
+                assert "mpi.recv #" in message and "from rank 0 tag 9" in message
+                holds = "this recv's tensor holds 16 bytes (4 x float32)"
+                assert f"rank 0 sends {sent} bytes, but {holds}" in message
+                assert tensor == [7.0] * 4, "the receiving tensor is left as it was"
+            assert r["after"] == [5.0] * 4, "the next message on the same tag arrives intact"
+            assert r["order"] and r["order_sources"] == [0] and r["early"], r
+
+
+@pytest.mark.launcher
+def test_p2p_timeouts_leave_the_group_usable(job: Job) -> None:
+    for rank, values in job(2).items():
+        r = _body(values, "p2p_timeouts")
+        assert r["all_reduce"] == 2.0 and r["left_in_flight"] == 0, r
+        if rank == 0:
+            assert r["send"].startswith("[rank 0/2] mpi.send #1 to rank 1 tag 12 (float32, 3 elements): ")
+            assert "within 1.5 s" in r["send"] and "MPI cannot withdraw a send" in r["send"]
+            assert r["back"] == [1.0, 1.0]
+        else:
+            assert r["recv"].startswith("[rank 1/2] mpi.recv #1 from rank 0 tag 11 (float32, 3 elements): ")
+            assert "no message arrived within 1.5 s" in r["recv"] and "withdrawn" in r["recv"]
+            assert r["recv_tensor"] == [2.0] * 3
+            # The send that timed out was still queued: the next recv with its tag receives it.
+            assert r["late_source"] == 0 and r["late"] == [8.0] * 3
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("nprocs", [3, 4])
+def test_subgroups_are_mpi_communicators(job: Job, nprocs: int) -> None:
+    """new_group is Create_group over the members, split one Comm.Split; a child outlives its parent."""
+    for rank, values in job(nprocs).items():
+        r = _body(values, "mpi_subgroups")
+        last = nprocs - 1
+        if rank in (0, last):
+            assert r["pair"] == ([0, last].index(rank), 2, [0, last], [0, last])
+        else:
+            assert "pair" not in r
+        # Same parity, ordered by key = -rank: the highest rank first.
+        same = sorted((k for k in range(nprocs) if k % 2 == rank % 2), reverse=True)
+        assert r["halves"] == (same.index(rank), len(same), same)
+        assert r["split_none"] == (rank == 0)
+        if rank > 0:
+            assert r["child_after_parent_closed"] == [float(nprocs - 1)] * 3
+            assert r["child_comms_freed"]
+        assert r["parent_after"] == float(nprocs)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_interface_collective_matrix(job: Job, nprocs: int) -> None:
+    """bodies.py: every collective x dtype x op x size, each result checked; ranks agree bit for bit."""
+    values = job(nprocs)
+    for name, args in _MATRIX:
+        digests = [values[rank][f"{name}{tuple(args)}"] for rank in range(nprocs)]
+        assert all(d == digests[0] for d in digests), f"{name}: ranks disagree bit for bit"
+    if nprocs in (2, 3):
+        orders = [values[rank][f"{BODIES}:body_async_order()"] for rank in range(nprocs)]
+        assert all(d == orders[0] for d in orders)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_interface_p2p(job: Job, nprocs: int) -> None:
+    """p2p_bodies.py: ring exchanges, batches both ways, skipping pairs, any source, order, numbering."""
+    values = job(nprocs)
+    ring = values[0][f"{P2P}:body_ring_exchange()"]
+    assert len(ring) == len(p2p_bodies.DTYPES) * len(p2p_bodies.SIZES)
+    skips = values[0][f"{P2P}:body_skipping_pairs()"]
+    if nprocs >= 3:
+        assert skips["senders"] == list(range(1, nprocs)), skips
+        assert skips["empty_from"] == nprocs - 1, skips
+    assert values[0][f"{P2P}:body_many_in_order()"] == {"sent": 400}
+    assert values[1][f"{P2P}:body_many_in_order()"] == {"order_7": True, "order_8": True}
+    numbered = [values[rank][f"{P2P}:body_p2p_keeps_collectives_numbered()"] for rank in range(nprocs)]
+    assert all(v == {"advanced": 1, "sum": float(nprocs)} for v in numbered), numbered
+
+
+@pytest.mark.launcher
+def test_interface_p2p_large_mismatch_and_unmatched_send(job: Job) -> None:
+    values = job(2)
+    sender, receiver = (values[rank][f"{P2P}:body_large()"] for rank in (0, 1))
+    assert sender["equal"] and receiver["equal"]
+    sender, receiver = (values[rank][f"{P2P}:body_size_mismatch()"] for rank in (0, 1))
+    for case, (sent, held) in {"smaller": (8, 5), "larger": (5, 8)}.items():
+        assert (
+            f"rank 0 sends {4 * sent} bytes, but this recv's tensor holds {4 * held} bytes ({held} x float32)"
+            in receiver[case]
+        ), receiver[case]
+        assert (
+            f"rank 1's matching recv holds {4 * held} bytes ({held} x float32), but this send has "
+            f"{4 * sent} bytes ({sent} x float32)" in sender[case]
+        ), sender[case]
+        assert "tag 11" in sender[case] and sender[case].startswith("[rank 0/2] ")
+        assert "tag 11" in receiver[case] and receiver[case].startswith("[rank 1/2] ")
+    assert receiver["after"] == [4.0, 4.0, 4.0], "the pair must stay in step after a size mismatch"
+    assert sender["seq"] == receiver["seq"], "point-to-point advanced the collective sequence"
+    sender, waiter = (values[rank][f"{P2P}:body_unmatched_send(4.0,)"] for rank in (0, 1))
+    error = sender["error"]
+    assert error is not None and "send #1 to rank 1 tag 7" in error and "within 4 s" in error, error
+    assert sender["elapsed_s"] < 30, "the timeout is the subgroup's 4 s"
+    stalls = [w for w in sender["warnings"] if ".send #1 to rank 1 tag 7" in w]
+    assert stalls, sender["warnings"]
+    assert "Rank 1 has posted 0 receive(s) from rank 0 and 0 from any rank with tag 7" in stalls[0], stalls[0]
+    assert sender["after"] == waiter["after"] == 2.0, "the parent group goes on"
+    document = json.loads(Path(sender["dump"]).read_text())
+    (group,) = [g for g in document["groups"] if g["name"] == sender["group"]]
+    (entry,) = [e for e in group["entries"] if e.get("tag") == 7]
+    assert (entry["op"], entry["peer"], entry["seq"], entry["status"]) == ("send", 1, 1, "failed"), entry
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("nprocs", [3, 4])
+def test_interface_subgroups(job: Job, nprocs: int) -> None:
+    """subgroup_bodies.py: overlapping groups in turn, groups of one, nested, closed; split."""
+    values = job(nprocs)
+    overlapping = [values[rank][f"{SUBGROUPS}:body_overlapping_groups()"] for rank in range(nprocs)]
+    a_ranks, b_ranks = subgroup_bodies._layout(nprocs)
+    names = [v["names"] for v in overlapping]
+    (a_name,) = {names[r]["a"] for r in a_ranks}
+    (b_name,) = {names[r]["b"] for r in b_ranks}
+    assert a_name.endswith(".0") and b_name.endswith(".1"), (a_name, b_name)
+    assert len({n["single"] for n in names}) == nprocs
+    assert all(overlapping[r]["timeouts"]["b"] == 45 for r in b_ranks)
+    for rank in range(nprocs):
+        split = values[rank][f"{SUBGROUPS}:body_split()"]
+        assert split["global_ranks"] == sorted((k for k in range(nprocs) if k % 2 == rank % 2), reverse=True)
+
+
+@pytest.mark.launcher
+def test_interface_objects(job: Job) -> None:
+    """object_bodies.py on 1 and 3 ranks, and the size limit raising alike on every rank."""
+    for nprocs in (1, 3):
+        results = [values[f"{OBJECTS}:body_objects()"] for values in job(nprocs).values()]
+        assert results == [{"ok": True}] * nprocs
+    for rank, values in job(3).items():
+        limits = values[f"{OBJECTS}:body_object_limits()"]
+        assert limits["small"] == [0, 1, 2]
+        errors = limits["errors"]
+        start = f"[rank {rank}/3] mpi.broadcast_object_list: rank 0 sends 20"
+        assert errors["broadcast_big"].startswith(start), errors["broadcast_big"]
+        assert all("COMMLIB_MAX_OBJECT_BYTES" in errors[case] for case in ("broadcast_big", "gather_big"))
+
+
+@pytest.mark.launcher
+def test_interface_training_on_data_parallel_subgroups(job: Job) -> None:
+    """DDP, Join and ZeRO on groups {0, 2} and {1, 3}: each equals one process on its batches."""
+    values = job(4)
+    for what in ("ddp", "join", "zero"):
+        results = [values[rank][f"{SUBGROUPS}:body_{what}_on_subgroups()"] for rank in range(4)]
+        for rank, value in enumerate(results):
+            assert value["color"] == rank % 2
+            assert value["diff"] < 1e-10, f"rank {rank}: {what} is {value['diff']:.3g} from one process"
+        assert results[0]["digest"] == results[2]["digest"] and results[1]["digest"] == results[3]["digest"]
+        assert results[0]["digest"] != results[1]["digest"], f"{what}: the two groups trained the same model"
 
 
 # ------------------------------------------------------------------- faults

@@ -93,3 +93,29 @@ def test_missing_cupy_names_the_extra_and_communicates_nothing() -> None:
         assert "COMMLIB_MPI_CUDA_AWARE=0" in r["message"]
         assert r["calls"] == 0
         assert r["after"] == [2.0, 2.0, 2.0]
+
+
+def test_new_operations_staged_and_zero_copy() -> None:
+    """reduce, gather, scatter, uneven all_to_all and send/recv: staged, then zero copy, in one job."""
+    bodies = [f"{BODIES}:staged_new_ops", f"{BODIES}:zero_copy_new_ops"]
+    result = launch(bodies, 2, env=ENV, timeout=240)
+    assert result.returncode == 0, result.describe()
+    assert sorted(result.results) == [0, 1], result.describe()
+    for rank, values in result.results.items():
+        staged, zero = values[bodies[0]], values[bodies[1]]
+        for r in (staged, zero):
+            assert r["failures"] == [], f"rank {rank}:\n" + "\n".join(r["failures"][:20])
+            assert r["checked"] == 16
+        ops = ("reduce", "gather", "scatter", "all_to_all", "p2p")
+        dtypes = ("torch.float32", "torch.bfloat16", "torch.int8", "torch.bool")
+        expected_keys = sorted(f"{op} {dtype}" for op in ops for dtype in dtypes)
+        assert sorted(staged["device_buffers"]) == expected_keys == sorted(zero["device_buffers"])
+        # Staged: MPI never sees device memory; pinned buffers are reused, never blocking the host.
+        assert all(seen == [False] for seen in staged["device_buffers"].values()), staged["device_buffers"]
+        assert staged["reused"] > staged["allocated"] > 0, (staged["allocated"], staged["reused"])
+        assert staged["held"] == 0, "every pinned buffer went back to the pool"
+        assert staged["synced"] == 0
+        # Zero copy: device memory straight to MPI, except reductions of bfloat16 (reduced on the host).
+        for key, seen in zero["device_buffers"].items():
+            assert seen == ([False] if key == "reduce torch.bfloat16" else [True]), (key, seen)
+        assert zero["synced"] > 0

@@ -1,0 +1,378 @@
+"""Point-to-point messages over MPI: receives matched in the order they were posted, and a size verdict.
+
+Each group keeps two communicators of its own for point-to-point traffic,
+duplicates of its collective one (so no message ever matches a collective's):
+
+- **data**: the sender ``Isend``s the tensor's bytes to ``(peer, tag)``.
+- **verdict**: the receiver answers every message it matches with what its
+  buffer holds (bytes, elements, a dtype code: three int64). The sender posts
+  the receive for that answer when it sends, and its send completes only when
+  the data has left and the answer has come. Equal sizes: both succeed.
+  Different sizes: both raise, naming both sizes. On success this costs one
+  24-byte message, sent the moment the receiver matches, so it travels while
+  the data does.
+
+A receive is matched by a matched probe (``Improbe``) before any byte lands,
+so a message of the wrong size is drained (received into an empty buffer,
+which MPI truncates) and the receiver's tensor is left untouched. Matching
+keeps MPI's order: the group's unmatched receives are probed in the order
+they were posted, and a message found is handed to the **earliest** posted
+receive that accepts it (same tag; same source, or any source), which is
+exactly the receive MPI itself would have matched it with. Messages between
+one pair with one tag therefore arrive in the order they were sent.
+
+Sends to one ``(peer, tag)`` are posted in the order they were issued, even
+when an earlier one still waits for its data (a CUDA tensor being copied to
+the host): a later send waits behind it.
+
+An unmatched receive holds no MPI state, so it can be withdrawn at a timeout
+and the group stays clean. A send cannot be withdrawn (MPI cannot reliably
+cancel a send): at a timeout its message stays queued at the peer, and its
+answer, if it ever comes, lands in the abandoned request, so later sends to
+the same peer and tag still pair with their own answers.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+import threading
+import time
+from typing import Any, Protocol
+
+__all__ = ["P2PEngine", "Payload", "DirectPayload", "RecvRequest", "SendRequest", "SizeMismatch"]
+
+_ANSWER = struct.Struct("<qqq")
+"""The receiver's answer: bytes, elements and dtype code of its buffer."""
+
+
+class Payload(Protocol):
+    """The bytes of one message: a host tensor, a device tensor, or a device tensor staged on the host."""
+
+    def ready(self) -> bool:
+        """Return True once ``buffer()`` may be handed to MPI (a staged send's data is on the host)."""
+
+    def buffer(self) -> Any:
+        """Return MPI's buffer specification of the message's bytes (``[memory, MPI.BYTE]``)."""
+
+    def finish(self) -> None:
+        """The message has moved: copy a staged result back, release staging buffers."""
+
+    def abort(self) -> None:
+        """The message failed or was drained: release staging buffers, copy nothing back."""
+
+
+class DirectPayload:
+    """Memory MPI reads or writes as it is: a host tensor, or a device tensor for a CUDA-aware MPI."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+
+    def ready(self) -> bool:
+        """Always ready."""
+        return True
+
+    def buffer(self) -> Any:
+        """The buffer specification given at construction."""
+        return self._buffer
+
+    def finish(self) -> None:
+        """Nothing to do."""
+
+    def abort(self) -> None:
+        """Nothing to do."""
+
+
+class SizeMismatch(Exception):  # noqa: N818 - a fact reported to the group, which raises its own error
+    """A message's size differs from the receiver's buffer: both sides fail with these numbers."""
+
+    def __init__(
+        self, side: str, peer: int, tag: int, sent: int, expected: int, holds: tuple[int, int]
+    ) -> None:
+        super().__init__(f"{side} with rank {peer}, tag {tag}: {sent} bytes sent, {expected} bytes expected")
+        self.side = side
+        """``send`` or ``recv``: which end reports it."""
+        self.peer = peer
+        """The other side: the destination of a send, the source of a receive."""
+        self.tag = tag
+        self.sent = sent
+        """Bytes the sender sent."""
+        self.expected = expected
+        """Bytes of the receiver's buffer."""
+        self.holds = holds
+        """Elements and dtype code of the receiver's buffer."""
+
+
+class SendRequest:
+    """One send: the data's ``Isend`` and the receive of the answer, with an MPI request's ``Test``."""
+
+    def __init__(self, engine: P2PEngine, payload: Payload, nbytes: int, peer: int, tag: int) -> None:
+        self.peer = peer
+        self.tag = tag
+        self.nbytes = nbytes
+        self._engine = engine
+        self._payload = payload
+        self._answer = bytearray(_ANSWER.size)
+        self._verdict = engine._verdict_comm.Irecv([self._answer, engine._MPI.BYTE], source=peer, tag=tag)
+        self._data: Any = None
+        self._data_done = False
+        self._verdict_done = False
+        self._done = False
+
+    @property
+    def posted(self) -> bool:
+        """True once the data's ``Isend`` is posted."""
+        return self._data is not None
+
+    def let_go(self, bound_s: float = 1.0) -> bool:
+        """Stop waiting for the answer (the group closes); return True if MPI holds nothing of this send.
+
+        Only once the data has left: the answer's receive is then cancelled
+        (receives cancel reliably), and a message still queued at the peer is
+        the peer's. A send whose data has not left cannot be let go.
+        """
+        if self._data is None or not (self._data_done or self._data.Test()):
+            return False
+        if not self._verdict_done:
+            self._verdict.Cancel()
+            deadline = time.monotonic() + bound_s
+            while not self._verdict.Test():
+                if time.monotonic() > deadline:
+                    return False
+        self._done = True
+        self._payload.abort()
+        return True
+
+    def _post(self) -> None:
+        self._data = self._engine._data_comm.Isend(self._payload.buffer(), dest=self.peer, tag=self.tag)
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's request method name
+        """Advance without blocking; True once the data has left and the answer has come.
+
+        Raises:
+            SizeMismatch: The receiver's buffer has another size (the message was drained there).
+        """
+        if self._done:
+            return True
+        try:
+            return self._advance()
+        except BaseException:
+            self._done = True
+            self._payload.abort()
+            raise
+
+    def _advance(self) -> bool:
+        if self._data is None:
+            self._engine._post_sends(self.peer, self.tag)
+            if self._data is None:
+                return False
+        if not self._data_done:
+            self._data_done = bool(self._data.Test())
+        if not self._verdict_done:
+            self._verdict_done = bool(self._verdict.Test())
+        if not (self._data_done and self._verdict_done):
+            return False
+        self._done = True
+        expected, numel, code = _ANSWER.unpack(self._answer)
+        if expected != self.nbytes:
+            raise SizeMismatch("send", self.peer, self.tag, self.nbytes, expected, (numel, code))
+        self._payload.finish()
+        return True
+
+
+class RecvRequest:
+    """One receive: matched in posting order, then received (or drained) and answered.
+
+    ``source`` is the sender's rank once matched (None before).
+    """
+
+    def __init__(
+        self,
+        engine: P2PEngine,
+        payload: Payload,
+        nbytes: int,
+        source: int | None,
+        tag: int,
+        holds: tuple[int, int],
+    ) -> None:
+        self.wanted = source
+        """The source asked for (None: any)."""
+        self.tag = tag
+        self.nbytes = nbytes
+        self.source: int | None = None
+        self.sent: int | None = None
+        """Bytes of the matched message."""
+        self.cancelled = False
+        self._engine = engine
+        self._payload = payload
+        self._holds = holds
+        self._reply = _ANSWER.pack(nbytes, *holds)
+        self._requests: list[Any] | None = None
+        """The data receive (or drain) and the answer's send, once matched."""
+        self._done = False
+
+    @property
+    def matched(self) -> bool:
+        """True once a message was handed to this receive."""
+        return self._requests is not None
+
+    def accepts(self, source: int, tag: int) -> bool:
+        """Return True if a message from ``source`` with ``tag`` may match this receive."""
+        return tag == self.tag and (self.wanted is None or self.wanted == source)
+
+    def _match(self, message: Any, source: int, sent: int) -> None:
+        """Take ``message`` (called by the engine, under its lock): receive or drain it, and answer."""
+        MPI = self._engine._MPI
+        self.source, self.sent = source, sent
+        if sent == self.nbytes:
+            data = message.Irecv(self._payload.buffer())
+        else:
+            # The wrong size: drain it into no memory (MPI truncates, the message is consumed).
+            data = message.Irecv([bytearray(0), MPI.BYTE])
+        answer = self._engine._verdict_comm.Isend([self._reply, MPI.BYTE], dest=source, tag=self.tag)
+        self._requests = [data, answer]
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's request method name
+        """Advance without blocking; True once the message is in the buffer and answered.
+
+        Raises:
+            SizeMismatch: The message had another size than this receive's buffer (it was drained).
+        """
+        if self._done:
+            return True
+        try:
+            return self._advance()
+        except BaseException:
+            self._done = True
+            self._payload.abort()
+            raise
+
+    def _advance(self) -> bool:
+        if self._requests is None:
+            self._engine.match()
+            if self._requests is None:
+                return False
+        data, answer = self._requests
+        if data is not None:
+            try:
+                finished = bool(data.Test())
+            except self._engine._MPI.Exception as e:
+                if e.Get_error_class() != self._engine._MPI.ERR_TRUNCATE or self.sent == self.nbytes:
+                    raise
+                finished = True  # the drain of a message of the wrong size
+            if not finished:
+                return False
+            self._requests[0] = None
+        if not answer.Test():
+            return False
+        self._done = True
+        if self.sent != self.nbytes:
+            raise SizeMismatch(
+                "recv", self.source, self.tag, self.sent, self.nbytes, self._holds  # type: ignore[arg-type]
+            )
+        self._payload.finish()
+        return True
+
+
+class P2PEngine:
+    """The point-to-point traffic of one group: ordered matching, sends in order, the size verdict.
+
+    Args:
+        mpi: The ``mpi4py.MPI`` module.
+        data_comm: Communicator of the messages (the group's own duplicate).
+        verdict_comm: Communicator of the receivers' answers (another duplicate).
+    """
+
+    def __init__(self, mpi: Any, data_comm: Any, verdict_comm: Any) -> None:
+        self._MPI = mpi
+        self._data_comm = data_comm
+        self._verdict_comm = verdict_comm
+        self._lock = threading.Lock()
+        self._unmatched: list[RecvRequest] = []
+        """Receives not yet matched, in the order they were posted."""
+        self._unposted: dict[tuple[int, int], collections.deque[SendRequest]] = {}
+        """Sends whose data is not posted yet, per (peer, tag), in the order they were issued."""
+        self._status = mpi.Status()
+
+    @property
+    def waiting(self) -> bool:
+        """True if some receive waits to be matched (a lock-free read, for hot paths)."""
+        return bool(self._unmatched)
+
+    @property
+    def comms(self) -> tuple[Any, Any]:
+        """The data and verdict communicators (the group frees them when it closes)."""
+        return self._data_comm, self._verdict_comm
+
+    def send(self, payload: Payload, nbytes: int, peer: int, tag: int) -> SendRequest:
+        """Send ``nbytes`` bytes to ``peer`` with ``tag`` (posted now if the payload is ready)."""
+        with self._lock:
+            request = SendRequest(self, payload, nbytes, peer, tag)
+            queue = self._unposted.setdefault((peer, tag), collections.deque())
+            queue.append(request)
+            self._post_ready(queue, peer, tag)
+        return request
+
+    def recv(
+        self, payload: Payload, nbytes: int, source: int | None, tag: int, holds: tuple[int, int] = (0, -1)
+    ) -> RecvRequest:
+        """Receive ``nbytes`` bytes from ``source`` (None: any) with ``tag``; matched at once if one waits.
+
+        ``holds`` (elements, dtype code) describes the buffer to a sender whose size differs.
+        """
+        request = RecvRequest(self, payload, nbytes, source, tag, holds)
+        with self._lock:
+            self._unmatched.append(request)
+        self.match()
+        return request
+
+    def cancel(self, request: RecvRequest) -> bool:
+        """Withdraw ``request`` if it is still unmatched (it holds no MPI state then); return True if so."""
+        with self._lock:
+            if request.matched or request not in self._unmatched:
+                return False
+            self._unmatched.remove(request)
+            request.cancelled = True
+            return True
+
+    def cancel_all(self) -> list[RecvRequest]:
+        """Withdraw every unmatched receive (the group is closing); return them."""
+        with self._lock:
+            withdrawn, self._unmatched = self._unmatched, []
+        for request in withdrawn:
+            request.cancelled = True
+        return withdrawn
+
+    def match(self) -> None:
+        """Probe for the unmatched receives in posting order; hand each message to its earliest taker."""
+        if not self._unmatched:
+            return
+        MPI, status = self._MPI, self._status
+        with self._lock:
+            pending, index = self._unmatched, 0
+            while index < len(pending):
+                request = pending[index]
+                source = MPI.ANY_SOURCE if request.wanted is None else request.wanted
+                message = self._data_comm.Improbe(source, request.tag, status)
+                if message is None:
+                    index += 1
+                    continue
+                found = status.Get_source()
+                taker = next(i for i in range(index + 1) if pending[i].accepts(found, request.tag))
+                pending.pop(taker)._match(message, found, status.Get_count(MPI.BYTE))
+                if taker < index:
+                    index -= 1  # the request probed shifted left; probe it again
+
+    def _post_sends(self, peer: int, tag: int) -> None:
+        with self._lock:
+            queue = self._unposted.get((peer, tag))
+            if queue:
+                self._post_ready(queue, peer, tag)
+
+    def _post_ready(self, queue: collections.deque[SendRequest], peer: int, tag: int) -> None:
+        while queue and queue[0]._payload.ready():
+            queue.popleft()._post()
+        if not queue:
+            del self._unposted[(peer, tag)]
