@@ -27,8 +27,8 @@ from ddp.auto_bucket import TUNE_AFTER_BACKWARDS
 from ddp.cost_model import CommCostModel
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import zero_bodies
+from tests.distributed.ddp_bodies import Uniform
 from tests.distributed.zero_bodies import build, shard
-from tests.test_cost_model import Uniform
 
 
 def solo() -> FakeProcessGroup:

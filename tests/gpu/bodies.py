@@ -21,7 +21,7 @@ from commlib import IProcessGroup
 from ddp import DistributedDataParallel
 from tests._reference import DTYPES, digest
 from tests.distributed import bodies
-from tests.distributed.test_ddp import (
+from tests.distributed.ddp_bodies import (
     build,
     case_conditional,
     case_equivalence,
