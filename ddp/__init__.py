@@ -30,11 +30,11 @@ from ddp.hooks import (
     powerSGD_hook,
 )
 from ddp.join import Join, JoinHook
-from ddp.param_gather_stats import ParamGatherStats
+from ddp.observe.stats import BucketTiming, StepStats
+from ddp.observe.timeline import TimelineWriter
 from ddp.replicas import broadcast_module_states, verify_same_model
-from ddp.stats import BucketTiming, StepStats
-from ddp.timeline import TimelineWriter
 from ddp.zero import ParameterPartition, ZeroRedundancyOptimizer
+from ddp.zero.gather_stats import ParamGatherStats
 
 __all__ = [
     "AbandonedBackwardError",

@@ -19,9 +19,9 @@ from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
 from ddp.errors import BucketOrderError, with_context
 from ddp.nonfinite import NonFiniteCheck
-from ddp.shard_sync import ReduceScatterBuckets
-from ddp.stats import StepRecorder
+from ddp.observe.stats import StepRecorder
 from ddp.touched_rows import TouchedRows
+from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
 
@@ -122,7 +122,7 @@ class GradientBucketManager:
             on every rank if any rank found one (see ``DDPConfig``).
         gradient_sync: ``"allreduce"`` or ``"reduce_scatter"``: each bucket is
             padded to a multiple of ``world_size`` elements and reduce-scattered;
-            each rank gets its shard only (see ``ddp.shard_sync``).
+            each rank gets its shard only (see ``ddp.zero.shard_sync``).
         order: Order in which gradients are expected (indices into ``params``);
             default: reverse registration order, the order backward produces them.
         row_sparse: Indices of CPU parameters whose gradients are zero outside the

@@ -5,7 +5,7 @@ bucket (another dtype or device, if any), scales it if scaling was not already
 fused into the copies, checks it for NaN and Inf when asked, and starts its
 collective: an all-reduce of the bucket (the default), for a bucket of embedding
 gradients the exchange of their touched rows (``ddp.touched_rows``), a
-reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.shard_sync``) or
+reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.zero.shard_sync``) or
 the registered communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
 message naming the bucket, and lands the result in the gradients.
 """
@@ -28,8 +28,8 @@ from ddp.config import GradientScaling
 from ddp.devices import CommStreams
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
-from ddp.shard_sync import ReduceScatterBuckets
 from ddp.touched_rows import TouchedRows
+from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
 

@@ -13,7 +13,6 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-import commlib
 from commlib.diagnosis.flight_recorder import dump_on_error
 from commlib.errors import CommError, error_prefix
 from commlib.process_group import IProcessGroup
@@ -34,9 +33,15 @@ from ddp.errors import (
     RepeatedGradientError,
 )
 from ddp.graph import on_backward_start, used_parameters
+from ddp.groups import resolve_group
 from ddp.join import Join, JoinHook, _DDPJoinHook, _JoinState, early_termination, join_round
+from ddp.observe.stats import StepStats
+from ddp.observe.timeline import TimelineWriter, timeline_path_from_env
 from ddp.replicas import broadcast_module_states, verify_same_model
-from ddp.shard_sync import (
+from ddp.static_graph import StaticGraph
+from ddp.step_guard import StepGuard
+from ddp.touched_rows import embedding_tables
+from ddp.zero.shard_sync import (
     ParamGathers,
     ShardedGradientLayout,
     check_reduce_scatter_support,
@@ -44,11 +49,6 @@ from ddp.shard_sync import (
     wait_before_forward,
     wire_bytes,
 )
-from ddp.static_graph import StaticGraph
-from ddp.stats import StepStats
-from ddp.step_guard import StepGuard
-from ddp.timeline import TimelineWriter, timeline_path_from_env
-from ddp.touched_rows import embedding_tables
 
 __all__ = ["DistributedDataParallel", "resolve_group"]
 
@@ -62,36 +62,6 @@ _OWN_ERRORS = (
     RanksOutOfStepError,
 )
 """DDP's own verdicts: the flight recorder dumps on them too (a failed collective dumps by itself)."""
-
-
-def resolve_group(process_group: Any) -> IProcessGroup:
-    """Return the group to use: ``process_group``, else commlib's default group, else torch.distributed's.
-
-    Args:
-        process_group: A commlib ``IProcessGroup``; a ``torch.distributed.ProcessGroup``
-            (wrapped with ``backends.torch.from_torch_group``); or None.
-
-    Raises:
-        commlib.NotInitializedError: None was given and neither commlib nor
-            torch.distributed has been initialised.
-        TypeError: ``process_group`` is something else.
-    """
-    if isinstance(process_group, IProcessGroup):
-        return process_group
-    import torch.distributed as dist
-
-    torch_pg = getattr(dist, "ProcessGroup", None)
-    if process_group is not None:
-        if torch_pg is not None and isinstance(process_group, torch_pg):
-            return commlib.from_torch_group(process_group)
-        raise TypeError(
-            "DistributedDataParallel: process_group must be a commlib.IProcessGroup, a "
-            "torch.distributed.ProcessGroup or None, got "
-            f"{type(process_group).__module__}.{type(process_group).__qualname__}"
-        )
-    if not commlib.is_initialized() and dist.is_available() and dist.is_initialized():
-        return commlib.from_torch_group()
-    return commlib.get_default_group()  # raises NotInitializedError, naming the fix
 
 
 class DistributedDataParallel(nn.Module):

@@ -21,10 +21,10 @@ from ddp import (
     UnsupportedCollectiveError,
     ZeroRedundancyOptimizer,
     allreduce_hook,
-    shard_sync,
 )
 from ddp.auto_bucket import TUNE_AFTER_BACKWARDS
 from ddp.cost_model import CommCostModel
+from ddp.zero import shard_sync
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import zero_bodies
 from tests.distributed.ddp_bodies import Uniform

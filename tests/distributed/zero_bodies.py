@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp import DistributedDataParallel, ParameterPartition, ZeroRedundancyOptimizer, shard_sync
+from ddp import DistributedDataParallel, ParameterPartition, ZeroRedundancyOptimizer
+from ddp.zero import shard_sync
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 
 PER_RANK = 4

@@ -140,7 +140,7 @@ def cuda_ddp_auto_bucket(group: IProcessGroup, steps: int = 4) -> dict[str, Any]
 
 def cuda_ddp_timeline(group: IProcessGroup, path: str, steps: int = 3) -> dict[str, Any]:
     """A DDP timeline recorded on CUDA parameters: every step's buckets, launched and seen done."""
-    from ddp.timeline import load_timeline
+    from ddp.observe.timeline import load_timeline
 
     device = use_gpu(group)
     rank, world = group.rank, group.world_size
