@@ -29,7 +29,7 @@ from ddp.hooks import (
     fp16_compress_hook,
     powerSGD_hook,
 )
-from ddp.join import Join, JoinHook
+from ddp.join import Join, Joinable, JoinHook
 from ddp.observe.stats import BucketTiming, StepStats
 from ddp.observe.timeline import TimelineWriter
 from ddp.replicas import broadcast_module_states, verify_same_model
@@ -51,6 +51,7 @@ __all__ = [
     "GradientScaling",
     "Join",
     "JoinHook",
+    "Joinable",
     "MissingGradientsError",
     "ModelMismatchError",
     "NonFiniteGradientError",

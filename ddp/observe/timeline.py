@@ -231,10 +231,6 @@ class TimelineWriter:
         """True after ``close()``."""
         return self._closed
 
-    def wall_us(self, perf_counter_value: float) -> float:
-        """Convert a ``time.perf_counter()`` value to this trace's clock (µs since the Unix epoch)."""
-        return self._wall0_us + (perf_counter_value - self._perf0) * 1e6
-
     def __repr__(self) -> str:
         return (
             f"TimelineWriter({str(self._path)!r}, rank={self._rank}, world_size={self._world_size}, "

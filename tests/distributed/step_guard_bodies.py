@@ -182,7 +182,7 @@ def case_normal_training(group: IProcessGroup, hook: bool = True) -> dict[str, A
         "buckets": ddp.bucket_manager.num_buckets,
         "params": len(list(model.parameters())),
         "grads": grads,
-        "forwards": ddp._guard.forwards,  # noqa: SLF001 - what the agreement compares
+        "forwards": ddp._sync.guard.forwards,  # noqa: SLF001 - what the agreement compares
     }
 
 
