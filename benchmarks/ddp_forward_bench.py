@@ -38,24 +38,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import commlib  # noqa: E402
-from commlib.work import CompletedWork, Work  # noqa: E402
+from benchmarks.ddp_step_bench import NullGroup  # noqa: E402
 from ddp import DistributedDataParallel  # noqa: E402
 
 MODES = ("module", "ddp", "ddp-no_sync")
-
-
-class NullGroup(commlib.IProcessGroup):
-    """A group of one rank whose collectives do nothing: DDP's own costs alone."""
-
-    backend_name = "null"
-
-    def _done(self, *_: Any) -> Work:
-        return CompletedWork()
-
-    _all_reduce = _broadcast = _all_gather = _reduce_scatter = _barrier = _done  # type: ignore[assignment]
-
-    def _close(self) -> None:
-        return
 
 
 class ManyParameters(nn.Module):

@@ -25,6 +25,7 @@ from commlib.work import Work
 from ddp import DistributedDataParallel, Join
 from ddp.observe.timeline import load_timeline
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
+from tests.distributed.step_guard_bodies import FailsInBackward
 
 _BUILD_LOCK = threading.Lock()  # threaded ranks share torch's global generator
 
@@ -39,7 +40,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, mode: str = "clean") -> torch.Tensor:
         h = torch.tanh(self.a(x))
         if mode == "abandon":  # raises in backward after c's and b's gradients are in
-            h = _FailsInBackward.apply(h)
+            h = FailsInBackward.apply(h)
         if mode == "missing":  # b gets no gradient
             return self.c(h)
         if mode == "repeated":  # b in two reentrant checkpointed segments: two gradients
@@ -48,16 +49,6 @@ class Net(nn.Module):
         else:
             h = torch.tanh(self.b(h))
         return self.c(h)
-
-
-class _FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise ArithmeticError("this backward fails here")
 
 
 def _net() -> Net:
@@ -92,7 +83,7 @@ def _goes_wrong(group: FakeProcessGroup, case: str) -> dict[str, Any]:
         elif case == "out_of_step":  # rank 0's backward fails before any gradient; it goes on
             if group.rank == 0:
                 with contextlib.suppress(ArithmeticError):
-                    _FailsInBackward.apply(ddp(x).sum()).backward()
+                    FailsInBackward.apply(ddp(x).sum()).backward()
             step()
         elif case == "abandoned":
             with contextlib.suppress(ArithmeticError):

@@ -20,8 +20,8 @@ from ddp import DistributedDataParallel, allreduce_hook
 from tests.distributed.ddp_feature_bodies import batch, mlp
 
 
-class _FailsInBackward(torch.autograd.Function):
-    """Identity in forward; its backward raises, before any parameter's gradient is computed."""
+class FailsInBackward(torch.autograd.Function):
+    """Identity in forward; its backward raises (applied to the loss: before any parameter's gradient)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ def case_out_of_step(group: IProcessGroup) -> dict[str, Any]:
         x, y = batch(step, world, rank)
         loss = nn.functional.mse_loss(ddp(x), y)
         if step == 0 and rank == 0:
-            loss = _FailsInBackward.apply(loss)
+            loss = FailsInBackward.apply(loss)
         try:
             loss.backward()
             outcomes.append("ok")

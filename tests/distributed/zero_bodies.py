@@ -667,8 +667,9 @@ def case_join(group: Any, counts: list[int], gradient_sync: str) -> dict[str, An
     for zero in (True, False):
         sync = gradient_sync if zero else "allreduce"
         model = DistributedDataParallel(build("plain", 7), group, bucket_size_mb=0.0002, gradient_sync=sync)
+        opt: torch.optim.Optimizer
         if zero:
-            opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.05)
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.05)
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
         with Join([model, opt] if zero else [model]):
