@@ -32,8 +32,9 @@ steps (at least 12), ratios as medians of per-round ratios.
 After the timed steps, instrumented steps measure, for commlib's DDP:
 
 - ``hooks ms``: time per step inside the per-parameter gradient hooks (their
-  entry point ``_on_grad`` wrapped with a timer), and ``end ms``: inside the
-  end-of-backward callback (``_end_of_backward``: the final wait included).
+  entry point ``GradSync.register_grad_ready`` wrapped with a timer), and ``end ms``:
+  inside the end-of-backward callback (``GradSync._end_of_backward``: the final wait
+  included).
 - ``calls/param``: Python function calls (``sys.setprofile`` "call" events,
   installed inside the wrapped entry points, so on whichever thread autograd
   runs them) per parameter per step, counting the hook closure itself, plus
@@ -154,16 +155,18 @@ class CallCounter:
 class HookMeter:
     """Times and counts commlib DDP's Python work in backward by wrapping its two entry points.
 
-    The per-parameter hooks call ``ddp._on_grad(index)`` and backward's end runs
-    ``ddp._end_of_backward``; both are looked up on the instance, so wrappers set
-    there see every call, on whichever thread autograd runs them.
+    The per-parameter hooks call ``sync.register_grad_ready(index)`` and backward's
+    end runs ``sync._end_of_backward`` (``sync``: the model's ``GradSync``); both are
+    looked up on the instance, so wrappers set there see every call, on whichever
+    thread autograd runs them.
     """
 
-    ENTRY_POINTS = ("_on_grad", "_end_of_backward")
+    ENTRY_POINTS = ("register_grad_ready", "_end_of_backward")
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
         self.ddp = ddp
-        self.available = all(callable(getattr(ddp, name, None)) for name in self.ENTRY_POINTS)
+        self.sync = getattr(ddp, "_sync", None)
+        self.available = all(callable(getattr(self.sync, name, None)) for name in self.ENTRY_POINTS)
         self.hook_s = 0.0
         self.end_s = 0.0
         self.hook_calls = 0
@@ -178,7 +181,8 @@ class HookMeter:
         self.hook_s = self.end_s = 0.0
         self.hook_calls = 0
         self.counter = CallCounter() if count else None
-        on_grad, end = self.ddp._on_grad, self.ddp._end_of_backward  # noqa: SLF001
+        sync = self.sync
+        on_grad, end = sync.register_grad_ready, sync._end_of_backward  # type: ignore[union-attr]  # noqa: SLF001
 
         def wrapped_on_grad(index: int) -> None:
             self.hook_calls += 1
@@ -195,12 +199,12 @@ class HookMeter:
             finally:
                 self.end_s += time.perf_counter() - start
 
-        self.ddp._on_grad = wrapped_on_grad  # type: ignore[method-assign]  # noqa: SLF001
-        self.ddp._end_of_backward = wrapped_end  # type: ignore[method-assign]  # noqa: SLF001
+        sync.register_grad_ready = wrapped_on_grad  # type: ignore[method-assign, union-attr]
+        sync._end_of_backward = wrapped_end  # type: ignore[method-assign, union-attr]  # noqa: SLF001
         try:
             yield self
         finally:
-            del self.ddp._on_grad, self.ddp._end_of_backward  # back to the class's methods
+            del sync.register_grad_ready, sync._end_of_backward  # type: ignore[union-attr]  # the class's
 
     def _run(self, fn: Callable[..., None], *args: Any) -> None:
         counter = self.counter

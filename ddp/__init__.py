@@ -29,12 +29,12 @@ from ddp.hooks import (
     fp16_compress_hook,
     powerSGD_hook,
 )
-from ddp.join import Join, JoinHook
-from ddp.param_gather_stats import ParamGatherStats
+from ddp.join import Join, Joinable, JoinHook
+from ddp.observe.stats import BucketTiming, StepStats
+from ddp.observe.timeline import TimelineWriter
 from ddp.replicas import broadcast_module_states, verify_same_model
-from ddp.stats import BucketTiming, StepStats
-from ddp.timeline import TimelineWriter
 from ddp.zero import ParameterPartition, ZeroRedundancyOptimizer
+from ddp.zero.gather_stats import ParamGatherStats
 
 __all__ = [
     "AbandonedBackwardError",
@@ -51,6 +51,7 @@ __all__ = [
     "GradientScaling",
     "Join",
     "JoinHook",
+    "Joinable",
     "MissingGradientsError",
     "ModelMismatchError",
     "NonFiniteGradientError",

@@ -34,6 +34,7 @@ from ddp.cost_model import (
     simulate_schedule,
 )
 from ddp.devices import comm_device, control_tensor, to_host
+from ddp.observe.stats import StepRecorder
 
 __all__ = ["AutoBucketReport", "AutoBucketSizer", "TUNE_AFTER_BACKWARDS"]
 
@@ -157,11 +158,15 @@ class AutoBucketSizer:
         """The cap to use now, in MiB."""
         return self.report.cap_mb
 
-    def after_synced_backward(self, manager: GradientBucketManager) -> bool:
+    def after_synced_backward(self, manager: GradientBucketManager, recorder: StepRecorder) -> bool:
         """Count a synchronised backward; after the ``TUNE_AFTER_BACKWARDS``-th, re-size from it.
 
         Collective on that call (one broadcast from rank 0). Must run after the
         backward's collectives were waited for.
+
+        Args:
+            manager: The buckets (their layout, and the gradients' arrival times).
+            recorder: The backward's record (its start and end, the buckets' times).
 
         Returns:
             True if the buckets were laid out again.
@@ -173,8 +178,8 @@ class AutoBucketSizer:
         values = [0.0] * 5
         candidates: tuple[tuple[int, int, float], ...] = ()
         if group.rank == 0:
-            chosen, tried, seed_result, backward, busy_model = _simulate(report, manager)
-            self._measured = (busy_model.bandwidth_Bps, manager.order, _arrivals(manager), backward)
+            chosen, tried, seed_result, backward, busy_model = _simulate(report, manager, recorder)
+            self._measured = (busy_model.bandwidth_Bps, manager.order, _arrivals(manager, recorder), backward)
             values = [chosen.cap_bytes, chosen.cost_s, seed_result.cost_s, backward, busy_model.bandwidth_Bps]
             candidates = tuple((r.cap_bytes, r.num_buckets, r.cost_s) for r in tried)
         decision = control_tensor(group, values, torch.float64)
@@ -194,14 +199,13 @@ class AutoBucketSizer:
 
 
 def _simulate(
-    report: AutoBucketReport, manager: GradientBucketManager
+    report: AutoBucketReport, manager: GradientBucketManager, recorder: StepRecorder
 ) -> tuple[ScheduleResult, list[ScheduleResult], ScheduleResult, float, CommCostModel]:
     """Rank 0's side: the measured backward, and the schedule of every candidate cap."""
-    recorder = manager.recorder
     end = recorder.backward_end if not math.isnan(recorder.backward_end) else time.perf_counter()
     backward = end - recorder.start
     params = manager.params
-    arrival = _arrivals(manager)
+    arrival = _arrivals(manager, recorder)
     order = manager.order
     busy = in_backward(report.cost_model, recorder.service_times())
     chosen, tried = choose_bucket_size(
@@ -219,9 +223,9 @@ def _simulate(
     return chosen, tried, seed_result, backward, busy
 
 
-def _arrivals(manager: GradientBucketManager) -> list[float]:
+def _arrivals(manager: GradientBucketManager, recorder: StepRecorder) -> list[float]:
     """Seconds from the first gradient to each parameter's (0 for those that got none: ready at once)."""
-    start = manager.recorder.start
+    start = recorder.start
     arrival = [0.0] * len(manager.names)
     for index, at in zip(manager.arrival_order, manager.arrival_times, strict=False):
         arrival[index] = at - start

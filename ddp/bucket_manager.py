@@ -17,11 +17,10 @@ from ddp.bucket import GradientBucket
 from ddp.bucket_sync import BucketSync, CommHook, PendingSync
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
-from ddp.errors import BucketOrderError, with_context
+from ddp.errors import BucketOrderError, CommHookError, NonFiniteGradientError, with_context
 from ddp.nonfinite import NonFiniteCheck
-from ddp.shard_sync import ReduceScatterBuckets
-from ddp.stats import StepRecorder
 from ddp.touched_rows import TouchedRows
+from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
 
@@ -90,13 +89,12 @@ class GradientBucketManager:
     """The buckets of a set of parameters: their layout, their gradients' readiness, their communication.
 
     This object is the one owner of whether a gradient has arrived (Megatron's
-    bucket group; buckets are passive layouts). ``register_grad_ready`` takes a
-    final gradient into its bucket (a gradient that arrived as a fresh tensor is
-    copied into its view, scaled in the same pass) and launches every bucket that
-    became launchable; ``finish_grad_sync`` waits for them and leaves every
-    ``.grad`` a view holding the result. Observers (the ``StepRecorder`` in
-    ``recorder``, or any added with ``add_observer``) are told of each bucket's
-    ready, launch and done, and keep no copy of the state.
+    bucket group; buckets are passive layouts), and ``mark_ready`` its one writer:
+    it takes a final gradient into its bucket (a gradient that arrived as a fresh
+    tensor is copied into its view, scaled in the same pass) and launches every
+    bucket that became launchable; ``finish_grad_sync`` waits for them and leaves
+    every ``.grad`` a view holding the result. Observers (``add_observer``) are
+    told of each bucket's ready, launch and done, and keep no copy of the state.
 
     Buckets are launched strictly in bucket order on every rank: a bucket that
     completes early waits until every bucket before it has been launched, so all
@@ -122,7 +120,7 @@ class GradientBucketManager:
             on every rank if any rank found one (see ``DDPConfig``).
         gradient_sync: ``"allreduce"`` or ``"reduce_scatter"``: each bucket is
             padded to a multiple of ``world_size`` elements and reduce-scattered;
-            each rank gets its shard only (see ``ddp.shard_sync``).
+            each rank gets its shard only (see ``ddp.zero.shard_sync``).
         order: Order in which gradients are expected (indices into ``params``);
             default: reverse registration order, the order backward produces them.
         row_sparse: Indices of CPU parameters whose gradients are zero outside the
@@ -223,8 +221,7 @@ class GradientBucketManager:
         self.padding_bytes = 0
         """Bytes of padding in the buckets launched in this iteration (reduce-scatter mode)."""
         self._reduced = False  # every bucket's reduction has landed, and nothing has arrived since
-        self.recorder = StepRecorder()
-        self._observers: list[Any] = [self.recorder]
+        self._observers: list[Any] = []
         self._buckets: list[GradientBucket] = []
         self._inflight: list[PendingSync | None] = []
         self._rows: list[TouchedRows | None] = []
@@ -412,12 +409,21 @@ class GradientBucketManager:
         self._observers.append(observer)
 
     # ------------------------------------------------------------ gradients
-    def reset(self) -> None:
-        """Start an iteration: forget which gradients are ready, and start recording.
+    def reset(self, average_over: int | None = None) -> None:
+        """Start an iteration: forget which gradients are ready, and tell the observers.
 
         ``register_grad_ready`` and ``reduce_all_async`` call it themselves when the
         previous iteration has been finished.
+
+        Args:
+            average_over: With ``reduce_op=AVG`` and no communication hook, divide
+                this iteration's gradients by this many ranks instead of the world
+                size (``Join`` with ``divide_by_initial_world_size=False``).
         """
+        scaling = self._sync.average_over(average_over)
+        if scaling != self._sync.scaling:
+            self._sync.scaling = scaling
+            self._refresh_scaling()
         self._active = True
         self._ready[:] = bytes(len(self._ready))
         self._pending[:] = self._sizes
@@ -451,15 +457,7 @@ class GradientBucketManager:
         index = param if isinstance(param, int) else self.index_of(param)
         if not self._active:
             self.reset()
-        if self._ready[index]:
-            return False
-        self._in_window[index] = 1
-        self.arrival_order.append(index)
-        if self.record_arrival_times:
-            self.arrival_times.append(time.perf_counter())
-        self._make_ready(index)
-        self._poll_done()
-        return True
+        return self.mark_ready(index, arrived=True)
 
     def mark_unused(self, index: int) -> None:
         """Mark parameter ``index`` ready although backward will not produce its gradient.
@@ -467,8 +465,18 @@ class GradientBucketManager:
         Its slice keeps what it holds (an accumulated gradient from ``no_sync`` steps,
         scaled now), or zeros if its ``.grad`` is None; it contributes that.
         """
-        if not self._ready[index]:
-            self._make_ready(index)
+        self.mark_ready(index, arrived=False)
+
+    def launch_zeros(self) -> None:
+        """Contribute zeros for every gradient not ready yet, and launch every bucket left, in order.
+
+        A rank that has run out of inputs (``ddp.Join``) takes part in the others'
+        collectives this way; ``finish_grad_sync`` then waits for them as usual.
+        """
+        if not self._active:
+            self.reset()
+        for index, _ in self.missing():
+            self.mark_ready(index, arrived=False, zero=True)
 
     def accumulate(self, index: int) -> None:
         """Take the gradient of parameter ``index`` into its view without marking it ready (``no_sync``)."""
@@ -480,12 +488,37 @@ class GradientBucketManager:
             self.grads_copied += 1
         self._in_window[index] = 1
 
-    def _make_ready(self, index: int) -> None:
+    def mark_ready(self, index: int, *, arrived: bool, zero: bool = False) -> bool:
+        """Make parameter ``index``'s slice final for this iteration: the one writer of readiness.
+
+        Then launch, in bucket order, every bucket that became launchable, and note
+        the buckets seen complete. Call ``reset`` first in each iteration.
+
+        Args:
+            index: The parameter, in registration order.
+            arrived: Its gradient arrived in this iteration (recorded in
+                ``arrival_order``); False for a parameter that gets none (its slice
+                contributes what it holds, or zeros where ``.grad`` is None).
+            zero: Contribute zeros whatever the slice holds (a rank that has joined).
+
+        Returns:
+            False if the slice was already final in this iteration (nothing done), else True.
+        """
+        if self._ready[index]:
+            return False
         self._ready[index] = 1
+        if arrived:
+            self._in_window[index] = 1
+            self.arrival_order.append(index)
+            if self.record_arrival_times:
+                self.arrival_times.append(time.perf_counter())
         b = self._bucket_of[index]
         param, view = self._params[index], self._views[index]
         grad = param.grad
-        if grad is view:
+        if zero:
+            view.zero_()
+            param.grad = view
+        elif grad is view:
             self._adopt_scaling[b].apply_(view)
         elif grad is None:
             view.zero_()
@@ -493,26 +526,20 @@ class GradientBucketManager:
             self._adopt_scaling[b].into(grad, view)
             param.grad = view
             self.grads_copied += 1
-        left = self._pending[b] - 1
-        self._pending[b] = left
+        pending = self._pending
+        left = pending[b] = pending[b] - 1
         if not left:
             for observer in self._observers:
                 observer.ready(b)
-            if b == self._next_launch:
-                self._launch_in_order()
-
-    def launch_zeros(self) -> None:
-        """Start an iteration in which this rank contributes zeros: zero every bucket, launch all in order.
-
-        A rank that has run out of inputs (``ddp.Join``) takes part in the others'
-        collectives this way; ``finish_grad_sync`` then waits for them as usual.
-        """
-        self.reset()
-        for bucket in self._buckets:
-            bucket.grad_data.zero_()
-        self._ready[:] = b"\x01" * len(self._ready)
-        self._pending[:] = [0] * len(self._buckets)
-        self._launch_in_order()
+            count = len(self._buckets)
+            while self._next_launch < count and not pending[self._next_launch]:
+                self._launch(self._next_launch)
+        inflight = self._inflight
+        while self._next_done < self._next_launch and inflight[self._next_done].is_completed():  # type: ignore[union-attr]
+            for observer in self._observers:
+                observer.done(self._next_done)
+            self._next_done += 1
+        return True
 
     def missing(self) -> list[tuple[int, int]]:
         """``(parameter index, bucket index)`` of every gradient not yet ready."""
@@ -548,20 +575,20 @@ class GradientBucketManager:
         self._in_window[:] = bytes(len(self._in_window))
 
     # ---------------------------------------------------------- collectives
-    def _launch_in_order(self) -> None:
-        pending, count = self._pending, len(self._buckets)
-        while self._next_launch < count and not pending[self._next_launch]:
-            self.reduce_bucket_async(self._next_launch)
-
-    def _poll_done(self) -> None:
-        inflight = self._inflight
-        while self._next_done < self._next_launch and inflight[self._next_done].is_completed():  # type: ignore[union-attr]
-            for observer in self._observers:
-                observer.done(self._next_done)
-            self._next_done += 1
+    def _launch(self, index: int) -> None:
+        bucket = self._buckets[index]
+        start = time.perf_counter()
+        try:
+            self._inflight[index] = self._sync.launch(bucket, self._rows[index])
+        except CommHookError as e:  # this rank's hook failed: reported by finish_grad_sync, in bucket order
+            self._inflight[index] = PendingSync(error=e)
+        self.padding_bytes += bucket.padding * bucket.comm_data.element_size()
+        self._next_launch = index + 1
+        for observer in self._observers:
+            observer.launched(index, bucket.comm_nbytes, len(bucket.params), start)
 
     def reduce_bucket_async(self, index: int) -> None:
-        """Launch bucket ``index`` now: the one place buckets are launched.
+        """Launch bucket ``index`` now.
 
         It must be the next in order (see the class docstring), with all its
         gradients ready.
@@ -581,13 +608,7 @@ class GradientBucketManager:
                 f"{self._prefix('reduce_bucket_async')}bucket {index} has {self.ready_count(index)}/"
                 f"{self._sizes[index]} gradients ready; missing: {', '.join(self.missing_names(index)[:8])}"
             )
-        bucket = self._buckets[index]
-        start = time.perf_counter()
-        self._inflight[index] = self._sync.launch(bucket, self._rows[index])
-        self.padding_bytes += bucket.padding * bucket.comm_data.element_size()
-        self._next_launch = index + 1
-        for observer in self._observers:
-            observer.launched(index, bucket.comm_nbytes, len(bucket.params), start)
+        self._launch(index)
 
     def reduce_all_async(self) -> None:
         """Mark every gradient ready and launch every bucket not yet launched, in order.
@@ -600,14 +621,15 @@ class GradientBucketManager:
         for index in range(len(self._params)):
             if not self._ready[index]:
                 self._in_window[index] = 1
-                self._make_ready(index)
-        self._launch_in_order()
+                self.mark_ready(index, arrived=False)
 
     def finish_grad_sync(self, timeout: float | None = None) -> float:
         """Wait, in order, for every launched bucket; land the results; make every ``.grad`` its view.
 
         With ``check_for_nan_in_grad`` the ranks then agree (one small all-reduce)
-        on whether any rank's gradients held NaN or Inf.
+        on whether any rank's gradients held NaN or Inf. A communication hook that
+        failed on this rank is reported after all of that, so that this rank still
+        issues what the others do.
 
         Args:
             timeout: Seconds for the whole wait (default: the group's timeout).
@@ -618,12 +640,15 @@ class GradientBucketManager:
         Raises:
             CommTimeoutError: The collectives did not finish in time.
             CommError: A collective failed (the message names the bucket).
+            CommHookError: The communication hook failed for a bucket on this rank
+                (the first such bucket).
             NonFiniteGradientError: Some rank's gradients held NaN or Inf (on every rank).
         """
         budget = self.group.timeout if timeout is None else timeout
         start = time.perf_counter()
         deadline = start + budget
         sync = self._sync
+        failed: CommHookError | None = None
         # Every launched bucket is waited on, even one already seen complete: the
         # result is only valid once wait() has returned (a backend may finish there).
         for b in range(self._next_waited, self._next_launch):
@@ -631,6 +656,8 @@ class GradientBucketManager:
             assert pending is not None
             try:
                 sync.finish(bucket, pending, max(deadline - time.perf_counter(), 0.001))
+            except CommHookError as e:
+                failed = failed or e
             except CommError as e:
                 raise with_context(
                     e,
@@ -649,7 +676,13 @@ class GradientBucketManager:
         for bucket in self._buckets[: self._next_launch]:
             bucket.copy_back()
         if sync.check is not None and self._buckets:
-            sync.check.agree(self._buckets)
+            try:
+                sync.check.agree(self._buckets)
+            except NonFiniteGradientError:
+                if failed is None:
+                    raise
+        if failed is not None:
+            raise failed
         return time.perf_counter() - start
 
     def copy_back_all(self) -> None:

@@ -5,7 +5,7 @@ bucket (another dtype or device, if any), scales it if scaling was not already
 fused into the copies, checks it for NaN and Inf when asked, and starts its
 collective: an all-reduce of the bucket (the default), for a bucket of embedding
 gradients the exchange of their touched rows (``ddp.touched_rows``), a
-reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.shard_sync``) or
+reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.zero.shard_sync``) or
 the registered communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
 message naming the bucket, and lands the result in the gradients.
 """
@@ -28,8 +28,8 @@ from ddp.config import GradientScaling
 from ddp.devices import CommStreams
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
-from ddp.shard_sync import ReduceScatterBuckets
 from ddp.touched_rows import TouchedRows
+from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
 
@@ -59,19 +59,22 @@ class PendingSync:
 
     For a touched-rows exchange (``rows``), ``work`` is its first collective (the
     flags); the second runs in ``BucketSync.finish``, so it is not complete before.
+    ``error``: the communication hook failed at launch; ``BucketSync.finish`` raises it.
     """
 
-    __slots__ = ("work", "future", "settled", "rows")
+    __slots__ = ("work", "future", "settled", "rows", "error")
 
     def __init__(
         self,
         work: Work | None = None,
         future: torch.futures.Future[Any] | None = None,
         rows: TouchedRows | None = None,
+        error: CommHookError | None = None,
     ) -> None:
         self.work = work
         self.future = future
         self.rows = rows
+        self.error = error
         self.settled: threading.Event | None = None
         if future is not None:
             event = self.settled = threading.Event()
@@ -81,6 +84,8 @@ class PendingSync:
         """True once the collective (or the hook's future) has finished, without blocking."""
         if self.rows is not None:
             return False
+        if self.error is not None:
+            return True
         if self.work is not None:
             return self.work.is_completed()
         return self.future is not None and self.future.done()
@@ -113,6 +118,7 @@ class BucketSync:
         self.shards = shards
         self.op = op
         self.scaling = scaling
+        self._configured = scaling
         self.check = check
         self.streams = CommStreams()
         self.hook: CommHook | None = None
@@ -130,6 +136,16 @@ class BucketSync:
         scaling does not round in the narrow one.
         """
         return self.hook is None and bucket.comm_dtype != bucket.dtype and not self.scaling.is_identity
+
+    def average_over(self, ranks: int | None) -> GradientScaling:
+        """The scaling that averages over ``ranks`` ranks (None: the configured one).
+
+        Only the average (a divisor, no factor of the user's) is re-weighted.
+        """
+        configured = self._configured
+        if ranks is None or configured.divisor == 1 or configured.factor != 1.0:
+            return configured
+        return GradientScaling(divisor=ranks)
 
     def adopt_scaling(self, bucket: GradientBucket) -> GradientScaling:
         """The scaling fused into the copies of ``bucket``'s gradients (identity if none)."""
@@ -177,7 +193,15 @@ class BucketSync:
 
     def _call_hook(self, bucket: GradientBucket) -> torch.futures.Future[Any]:
         assert self.hook is not None
-        future = self.hook(self.hook_state, bucket)
+        try:
+            future = self.hook(self.hook_state, bucket)
+        except CommError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a hook's failure, named
+            raise CommHookError(
+                f"{self._prefix()}the communication hook {getattr(self.hook, '__qualname__', self.hook)!r} "
+                f"raised for bucket {bucket.index()}: {type(e).__name__}: {e}"
+            ) from e
         if not _is_torch_future(future):
             hint = (
                 "; it returned a commlib Work: return work.get_future() (a torch future) instead"
@@ -204,6 +228,8 @@ class BucketSync:
             CommError: The collective or the hook failed (the message names the bucket).
         """
         cuda = CommStreams.applies(bucket.comm_device)
+        if pending.error is not None:
+            raise pending.error
         if pending.rows is not None:
             assert pending.work is not None
             pending.rows.finish(pending.work, self.op, timeout)

@@ -15,9 +15,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp
+from commlib.types import ReduceOp, dtype_name
+from ddp.config import DDPConfig, reduce_dtype_for
 
-__all__ = ["CommStreams", "comm_device", "control_buffer", "control_tensor", "to_host"]
+__all__ = ["CommStreams", "check_reducible", "comm_device", "control_buffer", "control_tensor", "to_host"]
 
 
 def comm_device(group: IProcessGroup, dtype: torch.dtype, device: torch.device) -> torch.device:
@@ -29,6 +30,30 @@ def comm_device(group: IProcessGroup, dtype: torch.dtype, device: torch.device) 
     if group.supports(ReduceOp.SUM, dtype, device):
         return device
     return group.preferred_device()
+
+
+def check_reducible(
+    group: IProcessGroup, params: Sequence[torch.Tensor], config: DDPConfig, prefix: str
+) -> None:
+    """Raise ``ValueError`` unless ``group`` can reduce the gradients of ``params`` as ``config`` asks.
+
+    No communication: every rank decides alike from its own (identical) model.
+    """
+    op = config.collective_op
+    for dtype, device in sorted({(p.dtype, p.device) for p in params}, key=str):
+        reduce_dtype = reduce_dtype_for(dtype, config.grad_reduce_dtype)
+        try:
+            where = comm_device(group, reduce_dtype, device)
+        except ValueError:
+            where = device
+        if not group.supports(op, reduce_dtype, where):
+            raise ValueError(
+                f"{prefix}the {group.backend} backend cannot reduce "
+                f"{dtype_name(reduce_dtype)} gradients on {where} with {op.name} (the parameters are "
+                f"{dtype_name(dtype)} on {device}; the group takes {sorted(group.devices)}); convert "
+                "the model (model.float()), move it to a supported device, pass grad_reduce_dtype, or "
+                "choose another backend"
+            )
 
 
 def control_buffer(group: IProcessGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,22 +1,25 @@
 """``Join``: train with uneven inputs; ranks that run out of batches shadow the others' collectives.
 
-Shaped like ``torch.distributed.algorithms.Join``. Inside the context every
-forward of a joined model starts with one small all-reduce (the *round*): each
-rank still training puts a 1 at its own rank and says whether this iteration
-synchronises gradients and buffers. A rank whose loop has ended enters
-``Join.__exit__`` and runs rounds with zeros; while the round counts ranks still
-training, it shadows what they do in that iteration:
+torch's protocol (``torch.distributed.algorithms.join``), over commlib groups. A
+``Joinable`` (``DistributedDataParallel``, or any class with the same three members)
+gives a ``JoinHook`` (``join_hook``), the device of the join's control tensors
+(``join_device``) and the group they travel on (``join_process_group``). Inside
+``Join([...])``:
 
-- the buffer broadcast at the start of the forward (from the lowest rank still
-  training: rank 0's buffers while rank 0 trains, as without ``Join``);
-- every bucket's collective, in bucket order, with zero gradients (a registered
-  communication hook runs on the zeroed bucket, as torch's join hook runs it), then
-  the used-parameter map (``find_unused_parameters``), the NaN agreement
-  (``check_for_nan_in_grad``) and the one-time bucket rebuild, as a backward does.
+- each iteration, the forward of the first joinable calls
+  ``Join.notify_join_context(self)``: one all-reduce of two integers, where every
+  rank still training puts a 1 (and learns whether a joined rank asked all to stop,
+  ``throw_on_early_termination``);
+- a rank whose loop has ended runs the same all-reduce with zeros in
+  ``Join.__exit__``; while it counts ranks still training, it runs each joinable's
+  ``main_hook``, which shadows that joinable's collectives of one iteration; once it
+  counts none, each joinable's ``post_hook``, and every rank leaves.
 
-When a round counts no rank training, every rank leaves: the ranks that joined last
-(the ones with the most batches) agree on the lowest of them and broadcast its
-parameters and buffers to all, since joined ranks did not step their optimizers.
+A joinable agrees on the rest itself. ``DistributedDataParallel`` runs one more
+small all-reduce per forward (``join_round``): which ranks still train (buffers are
+broadcast from the lowest of them) and whether this iteration synchronises
+gradients and buffers, so that a joined rank shadows exactly that (see its
+``join_hook``).
 
 Weighting: by default (``divide_by_initial_world_size=True``, torch's default) the
 gradient of an iteration is the sum of the training ranks' gradients divided by the
@@ -30,78 +33,113 @@ more).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import types
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
 from commlib.errors import CollectiveMismatchError, error_prefix
+from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.devices import control_tensor, to_host
 from ddp.errors import EarlyTerminationError
 from ddp.replicas import broadcast_module_states
 
-if TYPE_CHECKING:
-    from ddp.distributed import DistributedDataParallel
+__all__ = [
+    "Join",
+    "JoinConfig",
+    "JoinHook",
+    "JoinRound",
+    "Joinable",
+    "adopt_last_joiners_states",
+    "join_round",
+]
 
-__all__ = ["Join", "JoinHook", "JoinRound"]
 
-_EXTRA = 3  # grad-sync count, buffer-sync count, early-termination count
+class JoinHook:
+    """What a joined rank does for one joinable: ``main_hook`` each iteration, ``post_hook`` at the end."""
+
+    def main_hook(self) -> None:
+        """Shadow the collectives of one iteration of the ranks still training."""
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Run once every rank has joined; ``is_last_joiner``: this rank had the most inputs."""
+
+
+class JoinConfig(NamedTuple):
+    """A joinable's part in the ``Join`` it is in (torch's ``_JoinConfig``)."""
+
+    enable: bool
+    throw_on_early_termination: bool
+    is_first_joinable: bool
+
+
+_NOT_JOINING = JoinConfig(enable=False, throw_on_early_termination=False, is_first_joinable=False)
+
+
+class Joinable(abc.ABC):
+    """A class whose collectives a ``Join`` can shadow (torch's ``Joinable``).
+
+    Its per-iteration entry point (a model's forward) calls
+    ``Join.notify_join_context(self)`` before its own collectives.
+    """
+
+    _join_config: JoinConfig = _NOT_JOINING
+
+    @abc.abstractmethod
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a joined rank runs for this joinable; ``kwargs`` are the ``Join``'s."""
+
+    @property
+    @abc.abstractmethod
+    def join_device(self) -> torch.device:
+        """Device of the join's control tensors."""
+
+    @property
+    @abc.abstractmethod
+    def join_process_group(self) -> IProcessGroup:
+        """The commlib group the join's collectives run on."""
 
 
 @dataclasses.dataclass(frozen=True)
 class JoinRound:
-    """What the ranks agreed in one round (one forward of the ranks still training).
+    """What the ranks agreed in one ``join_round`` (one iteration of the ranks still training).
 
     Attributes:
         training: Ranks still training.
         src: The lowest of them (buffers are broadcast from it), -1 if none.
         sync_grads: Whether their backward synchronises gradients.
         sync_buffers: Whether their forward broadcasts buffers.
-        terminate: Whether a joined rank asked all to stop (``throw_on_early_termination``).
     """
 
     training: int
     src: int
     sync_grads: bool
     sync_buffers: bool
-    terminate: bool
-
-
-@dataclasses.dataclass
-class _JoinState:
-    """A model's part in an active ``Join``: its options and the latest round."""
-
-    throw_on_early_termination: bool
-    divide_by_initial_world_size: bool
-    last: JoinRound | None = None
 
 
 def join_round(
-    ddp: DistributedDataParallel, *, training: bool, sync_grads: bool, sync_buffers: bool, terminate: bool
+    group: IProcessGroup, *, training: bool, sync_grads: bool = False, sync_buffers: bool = False
 ) -> JoinRound:
-    """Run one round: one all-reduce of ``world_size + 3`` integers on ``ddp``'s group."""
-    group = ddp.process_group
+    """Agree on what this iteration does: one all-reduce of ``world_size + 2`` integers.
+
+    Raises:
+        CollectiveMismatchError: The ranks still training disagree on whether this
+            iteration synchronises gradients or buffers.
+    """
     world = group.world_size
-    values = [0] * (world + _EXTRA)
+    values = [0] * (world + 2)
     if training:
         values[group.rank] = 1
         values[world] = int(sync_grads)
         values[world + 1] = int(sync_buffers)
-    values[world + 2] = int(terminate)
     tensor = control_tensor(group, values, torch.int64)
     group.all_reduce(tensor, ReduceOp.SUM)
     got = to_host(tensor).tolist()
     active = [r for r in range(world) if got[r]]
-    result = JoinRound(
-        training=len(active),
-        src=active[0] if active else -1,
-        sync_grads=bool(got[world]),
-        sync_buffers=bool(got[world + 1]),
-        terminate=bool(got[world + 2]),
-    )
     if any(got[world + k] not in (0, len(active)) for k in (0, 1)):
         raise CollectiveMismatchError(
             f"{error_prefix(group.rank, world, 'ddp', 'join')}the {len(active)} ranks still training "
@@ -109,52 +147,28 @@ def join_round(
             "broadcast buffers; every rank must run the same forwards (inside or outside no_sync(), "
             "with grad enabled or not) in the same order"
         )
-    return result
+    return JoinRound(
+        training=len(active),
+        src=active[0] if active else -1,
+        sync_grads=bool(got[world]),
+        sync_buffers=bool(got[world + 1]),
+    )
 
 
-class JoinHook:
-    """What a joined rank does for one model: ``main_hook`` each round, ``post_hook`` at the end (torch's)."""
+def adopt_last_joiners_states(
+    group: IProcessGroup, tensors: list[torch.Tensor], is_last_joiner: bool
+) -> None:
+    """Copy into every rank the ``tensors`` of the lowest rank among those that joined last (collective).
 
-    def main_hook(self) -> None:
-        """Shadow one iteration of the ranks still training."""
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Run once every rank has joined; ``is_last_joiner``: this rank had the most inputs."""
-
-
-class _DDPJoinHook(JoinHook):
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
-        self.ddp = ddp
-        self.divide_by_initial_world_size = divide_by_initial_world_size
-        self.terminate = False
-        self.round: JoinRound | None = None
-
-    def run_round(self) -> JoinRound:
-        self.round = join_round(
-            self.ddp, training=False, sync_grads=False, sync_buffers=False, terminate=self.terminate
-        )
-        return self.round
-
-    def main_hook(self) -> None:
-        r = self.round
-        assert r is not None
-        if r.sync_buffers:
-            self.ddp._sync_buffers(r.src)  # noqa: SLF001 - the join hook is part of the model
-        if r.sync_grads:
-            self.ddp._shadow_synced_backward()  # noqa: SLF001
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        ddp = self.ddp
-        group = ddp.process_group
-        flags = [0] * group.world_size
-        flags[group.rank] = int(is_last_joiner)
-        tensor = control_tensor(group, flags, torch.int64)
-        group.all_reduce(tensor, ReduceOp.SUM)
-        src = next(r for r, f in enumerate(to_host(tensor).tolist()) if f)
-        states: list[torch.Tensor] = list(ddp.module.parameters())
-        if ddp.config.broadcast_buffers:
-            states += list(ddp.module.buffers())
-        broadcast_module_states(group, states, src=src)
+    For a ``post_hook``: the ranks that joined last trained longest; the others did
+    not step in the iterations they shadowed.
+    """
+    flags = [0] * group.world_size
+    flags[group.rank] = int(is_last_joiner)
+    tensor = control_tensor(group, flags, torch.int64)
+    group.all_reduce(tensor, ReduceOp.SUM)
+    src = next(r for r, f in enumerate(to_host(tensor).tolist()) if f)
+    broadcast_module_states(group, tensors, src=src)
 
 
 class Join:
@@ -162,24 +176,24 @@ class Join:
 
     Wrap the training loop; no other change is needed. Inside, each iteration must
     run each model's forward once followed by its backward (when the forward ran
-    with grad enabled outside ``no_sync()``), models in the order given. Costs one
-    all-reduce of ``world_size + 3`` integers per forward. On leaving, every rank
-    holds the parameters (and buffers) of the lowest rank among those that
-    trained longest. A joined rank's optimizer does not step; its ``.grad``
+    with grad enabled outside ``no_sync()``), models in the order given. On leaving,
+    every rank holds the parameters (and buffers) of the lowest rank among those
+    that trained longest. A joined rank's optimizer does not step; its ``.grad``
     holds the last average it shadowed. Collectives of your own inside the loop
     (``SyncBatchNorm``...) are not shadowed: use ``throw_on_early_termination``.
 
     Args:
-        joinables: The ``DistributedDataParallel`` models trained in the loop.
+        joinables: The ``Joinable`` objects of the loop (``DistributedDataParallel``
+            models), over one process group.
         enable: False: do nothing (inputs known to be even).
         throw_on_early_termination: Raise ``EarlyTerminationError`` on every rank
             as soon as one rank runs out of inputs, instead of shadowing.
-        **kwargs: Passed to each model's ``join_hook``:
+        **kwargs: Passed to each ``join_hook``; ``DistributedDataParallel`` takes
             ``divide_by_initial_world_size`` (default True, see the module docstring).
 
     Raises:
-        TypeError: A joinable is not a ``DistributedDataParallel``, or an unknown
-            keyword was given.
+        TypeError: A joinable is not a ``Joinable``.
+        ValueError: The joinables use different process groups.
         EarlyTerminationError: With ``throw_on_early_termination``, on every rank.
 
     Example::
@@ -194,37 +208,40 @@ class Join:
 
     def __init__(
         self,
-        joinables: Iterable[DistributedDataParallel],
+        joinables: Iterable[Joinable],
         enable: bool = True,
         throw_on_early_termination: bool = False,
         **kwargs: Any,
     ) -> None:
-        from ddp.distributed import DistributedDataParallel
-
         self._joinables = list(joinables)
         if not self._joinables:
-            raise ValueError("Join: expected at least one DistributedDataParallel model, got none")
+            raise ValueError("Join: expected at least one joinable (DistributedDataParallel model), got none")
         for j in self._joinables:
-            if not isinstance(j, DistributedDataParallel):
+            if not isinstance(j, Joinable):
                 raise TypeError(
-                    f"Join: joinables must be ddp.DistributedDataParallel models, got {type(j).__name__}"
+                    "Join: joinables must be ddp.Joinable objects such as ddp.DistributedDataParallel "
+                    f"models, got {type(j).__name__}"
                 )
-        unknown = set(kwargs) - {"divide_by_initial_world_size"}
-        if unknown:
-            raise TypeError(f"Join: unexpected keyword arguments {sorted(unknown)}")
+        self._group = self._joinables[0].join_process_group
+        if any(j.join_process_group is not self._group for j in self._joinables):
+            raise ValueError(f"{self._prefix()}the joinables use different process groups; give them one")
+        self._device = self._joinables[0].join_device
         self._enable = enable
         self._throw = throw_on_early_termination
         self._hooks = [j.join_hook(**kwargs) for j in self._joinables]
 
+    def _prefix(self) -> str:
+        return error_prefix(self._group.rank, self._group.world_size, "ddp", "join")
+
     def __enter__(self) -> Join:
         if self._enable:
-            for hook in self._hooks:
-                if hook.ddp._join is not None:  # noqa: SLF001
-                    raise RuntimeError(
-                        f"{hook.ddp._prefix('join')}this model is already inside a Join context; "  # noqa: SLF001
-                        "nest no Join over the same model (one Join may hold several models)"
-                    )
-                hook.ddp._join = _JoinState(self._throw, hook.divide_by_initial_world_size)  # noqa: SLF001
+            if any(j._join_config.enable for j in self._joinables):
+                raise RuntimeError(
+                    f"{self._prefix()}this model is already inside a Join context; nest no Join over the "
+                    "same model (one Join may hold several models)"
+                )
+            for k, j in enumerate(self._joinables):
+                j._join_config = JoinConfig(True, self._throw, is_first_joinable=k == 0)
         return self
 
     def __exit__(
@@ -237,35 +254,58 @@ class Join:
             if self._enable and exc_type is None:
                 self._shadow_until_all_joined()
         finally:
-            for hook in self._hooks:
-                hook.ddp._join = None  # noqa: SLF001
+            if self._enable:
+                for j in self._joinables:
+                    j._join_config = _NOT_JOINING
 
     def _shadow_until_all_joined(self) -> None:
         is_last_joiner = True
         while True:
-            for k, hook in enumerate(self._hooks):
-                hook.terminate = self._throw
-                r = hook.run_round()
-                if r.training == 0:
-                    if k:
-                        raise RuntimeError(
-                            f"{hook.ddp._prefix('join')}no rank trains model {k} any more but some still "  # noqa: SLF001
-                            "train model 0; every iteration must run the models' forwards in the Join's order"
-                        )
-                    for h in self._hooks:
-                        h.post_hook(is_last_joiner)
-                    return
-                if r.terminate:
-                    raise early_termination(hook.ddp)
+            training, terminate = _count(self._group, self._device, training=False, terminate=self._throw)
+            if not training:
+                for hook in self._hooks:
+                    hook.post_hook(is_last_joiner)
+                return
+            if terminate:
+                raise early_termination(self._group)
+            for hook in self._hooks:
                 hook.main_hook()
             is_last_joiner = False
 
+    @staticmethod
+    def notify_join_context(joinable: Joinable) -> None:
+        """Tell the ``Join`` that this rank still trains: one small all-reduce, by the first joinable only.
 
-def early_termination(ddp: DistributedDataParallel) -> EarlyTerminationError:
+        Raises:
+            EarlyTerminationError: A rank ran out of inputs under ``throw_on_early_termination``.
+        """
+        config = joinable._join_config
+        if not config.enable or not config.is_first_joinable:
+            return
+        group = joinable.join_process_group
+        _, terminate = _count(group, joinable.join_device, training=True, terminate=False)
+        if terminate:
+            raise early_termination(group)
+
+
+def _count(group: IProcessGroup, device: torch.device, *, training: bool, terminate: bool) -> tuple[int, int]:
+    """All-reduce ``[training, terminate]`` on ``device``: the ranks still training, and asking to stop."""
+    values = torch.tensor([int(training), int(terminate)], dtype=torch.int64)
+    if device.type == "cpu":
+        tensor = values
+    else:
+        tensor = group.alloc_buffer(2, torch.int64, device)
+        tensor.copy_(values)
+    group.all_reduce(tensor, ReduceOp.SUM)
+    training_ranks, stop = to_host(tensor).tolist()
+    return training_ranks, stop
+
+
+def early_termination(group: IProcessGroup) -> EarlyTerminationError:
     """The error every rank raises when a rank ran out of inputs under ``throw_on_early_termination``."""
     return EarlyTerminationError(
-        f"{ddp._prefix('join')}a rank ran out of inputs and Join(throw_on_early_termination=True) "  # noqa: SLF001
-        f"stops every rank ({ddp.process_group.backend} backend); catch this to handle the end of "
-        "the data, or pass throw_on_early_termination=False to let the ranks that have joined "
-        "shadow the others"
+        f"{error_prefix(group.rank, group.world_size, 'ddp', 'join')}a rank ran out of inputs and "
+        f"Join(throw_on_early_termination=True) stops every rank ({group.backend} backend); catch this "
+        "to handle the end of the data, or pass throw_on_early_termination=False to let the ranks that "
+        "have joined shadow the others"
     )

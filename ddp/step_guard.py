@@ -26,11 +26,14 @@ What is counted:
   forwards they follow are counted alike on every rank, so gradient accumulation
   keeps the ranks in step.
 
-Parameters are checked at each forward with grad enabled: their dtype and device
-against those recorded at wrapping, and whether the module still holds the same
-tensor. Only the pointer is not compared: ``ZeroRedundancyOptimizer`` (and
-``p.data = ...`` with the same dtype and device) legitimately moves a parameter's
-storage, and DDP's buckets do not depend on it. A dtype or device change with the
+Parameters are checked at each forward with grad enabled whose backward
+synchronises (not inside ``no_sync()``: a micro-batch of gradient accumulation
+costs nothing, and the check runs before the first collective of the backward
+that does): their dtype and device against those recorded at wrapping, and
+whether the module still holds the same tensor. Only the pointer is not
+compared: ``ZeroRedundancyOptimizer`` (and ``p.data = ...`` with the same dtype
+and device) legitimately moves a parameter's storage, and DDP's buckets do not
+depend on it. A dtype or device change with the
 same tensor (``model.double()``, ``model.to(device)``) keeps the gradient hooks,
 so it is reported through the agreement and every rank raises in that backward.
 A parameter the module replaced by another tensor (``load_state_dict(assign=True)``,
@@ -45,7 +48,6 @@ warnings naming the missing rank.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -157,8 +159,14 @@ class StepGuard:
         return error_prefix(g.rank, g.world_size, "ddp", op)
 
     # ---------------------------------------------------------------- forward
-    def on_forward(self, training: bool) -> None:
-        """Count a training forward and check the parameters (no communication).
+    def on_forward(self, training: bool, *, synchronises: bool = True) -> None:
+        """Count a training forward; check the parameters if its backward synchronises (no communication).
+
+        Args:
+            training: The module is in training mode.
+            synchronises: The backward of this forward synchronises gradients
+                (not inside ``no_sync()``). The check is skipped otherwise: the
+                next forward that synchronises does it, before any communication.
 
         Raises:
             ParametersChangedError: On this rank alone, where its gradient hooks
@@ -169,6 +177,8 @@ class StepGuard:
             return
         if training:
             self.forwards += 1
+        if not synchronises:
+            return
         changes = self._scan()
         if not changes:
             self.changes = ()
@@ -284,13 +294,6 @@ class StepGuard:
             return None
         self._local_row = None
         return self._verdict(table)
-
-    def drain(self, timeout: float | None) -> None:
-        """Wait for a launched agreement whose verdict nobody will read (an abandoned backward)."""
-        work, self._work, self._local_row = self._work, None, None
-        if work is not None:
-            with contextlib.suppress(CommError):
-                work.wait(timeout if timeout is not None else self._group.timeout)
 
     # ---------------------------------------------------------------- verdict
     def _verdict(self, table: list[list[int]]) -> CommError | None:

@@ -30,8 +30,10 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import Work
 from ddp.bucket import GradientBucket
+from ddp.config import DDPConfig
+from ddp.devices import comm_device, control_tensor, to_host
 
-__all__ = ["TouchedRows", "embedding_tables"]
+__all__ = ["TouchedRows", "embedding_tables", "row_sparse_tables"]
 
 _BITS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 """Integer dtypes a row is tested through, widest first (a non-zero bit anywhere makes it touched)."""
@@ -151,3 +153,31 @@ def embedding_tables(module: torch.nn.Module, params: list[torch.Tensor]) -> lis
         for i, p in enumerate(params)
         if id(p) in tables and holders.get(id(p)) == 1 and p.device.type == "cpu" and p.dim() == 2
     ]
+
+
+def row_sparse_tables(
+    module: torch.nn.Module, group: IProcessGroup, params: list[torch.Tensor], config: DDPConfig
+) -> list[int]:
+    """Indices in ``params`` of the tables DDP exchanges by touched rows (``embedding_rows``).
+
+    The same on every rank: with ``"auto"`` the ranks agree (one small all-reduce)
+    on whether every rank's group copies its buffers (sharing them makes the dense
+    all-reduce cheap enough).
+    """
+    choice = config.embedding_rows
+    if choice == "all" or config.gradient_sync != "allreduce" or group.world_size == 1:
+        return []
+    tables = [
+        i
+        for i in embedding_tables(module, params)
+        if comm_device(group, params[i].dtype, params[i].device).type == "cpu"
+    ]
+    if not tables:  # the same on every rank: the models are the same
+        return []
+    if choice == "auto":
+        # Agreed: whether a group shares buffers may differ between ranks (hosts).
+        flag = control_tensor(group, [int(not group.shares_buffers)], torch.int32)
+        group.all_reduce(flag, ReduceOp.MIN)
+        if not to_host(flag).item():
+            return []
+    return tables

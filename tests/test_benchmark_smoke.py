@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks/allreduce_bench.py --quick`` on 2 ranks, plus its helpers in-process."""
+"""Smoke tests of ``allreduce_bench.py --quick`` (2 ranks, and its helpers) and ``ddp_forward_bench.py``."""
 
 from __future__ import annotations
 
@@ -279,3 +279,24 @@ def test_thread_counts_are_parsed_with_torchs_default(
         bench.parse_thread_counts("one", 1)
     with pytest.raises(SystemExit, match=r"--thread-counts: 0 threads; need at least 1"):
         bench.parse_thread_counts("0", 1)
+
+
+# ------------------------------------------------------------ ddp_forward_bench.py
+def test_ddp_forward_bench_times_every_mode_and_counts_calls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "ddp_forward_bench", REPO_ROOT / "benchmarks" / "ddp_forward_bench.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out_csv = tmp_path / "forward.csv"
+    argv = ["--params", "40", "--rounds", "2", "--block", "2", "--backward-calls", "--csv", str(out_csv)]
+    assert module.main(argv) == 0
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [(r["params"], r["mode"]) for r in rows] == [("40", m) for m in ("module", "ddp", "ddp-no_sync")]
+    assert rows[0]["overhead_us"] == "" and all(float(r["us_per_forward"]) > 0 for r in rows)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("one backward")]
+    calls = [int(line.split(": ")[1].split()[0]) for line in lines]
+    assert len(calls) == 2 and 0 < calls[0] < calls[1], lines  # 50 buckets: 50 collectives more

@@ -25,6 +25,7 @@ from ddp.cost_model import (
     simulate_schedule,
 )
 from tests._fakes import FakeProcessGroup, run_threads
+from tests.distributed.ddp_bodies import Uniform
 
 KiB = 1024
 
@@ -375,19 +376,6 @@ def test_candidate_caps_are_geometric_and_end_at_the_model():
 
 
 # ------------------------------------------------------------ DDP, "auto"
-class Uniform(nn.Module):
-    """64 equal layers of 64 KiB of weights: s = 4 MiB."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(128, 128, bias=False) for _ in range(64))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 def test_auto_picks_the_seed_optimum_bucket_count_on_a_fake_group_with_known_cost():
     # o * w = s / 64, so sqrt(s / (o w)) = 8 buckets of sqrt(s o w) = 512 KiB.
     s = 64 * 64 * KiB

@@ -19,6 +19,16 @@ from ddp import (
 )
 from tests._emulated_device import DeviceOnlyGroup, EmulatedTensor
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
+from tests.distributed.ddp_bodies import (
+    Branches,
+    case_conditional,
+    case_equivalence,
+    case_no_sync,
+    case_rebuild,
+    int_batch,
+    integer_init,
+    shard,
+)
 from tests.distributed.ddp_feature_bodies import (
     Tables,
     case_embedding_rows,
@@ -29,16 +39,6 @@ from tests.distributed.ddp_feature_bodies import (
     check_embedding_rows,
     mlp,
     table_inputs,
-)
-from tests.distributed.test_ddp import (
-    Branches,
-    case_conditional,
-    case_equivalence,
-    case_no_sync,
-    case_rebuild,
-    int_batch,
-    integer_init,
-    shard,
 )
 
 

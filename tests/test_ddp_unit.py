@@ -13,7 +13,7 @@ from commlib.env import DistEnv
 from commlib.types import ReduceOp
 from ddp import AbandonedBackwardError, DistributedDataParallel
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
-from tests.distributed.test_ddp import (
+from tests.distributed.ddp_bodies import (
     Branches,
     case_conditional,
     case_equivalence,

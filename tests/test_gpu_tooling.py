@@ -517,7 +517,7 @@ def test_tiny_mode_on_two_ranks_end_to_end(tmp_path: Path) -> None:
         assert row["identical"] == ("" if name == "none" else "True"), row
     for name in ("ddp-gloo", "ddp-ring"):
         row = rows[name]
-        # Our hooks were timed and their calls counted: at least the hook and _on_grad per parameter.
+        # Our hooks were timed and their calls counted: at least the hook and register_grad_ready each.
         assert float(row["hooks_ms"]) > 0 and float(row["end_ms"]) > 0, row
         assert float(row["py_calls_per_param"]) >= 2, row
     assert float(rows["torch-ddp"]["vs_torch_ddp"]) == pytest.approx(1.0)

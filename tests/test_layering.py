@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -78,22 +79,7 @@ def test_no_backend_imports_another() -> None:
     assert not bad, sorted(bad)
 
 
-# Known cycles, each to be broken by the change that reworks its package; strict, so that the
-# marker must go once its package is clean.
-_KNOWN_CYCLES = {
-    "ddp": "distributed <-> join, hooks <-> powersgd",
-}
-
-
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=_KNOWN_CYCLES[p]))
-        if p in _KNOWN_CYCLES
-        else p
-        for p in PACKAGES
-    ],
-)
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycles(package: str) -> None:
     graph = _graph()
     state: dict[str, int] = {}
@@ -117,6 +103,28 @@ def test_no_import_cycles(package: str) -> None:
         c for c in cycles if not any(_is_package_init(m) for m in c) and c[0].split(".")[0] == package
     ]
     assert not real, "import cycles:\n" + "\n".join(" -> ".join(c) for c in real)
+
+
+def test_ddp_uses_only_the_public_process_group_api() -> None:
+    """``ddp`` reads and advances nothing private of a group (sequence numbers, labels, diagnosis)."""
+    from commlib.process_group import IProcessGroup
+
+    members = {name for cls in IProcessGroup.__mro__ for name in vars(cls)}
+    private = {name for name in members if name.startswith("_") and "__" not in name}
+    for node in ast.walk(ast.parse(inspect.getsource(IProcessGroup))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if node.attr.startswith("_") and "__" not in node.attr:
+                private.add(node.attr)  # instance attributes (_seq, _diagnostics, ...)
+    assert "_seq" in private
+    bad = []
+    for path in (REPO_ROOT / "ddp").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Attribute) or node.attr not in private:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue  # ddp's own objects' members of the same name
+            bad.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, bad
 
 
 def _is_package_init(name: str) -> bool:

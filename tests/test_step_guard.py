@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from ddp import DistributedDataParallel, ParametersChangedError, RanksOutOfStepE
 from ddp.step_guard import StepGuard
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import step_guard_bodies as bodies
+from tests.distributed.step_guard_bodies import check_changed, check_normal, check_out_of_step, check_replaced
 
 
 def solo() -> FakeProcessGroup:
@@ -42,63 +42,6 @@ def overwrite_params() -> Iterator[None]:
         yield
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(previous)
-
-
-# ------------------------------------------------------------ shared checks
-def check_out_of_step(results: list[dict[str, Any]]) -> None:
-    """Rank 0 caught its failed backward; the next backward raises on every rank, naming both steps."""
-    assert results[0]["outcomes"] == ["caught", "RanksOutOfStepError"]
-    assert results[1]["outcomes"] == ["RanksOutOfStepError"]
-    for r in results:
-        assert r["type"] == "RanksOutOfStepError"
-        assert r["steps"] == {"0": [2, 1], "1": [1, 1]}
-        message = r["message"]
-        assert "ddp.backward: the ranks are out of step" in message
-        assert "rank 0 at training forward 2 (synchronised backward 1)" in message
-        assert "rank 1 at training forward 1 (synchronised backward 1)" in message
-        assert "resume from the last checkpoint" in message
-        assert r["after"] == 3.0  # the collectives are still paired after the error
-
-
-def check_changed(results: list[dict[str, Any]], changed: tuple[int, ...]) -> None:
-    """Every rank raises ParametersChangedError in the same backward, naming the rank and the parameter."""
-    assert results[0]["first_grads"] == results[1]["first_grads"]  # the step before was averaged
-    for rank, r in enumerate(results):
-        assert r["where"] == "backward" and r["type"] == "ParametersChangedError", r
-        assert r["ranks"] == list(changed)
-        message = r["message"]
-        assert "ddp.backward: parameters changed dtype or device after DistributedDataParallel" in message
-        for c in changed:
-            first = f"on rank {c}, 6 parameter(s), the first '0.weight' from float32 on cpu to float64"
-            assert first in message
-        assert "before wrapping it in DistributedDataParallel" in message
-        names = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
-        assert r["parameters"] == (names if rank in changed else [])
-        assert r["after"] == 3.0
-
-
-def check_replaced(results: list[dict[str, Any]]) -> None:
-    """Parameters replaced by new tensors: every rank raises at forward, before any communication."""
-    for r in results:
-        assert r["where"] == "none" and r["type"] == "ParametersChangedError", r
-        assert "ddp.forward: 6 parameter(s) changed" in r["message"]
-        assert "'0.weight' (float32 on cpu) replaced by another tensor (float64 on cpu)" in r["message"]
-        assert "gradient hooks no longer fire" in r["message"]
-        assert r["after"] == 3.0
-
-
-def check_normal(results: list[dict[str, Any]]) -> None:
-    """Accumulation, hooks and flags work; the agreement is in neither collectives nor bytes_sent."""
-    assert results[0]["grads"] == results[1]["grads"]
-    world = len(results)
-    for r in results:
-        assert max(r["deviations"]) < 1e-6, r["deviations"]
-        assert r["synced"] == [False, True] * 3
-        flags = 2  # the used-parameters map and the NaN flags; the step agreement is not counted
-        assert r["collectives"] == [0, r["buckets"] + flags] * 3
-        for synced in (3, 5):  # after the first synced step (which also broadcasts the rebuilt layout)
-            assert r["bytes_sent"][synced] == r["bytes_reduced"][synced] + 4 * r["params"] + 8 * world
-        assert r["forwards"] == 6
 
 
 # ------------------------------------------------------------ fake ranks

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-import ddp.timeline as timeline_module
-from ddp.stats import BucketTiming, StepStats
-from ddp.timeline import (
+import ddp.observe.timeline as timeline_module
+from ddp.observe.stats import BucketTiming, StepStats
+from ddp.observe.timeline import (
     FORMAT,
     TimelineWriter,
     load_timeline,
     timeline_path_from_env,
 )
-from ddp.timeline_plot import main as plot_main
-from ddp.timeline_plot import render_timeline
+from ddp.observe.timeline_plot import main as plot_main
+from ddp.observe.timeline_plot import render_timeline
 
 REPO = Path(__file__).resolve().parents[1]
 NAN = math.nan

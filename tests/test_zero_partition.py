@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ddp import ParameterPartition
-from ddp.partition import FlatLayout, ParamSlot
-from ddp.zero_state import exchange_objects, merge_payloads, piece_state
+from ddp.zero.partition import FlatLayout, ParamSlot
+from ddp.zero.state import exchange_objects, merge_payloads, piece_state
 from tests._fakes import run_threads
 
 

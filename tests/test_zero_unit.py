@@ -21,14 +21,14 @@ from ddp import (
     UnsupportedCollectiveError,
     ZeroRedundancyOptimizer,
     allreduce_hook,
-    shard_sync,
 )
 from ddp.auto_bucket import TUNE_AFTER_BACKWARDS
 from ddp.cost_model import CommCostModel
+from ddp.zero import shard_sync
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import zero_bodies
+from tests.distributed.ddp_bodies import Uniform
 from tests.distributed.zero_bodies import build, shard
-from tests.test_cost_model import Uniform
 
 
 def solo() -> FakeProcessGroup:
@@ -371,3 +371,10 @@ def test_param_gather_time_is_accounted_with_and_without_overlap(overlap):
             for g, w in r["after_forward"][1:]:
                 assert g >= n * delay and 0 < w <= g, r
             assert 0 < wait_s <= gather_s and 0 < last_wait_s <= last_gather_s
+
+
+@pytest.mark.parametrize("gradient_sync", ["allreduce", "reduce_scatter"])
+def test_join_with_the_optimizer_steps_the_joined_ranks_shard(gradient_sync):
+    results = run_threads(zero_bodies.case_join, 3, [2, 4, 3], gradient_sync)
+    assert len({r["hash"] for r in results}) == 1
+    assert all(r["max_diff"] < 1e-6 for r in results), results

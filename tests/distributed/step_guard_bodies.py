@@ -20,8 +20,8 @@ from ddp import DistributedDataParallel, allreduce_hook
 from tests.distributed.ddp_feature_bodies import batch, mlp
 
 
-class _FailsInBackward(torch.autograd.Function):
-    """Identity in forward; its backward raises, before any parameter's gradient is computed."""
+class FailsInBackward(torch.autograd.Function):
+    """Identity in forward; its backward raises (applied to the loss: before any parameter's gradient)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ def case_out_of_step(group: IProcessGroup) -> dict[str, Any]:
         x, y = batch(step, world, rank)
         loss = nn.functional.mse_loss(ddp(x), y)
         if step == 0 and rank == 0:
-            loss = _FailsInBackward.apply(loss)
+            loss = FailsInBackward.apply(loss)
         try:
             loss.backward()
             outcomes.append("ok")
@@ -182,5 +182,62 @@ def case_normal_training(group: IProcessGroup, hook: bool = True) -> dict[str, A
         "buckets": ddp.bucket_manager.num_buckets,
         "params": len(list(model.parameters())),
         "grads": grads,
-        "forwards": ddp._guard.forwards,  # noqa: SLF001 - what the agreement compares
+        "forwards": ddp._sync.guard.forwards,  # noqa: SLF001 - what the agreement compares
     }
+
+
+# ------------------------------------------------------------- checks
+def check_out_of_step(results: list[dict[str, Any]]) -> None:
+    """Rank 0 caught its failed backward; the next backward raises on every rank, naming both steps."""
+    assert results[0]["outcomes"] == ["caught", "RanksOutOfStepError"]
+    assert results[1]["outcomes"] == ["RanksOutOfStepError"]
+    for r in results:
+        assert r["type"] == "RanksOutOfStepError"
+        assert r["steps"] == {"0": [2, 1], "1": [1, 1]}
+        message = r["message"]
+        assert "ddp.backward: the ranks are out of step" in message
+        assert "rank 0 at training forward 2 (synchronised backward 1)" in message
+        assert "rank 1 at training forward 1 (synchronised backward 1)" in message
+        assert "resume from the last checkpoint" in message
+        assert r["after"] == 3.0  # the collectives are still paired after the error
+
+
+def check_changed(results: list[dict[str, Any]], changed: tuple[int, ...]) -> None:
+    """Every rank raises ParametersChangedError in the same backward, naming the rank and the parameter."""
+    assert results[0]["first_grads"] == results[1]["first_grads"]  # the step before was averaged
+    for rank, r in enumerate(results):
+        assert r["where"] == "backward" and r["type"] == "ParametersChangedError", r
+        assert r["ranks"] == list(changed)
+        message = r["message"]
+        assert "ddp.backward: parameters changed dtype or device after DistributedDataParallel" in message
+        for c in changed:
+            first = f"on rank {c}, 6 parameter(s), the first '0.weight' from float32 on cpu to float64"
+            assert first in message
+        assert "before wrapping it in DistributedDataParallel" in message
+        names = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+        assert r["parameters"] == (names if rank in changed else [])
+        assert r["after"] == 3.0
+
+
+def check_replaced(results: list[dict[str, Any]]) -> None:
+    """Parameters replaced by new tensors: every rank raises at forward, before any communication."""
+    for r in results:
+        assert r["where"] == "none" and r["type"] == "ParametersChangedError", r
+        assert "ddp.forward: 6 parameter(s) changed" in r["message"]
+        assert "'0.weight' (float32 on cpu) replaced by another tensor (float64 on cpu)" in r["message"]
+        assert "gradient hooks no longer fire" in r["message"]
+        assert r["after"] == 3.0
+
+
+def check_normal(results: list[dict[str, Any]]) -> None:
+    """Accumulation, hooks and flags work; the agreement is in neither collectives nor bytes_sent."""
+    assert results[0]["grads"] == results[1]["grads"]
+    world = len(results)
+    for r in results:
+        assert max(r["deviations"]) < 1e-6, r["deviations"]
+        assert r["synced"] == [False, True] * 3
+        flags = 2  # the used-parameters map and the NaN flags; the step agreement is not counted
+        assert r["collectives"] == [0, r["buckets"] + flags] * 3
+        for synced in (3, 5):  # after the first synced step (which also broadcasts the rebuilt layout)
+            assert r["bytes_sent"][synced] == r["bytes_reduced"][synced] + 4 * r["params"] + 8 * world
+        assert r["forwards"] == 6

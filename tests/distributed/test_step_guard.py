@@ -4,8 +4,7 @@ A rank that caught its failed backward is out of step: every rank raises in the
 next backward, naming both steps. ``model.double()`` after wrapping, on one rank
 or on all, raises on every rank. Normal training (``no_sync``, a communication
 hook, the used-parameters map, the NaN check) is unaffected. The bodies are in
-``step_guard_bodies``; ``tests/test_step_guard.py`` runs them on fake ranks and
-holds the checks.
+``step_guard_bodies``; ``tests/test_step_guard.py`` runs them on fake ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import pytest
 from tests.conftest import requires_mpi
 from tests.distributed import step_guard_bodies as bodies
 from tests.distributed.mpi_bodies import launch
-from tests.test_step_guard import check_changed, check_normal, check_out_of_step, check_replaced
+from tests.distributed.step_guard_bodies import check_changed, check_normal, check_out_of_step, check_replaced
 
 pytestmark = pytest.mark.multiprocess
 

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp import DistributedDataParallel, ParameterPartition, ZeroRedundancyOptimizer, shard_sync
+from ddp import DistributedDataParallel, Join, ParameterPartition, ZeroRedundancyOptimizer
+from ddp.zero import shard_sync
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 
 PER_RANK = 4
@@ -652,3 +653,30 @@ def check_reduce_scatter(results: list[dict[str, Any]]) -> None:
         assert not overlap["left"], overlap
     for step in range(STEPS + 1):
         assert len({r["rs_overlap"]["hashes"][step] for r in results}) == 1, step
+
+
+def case_join(group: Any, counts: list[int], gradient_sync: str) -> dict[str, Any]:
+    """Uneven inputs under ``Join([model, optimizer])``, against a plain optimizer under ``Join([model])``.
+
+    A rank that has joined steps its ZeRO shard with the gradients it shadowed, so
+    every rank ends with the parameters of the plain run (where the ranks that
+    joined last broadcast theirs at the end).
+    """
+    rank, world = group.rank, group.world_size
+    finals = {}
+    for zero in (True, False):
+        sync = gradient_sync if zero else "allreduce"
+        model = DistributedDataParallel(build("plain", 7), group, bucket_size_mb=0.0002, gradient_sync=sync)
+        opt: torch.optim.Optimizer
+        if zero:
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.05)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with Join([model, opt] if zero else [model]):
+            for step in range(counts[rank]):
+                x, y = batch("plain", step, 4 * world)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+                opt.step()
+        finals[zero] = model.module
+    return {"hash": params_hash(finals[True]), "max_diff": max_diff(finals[True], finals[False])}

@@ -21,7 +21,7 @@ from commlib import IProcessGroup
 from ddp import DistributedDataParallel
 from tests._reference import DTYPES, digest
 from tests.distributed import bodies
-from tests.distributed.test_ddp import (
+from tests.distributed.ddp_bodies import (
     build,
     case_conditional,
     case_equivalence,
@@ -140,7 +140,7 @@ def cuda_ddp_auto_bucket(group: IProcessGroup, steps: int = 4) -> dict[str, Any]
 
 def cuda_ddp_timeline(group: IProcessGroup, path: str, steps: int = 3) -> dict[str, Any]:
     """A DDP timeline recorded on CUDA parameters: every step's buckets, launched and seen done."""
-    from ddp.timeline import load_timeline
+    from ddp.observe.timeline import load_timeline
 
     device = use_gpu(group)
     rank, world = group.rank, group.world_size

@@ -11,7 +11,7 @@ import pytest
 
 from tests._launcher import RankPool
 from tests.distributed import bodies
-from tests.distributed.test_ddp import check_conditional, check_equivalence, check_no_sync
+from tests.distributed.ddp_bodies import check_conditional, check_equivalence, check_no_sync
 from tests.gpu import bodies as gpu
 from tests.gpu.bodies import DTYPE_NAMES
 

@@ -16,8 +16,8 @@ import pytest
 from tests._launcher import RankPool
 from tests.conftest import mpi_unavailable_reason
 from tests.distributed import bodies
+from tests.distributed.ddp_bodies import check_equivalence
 from tests.distributed.mpi_bodies import LaunchResult, launch
-from tests.distributed.test_ddp import check_equivalence
 from tests.gpu import bodies as gpu
 from tests.gpu.bodies import DTYPE_NAMES
 

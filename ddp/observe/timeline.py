@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from commlib.errors import error_prefix
-from ddp.stats import StepStats
+from ddp.observe.stats import StepStats
 
 __all__ = [
     "FORMAT",
@@ -230,10 +230,6 @@ class TimelineWriter:
     def closed(self) -> bool:
         """True after ``close()``."""
         return self._closed
-
-    def wall_us(self, perf_counter_value: float) -> float:
-        """Convert a ``time.perf_counter()`` value to this trace's clock (µs since the Unix epoch)."""
-        return self._wall0_us + (perf_counter_value - self._perf0) * 1e6
 
     def __repr__(self) -> str:
         return (
@@ -524,7 +520,7 @@ def load_timeline(path: str | os.PathLike[str]) -> dict[str, Any]:
     if marker != FORMAT:
         raise ValueError(
             f'{name}: not a commlib DDP timeline (otherData["format"] is {marker!r}, expected '
-            f"{FORMAT!r}); write it with ddp.timeline.TimelineWriter"
+            f"{FORMAT!r}); write it with ddp.TimelineWriter"
         )
     for i, event in enumerate(events):
         if not isinstance(event, dict) or "ph" not in event:

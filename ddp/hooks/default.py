@@ -1,4 +1,4 @@
-"""Built-in communication hooks for ``DistributedDataParallel.register_comm_hook``.
+"""The default communication hooks: the plain average, and the average sent in half precision.
 
 A hook is ``hook(state, bucket) -> torch.futures.Future``, as in torch: ``state`` is
 what was registered with it (for these, a commlib ``IProcessGroup``, or None for
@@ -11,13 +11,6 @@ They run on every backend, on CPU as on CUDA.
   precision (half the bytes); the average is taken before the cast, so large
   gradients do not overflow float16, and DDP casts the result back into the
   gradients.
-- ``PowerSGDState`` / ``powerSGD_hook``: low-rank compression (``ddp.powersgd``).
-
-Example::
-
-    >>> from ddp.hooks import bf16_compress_hook
-    >>> model = DistributedDataParallel(net, group)
-    >>> model.register_comm_hook(group, bf16_compress_hook)
 """
 
 from __future__ import annotations
@@ -30,16 +23,8 @@ import commlib
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
-from ddp.powersgd import PowerSGDState, powerSGD_hook
 
-__all__ = [
-    "PowerSGDState",
-    "allreduce_hook",
-    "bf16_compress_hook",
-    "fp16_compress_hook",
-    "powerSGD_hook",
-    "resolve_hook_group",
-]
+__all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "resolve_hook_group"]
 
 
 def resolve_hook_group(state: Any) -> IProcessGroup:

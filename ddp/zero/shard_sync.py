@@ -41,8 +41,8 @@ from commlib.types import ReduceOp
 from commlib.work import Work
 from ddp.bucket import GradientBucket
 from ddp.errors import UnsupportedCollectiveError
-from ddp.param_gather_stats import ParamGatherStats
-from ddp.partition import ParameterPartition
+from ddp.zero.gather_stats import ParamGatherStats
+from ddp.zero.partition import ParameterPartition
 
 __all__ = [
     "ParamGathers",

@@ -33,6 +33,7 @@ import torch
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
+from ddp.hooks.default import allreduce_hook, resolve_hook_group
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
 
@@ -159,8 +160,6 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch.futures
         A future whose value is the bucket's buffer, holding the approximated
         average.
     """
-    from ddp.hooks import allreduce_hook, resolve_hook_group  # ddp.hooks re-exports this module
-
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"powerSGD_hook: state must be a PowerSGDState, got {type(state).__name__}")
     group = resolve_hook_group(state.process_group)

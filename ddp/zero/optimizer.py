@@ -11,12 +11,13 @@ import torch
 from commlib.errors import error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import dtype_name
-from ddp import shard_sync
-from ddp.distributed import resolve_group
 from ddp.errors import ModelMismatchError, ParametersChangedError, StateNotConsolidatedError
-from ddp.param_gather_stats import ParamGatherStats
-from ddp.partition import ParameterPartition, ParamPiece
-from ddp.zero_state import ShardPayload, exchange_objects, merge_payloads, piece_state
+from ddp.groups import resolve_group
+from ddp.join import Join, Joinable, JoinHook
+from ddp.zero import shard_sync
+from ddp.zero.gather_stats import ParamGatherStats
+from ddp.zero.partition import ParameterPartition, ParamPiece
+from ddp.zero.state import ShardPayload, exchange_objects, merge_payloads, piece_state
 
 __all__ = ["ParameterPartition", "ZeroRedundancyOptimizer"]
 
@@ -24,7 +25,7 @@ _HYPER_SKIP = ("params", "param_names")
 """Param-group keys that are not hyperparameters."""
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     """Wrap an optimizer so that each rank keeps the state of its shard of the parameters only.
 
     The parameters are partitioned across the ranks of the group (``partition``):
@@ -63,7 +64,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     Every rank must call the constructor, ``step``, ``add_param_group``,
     ``consolidate_state_dict`` and ``set_partition``, in the same order: they
-    communicate.
+    communicate. With uneven inputs, put it in the ``ddp.Join`` after its model
+    (``Join([model, optimizer])``): a rank that has joined then steps its shard
+    with the gradients it shadowed, as the others do, and takes part in the
+    all-gathers.
 
     Args:
         params: Tensors or param-group dicts, as for any optimizer; the same
@@ -108,10 +112,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         partition: ParameterPartition | None = None,
         **defaults: Any,
     ) -> None:
-        try:
-            self._group: IProcessGroup = resolve_group(process_group)
-        except TypeError as e:  # its message names DDP, which shares the rule
-            raise TypeError(str(e).replace("DistributedDataParallel", "ZeroRedundancyOptimizer", 1)) from e
+        self._group: IProcessGroup = resolve_group(process_group, "ZeroRedundancyOptimizer")
         self._ready = False
         _check_optimizer_class(self._prefix("init"), optimizer_class)
         if not parameters_as_bucket_view:
@@ -214,6 +215,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             ParametersChangedError: A parameter's storage was replaced after the
                 optimizer was created (it no longer lives in the flat buffer).
         """
+        Join.notify_join_context(self)
         self.finish_param_gather()  # those the last forward did not wait for (unused parameters)
         self._follow_gradient_layout("step")
         self._check_linked("step")
@@ -242,6 +244,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         gathers = self._param_gathers()
         if gathers:
             gathers.wait_all()
+
+    # -------------------------------------------------------------------- join
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a ``Join`` runs on a rank that has joined: ``step`` each iteration (torch's)."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the join's control tensors (the group's preferred device)."""
+        return torch.device(self._group.preferred_device())
+
+    @property
+    def join_process_group(self) -> IProcessGroup:
+        """The group the join's collectives run on."""
+        return self._group
 
     # ------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -644,6 +661,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             first += len(group["params"])
             groups.append(packed)
         return {"state": state, "param_groups": groups}
+
+
+class _ZeroJoinHook(JoinHook):
+    """A joined rank steps its shard with the gradients it shadowed, and takes part in the all-gathers."""
+
+    def __init__(self, optimizer: ZeroRedundancyOptimizer) -> None:
+        self._optimizer = optimizer
+
+    def main_hook(self) -> None:
+        """Step, as the ranks still training do in this iteration."""
+        self._optimizer.step()
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

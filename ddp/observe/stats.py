@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
 
-__all__ = ["BucketTiming", "StepStats", "StepRecorder"]
+__all__ = ["BucketTiming", "StepHistory", "StepRecorder", "StepStats"]
 
 _NAN = math.nan
 
@@ -63,7 +64,7 @@ class StepStats:
             (ring) algorithm: ``2 (w - 1) / w`` of what it hands to all-reduces,
             ``(w - 1) / w`` of what it hands to reduce-scatters (so the
             reduce-scatter mode shows half of the all-reduce's; see
-            ``ddp.shard_sync.wire_bytes``).
+            ``ddp.zero.shard_sync.wire_bytes``).
     """
 
     step: int
@@ -108,10 +109,10 @@ class StepStats:
 class StepRecorder:
     """Cheap event record of one backward: three timestamps per bucket, filled in place.
 
-    An observer of ``GradientBucketManager``: it is told ``begin``, then
-    ``ready``/``launched``/``done`` with a bucket index, and keeps only times and
-    sizes (readiness itself is the manager's). The arrays are reused from step to
-    step, so recording allocates nothing.
+    An observer of ``GradientBucketManager`` (``GradSync`` installs one): it is told
+    ``begin``, then ``ready``/``launched``/``done`` with a bucket index, and keeps only
+    times and sizes (readiness itself is the manager's). The arrays are reused from
+    step to step, so recording allocates nothing.
     """
 
     def __init__(self) -> None:
@@ -245,3 +246,22 @@ class StepRecorder:
         )
         self._step += 1
         return stats
+
+
+class StepHistory:
+    """The statistics of the latest backwards, oldest first: a subscriber of ``GradSync`` (``record``).
+
+    Args:
+        maxlen: Backwards kept.
+    """
+
+    def __init__(self, maxlen: int = 1000) -> None:
+        self.last: StepStats | None = None
+        """The latest backward's statistics (None before the first)."""
+        self.steps: collections.deque[StepStats] = collections.deque(maxlen=maxlen)
+        """Up to ``maxlen`` backwards' statistics, oldest first."""
+
+    def record(self, stats: StepStats) -> None:
+        """Keep ``stats``, the latest backward's."""
+        self.last = stats
+        self.steps.append(stats)

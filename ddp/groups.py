@@ -1,0 +1,41 @@
+"""Which process group DDP and ZeRO reduce over: the one given, else commlib's default, else torch's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import commlib
+from commlib.process_group import IProcessGroup
+
+__all__ = ["resolve_group"]
+
+
+def resolve_group(process_group: Any, user: str = "DistributedDataParallel") -> IProcessGroup:
+    """Return the group to use: ``process_group``, else commlib's default group, else torch.distributed's.
+
+    Args:
+        process_group: A commlib ``IProcessGroup``; a ``torch.distributed.ProcessGroup``
+            (wrapped with ``commlib.from_torch_group``); or None.
+        user: The class named in the error message.
+
+    Raises:
+        commlib.NotInitializedError: None was given and neither commlib nor
+            torch.distributed has been initialised.
+        TypeError: ``process_group`` is something else.
+    """
+    if isinstance(process_group, IProcessGroup):
+        return process_group
+    import torch.distributed as dist
+
+    torch_pg = getattr(dist, "ProcessGroup", None)
+    if process_group is not None:
+        if torch_pg is not None and isinstance(process_group, torch_pg):
+            return commlib.from_torch_group(process_group)
+        raise TypeError(
+            f"{user}: process_group must be a commlib.IProcessGroup, a "
+            "torch.distributed.ProcessGroup or None, got "
+            f"{type(process_group).__module__}.{type(process_group).__qualname__}"
+        )
+    if not commlib.is_initialized() and dist.is_available() and dist.is_initialized():
+        return commlib.from_torch_group()
+    return commlib.get_default_group()  # raises NotInitializedError, naming the fix
