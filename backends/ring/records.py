@@ -21,7 +21,7 @@ import torch
 
 from backends.ring.links import META_BYTES
 from commlib.errors import CollectiveMismatchError
-from commlib.types import ReduceOp, dtype_name
+from commlib.types import WIRE_DTYPES, ReduceOp, dtype_name
 
 __all__ = ["COMMON_BYTES", "Meta", "mismatch", "split_mismatch"]
 
@@ -36,18 +36,7 @@ _KINDS = (
     "scatter",
     "all_to_all",
 )
-_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-)
+_DTYPES = WIRE_DTYPES
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8
 # Common part: seq, kind, dtype, op, src, numel. Then: ndim, dims, rank, payload elements + 1 (0: none).

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from commlib.errors import CollectiveMismatchError
-from commlib.types import ReduceOp, dtype_name
+from commlib.types import WIRE_DTYPES, ReduceOp, dtype_name
 
 __all__ = [
     "COLLECTIVES",
@@ -59,18 +59,7 @@ COLLECTIVES = (
 _ROOTS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 """What the root of a rooted collective is called."""
 
-_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-)
+_DTYPES = WIRE_DTYPES
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8
 _NONE = 255
