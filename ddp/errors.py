@@ -59,7 +59,22 @@ class NonFiniteGradientError(CommError):
 
 
 class CommHookError(CommError):
-    """A communication hook was misused (registered twice or too late) or did not deliver a result."""
+    """A communication hook was misused (registered twice or too late) or did not deliver a result.
+
+    A hook that fails in a backward on some rank makes every rank raise it in that
+    backward, after every rank issued the step's collectives.
+
+    Attributes:
+        ranks: The ranks whose hook failed in that backward (empty for a misuse).
+        buckets: ``{rank: first bucket index whose hook failed there}``.
+    """
+
+    def __init__(
+        self, message: str, *, ranks: tuple[int, ...] = (), buckets: dict[int, int] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.buckets = dict(buckets or {})
 
 
 class RepeatedGradientError(CommError):

@@ -23,7 +23,7 @@ and torch's ``Reducer::finalize_backward``:
   the buckets in rank 0's arrival order (and re-sizes them with
   ``bucket_size_mb="auto"``). Then it raises the first problem found: a backward
   that never reached its end (``abandon``), a repeated gradient, the agreement's
-  verdict, missing gradients, a communication hook that failed on this rank, NaN
+  verdict, missing gradients, a communication hook that failed on some rank, NaN
   on some rank. A collective that fails stops it at once (the group is broken).
 
 Statistics and the timeline observe it: its ``StepRecorder`` sees every bucket's
@@ -289,7 +289,7 @@ class GradSync:
                 after wrapping (on every rank).
             MissingGradientsError: Backward produced no gradient for some parameters
                 and ``find_unused_parameters`` is off.
-            CommHookError: The communication hook failed on this rank.
+            CommHookError: The communication hook failed on some rank (on every rank).
             NonFiniteGradientError: Some rank's gradients held NaN or Inf (on every rank).
             CommError: A collective failed or timed out.
         """
@@ -421,8 +421,9 @@ class GradSync:
 
     def _publish(self, exposed: float) -> None:
         manager, group = self.manager, self.group
-        if self.synced and self._config.check_for_nan_in_grad and manager.num_buckets:
-            self._extra_collectives += 1
+        outcome = self._config.check_for_nan_in_grad or manager.comm_hook is not None
+        if self.synced and outcome and manager.num_buckets:
+            self._extra_collectives += 1  # the outcome agreement (BucketSync.agree)
         self.recorder.extra_collective(self._extra_collectives)
         sent = group.bytes_issued - self._bytes_at_begin
         scattered = self.recorder.bytes_reduced if manager.reduce_scatters else 0
