@@ -31,7 +31,11 @@ def _still_paired(group: IProcessGroup) -> float:
 
 
 def _error(e: BaseException | None) -> dict[str, Any]:
-    return {"type": type(e).__name__ if e is not None else None, "message": str(e) if e is not None else ""}
+    return {
+        "type": type(e).__name__ if e is not None else None,
+        "message": str(e) if e is not None else "",
+        "positions": {str(r): p for r, p in getattr(e, "positions", {}).items()},
+    }
 
 
 # ----------------------------------------------------------------- comm hooks
@@ -123,7 +127,7 @@ def case_zero_step_misuse(group: IProcessGroup, misuse: str, gradient_sync: str)
     except CommError as e:
         error = e
         outcomes.append(type(e).__name__)
-    return {"outcomes": outcomes, **_error(error)}
+    return {"outcomes": outcomes, **_error(error), "after": _still_paired(group)}
 
 
 def case_zero_join(group: IProcessGroup, gradient_sync: str, counts: list[int]) -> dict[str, Any]:
@@ -156,23 +160,28 @@ def case_zero_join(group: IProcessGroup, gradient_sync: str, counts: list[int]) 
     }
 
 
-def case_consolidate_on_one_rank(group: IProcessGroup) -> dict[str, Any]:
-    """Rank 0 alone calls ``consolidate_state_dict()``; rank 1 goes on training."""
+def case_consolidate_on_one_rank(group: IProcessGroup, other_trains: bool) -> dict[str, Any]:
+    """Rank 0 alone calls ``consolidate_state_dict()`` after a step.
+
+    ``other_trains``: rank 1 goes on with the next step; else it ends (returns),
+    as when only rank 0 saves a checkpoint at the end of training.
+    """
     rank, world = group.rank, group.world_size
     model, opt = _zero_model(group, "allreduce")
     outcomes: list[str] = []
     error: CommError | None = None
     try:
-        for step in range(2):
+        for step in range(2 if other_trains or rank == 0 else 1):
             opt.zero_grad()
             x, y = batch(step, world, rank)
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             outcomes.append("step")
-            if step == 0 and rank == 0:
+            if rank == 0:
                 opt.consolidate_state_dict()
                 outcomes.append("consolidated")
     except CommError as e:
         error = e
         outcomes.append(type(e).__name__)
-    return {"outcomes": outcomes, **_error(error)}
+    after = _still_paired(group) if other_trains else None
+    return {"outcomes": outcomes, **_error(error), "after": after}

@@ -82,3 +82,69 @@ def test_a_hook_failing_on_one_rank_raises_on_every_rank(misuse_pools, backend: 
     assert cause in results[1]["message"] and cause not in results[0]["message"]
     assert "its error names the cause" in results[0]["message"]
     assert results[0]["grads"] == results[1]["grads"]  # the next backward averaged on both
+
+
+# ----------------------------------------------------------------------- ZeRO
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("misuse", "gradient_sync"), [("skip", "allreduce"), ("twice", "reduce_scatter")])
+def test_zero_step_skipped_or_repeated_on_one_rank_raises_on_every_rank(
+    misuse_pools, backend: str, misuse: str, gradient_sync: str
+) -> None:
+    pool = _pool(misuse_pools, backend)
+    results = pool.run(bodies.case_zero_step_misuse, misuse, gradient_sync, timeout=60)
+    if misuse == "skip":  # rank 0's second step pairs with rank 1's third backward
+        outcomes = ["backward", "step", "backward", "RanksOutOfStepError"]
+        positions = {
+            "0": "in ZeroRedundancyOptimizer.step() (its call 2)",
+            "1": "in DDP's backward (training forward 3, synchronised backward 3)",
+        }
+    else:  # rank 1's third step pairs with rank 0's third backward
+        outcomes = ["backward", "step", "backward", "step", "RanksOutOfStepError"]
+        positions = {
+            "0": "in DDP's backward (training forward 3, synchronised backward 3)",
+            "1": "in ZeroRedundancyOptimizer.step() (its call 3)",
+        }
+    for rank, r in enumerate(results):
+        assert r["outcomes"] == outcomes, r
+        assert r["type"] == "RanksOutOfStepError", r
+        assert r["positions"] == positions
+        where = "ddp.backward" if positions[str(rank)].startswith("in DDP") else "zero.step"
+        assert r["message"].startswith(f"[rank {rank}/2] {where}: ")
+        assert "the ranks are out of step: rank 0 in" in r["message"]
+        assert "a rank skipped optimizer.step() or called it twice" in r["message"]
+        assert r["after"] == 3.0  # the rank in step() shadowed the backward: the collectives are paired
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_consolidate_state_dict_on_one_rank_raises_on_every_rank(misuse_pools, backend: str) -> None:
+    results = _pool(misuse_pools, backend).run(bodies.case_consolidate_on_one_rank, True, timeout=60)
+    assert results[0]["outcomes"] == ["step", "RanksOutOfStepError"]
+    assert results[1]["outcomes"] == ["step", "RanksOutOfStepError"]
+    for r in results:
+        assert r["positions"] == {
+            "0": "in ZeroRedundancyOptimizer.consolidate_state_dict() (its call 1)",
+            "1": "in DDP's backward (training forward 2, synchronised backward 2)",
+        }
+        assert "called consolidate_state_dict() alone" in r["message"]
+        assert r["after"] == 3.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_consolidate_state_dict_on_one_rank_while_the_other_waits_names_the_cause(backend: str) -> None:
+    results = [o.value for o in _fresh(backend, bodies.case_consolidate_on_one_rank, False)]
+    assert results[0]["outcomes"] == ["step", results[0]["type"]]
+    assert "waiting for every rank to enter ZeroRedundancyOptimizer.consolidate_state_dict()" in (
+        results[0]["message"]
+    )
+    assert "every rank must call it" in results[0]["message"]
+    assert results[1]["outcomes"] == ["step"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gradient_sync", ["allreduce", "reduce_scatter"])
+def test_join_with_zero_and_uneven_inputs(misuse_pools, backend: str, gradient_sync: str) -> None:
+    results = _pool(misuse_pools, backend).run(bodies.case_zero_join, gradient_sync, [2, 4], timeout=60)
+    assert results[0]["params"] == results[1]["params"]  # the same parameters on both ranks
+    for r in results:
+        assert r["max_diff"] < 1e-5, r  # one process over the batches that exist
+        assert r["after"] == 3.0
