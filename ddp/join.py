@@ -46,6 +46,7 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.devices import control_tensor, to_host
 from ddp.errors import EarlyTerminationError
+from ddp.param_registry import ParamRegistry
 from ddp.replicas import broadcast_module_states
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "Joinable",
     "adopt_last_joiners_states",
     "join_round",
+    "require_in_joins",
 ]
 
 
@@ -171,6 +173,32 @@ def adopt_last_joiners_states(
     broadcast_module_states(group, tensors, src=src)
 
 
+_COMPANIONS: ParamRegistry[Joinable] = ParamRegistry()
+"""Parameter -> a joinable that must be in every ``Join`` of a model holding it."""
+
+
+def require_in_joins(params: Iterable[torch.Tensor], joinable: Joinable) -> None:
+    """Make ``Join`` refuse a model holding ``params`` unless ``joinable`` is listed too.
+
+    For a joinable that communicates in every iteration for those parameters
+    (``ZeroRedundancyOptimizer.step``): left out, a rank that has joined would
+    skip it while the others' collectives wait for a partner.
+    """
+    _COMPANIONS.register(params, joinable)
+
+
+def _left_out(joinables: list[Joinable]) -> tuple[Joinable, Joinable] | None:
+    """``(model, companion)`` for the first model whose required companion is not in ``joinables``."""
+    listed = {id(j) for j in joinables}
+    for j in joinables:
+        params = j.parameters() if isinstance(j, torch.nn.Module) else ()
+        for p in params:
+            companion = _COMPANIONS.owner(p)
+            if companion is not None and id(companion) not in listed:
+                return j, companion
+    return None
+
+
 class Join:
     """Context manager for uneven inputs: ranks that run out of batches shadow the others until all are done.
 
@@ -193,7 +221,8 @@ class Join:
 
     Raises:
         TypeError: A joinable is not a ``Joinable``.
-        ValueError: The joinables use different process groups.
+        ValueError: The joinables use different process groups, or a model's
+            ``ZeroRedundancyOptimizer`` is not among them (before any communication).
         EarlyTerminationError: With ``throw_on_early_termination``, on every rank.
 
     Example::
@@ -225,6 +254,15 @@ class Join:
         self._group = self._joinables[0].join_process_group
         if any(j.join_process_group is not self._group for j in self._joinables):
             raise ValueError(f"{self._prefix()}the joinables use different process groups; give them one")
+        left_out = _left_out(self._joinables) if enable else None
+        if left_out is not None:
+            model, companion = left_out
+            name = type(companion).__name__
+            raise ValueError(
+                f"{self._prefix()}a {name} steps the parameters of {type(model).__name__} but is not in "
+                f"this Join: a rank that has run out of inputs would skip its step(), and the other ranks' "
+                f"collectives in step() would wait for it. List it after the model: Join([model, optimizer])"
+            )
         self._device = self._joinables[0].join_device
         self._enable = enable
         self._throw = throw_on_early_termination

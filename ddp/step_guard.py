@@ -62,13 +62,11 @@ rank that has joined does, so the collectives stay paired and the group usable.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from commlib.errors import CommError, error_prefix
 from commlib.process_group import IProcessGroup
@@ -76,6 +74,7 @@ from commlib.types import dtype_name
 from commlib.work import Work
 from ddp.devices import control_buffer, control_tensor, to_host
 from ddp.errors import ParametersChangedError, RanksOutOfStepError, with_context
+from ddp.param_registry import ParamRegistry
 
 __all__ = [
     "JOINED",
@@ -455,21 +454,18 @@ class BackwardShadow(Protocol):
         """Issue the rest of a backward the other ranks are in, with zeros."""
 
 
-_BACKWARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Parameter -> a weak reference to the ``BackwardShadow`` of the DDP that reduces its gradient."""
+_BACKWARDS: ParamRegistry[BackwardShadow] = ParamRegistry()
+"""Parameter -> the ``BackwardShadow`` of the DDP that synchronises its gradient."""
 
 
 def register_backward(params: Sequence[torch.Tensor], backward: BackwardShadow) -> None:
     """Record that ``backward`` synchronises the gradients of ``params`` (DDP's ``GradSync`` calls this)."""
-    ref = weakref.ref(backward)
-    for p in params:
-        _BACKWARDS[p] = ref
+    _BACKWARDS.register(params, backward)
 
 
 def _backward_of(params: Sequence[torch.Tensor], group: IProcessGroup) -> BackwardShadow | None:
     for p in params:
-        ref = _BACKWARDS.get(p)
-        backward = ref() if ref is not None else None
+        backward = _BACKWARDS.owner(p)
         if backward is not None and backward.group is group:
             return backward
     return None

@@ -13,7 +13,7 @@ from commlib.process_group import IProcessGroup
 from commlib.types import dtype_name
 from ddp.errors import ModelMismatchError, ParametersChangedError, StateNotConsolidatedError
 from ddp.groups import resolve_group
-from ddp.join import Join, Joinable, JoinHook
+from ddp.join import Join, Joinable, JoinHook, require_in_joins
 from ddp.step_guard import ZERO_CONSOLIDATE, ZERO_STEP, agree_on_operation
 from ddp.zero import shard_sync
 from ddp.zero.gather_stats import ParamGatherStats
@@ -148,6 +148,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._lay_out(partition, "init")
         self.optim = self._build_local_optimizer()
         self._check_same_everywhere("init")
+        require_in_joins(self._params, self)
         self._ready = True
 
     # ---------------------------------------------------------------- identity
@@ -294,6 +295,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             self.param_groups.pop()
             raise
         self._params.extend(new_params)
+        require_in_joins(new_params, self)
         if self._gradient_layout is not None:
             self._repartition(self._gradient_layout.partition_for(self._params, self._prefix(op)), op)
             return
