@@ -187,15 +187,15 @@ def require_in_joins(params: Iterable[torch.Tensor], joinable: Joinable) -> None
     _COMPANIONS.register(params, joinable)
 
 
-def _left_out(joinables: list[Joinable]) -> tuple[Joinable, Joinable] | None:
-    """``(model, companion)`` for the first model whose required companion is not in ``joinables``."""
-    listed = {id(j) for j in joinables}
-    for j in joinables:
+def _misplaced(joinables: list[Joinable]) -> tuple[Joinable, Joinable, bool] | None:
+    """``(model, companion, listed)`` for the first model whose required companion is missing or before it."""
+    position = {id(j): k for k, j in enumerate(joinables)}
+    for k, j in enumerate(joinables):
         params = j.parameters() if isinstance(j, torch.nn.Module) else ()
         for p in params:
             companion = _COMPANIONS.owner(p)
-            if companion is not None and id(companion) not in listed:
-                return j, companion
+            if companion is not None and position.get(id(companion), -1) < k:
+                return j, companion, id(companion) in position
     return None
 
 
@@ -222,7 +222,7 @@ class Join:
     Raises:
         TypeError: A joinable is not a ``Joinable``.
         ValueError: The joinables use different process groups, or a model's
-            ``ZeroRedundancyOptimizer`` is not among them (before any communication).
+            ``ZeroRedundancyOptimizer`` is not among them after it (before any communication).
         EarlyTerminationError: With ``throw_on_early_termination``, on every rank.
 
     Example::
@@ -254,14 +254,20 @@ class Join:
         self._group = self._joinables[0].join_process_group
         if any(j.join_process_group is not self._group for j in self._joinables):
             raise ValueError(f"{self._prefix()}the joinables use different process groups; give them one")
-        left_out = _left_out(self._joinables) if enable else None
-        if left_out is not None:
-            model, companion = left_out
-            name = type(companion).__name__
+        misplaced = _misplaced(self._joinables) if enable else None
+        if misplaced is not None:
+            model, companion, listed = misplaced
+            name, model_name = type(companion).__name__, type(model).__name__
+            why = (
+                "is listed before it: a rank that has joined would run its step() before the model's "
+                "backward, in another order than the ranks still training"
+                if listed
+                else "is not in this Join: a rank that has run out of inputs would skip its step(), and the "
+                "other ranks' collectives in step() would wait for it"
+            )
             raise ValueError(
-                f"{self._prefix()}a {name} steps the parameters of {type(model).__name__} but is not in "
-                f"this Join: a rank that has run out of inputs would skip its step(), and the other ranks' "
-                f"collectives in step() would wait for it. List it after the model: Join([model, optimizer])"
+                f"{self._prefix()}a {name} steps the parameters of {model_name} but {why}. List it after "
+                "the model: Join([model, optimizer])"
             )
         self._device = self._joinables[0].join_device
         self._enable = enable

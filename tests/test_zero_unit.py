@@ -392,6 +392,9 @@ def test_join_without_the_optimizer_is_refused_before_any_communication(gradient
     with pytest.raises(ValueError, match=r"ddp.join: a ZeroRedundancyOptimizer steps the parameters of "
                        r"DistributedDataParallel but is not in this Join.*Join\(\[model, optimizer\]\)"):
         Join([model])
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer steps the parameters of "
+                       r"DistributedDataParallel but is listed before it.*Join\(\[model, optimizer\]\)"):
+        Join([opt, model])
     assert group.bytes_issued == issued
     Join([model], enable=False)  # off: nothing to refuse
     with Join([model, opt]):  # listed: accepted
