@@ -17,7 +17,7 @@ from ddp.bucket import GradientBucket
 from ddp.bucket_sync import BucketSync, CommHook, PendingSync
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
-from ddp.errors import BucketOrderError, CommHookError, NonFiniteGradientError, with_context
+from ddp.errors import BucketOrderError, CommHookError, with_context
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
 from ddp.zero.shard_sync import ReduceScatterBuckets
@@ -578,10 +578,7 @@ class GradientBucketManager:
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
         start = time.perf_counter()
-        try:
-            self._inflight[index] = self._sync.launch(bucket, self._rows[index])
-        except CommHookError as e:  # this rank's hook failed: reported by finish_grad_sync, in bucket order
-            self._inflight[index] = PendingSync(error=e)
+        self._inflight[index] = self._sync.launch(bucket, self._rows[index])
         self.padding_bytes += bucket.padding * bucket.comm_data.element_size()
         self._next_launch = index + 1
         for observer in self._observers:
@@ -626,10 +623,11 @@ class GradientBucketManager:
     def finish_grad_sync(self, timeout: float | None = None) -> float:
         """Wait, in order, for every launched bucket; land the results; make every ``.grad`` its view.
 
-        With ``check_for_nan_in_grad`` the ranks then agree (one small all-reduce)
-        on whether any rank's gradients held NaN or Inf. A communication hook that
-        failed on this rank is reported after all of that, so that this rank still
-        issues what the others do.
+        With a communication hook or ``check_for_nan_in_grad`` the ranks then agree
+        (``BucketSync.agree``, one small all-reduce) on whether the hook failed or
+        the gradients held NaN or Inf on any rank, and every rank raises it. A
+        hook that failed on this rank is reported only then, so that this rank
+        still issues what the others do.
 
         Args:
             timeout: Seconds for the whole wait (default: the group's timeout).
@@ -640,15 +638,14 @@ class GradientBucketManager:
         Raises:
             CommTimeoutError: The collectives did not finish in time.
             CommError: A collective failed (the message names the bucket).
-            CommHookError: The communication hook failed for a bucket on this rank
-                (the first such bucket).
+            CommHookError: The communication hook failed on some rank (on every rank).
             NonFiniteGradientError: Some rank's gradients held NaN or Inf (on every rank).
         """
         budget = self.group.timeout if timeout is None else timeout
         start = time.perf_counter()
         deadline = start + budget
         sync = self._sync
-        failed: CommHookError | None = None
+        failed: tuple[int, CommHookError] | None = None
         # Every launched bucket is waited on, even one already seen complete: the
         # result is only valid once wait() has returned (a backend may finish there).
         for b in range(self._next_waited, self._next_launch):
@@ -656,8 +653,8 @@ class GradientBucketManager:
             assert pending is not None
             try:
                 sync.finish(bucket, pending, max(deadline - time.perf_counter(), 0.001))
-            except CommHookError as e:
-                failed = failed or e
+            except CommHookError as e:  # this rank's hook: raised on every rank by the outcome agreement
+                failed = failed or (b, e)
             except CommError as e:
                 raise with_context(
                     e,
@@ -675,14 +672,8 @@ class GradientBucketManager:
         self._reduced = self._next_launch == len(self._buckets)
         for bucket in self._buckets[: self._next_launch]:
             bucket.copy_back()
-        if sync.check is not None and self._buckets:
-            try:
-                sync.check.agree(self._buckets)
-            except NonFiniteGradientError:
-                if failed is None:
-                    raise
-        if failed is not None:
-            raise failed
+        if self._buckets:
+            sync.agree(self._buckets, failed)
         return time.perf_counter() - start
 
     def copy_back_all(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from commlib.types import ReduceOp
 from commlib.work import CompletedWork, Work
 from ddp.bucket import GradientBucket
 from ddp.config import GradientScaling
-from ddp.devices import CommStreams
+from ddp.devices import CommStreams, control_tensor, to_host
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
@@ -59,7 +59,9 @@ class PendingSync:
 
     For a touched-rows exchange (``rows``), ``work`` is its first collective (the
     flags); the second runs in ``BucketSync.finish``, so it is not complete before.
-    ``error``: the communication hook failed at launch; ``BucketSync.finish`` raises it.
+    ``error``: the communication hook failed at launch; ``work`` is then the
+    stand-in collective issued in its place (or None), and ``BucketSync.finish``
+    waits for it, then raises the error.
     """
 
     __slots__ = ("work", "future", "settled", "rows", "error")
@@ -84,10 +86,10 @@ class PendingSync:
         """True once the collective (or the hook's future) has finished, without blocking."""
         if self.rows is not None:
             return False
-        if self.error is not None:
-            return True
         if self.work is not None:
             return self.work.is_completed()
+        if self.error is not None:
+            return True
         return self.future is not None and self.future.done()
 
 
@@ -189,7 +191,52 @@ class BucketSync:
                         )
                     )
                 )
-            return PendingSync(future=self._call_hook(bucket))
+            return self._launch_hook(bucket)
+
+    def _launch_hook(self, bucket: GradientBucket) -> PendingSync:
+        """Call the hook; if it fails before communicating, issue a stand-in all-reduce of zeros.
+
+        The other ranks' hooks issued their collectives for this bucket, so a rank
+        whose hook raised (or returned a failed future, or no future) without
+        issuing any on the group takes part with zeros in an all-reduce of the
+        bucket: what ``allreduce_hook`` and DDP's own path issue. The failure is
+        then raised on every rank by the step's outcome agreement (``agree``),
+        and the later buckets stay paired.
+        """
+        group = self.group
+        issued = group.bytes_issued
+        try:
+            future = self._call_hook(bucket)
+            error = self._failed_already(bucket, future)
+        except CommHookError as e:
+            error = e
+        if error is None:
+            return PendingSync(future=future)
+        stand_in = None
+        if group.bytes_issued == issued and bucket.numel:
+            data = bucket.comm_data
+            data.zero_()
+            stand_in = group.all_reduce(data, ReduceOp.SUM, async_op=True)
+        return PendingSync(work=stand_in, error=error)
+
+    def _failed_already(
+        self, bucket: GradientBucket, future: torch.futures.Future[Any]
+    ) -> CommHookError | None:
+        """The hook's failure if its future has already failed (not in a collective), else None."""
+        if not future.done():
+            return None
+        try:
+            future.value()
+        except CommError:
+            return None  # a collective failed: finish raises it, and the group is broken
+        except Exception as e:  # noqa: BLE001 - a hook's failure, named
+            error = CommHookError(
+                f"{self._prefix()}the communication hook's future for bucket {bucket.index()} failed: "
+                f"{type(e).__name__}: {e}"
+            )
+            error.__cause__ = e
+            return error
+        return None
 
     def _call_hook(self, bucket: GradientBucket) -> torch.futures.Future[Any]:
         assert self.hook is not None
@@ -216,6 +263,74 @@ class BucketSync:
             )
         return future
 
+    # ----------------------------------------------------------------- outcome
+    @property
+    def agrees_on_outcome(self) -> bool:
+        """Whether ``agree`` communicates: a hook is registered or the NaN check is on."""
+        return self.hook is not None or self.check is not None
+
+    def agree(self, buckets: Sequence[GradientBucket], failed: tuple[int, CommHookError] | None) -> None:
+        """The step's outcome agreement: raise on every rank what some rank found in this backward.
+
+        Call it on every rank at the end of backward, after every bucket's
+        collective. With a communication hook or the NaN check, one all-reduce of
+        an integer per rank for each (the non-finite slices it found; the first
+        bucket whose hook failed there, plus one); if some rank found non-finite
+        gradients, a second one names them (``NonFiniteCheck.explain``). Without
+        either, nothing is communicated.
+
+        Args:
+            buckets: The buckets, in order.
+            failed: ``(bucket index, error)`` of the first bucket whose hook failed on this rank.
+
+        Raises:
+            CommHookError: The hook failed on some rank (every rank raises it).
+            NonFiniteGradientError: Some rank's gradients held NaN or Inf.
+        """
+        if not self.agrees_on_outcome:
+            if failed is not None:
+                raise failed[1]
+            return
+        group, check = self.group, self.check
+        world, rank = group.world_size, group.rank
+        # One row of world integers for each question asked: NaN counts, then failed hook buckets.
+        rows = (check is not None) + (self.hook is not None)
+        values = [0] * (rows * world)
+        if check is not None:
+            values[rank] = check.found
+        if self.hook is not None and failed is not None:
+            values[(rows - 1) * world + rank] = failed[0] + 1
+        tensor = control_tensor(group, values, torch.int64)
+        group.all_reduce(tensor, ReduceOp.SUM)
+        got = to_host(tensor).tolist()
+        nonfinite = check.explain(got[:world], buckets) if check is not None else None
+        hook_failed = {r: b - 1 for r, b in enumerate(got[(rows - 1) * world :]) if b} if self.hook else {}
+        if hook_failed:
+            raise self._hook_failed_error(hook_failed, failed[1] if failed is not None else None)
+        if nonfinite is not None:
+            raise nonfinite
+
+    def _hook_failed_error(self, where: dict[int, int], mine: CommHookError | None) -> CommHookError:
+        group = self.group
+        ranks = sorted(where)
+        on = ", ".join(f"rank {r} (bucket {where[r]})" for r in ranks)
+        own = "" if mine is None else f"{str(mine).removeprefix(self._prefix())}. "
+        others = len([r for r in ranks if r != group.rank])
+        cause = {0: "", 1: " (its error names the cause)"}.get(others, " (their errors name the cause)")
+        error = CommHookError(
+            f"{error_prefix(group.rank, group.world_size, 'ddp', 'backward')}{own}{'T' if own else 't'}he "
+            f"communication hook failed in this backward on {on} of {group.world_size}{cause} "
+            f"({group.backend} backend). "
+            "Every rank raises this in the same backward, after issuing every collective of the step (a "
+            "rank whose hook failed before communicating took part with zeros), so the ranks stay paired, "
+            "but no rank holds the average: do not step the optimizer on these gradients. Fix the hook, "
+            "or skip the step on every rank (catch CommHookError, call optimizer.zero_grad())",
+            ranks=tuple(ranks),
+            buckets=where,
+        )
+        error.__cause__ = mine
+        return error
+
     # ------------------------------------------------------------------ finish
     def finish(self, bucket: GradientBucket, pending: PendingSync, timeout: float | None) -> None:
         """Wait for ``bucket``'s communication and land the result in its gradients.
@@ -229,6 +344,8 @@ class BucketSync:
         """
         cuda = CommStreams.applies(bucket.comm_device)
         if pending.error is not None:
+            if pending.work is not None:
+                pending.work.wait(None if cuda else timeout)
             raise pending.error
         if pending.rows is not None:
             assert pending.work is not None

@@ -59,7 +59,22 @@ class NonFiniteGradientError(CommError):
 
 
 class CommHookError(CommError):
-    """A communication hook was misused (registered twice or too late) or did not deliver a result."""
+    """A communication hook was misused (registered twice or too late) or did not deliver a result.
+
+    A hook that fails in a backward on some rank makes every rank raise it in that
+    backward, after every rank issued the step's collectives.
+
+    Attributes:
+        ranks: The ranks whose hook failed in that backward (empty for a misuse).
+        buckets: ``{rank: first bucket index whose hook failed there}``.
+    """
+
+    def __init__(
+        self, message: str, *, ranks: tuple[int, ...] = (), buckets: dict[int, int] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.buckets = dict(buckets or {})
 
 
 class RepeatedGradientError(CommError):
@@ -90,14 +105,28 @@ class RanksOutOfStepError(CollectiveMismatchError):
     gradient, or was skipped on that rank alone), so its buckets would be averaged
     with another step's. Every rank raises it in the same backward.
 
+    ``ZeroRedundancyOptimizer.step()`` and ``consolidate_state_dict()`` take part in
+    the same agreement: a rank that skipped one, called it twice or alone makes
+    every rank raise this at once (``positions`` says where each rank was).
+
     Attributes:
         steps: ``{rank: (training forwards, synchronised backwards)}`` of every
-            rank when this backward began.
+            rank when this backward began (for an optimizer operation: its calls, -1).
+        positions: ``{rank: where it was}`` (``"in DDP's backward (training forward
+            3, synchronised backward 3)"``, ``"in ZeroRedundancyOptimizer.step() (its
+            call 2)"``), when some rank was not in a backward; else empty.
     """
 
-    def __init__(self, message: str, *, steps: dict[int, tuple[int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        steps: dict[int, tuple[int, int]] | None = None,
+        positions: dict[int, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.steps = dict(steps or {})
+        self.positions = dict(positions or {})
 
 
 class ParametersChangedError(CommError):

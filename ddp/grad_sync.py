@@ -23,7 +23,7 @@ and torch's ``Reducer::finalize_backward``:
   the buckets in rank 0's arrival order (and re-sizes them with
   ``bucket_size_mb="auto"``). Then it raises the first problem found: a backward
   that never reached its end (``abandon``), a repeated gradient, the agreement's
-  verdict, missing gradients, a communication hook that failed on this rank, NaN
+  verdict, missing gradients, a communication hook that failed on some rank, NaN
   on some rank. A collective that fails stops it at once (the group is broken).
 
 Statistics and the timeline observe it: its ``StepRecorder`` sees every bucket's
@@ -57,7 +57,7 @@ from ddp.errors import (
     RepeatedGradientError,
 )
 from ddp.observe.stats import StepRecorder, StepStats
-from ddp.step_guard import StepGuard
+from ddp.step_guard import StepGuard, register_backward
 from ddp.zero.shard_sync import wire_bytes
 
 __all__ = ["GradSync"]
@@ -114,6 +114,7 @@ class GradSync:
         self.recorder = StepRecorder()
         """The bucket events of the current (or latest) backward."""
         manager.add_observer(self.recorder)
+        register_backward(manager.params, self)
         manager.record_arrival_times = auto is not None
         self._subscribers: list[Callable[[StepStats], None]] = []
         self.sync_enabled = True
@@ -216,13 +217,15 @@ class GradSync:
             self.finish()
 
     # ------------------------------------------------------------------ verbs
-    def begin(self, *, joined: bool = False) -> None:
+    def begin(self, *, joined: bool = False, agreed: bool = False) -> None:
         """Start a backward: launch the step agreement if it synchronises, and reset the buckets.
 
         Args:
             joined: This rank has run out of inputs and shadows the others'
                 backward (``ddp.Join``): it contributes zeros, and ``finish``
                 is called by the caller, not at the end of an autograd backward.
+            agreed: The agreement of this backward has already run (``shadow``):
+                launch none.
         """
         manager = self.manager
         self.active = True
@@ -233,7 +236,8 @@ class GradSync:
         self._problems.clear()
         self._extra_collectives = 0
         # The agreement goes first, before bucket 0 on every rank, and outside the step's statistics.
-        self.guard.begin_backward(synced=synced, communicates=manager.num_buckets > 0, joined=joined)
+        if not agreed:
+            self.guard.begin_backward(synced=synced, communicates=manager.num_buckets > 0, joined=joined)
         self._bytes_at_begin = self.group.bytes_issued
         manager.reset(self.average_over if synced else None)
         if not joined:
@@ -253,6 +257,20 @@ class GradSync:
             for index in range(len(self._counts)):
                 if index not in used:
                     manager.mark_ready(index, arrived=False)
+
+    def shadow(self) -> None:
+        """Issue the rest of a backward that other ranks are in, with zeros; its agreement has run already.
+
+        For a rank whose optimizer operation's agreement paired with the others'
+        backward agreement (``ddp.step_guard.agree_on_operation``): it issues
+        that backward's collectives as a rank that has joined does, so every
+        rank's collectives stay paired, then raises what the agreement found.
+        Nothing while a backward is in progress on this rank.
+        """
+        if self.active or not self.manager.num_buckets:
+            return
+        self.begin(joined=True, agreed=True)
+        self.finish()
 
     def register_grad_ready(self, index: int) -> None:
         """Parameter ``index`` got a gradient in ``.grad``: count it; take it into its bucket when final."""
@@ -289,7 +307,7 @@ class GradSync:
                 after wrapping (on every rank).
             MissingGradientsError: Backward produced no gradient for some parameters
                 and ``find_unused_parameters`` is off.
-            CommHookError: The communication hook failed on this rank.
+            CommHookError: The communication hook failed on some rank (on every rank).
             NonFiniteGradientError: Some rank's gradients held NaN or Inf (on every rank).
             CommError: A collective failed or timed out.
         """
@@ -335,7 +353,11 @@ class GradSync:
         if self._learning and not self.joined:
             self._learn_counts()
         verdict = self.guard.agree(timeout)  # the same on every rank
-        if verdict is not None:
+        if isinstance(verdict, RanksOutOfStepError) and verdict.positions:
+            # Some rank is in an optimizer operation, not a backward: it shadows this
+            # backward (``shadow``) so the collectives stay paired; its error goes first.
+            self._problems.insert(0, verdict)
+        elif verdict is not None:
             self._problems.append(verdict)
         if self.joined:
             manager.launch_zeros()
@@ -421,8 +443,9 @@ class GradSync:
 
     def _publish(self, exposed: float) -> None:
         manager, group = self.manager, self.group
-        if self.synced and self._config.check_for_nan_in_grad and manager.num_buckets:
-            self._extra_collectives += 1
+        outcome = self._config.check_for_nan_in_grad or manager.comm_hook is not None
+        if self.synced and outcome and manager.num_buckets:
+            self._extra_collectives += 1  # the outcome agreement (BucketSync.agree)
         self.recorder.extra_collective(self._extra_collectives)
         sent = group.bytes_issued - self._bytes_at_begin
         scattered = self.recorder.bytes_reduced if manager.reduce_scatters else 0

@@ -46,6 +46,7 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.devices import control_tensor, to_host
 from ddp.errors import EarlyTerminationError
+from ddp.param_registry import ParamRegistry
 from ddp.replicas import broadcast_module_states
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "Joinable",
     "adopt_last_joiners_states",
     "join_round",
+    "require_in_joins",
 ]
 
 
@@ -171,6 +173,32 @@ def adopt_last_joiners_states(
     broadcast_module_states(group, tensors, src=src)
 
 
+_COMPANIONS: ParamRegistry[Joinable] = ParamRegistry()
+"""Parameter -> a joinable that must be in every ``Join`` of a model holding it."""
+
+
+def require_in_joins(params: Iterable[torch.Tensor], joinable: Joinable) -> None:
+    """Make ``Join`` refuse a model holding ``params`` unless ``joinable`` is listed too.
+
+    For a joinable that communicates in every iteration for those parameters
+    (``ZeroRedundancyOptimizer.step``): left out, a rank that has joined would
+    skip it while the others' collectives wait for a partner.
+    """
+    _COMPANIONS.register(params, joinable)
+
+
+def _misplaced(joinables: list[Joinable]) -> tuple[Joinable, Joinable, bool] | None:
+    """``(model, companion, listed)`` for the first model whose required companion is missing or before it."""
+    position = {id(j): k for k, j in enumerate(joinables)}
+    for k, j in enumerate(joinables):
+        params = j.parameters() if isinstance(j, torch.nn.Module) else ()
+        for p in params:
+            companion = _COMPANIONS.owner(p)
+            if companion is not None and position.get(id(companion), -1) < k:
+                return j, companion, id(companion) in position
+    return None
+
+
 class Join:
     """Context manager for uneven inputs: ranks that run out of batches shadow the others until all are done.
 
@@ -193,7 +221,8 @@ class Join:
 
     Raises:
         TypeError: A joinable is not a ``Joinable``.
-        ValueError: The joinables use different process groups.
+        ValueError: The joinables use different process groups, or a model's
+            ``ZeroRedundancyOptimizer`` is not among them after it (before any communication).
         EarlyTerminationError: With ``throw_on_early_termination``, on every rank.
 
     Example::
@@ -225,6 +254,21 @@ class Join:
         self._group = self._joinables[0].join_process_group
         if any(j.join_process_group is not self._group for j in self._joinables):
             raise ValueError(f"{self._prefix()}the joinables use different process groups; give them one")
+        misplaced = _misplaced(self._joinables) if enable else None
+        if misplaced is not None:
+            model, companion, listed = misplaced
+            name, model_name = type(companion).__name__, type(model).__name__
+            why = (
+                "is listed before it: a rank that has joined would run its step() before the model's "
+                "backward, in another order than the ranks still training"
+                if listed
+                else "is not in this Join: a rank that has run out of inputs would skip its step(), and the "
+                "other ranks' collectives in step() would wait for it"
+            )
+            raise ValueError(
+                f"{self._prefix()}a {name} steps the parameters of {model_name} but {why}. List it after "
+                "the model: Join([model, optimizer])"
+            )
         self._device = self._joinables[0].join_device
         self._enable = enable
         self._throw = throw_on_early_termination

@@ -2,9 +2,10 @@
 
 Each bucket is summed once before its collective (a NaN or an Inf anywhere makes
 the sum non-finite; a sum that overflows on finite values is caught by the exact
-check that follows, which runs only then). At the end of backward one small
-all-reduce tells every rank which ranks found some, and, only if one did, a
-second one carries each such rank's buckets and parameters, so that every rank
+check that follows, which runs only then). At the end of backward the step's
+outcome agreement (``BucketSync.agree``, one small all-reduce) tells every rank
+how many each rank found, and, only if one did, ``explain`` runs a second one
+that carries each such rank's buckets and parameters, so that every rank
 raises the same ``NonFiniteGradientError``.
 """
 
@@ -31,7 +32,7 @@ _WIDE_SUM = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 class NonFiniteCheck:
-    """Checks each bucket before communication; ``agree`` raises on every rank if any rank found one.
+    """Checks each bucket before communication; ``explain`` builds the error every rank raises.
 
     Args:
         group: The group the buckets are reduced over.
@@ -59,21 +60,24 @@ class NonFiniteCheck:
             if not bool(torch.isfinite(piece).all()):
                 self._found.append((bucket.index(), slot))
 
-    def agree(self, buckets: Sequence[GradientBucket]) -> None:
-        """Tell every rank what every rank found (collective); raise on every rank if anything.
+    @property
+    def found(self) -> int:
+        """Non-finite parameter slices this rank found in this backward (its entry in the agreement)."""
+        return len(self._found)
 
-        Raises:
-            NonFiniteGradientError: Some rank's gradients held NaN or Inf.
+    def explain(
+        self, counts: Sequence[int], buckets: Sequence[GradientBucket]
+    ) -> NonFiniteGradientError | None:
+        """The error every rank raises, given every rank's ``found`` (from the step's outcome agreement).
+
+        None if every count is 0. Otherwise collective (every rank sees the same
+        counts, so all take part): one all-reduce carries each such rank's buckets
+        and parameters.
         """
+        if not any(counts):
+            return None
         group = self._group
         world, rank = group.world_size, group.rank
-        flags = [0] * world
-        flags[rank] = len(self._found)
-        flag_tensor = control_tensor(group, flags, torch.int64)
-        group.all_reduce(flag_tensor, ReduceOp.SUM)
-        counts = to_host(flag_tensor).tolist()
-        if not any(counts):
-            return
         width = 2 * MAX_REPORTED
         rows = [0] * (world * width)
         for k, (b, slot) in enumerate(self._found[:MAX_REPORTED]):
@@ -94,7 +98,7 @@ class NonFiniteCheck:
             more = f" and {counts[r] - len(names)} more" if counts[r] > len(names) else ""
             where = ", ".join(f"bucket {b}" for b in per_rank_buckets[r])
             parts.append(f"rank {r} ({where}): {', '.join(names)}{more}")
-        raise NonFiniteGradientError(
+        return NonFiniteGradientError(
             f"{error_prefix(rank, world, 'ddp', 'backward')}non-finite gradients (NaN or Inf) before "
             f"communication on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world} "
             f"({group.backend} backend); {'; '.join(parts)}. Every rank raises this in the same backward, "

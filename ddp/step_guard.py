@@ -44,13 +44,26 @@ backward did not reach DDP's hooks since (swapped parameters,
 ``torch.__future__.set_swap_module_params_on_conversion``). Where only that rank
 changed, the others wait in their backward until the timeout, their stall
 warnings naming the missing rank.
+
+``ZeroRedundancyOptimizer`` takes part in the same agreement: ``step()`` and
+``consolidate_state_dict()`` each begin with an all-gather of the same shape
+(``agree_on_operation``), whose row says which operation it is and how many
+times this rank has called it (``ZERO_STEP``, ``ZERO_CONSOLIDATE``). A rank
+that skipped ``step()``, called it twice, or called ``consolidate_state_dict()``
+alone then pairs that all-gather with another rank's backward agreement or
+optimizer operation, not with an all-gather of parameters of another size (a
+bare abort on Gloo), and every rank raises ``RanksOutOfStepError`` at once,
+naming where each rank was (``describe_position``). A rank in the optimizer
+operation first issues the rest of the others' backward with zeros (DDP
+registers its ``GradSync`` for its parameters: ``register_backward``), as a
+rank that has joined does, so the collectives stay paired and the group usable.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -61,8 +74,21 @@ from commlib.types import dtype_name
 from commlib.work import Work
 from ddp.devices import control_buffer, control_tensor, to_host
 from ddp.errors import ParametersChangedError, RanksOutOfStepError, with_context
+from ddp.param_registry import ParamRegistry
 
-__all__ = ["JOINED", "PARAMETERS_CHANGED", "ROW", "ParameterChange", "StepGuard"]
+__all__ = [
+    "JOINED",
+    "PARAMETERS_CHANGED",
+    "ROW",
+    "ZERO_CONSOLIDATE",
+    "ZERO_STEP",
+    "ParameterChange",
+    "StepGuard",
+    "BackwardShadow",
+    "agree_on_operation",
+    "describe_position",
+    "register_backward",
+]
 
 PARAMETERS_CHANGED = 1
 """Status flag: this rank's parameters changed dtype or device since wrapping."""
@@ -71,6 +97,16 @@ JOINED = 2
 
 A joined rank runs no forwards, so its counts are not compared.
 """
+
+ZERO_STEP = 4
+"""Status flag: the row is ``ZeroRedundancyOptimizer.step()``'s, not a backward's; field 0: its calls."""
+ZERO_CONSOLIDATE = 8
+"""Status flag: the row is ``ZeroRedundancyOptimizer.consolidate_state_dict()``'s; field 0: its calls."""
+_OPERATIONS = ZERO_STEP | ZERO_CONSOLIDATE
+_OPERATION_NAMES = {
+    ZERO_STEP: "ZeroRedundancyOptimizer.step()",
+    ZERO_CONSOLIDATE: "ZeroRedundancyOptimizer.consolidate_state_dict()",
+}
 
 ROW = 11
 """int64 per rank in the agreement: forwards, synced backwards, flags, changed count,
@@ -297,6 +333,8 @@ class StepGuard:
 
     # ---------------------------------------------------------------- verdict
     def _verdict(self, table: list[list[int]]) -> CommError | None:
+        if any(row[2] & _OPERATIONS for row in table):
+            return positions_error(self._group, "backward", table)
         changed = [r for r, row in enumerate(table) if row[2] & PARAMETERS_CHANGED]
         if changed:
             return self._changed_error(table, changed)
@@ -371,3 +409,109 @@ def _decode(code: int, kind: int, index: int) -> str:
     device = _DEVICE_TYPES[kind] if 0 <= kind < len(_DEVICE_TYPES) else "another device"
     return f"{dtype} on {device}{'' if index < 0 else f':{index}'}"
 
+
+
+# -------------------------------------------------- other operations' agreement
+def describe_position(row: Sequence[int]) -> str:
+    """Where the rank whose agreement row this is stood: ``in DDP's backward (training forward 3, ...)``."""
+    operation = row[2] & _OPERATIONS
+    if operation:
+        return f"in {_OPERATION_NAMES.get(operation, 'another operation')} (its call {row[0]})"
+    if row[2] & JOINED:
+        return "shadowing a backward (it has joined)"
+    return f"in DDP's backward (training forward {row[0]}, synchronised backward {row[1]})"
+
+
+def positions_error(group: IProcessGroup, op: str, table: list[list[int]]) -> RanksOutOfStepError:
+    """The error every rank raises when the agreement's rows come from different operations or calls."""
+    by_position: dict[str, list[int]] = {}
+    for r, row in enumerate(table):
+        by_position.setdefault(describe_position(row), []).append(r)
+    parts = []
+    for position, ranks in by_position.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        parts.append(f"{who} {position}")
+    prefix = error_prefix(group.rank, group.world_size, "zero" if op != "backward" else "ddp", op)
+    return RanksOutOfStepError(
+        f"{prefix}the ranks are out of step: {'; '.join(parts)} ({group.backend} backend): a rank "
+        "skipped optimizer.step() or called it twice, or called consolidate_state_dict() alone. Every "
+        "rank raises this at once, and the collectives stay paired (a rank in the optimizer issues the "
+        "rest of the others' backward with zeros), but this step is lost on every rank: the gradients "
+        "are not the average and the parameters were not all-gathered. Fix: every rank must call step() "
+        "once after each backward (inside Join, list the optimizer too: Join([model, optimizer])) and "
+        "consolidate_state_dict() together; resume from the last checkpoint",
+        steps={r: (row[0], row[1]) for r, row in enumerate(table)},
+        positions={r: describe_position(row) for r, row in enumerate(table)},
+    )
+
+
+class BackwardShadow(Protocol):
+    """What ``agree_on_operation`` needs of DDP's ``GradSync``: its group, and ``shadow()``."""
+
+    group: IProcessGroup
+
+    def shadow(self) -> None:
+        """Issue the rest of a backward the other ranks are in, with zeros."""
+
+
+_BACKWARDS: ParamRegistry[BackwardShadow] = ParamRegistry()
+"""Parameter -> the ``BackwardShadow`` of the DDP that synchronises its gradient."""
+
+
+def register_backward(params: Sequence[torch.Tensor], backward: BackwardShadow) -> None:
+    """Record that ``backward`` synchronises the gradients of ``params`` (DDP's ``GradSync`` calls this)."""
+    _BACKWARDS.register(params, backward)
+
+
+def _backward_of(params: Sequence[torch.Tensor], group: IProcessGroup) -> BackwardShadow | None:
+    for p in params:
+        backward = _BACKWARDS.owner(p)
+        if backward is not None and backward.group is group:
+            return backward
+    return None
+
+
+def agree_on_operation(
+    group: IProcessGroup, op: str, flag: int, calls: int, params: Sequence[torch.Tensor] = ()
+) -> None:
+    """Check that every rank is in the same optimizer operation (``ZERO_STEP``...), call ``calls``.
+
+    One all-gather of ``ROW`` int64 per rank, the shape of a backward's agreement,
+    so that a rank that is elsewhere pairs it with its own agreement and both
+    raise (see the module docstring). Where some rank is in a backward of the
+    DDP that reduces the gradients of ``params`` over ``group``, this rank issues
+    the rest of that backward with zeros first (``GradSync.shadow``), so that
+    every collective stays paired and the group stays usable. Nothing on one rank.
+
+    Raises:
+        RanksOutOfStepError: Some rank is in another operation, or another call of it (on every rank).
+        CommError: The all-gather failed or timed out; the message names the operation.
+    """
+    world = group.world_size
+    if world == 1:
+        return
+    row = [calls, -1, flag, 0] + [-1] * (ROW - 4)
+    gathered = control_buffer(group, world * ROW, torch.int64)
+    name = _OPERATION_NAMES[flag]
+    work = group.all_gather(gathered, control_tensor(group, row, torch.int64), async_op=True)
+    assert work is not None  # async_op=True always returns a handle
+    try:
+        work.annotate(lambda: f"{name} agreement (call {calls})").wait()
+    except CommError as e:
+        raise with_context(
+            e,
+            f"{error_prefix(group.rank, world, 'zero', op)}waiting for every rank to enter {name} (this "
+            f"rank's call {calls}): every rank must call it, the same number of times (a rank that "
+            "skipped it, or called it alone, leaves the others waiting)",
+        ) from e
+    table = to_host(gathered).view(world, ROW).tolist()
+    if all(other[:3] == row[:3] for other in table):
+        return
+    error = positions_error(group, op, table)
+    backward = _backward_of(params, group) if any(not r[2] & _OPERATIONS for r in table) else None
+    if backward is not None:
+        try:
+            backward.shadow()
+        except CommError as e:
+            raise error from e
+    raise error

@@ -13,6 +13,7 @@ from commlib.errors import CommError
 from ddp import (
     CommHookError,
     DistributedDataParallel,
+    Join,
     ModelMismatchError,
     ParameterPartition,
     ParametersChangedError,
@@ -345,7 +346,9 @@ def _gather_times(group: Any, overlap: bool, delay_s: float) -> dict[str, Any]:
         loss.backward()
         issued = len(group.issued)
         zero.step()
-        out["gathers"] = sum(1 for i in group.issued[issued:] if i.kind == "all_gather")
+        # the parameters' all-gathers (float64), not the step's agreement (int64)
+        new = group.issued[issued:]
+        out["gathers"] = sum(1 for i in new if i.kind == "all_gather" and i.dtype.is_floating_point)
         out["after_step"].append((zero.param_gather_s, zero.param_gather_wait_s))
     zero.finish_param_gather()
     s = zero.param_gather_stats
@@ -378,3 +381,21 @@ def test_join_with_the_optimizer_steps_the_joined_ranks_shard(gradient_sync):
     results = run_threads(zero_bodies.case_join, 3, [2, 4, 3], gradient_sync)
     assert len({r["hash"] for r in results}) == 1
     assert all(r["max_diff"] < 1e-6 for r in results), results
+
+
+@pytest.mark.parametrize("gradient_sync", ["allreduce", "reduce_scatter"])
+def test_join_without_the_optimizer_is_refused_before_any_communication(gradient_sync):
+    group = solo()
+    model = DistributedDataParallel(build("plain", 7), group, gradient_sync=gradient_sync)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.05)
+    issued = group.bytes_issued
+    with pytest.raises(ValueError, match=r"ddp.join: a ZeroRedundancyOptimizer steps the parameters of "
+                       r"DistributedDataParallel but is not in this Join.*Join\(\[model, optimizer\]\)"):
+        Join([model])
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer steps the parameters of "
+                       r"DistributedDataParallel but is listed before it.*Join\(\[model, optimizer\]\)"):
+        Join([opt, model])
+    assert group.bytes_issued == issued
+    Join([model], enable=False)  # off: nothing to refuse
+    with Join([model, opt]):  # listed: accepted
+        pass

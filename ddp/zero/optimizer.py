@@ -13,7 +13,8 @@ from commlib.process_group import IProcessGroup
 from commlib.types import dtype_name
 from ddp.errors import ModelMismatchError, ParametersChangedError, StateNotConsolidatedError
 from ddp.groups import resolve_group
-from ddp.join import Join, Joinable, JoinHook
+from ddp.join import Join, Joinable, JoinHook, require_in_joins
+from ddp.step_guard import ZERO_CONSOLIDATE, ZERO_STEP, agree_on_operation
 from ddp.zero import shard_sync
 from ddp.zero.gather_stats import ParamGatherStats
 from ddp.zero.partition import ParameterPartition, ParamPiece
@@ -132,6 +133,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._external = partition is not None
         self._registrations_seen = -1
         self._gather_stats = ParamGatherStats()
+        self._steps = 0  # calls of step() and consolidate_state_dict(): every rank's must agree
+        self._consolidations = 0
         super().__init__(params, defaults)
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._check_communicable("init", self._params)
@@ -145,6 +148,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._lay_out(partition, "init")
         self.optim = self._build_local_optimizer()
         self._check_same_everywhere("init")
+        require_in_joins(self._params, self)
         self._ready = True
 
     # ---------------------------------------------------------------- identity
@@ -214,8 +218,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         Raises:
             ParametersChangedError: A parameter's storage was replaced after the
                 optimizer was created (it no longer lives in the flat buffer).
+            RanksOutOfStepError: Some rank is not in this call of ``step()`` (it
+                skipped a step, called it twice, or is in ``consolidate_state_dict()``
+                alone): raised on every rank at once, before the all-gathers.
         """
         Join.notify_join_context(self)
+        self._steps += 1
+        agree_on_operation(self._group, "step", ZERO_STEP, self._steps, self._params)
         self.finish_param_gather()  # those the last forward did not wait for (unused parameters)
         self._follow_gradient_layout("step")
         self._check_linked("step")
@@ -286,6 +295,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             self.param_groups.pop()
             raise
         self._params.extend(new_params)
+        require_in_joins(new_params, self)
         if self._gradient_layout is not None:
             self._repartition(self._gradient_layout.partition_for(self._params, self._prefix(op)), op)
             return
@@ -331,12 +341,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
         Args:
             to: The rank that receives the state.
+
+        Raises:
+            RanksOutOfStepError: Another rank is in ``step()`` or DDP's backward
+                (it did not call this): raised on every rank at once.
+            CommError: Another rank issued nothing within the timeout; the
+                message says that every rank must call it.
         """
         op = "consolidate_state_dict"
         if not 0 <= to < self.world_size:
             raise ValueError(
                 f"{self._prefix(op)}to={to} is not a rank of this group (0..{self.world_size - 1})"
             )
+        self._consolidations += 1
+        agree_on_operation(self._group, op, ZERO_CONSOLIDATE, self._consolidations, self._params)
         payloads = exchange_objects(self._group, self._shard_payload(), to)
         self._consolidated = None if payloads is None else self._whole_state_dict(payloads, op)
 

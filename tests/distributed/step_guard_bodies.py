@@ -183,6 +183,7 @@ def case_normal_training(group: IProcessGroup, hook: bool = True) -> dict[str, A
         "params": len(list(model.parameters())),
         "grads": grads,
         "forwards": ddp._sync.guard.forwards,  # noqa: SLF001 - what the agreement compares
+        "hooked": hook,
     }
 
 
@@ -236,8 +237,10 @@ def check_normal(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert max(r["deviations"]) < 1e-6, r["deviations"]
         assert r["synced"] == [False, True] * 3
-        flags = 2  # the used-parameters map and the NaN flags; the step agreement is not counted
+        flags = 2  # the used-parameters map and the outcome agreement; the step agreement is not counted
         assert r["collectives"] == [0, r["buckets"] + flags] * 3
         for synced in (3, 5):  # after the first synced step (which also broadcasts the rebuilt layout)
-            assert r["bytes_sent"][synced] == r["bytes_reduced"][synced] + 4 * r["params"] + 8 * world
+            # the used-parameters map, then the outcome agreement: NaN counts, and failed hook buckets
+            agreement = 8 * world * (1 + r["hooked"])
+            assert r["bytes_sent"][synced] == r["bytes_reduced"][synced] + 4 * r["params"] + agreement
         assert r["forwards"] == 6
