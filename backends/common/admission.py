@@ -34,6 +34,7 @@ __all__ = [
     "missing_ranks_message",
     "refusal_stops_rank0",
     "refused_peer_message",
+    "still_waiting",
     "token_mismatch_advice",
 ]
 
@@ -120,6 +121,15 @@ def refusal_stops_rank0(token: JobToken, peer_identity: str, peer_rank: int, mis
     """
     explicit = token.identity.startswith(TOKEN_VAR) or peer_identity.startswith(TOKEN_VAR)
     return explicit and peer_rank in missing
+
+
+def still_waiting(rank: int, missing: set[int]) -> str:
+    """The end of rank 0's log line about a refused peer that claimed ``rank``: what rank 0 does next."""
+    if rank in missing:
+        return f"still waiting for this job's rank {rank}"
+    if rank == 0:
+        return "it claimed rank 0, which this process is (another job's rank 0, finding the port taken?)"
+    return f"this job's rank {rank} is in already"
 
 
 def refused_peer_message(prefix: str, master: str, who: str, peer_identity: str, identity: str) -> str:

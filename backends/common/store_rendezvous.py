@@ -60,6 +60,7 @@ from backends.common.admission import (
     missing_ranks_message,
     refusal_stops_rank0,
     refused_peer_message,
+    still_waiting,
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
@@ -374,8 +375,7 @@ class _Leader:
         key = ctx.token.matching_key(proof, "join", self.nonce, record)
         if key is None:
             self._refuse(slot, record)
-            missing = set(range(1, ctx.env.world_size)) - set(self.accepted)
-            if refusal_stops_rank0(ctx.token, record["identity"], record["rank"], missing):
+            if refusal_stops_rank0(ctx.token, record["identity"], record["rank"], self._missing()):
                 who = f"pid {record['pid']} on {record['host']} claiming rank {record['rank']}"
                 self._fail(
                     RendezvousError(
@@ -411,15 +411,18 @@ class _Leader:
         logger.log(
             logging.WARNING if first else logging.DEBUG,
             "%sstore at %s: refused answer slot %d: %s holds another job token (its job: %s; this job: %s); "
-            "still waiting for this job's rank %s",
+            "%s",
             ctx.prefix,
             ctx.master,
             slot,
             who,
             record["identity"],
             ctx.token.identity,
-            rank,
+            still_waiting(rank, self._missing()),
         )
+
+    def _missing(self) -> set[int]:
+        return set(range(1, self.ctx.env.world_size)) - set(self.accepted)
 
     def _check(self, record: dict[str, Any]) -> str | None:
         rank = record["rank"]

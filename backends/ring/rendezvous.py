@@ -54,6 +54,7 @@ from backends.common.admission import (
     missing_ranks_message,
     refusal_stops_rank0,
     refused_peer_message,
+    still_waiting,
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
@@ -425,8 +426,7 @@ class _Leader:
         rank = hello["rank"]
         if key is None:
             self._refuse(visitor, hello)
-            missing = set(range(self.ctx.env.world_size)) - set(self.peers)
-            if refusal_stops_rank0(self.ctx.token, hello["identity"], rank, missing):
+            if refusal_stops_rank0(self.ctx.token, hello["identity"], rank, self._missing()):
                 who = f"pid {hello['pid']} on {hello['host'].split('/')[0]} claiming rank {rank}"
                 self._fail(
                     RendezvousError(
@@ -467,9 +467,12 @@ class _Leader:
         self.lobby.drop(
             visitor,
             f"{who} holds another job token (its job: {hello['identity']}; this job: "
-            f"{ctx.token.identity}); still waiting for this job's rank {rank}",
+            f"{ctx.token.identity}); {still_waiting(rank, self._missing())}",
             level=logging.WARNING if first else logging.DEBUG,
         )
+
+    def _missing(self) -> set[int]:
+        return set(range(self.ctx.env.world_size)) - set(self.peers)
 
     def _check(self, hello: dict[str, Any]) -> str | None:
         rank = hello["rank"]

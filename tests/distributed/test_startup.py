@@ -177,3 +177,38 @@ def test_a_rank_started_in_another_session_is_told_at_once_to_set_the_job_token(
     assert "it holds another job token" in result["error"]
     fix = "If these ranks are one job, set COMMLIB_JOB_TOKEN to the same value on every rank"
     assert fix in result["error"], result
+
+
+# ------------------------------------------------ explicit ranks, two hosts
+def test_explicit_ranks_on_two_hosts_reach_rank_0s_diagnosis_side_channel() -> None:
+    """``init_process_group("ring", rank=r, world_size=2, master_addr=<rank 0's host>)``, no launcher vars.
+
+    With explicit ranks nothing says where the ranks run; rank 0 used to serve the side channel on
+    loopback, out of rank 1's reach, so DETAIL caught nothing across hosts.
+    """
+    from tests import _netns
+
+    reason = _netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"separate hosts need network namespaces: {reason}")
+    with _netns.separate_hosts(2) as hosts:
+        port = free_port()
+        reports = _reports(
+            run_ranks_outcomes(
+                startup_bodies.join_explicitly_on_own_host,
+                2,
+                backend=None,
+                init=False,
+                per_rank_args=[
+                    (hosts.namespaces[r], hosts.hostnames[r], hosts.addresses[0], port, r) for r in range(2)
+                ],
+                env={"COMMLIB_DEBUG": "DETAIL", "COMMLIB_TIMEOUT": "20", "COMMLIB_JOB_TOKEN": "two-hosts"},
+                timeout=DEADLINE_S,
+            )
+        )
+    for rank, report in enumerate(reports):
+        assert report["hostname"] == hosts.hostnames[rank] and report["sum"] == 2.0, report
+        assert not [w for w in report["warnings"] if "side channel" in w], report["warnings"]
+        assert report["error_type"] == "CollectiveMismatchError", report
+        assert report["error"].startswith(f"[rank {rank}/2] ring.all_reduce #"), report["error"]
+        assert "each rank's call" in report["error"], report["error"]
