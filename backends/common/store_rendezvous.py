@@ -184,13 +184,14 @@ def _ask_holder_if_rank0(ctx: _Context, in_use: str) -> None:
         if isinstance(verdict, dict):
             check_rank0_reply(ctx.prefix, ctx.master, verdict, ctx.token.identity)
     except RendezvousError as e:
-        if "is duplicated" in str(e):
+        text = str(e)
+        if "rank 0 is duplicated" in text:
             raise RendezvousError(
-                f"{ctx.prefix}cannot listen on {ctx.master}: another rank 0 of this job holds it. "
-                f"{str(e).removeprefix(ctx.prefix)}"
+                f"{ctx.prefix}cannot listen on {ctx.master}: another process of this job holds it: "
+                f"{text[text.index('rank 0 is duplicated') :]}"
             ) from None
-        if "another job token" in str(e):
-            raise RendezvousError(f"{in_use}. {str(e).removeprefix(ctx.prefix)}") from None
+        if "another job token" in text:
+            raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
     except Exception:  # noqa: BLE001, S110 - not a commlib store: the port is simply taken
         pass
 

@@ -540,13 +540,14 @@ def _ask_holder_if_rank0(ctx: _Context, data_listener: socket.socket, in_use: st
     try:
         _join_once(probe, data_listener)
     except RendezvousError as e:
-        if "is duplicated" in str(e):
+        text = str(e)
+        if "rank 0 is duplicated" in text:
             raise RendezvousError(
-                f"{ctx.prefix}cannot listen on {ctx.master}: another rank 0 of this job holds it. "
-                f"{str(e).removeprefix(ctx.prefix)}"
+                f"{ctx.prefix}cannot listen on {ctx.master}: another process of this job holds it: "
+                f"{text[text.index('rank 0 is duplicated') :]}"
             ) from None
-        if "another job token" in str(e):
-            raise RendezvousError(f"{in_use}. {str(e).removeprefix(ctx.prefix)}") from None
+        if "another job token" in text:
+            raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
 
 
 # ---------------------------------------------------------------- rank > 0
