@@ -376,15 +376,6 @@ class _Leader:
         key = ctx.token.matching_key(proof, "join", self.nonce, record)
         if key is None:
             self._refuse(slot, record)
-            if refusal_stops_rank0(ctx.token, record["identity"], record["rank"], self._missing()):
-                who = f"pid {record['pid']} on {record['host']} claiming rank {record['rank']}"
-                self._fail(
-                    RendezvousError(
-                        refused_peer_message(
-                            ctx.prefix, ctx.master, who, record["identity"], ctx.token.identity
-                        )
-                    )
-                )
             return
         problem = self._check(record)
         if problem is not None:
@@ -407,10 +398,11 @@ class _Leader:
                 "host": socket.gethostname(),
             },
         )
+        stop = refusal_stops_rank0(ctx.token, record["identity"], rank, self._missing())
         first = not any(entry.startswith(who) for entry in self.refused)
         self.refused.append(f"{who} (its job: {record['identity']})")
         logger.log(
-            logging.WARNING if first else logging.DEBUG,
+            logging.WARNING if first and not stop else logging.DEBUG,  # stopping: the error says it
             "%sstore at %s: refused answer slot %d: %s holds another job token (its job: %s; this job: %s); "
             "%s",
             ctx.prefix,
@@ -421,6 +413,12 @@ class _Leader:
             ctx.token.identity,
             still_waiting(rank, self._missing()),
         )
+        if stop:
+            self._fail(
+                RendezvousError(
+                    refused_peer_message(ctx.prefix, ctx.master, who, record["identity"], ctx.token.identity)
+                )
+            )
 
     def _missing(self) -> set[int]:
         return set(range(1, self.ctx.env.world_size)) - set(self.accepted)

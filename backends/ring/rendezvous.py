@@ -426,15 +426,6 @@ class _Leader:
         rank = hello["rank"]
         if key is None:
             self._refuse(visitor, hello)
-            if refusal_stops_rank0(self.ctx.token, hello["identity"], rank, self._missing()):
-                who = f"pid {hello['pid']} on {hello['host'].split('/')[0]} claiming rank {rank}"
-                self._fail(
-                    RendezvousError(
-                        refused_peer_message(
-                            self.ctx.prefix, self.ctx.master, who, hello["identity"], self.ctx.token.identity
-                        )
-                    )
-                )
             return
         problem = self._check(hello)
         if problem is not None:
@@ -462,14 +453,21 @@ class _Leader:
                 "host": socket.gethostname(),
             },
         )
+        stop = refusal_stops_rank0(ctx.token, hello["identity"], rank, self._missing())
         first = not any(entry.startswith(who) for entry in self.refused)
         self.refused.append(f"{who} (its job: {hello['identity']})")
         self.lobby.drop(
             visitor,
             f"{who} holds another job token (its job: {hello['identity']}; this job: "
             f"{ctx.token.identity}); {still_waiting(rank, self._missing())}",
-            level=logging.WARNING if first else logging.DEBUG,
+            level=logging.WARNING if first and not stop else logging.DEBUG,  # stopping: the error says it
         )
+        if stop:
+            self._fail(
+                RendezvousError(
+                    refused_peer_message(ctx.prefix, ctx.master, who, hello["identity"], ctx.token.identity)
+                )
+            )
 
     def _missing(self) -> set[int]:
         return set(range(self.ctx.env.world_size)) - set(self.peers)
