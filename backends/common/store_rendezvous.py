@@ -316,6 +316,7 @@ class _Leader:
         self.nonce = secrets.token_hex(16)
         self.accepted: dict[int, tuple[int, bytes, str]] = {}  # rank -> (slot, proof key, its nonce)
         self.pids: dict[int, int] = {0: os.getpid()}  # rank -> pid, of every rank in (this one included)
+        self.challenge = ""  # as published, to tell whether someone has replaced it
         self.refused: list[str] = []
 
     def run(self) -> str:

@@ -536,7 +536,7 @@ def _ask_holder_if_rank0(ctx: _Context, data_listener: socket.socket, in_use: st
         ctx, deadline=min(ctx.deadline, time.monotonic() + _DUPLICATE_PROBE_S), timeout=_DUPLICATE_PROBE_S
     )
     try:
-        _join_once(probe, data_listener)
+        _follow(probe, data_listener)
     except RendezvousError as e:
         text = str(e)
         if "rank 0 is duplicated" in text:
@@ -550,10 +550,6 @@ def _ask_holder_if_rank0(ctx: _Context, data_listener: socket.socket, in_use: st
 
 # ---------------------------------------------------------------- rank > 0
 def _follow(ctx: _Context, data_listener: socket.socket) -> tuple[list[Peer], dict[str, Any], bytes]:
-    return _join_once(ctx, data_listener)
-
-
-def _join_once(ctx: _Context, data_listener: socket.socket) -> tuple[list[Peer], dict[str, Any], bytes]:
     env, prefix = ctx.env, ctx.prefix
     try:
         conn = connect_with_retry(ctx.master_ip, env.master_port, ctx.deadline, "rank 0")
