@@ -12,6 +12,8 @@ import datetime
 import json
 import logging
 import socket
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -255,3 +257,32 @@ def test_idle_connections_to_the_store_port_delay_the_job_but_it_forms() -> None
     stores[1].set("k", "v")
     assert stores[0].get("k") == b"v"
 
+
+
+_GIVEN_UP_BEHIND_A_FLOOD = """
+import datetime, os, socket, sys
+sys.path.insert(0, os.getcwd())
+os.environ["COMMLIB_JOB_TOKEN"] = "flood"
+from torch.distributed import TCPStore
+from backends.common.store_rendezvous import join_job_store
+from commlib.env import DistEnv
+from commlib.errors import RendezvousTimeoutError
+from commlib.ports import free_port
+port = free_port()
+server = TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+try:
+    join_job_store(DistEnv(1, 2, master_addr="127.0.0.1", master_port=port, launcher="explicit"), 2.0, "gloo")
+except RendezvousTimeoutError as e:
+    print("raised:", e, flush=True)
+"""
+
+
+def test_a_rank_that_gave_up_behind_idle_connections_exits_with_its_own_status() -> None:
+    """Its connect attempt is still inside torch's client when it exits: that used to abort the process."""
+    out = subprocess.run(
+        [sys.executable, "-c", _GIVEN_UP_BEHIND_A_FLOOD], capture_output=True, text=True, timeout=120
+    )
+    assert "raised: [rank 1/2] gloo.rendezvous: something accepted the connection" in out.stdout, out.stderr
+    assert "terminate called" not in out.stderr
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -42,6 +42,7 @@ anyone who reaches it): see ``backends.common.jobtoken``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import json
@@ -77,9 +78,23 @@ _VERDICT_GRACE_S = (
 _CONNECT_GRACE_S = 2.0  # torch's client may overrun its connect timeout by a retry
 _ANSWER_BYTES = 64 * 1024  # an answer is a few hundred bytes
 _store_generation = 0  # groups created through torchrun's agent store so far (every rank counts alike)
-
-
 _DUPLICATE_PROBE_S = 2.0  # a rank 0 that finds the port taken asks this long whether its holder is rank 0
+_EXIT_WAIT_S = 10.0  # at exit, how long connect attempts still running may take to end
+_left_behind: list[threading.Thread] = []  # connect attempts given up on
+
+
+def _wait_for_left_behind() -> None:
+    """At exit, give connect attempts still inside torch's client a bounded time to end.
+
+    A thread still inside torch's C++ client when the interpreter exits aborts the process
+    ("terminate called without an active exception"). Behind a flood of idle connections the
+    client ends once the store reaches it (about 0.1 s per idle connection); this waits up to
+    ``_EXIT_WAIT_S`` for that, after the error was reported. A listener that never answers
+    still holds it for good.
+    """
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for helper in _left_behind:
+        helper.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +259,9 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
     if "store" in result:
         return result["store"]
     if helper.is_alive():
+        if not _left_behind:
+            atexit.register(_wait_for_left_behind)
+        _left_behind.append(helper)
         raise RendezvousTimeoutError(
             f"{prefix}something accepted the connection at {master} but never answered as "
             f"{where}'s store within {timeout:.1f} s: another program holds MASTER_PORT. Set "
