@@ -101,3 +101,37 @@ def forged_challenge_job(backend: str) -> dict[str, Any]:
     if os.environ["RANK"] == "0":
         return join_and_sum(backend)
     return overwrite_challenge_then_join(backend)
+
+
+def subgroup_on_other_hosts(
+    namespace: str, hostname: str, master_addr: str, port: int, rank: int
+) -> dict[str, Any]:
+    """Three hosts, explicit ranks, DETAIL: ranks 1 and 2 (neither on rank 0's host) form a subgroup.
+
+    Its rank 0 (global rank 1) serves the subgroup's side channel; a mismatch inside it must be caught.
+    """
+    from tests import _netns
+
+    _netns.enter_host(namespace, hostname)
+    for name in _LAUNCHER_VARS:
+        os.environ.pop(name, None)
+    import commlib
+
+    warnings = _Warnings()
+    logging.getLogger("commlib").addHandler(warnings)
+    group = commlib.init_process_group(
+        "ring", rank=rank, world_size=3, master_addr=master_addr, master_port=port
+    )
+    report: dict[str, Any] = {"hostname": socket.gethostname()}
+    try:
+        sub = group.new_group([1, 2])
+        if sub is not None:
+            try:
+                sub.all_reduce(torch.ones(100 if rank == 1 else 200))
+            except commlib.CommError as e:
+                report.update(error=str(e), error_type=type(e).__name__)
+        group.barrier()
+    finally:
+        commlib.destroy_process_group()
+    report["warnings"] = warnings.seen
+    return report

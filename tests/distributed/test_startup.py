@@ -212,3 +212,33 @@ def test_explicit_ranks_on_two_hosts_reach_rank_0s_diagnosis_side_channel() -> N
         assert report["error_type"] == "CollectiveMismatchError", report
         assert report["error"].startswith(f"[rank {rank}/2] ring.all_reduce #"), report["error"]
         assert "each rank's call" in report["error"], report["error"]
+
+
+def test_a_subgroup_of_explicit_ranks_away_from_rank_0s_host_serves_its_own_side_channel() -> None:
+    from tests import _netns
+
+    reason = _netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"separate hosts need network namespaces: {reason}")
+    with _netns.separate_hosts(3) as hosts:
+        port = free_port()
+        reports = _reports(
+            run_ranks_outcomes(
+                startup_bodies.subgroup_on_other_hosts,
+                3,
+                backend=None,
+                init=False,
+                per_rank_args=[
+                    (hosts.namespaces[r], hosts.hostnames[r], hosts.addresses[0], port, r) for r in range(3)
+                ],
+                env={"COMMLIB_DEBUG": "DETAIL", "COMMLIB_TIMEOUT": "20", "COMMLIB_JOB_TOKEN": "three-hosts"},
+                timeout=DEADLINE_S,
+            )
+        )
+    assert "error" not in reports[0], reports[0]
+    for rank in (1, 2):
+        report = reports[rank]
+        assert not [w for w in report["warnings"] if "side channel" in w], report["warnings"]
+        assert report["error_type"] == "CollectiveMismatchError", report
+        assert report["error"].startswith(f"[rank {rank - 1}/2] ring.all_reduce #"), report["error"]
+        assert "each rank's call" in report["error"], report["error"]
