@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from commlib.ports import port_from_key
+from commlib.procfs import read_process
 
 __all__ = [
     "DistEnv",
@@ -174,18 +175,14 @@ def launcher_pid() -> int | None:
     """
     pid = os.getppid()
     for _ in range(32):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
+        info = read_process(pid)
+        if info is None:
             return None
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        if name in _LAUNCHER_PROCESSES:
+        if info.name in _LAUNCHER_PROCESSES:
             return pid
-        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if parent <= 1:
+        if info.ppid <= 1:
             return None
-        pid = parent
+        pid = info.ppid
     return None
 
 

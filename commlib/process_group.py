@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
+import ipaddress
 import itertools
 import socket
 from collections.abc import Callable, Sequence
@@ -924,20 +925,23 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """The ``DistEnv`` of this rank in the subgroup of ``ranks`` (parent ranks, in the new order).
 
         On one host, local rank and size are the subgroup's own. Across hosts they are
-        unknown here (one process per host is assumed), and ``master_addr`` becomes this
-        host's address: the subgroup's rank 0, wherever it runs, serves its own
-        diagnosis side channel there.
+        unknown here (one process per host is assumed). Unless every rank reached rank 0
+        over loopback (so all run on this host), ``master_addr`` becomes this host's
+        address: the subgroup's rank 0, wherever it runs, serves its own diagnosis side
+        channel there. Explicit ranks say nothing of their hosts, so a non-loopback
+        ``MASTER_ADDR`` counts as "perhaps across hosts".
         """
         env = self._env
         single_host = env.local_world_size >= env.world_size
         rank = list(ranks).index(self.rank)
+        on_loopback = single_host and _is_loopback(env.master_addr)
         return dataclasses.replace(
             env,
             rank=rank,
             world_size=len(ranks),
             local_rank=rank if single_host else 0,
             local_world_size=len(ranks) if single_host else 1,
-            master_addr=env.master_addr if single_host else _host_address(env.master_addr),
+            master_addr=env.master_addr if on_loopback else _host_address(env.master_addr),
         )
 
     def get_group_rank(self, global_rank: int) -> int:
@@ -1280,12 +1284,31 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         )
 
 
-def _host_address(fallback: str) -> str:
-    """This host's address as other hosts reach it (its name's), else ``fallback``."""
+def _host_address(master_addr: str) -> str:
+    """This host's address as other hosts reach it: the one it reaches ``master_addr`` from, else its name's.
+
+    The first is what the route to rank 0 leaves from (no packet is sent); on a host with
+    several interfaces it is the one on rank 0's network, and it needs no resolver.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(master_addr), 9))
+            address = str(probe.getsockname()[0])
+        if not _is_loopback(address):
+            return address
+    except OSError:
+        pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
-        return fallback
+        return master_addr
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return addr == "localhost"
 
 
 _NAN_KEYS = object()

@@ -216,7 +216,9 @@ def test_config_validation(kwargs: dict[str, object], error: type[Exception], te
 
 
 def test_hub_host() -> None:
-    assert hub_host("10.1.2.3", single_host=True) == "127.0.0.1"
+    # Not loopback: every rank reached rank 0 there, whatever the ranks' placement (explicit ranks have none).
+    assert hub_host("10.1.2.3", single_host=True) == "10.1.2.3"
+    assert hub_host("127.0.0.1", single_host=True) == "127.0.0.1"
     assert hub_host("10.1.2.3", single_host=False) == "10.1.2.3"
     assert hub_host("127.0.0.1", single_host=False) != ""
 

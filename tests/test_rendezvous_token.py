@@ -75,9 +75,10 @@ def test_torchruns_default_run_id_is_no_job_id() -> None:
 
 def test_without_any_id_a_local_job_is_the_process_that_started_it() -> None:
     token = job_token(_env(1, "explicit"), {})
-    with open(f"/proc/{os.getppid()}/comm") as f:
-        parent_name = f.read().strip()
-    assert token.identity.startswith(f"local job started by pid {os.getppid()} ({parent_name}), rendezvous ")
+    leader = os.getpgrp()  # the process group's leader: the shell's job, or whoever ran setsid
+    with open(f"/proc/{leader}/comm") as f:
+        leader_name = f.read().strip()
+    assert token.identity.startswith(f"local job started by pid {leader} ({leader_name}), rendezvous ")
     assert token.accepted == (token.key,)
     assert job_token(_env(2, "explicit"), {}).key == token.key
 
@@ -89,18 +90,31 @@ _CHILD = (
 )
 
 
-def _child_key(*wrapper: str) -> bytes:
+def _child_key(*wrapper: str, new_session: bool = False) -> bytes:
     code = _CHILD.format(root=os.getcwd())
-    out = subprocess.run([*wrapper, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*wrapper, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=new_session,
+    )
     assert out.returncode == 0, out.stderr
     return bytes.fromhex(out.stdout.strip())
 
 
-def test_a_rank_started_by_rank_0_belongs_to_its_job_and_one_started_elsewhere_does_not() -> None:
+def test_ranks_started_by_rank_0_or_each_under_its_own_wrapper_are_one_job() -> None:
     rank0 = job_token(_env(0, "explicit"), {})
-    assert _child_key() in rank0.accepted  # this process started the child: rank 0 of the child's job
-    # The same program started by another process (a shell that stays its parent) is another job.
-    assert _child_key("bash", "-c", '"$0" "$@"; exit $?') not in rank0.accepted
+    assert _child_key() in rank0.accepted  # this process started the child
+    # Each rank under a wrapper of its own (a shell that stays its parent): still the same job.
+    assert _child_key("bash", "-c", '"$0" "$@"; exit $?') in rank0.accepted
+
+
+def test_a_rank_started_in_another_session_is_another_job() -> None:
+    """What a second terminal, or a launcher that runs setsid, gives: another job on the same port."""
+    rank0 = job_token(_env(0, "explicit"), {})
+    assert _child_key(new_session=True) not in rank0.accepted
+    assert _child_key("bash", "-c", '"$0" "$@"; exit $?', new_session=True) not in rank0.accepted
 
 
 def test_a_remote_job_without_ids_keeps_strangers_out_but_cannot_tell_jobs_apart() -> None:

@@ -12,6 +12,8 @@ import datetime
 import json
 import logging
 import socket
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -25,6 +27,7 @@ from commlib.ports import free_port
 from tests._listeners import port_is_listening, wait_until
 
 BASE = "commlib/job-check/v1"
+IDLE = 100  # idle connections: torch's store spends 60-100 ms on each before it serves the next client
 
 
 def _env(rank: int, port: int, world_size: int = 2) -> DistEnv:
@@ -213,3 +216,73 @@ def test_concurrent_claims_fill_the_answer_slots_without_gaps_or_overwrites() ->
     assert sorted(slots) == list(range(1, len(clients) + 1))
     for i, slot in enumerate(slots):
         assert server.get(f"{BASE}/answer/{slot}") == f"answer {i}".encode()
+
+
+def test_answer_slots_filled_for_ever_end_at_the_deadline() -> None:
+    """Someone keeps claiming every answer slot ahead of rank 1: its claim gives up at the deadline."""
+    from backends.common.jobtoken import job_token
+    from backends.common.store_rendezvous import _Context
+
+    store = _CountingStore()
+    real = store.compare_set
+
+    def always_taken(key: str, expected: str, desired: str) -> bytes:
+        real(key, expected, f"someone else's {key}")  # the attacker got there first, every time
+        return b"someone else's"
+
+    store.compare_set = always_taken  # type: ignore[method-assign]
+    env = _env(1, free_port())
+    deadline = time.monotonic() + 0.5
+    ctx = _Context(env, "[rank 1/2] gloo.rendezvous: ", deadline, 0.5, job_token(env), base=BASE)
+    with pytest.raises(RendezvousTimeoutError) as caught:
+        _claim_slot(store, BASE, "mine", ctx)
+    assert str(caught.value).startswith("[rank 1/2] gloo.rendezvous: could not claim an answer slot")
+    assert ctx.remaining().total_seconds() == 0.0  # what is left of the deadline reaches zero
+
+
+def test_idle_connections_to_the_store_port_delay_the_job_but_it_forms() -> None:
+    """Strangers hold idle connections to MASTER_PORT before rank 1 comes; the store serves each first."""
+    port = free_port()
+    idle: list[socket.socket] = []
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            leader = pool.submit(join_job_store, _env(0, port), 60.0, "gloo")
+            wait_until(lambda: port_is_listening(port), 20, "rank 0 listens")
+            idle += [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(IDLE)]
+            follower = pool.submit(join_job_store, _env(1, port), 60.0, "gloo")
+            stores = [leader.result(timeout=90), follower.result(timeout=90)]
+    finally:
+        for sock in idle:
+            sock.close()
+    stores[1].set("k", "v")
+    assert stores[0].get("k") == b"v"
+
+
+
+_GIVEN_UP_BEHIND_A_FLOOD = """
+import datetime, os, socket, sys
+sys.path.insert(0, os.getcwd())
+os.environ["COMMLIB_JOB_TOKEN"] = "flood"
+from torch.distributed import TCPStore
+from backends.common.store_rendezvous import join_job_store
+from commlib.env import DistEnv
+from commlib.errors import RendezvousTimeoutError
+from commlib.ports import free_port
+port = free_port()
+server = TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+try:
+    join_job_store(DistEnv(1, 2, master_addr="127.0.0.1", master_port=port, launcher="explicit"), 2.0, "gloo")
+except RendezvousTimeoutError as e:
+    print("raised:", e, flush=True)
+"""
+
+
+def test_a_rank_that_gave_up_behind_idle_connections_exits_with_its_own_status() -> None:
+    """Its connect attempt is still inside torch's client when it exits: that used to abort the process."""
+    out = subprocess.run(
+        [sys.executable, "-c", _GIVEN_UP_BEHIND_A_FLOOD], capture_output=True, text=True, timeout=120
+    )
+    assert "raised: [rank 1/2] gloo.rendezvous: something accepted the connection" in out.stdout, out.stderr
+    assert "terminate called" not in out.stderr
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -3,37 +3,78 @@
 Both rendezvous admit ranks the same way: a peer announces its rank and world
 size, rank 0 checks them, and a rendezvous that runs out of time names the ranks
 that never arrived and the ones it refused for holding another job token.
+
+A refusal is final: the refused rank raises at once (rank 0 holds the port
+until its own ranks are in, so waiting would not get this rank in). Rank 0
+raises at once too when either side set ``COMMLIB_JOB_TOKEN``: a job whose
+ranks were given the token by hand and disagree cannot form, and waiting for
+the timeout would only hide the typo. With derived tokens rank 0 goes on
+waiting for its own rank, so that a second job started on the same port
+cannot stop the first.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
+from backends.common.jobtoken import TOKEN_VAR, JobToken
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError
 
 __all__ = [
-    "RefusedByRank0",
+    "RendezvousContext",
     "announcement_problem",
     "check_rank0_reply",
     "missing_ranks_message",
-    "retry_while_refused",
+    "refusal_stops_rank0",
+    "refused_peer_message",
+    "still_waiting",
     "token_mismatch_advice",
 ]
-
-_T = TypeVar("_T")
-_REFUSED_RETRY_S = (0.5, 2.0)  # first and longest pause before a refused rank tries again
 
 logger = logging.getLogger("commlib")
 
 
-class RefusedByRank0(Exception):
-    """Rank 0 at the port belongs to another job; it may give the port up to ours later."""
+@dataclasses.dataclass(frozen=True)
+class RendezvousContext:
+    """What every step of one rendezvous needs, whichever the protocol.
+
+    Attributes:
+        env: This rank's place in the job.
+        prefix: The ``[rank R/N] backend.rendezvous: `` prefix of errors.
+        deadline: ``time.monotonic()`` by which the rendezvous ends, one way or the other.
+        timeout: The rendezvous timeout in seconds, for messages.
+        token: This rank's job token.
+    """
+
+    env: DistEnv
+    prefix: str
+    deadline: float
+    timeout: float
+    token: JobToken
+
+    @property
+    def master(self) -> str:
+        """``MASTER_ADDR:MASTER_PORT``, for messages."""
+        return f"{self.env.master_addr}:{self.env.master_port}"
+
+    def seconds_left(self) -> float:
+        """Seconds until the deadline; 0 once it has passed."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    def remaining(self, extra: float = 0.0) -> datetime.timedelta:
+        """What is left until the deadline (plus ``extra``), as a store timeout; zero once it has passed."""
+        return datetime.timedelta(seconds=self.seconds_left() + extra)
+
+    def expired(self) -> bool:
+        """True once the deadline has passed."""
+        return time.monotonic() >= self.deadline
 
 
 def token_mismatch_advice(master: str) -> str:
@@ -53,7 +94,8 @@ def announcement_problem(
         env: Rank 0's view of the job.
         rank: The rank the peer announced.
         world_size: The world size it was started with.
-        taken_by_pid: The pid of the process already admitted as ``rank``, or None.
+        taken_by_pid: The pid of the process already admitted as ``rank`` (rank 0's own
+            for rank 0), or None.
         pid: The announcing process's pid.
     """
     if world_size != env.world_size:
@@ -61,14 +103,42 @@ def announcement_problem(
             f"rank {rank} was started with world size {world_size}, rank 0 with {env.world_size}; "
             "start every rank with the same WORLD_SIZE"
         )
-    if not 0 < rank < env.world_size:
-        return f"a peer announced rank {rank!r}, outside 1..{env.world_size - 1}"
     if taken_by_pid is not None:
         return (
-            f"two processes announced rank {rank} (pids {taken_by_pid} and {pid}); "
-            "every rank needs its own RANK"
+            f"rank {rank} is duplicated: two processes announced rank {rank} (pids {taken_by_pid} and "
+            f"{pid}); every rank needs its own RANK, 0..{env.world_size - 1}"
         )
+    if not 0 < rank < env.world_size:
+        return f"a peer announced rank {rank!r}, outside 1..{env.world_size - 1}"
     return None
+
+
+def refusal_stops_rank0(token: JobToken, peer_identity: str, peer_rank: int, missing: set[int]) -> bool:
+    """True if rank 0 must fail at once after refusing a peer's token, rather than wait for its rank.
+
+    It must when the peer claims a rank still missing and either side set ``COMMLIB_JOB_TOKEN``:
+    see the module docstring.
+    """
+    explicit = token.identity.startswith(TOKEN_VAR) or peer_identity.startswith(TOKEN_VAR)
+    return explicit and peer_rank in missing
+
+
+def still_waiting(rank: int, missing: set[int]) -> str:
+    """The end of rank 0's log line about a refused peer that claimed ``rank``: what rank 0 does next."""
+    if rank in missing:
+        return f"still waiting for this job's rank {rank}"
+    if rank == 0:
+        return "it claimed rank 0, which this process is (another job's rank 0, finding the port taken?)"
+    return f"this job's rank {rank} is in already"
+
+
+def refused_peer_message(prefix: str, master: str, who: str, peer_identity: str, identity: str) -> str:
+    """Rank 0's error when a rank of its own job proved another ``COMMLIB_JOB_TOKEN``."""
+    return (
+        f"{prefix}{who} at {master} holds another job token (its job: {peer_identity}; this job: "
+        f"{identity}). Set COMMLIB_JOB_TOKEN to the same value on every rank of this job, or give each "
+        "job its own MASTER_PORT"
+    )
 
 
 def missing_ranks_message(
@@ -115,49 +185,17 @@ def check_rank0_reply(prefix: str, master: str, reply: dict[str, Any], identity:
         identity: This rank's job identity (never the secret).
 
     Raises:
-        RefusedByRank0: Rank 0 holds another job token (the caller retries until its deadline).
-        RendezvousError: Rank 0 reported that the rendezvous failed (``RendezvousTimeoutError``
-            when it timed out).
+        RendezvousError: Rank 0 holds another job token (the message says "token" and names both
+            jobs), or it reported that the rendezvous failed (``RendezvousTimeoutError`` when it
+            timed out).
     """
     if reply.get("refused") == "token":
-        message = (
-            f"rank 0 at {master} (pid {reply.get('pid', '?')} on {reply.get('host', '?')}) refused "
+        raise RendezvousError(
+            f"{prefix}rank 0 at {master} (pid {reply.get('pid', '?')} on {reply.get('host', '?')}) refused "
             f"this rank (pid {os.getpid()} on {socket.gethostname()}): it holds another job token. "
-            f"Rank 0's job: {reply.get('identity', '?')}; this rank's job: {identity}."
+            f"Rank 0's job: {reply.get('identity', '?')}; this rank's job: {identity}. "
+            f"{token_mismatch_advice(master)}"
         )
-        logger.warning(
-            "%s%s Trying again until the timeout, in case this job's own rank 0 takes the port",
-            prefix,
-            message,
-        )
-        raise RefusedByRank0(message)
     if "error" in reply:
         error_cls = RendezvousTimeoutError if "timed out" in str(reply["error"]) else RendezvousError
         raise error_cls(f"{prefix}rendezvous failed on rank 0: {reply['error']}")
-
-
-def retry_while_refused(join_once: Callable[[], _T], prefix: str, master: str, deadline: float) -> _T:
-    """Run ``join_once`` until rank 0 admits this rank, retrying while another job's rank 0 refuses it.
-
-    The other job's rank 0 holds the port only until its own ranks are in; this job's
-    rank 0 may take the port after it. Pauses double from 0.5 s up to 2 s.
-
-    Raises:
-        RendezvousError: Still refused at ``deadline`` (the message says "token" and names
-            both jobs), or the rendezvous failed otherwise (with the refusal, if any, added).
-    """
-    pause = _REFUSED_RETRY_S[0]
-    refusal: str | None = None
-    while True:
-        try:
-            return join_once()
-        except RefusedByRank0 as refused:
-            refusal = f"{refused} {token_mismatch_advice(master)}"
-            if time.monotonic() + pause >= deadline:
-                raise RendezvousError(f"{prefix}{refusal}") from None
-            time.sleep(pause)  # back off: the other job's rank 0 holds the port until its ranks are in
-            pause = min(2 * pause, _REFUSED_RETRY_S[1])
-        except RendezvousError as e:
-            if refusal is None:
-                raise
-            raise type(e)(f"{e}. Before that, {refusal}") from None

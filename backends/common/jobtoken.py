@@ -8,14 +8,17 @@ Where the token comes from, first match wins:
    MPI's ``OMPI_MCA_ess_base_jobid`` / ``PMIX_NAMESPACE``, PMIx's
    ``PMIX_NAMESPACE``, Slurm's ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``.
 3. With neither, and ``MASTER_ADDR`` a loopback address (so every rank of the
-   job runs on this host): the process that started the ranks, by pid and
-   start time. Ranks a launcher starts share it: the parent for ranks started
-   by ``multiprocessing``, ``subprocess`` or a shell script; the nearest MPI
-   launcher process (``hydra_pmi_proxy``, ``prted``...) under mpirun. Two jobs
-   started by two processes on one port hold different tokens; rank 0 also
-   accepts ranks it started itself. Not under torchrun's agent store: it
-   serves one job already, and torchrun's entry point may be a wrapper script
-   per rank.
+   job runs on this host): the process that started the job, by pid and start
+   time. That is the leader of the ranks' process group: the shell's job (a
+   script or command run from a terminal), or the process that ran
+   ``setsid``/``start_new_session``. Ranks started by ``multiprocessing``,
+   ``subprocess``, a shell script, or each under a wrapper of its own
+   (``bash -c 'python train.py'`` per rank) share it. Under mpirun, whose
+   launcher starts every rank in a session of its own, it is the nearest MPI
+   launcher process (``hydra_pmi_proxy``, ``prted``...) instead. Two jobs
+   started from two terminals, or as two jobs of one interactive shell, hold
+   different tokens. Not under torchrun's agent store: it serves one job
+   already.
 4. Otherwise the token is the same for every commlib job: it still keeps out
    strangers (other programs, port scanners) but cannot tell two commlib jobs
    on one ``MASTER_ADDR:MASTER_PORT`` apart; set ``COMMLIB_JOB_TOKEN``.
@@ -46,6 +49,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from commlib.env import DistEnv, launcher_pid
+from commlib.procfs import read_process
 
 __all__ = ["JobToken", "job_token", "uses_torchrun_agent_store", "TOKEN_VAR"]
 
@@ -126,18 +130,6 @@ def verify_with(key: bytes, proof: object, *parts: Any) -> bool:
     return isinstance(proof, str) and hmac.compare_digest(sign_with(key, *parts), proof)
 
 
-def _process(pid: int) -> tuple[str, str] | None:
-    """Return (name, start time in clock ticks since boot) of ``pid``, or None if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    name = stat[stat.index("(") + 1 : stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return name, fields[19]  # field 22 of stat(5): starttime
-
-
 def _is_loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
@@ -148,17 +140,12 @@ def _is_loopback(addr: str) -> bool:
 def _local_token(env: DistEnv, where: str) -> JobToken:
     starter = launcher_pid() if env.launcher in _MPI_LAUNCHERS else None
     if starter is None:
-        starter = os.getppid()
-    known = _process(starter)
-    name, start = known if known is not None else ("?", "?")
-    own = _process(os.getpid())
-    mine = _derive_key("local", f"{os.getpid()}@{own[1] if own else '?'}")
-    key = _derive_key("local", f"{starter}@{start}")
+        starter = os.getpgrp()
+    known = read_process(starter)
+    name, start = (known.name, str(known.start)) if known is not None else ("?", "?")
     return JobToken(
-        key=key,
+        key=_derive_key("local", f"{starter}@{start}"),
         identity=f"local job started by pid {starter} ({name}), {where}",
-        # A rank 0 that started the other ranks itself is their starter.
-        accepted=(key, mine) if env.rank == 0 else (key,),
     )
 
 
@@ -177,8 +164,8 @@ def job_token(
     where = f"rendezvous {env.master_addr}:{env.master_port}"
     secret = environ.get(TOKEN_VAR, "")
     if secret:
-        parent = _process(os.getppid())
-        started = f"started by pid {os.getppid()} ({parent[0] if parent else '?'})"
+        parent = read_process(os.getppid())
+        started = f"started by pid {os.getppid()} ({parent.name if parent else '?'})"
         return JobToken(
             key=_derive_key("explicit", secret),
             identity=f"{TOKEN_VAR} (value not shown), {started} on {socket.gethostname()}, {where}",

@@ -17,17 +17,24 @@ without sending it:
    answer slot. ``compare_set`` claims a slot in one step, so nobody can
    overwrite an answer already there.
 3. Rank 0 reads the slots in order. An answer whose HMAC fails holds another
-   job's token: rank 0 writes a refusal naming its job and goes on waiting for
-   the real rank. A refused rank tries again (on a new connection) until its
-   deadline, in case its own rank 0 takes the port later, then raises. An
-   answer to an earlier challenge (a store this process still serves for an
-   earlier group, which torch shares per port) is asked to answer again.
+   job's token: rank 0 writes a refusal naming its job, and the refused rank
+   raises at once. Rank 0 raises at once too when ``COMMLIB_JOB_TOKEN`` is set
+   on either side; otherwise it goes on waiting for its own rank
+   (``backends.common.admission``). An answer to an earlier challenge (a store
+   this process still serves for an earlier group, which torch shares per
+   port) is asked to answer again, once: if the store's challenge is then still
+   not rank 0's, something else wrote it, and both ranks raise.
 4. Once every rank is in, rank 0 gives each accepted rank a verdict signed with
    the key that rank proved: the key prefix of this job's part of the store.
    torch.distributed then runs on a ``PrefixStore`` under that prefix, so
    nothing written by anyone else can collide with its keys.
 
-Every wait is bounded by the group's timeout, and a failure names the rank,
+A second process started as rank 0 finds the port taken; it answers the
+challenge there as rank 0, so that both learn at once that ``RANK=0`` is
+duplicated (when the port is another job's, it is refused and says so).
+
+Every wait and every loop is bounded by the group's deadline, whatever
+anyone writes into the store, and a failure names the rank,
 the backend, the address and what was waited for. What the token protects,
 and what it does not (no encryption; the store's contents are readable by
 anyone who reaches it): see ``backends.common.jobtoken``.
@@ -35,6 +42,7 @@ anyone who reaches it): see ``backends.common.jobtoken``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import json
@@ -47,13 +55,16 @@ import time
 from typing import Any, NoReturn
 
 from backends.common.admission import (
+    RendezvousContext,
     announcement_problem,
     check_rank0_reply,
     missing_ranks_message,
-    retry_while_refused,
+    refusal_stops_rank0,
+    refused_peer_message,
+    still_waiting,
     token_mismatch_advice,
 )
-from backends.common.jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
+from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
 
@@ -67,26 +78,31 @@ _VERDICT_GRACE_S = (
 _CONNECT_GRACE_S = 2.0  # torch's client may overrun its connect timeout by a retry
 _ANSWER_BYTES = 64 * 1024  # an answer is a few hundred bytes
 _store_generation = 0  # groups created through torchrun's agent store so far (every rank counts alike)
+_DUPLICATE_PROBE_S = 2.0  # a rank 0 that finds the port taken asks this long whether its holder is rank 0
+_EXIT_WAIT_S = 10.0  # at exit, how long connect attempts still running may take to end
+_left_behind: list[threading.Thread] = []  # connect attempts given up on
+
+
+def _wait_for_left_behind() -> None:
+    """At exit, give connect attempts still inside torch's client a bounded time to end.
+
+    A thread still inside torch's C++ client when the interpreter exits aborts the process
+    ("terminate called without an active exception"). Behind a flood of idle connections the
+    client ends once the store reaches it (about 0.1 s per idle connection); this waits up to
+    ``_EXIT_WAIT_S`` for that, after the error was reported. A listener that never answers
+    still holds it for good.
+    """
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for helper in _left_behind:
+        helper.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Context:
-    """What every step of one job check needs."""
+class _Context(RendezvousContext):
+    """What every step of one job check needs: the common context, and where in the store it runs."""
 
-    env: DistEnv
-    prefix: str
-    deadline: float
-    timeout: float
-    token: JobToken
-    base: str
-    agent_store: bool
-
-    @property
-    def master(self) -> str:
-        return f"{self.env.master_addr}:{self.env.master_port}"
-
-    def remaining(self, extra: float = 0.0) -> datetime.timedelta:
-        return datetime.timedelta(seconds=max(0.1, self.deadline - time.monotonic()) + extra)
+    base: str = ""
+    agent_store: bool = False
 
 
 def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
@@ -157,17 +173,47 @@ def _open_store(ctx: _Context) -> Any:
     except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError and RuntimeError here
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "EADDRINUSE" in text or "address already in use" in text.lower():
-            raise RendezvousError(
+            in_use = (
                 f"{ctx.prefix}cannot listen on {ctx.master}: Address already in use. Another job (or a "
                 "previous run that is still exiting) holds this port: set MASTER_PORT to a free port, or "
                 "stop the other job"
-            ) from e
+            )
+            _ask_holder_if_rank0(ctx, in_use)
+            raise RendezvousError(in_use) from e
         raise RendezvousError(f"{ctx.prefix}cannot listen on {ctx.master}: {text}") from e
+
+
+def _ask_holder_if_rank0(ctx: _Context, in_use: str) -> None:
+    """Answer the challenge of whoever holds the port as rank 0, briefly; raise if it is this job's rank 0.
+
+    The holder, if it is a rank 0 of this job, refuses a second rank 0 and fails at once, and its verdict
+    says so here. Anything else (another job, another program, no answer in time) leaves the caller to
+    report the port as taken.
+    """
+    probe = dataclasses.replace(
+        ctx, deadline=min(ctx.deadline, time.monotonic() + _DUPLICATE_PROBE_S), timeout=_DUPLICATE_PROBE_S
+    )
+    try:
+        store = connect_store(ctx.env, ctx.prefix, probe.timeout, probe.seconds_left(), "rank 0")
+        _challenge, _record, verdict = _answer_challenge(probe, store)
+        if isinstance(verdict, dict):
+            check_rank0_reply(ctx.prefix, ctx.master, verdict, ctx.token.identity)
+    except RendezvousError as e:
+        text = str(e)
+        if "rank 0 is duplicated" in text:
+            raise RendezvousError(
+                f"{ctx.prefix}cannot listen on {ctx.master}: another process of this job holds it: "
+                f"{text[text.index('rank 0 is duplicated') :]}"
+            ) from None
+        if "another job token" in text:
+            raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
+    except Exception:  # noqa: BLE001, S110 - not a commlib store: the port is simply taken
+        pass
 
 
 def _connect(ctx: _Context) -> Any:
     where = "torchrun's store" if ctx.agent_store else "rank 0"
-    return connect_store(ctx.env, ctx.prefix, ctx.timeout, ctx.remaining().total_seconds(), where)
+    return connect_store(ctx.env, ctx.prefix, ctx.timeout, ctx.seconds_left(), where)
 
 
 def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, where: str) -> Any:
@@ -213,6 +259,9 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
     if "store" in result:
         return result["store"]
     if helper.is_alive():
+        if not _left_behind:
+            atexit.register(_wait_for_left_behind)
+        _left_behind.append(helper)
         raise RendezvousTimeoutError(
             f"{prefix}something accepted the connection at {master} but never answered as "
             f"{where}'s store within {timeout:.1f} s: another program holds MASTER_PORT. Set "
@@ -284,7 +333,8 @@ class _Leader:
         self.store = store
         self.nonce = secrets.token_hex(16)
         self.accepted: dict[int, tuple[int, bytes, str]] = {}  # rank -> (slot, proof key, its nonce)
-        self.pids: dict[int, int] = {}
+        self.pids: dict[int, int] = {0: os.getpid()}  # rank -> pid, of every rank in (this one included)
+        self.challenge = ""  # as published, to tell whether someone has replaced it
         self.refused: list[str] = []
 
     def run(self) -> str:
@@ -295,10 +345,13 @@ class _Leader:
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
-        self.store.set(f"{ctx.base}/challenge", json.dumps(challenge))
+        self.challenge = json.dumps(challenge)
+        self.store.set(f"{ctx.base}/challenge", self.challenge)
         logger.debug("%slistening at %s (%s)", ctx.prefix, ctx.master, ctx.token.identity)
         slot = 0
         while len(self.accepted) < ctx.env.world_size - 1:
+            if ctx.expired():  # answers may keep coming (a flood of slots): the deadline still holds
+                self._fail(RendezvousTimeoutError(self._timeout_message()))
             slot += 1
             try:
                 raw = _get(self.store, f"{ctx.base}/answer/{slot}", ctx.remaining())
@@ -327,6 +380,15 @@ class _Leader:
         if record["challenge"] != self.nonce:
             # Answered the challenge of an earlier group whose store this process still serves
             # (multi_tenant): the rank reads the current challenge and answers again.
+            current = bytes(self.store.get(f"{ctx.base}/challenge")).decode(errors="replace")
+            if current != self.challenge:
+                error = (
+                    f"{ctx.prefix}the challenge in the store at {ctx.master} was replaced by another "
+                    f"process (it now reads {current!r:.120}): something other than this job writes to "
+                    "the store on MASTER_PORT. Give the job a port no other program uses"
+                )
+                self._verdict(slot, {"error": error.removeprefix(ctx.prefix)})
+                self._fail(RendezvousError(error))
             logger.debug("%sanswer slot %d answered an earlier challenge; asked again", ctx.prefix, slot)
             self._verdict(slot, {"stale": True})
             return
@@ -355,24 +417,34 @@ class _Leader:
                 "host": socket.gethostname(),
             },
         )
+        stop = refusal_stops_rank0(ctx.token, record["identity"], rank, self._missing())
         first = not any(entry.startswith(who) for entry in self.refused)
         self.refused.append(f"{who} (its job: {record['identity']})")
         logger.log(
-            logging.WARNING if first else logging.DEBUG,
+            logging.WARNING if first and not stop else logging.DEBUG,  # stopping: the error says it
             "%sstore at %s: refused answer slot %d: %s holds another job token (its job: %s; this job: %s); "
-            "still waiting for this job's rank %s",
+            "%s",
             ctx.prefix,
             ctx.master,
             slot,
             who,
             record["identity"],
             ctx.token.identity,
-            rank,
+            still_waiting(rank, self._missing()),
         )
+        if stop:
+            self._fail(
+                RendezvousError(
+                    refused_peer_message(ctx.prefix, ctx.master, who, record["identity"], ctx.token.identity)
+                )
+            )
+
+    def _missing(self) -> set[int]:
+        return set(range(1, self.ctx.env.world_size)) - set(self.accepted)
 
     def _check(self, record: dict[str, Any]) -> str | None:
         rank = record["rank"]
-        taken = self.pids[rank] if rank in self.accepted else None
+        taken = self.pids.get(rank)
         return announcement_problem(self.ctx.env, rank, record["world_size"], taken, record["pid"])
 
     def _timeout_message(self) -> str:
@@ -394,15 +466,22 @@ class _Leader:
 
 # ------------------------------------------------------------------ rank > 0
 def _follow(ctx: _Context) -> tuple[Any, str]:
-    return retry_while_refused(lambda: _join_once(ctx), ctx.prefix, ctx.master, ctx.deadline)
-
-
-def _join_once(ctx: _Context) -> tuple[Any, str]:
     store = _connect(ctx)
+    answered: set[str] = set()
     while True:
         challenge, record, verdict = _answer_challenge(ctx, store)
         if not (isinstance(verdict, dict) and verdict.get("stale") is True):
             return store, _read_verdict(ctx, challenge, record, verdict)
+        # Rank 0 saw an answer to another challenge than its own. Once the challenge is read again it is
+        # rank 0's (an earlier group's was replaced); if it is one already answered, something else wrote it.
+        if challenge["nonce"] in answered or ctx.expired():
+            raise RendezvousError(
+                f"{ctx.prefix}rank 0 at {ctx.master} does not accept the challenge the store holds "
+                f"(nonce {challenge['nonce']!r:.40}, from pid {challenge.get('pid', '?')!r:.20} on "
+                f"{challenge.get('host', '?')!r:.60}): something other than this job writes to the store "
+                "on MASTER_PORT. Give the job a port no other program uses"
+            )
+        answered.add(challenge["nonce"])
 
 
 def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
@@ -434,7 +513,7 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
     }
     answer = json.dumps({"record": record, "proof": ctx.token.sign("join", challenge["nonce"], record)})
     try:
-        slot = _claim_slot(store, ctx.base, answer)
+        slot = _claim_slot(store, ctx.base, answer, ctx)
         # Rank 0 answers by its own deadline, with the verdict or with the names of the missing ranks;
         # wait a little past it so that this rank reports those names, not a bare timeout.
         raw = _get(store, f"{ctx.base}/verdict/{slot}", ctx.remaining(_VERDICT_GRACE_S))
@@ -448,7 +527,7 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
     return challenge, record, _decode(raw)
 
 
-def _claim_slot(store: Any, base: str, answer: str) -> int:
+def _claim_slot(store: Any, base: str, answer: str, ctx: RendezvousContext | None = None) -> int:
     """Write ``answer`` into the first free answer slot and return its number.
 
     ``compare_set`` from empty sets a key only if nobody has: slots fill in
@@ -459,6 +538,11 @@ def _claim_slot(store: Any, base: str, answer: str) -> int:
     """
     slot = _first_free_slot(store, base, 1)
     while bytes(store.compare_set(f"{base}/answer/{slot}", "", answer)) != answer.encode():
+        if ctx is not None and ctx.expired():  # others keep taking the slots: the deadline still holds
+            raise RendezvousTimeoutError(
+                f"{ctx.prefix}could not claim an answer slot in the store at {ctx.master} within "
+                f"{ctx.timeout:.1f} s: something keeps filling them (slot {slot} so far)"
+            )
         slot = _first_free_slot(store, base, slot + 1)
     return slot
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
 import socket
 from typing import Any
 
 from backends.ring.links import RecvLink, SendLink, TcpRecvLink, TcpSendLink
 from backends.ring.rendezvous import RingSockets, host_id
 from backends.ring.shm import Region, can_share_descriptors
+from backends.ring.shm_files import new_path, reap_stale
 from backends.ring.shm_links import Inbox, ShmRecvLink, ShmSendLink, WakePipes
 from backends.ring.wire import SocketReader, recv_json, send_json
 from commlib.errors import RendezvousError
@@ -127,7 +127,7 @@ def _offer(proposal: Any, shape: LinkShape, sender: str, prefix: str) -> LinkOff
         host = str(proposal.get("host", "?")).split("/")[0]
         why = f"{sender} runs on another host ({host})"
     else:
-        path = os.path.join(_shm_dir(shape.shm_dir), f"commlib-ring-{os.getpid()}-{secrets.token_hex(6)}")
+        path = new_path(_shm_dir(shape.shm_dir))
         try:
             region = Region.create_file(path, Inbox.region_bytes(shape.slots, shape.chunk_bytes))
         except OSError as e:
@@ -311,6 +311,8 @@ def connect_links(
     if world_size == 1 or sockets.right is None or sockets.left is None or sockets.left_reader is None:
         return None, None
     shape = LinkShape(transport, chunk_bytes, slots, shm_dir, spin_s)
+    if transport != "tcp":
+        reap_stale(_shm_dir(shm_dir))  # files left by ranks killed inside an earlier group's set-up
     right_rank, left_rank = (rank + 1) % world_size, (rank - 1) % world_size
     right_name = f"rank {right_rank} (right neighbour)"
     left_name = f"rank {left_rank} (left neighbour)"

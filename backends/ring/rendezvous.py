@@ -10,9 +10,11 @@ Protocol 2 (length-prefixed JSON frames over TCP):
    HMAC under its job token (``backends.common.jobtoken``) over both nonces and its
    hello. The token itself never travels.
 3. A rank whose proof fails holds another job's token: rank 0 refuses it (the
-   answer names both jobs) and goes on waiting for the real one. A refused
-   rank retries until its deadline, in case its own rank 0 takes the port
-   later, then raises.
+   answer names both jobs) and the refused rank raises at once. Rank 0 raises
+   at once too when ``COMMLIB_JOB_TOKEN`` is set on either side; otherwise it
+   goes on waiting for its own rank (``backends.common.admission``). A second
+   process started as rank 0 finds the port taken and says hello there as
+   rank 0, so that both learn at once that ``RANK=0`` is duplicated.
 4. Once every rank is in, rank 0 sends each the peer table, the ring settings
    all ranks must share (rank 0's) and a fresh session key, signed with that
    rank's proof key, so a rank also knows it reached its own rank 0.
@@ -46,13 +48,16 @@ import time
 from typing import Any
 
 from backends.common.admission import (
+    RendezvousContext,
     announcement_problem,
     check_rank0_reply,
     missing_ranks_message,
-    retry_while_refused,
+    refusal_stops_rank0,
+    refused_peer_message,
+    still_waiting,
     token_mismatch_advice,
 )
-from backends.common.jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
+from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
 from backends.common.store_rendezvous import connect_store
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
@@ -162,19 +167,10 @@ def _is_loopback(addr: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Context:
-    """What every step of one rendezvous needs."""
+class _Context(RendezvousContext):
+    """What every step of one rendezvous needs: the common context, and rank 0's address."""
 
-    env: DistEnv
-    prefix: str
-    deadline: float
-    timeout: float
-    master_ip: str
-    token: JobToken
-
-    @property
-    def master(self) -> str:
-        return f"{self.env.master_addr}:{self.env.master_port}"
+    master_ip: str = ""
 
 
 def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: str = "ring") -> RingSockets:
@@ -204,7 +200,9 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
     except OSError as e:
         raise RendezvousError(f"{prefix}cannot resolve MASTER_ADDR {env.master_addr!r}: {e}") from e
     through_store = uses_torchrun_agent_store(env)
-    ctx = _Context(env, prefix, deadline, timeout, master_ip, job_token(env, local_parent=not through_store))
+    ctx = _Context(
+        env, prefix, deadline, timeout, job_token(env, local_parent=not through_store), master_ip=master_ip
+    )
 
     data_listener = open_listener(master_ip if loopback else "0.0.0.0")
     try:
@@ -266,14 +264,10 @@ def _exchange_through_store(
     ctx: _Context, data_listener: socket.socket, settings: dict[str, Any]
 ) -> tuple[list[Peer], dict[str, Any], bytes]:
     """Publish this rank's signed record in torchrun's agent store and read everyone's."""
-    import datetime
     import json
 
     env, prefix = ctx.env, ctx.prefix
-
-    def remaining() -> datetime.timedelta:
-        return datetime.timedelta(seconds=max(0.1, ctx.deadline - time.monotonic()))
-
+    remaining = ctx.remaining
     global _store_generation
     _store_generation += 1
     base = f"commlib/ring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
@@ -459,14 +453,24 @@ class _Leader:
                 "host": socket.gethostname(),
             },
         )
+        stop = refusal_stops_rank0(ctx.token, hello["identity"], rank, self._missing())
         first = not any(entry.startswith(who) for entry in self.refused)
         self.refused.append(f"{who} (its job: {hello['identity']})")
         self.lobby.drop(
             visitor,
             f"{who} holds another job token (its job: {hello['identity']}; this job: "
-            f"{ctx.token.identity}); still waiting for this job's rank {rank}",
-            level=logging.WARNING if first else logging.DEBUG,
+            f"{ctx.token.identity}); {still_waiting(rank, self._missing())}",
+            level=logging.WARNING if first and not stop else logging.DEBUG,  # stopping: the error says it
         )
+        if stop:
+            self._fail(
+                RendezvousError(
+                    refused_peer_message(ctx.prefix, ctx.master, who, hello["identity"], ctx.token.identity)
+                )
+            )
+
+    def _missing(self) -> set[int]:
+        return set(range(self.ctx.env.world_size)) - set(self.peers)
 
     def _check(self, hello: dict[str, Any]) -> str | None:
         rank = hello["rank"]
@@ -500,11 +504,13 @@ def _lead(
         master.listen(max(64, env.world_size))
     except OSError as e:
         master.close()
-        raise RendezvousError(
+        in_use = (
             f"{ctx.prefix}cannot listen on {ctx.master}: {e.strerror or e}. "
             "Another job (or a previous run that is still exiting) holds this port: set MASTER_PORT "
             "to a free port, or stop the other job"
-        ) from e
+        )
+        _ask_holder_if_rank0(ctx, data_listener, in_use)
+        raise RendezvousError(in_use) from e
     my_addr = data_listener.getsockname()[0]
     if my_addr == "0.0.0.0":
         my_addr = ctx.master_ip
@@ -516,12 +522,34 @@ def _lead(
         master.close()
 
 
+_DUPLICATE_PROBE_S = 2.0  # a rank 0 that finds the port taken asks this long whether its holder is rank 0
+
+
+def _ask_holder_if_rank0(ctx: _Context, data_listener: socket.socket, in_use: str) -> None:
+    """Say hello as rank 0 to whoever holds the port, briefly; raise if it is this job's rank 0.
+
+    The holder, if it is a rank 0 of this job, refuses a second rank 0 and fails at once, and its
+    answer says so here. Anything else (another job, another program, no answer in time) leaves the
+    caller to report the port as taken.
+    """
+    probe = dataclasses.replace(
+        ctx, deadline=min(ctx.deadline, time.monotonic() + _DUPLICATE_PROBE_S), timeout=_DUPLICATE_PROBE_S
+    )
+    try:
+        _follow(probe, data_listener)
+    except RendezvousError as e:
+        text = str(e)
+        if "rank 0 is duplicated" in text:
+            raise RendezvousError(
+                f"{ctx.prefix}cannot listen on {ctx.master}: another process of this job holds it: "
+                f"{text[text.index('rank 0 is duplicated') :]}"
+            ) from None
+        if "another job token" in text:
+            raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
+
+
 # ---------------------------------------------------------------- rank > 0
 def _follow(ctx: _Context, data_listener: socket.socket) -> tuple[list[Peer], dict[str, Any], bytes]:
-    return retry_while_refused(lambda: _join_once(ctx, data_listener), ctx.prefix, ctx.master, ctx.deadline)
-
-
-def _join_once(ctx: _Context, data_listener: socket.socket) -> tuple[list[Peer], dict[str, Any], bytes]:
     env, prefix = ctx.env, ctx.prefix
     try:
         conn = connect_with_retry(ctx.master_ip, env.master_port, ctx.deadline, "rank 0")

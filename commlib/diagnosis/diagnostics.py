@@ -465,12 +465,17 @@ def _agree(group: DiagnosedGroup, detail: bool, stall_s: float) -> _Agreement:
         token = secrets.token_bytes(16)
         port, text = 0, "rank 0 runs without stall reports and without COMMLIB_DEBUG=DETAIL"
         if detail or stall_s > 0:
-            host = hub_host(env.master_addr, env.local_world_size >= env.world_size)
-            try:
-                hub = SideChannelHub(group.world_size, host, token, name=f"{group.backend}-rank0")
-                port, text = hub.port, host
-            except OSError as e:
-                text = f"rank 0 could not listen on {host}: {e}"
+            single_host = env.local_world_size >= env.world_size
+            host = hub_host(env.master_addr, single_host)
+            # MASTER_ADDR may name an address rank 0 reaches but cannot bind (a forwarded port): on one
+            # host, loopback still serves every rank.
+            for where in dict.fromkeys([host, "127.0.0.1"] if single_host else [host]):
+                try:
+                    hub = SideChannelHub(group.world_size, where, token, name=f"{group.backend}-rank0")
+                    port, text = hub.port, where
+                    break
+                except OSError as e:
+                    text = f"rank 0 could not listen on {where}: {e}"
         _pack_address(words, detail, stall_s, port, token, text)
     try:
         shared = words.to(group.preferred_device())

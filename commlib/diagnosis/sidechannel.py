@@ -147,18 +147,20 @@ def read_frame(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
 def hub_host(master_addr: str, single_host: bool) -> str:
     """Return the address rank 0 serves the hub on, as the other ranks will reach it.
 
-    On one host: loopback. Across hosts: ``master_addr`` (rank 0's address, as
-    the rendezvous uses it), unless that is a loopback address, in which case
-    the address of this host's name.
+    ``master_addr`` when it is not a loopback address: every rank reached rank 0
+    there for the rendezvous, wherever it runs (ranks given explicitly carry no
+    placement, so "one host" cannot be told from them). A loopback
+    ``master_addr`` on one host: loopback. A loopback ``master_addr`` across
+    hosts: the address of this host's name.
     """
-    if single_host:
-        return "127.0.0.1"
     try:
-        loopback = ipaddress.ip_address(master_addr).is_loopback
-    except ValueError:
+        loopback = ipaddress.ip_address(socket.gethostbyname(master_addr)).is_loopback
+    except (OSError, ValueError):
         loopback = master_addr == "localhost"
     if not loopback:
         return master_addr
+    if single_host:
+        return "127.0.0.1"
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

@@ -5,8 +5,6 @@ have them mapped)."""
 from __future__ import annotations
 
 import json
-import logging
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -21,6 +19,7 @@ from commlib.ports import free_port
 from tests._launcher import run_ranks_outcomes
 from tests._listeners import port_is_listening, wait_until
 from tests.conftest import REPO_ROOT, scrubbed_env
+from tests.distributed.startup_bodies import join_and_sum
 
 pytestmark = pytest.mark.multiprocess
 
@@ -57,7 +56,7 @@ class _Job:
     def result(self, timeout: float = 120.0) -> dict[str, Any]:
         out, err = self.proc.communicate(timeout=timeout)
         assert self.proc.returncode == 0, f"job {self.base} exited {self.proc.returncode}:\n{err[-4000:]}"
-        return json.loads(out.strip().splitlines()[-1])
+        return json.loads(out.strip().splitlines()[-1]) | {"stderr": err}
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -100,6 +99,13 @@ def test_two_jobs_on_one_port_never_pair_across_jobs(backend: str) -> None:
         for job in (a, b):
             job.kill()
     assert [r["value"] for r in job_a["ranks"]] == [3.0, 3.0], job_a
+    # Job A's rank 0 said whom it refused, and went on waiting for its own rank.
+    warnings = [line for line in job_a["stderr"].splitlines() if "claiming rank 1 holds another" in line]
+    where = "rendezvous port" if backend == "ring" else "store at"
+    assert warnings, job_a["stderr"][-3000:]
+    assert warnings[0].startswith(f"[rank 0/2] {backend}.rendezvous: {where} 127.0.0.1:"), warnings
+    assert "claiming rank 1 holds another job token" in warnings[0]
+    assert "still waiting for this job's rank 1" in warnings[0]
     b0, b1 = job_b["ranks"]
     assert b0["error_type"] == "RendezvousError" and f"cannot listen on 127.0.0.1:{port}" in b0["error"]
     assert b1["error_type"] == "RendezvousError", b1
@@ -124,76 +130,6 @@ def test_two_jobs_started_at_once_on_one_port_each_compute_their_own_sum_or_fail
             job.kill()
     for job, result in zip(jobs, results, strict=True):
         _check_own_result_or_loud(result, job.base)
-
-
-# ------------------------------------------------------------------ impostor
-def _rank_with_log(gate: Any, release: Any, backend: str) -> dict[str, Any]:
-    """Join the group (after ``gate``, if any), all-reduce rank + 1; return the sum and WARNINGs logged."""
-    records: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(f"{record.levelname} {record.getMessage()}")
-
-    logging.getLogger("commlib").addHandler(_Keep(logging.WARNING))
-    import commlib
-
-    if gate is not None and not gate.wait(60):
-        raise TimeoutError("never released")
-    if release is not None:  # the impostor: its short timeout starts once rank 0 listens
-        port = int(os.environ["MASTER_PORT"])
-        wait_until(lambda: port_is_listening(port), 60, "rank 0 listens")
-    try:
-        group = commlib.init_process_group(backend)
-    except commlib.RendezvousError:
-        if release is not None:
-            release.set()
-        raise
-    try:
-        t = torch.tensor([float(group.rank + 1)])
-        group.all_reduce(t)
-        return {"sum": t.item(), "log": records}
-    finally:
-        commlib.destroy_process_group()
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", ["ring", "gloo"])
-def test_an_impostor_with_another_token_is_refused_and_the_job_waits_for_its_rank(backend: str) -> None:
-    """A process claims rank 1 with another COMMLIB_JOB_TOKEN before the real rank 1 starts."""
-    impostor_refused = multiprocessing.get_context("spawn").Event()
-    outcomes = run_ranks_outcomes(
-        _rank_with_log,
-        3,
-        init=False,
-        per_rank_args=[
-            (None, None, backend),
-            (impostor_refused, None, backend),
-            (None, impostor_refused, backend),
-        ],
-        env={"WORLD_SIZE": "2", "COMMLIB_JOB_TOKEN": "alpha-secret", "COMMLIB_TIMEOUT": "60"},
-        per_rank_env=[
-            {},
-            {},
-            {"RANK": "1", "LOCAL_RANK": "1", "COMMLIB_JOB_TOKEN": "beta-secret", "COMMLIB_TIMEOUT": "3"},
-        ],
-        timeout=150,
-    )
-    rank0, rank1, impostor = outcomes
-    assert rank0.ok and rank1.ok, (rank0, rank1)
-    assert rank0.value["sum"] == rank1.value["sum"] == 3.0
-    assert impostor.error_type == "RendezvousError"
-    message = impostor.error or ""
-    assert "refused this rank (pid " in message and "it holds another job token" in message
-    assert "Rank 0's job: COMMLIB_JOB_TOKEN (value not shown)" in message
-    assert "this rank's job: COMMLIB_JOB_TOKEN (value not shown)" in message
-    assert "secret" not in message
-    warnings = [line for line in rank0.value["log"] if "another job token" in line]
-    where = "rendezvous port" if backend == "ring" else "store at"
-    assert warnings and warnings[0].startswith(f"WARNING [rank 0/2] {backend}.rendezvous: {where} 127.0.0.1:")
-    assert "claiming rank 1 holds another job token" in warnings[0]
-    assert "still waiting for this job's rank 1" in warnings[0]
-    assert not any("secret" in line for line in rank0.value["log"])
 
 
 # ------------------------------------------------------------ shared memory
@@ -234,3 +170,45 @@ def test_shared_memory_files_are_private_and_gone_once_mapped(tmp_path: Path) ->
         for m in o.value["mapped"]:
             assert m["mode"] == 0o600 and m["links"] == 0 and m["path"].endswith("(deleted)"), m
     assert os.listdir(tmp_path) == []
+
+
+def _exited_process() -> tuple[int, int]:
+    """The pid and start time (clock ticks) of a process that has exited."""
+    code = "import os; from commlib.procfs import read_process as r; print(os.getpid(), r(os.getpid()).start)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    pid, start = out.stdout.split()
+    return int(pid), int(start)
+
+
+@pytest.mark.timeout(120)
+def test_a_group_start_reaps_the_files_of_ranks_killed_inside_link_set_up(tmp_path: Path) -> None:
+    """Files a killed rank left (its inbox and wake pipes) go; a live process's, and others', stay."""
+    from backends.ring.shm_files import new_path
+    from commlib.procfs import read_process
+
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    dead_pid, dead_start = _exited_process()
+    dead = f"commlib-ring-{namespace}-{dead_pid}-{dead_start}-0123456789ab"
+    live = os.path.basename(new_path(str(tmp_path)))  # this (live) process's
+    init = read_process(1)
+    assert init is not None
+    reused = f"commlib-ring-{namespace}-1-{init.start + 1}-0123456789ab"  # pid 1, but not the process now
+    foreign = f"commlib-ring-{namespace + 1}-{dead_pid}-{dead_start}-0123456789ab"  # another pid namespace
+    old_style = f"commlib-ring-{dead_pid}-0123456789ab"  # no start time, no namespace: whose is unknown
+    stale = [dead, f"{dead}.wake-recv", f"{dead}.wake-send", reused]
+    kept = [live, f"{live}.wake-send", foreign, old_style]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"")
+    outcomes = run_ranks_outcomes(
+        join_and_sum,
+        2,
+        init=False,
+        args=("ring",),
+        env={"COMMLIB_RING_TRANSPORT": "shm", "COMMLIB_RING_SHM_DIR": str(tmp_path), "COMMLIB_TIMEOUT": "30"},
+        timeout=90,
+    )
+    for o in outcomes:
+        assert o.ok and o.value["sum"] == 3.0, (o.error, o.value)
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
