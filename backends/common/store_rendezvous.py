@@ -10,7 +10,8 @@ without sending it:
    challenge: a fresh nonce, its job's public description, its pid and host.
    (Under torchrun's agent store, which already serves ``MASTER_PORT``, every
    rank is a client and the keys carry the restart count and a generation, as
-   in the ring's store exchange.)
+   in the ring's store exchange. A group given a store of its own,
+   ``DistEnv.store``, makes the check in that store, and opens no port.)
 2. Every other rank reads the challenge and writes its answer, its rank,
    world size, pid, host, job description and a nonce of its own, with an
    HMAC under its token over the challenge and the answer, into the first free
@@ -111,7 +112,7 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
     global _store_generation
     agent_store = uses_torchrun_agent_store(env)
     base = "commlib/job-check/v1"
-    if agent_store:
+    if agent_store and env.store is None:
         # torchrun's store outlives this group: keep each group's and each restart's keys apart.
         _store_generation += 1
         base = f"{base}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
@@ -125,8 +126,10 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
         agent_store=agent_store,
     )
     if env.rank == 0:
-        store = _open_store(ctx)
+        store = env.store if env.store is not None else _open_store(ctx)
         scope = _Leader(ctx, store).run() if env.world_size > 1 else f"{base}/solo"
+    elif env.store is not None:
+        store, scope = env.store, _answer_in(ctx, env.store)
     else:
         store, scope = _follow(ctx)
     from torch.distributed import PrefixStore
@@ -399,10 +402,15 @@ def _follow(ctx: _Context) -> tuple[Any, str]:
 
 def _join_once(ctx: _Context) -> tuple[Any, str]:
     store = _connect(ctx)
+    return store, _answer_in(ctx, store)
+
+
+def _answer_in(ctx: _Context, store: Any) -> str:
+    """Answer rank 0's challenge in ``store`` (again while it calls the answer stale); return the scope."""
     while True:
         challenge, record, verdict = _answer_challenge(ctx, store)
         if not (isinstance(verdict, dict) and verdict.get("stale") is True):
-            return store, _read_verdict(ctx, challenge, record, verdict)
+            return _read_verdict(ctx, challenge, record, verdict)
 
 
 def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
