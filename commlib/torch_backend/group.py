@@ -114,6 +114,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         super().__init__(group.rank, group.world_size)
         self._group = group
         self._name = name
+        self._group_name = ""
+        self._group_desc = ""
 
     @property
     def commlib_group(self) -> IProcessGroup:
@@ -123,6 +125,39 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """The torch backend name (``commlib_ring``...)."""
         return self._name
+
+    # torch names a group through these; a Python group has no C++ backend to keep the name in.
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+        """Record the name torch gives this group (its key in torch's group registry)."""
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch gave this group."""
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's name
+        """Record torch's description of this group."""
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        """torch's description of this group."""
+        return self._group_desc
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> str:
+        """The name torch gave this group."""
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        """torch's description of this group."""
+        return self._group_desc
 
     def __repr__(self) -> str:
         """The torch backend name (``commlib_ring``...)."""
