@@ -140,7 +140,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self._group_desc = desc
 
     def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
-        """torch's description of this group."""
+        """The description torch gave this group."""
         return self._group_desc
 
     def _set_group_name(self, name: str) -> None:
@@ -156,7 +156,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     @property
     def group_desc(self) -> str:
-        """torch's description of this group."""
+        """The description torch gave this group."""
         return self._group_desc
 
     def __repr__(self) -> str:

@@ -255,7 +255,10 @@ class _Net(torch.nn.Module):
 
 def _batches(n: int, steps: int, per_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(7)
-    return [(torch.randn(n * per_rank, 8, generator=gen), torch.randn(n * per_rank, 4, generator=gen)) for _ in range(steps)]
+    return [
+        (torch.randn(n * per_rank, 8, generator=gen), torch.randn(n * per_rank, 4, generator=gen))
+        for _ in range(steps)
+    ]
 
 
 def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -263,7 +266,7 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def ddp_parity(backend: str) -> dict[str, float]:
-    """torch's DDP on the backend against one process on the full batch: plain, unused parameters, no_sync, a hook."""
+    """torch's DDP against one process on the full batch: plain, unused parameters, no_sync with a hook."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
