@@ -372,3 +372,18 @@ def dtensor(backend: str) -> dict[str, Any]:
         return {"ok": True, "local_shape": list(sharded.to_local().shape)}
     finally:
         dist.destroy_process_group()
+
+
+def under_mpiexec(group: Any, body: str, port: int) -> Any:
+    """Run ``body`` on ``commlib_mpi`` in a job mpiexec started (``mpi_bodies.launch`` hands ``group``).
+
+    mpiexec sets no torchrun variables: the job's rank and size come from the
+    commlib group, and ``env://`` meets at ``port``.
+    """
+    os.environ.update(
+        RANK=str(group.rank),
+        WORLD_SIZE=str(group.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return globals()[body]("commlib_mpi")

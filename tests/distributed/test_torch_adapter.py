@@ -1,0 +1,150 @@
+"""commlib's backends under torch.distributed (``commlib.torch_backend``).
+
+The multi-rank tests spawn real ranks (``tests._launcher``) that call
+``dist.init_process_group("commlib_ring")`` themselves; the mpi ones run the
+same bodies under mpiexec. Each integration (the functional API, DDP, FSDP2,
+DTensor) is checked against closed-form values or one process on the full batch.
+``commlib_gloo`` (Gloo through the same adapter) is the control.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commlib import BackendUnavailableError, PremulSum, ReduceOp
+from commlib.ports import free_port
+from commlib.torch_backend import BACKENDS, registration
+from commlib.torch_backend.group import reduce_op
+from commlib.torch_backend.work import DoneWork, PendingWork
+from commlib.work import CompletedWork
+from tests._launcher import run_ranks
+from tests.conftest import requires_mpi
+from tests.distributed import torch_backend_bodies as bodies
+
+pytestmark = pytest.mark.multiprocess
+
+ENV = {"COMMLIB_TIMEOUT": "60"}
+
+
+def _spawn(body: Any, *args: Any, world_size: int = 2, timeout: float = 150.0) -> list[Any]:
+    return run_ranks(body, world_size, backend=None, init=False, args=args, env=ENV, timeout=timeout)
+
+
+# ------------------------------------------------------------------- in one process
+def test_registered_names_and_devices() -> None:
+    for name, (inner, devices) in BACKENDS.items():
+        assert name.upper() in dist.Backend._plugins, name
+        assert dist.Backend._plugins[name.upper()].extended_api is True
+        assert dist.Backend.backend_capability[name] == list(devices)
+        assert inner in ("ring", "mpi", "gloo")
+    registration.register()  # a second registration changes nothing
+    assert sum(name.startswith("COMMLIB_") for name in dist.Backend._plugins) == 3
+
+
+def test_unsupported_torch_is_refused_at_registration() -> None:
+    with pytest.raises(BackendUnavailableError, match=r"torch 2\.10\.0 is outside .*2\.11 to 2\.13"):
+        registration.register("2.10.0")
+    with pytest.raises(BackendUnavailableError, match=r"torch 3\.0\.1\+cpu is outside"):
+        registration.register("3.0.1+cpu")
+
+
+def test_reduce_ops_map_to_ours() -> None:
+    expected = {
+        dist.ReduceOp.SUM: ReduceOp.SUM,
+        dist.ReduceOp.AVG: ReduceOp.AVG,
+        dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+        dist.ReduceOp.MIN: ReduceOp.MIN,
+        dist.ReduceOp.MAX: ReduceOp.MAX,
+        dist.ReduceOp.BAND: ReduceOp.BAND,
+        dist.ReduceOp.BOR: ReduceOp.BOR,
+        dist.ReduceOp.BXOR: ReduceOp.BXOR,
+    }
+    for theirs, ours in expected.items():
+        options = dist.AllreduceOptions()
+        options.reduceOp = theirs
+        assert reduce_op(options.reduceOp) is ours
+    premul = reduce_op(dist._make_nccl_premul_sum(0.25))
+    assert isinstance(premul, PremulSum) and premul.scalar() == 0.25
+    assert reduce_op(dist.ReduceOp.PREMUL_SUM(0.5)).scalar() == 0.5  # type: ignore[union-attr]
+
+
+def test_work_handles_carry_what_torch_expects() -> None:
+    t = torch.ones(3)
+    done = DoneWork([t])
+    assert done.wait() is True and done.is_completed() and done.exception() is None
+    assert done.get_future().wait()[0] is t
+    pending = PendingWork(CompletedWork(), [t])
+    assert pending.wait(datetime.timedelta(seconds=1)) is True and pending.is_completed()
+    assert pending.get_future().wait()[0] is t
+    failed = PendingWork(CompletedWork(error=RuntimeError("[rank 0/2] ring.all_reduce: broken")), [t])
+    with pytest.raises(RuntimeError, match=r"ring\.all_reduce: broken"):
+        failed.wait()
+    with pytest.raises(RuntimeError, match=r"ring\.all_reduce: broken"):
+        failed.get_future().wait()
+
+
+# ------------------------------------------------------------------- ring, spawned
+def test_init_methods_env_tcp_and_store(tmp_path: Any) -> None:
+    """env://, tcp:// and an explicit store, one after another in the same ranks."""
+    for how in ("env", "store", "tcp"):
+        path = str(tmp_path / f"store-{how}")
+        for value in _spawn(bodies.init_methods, "commlib_ring", how, path):
+            assert value == {"sum": [3.0, 3.0, 3.0], "backend": "commlib_ring", "inner": "ring"}, how
+
+
+@pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
+def test_functional_api(backend: str) -> None:
+    _check_functional(_spawn(bodies.functional_api, backend), backend.removeprefix("commlib_"))
+
+
+def _check_functional(values: list[dict[str, Any]], inner: str) -> None:
+    for rank, value in enumerate(values):
+        assert value["inner"] == inner and value["collectives"] and value["p2p"] and value["async"]
+        assert value["any_source"] == (1 if rank == 0 else None)
+        assert value["subgroup_inner"] == [inner, inner]
+        assert value["subgroup_names"] == [f"commlib_{inner}"] * 2
+        errors = value["errors"]
+        assert errors["avg_int"].startswith(f"ReduceOpTypeError: [rank {rank}/2] {inner}.all_reduce: op AVG")
+        assert errors["monitored_barrier"] == "ValueError: monitored_barrier is only implemented for GLOO backend."
+        if rank == 0:
+            assert errors["wait_timeout"].startswith(f"[rank 0/2] {inner}.all_reduce #")
+            assert "Work.wait(timeout=0.05) expired" in errors["wait_timeout"]
+
+
+def test_torch_ddp_equals_one_process() -> None:
+    for diffs in _spawn(bodies.ddp_parity, "commlib_ring"):
+        assert diffs["plain"] < 1e-6 and diffs["find_unused"] < 1e-6, diffs
+        assert diffs["no_sync_fp16_hook"] < 1e-3, diffs  # gradients travel in float16
+
+
+def test_fsdp2_equals_one_process() -> None:
+    for diffs in _spawn(bodies.fsdp2_parity, "commlib_ring"):
+        assert diffs["avg"] < 1e-6 and diffs["premul_sum"] < 1e-6, diffs
+
+
+def test_dtensor_on_a_mesh() -> None:
+    for value in _spawn(bodies.dtensor, "commlib_ring"):
+        assert value == {"ok": True, "local_shape": [4, 3]}
+
+
+# ---------------------------------------------------------------------- mpi
+@requires_mpi
+@pytest.mark.mpi
+def test_functional_api_on_mpi() -> None:
+    from tests.distributed.mpi_bodies import launch
+
+    result = launch(
+        "tests.distributed.torch_backend_bodies:under_mpiexec",
+        2,
+        ["functional_api", free_port()],
+        timeout=150,
+        env=ENV,
+    )
+    assert result.returncode == 0, result.describe()
+    values = [result.results[r]["tests.distributed.torch_backend_bodies:under_mpiexec"] for r in range(2)]
+    _check_functional(values, "mpi")
