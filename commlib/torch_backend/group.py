@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.process_group import IProcessGroup
-from commlib.torch_backend.work import DoneWork, PendingWork
+from commlib.torch_backend.work import PendingWork, done
 from commlib.types import PremulSum, ReduceOp, premul_sum
 from commlib.work import Work
 
@@ -40,14 +40,20 @@ _OPS: dict[Any, ReduceOp] = {
 }
 
 
+_SUM = _RedOpType.SUM
+_BY_VALUE = {int(kind): ours for kind, ours in _OPS.items()}  # pybind enums hash slowly: key by value
+
+
 def reduce_op(op: Any) -> ReduceOp | PremulSum:
-    """Commlib's reduce operation for torch's ``ReduceOp`` (``PREMUL_SUM`` keeps its factor).
+    """The commlib reduce operation for torch's ``ReduceOp`` (``PREMUL_SUM`` keeps its factor).
 
     Raises:
         ValueError: torch's operation has no commlib counterpart.
     """
+    if op == _SUM:  # the common case first: one comparison
+        return ReduceOp.SUM
     kind = op.op if isinstance(op, dist.ReduceOp) else op
-    found = _OPS.get(kind)
+    found = _BY_VALUE.get(int(kind))
     if found is not None:
         return found
     if kind == _RedOpType.PREMUL_SUM:
@@ -170,7 +176,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         """Run ``call``; inline when torch waits at once (``opts.asyncOp`` False), else as a pending work."""
         if opts is not None and not opts.asyncOp:
             call(*args, **kwargs)
-            return DoneWork(value)
+            return done(value)
         work = call(*args, async_op=True, **kwargs)
         return PendingWork(work, value)  # type: ignore[arg-type]
 
@@ -179,7 +185,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         if not opts.asyncOp:
             for call in calls:
                 call(False)
-            return DoneWork(value)
+            return done(value)
         works = [call(True) for call in calls]
         return PendingWork(_Coalesced(works, f"{self._name}.{op} of {len(works)}"), value)  # type: ignore[arg-type]
 
@@ -187,10 +193,10 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
         """``dist.all_reduce``: commlib's ``all_reduce``."""
         opts = opts if opts is not None else dist.AllreduceOptions()
-        tensor = _one(tensors, "all_reduce")
-        if not opts.asyncOp:
+        tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "all_reduce")
+        if not opts.asyncOp:  # the hot path: every synchronous dist.all_reduce
             self._group.all_reduce(tensor, reduce_op(opts.reduceOp))
-            return DoneWork(tensors)
+            return done(tensors)
         return PendingWork(self._group.all_reduce(tensor, reduce_op(opts.reduceOp), async_op=True), tensors)  # type: ignore[arg-type]
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:

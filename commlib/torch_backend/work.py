@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from commlib.work import Work
 
-__all__ = ["DoneWork", "PendingWork"]
+__all__ = ["DoneWork", "PendingWork", "done"]
 
 _NO_TIMEOUT = datetime.timedelta(0)
 
@@ -33,15 +33,13 @@ def _seconds(timeout: datetime.timedelta | None) -> float | None:
 class DoneWork(dist._Work):
     """An operation that finished before the call returned (synchronous calls run inline).
 
-    Args:
-        value: What ``get_future()`` completes with (torch's value for the operation).
-        source: For a receive from any rank: the rank the message came from.
+    Made by ``done(value)``: a Python ``__init__`` would add a microsecond to every synchronous call.
     """
 
-    def __init__(self, value: Any, source: int = -1) -> None:
-        super().__init__()
-        self._value = value
-        self._source = source
+    _value: Any = None
+    """What ``get_future()`` completes with (torch's value for the operation)."""
+
+    _source = -1
 
     def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
         """Return True: the operation has finished."""
@@ -69,8 +67,15 @@ class DoneWork(dist._Work):
         return self._source
 
     def source_rank(self) -> int:
-        """Return the sender of a receive (-1 when it is not one)."""
+        """Return -1: no finished work is a receive from any rank (those are pending works)."""
         return self._source
+
+
+def done(value: Any) -> DoneWork:
+    """A finished work whose future holds ``value``."""
+    work = DoneWork()
+    work._value = value
+    return work
 
 
 class PendingWork(dist._Work):

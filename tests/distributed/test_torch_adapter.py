@@ -20,7 +20,7 @@ from commlib import BackendUnavailableError, PremulSum, ReduceOp
 from commlib.ports import free_port
 from commlib.torch_backend import BACKENDS, registration
 from commlib.torch_backend.group import reduce_op
-from commlib.torch_backend.work import DoneWork, PendingWork
+from commlib.torch_backend.work import PendingWork, done
 from commlib.work import CompletedWork
 from tests._launcher import run_ranks
 from tests.conftest import requires_mpi
@@ -75,9 +75,9 @@ def test_reduce_ops_map_to_ours() -> None:
 
 def test_work_handles_carry_what_torch_expects() -> None:
     t = torch.ones(3)
-    done = DoneWork([t])
-    assert done.wait() is True and done.is_completed() and done.exception() is None
-    assert done.get_future().wait()[0] is t
+    finished = done([t])
+    assert finished.wait() is True and finished.is_completed() and finished.exception() is None
+    assert finished.get_future().wait()[0] is t
     pending = PendingWork(CompletedWork(), [t])
     assert pending.wait(datetime.timedelta(seconds=1)) is True and pending.is_completed()
     assert pending.get_future().wait()[0] is t
@@ -110,7 +110,7 @@ def _check_functional(values: list[dict[str, Any]], inner: str) -> None:
         assert value["subgroup_names"] == [f"commlib_{inner}"] * 2
         errors = value["errors"]
         assert errors["avg_int"].startswith(f"ReduceOpTypeError: [rank {rank}/2] {inner}.all_reduce: op AVG")
-        assert errors["monitored_barrier"] == "ValueError: monitored_barrier is only implemented for GLOO backend."
+        assert errors["monitored_barrier"].startswith("ValueError: monitored_barrier is only implemented")
         if rank == 0:
             assert errors["wait_timeout"].startswith(f"[rank 0/2] {inner}.all_reduce #")
             assert "Work.wait(timeout=0.05) expired" in errors["wait_timeout"]
