@@ -58,7 +58,7 @@ from backends.common.jobtoken import JobToken, job_token, sign_with, uses_torchr
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
 
-__all__ = ["join_job_store"]
+__all__ = ["join_job_store", "scope_in"]
 
 logger = logging.getLogger("commlib")
 
@@ -90,6 +90,17 @@ class _Context:
         return datetime.timedelta(seconds=max(0.1, self.deadline - time.monotonic()) + extra)
 
 
+def scope_in(store: Any, base: str, rank: int) -> str:
+    """A key prefix under ``base`` that no earlier group meeting in ``store`` used.
+
+    A store may serve several groups one after another (torch reuses a group's
+    name, and with it its part of the store, after ``destroy_process_group``).
+    Each rank counts its own uses of ``base``; the ranks of one group have met
+    there equally often, so they arrive at the same count without talking.
+    """
+    return f"{base}/{int(store.add(f'{base}/uses/{rank}', 1))}"
+
+
 def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
     """Open the rendezvous store, prove this rank belongs to the job, and return the job's part of it.
 
@@ -112,7 +123,9 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
     global _store_generation
     agent_store = uses_torchrun_agent_store(env)
     base = "commlib/job-check/v1"
-    if agent_store and env.store is None:
+    if env.store is not None:
+        base = scope_in(env.store, base, env.rank)
+    elif agent_store:
         # torchrun's store outlives this group: keep each group's and each restart's keys apart.
         _store_generation += 1
         base = f"{base}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"

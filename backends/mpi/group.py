@@ -50,6 +50,7 @@ import mpi4py  # an ImportError here names mpi4py; the registry turns it into th
 import torch
 
 from backends.common.cuda_staging import Chunk
+from backends.common.store_rendezvous import scope_in
 from backends.mpi import device_path
 from backends.mpi.cuda import cuda_aware_override
 from backends.mpi.dtypes import DtypePlan, code_dtype, dtype_code, plan_for
@@ -1344,8 +1345,9 @@ def _members_comm(env: DistEnv, timeout: float) -> Any:
     world = MPI.COMM_WORLD
     prefix = error_prefix(env.rank, env.world_size, "mpi", "init")
     store = env.store
-    store.set(f"commlib/mpi/member/{env.rank}", str(world.Get_rank()))
-    keys = [f"commlib/mpi/member/{r}" for r in range(env.world_size)]
+    base = scope_in(store, "commlib/mpi", env.rank)
+    store.set(f"{base}/member/{env.rank}", str(world.Get_rank()))
+    keys = [f"{base}/member/{r}" for r in range(env.world_size)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as e:  # noqa: BLE001 - torch's stores raise their own types

@@ -55,7 +55,7 @@ from backends.common.admission import (
     token_mismatch_advice,
 )
 from backends.common.jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
-from backends.common.store_rendezvous import connect_store
+from backends.common.store_rendezvous import connect_store, scope_in
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
@@ -270,9 +270,10 @@ def _exchange_through_store(
 ) -> tuple[list[Peer], dict[str, Any], bytes]:
     """Publish this rank's signed record in the group's store (or torchrun's agent store) and read everyone's.
 
-    A store the group was given is scoped to it already. torchrun's store
-    outlives every group of the job, so there the keys carry the restart count
-    and a generation that every rank counts alike.
+    In a store the group was given, the keys go under a prefix no earlier group
+    used there (``scope_in``). torchrun's store outlives every group of the job,
+    so there the keys carry the restart count and a generation that every rank
+    counts alike.
     """
     import datetime
     import json
@@ -283,7 +284,8 @@ def _exchange_through_store(
         return datetime.timedelta(seconds=max(0.1, ctx.deadline - time.monotonic()))
 
     if env.store is not None:
-        store, where, base = env.store, "the group's store", "commlib/ring"
+        store, where = env.store, "the group's store"
+        base = scope_in(store, "commlib/ring", env.rank)
     else:
         global _store_generation
         _store_generation += 1

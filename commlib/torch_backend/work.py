@@ -5,10 +5,16 @@ call its Python methods. C++ callers (DDP's reducer, the functional
 collectives DTensor and FSDP2 use) go through torch's trampoline, which calls
 ``wait`` and ``get_future`` and expects the future to hold a tensor or a list
 of tensors: ``value`` is what torch's own backends give for the same operation.
+
+The futures a pending work hands out are completed on a small pool of threads
+of their own, never on the backend's progress thread: torch's hooks (PowerSGD)
+issue another collective inside a future's callback and wait for it, which
+would deadlock the thread that has to run that collective.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 from typing import Any
 
@@ -20,6 +26,9 @@ from commlib.work import Work
 __all__ = ["DoneWork", "PendingWork", "done"]
 
 _NO_TIMEOUT = datetime.timedelta(0)
+
+_COMPLETERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="commlib-torch-future")
+"""Completes torch futures (and so runs their callbacks); threads start on demand, up to 8 callbacks deep."""
 
 
 def _seconds(timeout: datetime.timedelta | None) -> float | None:
@@ -116,14 +125,22 @@ class PendingWork(dist._Work):
     def get_future(self) -> torch.futures.Future[Any]:
         """Return a future that completes with torch's value for the operation, or our error."""
         if self._future is None:
+            future: torch.futures.Future[Any] = torch.futures.Future()
+            self._future = future
             value = self._value
 
-            def settle(done: torch.futures.Future[Any]) -> Any:
-                done.wait()  # raises our error into the chained future
-                return value
+            def complete(ours: torch.futures.Future[Any]) -> None:
+                try:
+                    ours.wait()
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                    future.set_exception(e)
+                else:
+                    future.set_result(value)
 
-            self._future = self._work.get_future().then(settle)
-        return self._future
+            # commlib's future, not an observer: asking for it makes sure the work advances
+            # even if nobody waits (an MPI library without a progress thread).
+            self._work.get_future().add_done_callback(lambda ours: _COMPLETERS.submit(complete, ours))
+        return future
 
     def _source_rank(self) -> int:
         return self._work.source_rank()

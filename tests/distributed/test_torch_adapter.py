@@ -91,10 +91,9 @@ def test_work_handles_carry_what_torch_expects() -> None:
 # ------------------------------------------------------------------- ring, spawned
 def test_init_methods_env_tcp_and_store(tmp_path: Any) -> None:
     """env://, tcp:// and an explicit store, one after another in the same ranks."""
-    for how in ("env", "store", "tcp"):
-        path = str(tmp_path / f"store-{how}")
-        for value in _spawn(bodies.init_methods, "commlib_ring", how, path):
-            assert value == {"sum": [3.0, 3.0, 3.0], "backend": "commlib_ring", "inner": "ring"}, how
+    for seen in _spawn(bodies.init_methods, "commlib_ring", str(tmp_path / "store")):
+        for how in ("env", "store", "tcp"):
+            assert seen[how] == {"sum": [3.0, 3.0, 3.0], "backend": "commlib_ring", "inner": "ring"}, how
 
 
 @pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
@@ -130,6 +129,30 @@ def test_fsdp2_equals_one_process() -> None:
 def test_dtensor_on_a_mesh() -> None:
     for value in _spawn(bodies.dtensor, "commlib_ring"):
         assert value == {"ok": True, "local_shape": [4, 3]}
+
+
+def test_torch_ddp_features() -> None:
+    for rank, value in enumerate(_spawn(bodies.ddp_features, "commlib_ring")):
+        assert value["static_graph"] < 1e-6, value
+        assert value["join_trained"] == rank + 2
+        # PowerSGD approximates the gradients (no reference), but every rank applies the same ones
+        for case in ("static_graph", "powersgd"):
+            assert value[f"{case}_spread"] == 0.0, (case, value)
+
+
+def test_fsdp2_mixed_precision_equals_gloo() -> None:
+    for value in _spawn(bodies.fsdp2_mixed_precision, "commlib_ring"):
+        assert value["vs_gloo"] < 1e-6, value
+
+
+def test_pipelining_two_stages_equal_one_process() -> None:
+    for diffs in _spawn(bodies.pipeline_parity, "commlib_ring"):
+        assert diffs["gpipe"] < 1e-6 and diffs["1f1b"] < 1e-6, diffs
+
+
+def test_dtensor_on_a_2x2_mesh() -> None:
+    for value in _spawn(bodies.dtensor_2d, "commlib_ring", world_size=4, timeout=240):
+        assert value == {"ok": True, "inner": ["ring", "ring"]}
 
 
 # ---------------------------------------------------------------------- mpi

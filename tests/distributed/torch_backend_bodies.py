@@ -45,15 +45,18 @@ def _inner_backend(group: Any = None) -> str:
 
 
 # --------------------------------------------------------------- functional
-def init_methods(backend: str, how: str, store_path: str) -> dict[str, Any]:
-    """Initialise through ``how`` (env, tcp, store), run one all_reduce, and say what ran it."""
-    _init(backend, how, store_path)
-    try:
-        t = torch.full((3,), float(dist.get_rank() + 1))
-        dist.all_reduce(t)
-        return {"sum": t.tolist(), "backend": dist.get_backend(), "inner": _inner_backend()}
-    finally:
-        dist.destroy_process_group()
+def init_methods(backend: str, store_path: str) -> dict[str, Any]:
+    """Initialise through env://, an explicit store and tcp://, one after another; each runs an all_reduce."""
+    seen = {}
+    for how in ("env", "store", "tcp"):
+        _init(backend, how, store_path)
+        try:
+            t = torch.full((3,), float(dist.get_rank() + 1))
+            dist.all_reduce(t)
+            seen[how] = {"sum": t.tolist(), "backend": dist.get_backend(), "inner": _inner_backend()}
+        finally:
+            dist.destroy_process_group()
+    return seen
 
 
 def _ops(n: int) -> list[tuple[str, Any, float, torch.dtype]]:
@@ -387,3 +390,151 @@ def under_mpiexec(group: Any, body: str, port: int) -> Any:
         MASTER_PORT=str(port),
     )
     return globals()[body]("commlib_mpi")
+
+
+def ddp_features(backend: str) -> dict[str, Any]:
+    """torch's DDP with static_graph, the PowerSGD hook, and Join over uneven inputs."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    b = 4
+    out: dict[str, Any] = {}
+    try:
+        for case in ("static_graph", "powersgd"):
+            torch.manual_seed(0)
+            ref = _Net(unused=False)
+            ddp = DDP(copy.deepcopy(ref), static_graph=case == "static_graph")
+            if case == "powersgd":
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+                )
+                ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            for x, y in _batches(n, 4, b):
+                opt.zero_grad()
+                ref_opt.zero_grad()
+                mine = slice(r * b, (r + 1) * b)
+                torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+                torch.nn.functional.mse_loss(ref(x), y).backward()
+                opt.step()
+                ref_opt.step()
+            out[case] = _max_diff(ddp.module, ref)
+            out[f"{case}_spread"] = _spread(ddp.module)
+        # Join: rank r trains r + 2 batches; a rank that runs out shadows the others' all-reduces
+        # (without Join the last rank would wait in its extra all-reduce until the timeout)
+        torch.manual_seed(0)
+        ddp = DDP(_Net(unused=False))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        trained = 0
+        with Join([ddp]):
+            for x, y in _batches(1, r + 2, b):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+                trained += 1
+        out["join_trained"] = trained
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _spread(model: torch.nn.Module) -> float:
+    """The largest difference between any rank's parameters and rank 0's (0 when DDP kept them equal)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    first = flat.clone()
+    dist.broadcast(first, src=0)
+    return (flat - first).abs().max().item()
+
+
+def fsdp2_mixed_precision(backend: str) -> dict[str, float]:
+    """FSDP2 with bfloat16 parameters and float32 reduction: the same on this backend as on Gloo."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    _init(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    b = 4
+    try:
+        gloo = dist.new_group(backend="gloo")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        models = []
+        for group in (dist.group.WORLD, gloo):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+            mesh = DeviceMesh.from_group(group, "cpu")
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in _batches(n, 3, b):
+                opt.zero_grad()
+                mine = slice(r * b, (r + 1) * b)
+                torch.nn.functional.mse_loss(model(x[mine]).float(), y[mine]).backward()
+                opt.step()
+            models.append([p.full_tensor() for p in model.parameters()])
+        ours, theirs = models
+        return {"vs_gloo": max((p - q).abs().max().item() for p, q in zip(ours, theirs, strict=True))}
+    finally:
+        dist.destroy_process_group()
+
+
+def dtensor_2d(backend: str) -> dict[str, Any]:
+    """DTensor on a 2x2 mesh (4 ranks): shard on both dimensions, redistribute, full_tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    _init(backend)
+    r = dist.get_rank()
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+        both = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
+        row, col = divmod(r, 2)
+        assert torch.equal(both.to_local(), full[4 * row : 4 * (row + 1), 3 * col : 3 * (col + 1)])
+        assert torch.equal(both.full_tensor(), full)
+        rows = both.redistribute(mesh, [Shard(0), Replicate()])
+        assert torch.equal(rows.to_local(), full[4 * row : 4 * (row + 1)])
+        everywhere = rows.redistribute(mesh, [Replicate(), Replicate()])
+        assert torch.equal(everywhere.to_local(), full)
+        inner = [_inner_backend(mesh.get_group(d)) for d in ("dp", "tp")]
+        return {"ok": True, "inner": inner}
+    finally:
+        dist.destroy_process_group()
+
+
+def pipeline_parity(backend: str) -> dict[str, float]:
+    """A 2-stage pipeline (GPipe, then 1F1B) over the backend's send/recv, against one process."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    _init(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    assert n == 2, "one stage per rank"
+    diffs: dict[str, float] = {}
+    try:
+        for name, schedule_class in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+            torch.manual_seed(0)
+            ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+            part = copy.deepcopy(ref[:2] if r == 0 else ref[2:])
+            stage = PipelineStage(part, r, n, torch.device("cpu"))
+            schedule = schedule_class(stage, n_microbatches=4, loss_fn=torch.nn.functional.mse_loss)
+            opt = torch.optim.SGD(part.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            for x, y in _batches(1, 3, 8):
+                opt.zero_grad()
+                ref_opt.zero_grad()
+                if r == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y)
+                torch.nn.functional.mse_loss(ref(x), y).backward()
+                opt.step()
+                ref_opt.step()
+            mirror = ref[:2] if r == 0 else ref[2:]
+            diffs[name] = _max_diff(part, mirror)
+    finally:
+        dist.destroy_process_group()
+    return diffs
