@@ -1,8 +1,8 @@
 """commlib's backends under torch.distributed (``commlib.torch_backend``).
 
-The multi-rank tests spawn real ranks (``tests._launcher``) that call
-``dist.init_process_group("commlib_ring")`` themselves; the mpi ones run the
-same bodies under mpiexec. Each integration (the functional API, DDP, FSDP2,
+The multi-rank tests run bodies in real ranks (a ``RankPool`` kept for the
+module, and spawned ranks for 4) that call ``dist.init_process_group("commlib_ring")``
+themselves; the mpi ones run the same bodies under mpiexec. Each integration (the functional API, DDP, FSDP2,
 DTensor) is checked against closed-form values or one process on the full batch.
 ``commlib_gloo`` (Gloo through the same adapter) is the control.
 """
@@ -10,6 +10,7 @@ DTensor) is checked against closed-form values or one process on the full batch.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,12 +18,11 @@ import torch
 import torch.distributed as dist
 
 from commlib import BackendUnavailableError, PremulSum, ReduceOp
-from commlib.ports import free_port
 from commlib.torch_backend import BACKENDS, registration
 from commlib.torch_backend.group import reduce_op
 from commlib.torch_backend.work import PendingWork, done
 from commlib.work import CompletedWork
-from tests._launcher import run_ranks
+from tests._launcher import RankPool, run_ranks
 from tests.conftest import requires_mpi
 from tests.distributed import torch_backend_bodies as bodies
 
@@ -31,8 +31,19 @@ pytestmark = pytest.mark.multiprocess
 ENV = {"COMMLIB_TIMEOUT": "60"}
 
 
-def _spawn(body: Any, *args: Any, world_size: int = 2, timeout: float = 150.0) -> list[Any]:
-    return run_ranks(body, world_size, backend=None, init=False, args=args, env=ENV, timeout=timeout)
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RankPool]:
+    """Two ranks kept alive for the module: each body initialises torch.distributed on a port of its own."""
+    ranks = RankPool(2, "ring", env=ENV)
+    try:
+        yield ranks
+    finally:
+        ranks.close()
+
+
+def _on(pool: RankPool, body: str, backend: str, *args: Any) -> list[Any]:
+    values = pool.run(bodies.on_torch, body, backend, *args, timeout=150)
+    return [value[body] for value in values]
 
 
 # ------------------------------------------------------------------- in one process
@@ -88,17 +99,17 @@ def test_work_handles_carry_what_torch_expects() -> None:
         failed.get_future().wait()
 
 
-# ------------------------------------------------------------------- ring, spawned
-def test_init_methods_env_tcp_and_store(tmp_path: Any) -> None:
+# ------------------------------------------------------------------ two ranks
+def test_init_methods_env_tcp_and_store(pool: RankPool, tmp_path: Any) -> None:
     """env://, tcp:// and an explicit store, one after another in the same ranks."""
-    for seen in _spawn(bodies.init_methods, "commlib_ring", str(tmp_path / "store")):
+    for seen in _on(pool, "init_methods", "commlib_ring", str(tmp_path / "store")):
         for how in ("env", "store", "tcp"):
             assert seen[how] == {"sum": [3.0, 3.0, 3.0], "backend": "commlib_ring", "inner": "ring"}, how
 
 
 @pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
-def test_functional_api(backend: str) -> None:
-    _check_functional(_spawn(bodies.functional_api, backend), backend.removeprefix("commlib_"))
+def test_functional_api(pool: RankPool, backend: str) -> None:
+    _check_functional(_on(pool, "functional_api", backend), backend.removeprefix("commlib_"))
 
 
 def _check_functional(values: list[dict[str, Any]], inner: str) -> None:
@@ -115,24 +126,18 @@ def _check_functional(values: list[dict[str, Any]], inner: str) -> None:
             assert "Work.wait(timeout=0.05) expired" in errors["wait_timeout"]
 
 
-def test_torch_ddp_equals_one_process() -> None:
-    for diffs in _spawn(bodies.ddp_parity, "commlib_ring"):
-        assert diffs["plain"] < 1e-6 and diffs["find_unused"] < 1e-6, diffs
-        assert diffs["no_sync_fp16_hook"] < 1e-3, diffs  # gradients travel in float16
+def _check_ddp(diffs: dict[str, float]) -> None:
+    assert diffs["plain"] < 1e-6 and diffs["find_unused"] < 1e-6, diffs
+    assert diffs["no_sync_fp16_hook"] < 1e-3, diffs  # gradients travel in float16
 
 
-def test_fsdp2_equals_one_process() -> None:
-    for diffs in _spawn(bodies.fsdp2_parity, "commlib_ring"):
-        assert diffs["avg"] < 1e-6 and diffs["premul_sum"] < 1e-6, diffs
+def test_torch_ddp_equals_one_process(pool: RankPool) -> None:
+    for diffs in _on(pool, "ddp_parity", "commlib_ring"):
+        _check_ddp(diffs)
 
 
-def test_dtensor_on_a_mesh() -> None:
-    for value in _spawn(bodies.dtensor, "commlib_ring"):
-        assert value == {"ok": True, "local_shape": [4, 3]}
-
-
-def test_torch_ddp_features() -> None:
-    for rank, value in enumerate(_spawn(bodies.ddp_features, "commlib_ring")):
+def test_torch_ddp_features(pool: RankPool) -> None:
+    for rank, value in enumerate(_on(pool, "ddp_features", "commlib_ring")):
         assert value["static_graph"] < 1e-6, value
         assert value["join_trained"] == rank + 2
         # PowerSGD approximates the gradients (no reference), but every rank applies the same ones
@@ -140,34 +145,45 @@ def test_torch_ddp_features() -> None:
             assert value[f"{case}_spread"] == 0.0, (case, value)
 
 
-def test_fsdp2_mixed_precision_equals_gloo() -> None:
-    for value in _spawn(bodies.fsdp2_mixed_precision, "commlib_ring"):
+def test_fsdp2_equals_one_process(pool: RankPool) -> None:
+    for diffs in _on(pool, "fsdp2_parity", "commlib_ring"):
+        assert diffs["avg"] < 1e-6 and diffs["premul_sum"] < 1e-6, diffs
+
+
+def test_fsdp2_mixed_precision_equals_gloo(pool: RankPool) -> None:
+    for value in _on(pool, "fsdp2_mixed_precision", "commlib_ring"):
         assert value["vs_gloo"] < 1e-6, value
 
 
-def test_pipelining_two_stages_equal_one_process() -> None:
-    for diffs in _spawn(bodies.pipeline_parity, "commlib_ring"):
+def test_dtensor_on_a_mesh(pool: RankPool) -> None:
+    for value in _on(pool, "dtensor", "commlib_ring"):
+        assert value == {"ok": True, "local_shape": [4, 3]}
+
+
+def test_pipelining_two_stages_equal_one_process(pool: RankPool) -> None:
+    for diffs in _on(pool, "pipeline_parity", "commlib_ring"):
         assert diffs["gpipe"] < 1e-6 and diffs["1f1b"] < 1e-6, diffs
 
 
+# ----------------------------------------------------------------- four ranks
 def test_dtensor_on_a_2x2_mesh() -> None:
-    for value in _spawn(bodies.dtensor_2d, "commlib_ring", world_size=4, timeout=240):
+    values = run_ranks(
+        bodies.dtensor_2d, 4, backend=None, init=False, args=("commlib_ring",), env=ENV, timeout=240
+    )
+    for value in values:
         assert value == {"ok": True, "inner": ["ring", "ring"]}
 
 
-# ---------------------------------------------------------------------- mpi
+# ------------------------------------------------------------------------ mpi
 @requires_mpi
 @pytest.mark.mpi
-def test_functional_api_on_mpi() -> None:
+def test_functional_api_and_ddp_on_mpi() -> None:
     from tests.distributed.mpi_bodies import launch
 
-    result = launch(
-        "tests.distributed.torch_backend_bodies:under_mpiexec",
-        2,
-        ["functional_api", free_port()],
-        timeout=150,
-        env=ENV,
-    )
+    name = "tests.distributed.torch_backend_bodies:on_torch"
+    result = launch(name, 2, ["functional_api+ddp_parity", "commlib_mpi"], timeout=200, env=ENV)
     assert result.returncode == 0, result.describe()
-    values = [result.results[r]["tests.distributed.torch_backend_bodies:under_mpiexec"] for r in range(2)]
-    _check_functional(values, "mpi")
+    values = [result.results[r][name] for r in range(2)]
+    _check_functional([v["functional_api"] for v in values], "mpi")
+    for value in values:
+        _check_ddp(value["ddp_parity"])

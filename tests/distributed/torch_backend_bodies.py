@@ -377,21 +377,6 @@ def dtensor(backend: str) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def under_mpiexec(group: Any, body: str, port: int) -> Any:
-    """Run ``body`` on ``commlib_mpi`` in a job mpiexec started (``mpi_bodies.launch`` hands ``group``).
-
-    mpiexec sets no torchrun variables: the job's rank and size come from the
-    commlib group, and ``env://`` meets at ``port``.
-    """
-    os.environ.update(
-        RANK=str(group.rank),
-        WORLD_SIZE=str(group.world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    return globals()[body]("commlib_mpi")
-
-
 def ddp_features(backend: str) -> dict[str, Any]:
     """torch's DDP with static_graph, the PowerSGD hook, and Join over uneven inputs."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -538,3 +523,28 @@ def pipeline_parity(backend: str) -> dict[str, float]:
     finally:
         dist.destroy_process_group()
     return diffs
+
+
+def on_torch(group: Any, bodies: str, backend: str, *args: Any) -> dict[str, Any]:
+    """Run each of ``bodies`` (names joined by ``+``) as ``body(backend, *args)``; return ``{name: value}``.
+
+    In ranks that already hold a commlib ``group``: ranks a ``RankPool`` keeps
+    alive between tests, and jobs mpiexec started (``mpi_bodies.launch``),
+    which set no torchrun variables. The rank and size
+    come from ``group``; torch's store listens at a port rank 0 picks and shares
+    over ``group``, a new one for each body.
+    """
+    from commlib.ports import free_port
+
+    values = {}
+    for body in bodies.split("+"):
+        port = [free_port() if group.rank == 0 else None]
+        group.broadcast_object_list(port, 0)
+        os.environ.update(
+            RANK=str(group.rank),
+            WORLD_SIZE=str(group.world_size),
+            MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            MASTER_PORT=str(port[0]),
+        )
+        values[body] = globals()[body](backend, *args)
+    return values
