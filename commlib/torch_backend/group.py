@@ -14,6 +14,7 @@ caller unchanged.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,14 +94,17 @@ class _Coalesced(Work):
 
     def _arm_future(self) -> None:
         remaining = [len(self._works)]
+        lock = threading.Lock()
 
-        def one_done(_: Work) -> None:
-            remaining[0] -= 1
-            if remaining[0] == 0:
+        def one_done(_: Any) -> None:
+            with lock:  # the works may settle on different threads
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
                 self._wait_for_backend(None)
 
         for work in self._works:
-            work.add_observer(one_done)
+            work.get_future().add_done_callback(one_done)  # asking for it makes the work advance
 
 
 class CommlibProcessGroup(dist.ProcessGroup):
@@ -170,14 +174,12 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return f"CommlibProcessGroup({self._name}, rank {self._group.rank} of {self._group.world_size})"
 
     # ------------------------------------------------------------------ helpers
-    def _run(
-        self, opts: Any, value: Any, call: Callable[..., Work | None], *args: Any, **kwargs: Any
-    ) -> dist._Work:
+    def _run(self, opts: Any, value: Any, call: Callable[..., Work | None], *args: Any) -> dist._Work:
         """Run ``call``; inline when torch waits at once (``opts.asyncOp`` False), else as a pending work."""
-        if opts is not None and not opts.asyncOp:
-            call(*args, **kwargs)
+        if not opts.asyncOp:
+            call(*args)
             return done(value)
-        work = call(*args, async_op=True, **kwargs)
+        work = call(*args, async_op=True)
         return PendingWork(work, value)  # type: ignore[arg-type]
 
     def _each(self, opts: Any, value: Any, calls: list[Callable[[bool], Work | None]], op: str) -> dist._Work:

@@ -197,6 +197,15 @@ def _async(r: int, n: int) -> dict[str, Any]:
     work = dist.all_gather_into_tensor(flat, torch.full((2,), float(r)), async_op=True)
     work.wait()
     assert flat.tolist() == [float(k) for k in range(n) for _ in range(2)]
+    # torch's coalescing manager: the operations reach the group as one coalesced call
+    for async_ops in (False, True):
+        a, b = torch.full((3,), float(r + 1)), torch.full((5,), float(2 * r))
+        with dist._coalescing_manager(async_ops=async_ops) as manager:
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+        if async_ops:
+            manager.wait()
+        assert a.tolist() == [n * (n + 1) / 2] * 3 and b.tolist() == [float(n * (n - 1))] * 5
     return {"async": True}
 
 
