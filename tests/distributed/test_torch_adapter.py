@@ -174,7 +174,18 @@ def test_dtensor_on_a_2x2_mesh() -> None:
         assert value == {"ok": True, "inner": ["ring", "ring"]}
 
 
-# ------------------------------------------------------------------------ mpi
+# -------------------------------------------------------------- under launchers
+@pytest.mark.launcher
+def test_functional_api_under_torchrun() -> None:
+    """torchrun's agent serves the store env:// hands torch; the ring meets there."""
+    from tests.distributed.mpi_bodies import launch
+
+    name = "tests.distributed.torch_backend_bodies:as_launched"
+    result = launch(name, 2, ["functional_api", "commlib_ring"], launcher="torchrun", backend="ring", env=ENV)
+    assert result.returncode == 0, result.describe()
+    _check_functional([result.results[r][name]["functional_api"] for r in range(2)], "ring")
+
+
 @requires_mpi
 @pytest.mark.mpi
 def test_functional_api_and_ddp_on_mpi() -> None:

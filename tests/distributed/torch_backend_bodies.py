@@ -557,3 +557,8 @@ def on_torch(group: Any, bodies: str, backend: str, *args: Any) -> dict[str, Any
         )
         values[body] = globals()[body](backend, *args)
     return values
+
+
+def as_launched(group: Any, bodies: str, backend: str) -> dict[str, Any]:
+    """Run each of ``bodies`` (joined by ``+``) in ranks as the launcher set them up (torchrun: its store)."""
+    return {body: globals()[body](backend) for body in bodies.split("+")}
