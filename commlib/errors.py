@@ -1,6 +1,9 @@
-"""The commlib error hierarchy and the one helper that formats its messages."""
+"""The commlib error hierarchy and the helpers that format its messages."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = [
     "CommError",
@@ -63,6 +66,17 @@ class ReduceOpTypeError(TypeError, ValueError):
 
     It is both a ``TypeError`` and a ``ValueError``, so code that caught either keeps working.
     """
+
+
+def ranks_by_value(items: Iterable[Any], key: Callable[[Any], str]) -> str:
+    """``rank 0: SUM; ranks 1, 2: MAX``: the items' ``rank``s grouped by ``key``'s text, first seen first."""
+    groups: dict[str, list[int]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item.rank)
+    return "; ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {value}"
+        for value, ranks in groups.items()
+    )
 
 
 def error_prefix(rank: int, world_size: int, backend: str, op: str) -> str:

@@ -280,22 +280,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             tensor = tensor.detach()
         increment_version(tensor)
         self._bytes_issued += tensor.nbytes
-        return self._issue(
-            "all_reduce",
-            tensor,
-            op,
-            -1,
-            async_op,
-            [tensor],
-            self._start_all_reduce,
-            tensor,
-            op,
-            async_op,
-        )
+        # A plain sum (DDP's buckets) goes straight to the backend's hook: one frame fewer.
+        plain = op is ReduceOp.SUM and tensor.dtype is not _BOOL
+        start = self._all_reduce if plain else self._start_all_reduce
+        return self._issue("all_reduce", tensor, op, -1, async_op, [tensor], start, tensor, op, async_op)
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
-        if op is ReduceOp.SUM and tensor.dtype is not _BOOL:
-            return self._all_reduce(tensor, op, async_op)
         op, finish = self._prepare_reduction(tensor, op, in_place=True)
         if finish is _NAN_KEYS:
             keys = nan_minmax.encode(tensor, op, in_place=True)  # type: ignore[arg-type]

@@ -116,6 +116,21 @@ BOOL_DTYPES: frozenset[torch.dtype] = frozenset({torch.bool})
 SUPPORTED_DTYPES: frozenset[torch.dtype] = FLOAT_DTYPES | INT_DTYPES | BOOL_DTYPES
 """The dtypes of the ``IProcessGroup`` contract (a backend may narrow them)."""
 
+WIRE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+)
+"""Every dtype a collective takes; its index is its one-byte code in the ring's records and in the
+diagnosis fingerprints, so the order is fixed (append only)."""
+
 _FLOAT_ONLY = frozenset({ReduceOp.AVG, ReduceOp.PREMUL_SUM})
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 

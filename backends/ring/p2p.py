@@ -72,6 +72,7 @@ from backends.ring.lobby import Lobby, Visitor
 from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_source
 from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
 from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageSizeError, PeerFailureError
+from commlib.types import WIRE_DTYPES
 
 __all__ = ["PointToPoint", "TAKEN", "WRONG_SIZE", "SET_ASIDE"]
 
@@ -97,7 +98,7 @@ class _Header(NamedTuple):
     numel: int
     piece: int
     dtype: int
-    """The sender's dtype (``_DTYPES`` index)."""
+    """The sender's dtype (``WIRE_DTYPES`` index)."""
 
     def pack(self) -> bytes:
         return _HEADER.pack(_MAGIC, *self) + _HEADER_PAD
@@ -110,19 +111,7 @@ class _Header(NamedTuple):
         return cls._make(fields)
 
 
-_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-)
-_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -131,7 +120,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 def _describe(nbytes: int, numel: int, dtype: int) -> str:
     """``32 bytes (8 x float32)``."""
-    name = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "unknown dtype"
+    name = str(WIRE_DTYPES[dtype]).removeprefix("torch.") if dtype < len(WIRE_DTYPES) else "unknown dtype"
     return f"{nbytes} bytes ({numel} x {name})"
 
 

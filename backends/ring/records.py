@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable
 
 import torch
 
 from backends.ring.links import META_BYTES
-from commlib.errors import CollectiveMismatchError
-from commlib.types import ReduceOp, dtype_name
+from commlib.errors import CollectiveMismatchError, ranks_by_value
+from commlib.types import WIRE_DTYPES, ReduceOp, dtype_name
 
 __all__ = ["COMMON_BYTES", "Meta", "mismatch", "split_mismatch"]
 
@@ -36,18 +35,7 @@ _KINDS = (
     "scatter",
     "all_to_all",
 )
-_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-)
+_DTYPES = WIRE_DTYPES
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8
 # Common part: seq, kind, dtype, op, src, numel. Then: ndim, dims, rank, payload elements + 1 (0: none).
@@ -117,17 +105,6 @@ class Meta:
         return f"{dtype} {shape} [{self.numel} elements]"
 
 
-def _group_ranks(metas: list[Meta], key: Callable[[Meta], str]) -> str:
-    by_value: dict[str, list[int]] = {}
-    for meta in metas:
-        by_value.setdefault(key(meta), []).append(meta.rank)
-    parts = []
-    for value, ranks in by_value.items():
-        label = "rank" if len(ranks) == 1 else "ranks"
-        parts.append(f"{label} {', '.join(map(str, ranks))}: {value}")
-    return "; ".join(parts)
-
-
 _ROOTS = {"reduce": ("destination", "dst"), "gather": ("destination", "dst")}
 
 
@@ -137,25 +114,25 @@ def mismatch(records: list[bytes]) -> CollectiveMismatchError:
     if len({(m.kind, m.seq) for m in metas}) > 1:
         return CollectiveMismatchError(
             "ranks called different collectives: "
-            + _group_ranks(metas, lambda m: f"{m.kind} #{m.seq}")
+            + ranks_by_value(metas, lambda m: f"{m.kind} #{m.seq}")
             + ". Every rank must issue the same collectives in the same order"
         )
     if len({(m.dtype, m.numel) for m in metas}) > 1:
         return CollectiveMismatchError(
             "ranks passed tensors of different sizes or dtypes: "
-            + _group_ranks(metas, Meta.tensor_text)
+            + ranks_by_value(metas, Meta.tensor_text)
             + ". Every rank must pass a tensor of the same size and dtype"
         )
     if len({m.op for m in metas}) > 1:
         return CollectiveMismatchError(
             "ranks disagree on the reduce op: "
-            + _group_ranks(metas, lambda m: m.op.name if m.op is not None else "none")
+            + ranks_by_value(metas, lambda m: m.op.name if m.op is not None else "none")
             + ". Every rank must pass the same op"
         )
     root, name = _ROOTS.get(metas[0].kind, ("source", "src"))
     return CollectiveMismatchError(
         f"ranks disagree on the {root} rank: "
-        + _group_ranks(metas, lambda m: f"{name}={m.src}")
+        + ranks_by_value(metas, lambda m: f"{name}={m.src}")
         + f". Every rank must name the same {name}"
     )
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from commlib.errors import CommError, CommTimeoutError, MessageSizeError
-from commlib.types import dtype_name
+from commlib.types import WIRE_DTYPES, dtype_name
 from commlib.work import CollectiveLabel, EventWork, Work
 
 __all__ = ["P2PEngine"]
@@ -49,23 +49,7 @@ MAGIC = 0x434C5032  # "CLP2"
 ACCEPT = 1
 REFUSE = 2
 
-_CODES = {
-    dtype: code
-    for code, dtype in enumerate(
-        (
-            torch.float16,
-            torch.bfloat16,
-            torch.float32,
-            torch.float64,
-            torch.int32,
-            torch.int64,
-            torch.bool,
-            torch.uint8,
-            torch.int8,
-            torch.int16,
-        )
-    )
-}
+_CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 

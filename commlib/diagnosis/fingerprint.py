@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from commlib.errors import CollectiveMismatchError
-from commlib.types import ReduceOp, dtype_name
+from commlib.errors import CollectiveMismatchError, ranks_by_value
+from commlib.types import WIRE_DTYPES, ReduceOp, dtype_name
 
 __all__ = [
     "COLLECTIVES",
@@ -59,18 +59,7 @@ COLLECTIVES = (
 _ROOTS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 """What the root of a rooted collective is called."""
 
-_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-)
+_DTYPES = WIRE_DTYPES
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8
 _NONE = 255
@@ -211,18 +200,6 @@ class Fingerprint:
         return f"{dtype} {_shape_text(self.shape)} [{self.numel} elements]"
 
 
-def _by_value(prints: Sequence[Fingerprint], key: Callable[[Fingerprint], str]) -> str:
-    """``rank 0: SUM; ranks 1, 2: MAX``: the ranks grouped by ``key``'s text."""
-    groups: dict[str, list[int]] = {}
-    for fp in prints:
-        groups.setdefault(key(fp), []).append(fp.rank)
-    parts = []
-    for value, ranks in groups.items():
-        label = "rank" if len(ranks) == 1 else "ranks"
-        parts.append(f"{label} {', '.join(map(str, ranks))}: {value}")
-    return "; ".join(parts)
-
-
 def mismatch_detail(prints: Sequence[Fingerprint]) -> str | None:
     """Return what the ranks disagree on, in words, or None if their calls match.
 
@@ -233,27 +210,27 @@ def mismatch_detail(prints: Sequence[Fingerprint]) -> str | None:
     if len({(fp.kind, fp.seq) for fp in ordered}) > 1:
         return (
             "ranks called different collectives: "
-            + _by_value(ordered, lambda fp: f"{fp.kind} #{fp.seq}")
+            + ranks_by_value(ordered, lambda fp: f"{fp.kind} #{fp.seq}")
             + ". Every rank must issue the same collectives in the same order"
         )
     sizes_vary = ordered[0].kind == "all_to_all"  # each rank sends what its peers expect, not one size
     if len({(fp.dtype, None if sizes_vary else fp.numel) for fp in ordered}) > 1:
         return (
             "ranks passed tensors of different sizes or dtypes: "
-            + _by_value(ordered, Fingerprint.tensor_text)
+            + ranks_by_value(ordered, Fingerprint.tensor_text)
             + ". Every rank must pass a tensor of the same size and dtype"
         )
     if len({fp.op for fp in ordered}) > 1:
         return (
             "ranks disagree on the reduce op: "
-            + _by_value(ordered, lambda fp: fp.op.name if fp.op is not None else "none")
+            + ranks_by_value(ordered, lambda fp: fp.op.name if fp.op is not None else "none")
             + ". Every rank must pass the same op"
         )
     if len({fp.root for fp in ordered}) > 1:
         arg = _ROOTS.get(ordered[0].kind, "src")
         return (
             f"ranks disagree on the {'destination' if arg == 'dst' else 'source'} rank: "
-            + _by_value(ordered, lambda fp: f"{arg}={fp.root}")
+            + ranks_by_value(ordered, lambda fp: f"{arg}={fp.root}")
             + f". Every rank must name the same {arg}"
         )
     if sizes_vary and sum(fp.received for fp in ordered) & _MASK != sum(fp.sent for fp in ordered) & _MASK:
@@ -287,7 +264,7 @@ def check_splits(label: object, rows: Sequence[Sequence[int]], prints: Sequence[
                 wrong.append(f"rank {src} sends {sent} elements to rank {dst}, which expects {expected}")
     if wrong:
         shown = "; ".join(wrong[:6]) + (f"; and {len(wrong) - 6} more" if len(wrong) > 6 else "")
-        calls = _by_value(sorted(prints, key=lambda fp: fp.rank), Fingerprint.call_text)
+        calls = ranks_by_value(sorted(prints, key=lambda fp: fp.rank), Fingerprint.call_text)
         raise CollectiveMismatchError(
             f"{label}: ranks disagree on the all_to_all splits: {shown}. Rank i's input split j must "
             f"equal rank j's output split i (each rank's call: {calls})"
@@ -306,5 +283,5 @@ def check_fingerprints(label: object, prints: Sequence[Fingerprint]) -> None:
     """
     detail = mismatch_detail(prints)
     if detail is not None:
-        calls = _by_value(sorted(prints, key=lambda fp: fp.rank), Fingerprint.call_text)
+        calls = ranks_by_value(sorted(prints, key=lambda fp: fp.rank), Fingerprint.call_text)
         raise CollectiveMismatchError(f"{label}: {detail} (each rank's call: {calls})")
