@@ -198,3 +198,39 @@ def test_functional_api_and_ddp_on_mpi() -> None:
     _check_functional([v["functional_api"] for v in values], "mpi")
     for value in values:
         _check_ddp(value["ddp_parity"])
+
+
+# ------------------------------------------------------------------ benchmark
+def test_benchmark_quick(tmp_path: Any) -> None:
+    """``torch_backend_bench.py --quick`` runs every part and writes one row per mode and ratio."""
+    import csv
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    out = tmp_path / "bench.csv"
+    script = REPO_ROOT / "benchmarks" / "torch_backend_bench.py"
+    args = [sys.executable, str(script), "--spawn", "2", "--quick", "--fsdp2", "--csv", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["mode"]: row for row in csv.DictReader(out.open())}
+    for mode in ("adapter", "direct", "gloo", "adapter-direct"):
+        assert rows[mode]["part"] == "allreduce" and rows[mode]["bytes"] == "4096"
+    for mode in (
+        "adapter",
+        "direct",
+        "gloo",
+        "ddp-commlib_ring",
+        "ddp-gloo",
+        "fsdp2-commlib_ring",
+        "fsdp2-gloo",
+    ):
+        assert float(rows[mode]["median_us"]) > 0, rows[mode]
+    for ratio in (
+        "adapter/direct",
+        "gloo/adapter",
+        "ddp-commlib_ring/ddp-gloo",
+        "fsdp2-commlib_ring/fsdp2-gloo",
+    ):
+        assert float(rows[ratio]["ratio"]) > 0, rows[ratio]
