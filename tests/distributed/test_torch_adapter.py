@@ -30,6 +30,9 @@ pytestmark = pytest.mark.multiprocess
 
 ENV = {"COMMLIB_TIMEOUT": "60"}
 
+BACKENDS_2 = pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
+"""The integrations run on the ring and, as the control, on Gloo through the same adapter."""
+
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[RankPool]:
@@ -107,7 +110,7 @@ def test_init_methods_env_tcp_and_store(pool: RankPool, tmp_path: Any) -> None:
             assert seen[how] == {"sum": [3.0, 3.0, 3.0], "backend": "commlib_ring", "inner": "ring"}, how
 
 
-@pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
+@BACKENDS_2
 def test_functional_api(pool: RankPool, backend: str) -> None:
     _check_functional(_on(pool, "functional_api", backend), backend.removeprefix("commlib_"))
 
@@ -131,13 +134,15 @@ def _check_ddp(diffs: dict[str, float]) -> None:
     assert diffs["no_sync_fp16_hook"] < 1e-3, diffs  # gradients travel in float16
 
 
-def test_torch_ddp_equals_one_process(pool: RankPool) -> None:
-    for diffs in _on(pool, "ddp_parity", "commlib_ring"):
+@BACKENDS_2
+def test_torch_ddp_equals_one_process(pool: RankPool, backend: str) -> None:
+    for diffs in _on(pool, "ddp_parity", backend):
         _check_ddp(diffs)
 
 
-def test_torch_ddp_features(pool: RankPool) -> None:
-    for rank, value in enumerate(_on(pool, "ddp_features", "commlib_ring")):
+@BACKENDS_2
+def test_torch_ddp_features(pool: RankPool, backend: str) -> None:
+    for rank, value in enumerate(_on(pool, "ddp_features", backend)):
         assert value["static_graph"] < 1e-6, value
         assert value["join_trained"] == rank + 2
         # PowerSGD approximates the gradients (no reference), but every rank applies the same ones
@@ -145,23 +150,27 @@ def test_torch_ddp_features(pool: RankPool) -> None:
             assert value[f"{case}_spread"] == 0.0, (case, value)
 
 
-def test_fsdp2_equals_one_process(pool: RankPool) -> None:
-    for diffs in _on(pool, "fsdp2_parity", "commlib_ring"):
+@BACKENDS_2
+def test_fsdp2_equals_one_process(pool: RankPool, backend: str) -> None:
+    for diffs in _on(pool, "fsdp2_parity", backend):
         assert diffs["avg"] < 1e-6 and diffs["premul_sum"] < 1e-6, diffs
 
 
-def test_fsdp2_mixed_precision_equals_gloo(pool: RankPool) -> None:
-    for value in _on(pool, "fsdp2_mixed_precision", "commlib_ring"):
+@BACKENDS_2
+def test_fsdp2_mixed_precision_equals_gloo(pool: RankPool, backend: str) -> None:
+    for value in _on(pool, "fsdp2_mixed_precision", backend):
         assert value["vs_gloo"] < 1e-6, value
 
 
-def test_dtensor_on_a_mesh(pool: RankPool) -> None:
-    for value in _on(pool, "dtensor", "commlib_ring"):
+@BACKENDS_2
+def test_dtensor_on_a_mesh(pool: RankPool, backend: str) -> None:
+    for value in _on(pool, "dtensor", backend):
         assert value == {"ok": True, "local_shape": [4, 3]}
 
 
-def test_pipelining_two_stages_equal_one_process(pool: RankPool) -> None:
-    for diffs in _on(pool, "pipeline_parity", "commlib_ring"):
+@BACKENDS_2
+def test_pipelining_two_stages_equal_one_process(pool: RankPool, backend: str) -> None:
+    for diffs in _on(pool, "pipeline_parity", backend):
         assert diffs["gpipe"] < 1e-6 and diffs["1f1b"] < 1e-6, diffs
 
 
