@@ -6,7 +6,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from commlib.ports import port_from_key
 from commlib.procfs import read_process
@@ -42,6 +42,10 @@ class DistEnv:
         master_port: Port where rank 0 listens for the rendezvous.
         launcher: Who set this up: ``explicit``, ``torchrun``, ``openmpi``,
             ``pmix``, ``mpich``, ``slurm`` or ``single``.
+        store: A ``torch.distributed.Store`` every rank of the group can reach, to
+            meet through instead of ``master_addr:master_port`` (torch.distributed
+            hands one to the backends it creates). Scoped to this group by whoever
+            gives it: pass a fresh store, or a ``PrefixStore``, for each group.
     """
 
     rank: int
@@ -51,6 +55,7 @@ class DistEnv:
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
     launcher: str = "single"
+    store: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -942,6 +942,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             local_rank=rank if single_host else 0,
             local_world_size=len(ranks) if single_host else 1,
             master_addr=env.master_addr if on_loopback else _host_address(env.master_addr),
+            store=None,  # the parent's store is scoped to the parent
         )
 
     def get_group_rank(self, global_rank: int) -> int:

@@ -10,7 +10,8 @@ without sending it:
    challenge: a fresh nonce, its job's public description, its pid and host.
    (Under torchrun's agent store, which already serves ``MASTER_PORT``, every
    rank is a client and the keys carry the restart count and a generation, as
-   in the ring's store exchange.)
+   in the ring's store exchange. A group given a store of its own,
+   ``DistEnv.store``, makes the check in that store, and opens no port.)
 2. Every other rank reads the challenge and writes its answer, its rank,
    world size, pid, host, job description and a nonce of its own, with an
    HMAC under its token over the challenge and the answer, into the first free
@@ -68,7 +69,7 @@ from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_s
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
 
-__all__ = ["join_job_store"]
+__all__ = ["join_job_store", "scope_in"]
 
 logger = logging.getLogger("commlib")
 
@@ -105,6 +106,17 @@ class _Context(RendezvousContext):
     agent_store: bool = False
 
 
+def scope_in(store: Any, base: str, rank: int) -> str:
+    """A key prefix under ``base`` that no earlier group meeting in ``store`` used.
+
+    A store may serve several groups one after another (torch reuses a group's
+    name, and with it its part of the store, after ``destroy_process_group``).
+    Each rank counts its own uses of ``base``; the ranks of one group have met
+    there equally often, so they arrive at the same count without talking.
+    """
+    return f"{base}/{int(store.add(f'{base}/uses/{rank}', 1))}"
+
+
 def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
     """Open the rendezvous store, prove this rank belongs to the job, and return the job's part of it.
 
@@ -127,7 +139,9 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
     global _store_generation
     agent_store = uses_torchrun_agent_store(env)
     base = "commlib/job-check/v1"
-    if agent_store:
+    if env.store is not None:
+        base = scope_in(env.store, base, env.rank)
+    elif agent_store:
         # torchrun's store outlives this group: keep each group's and each restart's keys apart.
         _store_generation += 1
         base = f"{base}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
@@ -141,8 +155,10 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
         agent_store=agent_store,
     )
     if env.rank == 0:
-        store = _open_store(ctx)
+        store = env.store if env.store is not None else _open_store(ctx)
         scope = _Leader(ctx, store).run() if env.world_size > 1 else f"{base}/solo"
+    elif env.store is not None:
+        store, scope = env.store, _answer_in(ctx, env.store)
     else:
         store, scope = _follow(ctx)
     from torch.distributed import PrefixStore
@@ -467,11 +483,16 @@ class _Leader:
 # ------------------------------------------------------------------ rank > 0
 def _follow(ctx: _Context) -> tuple[Any, str]:
     store = _connect(ctx)
+    return store, _answer_in(ctx, store)
+
+
+def _answer_in(ctx: _Context, store: Any) -> str:
+    """Answer rank 0's challenge in ``store`` (again while it calls the answer stale); return the scope."""
     answered: set[str] = set()
     while True:
         challenge, record, verdict = _answer_challenge(ctx, store)
         if not (isinstance(verdict, dict) and verdict.get("stale") is True):
-            return store, _read_verdict(ctx, challenge, record, verdict)
+            return _read_verdict(ctx, challenge, record, verdict)
         # Rank 0 saw an answer to another challenge than its own. Once the challenge is read again it is
         # rank 0's (an earlier group's was replaced); if it is one already answered, something else wrote it.
         if challenge["nonce"] in answered or ctx.expired():

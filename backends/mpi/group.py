@@ -24,6 +24,9 @@
   their failures (a size mismatch, a timeout) leave the group usable.
 - Subgroups are MPI communicators (``Create_group``, ``Split``) wrapped in a
   group of their own, made after a bounded agreement on the parent.
+- A group given a store (``DistEnv.store``: torch.distributed creating a group
+  of some ranks) learns its members' ``COMM_WORLD`` ranks through the store, and
+  only they create its communicator (``Create_group``).
 - How each dtype travels and reduces: ``backends.mpi.dtypes``. AVG and
   PREMUL_SUM are SUM here; the interface divides or scales.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import datetime
 import hashlib
 import itertools
 import os
@@ -46,6 +50,7 @@ import mpi4py  # an ImportError here names mpi4py; the registry turns it into th
 import torch
 
 from backends.common.cuda_staging import Chunk
+from backends.common.store_rendezvous import scope_in
 from backends.mpi import device_path
 from backends.mpi.cuda import cuda_aware_override
 from backends.mpi.dtypes import DtypePlan, code_dtype, dtype_code, plan_for
@@ -1329,7 +1334,41 @@ def create_mpi_group(env: DistEnv, config: CommConfig) -> MPIProcessGroup:
         RendezvousTimeoutError: Not every rank created the group in time.
 
     """
+    if env.store is not None:
+        return MPIProcessGroup(env, config, comm=_members_comm(env, config.timeout))
     return MPIProcessGroup(env, config)
+
+
+def _members_comm(env: DistEnv, timeout: float) -> Any:
+    """``COMM_WORLD``, or a communicator of the members that meet in ``env.store`` (in group-rank order)."""
+    MPI = _load_mpi()
+    world = MPI.COMM_WORLD
+    prefix = error_prefix(env.rank, env.world_size, "mpi", "init")
+    store = env.store
+    base = scope_in(store, "commlib/mpi", env.rank)
+    store.set(f"{base}/member/{env.rank}", str(world.Get_rank()))
+    keys = [f"{base}/member/{r}" for r in range(env.world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001 - torch's stores raise their own types
+        missing = [r for r in range(env.world_size) if not store.check([keys[r]])]
+        raise RendezvousTimeoutError(
+            f"{prefix}group ranks {missing} never arrived in the group's store within {timeout:g} s ({e})"
+        ) from None
+    members = [int(store.get(key)) for key in keys]
+    if members == list(range(world.Get_size())):
+        return world
+    if len(set(members)) != len(members):
+        raise RendezvousError(f"{prefix}two processes of the group share an MPI rank: {members}")
+    everyone = world.Get_group()
+    try:
+        chosen = everyone.Incl(members)
+    finally:
+        everyone.Free()
+    try:
+        return world.Create_group(chosen)
+    finally:
+        chosen.Free()
 
 
 def from_mpi_comm(comm: Any, *, config: CommConfig | None = None) -> MPIProcessGroup:

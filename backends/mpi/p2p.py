@@ -270,7 +270,12 @@ class RecvRequest:
         self._done = True
         if self.sent != self.nbytes:
             raise SizeMismatch(
-                "recv", self.source, self.tag, self.sent, self.nbytes, self._holds  # type: ignore[arg-type]
+                "recv",
+                self.source,
+                self.tag,
+                self.sent,
+                self.nbytes,
+                self._holds,  # type: ignore[arg-type]
             )
         self._payload.finish()
         return True

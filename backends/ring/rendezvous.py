@@ -21,7 +21,9 @@ Protocol 2 (length-prefixed JSON frames over TCP):
    Under torchrun, whose agent already serves a key-value store on
    ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), the same records,
    signed over a nonce rank 0 publishes, are exchanged through that store, and
-   the session key is derived from the token.
+   the session key is derived from the token. A group given a store of its own
+   (``DistEnv.store``: torch.distributed hands one to every backend it creates)
+   makes the same exchange through it, and opens no rendezvous port.
 5. Each rank connects to its right neighbour's data listener with a hello
    signed by the session key, and accepts its left neighbour's: two sockets
    per rank (at world size 2, 0->1 and 1->0 are separate links). Nothing else
@@ -58,7 +60,7 @@ from backends.common.admission import (
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
-from backends.common.store_rendezvous import connect_store
+from backends.common.store_rendezvous import connect_store, scope_in
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
@@ -199,9 +201,10 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
         master_ip = socket.gethostbyname(env.master_addr)
     except OSError as e:
         raise RendezvousError(f"{prefix}cannot resolve MASTER_ADDR {env.master_addr!r}: {e}") from e
-    through_store = uses_torchrun_agent_store(env)
+    agent_store = uses_torchrun_agent_store(env)
+    through_store = env.store is not None or agent_store
     ctx = _Context(
-        env, prefix, deadline, timeout, job_token(env, local_parent=not through_store), master_ip=master_ip
+        env, prefix, deadline, timeout, job_token(env, local_parent=not agent_store), master_ip=master_ip
     )
 
     data_listener = open_listener(master_ip if loopback else "0.0.0.0")
@@ -259,19 +262,31 @@ def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:
         return str(probe.getsockname()[0])
 
 
-# ------------------------------------------------------------ torchrun store
+# ------------------------------------------------------- through a store
 def _exchange_through_store(
     ctx: _Context, data_listener: socket.socket, settings: dict[str, Any]
 ) -> tuple[list[Peer], dict[str, Any], bytes]:
-    """Publish this rank's signed record in torchrun's agent store and read everyone's."""
+    """Publish this rank's signed record in the group's store (or torchrun's agent store) and read everyone's.
+
+    In a store the group was given, the keys go under a prefix no earlier group
+    used there (``scope_in``). torchrun's store outlives every group of the job,
+    so there the keys carry the restart count and a generation that every rank
+    counts alike.
+    """
     import json
 
     env, prefix = ctx.env, ctx.prefix
     remaining = ctx.remaining
-    global _store_generation
-    _store_generation += 1
-    base = f"commlib/ring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
-    store = connect_store(env, prefix, ctx.timeout, remaining().total_seconds(), "torchrun's store")
+
+    if env.store is not None:
+        store, where = env.store, "the group's store"
+        base = scope_in(store, "commlib/ring", env.rank)
+    else:
+        global _store_generation
+        _store_generation += 1
+        where = f"torchrun's store at {ctx.master}"
+        base = f"commlib/ring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
+        store = connect_store(env, prefix, ctx.timeout, remaining().total_seconds(), "torchrun's store")
     me = Peer(
         env.rank,
         host_id(),
@@ -287,8 +302,7 @@ def _exchange_through_store(
         store.wait([f"{base}/challenge"], remaining())
     except Exception:  # noqa: BLE001
         raise RendezvousTimeoutError(
-            f"{prefix}timed out after {ctx.timeout:.1f} s in torchrun's store at {ctx.master}: rank 0 never "
-            "arrived"
+            f"{prefix}timed out after {ctx.timeout:.1f} s in {where}: rank 0 never arrived"
         ) from None
     challenge = store.get(f"{base}/challenge").decode()
     record = dataclasses.asdict(me) | {"world_size": env.world_size, "identity": ctx.token.identity}
@@ -304,8 +318,7 @@ def _exchange_through_store(
     except Exception as e:  # noqa: BLE001
         missing = [r for r in range(env.world_size) if not store.check([f"{base}/peer/{r}"])]
         raise RendezvousTimeoutError(
-            f"{prefix}timed out after {ctx.timeout:.1f} s in torchrun's store at {ctx.master}: ranks "
-            f"{missing} never arrived ({e})"
+            f"{prefix}timed out after {ctx.timeout:.1f} s in {where}: ranks {missing} never arrived ({e})"
         ) from None
     peers = []
     for r in range(env.world_size):
@@ -313,7 +326,7 @@ def _exchange_through_store(
         proof = data.pop("proof", None)
         if not verify_with(ctx.token.key, proof, "store", base, challenge, data):
             raise RendezvousError(
-                f"{prefix}rank {r} in torchrun's store holds another job token. Its job: "
+                f"{prefix}rank {r} in {where} holds another job token. Its job: "
                 f"{data.get('identity', '?')}; this rank's job: {ctx.token.identity}. Set COMMLIB_JOB_TOKEN "
                 "to the same value on every rank, or to none"
             )

@@ -893,6 +893,8 @@ def _create(name: str, env: DistEnv, config: CommConfig) -> TorchDistProcessGrou
     global _owner_count
     _require_distributed(name, env)
     prefix = error_prefix(env.rank, env.world_size, name, "init")
+    if env.store is not None:
+        return _create_on_store(name, env, config, prefix)
     if dist.is_initialized():
         return _adopt_default(name, env, config, prefix)
     backend = _torch_backend_string(name, env)
@@ -923,6 +925,41 @@ def _create(name: str, env: DistEnv, config: CommConfig) -> TorchDistProcessGrou
         _owner_count += 1
     return TorchDistProcessGroup(
         env, config, pg=dist.GroupMember.WORLD, name=name, owns_default=True, store=store
+    )
+
+
+def _create_on_store(name: str, env: DistEnv, config: CommConfig, prefix: str) -> TorchDistProcessGroup:
+    """A group of torch backends built over the store the group was given, outside torch's group registry.
+
+    For callers that are themselves setting up a torch.distributed group (commlib
+    registered as a torch backend), which must not re-enter ``init_process_group``.
+    """
+    if name != "gloo":
+        raise BackendUnavailableError(
+            f"{prefix}commlib builds only the gloo backend over a given store; for nccl, initialise "
+            "torch.distributed with backend='nccl' itself"
+        )
+    store = join_job_store(env, config.timeout, name)
+    timeout = datetime.timedelta(seconds=config.timeout)
+    try:
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), env.rank, env.world_size, timeout)
+    except Exception as e:  # noqa: BLE001
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        kind = (
+            RendezvousTimeoutError
+            if "timed out" in text.lower() or "timeout" in text.lower()
+            else RendezvousError
+        )
+        raise kind(f"{prefix}Gloo's set-up over the group's store failed: {text}") from e
+    return TorchDistProcessGroup(
+        env,
+        config,
+        pg=None,
+        name=name,
+        backends={"cpu": gloo},
+        devices={"cpu": "gloo"},
+        store=store,
+        torch_ranks=list(range(env.world_size)),
     )
 
 
