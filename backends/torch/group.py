@@ -782,8 +782,9 @@ class TorchDistProcessGroup(IProcessGroup):
                     datetime.timedelta(seconds=timeout)
                 )
             except Exception as e:  # noqa: BLE001
-                error = _translate(f"{label}: fingerprint exchange", e, timeout)
-                raise error from e
+                # Worded as the collective's own failure: a dead or missing peer is what the user must see.
+                where = label if isinstance(label, CollectiveLabel) else str(label)
+                raise _translate(where, e, timeout) from e
             return everyone.numpy().tobytes()
 
         return exchange

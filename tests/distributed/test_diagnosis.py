@@ -352,6 +352,18 @@ def test_nan_and_autograd_semantics_agree_on_ring_and_gloo(pools: dict[str, Rank
     assert results["ring"] == results["gloo"]
 
 
+def test_semantics_and_futures_under_gloos_default_check(pools: dict[str, RankPool]) -> None:
+    """The same on gloo's defaults, where async collectives go through the check's launcher thread.
+
+    ``work.get_future().wait()`` with no other waiter must complete there too.
+    """
+    plain = pools["plain-gloo"].run(bodies.semantics, timeout=120)
+    checked = pools["defaults-gloo"].run(bodies.semantics, timeout=120)
+    for value in checked:
+        _check_semantics(value, 2)
+    assert checked == plain
+
+
 # --------------------------------------------------------------------- mpi
 MPI_ENV = {"COMMLIB_TIMEOUT": "30", "COMMLIB_STALL_S": "1", "COMMLIB_FLIGHT_RECORDER": "64"}
 
