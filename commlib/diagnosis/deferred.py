@@ -67,7 +67,7 @@ class DeferredWork(Work):
                 raise CommTimeoutError(
                     f"{self._label}: Work.wait(timeout={timeout}) expired before every rank reached this "
                     "collective (it has not started yet); wait again, or look for a rank that has not "
-                    "issued it"
+                    "issued it, or that has exited"
                 )
             raise CommTimeoutError(
                 f"{self._label}: not started after {limit:g} s, although the check before it is bounded by "
