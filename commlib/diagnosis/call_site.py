@@ -64,7 +64,14 @@ def call_site() -> tuple[int, str]:
     threads) has no call site, the same on every rank.
     """
     frame = sys._getframe(1)  # noqa: SLF001 - the cheapest way up the stack
-    while frame is not None and _is_library(frame.f_code.co_filename):
+    inside = _inside
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        ours = inside.get(filename)
+        if ours is None:
+            ours = _is_library(filename)
+        if not ours:
+            break
         frame = frame.f_back
     if frame is None:
         return 0, ""
