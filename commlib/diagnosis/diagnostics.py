@@ -30,6 +30,7 @@ from commlib.diagnosis.fingerprint import (
     Fingerprint,
     check_fingerprints,
     check_splits,
+    mismatch_detail,
     only_splits_differ,
 )
 from commlib.diagnosis.flight_recorder import FlightRecorder
@@ -402,8 +403,9 @@ class Diagnostics:
             return
         prints = [Fingerprint.unpack(everyone[i : i + size]) for i in range(0, len(everyone), size)]
         sites = None
-        if self.call_sites:
-            # Every rank holds the same fingerprints, so every rank takes this second exchange.
+        if self.call_sites and mismatch_detail(prints) is not None:
+            # Every rank holds the same fingerprints, so every rank takes this second exchange (an
+            # all_to_all's fingerprints differ from rank to rank without a mismatch: not then).
             texts = self._exchange(group, pack_site(site[1]), label, background, SITE_BYTES)
             sites = [unpack_site(texts[i : i + SITE_BYTES]) for i in range(0, len(texts), SITE_BYTES)]
         if counts is not None and only_splits_differ(prints):
