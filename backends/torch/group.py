@@ -32,6 +32,10 @@ that do not receive (Gloo's reduce writes there); ``all_to_all`` with sizes that
 differ by peer is one ``alltoall_base`` over packed buffers; point-to-point
 checks sizes before any data moves (``backends.torch.p2p``).
 
+The fingerprint check (``commlib.diagnosis``) is on by default for ``gloo``: its
+fingerprints travel on a ``ProcessGroupGloo`` of their own, built over the job's
+store when the group's diagnosis starts (``_fingerprint_exchange``).
+
 Every operation calls the torch backend object itself (``allreduce``,
 ``alltoall_base``, ``send``...) with ranks of this group. Subgroups
 (``new_group``, ``split``) are built by their members alone: a
@@ -327,8 +331,8 @@ class TorchDistProcessGroup(IProcessGroup):
     backend_name = "gloo"
     default_debug = "detail"
     """Gloo: the fingerprint check is on unless ``COMMLIB_DEBUG=OFF``. Without it Gloo reduces
-    mismatched dtypes, ops and sizes silently or aborts the process; on a Gloo group of its own
-    it adds about a small all-gather to each collective (docs/reliability.md). nccl: off."""
+    mismatched dtypes, ops and sizes silently or aborts the process; it adds one small all-gather
+    on a Gloo group of its own to each collective (docs/reliability.md). nccl: off."""
 
     def __init__(
         self,
