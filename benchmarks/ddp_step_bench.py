@@ -22,6 +22,9 @@ Modes, each with its own copy of the model (same seed) and its own AdamW:
 - ``ddp-<backend>+rs-overlap`` (with ``--zero``): the same with ``overlap_param_gather=True``:
   the step returns with one all-gather per bucket in flight, and each module of the next
   forward waits for its own parameters (Megatron's overlapped parameter gather).
+- ``ddp-<backend>+debug-<level>`` (with ``--debug``): the same as ``ddp-<backend>`` on a group
+  created with ``COMMLIB_DEBUG=<level>`` (``off`` or ``detail``), whatever the backend's default:
+  what the fingerprint check costs a step (``vs no-hook``: the ratio to ``ddp-<backend>``).
 - ``ddp-null``: commlib's DDP over a group whose collectives do nothing: what the DDP side
   costs by itself (hooks, copies into the buckets, scaling, launches).
 - ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel`` on Gloo, same bucket cap.
@@ -111,6 +114,7 @@ FULL_MODEL = GPTConfig(vocab_size=10000, context=128, d_model=512, n_layers=8, n
 QUICK_MODEL = GPTConfig(vocab_size=500, context=32, d_model=64, n_layers=2, n_heads=4)
 BASELINES = ("none", "ddp-null", "torch-ddp", "naive", "flat", "flat-reuse")
 HOOKS = ("bf16", "fp16", "powersgd")
+DEBUG_LEVELS = ("off", "detail")
 CSV_COLUMNS = [
     "mode",
     "world_size",
@@ -168,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="add ddp-<backend>+zero (DDP + ZeroRedundancyOptimizer(AdamW)), ddp-<backend>+rs "
         "(gradient_sync='reduce_scatter' + ZeroRedundancyOptimizer(AdamW)) and ddp-<backend>+rs-overlap "
         "(the same with overlap_param_gather=True) for every backend",
+    )
+    p.add_argument(
+        "--debug",
+        default="none",
+        help="also run ddp-<backend>+debug-<level> for each level given (off, detail), on a group of its "
+        "own with that COMMLIB_DEBUG (default none)",
     )
     p.add_argument(
         "--block",
@@ -348,7 +358,12 @@ def create_modes(
     """Create every requested mode; return the modes, the reasons for those skipped, and groups to close."""
     backends, baselines = backend_names(args.backends), backend_names(args.baselines)
     hooks = backend_names(args.hooks)
-    for flag, given, known in (("--baselines", baselines, BASELINES), ("--hooks", hooks, HOOKS)):
+    debug_levels = backend_names(args.debug)
+    for flag, given, known in (
+        ("--baselines", baselines, BASELINES),
+        ("--hooks", hooks, HOOKS),
+        ("--debug", debug_levels, DEBUG_LEVELS),
+    ):
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise SystemExit(
@@ -382,6 +397,8 @@ def create_modes(
         if name == "mpi" and comm is None:
             skipped.append(f"ddp-mpi: {comm_why}")
             continue
+        if name == "ring" and debug_levels:
+            skipped.append("ddp-ring+debug-*: the ring needs a port per group (run --debug with gloo or mpi)")
         if name == "nccl" and not torch.cuda.is_available():
             skipped.append("ddp-nccl: no CUDA device (CPU tensors go through Gloo: see ddp-gloo)")
             continue
@@ -405,6 +422,26 @@ def create_modes(
                 continue
             hook_note = register_hook(ddp, group, hook, args)
             add(f"ddp-{name}+{hook}", f"{note}, {hook_note}", model=ddp, ddp=ddp, no_hook=f"ddp-{name}")
+        for level in debug_levels if name != "ring" else ():
+            # One group per level: gloo's adopt torch's default group, mpi's duplicate COMM_WORLD.
+            debug_config = dataclasses.replace(config, debug=level)
+            debug_group = commlib.create_process_group(
+                name, dataclasses.replace(env, master_port=ports[i]), debug_config
+            )
+            groups.append(debug_group)
+            ddp = DistributedDataParallel(
+                fresh_model(cfg, args.seed),
+                debug_group,
+                bucket_size_mb=args.bucket_mb,
+                first_bucket_size_mb=args.first_bucket_mb,
+            )
+            add(
+                f"ddp-{name}+debug-{level}",
+                f"{note}, COMMLIB_DEBUG={level.upper()}",
+                model=ddp,
+                ddp=ddp,
+                no_hook=f"ddp-{name}",
+            )
         zero_modes = (
             ("allreduce", "zero", False),
             ("reduce_scatter", "rs", False),
@@ -779,6 +816,12 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         if base is not None and r["mode"].endswith(("+zero", "+rs", "+rs-overlap")):
             plain = by.get(r["mode"].removesuffix("-overlap"), {})
             out.append(zero_verdict(r, base, plain.get("gather_ms")))
+            continue
+        if base is not None and "+debug-" in r["mode"]:
+            out.append(
+                f"{r['mode']}: step time x{_fmt(r['vs_no_hook'], '.3f')} of {base['mode']}, "
+                f"x{_fmt(r['vs_torch_ddp'], '.3f')} of torch-ddp"
+            )
             continue
         if base is None or not r["bytes_sent_mb"] or not base["bytes_sent_mb"]:
             continue

@@ -5,12 +5,15 @@ Run on 2 ranks, under MPI for all three backends or spawned for ring and gloo::
     mpiexec -n 2 python benchmarks/failure_times.py [--backends ring,gloo,mpi]
     python benchmarks/failure_times.py --spawn 2 --backends ring,gloo
 
-For each backend, one group with ``COMMLIB_DEBUG=DETAIL``, stall reports after
-1 s and a 5 s timeout runs, in turn: mismatched calls (size,
-dtype, reduce op, broadcast root, all_reduce against broadcast), a rank 3 s
-late (the stall warning), and last a rank that skips a collective (the timeout,
-which leaves the group unusable). Rank 0 prints, per case, the milliseconds from
-its call to the error (or to the first warning) and the start of the message.
+For each backend, one group with ``COMMLIB_DEBUG=DETAIL`` (``--debug default``:
+the backend's own default), stall reports after 1 s and a 5 s timeout runs, in
+turn: mismatched calls (size, dtype, reduce op, roots, different collectives,
+reduce_scatter sizes, all_to_all splits, and rank 0 issuing one all_reduce more
+than rank 1), a rank 3 s late (the stall warning), and last a rank that skips a
+collective (the timeout, which leaves the group unusable). A mismatch that no
+check catches prints ``no error`` and what each rank's result was. Rank 0
+prints, per case, the milliseconds from its call to the error (or to the first
+warning) and the start of the message.
 """
 
 from __future__ import annotations
@@ -44,7 +47,43 @@ MISMATCHES: dict[str, Callable[[IProcessGroup, int], object]] = {
     "all_reduce vs broadcast": lambda g, r: (
         g.all_reduce(torch.ones(64)) if r == 0 else g.broadcast(torch.ones(64))
     ),
+    "gather vs reduce": lambda g, r: (
+        g.gather(torch.ones(8), [torch.empty(8) for _ in range(g.world_size)], 0)
+        if r == 0
+        else g.reduce(torch.ones(8), dst=0)
+    ),
+    "barrier vs all_reduce": lambda g, r: g.barrier() if r == 0 else g.all_reduce(torch.ones(1)),
+    "reduce dst 0 vs 1": lambda g, r: g.reduce(torch.ones(16), dst=0 if r == 0 else 1),
+    "reduce_scatter 50 vs 100": lambda g, r: g.reduce_scatter_tensor(
+        torch.empty(50 if r == 0 else 100), torch.ones((50 if r == 0 else 100) * g.world_size)
+    ),
+    "all_to_all splits": lambda g, r: g.all_to_all_single(
+        torch.empty(4 if r == 0 else 5, dtype=torch.int64),
+        torch.ones(4 if r == 0 else 6, dtype=torch.int64),
+        [1, 3] if r == 0 else [2, 3],
+        [1, 3] if r == 0 else [3, 3],
+    ),
 }
+
+
+def _one_more(group: IProcessGroup, t: torch.Tensor) -> None:
+    group.all_reduce(t)  # rank 0's extra all_reduce, on a line of its own
+
+
+def one_more_all_reduce(group: IProcessGroup, rank: int) -> tuple[float, str]:
+    """Rank 0 issues one all_reduce more than rank 1, of the same shape (rank 1 catches up if unnoticed)."""
+    t = torch.full((4,), float(rank + 1))
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            _one_more(group, t)
+        group.all_reduce(t)
+    except CommError as e:
+        return time.monotonic() - start, f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - start
+    if rank != 0:
+        group.all_reduce(torch.ones(4))
+    return seconds, f"no error: rank {rank} holds {t[0].item():g} (3 expected)"
 
 
 class _FirstWarning(logging.Handler):
@@ -74,6 +113,9 @@ def scenarios(group: IProcessGroup, late_s: float = 3.0) -> list[tuple[str, floa
         group.barrier()
         seconds, text = _timed(lambda call=call: call(group, rank))
         rows.append((f"mismatch: {name}", seconds, text))
+    group.barrier()
+    seconds, text = one_more_all_reduce(group, rank)
+    rows.append(("mismatch: one all_reduce more", seconds, text))
     group.barrier()
     seen = _FirstWarning()
     logging.getLogger("commlib").addHandler(seen)
@@ -107,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         from mpi4py import MPI
 
         ports = MPI.COMM_WORLD.bcast(free_ports(len(names)) if env.rank == 0 else None, root=0)
-    config = CommConfig(timeout=args.timeout, debug="detail", stall_s=1.0)
+    debug = None if args.debug == "default" else args.debug
+    config = CommConfig(timeout=args.timeout, debug=debug, stall_s=1.0)
     results = {}
     for name, port in zip(names, ports, strict=False):
         group = commlib.create_process_group(name, dataclasses.replace(env, master_port=port), config)
@@ -117,10 +160,12 @@ def run(args: argparse.Namespace) -> int:
             if name != "mpi":  # the mpi group has a request in flight: leave it to the exit hook
                 group.close()
     if env.rank == 0:
-        print(f"# 2 ranks, COMMLIB_DEBUG=DETAIL, COMMLIB_STALL_S=1, COMMLIB_TIMEOUT={args.timeout:g}; rank 0")
+        shown = "each backend's default" if debug is None else debug.upper()
+        print(f"# 2 ranks, COMMLIB_DEBUG: {shown}, COMMLIB_STALL_S=1, COMMLIB_TIMEOUT={args.timeout:g}; "
+              "rank 0")
         for name, rows in results.items():
             for case, seconds, text in rows:
-                print(f"{name:5s} | {case:33s} | {seconds * 1e3:9.1f} ms | {text[:150]}")
+                print(f"{name:5s} | {case:33s} | {seconds * 1e3:9.1f} ms | {text[: args.width]}")
     sys.stdout.flush()
     if "mpi" in results:
         os._exit(0)  # the timed-out request can never finish; MPI_Finalize would wait for it
@@ -136,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--late", type=float, default=3.0, help="seconds rank 1 arrives late (below the timeout)"
     )
+    parser.add_argument(
+        "--debug",
+        choices=("detail", "off", "default"),
+        default="detail",
+        help="COMMLIB_DEBUG of the groups; default: each backend's own (default: detail)",
+    )
+    parser.add_argument("--width", type=int, default=150, help="characters of each message printed")
     add_spawn_arguments(parser)
     args = parser.parse_args(argv)
     if args.spawn is not None and not args.worker:

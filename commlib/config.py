@@ -76,10 +76,11 @@ class CommConfig:
 
     debug: str | None = None
     """``"detail"``: before every collective the ranks compare what they are about to
-    call (sequence number, op, dtype, size, root, reduce op) over a side channel and
-    raise ``CollectiveMismatchError`` on every rank if they disagree. ``"off"``: no
-    check. None (the default): the backend's default (see docs/reliability.md).
-    ``COMMLIB_DEBUG`` (``OFF`` or ``DETAIL``)."""
+    call (sequence number, op, dtype, size, root, reduce op, and the line of the
+    caller's code that issued it) and raise ``CollectiveMismatchError`` on every rank
+    if they disagree. ``"off"``: no check. None (the default): the backend's default
+    (the same check without call sites on ``gloo`` and ``mpi``; off on ``ring``, which
+    checks in band, and ``nccl``; see docs/reliability.md). ``COMMLIB_DEBUG`` (``OFF`` or ``DETAIL``)."""
 
     stall_s: float = DEFAULT_STALL_S
     """Seconds a collective may wait before each waiting rank logs a warning naming the

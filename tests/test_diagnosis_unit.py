@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from commlib import (
     ReduceOp,
     nan_minmax,
 )
+from commlib.diagnosis.call_site import SITE_BYTES, call_site, pack_site, unpack_site
 from commlib.diagnosis.fingerprint import FINGERPRINT, Fingerprint, check_fingerprints, mismatch_detail
 from commlib.diagnosis.flight_recorder import (
     FlightRecorder,
@@ -599,3 +602,40 @@ def test_a_frame_helper_sends_length_prefixed_frames() -> None:
     with a, b:
         send_frame(a, ord("Q"), b"xyz")
         assert b.recv(100) == struct.pack("!BI", ord("Q"), 3) + b"xyz"
+
+
+# ------------------------------------------------------------------ call sites
+def _library_caller() -> tuple[int, str]:
+    """``call_site()`` reached through a frame that belongs to commlib (compiled under its path)."""
+    namespace: dict[str, object] = {"call_site": call_site}
+    source = "def issue():\n    return call_site()\n"
+    exec(compile(source, str(Path(commlib.__file__).parent / "process_group.py"), "exec"), namespace)  # noqa: S102
+    return namespace["issue"]()  # type: ignore[operator]
+
+
+def test_call_site_is_the_first_frame_outside_the_library() -> None:
+    digest, text = _library_caller()
+    line = _library_caller.__code__.co_firstlineno + 5
+    assert text == f"{__file__}:{line} in _library_caller", text
+    assert digest == zlib.crc32(f"test_diagnosis_unit.py:{line}".encode())
+    assert _library_caller()[0] == digest, "the same line gives the same digest"
+    assert call_site()[0] != digest
+    assert unpack_site(pack_site("x" * 300)).startswith("...") and len(pack_site("x" * 300)) == SITE_BYTES
+    assert unpack_site(pack_site("")) == "no call site outside commlib"
+
+
+def test_call_sites_travel_in_the_fingerprint_and_name_a_mismatch() -> None:
+    a = Fingerprint.of(0, 7, "all_reduce", torch.ones(4), ReduceOp.SUM, site=11)
+    b = Fingerprint.of(1, 7, "all_reduce", torch.ones(4), ReduceOp.SUM, site=12)
+    assert Fingerprint.unpack(a.pack()) == a
+    assert mismatch_detail([a, dataclasses.replace(b, site=11)]) is None
+    with pytest.raises(CollectiveMismatchError) as raised:
+        sites = ["train.py:10 in step", "train.py:12 in step"]
+        check_fingerprints("[rank 0/2] gloo.all_reduce #7", [a, b], sites)
+    message = str(raised.value)
+    assert "ranks issued collective #7 from different lines of code" in message, message
+    assert message.endswith("called from rank 0: train.py:10 in step; rank 1: train.py:12 in step)"), message
+    # Another mismatch comes first, and the call sites are named with it.
+    wider = Fingerprint.of(1, 7, "all_reduce", torch.ones(5), ReduceOp.SUM)
+    with pytest.raises(CollectiveMismatchError, match="sizes or dtypes.*called from rank 0: a; rank 1: b"):
+        check_fingerprints("x", [a, wider], ["a", "b"])

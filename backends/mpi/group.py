@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import functools
 import hashlib
 import itertools
 import os
@@ -1285,6 +1286,37 @@ def _register_exit_hook() -> None:
             _exit_hook_registered = True
             # Registered after mpi4py's import, so it runs before MPI_Finalize.
             atexit.register(_abort_if_unfinished)
+            sys.excepthook = functools.partial(_abort_on_uncaught, sys.excepthook)
+
+
+def _abort_on_uncaught(
+    previous: Callable[..., Any], kind: type[BaseException], error: BaseException, tb: Any
+) -> None:
+    """``sys.excepthook`` while an MPI group is open: print the traceback, then abort the MPI job.
+
+    A rank that dies of an uncaught exception would otherwise sit in
+    ``MPI_Finalize``, and its peers would wait for its collectives until their
+    timeout, then read that it "has not started" them. ``MPI_Abort`` makes the
+    launcher end every rank at once, as ``python -m mpi4py`` does. An
+    interactive session (which goes on after the traceback) is left alone.
+    """
+    previous(kind, error, tb)
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return
+    groups = [g for g in _live_groups.values() if not g._closed]
+    if not groups or _MPI is None or _MPI.Is_finalized() or _MPI.COMM_WORLD.Get_size() == 1:
+        return
+    print(
+        f"{groups[0]._prefix('exit')}this rank is ending on an uncaught {kind.__name__}, so it aborts the "
+        "MPI job (MPI_Abort, exit code 1): the other ranks would wait for its collectives until "
+        "COMMLIB_TIMEOUT. The first error of the job is the traceback above.",
+        file=sys.stderr,
+        flush=True,
+    )
+    for group in groups:
+        group._stop_progress()
+    time.sleep(0.2)  # let the launcher forward the output before MPI_Abort tears the job down
+    _MPI.COMM_WORLD.Abort(1)
 
 
 def _abort_if_unfinished(grace_s: float = 1.0) -> None:

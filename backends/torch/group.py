@@ -32,6 +32,10 @@ that do not receive (Gloo's reduce writes there); ``all_to_all`` with sizes that
 differ by peer is one ``alltoall_base`` over packed buffers; point-to-point
 checks sizes before any data moves (``backends.torch.p2p``).
 
+The fingerprint check (``commlib.diagnosis``) is on by default for ``gloo``: its
+fingerprints travel on a ``ProcessGroupGloo`` of their own, built over the job's
+store when the group's diagnosis starts (``_fingerprint_exchange``).
+
 Every operation calls the torch backend object itself (``allreduce``,
 ``alltoall_base``, ``send``...) with ranks of this group. Subgroups
 (``new_group``, ``split``) are built by their members alone: a
@@ -325,6 +329,10 @@ class TorchDistProcessGroup(IProcessGroup):
     """
 
     backend_name = "gloo"
+    default_debug = "detail"
+    """Gloo: the fingerprint check is on unless ``COMMLIB_DEBUG=OFF``. Without it Gloo reduces
+    mismatched dtypes, ops and sizes silently or aborts the process; it adds one small all-gather
+    on a Gloo group of its own to each collective (docs/reliability.md). nccl: off."""
 
     def __init__(
         self,
@@ -342,6 +350,9 @@ class TorchDistProcessGroup(IProcessGroup):
         super().__init__(env, config)
         self._pg = pg
         self._name = name
+        if name != "gloo":
+            # NCCL's check would run on the caller's thread and hold up every asynchronous collective.
+            self.default_debug = "off"  # type: ignore[misc]
         self._owns_default = owns_default
         self._devices = devices if devices is not None else _device_map(pg)
         self._backends = backends if backends is not None else dict.fromkeys(self._devices, pg)
@@ -358,6 +369,8 @@ class TorchDistProcessGroup(IProcessGroup):
         self._waiting: queue.SimpleQueue[_TorchWork | None] = queue.SimpleQueue()
         self._scratch = _ScratchPool()
         self._engine: P2PEngine | None = None
+        self._fingerprint_pg: Any = None
+        """Gloo group of the fingerprint check (``COMMLIB_DEBUG=DETAIL``), when it is on."""
 
     # ------------------------------------------------------------------ identity
     @property
@@ -730,6 +743,56 @@ class TorchDistProcessGroup(IProcessGroup):
         label = self._p2p_label("recv", tensor, src, tag)
         return self._p2p_engine("recv").recv(tensor, src, tag, label)
 
+    # ------------------------------------------------------------- diagnosis
+    def _fingerprint_exchange(self) -> Callable[[bytes, float, object, bool], bytes] | None:
+        """Swap ``COMMLIB_DEBUG=DETAIL`` fingerprints with one all-gather on a Gloo group of their own.
+
+        The group is built like a subgroup, over a ``PrefixStore`` of the job's
+        store keyed by this group's name, so it needs no port beyond those Gloo
+        already uses, and it carries nothing but the fixed-size fingerprints: one
+        all-gather per collective on every rank, so it stays in step whatever the
+        ranks pass to the data path. Returns None (the side channel is used) if
+        torch's store is not available.
+        """
+        prefix = self._prefix("diagnostics")
+        try:
+            store = self._store if self._store is not None else _default_store(prefix)
+        except CommError:
+            return None
+        if self._torch_ranks is None:
+            self._torch_ranks = _torch_ranks_of(self._pg, self.world_size)
+        scope = f"commlib/{self._group_name}/fingerprints/{'-'.join(map(str, self._torch_ranks))}/"
+        try:
+            pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(scope, store),
+                self.rank,
+                self.world_size,
+                datetime.timedelta(seconds=self.timeout),
+            )
+        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+            raise RendezvousError(
+                f"{prefix}the fingerprint check's Gloo group did not form within {self.timeout:g} s "
+                f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); every rank "
+                "must create the group with the same COMMLIB_DEBUG"
+            ) from e
+        self._fingerprint_pg = pg
+        world = self.world_size
+
+        def exchange(mine: bytes, timeout: float, label: object, background: bool) -> bytes:
+            send = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            everyone = torch.empty(len(mine) * world, dtype=torch.uint8)
+            try:
+                pg._allgather_base(everyone, send, _options(_AllgatherOptions)).wait(  # noqa: SLF001
+                    datetime.timedelta(seconds=timeout)
+                )
+            except Exception as e:  # noqa: BLE001
+                # Worded as the collective's own failure: a dead or missing peer is what the user must see.
+                where = label if isinstance(label, CollectiveLabel) else str(label)
+                raise _translate(where, e, timeout) from e
+            return everyone.numpy().tobytes()
+
+        return exchange
+
     # ---------------------------------------------------------------- subgroups
     def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
         """Members build the torch backends over a ``PrefixStore`` keyed by ``name``; others do nothing."""
@@ -791,6 +854,7 @@ class TorchDistProcessGroup(IProcessGroup):
         self._pg = None
         self._backends = {}
         self._engine = None
+        self._fingerprint_pg = None
         self._store = None
         if not self._owns_default:
             return

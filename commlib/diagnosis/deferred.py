@@ -39,6 +39,8 @@ class DeferredWork(Work):
         self._launched = threading.Event()
         self._real: Work | None = None
         self._bound_s = bound_s
+        self._armed = False
+        """A future was asked for: the real work must settle without a waiter (``_arm_future``)."""
 
     def attach(self, real: Work | None, error: BaseException | None = None) -> None:
         """Called by the launcher: the collective was issued as ``real``, or failed with ``error``."""
@@ -46,9 +48,13 @@ class DeferredWork(Work):
             self._launched.set()
             self._settle(error)
             return
-        self._real = real
+        with self._lock:
+            self._real = real
+            armed = self._armed
         self._launched.set()
         real.add_observer(self._follow)
+        if armed:
+            real._arm_future()  # noqa: SLF001 - the future of this work is the real one's
 
     def _follow(self, real: Work) -> None:
         self._settle(real.exception())
@@ -61,7 +67,7 @@ class DeferredWork(Work):
                 raise CommTimeoutError(
                     f"{self._label}: Work.wait(timeout={timeout}) expired before every rank reached this "
                     "collective (it has not started yet); wait again, or look for a rank that has not "
-                    "issued it"
+                    "issued it, or that has exited"
                 )
             raise CommTimeoutError(
                 f"{self._label}: not started after {limit:g} s, although the check before it is bounded by "
@@ -89,7 +95,15 @@ class DeferredWork(Work):
             self._settle(real.exception())
 
     def _arm_future(self) -> None:
-        """The real work's observer settles this one; nothing more is needed."""
+        """Have the real work settle without a waiter; its observer then settles this one.
+
+        Some backends' works settle only when waited for or asked to (torch's).
+        """
+        with self._lock:
+            self._armed = True
+            real = self._real
+        if real is not None:
+            real._arm_future()  # noqa: SLF001
 
 
 class Launcher:

@@ -23,12 +23,14 @@ from typing import Any, Protocol
 import torch
 
 from commlib.config import CommConfig
+from commlib.diagnosis.call_site import SITE_BYTES, call_site, pack_site, unpack_site
 from commlib.diagnosis.deferred import DeferredWork, Launcher, launch_step
 from commlib.diagnosis.fingerprint import (
     FINGERPRINT,
     Fingerprint,
     check_fingerprints,
     check_splits,
+    mismatch_detail,
     only_splits_differ,
 )
 from commlib.diagnosis.flight_recorder import FlightRecorder
@@ -79,8 +81,8 @@ class DiagnosedGroup(Protocol):
     def _fingerprint_exchange(self) -> FingerprintExchange | None: ...
 
 
-_ADDRESS = struct.Struct("!8s?dq16sH")
-"""Set-up broadcast: magic, rank 0's DETAIL flag and stall seconds, hub port (0: no hub),
+_ADDRESS = struct.Struct("!8s??dq16sH")
+"""Set-up broadcast: magic, rank 0's DETAIL and call-site flags and stall seconds, hub port (0: no hub),
 token, length of the text that follows (the hub's host, or why rank 0 has no hub)."""
 _ADDRESS_MAGIC = b"CLDGADDR"
 _ADDRESS_WORDS = 48
@@ -106,6 +108,7 @@ class Diagnostics:
         client: SideChannelClient | None = None,
         watchdog: Watchdog | None = None,
         launcher: Launcher | None = None,
+        call_sites: bool = False,
     ) -> None:
         self.tracker = tracker
         self.recorder = recorder
@@ -115,6 +118,8 @@ class Diagnostics:
         self._client = client
         self._watchdog = watchdog
         self._launcher = launcher
+        self.call_sites = call_sites and exchange is not None
+        """Whether fingerprints carry the caller's call site (DETAIL asked for, not a backend's default)."""
         self._last_seq = 0
         """Sequence number given to the last collective (ahead of ``_seq`` while the launcher has work)."""
 
@@ -126,8 +131,9 @@ class Diagnostics:
         Every rank of the group must call this: with more than one rank it
         broadcasts once, always, so that the ranks agree even when their
         environments differ. Rank 0's ``COMMLIB_DEBUG`` and ``COMMLIB_STALL_S``
-        apply to the whole group (a rank whose own differ logs a warning); the
-        flight recorder is each rank's own choice.
+        apply to the whole group (a rank whose own differ logs a warning); call
+        sites are compared when rank 0 asked for DETAIL itself, not when DETAIL
+        is only its backend's default. The flight recorder is each rank's own choice.
 
         Raises:
             CommError: The fingerprint check is on and its side channel could not be set up.
@@ -150,7 +156,7 @@ class Diagnostics:
         if world == 1:
             return cls(tracker=None, recorder=recorder, exchange=None, world_size=1) if recorder else None
         debug = config.debug if config.debug is not None else group.default_debug
-        agreed = _agree(group, debug == "detail", config.stall_s)
+        agreed = _agree(group, debug == "detail", config.debug == "detail", config.stall_s)
         detail, stall_s = agreed.detail, agreed.stall_s
         if (detail, stall_s) != (debug == "detail", config.stall_s):
             logger.warning(
@@ -206,6 +212,7 @@ class Diagnostics:
             client=client,
             watchdog=watchdog,
             launcher=launcher,
+            call_sites=agreed.call_sites,
         )
         diagnostics._last_seq = group._seq
         return diagnostics
@@ -264,6 +271,7 @@ class Diagnostics:
                 )
         self._last_seq += 1
         seq = self._last_seq
+        site = call_site() if self.call_sites else (0, "")
         if op.__class__ is PremulSum:
             op = op.op  # type: ignore[union-attr]
         record: Record = (
@@ -286,7 +294,9 @@ class Diagnostics:
                 recorder.follow(recorder.begin(record), work)
             assert launcher is not None
             launcher.submit(
-                launch_step(work, lambda: self._launch(group, record, tensor, counts, label), start, args)
+                launch_step(
+                    work, lambda: self._launch(group, record, tensor, counts, label, site), start, args
+                )
             )
             return work
         if tracker is not None:
@@ -295,7 +305,7 @@ class Diagnostics:
         try:
             group._next_seq()
             if self.exchange is not None:
-                self._check(group, record, tensor, counts, group._label(kind, tensor), False)
+                self._check(group, record, tensor, counts, group._label(kind, tensor), False, site)
             work = start(*args)
             if async_op:
                 if tracker is not None:
@@ -325,6 +335,7 @@ class Diagnostics:
         tensor: torch.Tensor | None,
         counts: tuple[list[int], list[int]] | None,
         label: CollectiveLabel,
+        site: tuple[int, str],
     ) -> None:
         """The launcher thread's step before it starts a deferred collective: number it, then check it.
 
@@ -334,7 +345,7 @@ class Diagnostics:
         group._next_seq()
         if group._closed or group._broken is not None:
             group._check_usable(record[1])
-        self._check(group, record, tensor, counts, label, True)
+        self._check(group, record, tensor, counts, label, True, site)
 
     def issue_p2p(
         self,
@@ -374,10 +385,14 @@ class Diagnostics:
         counts: tuple[list[int], list[int]] | None,
         label: object,
         background: bool,
+        site: tuple[int, str] = (0, ""),
     ) -> None:
-        """Exchange fingerprints; raise ``CollectiveMismatchError`` on every rank if they differ."""
+        """Exchange fingerprints; raise ``CollectiveMismatchError`` on every rank if they differ.
+
+        ``site``: the call site's digest and text (``(0, "")`` when call sites are not compared).
+        """
         seq, kind, _, _, op, root = record
-        mine = Fingerprint.of(group.rank, seq, kind, tensor, op, root, counts).pack()
+        mine = Fingerprint.of(group.rank, seq, kind, tensor, op, root, counts, site[0]).pack()
         everyone = self._exchange(group, mine, label, background)
         size = FINGERPRINT.size
         head, tail = mine[: _RANK_FIELD.start], mine[_RANK_FIELD.stop :]
@@ -387,12 +402,18 @@ class Diagnostics:
         ):
             return
         prints = [Fingerprint.unpack(everyone[i : i + size]) for i in range(0, len(everyone), size)]
+        sites = None
+        if self.call_sites and mismatch_detail(prints) is not None:
+            # Every rank holds the same fingerprints, so every rank takes this second exchange (an
+            # all_to_all's fingerprints differ from rank to rank without a mismatch: not then).
+            texts = self._exchange(group, pack_site(site[1]), label, background, SITE_BYTES)
+            sites = [unpack_site(texts[i : i + SITE_BYTES]) for i in range(0, len(texts), SITE_BYTES)]
         if counts is not None and only_splits_differ(prints):
             # The all_to_all calls agree but their splits do not add up: swap the splits to name them.
             row = struct.Struct(f"!{2 * self._world}q")
             matrix = self._exchange(group, row.pack(*counts[0], *counts[1]), label, background, row.size)
             check_splits(label, [row.unpack_from(matrix, i) for i in range(0, len(matrix), row.size)], prints)
-        check_fingerprints(label, prints)
+        check_fingerprints(label, prints, sites)
 
     def _exchange(
         self,
@@ -425,8 +446,10 @@ class _Agreement:
         hub: SideChannelHub | None,
         address: tuple[str, int, bytes] | None,
         problem: str,
+        call_sites: bool = False,
     ) -> None:
         self.detail = detail
+        self.call_sites = detail and call_sites
         self.stall_s = stall_s
         self.hub = hub
         """The hub itself, on rank 0 (None elsewhere)."""
@@ -456,7 +479,7 @@ class _Agreement:
         )
 
 
-def _agree(group: DiagnosedGroup, detail: bool, stall_s: float) -> _Agreement:
+def _agree(group: DiagnosedGroup, detail: bool, call_sites: bool, stall_s: float) -> _Agreement:
     """Broadcast rank 0's settings and, if they need one, the address of the hub it starts."""
     env = group.env
     hub = None
@@ -476,40 +499,40 @@ def _agree(group: DiagnosedGroup, detail: bool, stall_s: float) -> _Agreement:
                     break
                 except OSError as e:
                     text = f"rank 0 could not listen on {where}: {e}"
-        _pack_address(words, detail, stall_s, port, token, text)
+        _pack_address(words, detail, call_sites, stall_s, port, token, text)
     try:
         shared = words.to(group.preferred_device())
         group._broadcast(shared, 0, False).wait()
         words = shared.cpu()
-        detail, stall_s, port, token, text = _unpack_address(words)
+        detail, call_sites, stall_s, port, token, text = _unpack_address(words)
     except ValueError as e:
         # Only a backend whose broadcast moves nothing (a test double) gets here: go on with
         # this rank's own settings and no side channel.
         if hub is not None:
             hub.close()
-        return _Agreement(
-            detail, stall_s, None, None, f"the set-up broadcast from rank 0 came back garbled ({e})"
-        )
+        garbled = f"the set-up broadcast from rank 0 came back garbled ({e})"
+        return _Agreement(detail, stall_s, None, None, garbled, call_sites)
     except BaseException:
         if hub is not None:
             hub.close()
         raise
     address = (text, port, token) if port else None
-    return _Agreement(detail, stall_s, hub, address, "" if port else text)
+    return _Agreement(detail, stall_s, hub, address, "" if port else text, call_sites)
 
 
 def _pack_address(
-    words: torch.Tensor, detail: bool, stall_s: float, port: int, token: bytes, text: str
+    words: torch.Tensor, detail: bool, call_sites: bool, stall_s: float, port: int, token: bytes, text: str
 ) -> None:
     raw = text.encode()[: _ADDRESS_WORDS * 8 - _ADDRESS.size]
-    data = _ADDRESS.pack(_ADDRESS_MAGIC, detail, stall_s, port, token, len(raw)) + raw
+    data = _ADDRESS.pack(_ADDRESS_MAGIC, detail, call_sites, stall_s, port, token, len(raw)) + raw
     data += bytes(_ADDRESS_WORDS * 8 - len(data))
     words.copy_(torch.frombuffer(bytearray(data), dtype=torch.int64))
 
 
-def _unpack_address(words: torch.Tensor) -> tuple[bool, float, int, bytes, str]:
+def _unpack_address(words: torch.Tensor) -> tuple[bool, bool, float, int, bytes, str]:
     data = words.numpy().tobytes()
-    magic, detail, stall_s, port, token, length = _ADDRESS.unpack_from(data)
+    magic, detail, call_sites, stall_s, port, token, length = _ADDRESS.unpack_from(data)
     if magic != _ADDRESS_MAGIC:
         raise ValueError(f"magic {magic!r}")
-    return detail, stall_s, port, token, data[_ADDRESS.size : _ADDRESS.size + length].decode(errors="replace")
+    text = data[_ADDRESS.size : _ADDRESS.size + length].decode(errors="replace")
+    return detail, call_sites, stall_s, port, token, text

@@ -1,7 +1,9 @@
 """Fingerprints of collective calls: what each rank is about to do, packed small, and compared.
 
 A fingerprint names one call: its sequence number in the group, the collective,
-the tensor's dtype and shape, the reduce op and the root. ``COMMLIB_DEBUG=DETAIL``
+the tensor's dtype and shape, the reduce op and the root, and, when
+``COMMLIB_DEBUG=DETAIL`` is asked for, a digest of the line of the caller's code
+that issued it (``commlib.diagnosis.call_site``). ``COMMLIB_DEBUG=DETAIL``
 exchanges them before every collective (``commlib.diagnosis.diagnostics``); every rank
 compares the full set the same way, so ranks that disagree all raise the same
 ``CollectiveMismatchError``, before any data moves.
@@ -17,7 +19,7 @@ Wire format (``FINGERPRINT``, 112 bytes, network order): ``Q`` sequence number,
 ``B`` collective, ``B`` dtype, ``B`` reduce op, ``B`` number of dimensions,
 ``i`` root (-1: none), ``i`` rank, ``q`` number of elements, ``8q`` the first
 eight dimensions (unused ones -1), ``Q`` digest of what the rank receives and
-``Q`` of what it sends (``all_to_all``; else 0), ``I`` reserved (0).
+``Q`` of what it sends (``all_to_all``; else 0), ``I`` digest of the call site (0: not compared).
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class Fingerprint:
         root: The root rank of a rooted collective; -1 otherwise.
         received: ``all_to_all``: digest of the elements received from each rank (else 0).
         sent: ``all_to_all``: digest of the elements sent to each rank (else 0).
+        site: Digest of the caller's call site (0: call sites are not compared).
     """
 
     rank: int
@@ -127,6 +130,7 @@ class Fingerprint:
     root: int = -1
     received: int = 0
     sent: int = 0
+    site: int = 0
 
     @classmethod
     def of(
@@ -138,16 +142,18 @@ class Fingerprint:
         op: ReduceOp | None = None,
         root: int = -1,
         counts: tuple[list[int], list[int]] | None = None,
+        site: int = 0,
     ) -> Fingerprint:
         """Fingerprint a call on ``tensor`` (None for ``barrier``).
 
         ``counts``: an ``all_to_all``'s elements received from and sent to each rank.
+        ``site``: digest of the call site (0: not compared).
         """
         if tensor is None:
-            return cls(rank, seq, kind, None, (), 0, op, root)
+            return cls(rank, seq, kind, None, (), 0, op, root, site=site)
         received, sent = split_digests(rank, *counts) if counts is not None else (0, 0)
         return cls(
-            rank, seq, kind, tensor.dtype, tuple(tensor.shape), tensor.numel(), op, root, received, sent
+            rank, seq, kind, tensor.dtype, tuple(tensor.shape), tensor.numel(), op, root, received, sent, site
         )
 
     def pack(self) -> bytes:
@@ -165,7 +171,7 @@ class Fingerprint:
             *dims,
             self.received,
             self.sent,
-            0,
+            self.site,
         )
 
     @classmethod
@@ -173,7 +179,7 @@ class Fingerprint:
         """Read the wire form (unknown codes, from another commlib version, read as ``unknown``)."""
         seq, kind, dtype, op, ndim, root, rank, numel, *rest = FINGERPRINT.unpack(data)
         dims = rest[:_MAX_DIMS]
-        received, sent = rest[_MAX_DIMS], rest[_MAX_DIMS + 1]
+        received, sent, site = rest[_MAX_DIMS], rest[_MAX_DIMS + 1], rest[_MAX_DIMS + 2]
         shape = tuple(dims[: min(ndim, _MAX_DIMS)]) + ((-1,) if ndim > _MAX_DIMS else ())
         return cls(
             rank=rank,
@@ -186,6 +192,7 @@ class Fingerprint:
             root=root,
             received=received,
             sent=sent,
+            site=site,
         )
 
     def call_text(self) -> str:
@@ -238,6 +245,14 @@ def mismatch_detail(prints: Sequence[Fingerprint]) -> str | None:
             "ranks disagree on the all_to_all splits: what some rank sends to another is not what that "
             "rank expects from it. Rank i's input split j must equal rank j's output split i"
         )
+    if len({fp.site for fp in ordered}) > 1:
+        return (
+            f"ranks issued collective #{ordered[0].seq} from different lines of code. A rank that issues "
+            "one collective more (or fewer) than the others pairs every later call with the wrong one, "
+            "silently when their shapes agree; every rank must issue the same collectives in the same order. "
+            "If the lines differ on purpose (one branch per rank), run without COMMLIB_DEBUG=DETAIL: the "
+            "other checks stay on"
+        )
     return None
 
 
@@ -271,7 +286,9 @@ def check_splits(label: object, rows: Sequence[Sequence[int]], prints: Sequence[
         )
 
 
-def check_fingerprints(label: object, prints: Sequence[Fingerprint]) -> None:
+def check_fingerprints(
+    label: object, prints: Sequence[Fingerprint], sites: Sequence[str] | None = None
+) -> None:
     """Raise ``CollectiveMismatchError`` if the ranks' calls disagree.
 
     Every rank runs this on the same fingerprints, so every rank raises, with
@@ -280,8 +297,13 @@ def check_fingerprints(label: object, prints: Sequence[Fingerprint]) -> None:
     Args:
         label: This rank's name for the call (``[rank 0/2] gloo.all_reduce #7 (...)``).
         prints: One fingerprint per rank.
+        sites: Each rank's call site as text, in rank order, to name in the message.
     """
     detail = mismatch_detail(prints)
     if detail is not None:
-        calls = ranks_by_value(sorted(prints, key=lambda fp: fp.rank), Fingerprint.call_text)
-        raise CollectiveMismatchError(f"{label}: {detail} (each rank's call: {calls})")
+        ordered = sorted(prints, key=lambda fp: fp.rank)
+        calls = ranks_by_value(ordered, Fingerprint.call_text)
+        where = ""
+        if sites is not None:
+            where = "; called from " + "; ".join(f"rank {fp.rank}: {sites[fp.rank]}" for fp in ordered)
+        raise CollectiveMismatchError(f"{label}: {detail} (each rank's call: {calls}{where})")

@@ -93,6 +93,26 @@ def _a2a_splits(group: IProcessGroup, rank: int) -> None:
     group.all_to_all_single(output, torch.ones(sum(sent), dtype=torch.int64), received, sent)
 
 
+def _reduce_scatter_size(group: IProcessGroup, rank: int) -> None:
+    n = 50 if rank == 0 else 100
+    group.reduce_scatter_tensor(torch.empty(n), torch.ones(n * group.world_size))
+
+
+def _gather_reduce(group: IProcessGroup, rank: int) -> None:
+    t = torch.ones(8)
+    if rank == 0:
+        group.gather(t, [torch.empty(8) for _ in range(group.world_size)], 0)
+    else:
+        group.reduce(t, dst=0)
+
+
+def _barrier_all_reduce(group: IProcessGroup, rank: int) -> None:
+    if rank == 0:
+        group.barrier()
+    else:
+        group.all_reduce(torch.ones(1))
+
+
 DESYNCS: dict[str, Callable[[IProcessGroup, int], None]] = {
     "size": _size,
     "size_1m": _size_1m,
@@ -103,6 +123,9 @@ DESYNCS: dict[str, Callable[[IProcessGroup, int], None]] = {
     "gather_scatter": _gather_scatter,
     "reduce_dst": _reduce_dst,
     "a2a_splits": _a2a_splits,
+    "reduce_scatter_size": _reduce_scatter_size,
+    "gather_reduce": _gather_reduce,
+    "barrier_all_reduce": _barrier_all_reduce,
 }
 """Rank 0 and the other ranks disagree on one thing each (size, dtype, op, root, collective)."""
 
@@ -180,6 +203,42 @@ def desync_checked_by(group: IProcessGroup, case: str) -> dict[str, Any]:
     diagnostics = group._diagnostics  # type: ignore[attr-defined]
     checked = diagnostics is not None and diagnostics.exchange is not None
     return {"fingerprints": checked, **desync(group, case)}
+
+
+def desync_on_defaults(group: IProcessGroup, case: str) -> dict[str, Any]:
+    """``desync`` on a group with the backend's defaults; also what ``COMMLIB_DEBUG`` resolved to."""
+    diagnostics = group._diagnostics  # type: ignore[attr-defined]
+    checked = diagnostics is not None and diagnostics.exchange is not None
+    return {"fingerprints": checked, "debug": os.environ.get("COMMLIB_DEBUG"), **desync(group, case)}
+
+
+def _one_more(group: IProcessGroup, t: torch.Tensor) -> None:
+    group.all_reduce(t)  # rank 0's extra call: the same shape as the call every rank makes next
+
+
+def extra_collective(group: IProcessGroup) -> dict[str, Any]:
+    """Rank 0 issues one all_reduce more than the others, of the same shape; then every rank one more.
+
+    Without call sites in the fingerprint nothing tells the calls apart: rank
+    0's extra call pairs with the others' next one (silently wrong sums). Under
+    ``COMMLIB_DEBUG=DETAIL`` the call sites differ and every rank raises at once.
+    """
+    group.barrier()
+    seq = group._seq + 1
+    t = torch.full((4,), float(group.rank + 1))
+    start = time.monotonic()
+    try:
+        if group.rank == 0:
+            _one_more(group, t)
+        group.all_reduce(t)
+    except CommError as e:
+        error: tuple[str, str] | None = (type(e).__name__, str(e))
+    else:
+        error = None
+    elapsed = time.monotonic() - start
+    if error is None and group.rank != 0:
+        group.all_reduce(torch.ones(4))  # pairs with rank 0's last call: let every rank finish
+    return {"seq": seq, "error": error, "elapsed_s": elapsed, "value": t[0].item()}
 
 
 def desyncs(group: IProcessGroup) -> dict[str, Any]:

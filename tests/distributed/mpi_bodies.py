@@ -409,6 +409,52 @@ def die_after_first(group: IProcessGroup, code: int = 3) -> dict[str, Any]:
     return {"unexpected": "completed"}
 
 
+class _RaisesInBackward(torch.autograd.Function):
+    """Identity in forward; its backward raises (placed mid-model: some buckets are launched by then)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ArithmeticError("this rank's backward failed half-way")
+
+
+class _FailsMidBackward(torch.nn.Module):
+    def __init__(self, fails: bool) -> None:
+        super().__init__()
+        self.fails = fails
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RaisesInBackward.apply(x) if self.fails else x
+
+
+def raise_in_ddp_backward(group: IProcessGroup) -> dict[str, Any]:
+    """The last rank's backward raises half-way through DDP's buckets; the exception ends its process.
+
+    The other ranks wait in their backward for buckets that rank never launches.
+    """
+    from ddp import DistributedDataParallel
+    from tests.distributed.ddp_feature_bodies import batch, mlp
+
+    rank, world = group.rank, group.world_size
+    model = mlp(3)
+    model.insert(3, _FailsMidBackward(rank == world - 1))
+    ddp = DistributedDataParallel(model, group, bucket_size_mb=0.0001)
+    for step in range(2):
+        x, y = batch(step, world, rank)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        start = time.perf_counter()
+        try:
+            loss.backward()
+        except CommTimeoutError as e:
+            after = time.perf_counter() - start
+            print(f"[body] rank {rank}: {type(e).__name__} after {after:.2f} s: {e}", flush=True)
+            raise
+    return {"unexpected": "completed"}
+
+
 def cuda_collectives(group: IProcessGroup) -> dict[str, Any]:
     """CUDA tensors through the group (NCCL, or MPI zero-copy / host staging): all ops, fp32 and bf16."""
     device = torch.device("cuda", group.env.local_rank % max(torch.cuda.device_count(), 1))

@@ -44,8 +44,17 @@ EXPECTED = {
     "reduce_dst": "ranks disagree on the destination rank: rank 0: dst=0; rank 1: dst=1",
     "a2a_splits": "ranks disagree on the all_to_all splits: rank 0 sends 3 elements to rank 1, which "
     "expects 2. Rank i's input split j must equal rank j's output split i",
+    "reduce_scatter_size": "rank 0: float32 (50,) [50 elements]; rank 1: float32 (100,) [100 elements]",
+    "gather_reduce": "ranks called different collectives: rank 0: gather #{seq}; rank 1: reduce #{seq}",
+    "barrier_all_reduce": "ranks called different collectives: rank 0: barrier #{seq}; "
+    "rank 1: all_reduce #{seq}",
 }
 """What each desync case's error must say (on every rank)."""
+
+RING_EXPECTED = {
+    "a2a_splits": "ranks disagree on the split sizes: rank 0 sends 3 to rank 1, which expects 2",
+}
+"""Where the ring's own record check (its default) words a mismatch otherwise."""
 
 FIRST_OP = {
     "root": ("broadcast", "broadcast"),
@@ -53,6 +62,9 @@ FIRST_OP = {
     "gather_scatter": ("gather", "scatter"),
     "reduce_dst": ("reduce", "reduce"),
     "a2a_splits": ("all_to_all", "all_to_all"),
+    "reduce_scatter_size": ("reduce_scatter", "reduce_scatter"),
+    "gather_reduce": ("gather", "reduce"),
+    "barrier_all_reduce": ("barrier", "all_reduce"),
 }
 
 
@@ -60,7 +72,7 @@ FIRST_OP = {
 def dump_dirs() -> Iterator[dict[str, Path]]:
     with tempfile.TemporaryDirectory(prefix="commlib-diag-") as root:
         dirs = {}
-        for name in ("detail", "plain"):
+        for name in ("detail", "plain", "defaults"):
             for backend in (*BACKENDS, "mpi"):
                 path = Path(root) / f"{name}-{backend}"
                 path.mkdir()
@@ -73,7 +85,11 @@ def pools(dump_dirs: dict[str, Path]) -> Iterator[dict[str, RankPool]]:
     """Per backend: ``detail`` (fingerprint check, stall reports after 1 s, flight recorder) and ``plain``."""
     made: dict[str, RankPool] = {}
     for backend in BACKENDS:
-        for name, extra in (("detail", {"COMMLIB_DEBUG": "DETAIL"}), ("plain", {"COMMLIB_DEBUG": "OFF"})):
+        for name, extra in (
+            ("detail", {"COMMLIB_DEBUG": "DETAIL"}),
+            ("plain", {"COMMLIB_DEBUG": "OFF"}),
+            ("defaults", {}),
+        ):
             env = {
                 "COMMLIB_TIMEOUT": "60",
                 "COMMLIB_STALL_S": "1",
@@ -87,16 +103,20 @@ def pools(dump_dirs: dict[str, Path]) -> Iterator[dict[str, RankPool]]:
         pool.close()
 
 
-def _check_desync(case: str, backend: str, outcome: list[dict[str, Any]]) -> None:
+def _check_desync(case: str, backend: str, outcome: list[dict[str, Any]], each_call: bool = True) -> None:
     for rank, value in enumerate(outcome):
         assert value["error"] is not None, f"rank {rank}: {case} raised nothing"
         kind, message = value["error"]
         seq = value["seq"]
         assert kind == "CollectiveMismatchError", message
         op = FIRST_OP.get(case, ("all_reduce", "all_reduce"))[rank]
-        assert message.startswith(f"[rank {rank}/2] {backend}.{op} #{seq} ("), message
-        assert EXPECTED[case].format(seq=seq) in message, message
-        assert "each rank's call: rank 0: " in message
+        assert message.startswith(
+            (f"[rank {rank}/2] {backend}.{op} #{seq} (", f"[rank {rank}/2] {backend}.{op} #{seq}: ")
+        ), message
+        expected = EXPECTED[case] if each_call else RING_EXPECTED.get(case, EXPECTED[case])
+        assert expected.format(seq=seq) in message, message
+        if each_call:  # the fingerprint check's; the ring's own records name the calls in the text above
+            assert "each rank's call: rank 0: " in message
         assert value["elapsed_s"] < 10, "a mismatch must raise within seconds"
         assert value["after"] == 2.0, "the group must stay usable after a mismatch"
 
@@ -107,6 +127,35 @@ def _check_desync(case: str, backend: str, outcome: list[dict[str, Any]]) -> Non
 def test_desync_raises_on_every_rank(pools: dict[str, RankPool], backend: str, case: str) -> None:
     outcome = pools[f"detail-{backend}"].run(bodies.desync, case, timeout=90)
     _check_desync(case, backend, outcome)
+
+
+@pytest.mark.parametrize("case", list(bodies.DESYNCS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_desync_raises_on_every_rank_on_the_backends_defaults(
+    pools: dict[str, RankPool], backend: str, case: str
+) -> None:
+    """Without COMMLIB_DEBUG: gloo runs the fingerprint check by default, the ring its own records."""
+    outcome = pools[f"defaults-{backend}"].run(bodies.desync_on_defaults, case, timeout=90)
+    assert all(value["debug"] is None for value in outcome), "the pool must run without COMMLIB_DEBUG"
+    assert all(value["fingerprints"] is (backend == "gloo") for value in outcome)
+    _check_desync(case, backend, outcome, each_call=backend == "gloo")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_collective_more_on_one_rank_names_both_call_sites(
+    pools: dict[str, RankPool], backend: str
+) -> None:
+    """Rank 0 issues one all_reduce more, of the same shape: DETAIL compares call sites and catches it."""
+    outcome = pools[f"detail-{backend}"].run(bodies.extra_collective, timeout=90)
+    for rank, value in enumerate(outcome):
+        assert value["error"] is not None, f"rank {rank}: raised nothing; its sum is {value['value']}"
+        kind, message = value["error"]
+        assert kind == "CollectiveMismatchError", message
+        assert message.startswith(f"[rank {rank}/2] {backend}.all_reduce #{value['seq']} ("), message
+        assert f"ranks issued collective #{value['seq']} from different lines of code" in message, message
+        assert "called from rank 0: " in message and "diagnosis_bodies.py:" in message, message
+        assert " in _one_more; rank 1: " in message and message.endswith(" in extra_collective)"), message
+        assert value["value"] == rank + 1, "no data may move before the check"
 
 
 @pytest.mark.parametrize("case", ["op", "root"])
@@ -301,6 +350,18 @@ def test_nan_and_autograd_semantics_agree_on_ring_and_gloo(pools: dict[str, Rank
         for value in per_rank:
             _check_semantics(value, 2)
     assert results["ring"] == results["gloo"]
+
+
+def test_semantics_and_futures_under_gloos_default_check(pools: dict[str, RankPool]) -> None:
+    """The same on gloo's defaults, where async collectives go through the check's launcher thread.
+
+    ``work.get_future().wait()`` with no other waiter must complete there too.
+    """
+    plain = pools["plain-gloo"].run(bodies.semantics, timeout=120)
+    checked = pools["defaults-gloo"].run(bodies.semantics, timeout=120)
+    for value in checked:
+        _check_semantics(value, 2)
+    assert checked == plain
 
 
 # --------------------------------------------------------------------- mpi

@@ -397,6 +397,20 @@ def test_dead_peer_ends_the_job() -> None:
     assert result.elapsed < 30, result.describe()
 
 
+def test_a_rank_that_dies_of_an_exception_in_ddp_backward_aborts_the_job() -> None:
+    """Its uncaught exception aborts the MPI job: the survivor does not wait for its timeout."""
+    result = launch("raise_in_ddp_backward", 2, env={"COMMLIB_TIMEOUT": "60"}, timeout=150)
+    assert not result.timed_out, result.describe()
+    assert result.returncode != 0, result.describe()
+    err = result.stderr
+    assert "ArithmeticError: this rank's backward failed half-way" in err, result.describe()
+    assert (
+        "[rank 1/2] mpi.exit: this rank is ending on an uncaught ArithmeticError, so it aborts the MPI job "
+        "(MPI_Abort, exit code 1)" in err
+    ), result.describe()
+    assert "CommTimeoutError" not in err + result.stdout, result.describe()
+
+
 @pytest.mark.skipif(not _is_hydra(), reason="-disable-auto-cleanup is an MPICH (Hydra) flag")
 def test_dead_peer_survivor_times_out_when_the_launcher_keeps_it() -> None:
     """With the launcher's clean-up off, the survivor's collective times out, then it aborts the job."""
