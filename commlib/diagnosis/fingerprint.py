@@ -157,7 +157,7 @@ class Fingerprint:
         )
 
     def pack(self) -> bytes:
-        """Return the 96-byte wire form."""
+        """Return the 112-byte wire form."""
         dims = list(self.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
         return FINGERPRINT.pack(
             self.seq,
