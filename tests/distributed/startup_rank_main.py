@@ -19,4 +19,7 @@ from tests.distributed.startup_bodies import join_and_sum  # noqa: E402
 
 if __name__ == "__main__":
     result = join_and_sum(os.environ.get("COMMLIB_BACKEND", "ring"))
-    print(json.dumps({"rank": int(os.environ["RANK"]), **result}), flush=True)
+    # One write of the whole line: the ranks share the stdout pipe, and print() writes the line and its
+    # newline separately, so two ranks' lines could run together.
+    sys.stdout.write(json.dumps({"rank": int(os.environ["RANK"]), **result}) + "\n")
+    sys.stdout.flush()
