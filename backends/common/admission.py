@@ -76,6 +76,37 @@ class RendezvousContext:
         """True once the deadline has passed."""
         return time.monotonic() >= self.deadline
 
+    def probe(self, seconds: float) -> Any:
+        """This context with a deadline at most ``seconds`` away, for a short probe within the rendezvous."""
+        return dataclasses.replace(
+            self, deadline=min(self.deadline, time.monotonic() + seconds), timeout=seconds
+        )
+
+
+HOLDER_PROBE_S = 2.0
+"""How long a rank 0 that finds the port taken asks whether its holder is a rank 0 of the same job."""
+
+
+def raise_if_holder_answered(ctx: RendezvousContext, in_use: str, error: RendezvousError) -> None:
+    """Raise what asking the port's holder (as rank 0) learnt; return if it learnt nothing.
+
+    Args:
+        ctx: This rank 0's context.
+        in_use: The "port is taken" message, which another job's refusal is appended to.
+        error: How the probe of the holder failed.
+
+    Raises:
+        RendezvousError: The holder is a rank 0 of this job (a duplicated rank), or a rank 0 of another job.
+    """
+    text = str(error)
+    if "rank 0 is duplicated" in text:
+        raise RendezvousError(
+            f"{ctx.prefix}cannot listen on {ctx.master}: another process of this job holds it: "
+            f"{text[text.index('rank 0 is duplicated') :]}"
+        ) from None
+    if "another job token" in text:
+        raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
+
 
 def token_mismatch_advice(master: str) -> str:
     """The fix for a rank that holds another job token."""

@@ -56,10 +56,12 @@ import time
 from typing import Any, NoReturn
 
 from backends.common.admission import (
+    HOLDER_PROBE_S,
     RendezvousContext,
     announcement_problem,
     check_rank0_reply,
     missing_ranks_message,
+    raise_if_holder_answered,
     refusal_stops_rank0,
     refused_peer_message,
     still_waiting,
@@ -79,7 +81,6 @@ _VERDICT_GRACE_S = (
 _CONNECT_GRACE_S = 2.0  # torch's client may overrun its connect timeout by a retry
 _ANSWER_BYTES = 64 * 1024  # an answer is a few hundred bytes
 _store_generation = 0  # groups created through torchrun's agent store so far (every rank counts alike)
-_DUPLICATE_PROBE_S = 2.0  # a rank 0 that finds the port taken asks this long whether its holder is rank 0
 _EXIT_WAIT_S = 10.0  # at exit, how long connect attempts still running may take to end
 _left_behind: list[threading.Thread] = []  # connect attempts given up on
 
@@ -206,23 +207,14 @@ def _ask_holder_if_rank0(ctx: _Context, in_use: str) -> None:
     says so here. Anything else (another job, another program, no answer in time) leaves the caller to
     report the port as taken.
     """
-    probe = dataclasses.replace(
-        ctx, deadline=min(ctx.deadline, time.monotonic() + _DUPLICATE_PROBE_S), timeout=_DUPLICATE_PROBE_S
-    )
+    probe = ctx.probe(HOLDER_PROBE_S)
     try:
         store = connect_store(ctx.env, ctx.prefix, probe.timeout, probe.seconds_left(), "rank 0")
         _challenge, _record, verdict = _answer_challenge(probe, store)
         if isinstance(verdict, dict):
             check_rank0_reply(ctx.prefix, ctx.master, verdict, ctx.token.identity)
     except RendezvousError as e:
-        text = str(e)
-        if "rank 0 is duplicated" in text:
-            raise RendezvousError(
-                f"{ctx.prefix}cannot listen on {ctx.master}: another process of this job holds it: "
-                f"{text[text.index('rank 0 is duplicated') :]}"
-            ) from None
-        if "another job token" in text:
-            raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
+        raise_if_holder_answered(ctx, in_use, e)
     except Exception:  # noqa: BLE001, S110 - not a commlib store: the port is simply taken
         pass
 

@@ -50,10 +50,12 @@ import time
 from typing import Any
 
 from backends.common.admission import (
+    HOLDER_PROBE_S,
     RendezvousContext,
     announcement_problem,
     check_rank0_reply,
     missing_ranks_message,
+    raise_if_holder_answered,
     refusal_stops_rank0,
     refused_peer_message,
     still_waiting,
@@ -535,9 +537,6 @@ def _lead(
         master.close()
 
 
-_DUPLICATE_PROBE_S = 2.0  # a rank 0 that finds the port taken asks this long whether its holder is rank 0
-
-
 def _ask_holder_if_rank0(ctx: _Context, data_listener: socket.socket, in_use: str) -> None:
     """Say hello as rank 0 to whoever holds the port, briefly; raise if it is this job's rank 0.
 
@@ -545,20 +544,10 @@ def _ask_holder_if_rank0(ctx: _Context, data_listener: socket.socket, in_use: st
     answer says so here. Anything else (another job, another program, no answer in time) leaves the
     caller to report the port as taken.
     """
-    probe = dataclasses.replace(
-        ctx, deadline=min(ctx.deadline, time.monotonic() + _DUPLICATE_PROBE_S), timeout=_DUPLICATE_PROBE_S
-    )
     try:
-        _follow(probe, data_listener)
+        _follow(ctx.probe(HOLDER_PROBE_S), data_listener)
     except RendezvousError as e:
-        text = str(e)
-        if "rank 0 is duplicated" in text:
-            raise RendezvousError(
-                f"{ctx.prefix}cannot listen on {ctx.master}: another process of this job holds it: "
-                f"{text[text.index('rank 0 is duplicated') :]}"
-            ) from None
-        if "another job token" in text:
-            raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
+        raise_if_holder_answered(ctx, in_use, e)
 
 
 # ---------------------------------------------------------------- rank > 0
