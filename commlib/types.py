@@ -131,6 +131,20 @@ WIRE_DTYPES: tuple[torch.dtype, ...] = (
 """Every dtype a collective takes; its index is its one-byte code in the ring's records and in the
 diagnosis fingerprints, so the order is fixed (append only)."""
 
+WIRE_COLLECTIVES: tuple[str, ...] = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+)
+"""Every collective; its index is its code in the ring's records and in the diagnosis fingerprints
+(append only)."""
+
 _FLOAT_ONLY = frozenset({ReduceOp.AVG, ReduceOp.PREMUL_SUM})
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 

@@ -20,21 +20,11 @@ import torch
 
 from backends.ring.links import META_BYTES
 from commlib.errors import CollectiveMismatchError, ranks_by_value
-from commlib.types import WIRE_DTYPES, ReduceOp, dtype_name
+from commlib.types import WIRE_COLLECTIVES, WIRE_DTYPES, ReduceOp, dtype_name
 
 __all__ = ["COMMON_BYTES", "Meta", "mismatch", "split_mismatch"]
 
-_KINDS = (
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "barrier",
-    "reduce",
-    "gather",
-    "scatter",
-    "all_to_all",
-)
+_KINDS = WIRE_COLLECTIVES
 _DTYPES = WIRE_DTYPES
 _OPS = tuple(ReduceOp)
 _MAX_DIMS = 8

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from commlib.errors import CollectiveMismatchError, ranks_by_value
-from commlib.types import WIRE_DTYPES, ReduceOp, dtype_name
+from commlib.types import WIRE_COLLECTIVES, WIRE_DTYPES, ReduceOp, dtype_name
 
 __all__ = [
     "COLLECTIVES",
@@ -45,17 +45,7 @@ __all__ = [
     "only_splits_differ",
 ]
 
-COLLECTIVES = (
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "barrier",
-    "reduce",
-    "gather",
-    "scatter",
-    "all_to_all",
-)
+COLLECTIVES = WIRE_COLLECTIVES
 """Collectives a fingerprint can name, by their index on the wire."""
 
 _ROOTS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
