@@ -715,7 +715,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 sides), or the peer failed.
             CommTimeoutError: No matching receive within the group's timeout.
         """
-        self._point_to_point("send", "send", tensor, dst, tag).wait()
+        self._point_to_point("send", "send", tensor, dst, tag, False).wait()
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive a message from rank ``src`` (None: any rank) into ``tensor``; return the sender's rank.
@@ -730,17 +730,17 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 both sides), or the peer failed.
             CommTimeoutError: No message within the group's timeout.
         """
-        work = self._point_to_point("recv", "recv", tensor, src, tag)
+        work = self._point_to_point("recv", "recv", tensor, src, tag, False)
         work.wait()
         return work.source_rank()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start ``send``; return its ``Work`` (do not touch ``tensor`` until it completes)."""
-        return self._point_to_point("isend", "send", tensor, dst, tag)
+        return self._point_to_point("isend", "send", tensor, dst, tag, True)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         """Start ``recv``; return its ``Work`` (``work.source_rank()`` names the sender once it completed)."""
-        return self._point_to_point("irecv", "recv", tensor, src, tag)
+        return self._point_to_point("irecv", "recv", tensor, src, tag, True)
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
         """Start every send and receive of ``p2p_op_list`` at once; return their works, in order.
@@ -773,16 +773,19 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             requests.append(self._p2p_request(name, p2p.kind, p2p.tensor, peer, p2p.tag))
         return self._issue_p2p(requests, self._batch_p2p, requests, True)
 
-    def _point_to_point(self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> Work:
+    def _point_to_point(
+        self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int, async_op: bool
+    ) -> Work:
+        """Check, record and start one send or receive; ``async_op=False`` lets the backend run it inline."""
         self._check_usable(name)
         request = self._p2p_request(name, kind, tensor, peer, tag)
-        (work,) = self._issue_p2p([request], self._start_p2p, request)
+        (work,) = self._issue_p2p([request], self._start_p2p, request, async_op)
         return work
 
-    def _start_p2p(self, request: P2PRequest) -> list[Work]:
+    def _start_p2p(self, request: P2PRequest, async_op: bool) -> list[Work]:
         if request.kind == "send":
-            return [self._send(request.tensor, request.peer, request.tag, True)]  # type: ignore[arg-type]
-        return [self._recv(request.tensor, request.peer, request.tag, True)]
+            return [self._send(request.tensor, request.peer, request.tag, async_op)]  # type: ignore[arg-type]
+        return [self._recv(request.tensor, request.peer, request.tag, async_op)]
 
     def _p2p_request(
         self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int
@@ -799,7 +802,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 )
         if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self.max_tag:
             raise ValueError(f"{self._prefix(name)}tag must be an int in 0..{self.max_tag}, got {tag!r}")
-        flat = tensor.detach().view(-1)
+        flat = tensor if tensor.dim() == 1 and not tensor.requires_grad else tensor.detach().view(-1)
         if kind == "recv":
             increment_version(flat)
         key = (kind, peer, tag)
@@ -1020,12 +1023,17 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         return None
 
     def _issue_p2p(
-        self, requests: list[P2PRequest], start: Callable[..., list[Work]], *args: Any
+        self, requests: list[P2PRequest], start: Callable[[Any, bool], list[Work]], what: Any, async_op: bool
     ) -> list[Work]:
-        """Issue point-to-point operations (they never advance ``_seq``); return their works."""
+        """Issue point-to-point operations (they never advance ``_seq``); return their works.
+
+        ``start(what, async_op)`` starts them; with ``async_op=False`` it may run them to the end first.
+        """
         diagnostics = self._diagnostics
         works = (
-            diagnostics.issue_p2p(self, requests, start, args) if diagnostics is not None else start(*args)
+            diagnostics.issue_p2p(self, requests, start, what, async_op)
+            if diagnostics is not None
+            else start(what, async_op)
         )
         for request, work in zip(requests, works, strict=True):
             work._set_value([request.tensor])  # noqa: SLF001

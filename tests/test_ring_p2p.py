@@ -55,7 +55,7 @@ class Pair:
         end = self.ends[rank]
         label = f"[rank {rank}/2] ring.send to rank {1 - rank} tag {tag}"
         return self.pool.submit(
-            end.send, tensor.view(-1).view(torch.uint8), 1 - rank, tag, tensor.dtype, tensor.numel(), label
+            end.send, tensor.view(-1), 1 - rank, tag, label
         )
 
     def recv(self, rank: int, tensor: torch.Tensor, tag: int = 0, src: int | None = -1) -> Any:
@@ -63,7 +63,7 @@ class Pair:
         source = 1 - rank if src == -1 else src
         label = f"[rank {rank}/2] ring.recv from rank {source} tag {tag}"
         return self.pool.submit(
-            end.recv, tensor.view(-1).view(torch.uint8), source, tag, tensor.dtype, tensor.numel(), label
+            end.recv, tensor.view(-1), source, tag, label
         )
 
     def close(self) -> None:
@@ -103,13 +103,13 @@ def test_messages_go_both_ways_over_links_opened_on_first_use(transport: str, nu
 def test_many_messages_with_one_tag_arrive_in_order(pair: Pair) -> None:
     def sends() -> None:
         for i in range(300):
-            pair.ends[0].send(torch.tensor([i]).view(torch.uint8), 1, 3, torch.int64, 1, "send")
+            pair.ends[0].send(torch.tensor([i]), 1, 3, "send")
 
     sender = pair.pool.submit(sends)
     got = []
     for _ in range(300):
         x = torch.empty(1, dtype=torch.int64)
-        pair.ends[1].recv(x.view(torch.uint8), 0, 3, torch.int64, 1, "recv")
+        pair.ends[1].recv(x, 0, 3, "recv")
         got.append(int(x))
     sender.result(timeout=30)
     assert got == list(range(300))
@@ -141,7 +141,7 @@ def test_a_size_mismatch_raises_on_both_sides_naming_both_sizes(pair: Pair, mine
 def test_a_message_with_another_tag_waits_aside_for_its_own_recv(pair: Pair) -> None:
     def sends() -> None:  # tag 1 first; its send completes when the receiver sets it aside
         for tag in (1, 2):
-            pair.ends[0].send(torch.tensor([float(tag)]).view(torch.uint8), 1, tag, torch.float32, 1, "send")
+            pair.ends[0].send(torch.tensor([float(tag)]), 1, tag, "send")
 
     sender = pair.pool.submit(sends)
     y2, y1 = torch.empty(1), torch.empty(1)

@@ -1090,12 +1090,11 @@ class RingProcessGroup(IProcessGroup):
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
         p2p = self._peer_links_for("send")
         label = self._p2p_label("send", tensor, dst, tag)
-        dtype, numel = tensor.dtype, tensor.numel()
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
             if staged[0] is not None:
                 staged[0].wait_host()
-            p2p.send(hosts[0].view(torch.uint8), dst, tag, dtype, numel, label)
+            p2p.send(hosts[0], dst, tag, label)
 
         body = on_host(self.timeout, run, Staged(tensor, copy_out=False))
         return p2p.send_lane(dst).submit(label, body, async_op, tensor)
@@ -1103,10 +1102,9 @@ class RingProcessGroup(IProcessGroup):
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
         p2p = self._peer_links_for("recv")
         label = self._p2p_label("recv", tensor, src, tag)
-        dtype, numel = tensor.dtype, tensor.numel()
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
-            return p2p.recv(hosts[0].view(torch.uint8), src, tag, dtype, numel, label)
+            return p2p.recv(hosts[0], src, tag, label)
 
         body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
         return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)

@@ -211,10 +211,8 @@ class PointToPoint:
         return lane
 
     # ---------------------------------------------------------------- send
-    def send(
-        self, data: torch.Tensor, dst: int, tag: int, dtype: torch.dtype, numel: int, label: object
-    ) -> None:
-        """Send flat bytes ``data`` to ``dst``; return once ``dst`` has taken them.
+    def send(self, data: torch.Tensor, dst: int, tag: int, label: object) -> None:
+        """Send the flat host tensor ``data`` to ``dst``; return once ``dst`` has taken it.
 
         ``label`` names the operation in errors (``[rank 0/2] ring.send #1 to rank 1 tag 0 ...``).
 
@@ -229,18 +227,20 @@ class PointToPoint:
                 f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
                 "the other ranks still works"
             )
-        link, nbytes = out.link, data.numel()
+        link, numel = out.link, data.numel()
+        nbytes = numel * data.element_size()
         # Four pieces or more, each between a slot's share and a whole slot: copies overlap, and a
         # long message costs few hand-offs.
         piece = min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
         msg = out.next_msg
         out.next_msg += 1
-        header = _Header(msg, tag, nbytes, numel, piece, _dtype_code(dtype))
+        header = _Header(msg, tag, nbytes, numel, piece, _dtype_code(data.dtype))
         posted = False
         try:
             if nbytes <= piece:
                 link.send_meta(header.pack(), data)
             else:
+                data = data.view(torch.uint8)
                 link.send_meta(header.pack(), data[:piece])
                 for start in range(piece, nbytes, piece):
                     link.send(data[start : start + piece])
@@ -335,10 +335,8 @@ class PointToPoint:
             pass
 
     # ---------------------------------------------------------------- recv
-    def recv(
-        self, data: torch.Tensor, src: int | None, tag: int, dtype: torch.dtype, numel: int, label: object
-    ) -> int:
-        """Receive the next message with ``tag`` from ``src`` (None: any source) into flat bytes ``data``.
+    def recv(self, data: torch.Tensor, src: int | None, tag: int, label: object) -> int:
+        """Receive the next message with ``tag`` from ``src`` (None: any source) into host tensor ``data``.
 
         Returns:
             The source rank.
@@ -349,7 +347,8 @@ class PointToPoint:
             PeerFailureError: The link from ``src`` failed (now or earlier).
         """
         self._start_acceptor()
-        mine = (data.numel(), numel, _dtype_code(dtype))
+        numel = data.numel()
+        mine = (numel * data.element_size(), numel, _dtype_code(data.dtype))
         if src is None:
             return self._recv_any(data, tag, mine, label)
         incoming = self._incoming_from(src, label)
@@ -391,15 +390,15 @@ class PointToPoint:
         aside: _Aside, src: int, data: torch.Tensor, mine: tuple[int, int, int], label: object
     ) -> None:
         header = aside.header
-        if header.nbytes != data.numel():
+        if header.nbytes != mine[0]:
             raise MessageSizeError(
                 f"{label}: rank {src} sent {_describe(header.nbytes, header.numel, header.dtype)}, but this "
                 f"recv's tensor holds {_describe(*mine)}; nothing was received. The message came before a "
                 "recv with its tag and was kept aside, so its sender was not told. A send and its recv must "
                 "have tensors of the same size"
             )
-        if data.numel():
-            data.copy_(aside.data)
+        if mine[0]:
+            data.view(torch.uint8).copy_(aside.data)
 
     def _take(
         self,
@@ -440,7 +439,7 @@ class PointToPoint:
                     self._read_body(link, header, kept)
                     incoming.aside.append(_Aside(header, kept))
                     continue
-                if header.nbytes != data.numel():
+                if header.nbytes != mine[0]:
                     link.post_verdict(header.msg, (WRONG_SIZE, *mine))
                     self._read_body(link, header, None)
                     raise MessageSizeError(
@@ -463,6 +462,8 @@ class PointToPoint:
         if into is not None and header.nbytes <= piece:
             link.recv_into(into)
             return
+        if into is not None:
+            into = into.view(torch.uint8)
         for start in range(0, max(header.nbytes, 1), piece):
             size = min(piece, header.nbytes - start)
             if into is not None:

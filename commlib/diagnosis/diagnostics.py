@@ -351,27 +351,36 @@ class Diagnostics:
         self,
         group: DiagnosedGroup,
         requests: list[P2PRequest],
-        start: Callable[..., list[Work]],
-        args: tuple[Any, ...],
+        start: Callable[[Any, bool], list[Work]],
+        what: Any,
+        async_op: bool,
     ) -> list[Work]:
-        """Record sends and receives, start them, and follow their works (no fingerprint, no ``_seq``)."""
+        """Record sends and receives, start them, and follow their works (no fingerprint, no ``_seq``).
+
+        A synchronous one (``async_op=False``) may run to its end inside
+        ``start``; the tracker then holds it as the one this thread is blocked in.
+        """
         now = time.monotonic()
         records: list[Record] = [
             (r.seq, r.kind, r.tensor.dtype, r.tensor.shape, None, r.peer, r.tag) for r in requests
         ]
         recorder = self.recorder
         entries = [recorder.begin(record) for record in records] if recorder is not None else None
+        tracker = self.tracker
+        if tracker is not None and not async_op:
+            tracker.p2p_active = (records[0], now)
         try:
-            works = start(*args)
+            works = start(what, async_op)
         except BaseException as e:
             if entries is not None:
                 for entry in entries:
                     recorder.failed(entry, e)  # type: ignore[union-attr]
             raise
+        finally:
+            if tracker is not None and not async_op:
+                tracker.p2p_active = None
         if self.tracker is not None:
-            self.tracker.p2p_pending.extend(
-                (record, work, now) for record, work in zip(records, works, strict=True)
-            )
+            self.tracker.track_p2p(records, works, now)
         if entries is not None:
             for entry, work in zip(entries, works, strict=True):
                 recorder.follow(entry, work)  # type: ignore[union-attr]

@@ -80,14 +80,30 @@ class CollectiveTracker:
             call, or the issue of an asynchronous one), else None.
         completed: The last collective known to have finished successfully.
         pending: Asynchronous collectives issued and not yet seen finished, oldest first.
-        p2p_pending: Sends and receives not yet seen finished, with when they were issued, oldest first.
-        p2p_done: Per (``send``/``recv``, peer, tag): the number of the last one seen finished.
+        p2p_pending: Sends and receives not finished when issued, with when they were issued
+            (the issuing thread appends, the watchdog takes out the finished ones).
+        p2p_done: Per (``send``/``recv``, peer, tag): the number of the last one the watchdog saw
+            finish (written by the watchdog).
+        p2p_active: The synchronous send or receive the issuing thread is blocked in (it runs
+            inline, with no work yet), with when it was issued, else None.
+        p2p_done_inline: The same as ``p2p_done`` for those that finished before their call
+            returned (written by the issuing thread, so that they are never queued).
 
     Args:
         p2p_issued: The group's own count of sends and receives per (kind, peer, tag), read here.
     """
 
-    __slots__ = ("issued", "active", "completed", "pending", "p2p_pending", "p2p_done", "_p2p_issued")
+    __slots__ = (
+        "issued",
+        "active",
+        "completed",
+        "pending",
+        "p2p_pending",
+        "p2p_done",
+        "p2p_active",
+        "p2p_done_inline",
+        "_p2p_issued",
+    )
 
     def __init__(self, p2p_issued: dict[P2PKey, int] | None = None) -> None:
         self.issued: Record | None = None
@@ -96,6 +112,8 @@ class CollectiveTracker:
         self.pending: deque[tuple[Record, Work]] = deque(maxlen=4096)
         self.p2p_pending: deque[tuple[Record, Work, float]] = deque(maxlen=4096)
         self.p2p_done: dict[P2PKey, int] = {}
+        self.p2p_active: tuple[Record, float] | None = None
+        self.p2p_done_inline: dict[P2PKey, int] = {}
         self._p2p_issued = p2p_issued if p2p_issued is not None else {}
 
     def prune(self, may_test: Callable[[Work], bool]) -> None:
@@ -114,25 +132,43 @@ class CollectiveTracker:
             if work.exception() is None and (self.completed is None or record[0] > self.completed[0]):
                 self.completed = record
 
+    def track_p2p(self, records: list[Record], works: list[Work], now: float) -> None:
+        """Note sends and receives just issued (the issuing thread): queue those still in flight.
+
+        One that already finished (a synchronous send or receive run inline)
+        is counted at once and never queued, so that a loop of them costs
+        nothing here.
+        """
+        for record, work in zip(records, works, strict=True):
+            if not work._done:  # noqa: SLF001 - a plain read
+                self.p2p_pending.append((record, work, now))
+            elif work._error is None:  # noqa: SLF001
+                key = (record[1], record[5], record[6])
+                self.p2p_done_inline[key] = max(self.p2p_done_inline.get(key, 0), record[0])
+
     def prune_p2p(self, may_test: Callable[[Work], bool]) -> None:
-        """Forget sends and receives that finished (in any order; each counts toward its peer and tag)."""
-        if not self.p2p_pending:
-            return
-        kept = []
-        for item in list(self.p2p_pending):
+        """Forget sends and receives that finished (in any order; each counts toward its peer and tag).
+
+        Takes each queued item out once and puts back the unfinished ones, so
+        that an item the issuing thread appends meanwhile is never lost.
+        """
+        pending = self.p2p_pending
+        for _ in range(len(pending)):
+            item = pending.popleft()
             record, work, _ = item
             if work._done or (may_test(work) and work.is_completed()):  # noqa: SLF001 - a plain read
                 if work.exception() is None:
                     key = (record[1], record[5], record[6])
                     self.p2p_done[key] = max(self.p2p_done.get(key, 0), record[0])
             else:
-                kept.append(item)
-        self.p2p_pending.clear()
-        self.p2p_pending.extend(kept)
+                pending.append(item)
 
-    def oldest_p2p(self) -> tuple[Record, Work, float] | None:
-        """The send or receive in flight the longest, with its work and when it was issued."""
-        pending = list(self.p2p_pending)
+    def oldest_p2p(self) -> tuple[Record, Work | None, float] | None:
+        """The send or receive in flight the longest: its record, work (None: inline), issue time."""
+        pending: list[tuple[Record, Work | None, float]] = list(self.p2p_pending)
+        active = self.p2p_active
+        if active is not None:
+            pending.append((active[0], None, active[1]))
         return min(pending, key=lambda item: item[2]) if pending else None
 
     def oldest_in_flight(self) -> tuple[Record, Work | None] | None:
@@ -159,6 +195,8 @@ class CollectiveTracker:
         issued = dict(self._p2p_issued)  # one C-level copy: the issuing thread may add keys meanwhile
         if issued:
             done = dict(self.p2p_done)
+            for key, seq in dict(self.p2p_done_inline).items():
+                done[key] = max(done.get(key, 0), seq)
             progress["p2p"] = {
                 _p2p_key_text(key): {"issued": count, "completed": done.get(key, 0)}
                 for key, count in issued.items()
@@ -487,10 +525,10 @@ class Watchdog:
         record, work, since = oldest
         if now - since < self._stall_s:
             return
-        warned = self._p2p_warned
-        if warned is not None and warned[0] == id(work) and now - warned[1] < self._stall_s:
+        warned, which = self._p2p_warned, id(work if work is not None else record)
+        if warned is not None and warned[0] == which and now - warned[1] < self._stall_s:
             return
-        self._p2p_warned = (id(work), now)
+        self._p2p_warned = (which, now)
         self._asked = (record, work, now - since, now)
         if not self._send(T_QUERY):
             self._report(None)
