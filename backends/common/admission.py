@@ -8,9 +8,12 @@ A refusal is final: the refused rank raises at once (rank 0 holds the port
 until its own ranks are in, so waiting would not get this rank in). Rank 0
 raises at once too when either side set ``COMMLIB_JOB_TOKEN``: a job whose
 ranks were given the token by hand and disagree cannot form, and waiting for
-the timeout would only hide the typo. With derived tokens rank 0 goes on
-waiting for its own rank, so that a second job started on the same port
-cannot stop the first.
+the timeout would only hide the typo. With derived tokens the refused peer is
+either a rank of this job started from another session (two terminals: the
+job cannot form without ``COMMLIB_JOB_TOKEN``) or a second job started on the
+same port; rank 0 cannot tell which, so it waits ``REFUSAL_GRACE_S`` for its
+own rank of that number (``RefusalGrace``) and fails if none comes, saying to
+set the token.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError
 
 __all__ = [
+    "REFUSAL_GRACE_S",
+    "RefusalGrace",
     "RendezvousContext",
     "announcement_problem",
     "check_rank0_reply",
     "missing_ranks_message",
     "refusal_stops_rank0",
     "refused_peer_message",
+    "refused_rank_never_came",
     "still_waiting",
     "token_mismatch_advice",
 ]
@@ -154,10 +160,50 @@ def refusal_stops_rank0(token: JobToken, peer_identity: str, peer_rank: int, mis
     return explicit and peer_rank in missing
 
 
+REFUSAL_GRACE_S = 1.5
+"""How long rank 0 waits for a rank of its own after refusing that rank number for a derived token."""
+
+
+class RefusalGrace:
+    """Rank 0's wait for its own ranks after refusing peers that claimed them with other derived tokens."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[float, str]] = {}
+
+    def start(self, rank: int, message: str) -> None:
+        """Give this job's ``rank`` ``REFUSAL_GRACE_S`` to arrive; ``message`` is the error if it does not."""
+        self._due.setdefault(rank, (time.monotonic() + REFUSAL_GRACE_S, message))
+
+    def deadline(self, deadline: float) -> float:
+        """The earlier of ``deadline`` and the end of the first grace still running."""
+        return min([deadline, *(due for due, _ in self._due.values())])
+
+    def over(self, missing: set[int]) -> str | None:
+        """The error for a rank still ``missing`` whose grace has ended, else None."""
+        now = time.monotonic()
+        for rank, (due, message) in sorted(self._due.items()):
+            if rank in missing and now >= due:
+                return message
+        return None
+
+
+def refused_rank_never_came(
+    prefix: str, master: str, who: str, rank: int, peer_identity: str, identity: str
+) -> str:
+    """Rank 0's error when a peer claiming ``rank`` held another derived token, and no rank ``rank`` came."""
+    return (
+        f"{prefix}{who} at {master} holds another job token (its job: {peer_identity}; this job: "
+        f"{identity}), and no rank {rank} with this job's token came within {REFUSAL_GRACE_S:g} s. Ranks "
+        "started from different terminals or sessions derive different tokens: if they are one job, set "
+        "COMMLIB_JOB_TOKEN to the same value on every rank; if another job uses this port, give each job "
+        "its own MASTER_PORT"
+    )
+
+
 def still_waiting(rank: int, missing: set[int]) -> str:
     """The end of rank 0's log line about a refused peer that claimed ``rank``: what rank 0 does next."""
     if rank in missing:
-        return f"still waiting for this job's rank {rank}"
+        return f"waiting {REFUSAL_GRACE_S:g} s for this job's rank {rank}"
     if rank == 0:
         return "it claimed rank 0, which this process is (another job's rank 0, finding the port taken?)"
     return f"this job's rank {rank} is in already"

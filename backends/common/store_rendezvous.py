@@ -57,6 +57,7 @@ from typing import Any, NoReturn
 
 from backends.common.admission import (
     HOLDER_PROBE_S,
+    RefusalGrace,
     RendezvousContext,
     announcement_problem,
     check_rank0_reply,
@@ -64,6 +65,7 @@ from backends.common.admission import (
     raise_if_holder_answered,
     refusal_stops_rank0,
     refused_peer_message,
+    refused_rank_never_came,
     still_waiting,
     token_mismatch_advice,
 )
@@ -344,6 +346,7 @@ class _Leader:
         self.pids: dict[int, int] = {0: os.getpid()}  # rank -> pid, of every rank in (this one included)
         self.challenge = ""  # as published, to tell whether someone has replaced it
         self.refused: list[str] = []
+        self.grace = RefusalGrace()
 
     def run(self) -> str:
         ctx = self.ctx
@@ -356,18 +359,24 @@ class _Leader:
         self.challenge = json.dumps(challenge)
         self.store.set(f"{ctx.base}/challenge", self.challenge)
         logger.debug("%slistening at %s (%s)", ctx.prefix, ctx.master, ctx.token.identity)
-        slot = 0
+        slot = 1
         while len(self.accepted) < ctx.env.world_size - 1:
             if ctx.expired():  # answers may keep coming (a flood of slots): the deadline still holds
                 self._fail(RendezvousTimeoutError(self._timeout_message()))
-            slot += 1
+            never_came = self.grace.over(self._missing())
+            if never_came is not None:
+                self._fail(RendezvousError(never_came))
+            wait = max(0.0, self.grace.deadline(ctx.deadline) - time.monotonic())
             try:
-                raw = _get(self.store, f"{ctx.base}/answer/{slot}", ctx.remaining())
+                raw = _get(self.store, f"{ctx.base}/answer/{slot}", datetime.timedelta(seconds=wait))
             except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError and others
+                if time.monotonic() < ctx.deadline and self.grace.over(self._missing()) is not None:
+                    continue  # a grace ended: raised above
                 if _is_timeout(e) or time.monotonic() >= ctx.deadline:
                     self._fail(RendezvousTimeoutError(self._timeout_message()))
                 self._fail(RendezvousError(f"{ctx.prefix}the store at {ctx.master} failed: {e}"))
             self._on_answer(slot, _decode(raw))
+            slot += 1
         scope = f"{ctx.base}/job/{self.nonce}/"
         for rank, (slot, key, their_nonce) in self.accepted.items():
             proof = sign_with(key, "accepted", self.nonce, their_nonce, rank, scope)
@@ -446,6 +455,10 @@ class _Leader:
                     refused_peer_message(ctx.prefix, ctx.master, who, record["identity"], ctx.token.identity)
                 )
             )
+        never_came = refused_rank_never_came(
+            ctx.prefix, ctx.master, who, rank, record["identity"], ctx.token.identity
+        )
+        self.grace.start(rank, never_came)
 
     def _missing(self) -> set[int]:
         return set(range(1, self.ctx.env.world_size)) - set(self.accepted)

@@ -51,6 +51,7 @@ from typing import Any
 
 from backends.common.admission import (
     HOLDER_PROBE_S,
+    RefusalGrace,
     RendezvousContext,
     announcement_problem,
     check_rank0_reply,
@@ -58,6 +59,7 @@ from backends.common.admission import (
     raise_if_holder_answered,
     refusal_stops_rank0,
     refused_peer_message,
+    refused_rank_never_came,
     still_waiting,
     token_mismatch_advice,
 )
@@ -379,13 +381,19 @@ class _Leader:
         self.keys: dict[int, bytes] = {}
         self.nonces: dict[int, str] = {}
         self.refused: list[str] = []
+        self.grace = RefusalGrace()
 
     def run(self, settings: dict[str, Any]) -> tuple[list[Peer], dict[str, Any], bytes]:
         env = self.ctx.env
         try:
             while len(self.peers) < env.world_size:
-                arrival = self.lobby.next_frame(self.ctx.deadline)
+                never_came = self.grace.over(self._missing())
+                if never_came is not None:
+                    self._fail(RendezvousError(never_came))
+                arrival = self.lobby.next_frame(self.grace.deadline(self.ctx.deadline))
                 if arrival is None:
+                    if time.monotonic() < self.ctx.deadline:
+                        continue  # a grace ended: checked above
                     self._fail(RendezvousTimeoutError(self._timeout_message()))
                 visitor, frame = arrival
                 if visitor.state == "new":
@@ -483,6 +491,10 @@ class _Leader:
                     refused_peer_message(ctx.prefix, ctx.master, who, hello["identity"], ctx.token.identity)
                 )
             )
+        never_came = refused_rank_never_came(
+            ctx.prefix, ctx.master, who, rank, hello["identity"], ctx.token.identity
+        )
+        self.grace.start(rank, never_came)
 
     def _missing(self) -> set[int]:
         return set(range(self.ctx.env.world_size)) - set(self.peers)

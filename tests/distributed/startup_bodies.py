@@ -39,7 +39,12 @@ def join_and_sum(backend: str, init_kwargs: dict[str, Any] | None = None) -> dic
     try:
         group = commlib.init_process_group(backend, **(init_kwargs or {}))
     except commlib.RendezvousError as e:
-        return {"error": str(e), "error_type": type(e).__name__, "elapsed_s": time.monotonic() - start}
+        return {
+            "error": str(e),
+            "error_type": type(e).__name__,
+            "elapsed_s": time.monotonic() - start,
+            "raised_at": time.time(),  # comparable across the processes of one host
+        }
     try:
         t = torch.tensor([float(group.rank + 1)])
         group.all_reduce(t)

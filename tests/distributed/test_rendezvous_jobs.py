@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from backends.common.admission import REFUSAL_GRACE_S
 from commlib.ports import free_port
 from tests._launcher import run_ranks_outcomes
 from tests._listeners import port_is_listening, wait_until
@@ -47,6 +49,30 @@ class _Job:
             start_new_session=True,
         )
 
+    def stderr_until(self, text: str, timeout: float) -> list[str]:
+        """Read the job's stderr line by line until a line holds ``text``; return the lines read.
+
+        The rest is read by ``result``.
+        """
+        assert self.proc.stderr is not None
+        lines: list[str] = []
+        found = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stderr:  # type: ignore[union-attr]
+                lines.append(line)
+                if text in line:
+                    found.set()
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert found.wait(timeout), f"job {self.base} never wrote {text!r}:\n{''.join(lines)[-3000:]}"
+        self._read_err = "".join(lines)
+        return lines
+
+    _read_err = ""
+
     def release(self) -> None:
         """Let the held ranks start their rendezvous."""
         assert self.proc.stdin is not None
@@ -55,6 +81,7 @@ class _Job:
 
     def result(self, timeout: float = 120.0) -> dict[str, Any]:
         out, err = self.proc.communicate(timeout=timeout)
+        err = self._read_err + err
         assert self.proc.returncode == 0, f"job {self.base} exited {self.proc.returncode}:\n{err[-4000:]}"
         return json.loads(out.strip().splitlines()[-1]) | {"stderr": err}
 
@@ -78,11 +105,12 @@ def _check_own_result_or_loud(job: dict[str, Any], base: int) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["ring", "gloo"])
 def test_two_jobs_on_one_port_never_pair_across_jobs(backend: str) -> None:
-    """Job A's rank 0 holds the port while its rank 1 is late; job B starts on the same port meanwhile.
+    """Job A's rank 0 holds the port while its rank 1 is held back; job B starts on the same port meanwhile.
 
     Before the job token, rank 0 of A took B's rank 1 and both computed 1 + 102 = 103 (ring); on gloo,
     B's rank 1 joined A's store, and A's gloo group formed across the jobs.
-    Now B's rank 1 is refused (it names both jobs) and A waits for its own rank 1.
+    Now B's rank 1 is refused (it names both jobs), and A waits ``REFUSAL_GRACE_S`` for its own rank 1,
+    released as soon as A's rank 0 has said whom it refused.
     """
     port = free_port()
     a = _Job(port, 0, hold="1", timeout_s=60, backend=backend)
@@ -92,8 +120,9 @@ def test_two_jobs_on_one_port_never_pair_across_jobs(backend: str) -> None:
     try:
         wait_until(lambda: port_is_listening(port) or a.proc.poll() is not None, 90, "job A's rank 0 listens")
         b.release()
-        job_b = b.result()
+        a.stderr_until("claiming rank 1 holds another job token", 90)
         a.release()
+        job_b = b.result()
         job_a = a.result()
     finally:
         for job in (a, b):
@@ -105,7 +134,7 @@ def test_two_jobs_on_one_port_never_pair_across_jobs(backend: str) -> None:
     assert warnings, job_a["stderr"][-3000:]
     assert warnings[0].startswith(f"[rank 0/2] {backend}.rendezvous: {where} 127.0.0.1:"), warnings
     assert "claiming rank 1 holds another job token" in warnings[0]
-    assert "still waiting for this job's rank 1" in warnings[0]
+    assert f"waiting {REFUSAL_GRACE_S:g} s for this job's rank 1" in warnings[0]
     b0, b1 = job_b["ranks"]
     assert b0["error_type"] == "RendezvousError" and f"cannot listen on 127.0.0.1:{port}" in b0["error"]
     assert b1["error_type"] == "RendezvousError", b1

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from backends.common.admission import REFUSAL_GRACE_S
 from commlib.ports import free_port
 from tests._launcher import RankOutcome, run_ranks_outcomes
 from tests._listeners import port_is_listening, wait_until
@@ -160,23 +161,36 @@ def test_ranks_each_under_its_own_wrapper_form_one_job(backend: str) -> None:
     assert [r.get("sum") for r in results] == [3.0, 3.0], results
 
 
-def test_a_rank_started_in_another_session_is_told_at_once_to_set_the_job_token() -> None:
-    """Two terminals, one rank in each: nothing says they are one job; the refused rank says what to set."""
+@pytest.mark.parametrize("backend", ["ring", "gloo"])
+def test_ranks_started_in_two_sessions_are_both_told_at_once_to_set_the_job_token(backend: str) -> None:
+    """Two terminals, one rank in each: nothing says they are one job, and both ranks say what to set.
+
+    The refused rank raises at once; rank 0 waits ``REFUSAL_GRACE_S`` for a rank 1 of its own job
+    (the refused one might have been another job's), then raises too, long before the timeout.
+    """
     port = free_port()
     one_rank = '"$PY" "$MAIN"'
-    rank0 = _session(one_rank, _env(port, "ring", RANK="0"))
+    rank0 = _session(one_rank, _env(port, backend, RANK="0"))
     rank1 = None
     try:
         wait_until(lambda: port_is_listening(port) or rank0.poll() is not None, DEADLINE_S, "rank 0 listens")
-        rank1 = _session(one_rank, _env(port, "ring", RANK="1"))
-        (result,) = _lines(rank1)
+        rank1 = _session(one_rank, _env(port, backend, RANK="1"))
+        (refused,) = _lines(rank1)
+        (leader,) = _lines(rank0)
     finally:
         _kill(rank0)
         _kill(rank1)
-    assert result["error_type"] == "RendezvousError", result
-    assert "it holds another job token" in result["error"]
+    assert refused["error_type"] == "RendezvousError", refused
+    assert "it holds another job token" in refused["error"]
     fix = "If these ranks are one job, set COMMLIB_JOB_TOKEN to the same value on every rank"
-    assert fix in result["error"], result
+    assert fix in refused["error"], refused
+    assert leader["error_type"] == "RendezvousError", leader
+    assert leader["error"].startswith(f"[rank 0/2] {backend}.rendezvous: pid "), leader
+    assert f"claiming rank 1 at 127.0.0.1:{port} holds another job token" in leader["error"], leader
+    assert f"no rank 1 with this job's token came within {REFUSAL_GRACE_S:g} s" in leader["error"], leader
+    assert "set COMMLIB_JOB_TOKEN to the same value on every rank" in leader["error"], leader
+    # Within the grace of the refusal (plus the scheduling of a loaded 2-core machine), not the 120 s timeout.
+    assert leader["raised_at"] - refused["raised_at"] < REFUSAL_GRACE_S + 3.0, (leader, refused)
 
 
 # ------------------------------------------------ explicit ranks, two hosts
