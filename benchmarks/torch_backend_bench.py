@@ -20,6 +20,9 @@ rounds cancels in the per-round ratios:
   ``ddp_step_bench.py`` (same model, batch and AdamW), over ``commlib_ring``
   (``ddp-commlib_ring``) and over Gloo (``ddp-gloo``): median step time and
   the ratio ring/gloo.
+  Beside them, ``ddp-none``: the same model and step with no DDP and no
+  communication at all, the floor no transport can go below (ratio
+  none/gloo).
 - ``fsdp2`` (with ``--fsdp2``): ``fully_shard`` on each block and the model,
   on a mesh of each group: median step time and the ratio ring/gloo.
 
@@ -175,6 +178,15 @@ def _ddp(
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def _alone(
+    group: Any, cfg: GPTConfig, args: argparse.Namespace
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model with no wrapper: each rank steps on its own shard, nothing is communicated."""
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
 def _fsdp2(
     group: Any, cfg: GPTConfig, args: argparse.Namespace
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -194,6 +206,8 @@ def training_part(part: str, args: argparse.Namespace, gloo: Any, cfg: GPTConfig
     """Step time of torch's DDP (or FSDP2) on commlib_ring against the same on Gloo."""
     make = _ddp if part == "ddp" else _fsdp2
     setups = {"commlib_ring": make(dist.group.WORLD, cfg, args), "gloo": make(gloo, cfg, args)}
+    if part == "ddp":
+        setups["none"] = _alone(None, cfg, args)
     counter = {name: 0 for name in setups}
 
     def turn(name: str) -> Callable[[], float]:
@@ -210,15 +224,19 @@ def training_part(part: str, args: argparse.Namespace, gloo: Any, cfg: GPTConfig
     for name, values in times.items():
         p25, median, p75 = _quartiles([v * 1e6 for v in values])
         rows.append(dict(part=part, mode=name, median_us=median, p25_us=p25, p75_us=p75))
-    ring, base = times[f"{part}-commlib_ring"], times[f"{part}-gloo"]
-    rows.append(
-        dict(
-            part=part,
-            mode=f"{part}-commlib_ring/{part}-gloo",
-            ratio=statistics.median(r / g for r, g in zip(ring, base, strict=True)),
-            vs=f"{part}-gloo",
-        )
-    )
+    base = times[f"{part}-gloo"]
+    for name in setups:
+        if name != "gloo":
+            rows.append(
+                dict(
+                    part=part,
+                    mode=f"{part}-{name}/{part}-gloo",
+                    ratio=statistics.median(
+                        r / g for r, g in zip(times[f"{part}-{name}"], base, strict=True)
+                    ),
+                    vs=f"{part}-gloo",
+                )
+            )
     params = sum(p.numel() for p in GPT(cfg).parameters())
     for row in rows:
         row.update(world_size=dist.get_world_size(), bytes=params * 4, rounds=args.steps)

@@ -1,4 +1,4 @@
-"""Misuse that must raise a clear error on every rank, on the ring and gloo (spawned ranks).
+"""Misuse that must raise a clear error on every rank, on the ring, gloo and mpi.
 
 - A communication hook that fails on one rank (a wrong-sized result, a failed
   future, an exception before communicating): every rank raises ``CommHookError``
@@ -9,7 +9,9 @@
 - ``Join([model, opt])`` with ZeRO, after an all-reduce or a reduce-scatter DDP.
 
 A short ``COMMLIB_TIMEOUT`` makes a hang show as a timeout within seconds. The
-bodies are in ``misuse_bodies``.
+bodies are in ``misuse_bodies``. The ring and gloo run them on spawned ranks;
+mpi runs every case that leaves the group usable in one ``mpiexec`` job
+(``MPI_CALLS``), launched by the first test that needs it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests._launcher import RankOutcome, RankPool, describe_failures, run_ranks_outcomes
+from tests.conftest import mpi_unavailable_reason
 from tests.distributed import misuse_bodies as bodies
 from tests.distributed.conftest import variant_available
 
@@ -28,23 +31,61 @@ pytestmark = pytest.mark.multiprocess
 TIMEOUT_S = "8"
 """``COMMLIB_TIMEOUT`` of these ranks: a collective left without a partner fails within it."""
 
-BACKENDS = ["ring", "gloo"]
+BACKENDS = ["ring", "gloo", "mpi"]
+
+HOOK_FAILURES = ["wrong_size", "failed_future", "raises"]
+ZERO_MISUSE = [("skip", "allreduce"), ("twice", "reduce_scatter")]
+MPI_CALLS = [
+    *[(bodies.case_hook_fails_on_one_rank, [how]) for how in HOOK_FAILURES],
+    *[(bodies.case_zero_step_misuse, list(case)) for case in ZERO_MISUSE],
+    (bodies.case_consolidate_on_one_rank, [True]),
+    *[(bodies.case_zero_join, [sync, [2, 4]]) for sync in ("allreduce", "reduce_scatter")],
+]
+"""The cases mpi runs, in this order, in one job: each leaves the group usable for the next."""
+
+
+def _call_name(fn: Any) -> str:
+    return f"{fn.__module__}:{fn.__name__}"
+
+
+class _MpiJob:
+    """Runs ``MPI_CALLS`` under ``mpiexec`` on the first ``run``; ``run`` then reads one case's results."""
+
+    def __init__(self) -> None:
+        self._results: dict[int, dict[str, Any]] | None = None
+
+    def run(self, fn: Any, *args: Any, timeout: float) -> list[Any]:
+        from tests.distributed.mpi_bodies import launch
+
+        if self._results is None:
+            calls = [[_call_name(f), a] for f, a in MPI_CALLS]
+            result = launch("run_calls", 2, [calls], env={"COMMLIB_TIMEOUT": TIMEOUT_S}, timeout=300)
+            assert result.returncode == 0 and sorted(result.results) == [0, 1], result.describe()
+            self._results = {rank: values["run_calls"] for rank, values in result.results.items()}
+        key = f"{_call_name(fn)}{tuple(args)}"
+        return [self._results[rank][key] for rank in (0, 1)]
 
 
 @pytest.fixture(scope="module")
-def misuse_pools() -> Iterator[dict[str, RankPool]]:
-    pools: dict[str, RankPool] = {}
+def misuse_pools() -> Iterator[dict[str, Any]]:
+    pools: dict[str, Any] = {}
     yield pools
     for pool in pools.values():
-        pool.close()
+        if isinstance(pool, RankPool):
+            pool.close()
 
 
-def _pool(pools: dict[str, RankPool], backend: str) -> RankPool:
-    reason = variant_available("gloo" if backend == "gloo" else "ring-shm")
-    if reason:
-        pytest.skip(reason)
+def _pool(pools: dict[str, Any], backend: str) -> RankPool | _MpiJob:
+    if backend == "mpi":
+        if mpi_unavailable_reason() is not None:
+            pytest.skip(f"MPI unavailable: {mpi_unavailable_reason()}")
+    else:
+        reason = variant_available("gloo" if backend == "gloo" else "ring-shm")
+        if reason:
+            pytest.skip(reason)
     if backend not in pools:
-        pools[backend] = RankPool(2, backend, env={"COMMLIB_TIMEOUT": TIMEOUT_S})
+        env = {"COMMLIB_TIMEOUT": TIMEOUT_S}
+        pools[backend] = _MpiJob() if backend == "mpi" else RankPool(2, backend, env=env)
     return pools[backend]
 
 
@@ -61,7 +102,7 @@ def _fresh(backend: str, fn: Any, *args: Any) -> list[RankOutcome]:
 
 # ----------------------------------------------------------------- comm hooks
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("how", ["wrong_size", "failed_future", "raises"])
+@pytest.mark.parametrize("how", HOOK_FAILURES)
 def test_a_hook_failing_on_one_rank_raises_on_every_rank(misuse_pools, backend: str, how: str) -> None:
     results = _pool(misuse_pools, backend).run(bodies.case_hook_fails_on_one_rank, how, timeout=60)
     for rank, r in enumerate(results):
@@ -86,7 +127,7 @@ def test_a_hook_failing_on_one_rank_raises_on_every_rank(misuse_pools, backend: 
 
 # ----------------------------------------------------------------------- ZeRO
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("misuse", "gradient_sync"), [("skip", "allreduce"), ("twice", "reduce_scatter")])
+@pytest.mark.parametrize(("misuse", "gradient_sync"), ZERO_MISUSE)
 def test_zero_step_skipped_or_repeated_on_one_rank_raises_on_every_rank(
     misuse_pools, backend: str, misuse: str, gradient_sync: str
 ) -> None:
@@ -129,7 +170,7 @@ def test_consolidate_state_dict_on_one_rank_raises_on_every_rank(misuse_pools, b
         assert r["after"] == 3.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["ring", "gloo"])  # leaves a rank waiting: a fresh pair each
 def test_consolidate_state_dict_on_one_rank_while_the_other_waits_names_the_cause(backend: str) -> None:
     results = [o.value for o in _fresh(backend, bodies.case_consolidate_on_one_rank, False)]
     assert results[0]["outcomes"] == ["step", results[0]["type"]]
