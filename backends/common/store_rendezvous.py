@@ -77,6 +77,8 @@ __all__ = ["join_job_store", "scope_in"]
 
 logger = logging.getLogger("commlib")
 
+_READ_WAIT_S = 2.0
+"""How long a failing rank 0 keeps its store up for the ranks it told why to read it."""
 _VERDICT_GRACE_S = (
     2.0  # a rank waits this much past its deadline for rank 0's verdict, which names who is missing
 )
@@ -405,7 +407,7 @@ class _Leader:
                     "the store on MASTER_PORT. Give the job a port no other program uses"
                 )
                 self._verdict(slot, {"error": error.removeprefix(ctx.prefix)})
-                self._fail(RendezvousError(error))
+                self._fail(RendezvousError(error), told=(slot,))
             logger.debug("%sanswer slot %d answered an earlier challenge; asked again", ctx.prefix, slot)
             self._verdict(slot, {"stale": True})
             return
@@ -416,7 +418,7 @@ class _Leader:
         problem = self._check(record)
         if problem is not None:
             self._verdict(slot, {"error": f"rank 0 refused rank {record['rank']}: {problem}"})
-            self._fail(RendezvousError(f"{ctx.prefix}{problem}"))
+            self._fail(RendezvousError(f"{ctx.prefix}{problem}"), told=(slot,))
         self.accepted[record["rank"]] = (slot, key, record["nonce"])
         self.pids[record["rank"]] = record["pid"]
         logger.debug("%srank %d (pid %d) proved this job's token", ctx.prefix, record["rank"], record["pid"])
@@ -453,7 +455,8 @@ class _Leader:
             self._fail(
                 RendezvousError(
                     refused_peer_message(ctx.prefix, ctx.master, who, record["identity"], ctx.token.identity)
-                )
+                ),
+                told=(slot,),
             )
         never_came = refused_rank_never_came(
             ctx.prefix, ctx.master, who, rank, record["identity"], ctx.token.identity
@@ -475,12 +478,27 @@ class _Leader:
             ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refused, "answer(s)"
         )
 
-    def _fail(self, error: RendezvousError) -> NoReturn:
-        """Tell every accepted rank why the rendezvous failed, then raise ``error``."""
+    def _fail(self, error: RendezvousError, told: tuple[int, ...] = ()) -> NoReturn:
+        """Tell every accepted rank why the rendezvous failed, then raise ``error``.
+
+        ``told``: slots already given their verdict. Rank 0 waits a moment
+        (``_READ_WAIT_S``) for every rank it told to read its verdict: the store
+        lives in this process, and a rank still waiting for its verdict when
+        rank 0 exits would learn only that the connection was reset.
+        """
+        slots = list(told)
         for slot, _key, _nonce in self.accepted.values():
             try:
                 self._verdict(slot, {"error": str(error)})
+                slots.append(slot)
             except Exception:  # noqa: BLE001, S110 - the error below is what matters
+                pass
+        if slots:
+            keys = [f"{self.ctx.base}/verdict-read/{slot}" for slot in slots]
+            try:
+                self.store.set_timeout(datetime.timedelta(seconds=_READ_WAIT_S))
+                self.store.wait(keys)
+            except Exception:  # noqa: BLE001, S110 - a rank that does not read it in time: raise anyway
                 pass
         raise error
 
@@ -543,6 +561,7 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
         # Rank 0 answers by its own deadline, with the verdict or with the names of the missing ranks;
         # wait a little past it so that this rank reports those names, not a bare timeout.
         raw = _get(store, f"{ctx.base}/verdict/{slot}", ctx.remaining(_VERDICT_GRACE_S))
+        store.set(f"{ctx.base}/verdict-read/{slot}", "1")  # rank 0 may exit now if it is failing
     except Exception as e:  # noqa: BLE001
         if _is_timeout(e):
             raise RendezvousTimeoutError(
