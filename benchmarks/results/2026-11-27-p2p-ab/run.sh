@@ -20,3 +20,12 @@ for suffix in "" _b; do  # the all-reduce twice: 4K..100M, then 1M..100M again (
     done
   done
 done
+# Set c: 1M and 25M, six rounds each, taking turns (the machine had slipped into a state where the
+# plain ring path ran 4x slower for both trees; ring+buf did not).
+for round in 1 2 3 4 5 6; do
+  for tree in base new; do
+    dir=$BASE; [ $tree = new ] && dir=$NEW
+    mpiexec -n 2 python $dir/benchmarks/allreduce_bench.py --backends ring --references none \
+      --sizes 1M,25M --csv $OUT/allreduce/ar_${tree}_${round}_c.csv
+  done
+done

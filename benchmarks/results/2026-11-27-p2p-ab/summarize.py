@@ -39,7 +39,7 @@ def collectives() -> None:
 
 def allreduce() -> None:
     """allreduce_bench: the ring's latency before and after."""
-    for suffix in ("", "_b"):
+    for suffix in ("", "_b", "_c"):
         values = collections.defaultdict(list)
         for path in sorted(glob.glob(str(HERE / "allreduce" / "ar_*.csv"))):
             _, tree, _, *rest = Path(path).stem.split("_")
@@ -47,7 +47,7 @@ def allreduce() -> None:
                 continue
             for row in csv.DictReader(open(path)):
                 values[(int(row["size_bytes"]), row["mode"], tree)].append(float(row["median_us"]))
-        print(f"allreduce_bench{suffix or ''}: latency in us, median of 3 runs [min-max]")
+        print(f"allreduce_bench, set {suffix[1:] or 'a'}: latency in us, median of the runs [min-max]")
         for size, mode in sorted({(s, m) for s, m, _ in values}):
             base, new = values[(size, mode, "base")], values[(size, mode, "new")]
             print(
