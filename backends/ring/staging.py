@@ -50,7 +50,7 @@ def on_host(timeout: float, run: HostRun, *specs: Staged) -> Callable[[], Any]:
     by ``timeout``. One collective's tensors share a device.
     """
     if specs[0].tensor.device.type == "cpu":
-        hosts = [spec.tensor if spec.tensor.dim() == 1 else spec.tensor.view(-1) for spec in specs]
+        hosts = [spec.tensor.view(-1) for spec in specs]
         return functools.partial(run, hosts, [None] * len(specs))
     pipelines = [
         cuda_staging.stage(
