@@ -178,9 +178,7 @@ def _ddp(
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _alone(
-    group: Any, cfg: GPTConfig, args: argparse.Namespace
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _alone(cfg: GPTConfig, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model with no wrapper: each rank steps on its own shard, nothing is communicated."""
     torch.manual_seed(args.seed)
     model = GPT(cfg)
@@ -207,7 +205,7 @@ def training_part(part: str, args: argparse.Namespace, gloo: Any, cfg: GPTConfig
     make = _ddp if part == "ddp" else _fsdp2
     setups = {"commlib_ring": make(dist.group.WORLD, cfg, args), "gloo": make(gloo, cfg, args)}
     if part == "ddp":
-        setups["none"] = _alone(None, cfg, args)
+        setups["none"] = _alone(cfg, args)
     counter = {name: 0 for name in setups}
 
     def turn(name: str) -> Callable[[], float]:

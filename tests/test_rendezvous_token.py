@@ -144,3 +144,24 @@ def test_under_torchrun_s_store_the_starting_process_does_not_count() -> None:
     assert job_token(
         _env(1, "torchrun"), {"TORCHELASTIC_RUN_ID": "r9"}, local_parent=False
     ).distinguishes_jobs
+
+
+def test_a_refusal_grace_counts_only_for_ranks_still_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's wait after refusing a derived token ends early only for a rank that has not come since."""
+    from backends.common import admission
+
+    now = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: now[0])
+    grace = admission.RefusalGrace()
+    grace.start(1, "rank 1 never came")
+    grace.start(1, "a later refusal does not extend the first")
+    grace.start(2, "rank 2 never came")
+    due = 100.0 + admission.REFUSAL_GRACE_S
+    assert grace.deadline(500.0, {1, 2}) == due
+    assert grace.deadline(500.0, {3}) == 500.0  # ranks 1 and 2 are in: the rendezvous deadline holds
+    assert grace.deadline(101.0, {1}) == 101.0
+    assert grace.over({1, 2}) is None  # not yet
+    now[0] = due
+    assert grace.over({1, 2}) == "rank 1 never came"
+    assert grace.over({2}) == "rank 2 never came"
+    assert grace.over({3}) is None  # whoever was refused, this job's ranks 1 and 2 came

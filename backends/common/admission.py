@@ -174,9 +174,9 @@ class RefusalGrace:
         """Give this job's ``rank`` ``REFUSAL_GRACE_S`` to arrive; ``message`` is the error if it does not."""
         self._due.setdefault(rank, (time.monotonic() + REFUSAL_GRACE_S, message))
 
-    def deadline(self, deadline: float) -> float:
-        """The earlier of ``deadline`` and the end of the first grace still running."""
-        return min([deadline, *(due for due, _ in self._due.values())])
+    def deadline(self, deadline: float, missing: set[int]) -> float:
+        """The earlier of ``deadline`` and the end of the first grace of a rank still ``missing``."""
+        return min([deadline, *(due for rank, (due, _) in self._due.items() if rank in missing)])
 
     def over(self, missing: set[int]) -> str | None:
         """The error for a rank still ``missing`` whose grace has ended, else None."""

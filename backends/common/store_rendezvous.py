@@ -365,15 +365,16 @@ class _Leader:
         while len(self.accepted) < ctx.env.world_size - 1:
             if ctx.expired():  # answers may keep coming (a flood of slots): the deadline still holds
                 self._fail(RendezvousTimeoutError(self._timeout_message()))
-            never_came = self.grace.over(self._missing())
+            missing = self._missing()
+            never_came = self.grace.over(missing)
             if never_came is not None:
                 self._fail(RendezvousError(never_came))
-            wait = max(0.0, self.grace.deadline(ctx.deadline) - time.monotonic())
+            wait = max(0.0, self.grace.deadline(ctx.deadline, missing) - time.monotonic())
             try:
                 raw = _get(self.store, f"{ctx.base}/answer/{slot}", datetime.timedelta(seconds=wait))
             except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError and others
-                if time.monotonic() < ctx.deadline and self.grace.over(self._missing()) is not None:
-                    continue  # a grace ended: raised above
+                if _is_timeout(e) and time.monotonic() < ctx.deadline:
+                    continue  # a grace ended before the deadline: checked above, then the same slot again
                 if _is_timeout(e) or time.monotonic() >= ctx.deadline:
                     self._fail(RendezvousTimeoutError(self._timeout_message()))
                 self._fail(RendezvousError(f"{ctx.prefix}the store at {ctx.master} failed: {e}"))

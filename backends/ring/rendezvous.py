@@ -387,10 +387,11 @@ class _Leader:
         env = self.ctx.env
         try:
             while len(self.peers) < env.world_size:
-                never_came = self.grace.over(self._missing())
+                missing = self._missing()
+                never_came = self.grace.over(missing)
                 if never_came is not None:
                     self._fail(RendezvousError(never_came))
-                arrival = self.lobby.next_frame(self.grace.deadline(self.ctx.deadline))
+                arrival = self.lobby.next_frame(self.grace.deadline(self.ctx.deadline, missing))
                 if arrival is None:
                     if time.monotonic() < self.ctx.deadline:
                         continue  # a grace ended: checked above
