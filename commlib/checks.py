@@ -72,7 +72,9 @@ class ArgumentChecks:
                 f"{self._prefix(op)}'{arg}' has dtype {dtype_name(tensor.dtype)}, which this "
                 f"backend does not support (supported: {names}); convert it with .to(...)"
             )
-        if tensor.device.type not in self.supported_devices:
+        if not (tensor.is_cpu and "cpu" in self.supported_devices) and (
+            tensor.device.type not in self.supported_devices
+        ):
             devices = ", ".join(sorted(self.supported_devices))
             raise ValueError(
                 f"{self._prefix(op)}'{arg}' is on device {tensor.device}, which the "

@@ -46,6 +46,7 @@ waits for the copies back; the host never waits for the caller's stream.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -1090,23 +1091,29 @@ class RingProcessGroup(IProcessGroup):
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
         p2p = self._peer_links_for("send")
         label = self._p2p_label("send", tensor, dst, tag)
+        if tensor.is_cpu:  # the links read it in place
+            body: Callable[[], Any] = functools.partial(p2p.send, tensor, dst, tag, label)
+        else:
 
-        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            if staged[0] is not None:
-                staged[0].wait_host()
-            p2p.send(hosts[0], dst, tag, label)
+            def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
+                if staged[0] is not None:
+                    staged[0].wait_host()
+                p2p.send(hosts[0], dst, tag, label)
 
-        body = on_host(self.timeout, run, Staged(tensor, copy_out=False))
+            body = on_host(self.timeout, run, Staged(tensor, copy_out=False))
         return p2p.send_lane(dst).submit(label, body, async_op, tensor)
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
         p2p = self._peer_links_for("recv")
         label = self._p2p_label("recv", tensor, src, tag)
+        if tensor.is_cpu:  # the links write it in place
+            body: Callable[[], Any] = functools.partial(p2p.recv, tensor, src, tag, label)
+        else:
 
-        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
-            return p2p.recv(hosts[0], src, tag, label)
+            def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
+                return p2p.recv(hosts[0], src, tag, label)
 
-        body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
+            body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
         return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)
 
     # --------------------------------------------------------------- subgroups

@@ -127,6 +127,8 @@ def _describe(nbytes: int, numel: int, dtype: int) -> str:
 @dataclasses.dataclass
 class _Outgoing:
     link: SendLink
+    taking: str
+    """What a send waits for, in a timeout's message."""
     next_msg: int = 1
     failed: BaseException | None = None
 
@@ -221,20 +223,19 @@ class PointToPoint:
             CommTimeoutError: ``dst`` did not take the message within the timeout.
             PeerFailureError: The link to ``dst`` failed (now or earlier).
         """
-        out = self._outgoing_to(dst, label)
+        out = self._outgoing.get(dst) or self._outgoing_to(dst, label)
         if out.failed is not None:
             raise PeerFailureError(
                 f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
                 "the other ranks still works"
             )
-        link, numel = out.link, data.numel()
-        nbytes = numel * data.element_size()
+        link, numel, nbytes = out.link, data.numel(), data.nbytes
         # Four pieces or more, each between a slot's share and a whole slot: copies overlap, and a
         # long message costs few hand-offs.
         piece = min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
         msg = out.next_msg
-        out.next_msg += 1
-        header = _Header(msg, tag, nbytes, numel, piece, _dtype_code(data.dtype))
+        out.next_msg = msg + 1
+        header = _Header(msg, tag, nbytes, numel, piece, _CODES.get(data.dtype, 255))
         posted = False
         try:
             if nbytes <= piece:
@@ -245,7 +246,7 @@ class PointToPoint:
                 for start in range(piece, nbytes, piece):
                     link.send(data[start : start + piece])
             posted = True
-            code, *theirs = link.await_verdict(msg, f"rank {dst} to take the message")
+            code, *theirs = link.await_verdict(msg, out.taking)
         except (CommError, OSError) as e:
             if self._closing:
                 raise GroupClosedError(f"{label}: the group was closed during the send") from e
@@ -297,7 +298,7 @@ class PointToPoint:
             if link is None:
                 sock.close()
         sock.settimeout(self._timeout)
-        out = _Outgoing(link)
+        out = _Outgoing(link, f"rank {dst} to take the message")
         with self._links:
             if self._closing:
                 link.shutdown()
@@ -347,13 +348,12 @@ class PointToPoint:
             PeerFailureError: The link from ``src`` failed (now or earlier).
         """
         self._start_acceptor()
-        numel = data.numel()
-        mine = (numel * data.element_size(), numel, _dtype_code(data.dtype))
+        mine = (data.nbytes, data.numel(), _CODES.get(data.dtype, 255))
         if src is None:
             return self._recv_any(data, tag, mine, label)
-        incoming = self._incoming_from(src, label)
+        incoming = self._incoming.get(src) or self._incoming_from(src, label)
         with incoming.lock:
-            aside = self._aside(incoming, tag)
+            aside = self._aside(incoming, tag) if incoming.aside else None
             if aside is None:
                 self._take(incoming, src, data, tag, mine, label, wait=True)
             else:

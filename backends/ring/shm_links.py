@@ -28,6 +28,7 @@ import collections
 import os
 import socket
 import struct
+from typing import Any
 
 import torch
 
@@ -48,22 +49,22 @@ _RECV_SLEEPING = 16  # the receiver sleeps, waiting for _POSTED
 _CONSUMED = 24  # messages the receiver has finished with (their slots are free)
 _SEND_SLEEPING = 32  # the sender sleeps, waiting for _CONSUMED
 _VERDICT = 40  # point-to-point: the receiver's verdict on a message (number, then 4 words of verdict)
+_VERDICT_WORDS = struct.Struct("=5q")  # the five words at _VERDICT, as bytes of the region's mapping
 
-# A slot: a header, then (metadata messages) the record and a retired region, then the payload.
-# Header: kind, where a metadata message's payload is (_NO_PAYLOAD, _KIND_DATA: in the slot,
-# _KIND_LENT: lent), payload bytes, and for a lent chunk its offset and region (fd, size, token).
-_SLOT_HEADER = struct.Struct("=IIQQqQ16s")
-_RECORD_AT = 64
-_RETIRED = struct.Struct("=q16s")  # a lent region that is gone (fd -1: none)
-_RETIRED_AT = _RECORD_AT + META_BYTES
+# A slot: a header, then the payload. The header: kind, where a metadata message's payload is
+# (_NO_PAYLOAD, _KIND_DATA: in the slot, _KIND_LENT: lent), payload bytes; for a lent chunk its
+# offset and region (fd, size, token); a lent region that is gone (fd -1: none; token); then a
+# metadata message's record. One pack and one unpack per message.
+_SLOT_HEADER = struct.Struct(f"=IIQQqQ16sq16s{META_BYTES}s")
 _PAYLOAD_AT = 192
 _KIND_META = 1  # a metadata record, maybe with a payload
 _KIND_DATA = 2  # a chunk in the slot
 _KIND_LENT = 3  # a chunk at `offset` of the sender's region (fd, size, token)
 _NO_PAYLOAD = 0
+_NOTHING_RETIRED = (-1, b"")
 _MAX_VIEWS = 256  # typed views of slot payloads kept per inbox (one per slot, dtype and size)
 _KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data"}
-assert _RETIRED_AT + _RETIRED.size <= _PAYLOAD_AT
+assert _SLOT_HEADER.size <= _PAYLOAD_AT
 
 
 class Inbox:
@@ -187,28 +188,45 @@ class ShmSendLink(SendLink):
         self._lent_until = 0
         self._retired: collections.deque[tuple[int, bytes]] = collections.deque()
 
-    def _claim(
-        self,
-        kind: int,
-        nbytes: int,
-        offset: int = 0,
-        region: RegionId | None = None,
-        *,
-        payload: int = _NO_PAYLOAD,
-    ) -> int:
-        """Wait for a free slot, write its header, and return its index (the message's number)."""
+    def _claim(self, nbytes: int, *, lent: bool = False) -> int:
+        """Wait for a free slot and return its index (the number of the message it will hold)."""
         bell, inbox = self.bell, self.inbox
-        if nbytes > inbox.chunk_bytes and _KIND_LENT not in (kind, payload):
+        if nbytes > inbox.chunk_bytes and not lent:
             raise CommError(
                 f"a {nbytes}-byte message does not fit a {inbox.chunk_bytes}-byte slot of {self.describe}"
             )
         index = bell.count
         bell.wait_for(index + 1 - inbox.slots, "a free slot")
+        return index
+
+    def _post(
+        self,
+        index: int,
+        kind: int,
+        nbytes: int,
+        *,
+        payload: int = _NO_PAYLOAD,
+        lent: tuple[RegionId, int] | None = None,
+        retired: tuple[int, bytes] = _NOTHING_RETIRED,
+        record: bytes = b"",
+    ) -> None:
+        """Write slot ``index``'s header and post the message."""
+        region, offset = lent if lent is not None else (None, 0)
         fd, size, token = (region.fd, region.size, region.token) if region is not None else (-1, 0, b"")
         _SLOT_HEADER.pack_into(
-            inbox.region.map, inbox.header_at(index), kind, payload, nbytes, offset, fd, size, token
+            self.inbox.region.map,
+            self.inbox.header_at(index),
+            kind,
+            payload,
+            nbytes,
+            offset,
+            fd,
+            size,
+            token,
+            *retired,
+            record,
         )
-        return index
+        self.bell.advance()
 
     def send_meta(
         self, record: bytes, payload: torch.Tensor | None = None, lent: tuple[RegionId, int] | None = None
@@ -217,38 +235,36 @@ class ShmSendLink(SendLink):
 
         The header also names one retired region, if any is waiting to be announced.
         """
-        inbox = self.inbox
-        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+        nbytes = 0 if payload is None else payload.nbytes
+        lend = lent is not None and self.can_lend
+        index = self._claim(nbytes, lent=lend)
         if payload is None:
-            index = self._claim(_KIND_META, 0)
-        elif lent is not None and self.can_lend:
-            index = self._claim(_KIND_META, nbytes, lent[1], lent[0], payload=_KIND_LENT)
+            where = _NO_PAYLOAD
+        elif lend:
+            where = _KIND_LENT
         else:
-            index = self._claim(_KIND_META, nbytes, payload=_KIND_DATA)
+            where = _KIND_DATA
             if nbytes:
-                kernels.copy(inbox.payload(index, payload.dtype, nbytes), payload)  # type: ignore[union-attr]
-        start = inbox.header_at(index)
-        inbox.region.map[start + _RECORD_AT : start + _RECORD_AT + META_BYTES] = record
-        fd, token = self._retired.popleft() if self._retired else (-1, b"")
-        _RETIRED.pack_into(inbox.region.map, start + _RETIRED_AT, fd, token)
-        self.bell.advance()
-        if lent is not None and self.can_lend:
+                kernels.copy(self.inbox.payload(index, payload.dtype, nbytes), payload)
+        retired = self._retired.popleft() if self._retired else _NOTHING_RETIRED
+        lent = lent if lend else None
+        self._post(index, _KIND_META, nbytes, payload=where, lent=lent, retired=retired, record=record)
+        if lend:
             self._lent_until = self.bell.count
 
     def send(self, chunk: torch.Tensor) -> None:
         """Copy ``chunk`` into the next free slot and post it."""
-        nbytes = chunk.numel() * chunk.element_size()
-        index = self._claim(_KIND_DATA, nbytes)
+        nbytes = chunk.nbytes
+        index = self._claim(nbytes)
         if nbytes:
             kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
-        self.bell.advance()
+        self._post(index, _KIND_DATA, nbytes)
 
     def lend(self, chunk: torch.Tensor, region: RegionId, offset: int) -> None:
         """Post where ``chunk`` lies in ``region``; the receiver reads it from there."""
         if not self.can_lend:
             super().lend(chunk, region, offset)
-        self._claim(_KIND_LENT, chunk.numel() * chunk.element_size(), offset, region)
-        self.bell.advance()
+        self._post(self._claim(0, lent=True), _KIND_LENT, chunk.nbytes, lent=(region, offset))
         self._lent_until = self.bell.count
 
     def wait_returned(self) -> None:
@@ -262,13 +278,12 @@ class ShmSendLink(SendLink):
         they are final once the counter has passed it.
         """
         self.bell.wait_for(self.bell.count, what)
-        words = self.inbox.region.words
-        if words[_VERDICT] != msg:
+        named, *verdict = _VERDICT_WORDS.unpack_from(self.inbox.region.map, _VERDICT * 8)
+        if named != msg:
             raise CommError(
-                f"protocol error from {self.describe} ({what}): its verdict names message "
-                f"{words[_VERDICT]}, not {msg}"
+                f"protocol error from {self.describe} ({what}): its verdict names message {named}, not {msg}"
             )
-        return tuple(words[_VERDICT + 1 : _VERDICT + 5])
+        return tuple(verdict)
 
     def retire(self, fd: int, token: bytes) -> None:
         """Tell the receiver, in a coming metadata record, that a lent region is gone (any thread)."""
@@ -322,7 +337,7 @@ class ShmRecvLink(RecvLink):
         """How many of the sender's regions this rank has mapped."""
         return len(self._lent)
 
-    def _next(self, what: str) -> tuple[int, int, int, int, int, int, bytes]:
+    def _next(self, what: str) -> tuple[Any, ...]:
         """Wait for the next message and return its header (see ``_SLOT_HEADER``)."""
         bell = self.bell
         bell.wait_for(bell.count + 1, what)
@@ -337,12 +352,9 @@ class ShmRecvLink(RecvLink):
 
     def recv_meta(self) -> bytes:
         """Receive one metadata record; a payload that came with it is read by the next ``recv_*``."""
-        kind, payload, nbytes, offset, fd, size, token = self._next("metadata")
+        kind, payload, nbytes, offset, fd, size, token, gone_fd, gone_token, record = self._next("metadata")
         if kind != _KIND_META:
             raise self._unexpected(kind, "metadata")
-        start = self.inbox.header_at(self.bell.count)
-        record = bytes(self.inbox.region.map[start + _RECORD_AT : start + _RECORD_AT + META_BYTES])
-        gone_fd, gone_token = _RETIRED.unpack_from(self.inbox.region.map, start + _RETIRED_AT)
         if gone_fd >= 0:  # a region of the sender's is gone
             region = self._lent.pop((gone_fd, gone_token), None)
             if region is not None:
@@ -359,11 +371,11 @@ class ShmRecvLink(RecvLink):
 
     def _incoming_lent(self, dst: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """A view of the next chunk, and whether it lies in the sender's buffer (lent)."""
-        expected = dst.numel() * dst.element_size()
+        expected = dst.nbytes
         if self._held is not None:
             (kind, nbytes, offset, fd, size, token), self._held = self._held, None
         else:
-            kind, _, nbytes, offset, fd, size, token = self._next("data")
+            kind, _, nbytes, offset, fd, size, token = self._next("data")[:7]
         if nbytes != expected:
             raise CommError(
                 f"{self.describe} sent a {nbytes}-byte chunk where this rank expected {expected} bytes; "
@@ -389,10 +401,7 @@ class ShmRecvLink(RecvLink):
 
     def post_verdict(self, msg: int, verdict: tuple[int, int, int, int]) -> None:
         """Write the verdict words; the counter's next advance (fenced) publishes them."""
-        words = self.inbox.region.words
-        for i, value in enumerate(verdict, _VERDICT + 1):
-            words[i] = value
-        words[_VERDICT] = msg
+        _VERDICT_WORDS.pack_into(self.inbox.region.map, _VERDICT * 8, msg, *verdict)
 
     def ready(self) -> bool:
         """True if a message is posted (or held) and not yet consumed.
