@@ -414,12 +414,27 @@ def test_kernels_match_torch_bit_for_bit(dtype: torch.dtype, numel: int) -> None
         assert torch.equal(divided, a / 3)
 
 
-@pytest.mark.parametrize("numel", [16, 3 * kernels.PIECE])
+@pytest.mark.parametrize(
+    "numel", [16, kernels.SMALL_COPY_BYTES - 1, kernels.SMALL_COPY_BYTES, 3 * kernels.PIECE]
+)
 def test_a_copy_moves_bytes_as_they_are_even_in_bool_tensors(numel: int) -> None:
     packed = (torch.arange(numel, dtype=torch.int64) % 7).to(torch.uint8)  # bytes 2..6 are no canonical bool
     out = torch.empty(numel, dtype=torch.bool)
     kernels.copy(out, packed.view(torch.bool))
     assert torch.equal(out.view(torch.uint8), packed)
+
+
+def test_a_small_copy_of_a_strided_or_shorter_tensor_takes_torchs_path() -> None:
+    """The one-``memmove`` path is only for contiguous host tensors of equal size."""
+    source = torch.arange(64, dtype=torch.float32)
+    strided = torch.empty(32)
+    kernels.copy(strided, source[::2])
+    assert torch.equal(strided, source[::2])
+    into_strided = torch.zeros(64)
+    kernels.copy(into_strided[::2], source[:32])
+    assert torch.equal(into_strided[::2], source[:32]) and not into_strided[1::2].any()
+    with pytest.raises(RuntimeError):
+        kernels.copy(torch.empty(32), source[:16])  # never reads past the shorter tensor
 
 
 def test_kernels_never_start_torchs_thread_team() -> None:

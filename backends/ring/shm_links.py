@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import socket
 import struct
@@ -65,6 +66,14 @@ _NOTHING_RETIRED = (-1, b"")
 _MAX_VIEWS = 256  # typed views of slot payloads kept per inbox (one per slot, dtype and size)
 _KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data"}
 assert _SLOT_HEADER.size <= _PAYLOAD_AT
+
+
+def _memmove(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+    """Copy ``nbytes`` from contiguous host tensor ``src`` to ``dst``: one call, no torch dispatch.
+
+    The tensors keep a slot's mapping alive while the copy runs, even if the link is closed meanwhile.
+    """
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
 class Inbox:
@@ -244,8 +253,7 @@ class ShmSendLink(SendLink):
             where = _KIND_LENT
         else:
             where = _KIND_DATA
-            if nbytes:
-                kernels.copy(self.inbox.payload(index, payload.dtype, nbytes), payload)
+            self._copy_in(index, payload, nbytes)
         retired = self._retired.popleft() if self._retired else _NOTHING_RETIRED
         lent = lent if lend else None
         self._post(index, _KIND_META, nbytes, payload=where, lent=lent, retired=retired, record=record)
@@ -256,9 +264,15 @@ class ShmSendLink(SendLink):
         """Copy ``chunk`` into the next free slot and post it."""
         nbytes = chunk.nbytes
         index = self._claim(nbytes)
-        if nbytes:
-            kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
+        self._copy_in(index, chunk, nbytes)
         self._post(index, _KIND_DATA, nbytes)
+
+    def _copy_in(self, index: int, chunk: torch.Tensor, nbytes: int) -> None:
+        """Copy ``chunk`` into slot ``index``."""
+        if nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes and chunk.is_contiguous():
+            _memmove(self.inbox.payloads[index % self.inbox.slots], chunk, nbytes)
+        elif nbytes:
+            kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
 
     def lend(self, chunk: torch.Tensor, region: RegionId, offset: int) -> None:
         """Post where ``chunk`` lies in ``region``; the receiver reads it from there."""
@@ -371,7 +385,14 @@ class ShmRecvLink(RecvLink):
 
     def _incoming_lent(self, dst: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """A view of the next chunk, and whether it lies in the sender's buffer (lent)."""
-        expected = dst.nbytes
+        nbytes = dst.nbytes
+        kind, offset, fd, size, token = self._chunk_header(nbytes)
+        if kind == _KIND_DATA:
+            return self.inbox.payload(self.bell.count, dst.dtype, nbytes), False
+        return self._lent_region(fd, size, token).data[offset : offset + nbytes].view(dst.dtype), True
+
+    def _chunk_header(self, expected: int) -> tuple[int, int, int, int, bytes]:
+        """The next chunk's kind and where a lent one lies (offset, fd, size, token); check its size."""
         if self._held is not None:
             (kind, nbytes, offset, fd, size, token), self._held = self._held, None
         else:
@@ -381,11 +402,9 @@ class ShmRecvLink(RecvLink):
                 f"{self.describe} sent a {nbytes}-byte chunk where this rank expected {expected} bytes; "
                 "the ranks disagree on the collective's tensor sizes"
             )
-        if kind == _KIND_DATA:
-            return self.inbox.payload(self.bell.count, dst.dtype, nbytes), False
-        if kind == _KIND_LENT:
-            return self._lent_region(fd, size, token).data[offset : offset + nbytes].view(dst.dtype), True
-        raise self._unexpected(kind, "data")
+        if kind != _KIND_DATA and kind != _KIND_LENT:
+            raise self._unexpected(kind, "data")
+        return kind, offset, fd, size, token
 
     def _lent_region(self, fd: int, size: int, token: bytes) -> Region:
         region = self._lent.get((fd, token))
@@ -413,7 +432,16 @@ class ShmRecvLink(RecvLink):
 
     def recv_into(self, dst: torch.Tensor) -> None:
         """Copy the next chunk into ``dst``."""
-        kernels.copy(dst, self._incoming(dst))
+        nbytes = dst.nbytes
+        if nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes and dst.is_contiguous():
+            kind, offset, fd, size, token = self._chunk_header(nbytes)
+            if kind == _KIND_DATA:
+                _memmove(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
+            else:
+                region = self._lent_region(fd, size, token)
+                kernels.copy(dst, region.data[offset : offset + nbytes].view(dst.dtype))
+        else:
+            kernels.copy(dst, self._incoming(dst))
         self.bell.advance()
 
     def forward(self, like: torch.Tensor, send: SendLink) -> None:
