@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import datetime
 import functools
@@ -67,6 +66,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import commlib  # noqa: E402
+from benchmarks._rows import write_csv  # noqa: E402
 from benchmarks._spawn import PORTS_VAR, add_spawn_arguments, backend_names, spawn_or_run  # noqa: E402
 from commlib import IProcessGroup  # noqa: E402
 from commlib.env import DistEnv  # noqa: E402
@@ -876,11 +876,7 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.suppress(Exception):
                 mode.close()
     if lead and args.csv is not None:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(all_rows)
+        write_csv(args.csv, columns, all_rows)
         say(f"\nwrote {len(all_rows)} rows to {args.csv}")
     if not ok:
         print(

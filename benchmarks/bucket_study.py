@@ -60,6 +60,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import commlib  # noqa: E402
+from benchmarks._rows import write_csv  # noqa: E402
 from benchmarks._spawn import add_spawn_arguments, backend_names, spawn_or_run  # noqa: E402
 from benchmarks.allreduce_bench import agree_ports, open_mpi_comm  # noqa: E402
 from commlib.process_group import IProcessGroup  # noqa: E402
@@ -395,16 +396,6 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             f"{_fmt(r['predicted_step_time_ms'], '.1f'):>8}"
         )
     return lines
-
-
-def write_csv(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    """Write ``rows`` under ``columns`` (None as an empty cell)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in columns})
 
 
 def plot(path: Path, rows: list[dict[str, Any]], summaries: list[dict[str, Any]], title: str) -> None:

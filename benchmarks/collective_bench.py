@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import datetime
 import os
@@ -54,6 +53,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import commlib  # noqa: E402
+from benchmarks._rows import write_csv  # noqa: E402
 from benchmarks._spawn import add_spawn_arguments, backend_names, spawn_or_run  # noqa: E402
 from benchmarks.allreduce_bench import agree_ports, format_size, open_mpi_comm, parse_size  # noqa: E402
 from commlib.env import DistEnv  # noqa: E402
@@ -504,11 +504,7 @@ def run(args: argparse.Namespace) -> int:
         for line in targets:
             say(line)
     if lead and args.csv is not None:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-            writer.writeheader()
-            writer.writerows(all_rows)
+        write_csv(args.csv, CSV_COLUMNS, all_rows)
         say(f"\nwrote {len(all_rows)} rows to {args.csv}")
     if not ok:
         print(

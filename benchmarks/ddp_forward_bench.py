@@ -27,8 +27,6 @@ machine does not move.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import datetime
 import platform
 import statistics
@@ -44,6 +42,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import commlib  # noqa: E402
+from benchmarks._rows import write_csv  # noqa: E402
 from benchmarks.ddp_step_bench import NullGroup  # noqa: E402
 from ddp import DistributedDataParallel  # noqa: E402
 
@@ -155,14 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.backward_calls:
         for cap, what in ((25.0, "25 MiB buckets"), (0.01, "10 KiB buckets")):
             py, c, buckets = count_backward_calls(cap)
-            print(f"one backward, 200 parameters, {what} ({buckets}): {py} Python calls ({py / 200:.1f} a "
-                  f"gradient), {c} C calls")
+            print(
+                f"one backward, 200 parameters, {what} ({buckets}): {py} Python calls ({py / 200:.1f} a "
+                f"gradient), {c} C calls"
+            )
     if args.csv:
-        with contextlib.ExitStack() as stack:
-            f = stack.enter_context(open(args.csv, "w", newline=""))
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, list(rows[0]), rows)
     return 0
 
 

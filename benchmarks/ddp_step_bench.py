@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import datetime
 import hashlib
@@ -94,6 +93,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import commlib  # noqa: E402
+from benchmarks._rows import write_csv  # noqa: E402
 from benchmarks._spawn import add_spawn_arguments, backend_names, spawn_or_run  # noqa: E402
 from benchmarks.allreduce_bench import agree_ports, open_mpi_comm  # noqa: E402
 from commlib.work import CompletedWork, Work  # noqa: E402
@@ -973,11 +973,7 @@ def run(args: argparse.Namespace) -> int:
         for line in verdicts(rows):
             say(line)
         if lead and args.csv is not None:
-            args.csv.parent.mkdir(parents=True, exist_ok=True)
-            with args.csv.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-                writer.writeheader()
-                writer.writerows(rows)
+            write_csv(args.csv, CSV_COLUMNS, rows)
             say(f"wrote {len(rows)} rows to {args.csv}")
         ok = all(identical.values())
         if not ok:

@@ -33,7 +33,6 @@ Rank 0 prints the tables and writes ``--csv`` (default
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import statistics
 import sys
@@ -50,6 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import commlib.torch_backend  # noqa: E402,F401 - registers commlib_ring
+from benchmarks._rows import write_csv  # noqa: E402
 from benchmarks._spawn import add_spawn_arguments, spawn_or_run  # noqa: E402
 from examples.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
@@ -273,11 +273,7 @@ def run(args: argparse.Namespace) -> int:
             path = args.csv or REPO_ROOT / "benchmarks" / "results" / (
                 f"torch_backend_{datetime.date.today().isoformat()}.csv"
             )
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-                writer.writeheader()
-                writer.writerows(rows)
+            write_csv(path, CSV_COLUMNS, rows)
             print(f"wrote {path}")
         dist.barrier()
     finally:

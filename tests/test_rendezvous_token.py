@@ -165,3 +165,12 @@ def test_a_refusal_grace_counts_only_for_ranks_still_missing(monkeypatch: pytest
     assert grace.over({1, 2}) == "rank 1 never came"
     assert grace.over({2}) == "rank 2 never came"
     assert grace.over({3}) is None  # whoever was refused, this job's ranks 1 and 2 came
+
+
+def test_rank0s_log_line_after_a_refusal_says_what_it_does_next() -> None:
+    from backends.common.admission import REFUSAL_GRACE_S, still_waiting
+
+    assert still_waiting(1, {1, 2}, False) == f"waiting {REFUSAL_GRACE_S:g} s for this job's rank 1"
+    assert still_waiting(1, {1}, True).startswith("stopping: COMMLIB_JOB_TOKEN is set")  # no wait then
+    assert still_waiting(1, {2}, False) == "this job's rank 1 is in already"
+    assert still_waiting(0, {1}, False).startswith("it claimed rank 0")

@@ -200,8 +200,13 @@ def refused_rank_never_came(
     )
 
 
-def still_waiting(rank: int, missing: set[int]) -> str:
-    """The end of rank 0's log line about a refused peer that claimed ``rank``: what rank 0 does next."""
+def still_waiting(rank: int, missing: set[int], stops: bool) -> str:
+    """The end of rank 0's log line about a refused peer that claimed ``rank``: what rank 0 does next.
+
+    ``stops``: rank 0 fails the rendezvous now (``refusal_stops_rank0``).
+    """
+    if stops:
+        return f"stopping: COMMLIB_JOB_TOKEN is set, so a peer claiming missing rank {rank} is this job's own"
     if rank in missing:
         return f"waiting {REFUSAL_GRACE_S:g} s for this job's rank {rank}"
     if rank == 0:

@@ -450,7 +450,7 @@ class _Leader:
             who,
             record["identity"],
             ctx.token.identity,
-            still_waiting(rank, self._missing()),
+            still_waiting(rank, self._missing(), stop),
         )
         if stop:
             self._fail(

@@ -483,7 +483,7 @@ class _Leader:
         self.lobby.drop(
             visitor,
             f"{who} holds another job token (its job: {hello['identity']}; this job: "
-            f"{ctx.token.identity}); {still_waiting(rank, self._missing())}",
+            f"{ctx.token.identity}); {still_waiting(rank, self._missing(), stop)}",
             level=logging.WARNING if first and not stop else logging.DEBUG,  # stopping: the error says it
         )
         if stop:

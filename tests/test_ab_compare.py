@@ -1,0 +1,95 @@
+"""``benchmarks/ab_compare.py``: runs from two checkouts take turns, and the summary's medians and ratios."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+HEADER = ["size_bytes", "size", "op", "mode", "median_us", "ratio_vs_gloo", "ratio_vs_mpi"]
+
+
+@pytest.fixture(scope="module")
+def ab() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ab_compare", REPO_ROOT / "benchmarks" / "ab_compare.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(path: Path, rows: list[list[object]]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(HEADER)
+        writer.writerows(rows)
+
+
+def test_summary_takes_the_median_over_rounds_per_tree_and_the_ratio(ab: ModuleType, tmp_path: Path) -> None:
+    for round_, (base, new) in enumerate([(20.0, 10.0), (30.0, 14.0), (22.0, 40.0)], start=1):
+        _write(
+            tmp_path / f"collective_bench_base_{round_}.csv",
+            [[4096, "4 KiB", "pingpong", "ring", base, "", 4.0]],
+        )
+        _write(
+            tmp_path / f"collective_bench_new_{round_}.csv",
+            [[4096, "4 KiB", "pingpong", "ring", new, "", 2.0]],
+        )
+    text = ab.summarize(tmp_path)
+    latency = next(line for line in text.splitlines() if "latency us" in line)
+    assert "base 22 [20-30]" in latency and "new 14 [10-40]" in latency
+    assert latency.rstrip().endswith(f"new/base {14 / 22:.3f}")
+    versus_mpi = next(line for line in text.splitlines() if "ours / MPICH" in line)
+    assert versus_mpi.rstrip().endswith("new/base 0.500")
+    assert "ours / Gloo" not in text  # an empty column is no measure
+
+
+def test_runs_alternate_between_the_trees_and_write_one_csv_each(ab: ModuleType, tmp_path: Path) -> None:
+    trees = []
+    for name in ("base", "new"):
+        bench = tmp_path / name / "benchmarks"
+        bench.mkdir(parents=True)
+        latency = 10 if name == "base" else 5
+        (bench / "fake_bench.py").write_text(
+            "import csv, sys\n"
+            "with open(sys.argv[sys.argv.index('--csv') + 1], 'w', newline='') as f:\n"
+            f"    csv.writer(f).writerows([{HEADER!r}, [64, '64 B', 'x', 'ring', {latency}, '', '']])\n"
+            f"open({str(tmp_path / 'order.txt')!r}, 'a').write({name!r} + '\\n')\n"
+        )
+        trees.append(tmp_path / name)
+    out = tmp_path / "out"
+    status = ab.main(
+        [
+            "--base",
+            str(trees[0]),
+            "--new",
+            str(trees[1]),
+            "--out",
+            str(out),
+            "--rounds",
+            "2",
+            "--run",
+            "fake_bench.py",
+        ]
+    )
+    assert status == 0
+    assert (tmp_path / "order.txt").read_text().split() == ["base", "new", "base", "new"]
+    assert sorted(p.name for p in out.glob("*.csv")) == [
+        "fake_bench_base_1.csv",
+        "fake_bench_base_2.csv",
+        "fake_bench_new_1.csv",
+        "fake_bench_new_2.csv",
+    ]
+    assert "new/base 0.500" in (out / "summary.txt").read_text()
+    assert len((out / "commands.txt").read_text().splitlines()) == 4
+
+
+def test_bad_arguments_exit_2(ab: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert ab.main(["--out", str(tmp_path), "--run", "x.py"]) == 2
+    assert "--base" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing was written
