@@ -235,6 +235,21 @@ def test_a_record_and_its_payload_share_one_slot(pair, tmp_path, dtype: torch.dt
     assert torch.equal(total, data + 1)
 
 
+def test_chunks_up_to_a_whole_slot_arrive_byte_for_byte(pair, tmp_path) -> None:
+    """Small chunks move by one memmove each way; a strided destination takes torch's copy."""
+    sender, receiver = _links(pair, tmp_path, slots=2, chunk_bytes=4096)
+    for nbytes in (1, 13, 4095, 4096):
+        packed = (torch.arange(nbytes) * 37 % 251).to(torch.uint8)
+        sender.send(packed.view(torch.bool))  # bytes other than 0 and 1 stay as they are
+        got = torch.empty(nbytes, dtype=torch.bool)
+        receiver.recv_into(got)
+        assert torch.equal(got.view(torch.uint8), packed)
+    sender.send(torch.arange(8, dtype=torch.float32))
+    strided = torch.zeros(16)
+    receiver.recv_into(strided[::2])
+    assert torch.equal(strided[::2], torch.arange(8, dtype=torch.float32)) and not strided[1::2].any()
+
+
 def test_a_chunk_of_the_wrong_size_or_kind_is_refused(pair, tmp_path) -> None:
     sender, receiver = _links(pair, tmp_path)
     sender.send(torch.ones(12))

@@ -40,7 +40,7 @@ PIECE = 16384
 """Elements per torch call: half of torch's parallel grain, so torch never starts its thread team."""
 
 SMALL_COPY_BYTES = 65536
-"""Copies below this size are one ``memmove``: torch's dispatch costs more than the bytes."""
+"""Copies of contiguous host tensors below this size are one ``memmove``, without torch's dispatch."""
 
 _NUMPY_DTYPES = frozenset(
     {torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}

@@ -76,6 +76,11 @@ def _memmove(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
+def _host_bytes(t: torch.Tensor) -> bool:
+    """True if ``t`` is contiguous host memory (what ``_memmove`` may read or write)."""
+    return t.is_cpu and t.is_contiguous()
+
+
 class Inbox:
     """A receiver-owned region of ``slots`` message slots, and the control words of the link."""
 
@@ -269,7 +274,7 @@ class ShmSendLink(SendLink):
 
     def _copy_in(self, index: int, chunk: torch.Tensor, nbytes: int) -> None:
         """Copy ``chunk`` into slot ``index``."""
-        if nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes and chunk.is_contiguous():
+        if nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes and _host_bytes(chunk):
             _memmove(self.inbox.payloads[index % self.inbox.slots], chunk, nbytes)
         elif nbytes:
             kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
@@ -433,7 +438,7 @@ class ShmRecvLink(RecvLink):
     def recv_into(self, dst: torch.Tensor) -> None:
         """Copy the next chunk into ``dst``."""
         nbytes = dst.nbytes
-        if nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes and dst.is_contiguous():
+        if nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes and _host_bytes(dst):
             kind, offset, fd, size, token = self._chunk_header(nbytes)
             if kind == _KIND_DATA:
                 _memmove(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
