@@ -54,8 +54,15 @@ def _different_collectives(group) -> str:
 def _die_mid_collective(group, victim: int, numel: int) -> tuple[str, str, float]:
     t = torch.ones(numel)
     if group.rank == victim:
-        group.all_reduce(t, async_op=True)
-        os._exit(17)  # die with the collective in flight
+        link = group._right  # noqa: SLF001 - the test stops the victim inside its collective
+        send = link.send
+
+        def send_then_die(*args: object) -> None:
+            send(*args)
+            os._exit(17)  # die with the collective in flight: one chunk sent, the rest never
+
+        link.send = send_then_die
+        group.all_reduce(t, async_op=True).wait()
     start = time.monotonic()
     try:
         group.all_reduce(t)
