@@ -1059,7 +1059,9 @@ class RingProcessGroup(IProcessGroup):
             theirs = outputs[left]
             if rows[left][2 * n]:  # the neighbour's block came with its record
                 kernels.copy(theirs.view(torch.uint8), payloads[left].view(torch.uint8)[head.numel() :])
-            self._stream([] if carry is not None else [inputs[left]], [] if rows[left][2 * n] else [theirs])
+            self._stream(
+                [] if carry is not None else [inputs[left]], [] if rows[left][2 * n] else [theirs], lend=True
+            )
             self._flush()
             return
         carried: list[torch.Tensor] = []
@@ -1068,24 +1070,44 @@ class RingProcessGroup(IProcessGroup):
             ahead = [(r + k) % n for k in range(1, n - s)]  # the ranks they are for, after this one
             outgoing = [inputs[(r + k) % n] for k in range(1, n)] if s == 1 else carried
             incoming = [outputs[origin]] + [torch.empty(sent[origin][d], dtype=meta.dtype) for d in ahead]
-            self._stream(outgoing, incoming)
+            self._stream(outgoing, incoming, lend=s == 1)  # the caller's inputs; later steps relay copies
             self._flush()
             carried = incoming[1:]
 
-    def _stream(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> None:
-        """Send ``outgoing`` to the right while ``incoming`` arrives from the left, one chunk each in turn."""
+    def _stream(
+        self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor], *, lend: bool = False
+    ) -> None:
+        """Send ``outgoing`` to the right while ``incoming`` arrives from the left, one chunk each in turn.
+
+        With ``lend``, a tensor of ``outgoing`` that lies in a shared buffer is lent: the right
+        neighbour copies its chunks straight out of it (one copy instead of two), and this returns
+        once the neighbour has read them all.
+        """
         send, recv = self._right, self._left
         assert send is not None and recv is not None
         if not outgoing and not incoming:
             return
         step = self._chunk_numel(incoming[0] if incoming else outgoing[0])
-        out = [t[i : i + step] for t in outgoing for i in range(0, t.numel(), step)]
+        spans = [self._lendable(t) if lend and send.can_lend else None for t in outgoing]
+        out = [
+            (t[i : i + step], span)
+            for t, span in zip(outgoing, spans, strict=True)
+            for i in range(0, t.numel(), step)
+        ]
         into = [t[i : i + step] for t in incoming for i in range(0, t.numel(), step)]
+        lent = False
         for k in range(max(len(out), len(into))):
             if k < len(out):
-                send.send(out[k])
+                chunk, span = out[k]
+                if span is None:
+                    send.send(chunk)
+                else:
+                    send.lend(chunk, span.region, span.offset(chunk))
+                    lent = True
             if k < len(into):
                 recv.recv_into(into[k])
+        if lent:
+            send.wait_returned()
 
     # --------------------------------------------------------- point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:

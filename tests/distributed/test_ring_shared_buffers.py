@@ -130,6 +130,37 @@ def _churn_buffers(group, count: int) -> tuple[int, int]:  # type: ignore[no-unt
     return most, group.mapped_peer_buffers
 
 
+def _all_to_all_from_buffers(group, steps: int, block: int) -> tuple[list[int], int]:  # type: ignore[no-untyped-def]
+    """``all_to_all_single``, uneven splits, from a shared buffer on even ranks and ordinary memory on odd.
+
+    The input is overwritten as soon as the call returns: a neighbour still reading a lent chunk
+    would then get the wrong values. Returns, per step, the wrong elements plus the lent chunks the
+    right neighbour had not yet read when the call returned (0 expected), and how many of the left
+    neighbour's buffers this rank has mapped.
+    """
+    n, r = group.world_size, group.rank
+    # Odd ranks get ten times more from every rank: a lender sends its right neighbour far more than
+    # it receives, so it is done receiving while the neighbour still reads its slots' worth of chunks.
+    splits = [block * (1 + 9 * (j % 2)) + j for j in range(n)]
+    total = sum(splits)
+    source = group.alloc_buffer(total, torch.int64) if r % 2 == 0 else torch.zeros(total, dtype=torch.int64)
+    start = sum(splits[:r])  # where each rank's block for this rank starts in its input
+    wrong = []
+    for step in range(steps):
+        source.copy_(torch.arange(total) + 1_000_000 * r + 1000 * step)
+        out = torch.empty(n * splits[r], dtype=torch.int64)
+        _busy((r + step) % n * 2)  # a different rank arrives last each time
+        group.all_to_all_single(out, source, [splits[r]] * n, splits)
+        link = group._right  # noqa: SLF001 - what the neighbour has read by the time the call returns
+        unread = max(0, link._lent_until - link.bell.peer_count)  # noqa: SLF001 - lent, not yet read
+        source.fill_(-1)
+        expected = torch.cat(
+            [torch.arange(start, start + splits[r]) + 1_000_000 * j + 1000 * step for j in range(n)]
+        )
+        wrong.append(int((out != expected).sum()) + unread)  # a lender returns once all is read
+    return wrong, group.mapped_peer_buffers
+
+
 def _one_side_lends(group, numel: int) -> list[int]:  # type: ignore[no-untyped-def]
     """Two ranks, one passing a shared buffer and the other ordinary memory, in turn, every op.
 
@@ -167,8 +198,15 @@ def _die_with_a_shared_bucket(group, victim: int, numel: int) -> tuple[str, floa
     bucket.fill_(1.0)
     group.all_reduce(bucket)  # one good step: the neighbour has mapped the buffer
     if group.rank == victim:
-        group.all_reduce(bucket, async_op=True)
-        os._exit(17)  # die with the collective in flight
+        link = group._right  # noqa: SLF001 - the test stops the victim inside its collective
+        lend = link.lend
+
+        def lend_then_die(*args: object) -> None:
+            lend(*args)
+            os._exit(17)  # die with the collective in flight: one chunk lent, the rest never
+
+        link.lend = lend_then_die
+        group.all_reduce(bucket)
     start = time.monotonic()
     try:
         group.all_reduce(bucket)
@@ -214,6 +252,15 @@ def test_buffers_over_tcp_are_ordinary_memory(pools) -> None:
 def test_one_rank_lending_and_the_other_not_reduce_alike(pools) -> None:
     for wrong in pools(2).run(_one_side_lends, 10_000, timeout=120):
         assert wrong == [0] * len(wrong), wrong
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_reads_shared_buffers_in_place(pools, world_size: int) -> None:
+    results = pools(world_size).run(_all_to_all_from_buffers, 4, 2000, timeout=120)
+    for rank, (wrong, mapped) in enumerate(results):
+        assert wrong == [0, 0, 0, 0], f"rank {rank}: wrong elements per step {wrong}"
+        if (rank - 1) % world_size % 2 == 0:  # its left neighbour lends from a shared buffer
+            assert mapped >= 1, f"rank {rank} copied its neighbour's blocks through the slots"
 
 
 @pytest.mark.parametrize(("world_size", "victim"), [(2, 1), (3, 2)])
