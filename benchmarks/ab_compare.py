@@ -95,7 +95,10 @@ def _spread(values: list[float]) -> str:
 
 
 def summarize(out: Path) -> str:
-    """One line per script, row and measure: each tree's median over rounds [min-max], and new / base."""
+    """One line per script, row and measure: each tree's median over rounds [min-max], and new / base.
+
+    A row only one tree has (a mode the other lacks) is listed with that tree's figures alone.
+    """
     # script -> (row key, measure) -> tree -> values over the rounds
     table: dict[str, dict[tuple[tuple[str, ...], str], dict[str, list[float]]]] = collections.defaultdict(
         lambda: collections.defaultdict(lambda: collections.defaultdict(list))
@@ -115,12 +118,12 @@ def summarize(out: Path) -> str:
         lines.append(f"{stem}: medians over the rounds [min-max]; new / base of the medians")
         for (key, measure), trees in sorted(rows.items(), key=lambda item: (item[0][1], _order(item[0][0]))):
             base, new = trees.get("base", []), trees.get("new", [])
-            if not base or not new:
-                continue
-            lines.append(
-                f"  {' '.join(key):38} {MEASURES[measure]:12} base {_spread(base):26} new {_spread(new):26}"
-                f" new/base {statistics.median(new) / statistics.median(base):.3f}"
-            )
+            line = f"  {' '.join(key):38} {MEASURES[measure]:12}"
+            line += f" base {_spread(base):26}" if base else f" {'(base: none)':31}"
+            line += f" new {_spread(new):26}" if new else f" {'(new: none)':30}"
+            if base and new:
+                line += f" new/base {statistics.median(new) / statistics.median(base):.3f}"
+            lines.append(line.rstrip())
     return "\n".join(lines) + "\n"
 
 

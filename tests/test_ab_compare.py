@@ -49,6 +49,20 @@ def test_summary_takes_the_median_over_rounds_per_tree_and_the_ratio(ab: ModuleT
     assert "ours / Gloo" not in text  # an empty column is no measure
 
 
+def test_a_row_only_one_tree_has_is_listed_alone(ab: ModuleType, tmp_path: Path) -> None:
+    _write(tmp_path / "collective_bench_base_1.csv", [[4096, "4 KiB", "all_to_all", "ring", 20.0, "", ""]])
+    _write(
+        tmp_path / "collective_bench_new_1.csv",
+        [
+            [4096, "4 KiB", "all_to_all", "ring", 10.0, "", ""],
+            [4096, "4 KiB", "all_to_all", "ring+buf", 5.0, "", ""],
+        ],
+    )
+    lines = ab.summarize(tmp_path).splitlines()
+    assert any("ring+buf" in line and "(base: none)" in line and "new 5 [5-5]" in line for line in lines)
+    assert any(" ring " in line and line.endswith("new/base 0.500") for line in lines)
+
+
 def test_runs_alternate_between_the_trees_and_write_one_csv_each(ab: ModuleType, tmp_path: Path) -> None:
     trees = []
     for name in ("base", "new"):
