@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -18,6 +17,7 @@ from commlib import (
     RendezvousError,
     RendezvousTimeoutError,
 )
+from tests._faults import die_after_first
 from tests._launcher import free_port, run_ranks, run_ranks_outcomes
 
 pytestmark = pytest.mark.multiprocess
@@ -54,15 +54,8 @@ def _different_collectives(group) -> str:
 def _die_mid_collective(group, victim: int, numel: int) -> tuple[str, str, float]:
     t = torch.ones(numel)
     if group.rank == victim:
-        link = group._right  # noqa: SLF001 - the test stops the victim inside its collective
-        send = link.send
-
-        def send_then_die(*args: object) -> None:
-            send(*args)
-            os._exit(17)  # die with the collective in flight: one chunk sent, the rest never
-
-        link.send = send_then_die
-        group.all_reduce(t, async_op=True).wait()
+        die_after_first(group._right, "send")  # noqa: SLF001 - the victim dies inside its collective
+        group.all_reduce(t)
     start = time.monotonic()
     try:
         group.all_reduce(t)

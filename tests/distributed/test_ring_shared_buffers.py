@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import gc
-import os
 import time
 
 import pytest
 import torch
 
 from commlib import PeerFailureError, ReduceOp
+from tests._faults import die_after_first
 from tests._launcher import RankPool, run_ranks_outcomes
 
 pytestmark = pytest.mark.multiprocess
@@ -198,14 +198,7 @@ def _die_with_a_shared_bucket(group, victim: int, numel: int) -> tuple[str, floa
     bucket.fill_(1.0)
     group.all_reduce(bucket)  # one good step: the neighbour has mapped the buffer
     if group.rank == victim:
-        link = group._right  # noqa: SLF001 - the test stops the victim inside its collective
-        lend = link.lend
-
-        def lend_then_die(*args: object) -> None:
-            lend(*args)
-            os._exit(17)  # die with the collective in flight: one chunk lent, the rest never
-
-        link.lend = lend_then_die
+        die_after_first(group._right, "lend")  # noqa: SLF001 - the victim dies inside its collective
         group.all_reduce(bucket)
     start = time.monotonic()
     try:
