@@ -28,7 +28,18 @@ import torch
 
 from commlib.types import ReduceOp
 
-__all__ = ["Combine", "Reducer", "combine", "copy", "divide", "reducer", "PIECE"]
+__all__ = [
+    "Combine",
+    "Reducer",
+    "combine",
+    "copy",
+    "divide",
+    "is_plain_host",
+    "move_bytes",
+    "reducer",
+    "PIECE",
+    "SMALL_COPY_BYTES",
+]
 
 Reducer = Callable[[torch.Tensor, torch.Tensor], None]
 """``reduce(dst, incoming)``: combine ``incoming`` into ``dst`` in place."""
@@ -80,8 +91,8 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     into a bool message) are not folded to 1, as torch's own bool copy would.
     """
     nbytes = dst.nbytes
-    if nbytes < SMALL_COPY_BYTES and _plain_host_bytes(dst, src, nbytes):
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)  # cheaper than torch's dispatch
+    if nbytes < SMALL_COPY_BYTES and src.nbytes == nbytes and is_plain_host(dst) and is_plain_host(src):
+        move_bytes(dst, src, nbytes)
         return
     if dst.dtype is torch.bool:
         dst, src = dst.view(torch.uint8), src.view(torch.uint8)
@@ -91,9 +102,18 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
 
-def _plain_host_bytes(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> bool:
-    """True if both tensors are contiguous host memory of ``nbytes`` bytes."""
-    return src.nbytes == nbytes and dst.is_cpu and src.is_cpu and dst.is_contiguous() and src.is_contiguous()
+def is_plain_host(t: torch.Tensor) -> bool:
+    """True if ``t`` is contiguous host memory (what ``move_bytes`` may read or write)."""
+    return t.is_cpu and t.is_contiguous()
+
+
+def move_bytes(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+    """Copy the first ``nbytes`` of ``src`` to ``dst``: one ``memmove``, without torch's dispatch.
+
+    Both must be contiguous host memory (``is_plain_host``) of at least ``nbytes``. The tensors
+    keep their memory (a shared-memory mapping too) alive while the copy runs.
+    """
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
 @functools.cache

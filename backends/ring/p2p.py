@@ -223,7 +223,7 @@ class PointToPoint:
             CommTimeoutError: ``dst`` did not take the message within the timeout.
             PeerFailureError: The link to ``dst`` failed (now or earlier).
         """
-        out = self._outgoing.get(dst) or self._outgoing_to(dst, label)
+        out = self._outgoing_to(dst, label)
         if out.failed is not None:
             raise PeerFailureError(
                 f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
@@ -235,7 +235,7 @@ class PointToPoint:
         piece = min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
         msg = out.next_msg
         out.next_msg = msg + 1
-        header = _Header(msg, tag, nbytes, numel, piece, _CODES.get(data.dtype, 255))
+        header = _Header(msg, tag, nbytes, numel, piece, _dtype_code(data.dtype))
         posted = False
         try:
             if nbytes <= piece:
@@ -348,12 +348,12 @@ class PointToPoint:
             PeerFailureError: The link from ``src`` failed (now or earlier).
         """
         self._start_acceptor()
-        mine = (data.nbytes, data.numel(), _CODES.get(data.dtype, 255))
+        mine = (data.nbytes, data.numel(), _dtype_code(data.dtype))
         if src is None:
             return self._recv_any(data, tag, mine, label)
-        incoming = self._incoming.get(src) or self._incoming_from(src, label)
+        incoming = self._incoming_from(src, label)
         with incoming.lock:
-            aside = self._aside(incoming, tag) if incoming.aside else None
+            aside = self._aside(incoming, tag)
             if aside is None:
                 self._take(incoming, src, data, tag, mine, label, wait=True)
             else:

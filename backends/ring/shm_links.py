@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import socket
 import struct
@@ -66,19 +65,6 @@ _NOTHING_RETIRED = (-1, b"")
 _MAX_VIEWS = 256  # typed views of slot payloads kept per inbox (one per slot, dtype and size)
 _KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data"}
 assert _SLOT_HEADER.size <= _PAYLOAD_AT
-
-
-def _memmove(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
-    """Copy ``nbytes`` from contiguous host tensor ``src`` to ``dst``: one call, no torch dispatch.
-
-    The tensors keep a slot's mapping alive while the copy runs, even if the link is closed meanwhile.
-    """
-    ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-
-
-def _host_bytes(t: torch.Tensor) -> bool:
-    """True if ``t`` is contiguous host memory (what ``_memmove`` may read or write)."""
-    return t.is_cpu and t.is_contiguous()
 
 
 class Inbox:
@@ -273,9 +259,9 @@ class ShmSendLink(SendLink):
         self._post(index, _KIND_DATA, nbytes)
 
     def _copy_in(self, index: int, chunk: torch.Tensor, nbytes: int) -> None:
-        """Copy ``chunk`` into slot ``index``."""
-        if nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes and _host_bytes(chunk):
-            _memmove(self.inbox.payloads[index % self.inbox.slots], chunk, nbytes)
+        """Copy ``chunk`` into slot ``index`` (``_claim`` checked that it fits)."""
+        if nbytes < kernels.SMALL_COPY_BYTES and kernels.is_plain_host(chunk):
+            kernels.move_bytes(self.inbox.payloads[index % self.inbox.slots], chunk, nbytes)
         elif nbytes:
             kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
 
@@ -390,11 +376,17 @@ class ShmRecvLink(RecvLink):
 
     def _incoming_lent(self, dst: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """A view of the next chunk, and whether it lies in the sender's buffer (lent)."""
-        nbytes = dst.nbytes
-        kind, offset, fd, size, token = self._chunk_header(nbytes)
+        kind, *where = self._chunk_header(dst.nbytes)
+        return self._view(dst, kind, *where), kind == _KIND_LENT
+
+    def _view(
+        self, like: torch.Tensor, kind: int, offset: int, fd: int, size: int, token: bytes
+    ) -> torch.Tensor:
+        """The chunk a header describes, as ``like``'s dtype and size: in the slot or the lender's buffer."""
+        nbytes = like.nbytes
         if kind == _KIND_DATA:
-            return self.inbox.payload(self.bell.count, dst.dtype, nbytes), False
-        return self._lent_region(fd, size, token).data[offset : offset + nbytes].view(dst.dtype), True
+            return self.inbox.payload(self.bell.count, like.dtype, nbytes)
+        return self._lent_region(fd, size, token).data[offset : offset + nbytes].view(like.dtype)
 
     def _chunk_header(self, expected: int) -> tuple[int, int, int, int, bytes]:
         """The next chunk's kind and where a lent one lies (offset, fd, size, token); check its size."""
@@ -438,15 +430,12 @@ class ShmRecvLink(RecvLink):
     def recv_into(self, dst: torch.Tensor) -> None:
         """Copy the next chunk into ``dst``."""
         nbytes = dst.nbytes
-        if nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes and _host_bytes(dst):
-            kind, offset, fd, size, token = self._chunk_header(nbytes)
-            if kind == _KIND_DATA:
-                _memmove(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
-            else:
-                region = self._lent_region(fd, size, token)
-                kernels.copy(dst, region.data[offset : offset + nbytes].view(dst.dtype))
+        kind, *where = self._chunk_header(nbytes)
+        small = nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes  # a peer's size is checked
+        if kind == _KIND_DATA and small and kernels.is_plain_host(dst):
+            kernels.move_bytes(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
         else:
-            kernels.copy(dst, self._incoming(dst))
+            kernels.copy(dst, self._view(dst, kind, *where))
         self.bell.advance()
 
     def forward(self, like: torch.Tensor, send: SendLink) -> None:
