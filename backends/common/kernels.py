@@ -8,8 +8,10 @@ cores, and a progress thread's team fights the caller's: a 25 MB all-reduce took
 count is not an option (``torch.set_num_threads`` is process-wide and belongs to
 the user), so the ring moves and combines bytes itself:
 
-- copies of any dtype, and reductions of float32, float64 and every integer and
-  bool dtype, with NumPy, which works on the calling thread only and releases the GIL;
+- copies of contiguous host memory with one ``memmove``, which releases the GIL
+  and beat NumPy's and torch's copy loops here;
+- other copies, and reductions of float32, float64 and every integer and bool
+  dtype, with NumPy, which works on the calling thread only and releases the GIL;
 - reductions of float16 and bfloat16 (which NumPy lacks or computes slowly)
   with torch, in pieces below the grain, which torch runs on the calling thread.
 
@@ -38,7 +40,6 @@ __all__ = [
     "move_bytes",
     "reducer",
     "PIECE",
-    "SMALL_COPY_BYTES",
 ]
 
 Reducer = Callable[[torch.Tensor, torch.Tensor], None]
@@ -49,9 +50,6 @@ Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 PIECE = 16384
 """Elements per torch call: half of torch's parallel grain, so torch never starts its thread team."""
-
-SMALL_COPY_BYTES = 65536
-"""Copies of contiguous host tensors below this size are one ``memmove``, without torch's dispatch."""
 
 _NUMPY_DTYPES = frozenset(
     {torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
@@ -91,7 +89,7 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     into a bool message) are not folded to 1, as torch's own bool copy would.
     """
     nbytes = dst.nbytes
-    if nbytes < SMALL_COPY_BYTES and src.nbytes == nbytes and is_plain_host(dst) and is_plain_host(src):
+    if src.nbytes == nbytes and is_plain_host(dst) and is_plain_host(src):
         move_bytes(dst, src, nbytes)
         return
     if dst.dtype is torch.bool:
@@ -108,7 +106,7 @@ def is_plain_host(t: torch.Tensor) -> bool:
 
 
 def move_bytes(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
-    """Copy the first ``nbytes`` of ``src`` to ``dst``: one ``memmove``, without torch's dispatch.
+    """Copy the first ``nbytes`` of ``src`` to ``dst``: one ``memmove`` (GIL released), no torch dispatch.
 
     Both must be contiguous host memory (``is_plain_host``) of at least ``nbytes``. The tensors
     keep their memory (a shared-memory mapping too) alive while the copy runs.

@@ -260,7 +260,7 @@ class ShmSendLink(SendLink):
 
     def _copy_in(self, index: int, chunk: torch.Tensor, nbytes: int) -> None:
         """Copy ``chunk`` into slot ``index`` (``_claim`` checked that it fits)."""
-        if nbytes < kernels.SMALL_COPY_BYTES and kernels.is_plain_host(chunk):
+        if kernels.is_plain_host(chunk):
             kernels.move_bytes(self.inbox.payloads[index % self.inbox.slots], chunk, nbytes)
         elif nbytes:
             kernels.copy(self.inbox.payload(index, chunk.dtype, nbytes), chunk)
@@ -431,8 +431,8 @@ class ShmRecvLink(RecvLink):
         """Copy the next chunk into ``dst``."""
         nbytes = dst.nbytes
         kind, *where = self._chunk_header(nbytes)
-        small = nbytes < kernels.SMALL_COPY_BYTES and nbytes <= self.chunk_bytes  # a peer's size is checked
-        if kind == _KIND_DATA and small and kernels.is_plain_host(dst):
+        fits = nbytes <= self.chunk_bytes  # a peer's size is checked
+        if kind == _KIND_DATA and fits and kernels.is_plain_host(dst):
             kernels.move_bytes(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
         else:
             kernels.copy(dst, self._view(dst, kind, *where))
