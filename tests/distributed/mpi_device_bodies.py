@@ -51,6 +51,10 @@ class FakeCudaTensor(torch.Tensor):
         return True
 
     @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+    @property
     def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("cuda", 0)
 
@@ -419,10 +423,12 @@ def missing_cupy(group: IProcessGroup) -> dict[str, Any]:
             sys.modules["cupy"] = saved
 
 
-def _new_ops(group: IProcessGroup, calls: list[tuple[str, str, bool]]) -> dict[str, Any]:
+def new_ops_matrix(group: IProcessGroup, calls: list[tuple[str, str, bool]]) -> dict[str, Any]:
     """reduce, gather, scatter, all_to_all (uneven) and send/recv on emulated CUDA tensors, exactly.
 
-    Returns the failures, and for each (operation, dtype) whether MPI saw device buffers.
+    ``calls`` grows by one ``(kind, what, device memory?)`` per buffer the backend is
+    handed. Returns the failures, and for each (operation, dtype) whether the backend
+    saw device buffers.
     """
     world, rank = group.world_size, group.rank
     failures: list[str] = []
@@ -498,7 +504,7 @@ def _new_ops(group: IProcessGroup, calls: list[tuple[str, str, bool]]) -> dict[s
 def staged_new_ops(group: IProcessGroup) -> dict[str, Any]:
     """Not CUDA-aware: the new operations staged through host memory."""
     with emulated(group, aware=0, lag=1) as seen:
-        result = _new_ops(group, seen["comm"].calls)
+        result = new_ops_matrix(group, seen["comm"].calls)
         pool = seen["pool"]
         stats = pool.stats
         idle = sum(len(buffers) for buffers in pool._idle.values())
@@ -514,6 +520,6 @@ def staged_new_ops(group: IProcessGroup) -> dict[str, Any]:
 def zero_copy_new_ops(group: IProcessGroup) -> dict[str, Any]:
     """CUDA-aware: the new operations hand MPI the tensors' own memory."""
     with emulated(group, aware=1) as seen:
-        result = _new_ops(group, seen["comm"].calls)
+        result = new_ops_matrix(group, seen["comm"].calls)
         result.update(synced=len(seen["synced"]))
     return result

@@ -36,7 +36,14 @@ from backends.common.cuda_staging import PinnedBufferPool, StagingPipeline
 from commlib import IProcessGroup, ReduceOp
 from commlib.errors import CommError, GroupClosedError
 from tests._reference import assert_close_to_reference, digest, rank_input, reduce_reference, tolerance
-from tests.distributed.mpi_device_bodies import Event, FakeCudaTensor, RecordingOps, on_device, on_host
+from tests.distributed.mpi_device_bodies import (
+    Event,
+    FakeCudaTensor,
+    RecordingOps,
+    new_ops_matrix,
+    on_device,
+    on_host,
+)
 
 CHUNK_BYTES = 1536
 """Staging chunk: not a divisor of the ring's 4 KiB chunks, nor aligned with segments."""
@@ -167,6 +174,7 @@ def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:
     ops = StagingOps(log, lag)
     pool = CountingPool(ops)
     timeouts: set[float] = set()
+    staged: list[tuple[str, str, bool]] = []  # one (kind, what, device memory to the ring) per pipeline
 
     def pipeline(
         tensor: torch.Tensor,
@@ -180,6 +188,7 @@ def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:
     ) -> StagingPipeline:
         assert isinstance(tensor, FakeCudaTensor), f"staged a {type(tensor).__name__}"
         timeouts.add(timeout_s)
+        staged.append(("stage", describe, False))
         return StagingPipeline(
             tensor,
             describe=describe,
@@ -197,7 +206,7 @@ def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:
     cuda_staging.stage = pipeline  # type: ignore[assignment]
     group._right, group._left = (RecordingLink(link, log) for link in links)  # type: ignore[attr-defined]
     try:
-        yield {"log": log, "ops": ops, "pool": pool, "timeouts": timeouts}
+        yield {"log": log, "ops": ops, "pool": pool, "timeouts": timeouts, "staged": staged}
     finally:
         cuda_staging.stage = previous
         if group._right is not None:  # type: ignore[attr-defined]  # None once the group is closed
@@ -337,6 +346,18 @@ def staged_matrix(group: IProcessGroup, collective: str) -> dict[str, Any]:
             "issued_on": sorted(set(seen["ops"].issued_on)),
             "copied_on": sorted(seen["ops"].copied_on),
         }
+
+
+def staged_new_ops(group: IProcessGroup) -> dict[str, Any]:
+    """reduce, gather, scatter, all_to_all (uneven) and isend/irecv on emulated CUDA tensors, exactly.
+
+    ``device_buffers`` says, per operation and dtype, whether the ring was ever
+    handed device memory (it never may: each of them is staged).
+    """
+    with emulated(group, lag=1) as seen:
+        result = new_ops_matrix(group, seen["staged"])
+        result.update(outstanding=seen["pool"].outstanding, reused=seen["pool"].stats.reused)
+    return result
 
 
 # ------------------------------------------------------------- the pipeline

@@ -56,6 +56,23 @@ def test_staged_collectives_match_the_reference(
             assert r["allocated"] <= 8 and r["reused"] > 300, (r["allocated"], r["reused"])
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("variant", ["ring-shm", "ring-tcp"])
+def test_new_operations_are_staged_and_exact(get_pool, variant: str, world_size: int) -> None:
+    """reduce, gather, scatter, uneven all_to_all and send/recv of CUDA tensors go through host staging."""
+    results = get_pool(variant, world_size).run(bodies.staged_new_ops, timeout=240)
+    ops = ("reduce", "gather", "scatter", "all_to_all", "p2p")
+    dtypes = ("torch.float32", "torch.bfloat16", "torch.int8", "torch.bool")
+    for rank, r in enumerate(results):
+        assert r["failures"] == [], f"rank {rank}:\n" + "\n".join(r["failures"][:20])
+        assert r["checked"] == 16
+        assert sorted(r["device_buffers"]) == sorted(f"{op} {dtype}" for op in ops for dtype in dtypes)
+        # Every operation made a staging pipeline (device memory never reaches the ring).
+        assert all(seen == [False] for seen in r["device_buffers"].values()), r["device_buffers"]
+        assert r["outstanding"] == 0, "every pinned buffer went back to the pool"
+        assert r["reused"] > 0
+
+
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_reduce_is_staged_chunk_by_chunk(get_pool, world_size: int, async_op: bool) -> None:
