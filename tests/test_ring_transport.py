@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from backends.ring import RingConfig, wire
+from backends.ring import RingConfig, records, wire
 from backends.ring.links import TcpRecvLink, TcpSendLink
 from backends.ring.shm import Region
 from backends.ring.shm_links import Inbox, ShmRecvLink, ShmSendLink
@@ -234,3 +234,18 @@ def test_connect_gives_up_at_the_deadline_naming_the_self_connection(monkeypatch
         TimeoutError, match=r"could not connect to rank 0 at 127\.0\.0\.1:\d+: .*connected to itself"
     ):
         connect_with_retry("127.0.0.1", 1, time.monotonic() + 0.3, "rank 0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.bool, torch.float64])
+def test_an_all_to_all_payload_carries_counts_and_a_block_exactly(dtype: torch.dtype) -> None:
+    counts = [0, 5, -1, 2**40, 3]
+    block = (torch.arange(24) % 3).to(dtype)
+    payload = records.pack_counts(counts, block)
+    assert payload.dtype is torch.uint8 and payload.numel() == 8 * len(counts) + block.nbytes
+    assert records.read_counts(payload.view(dtype), len(counts)) == counts
+    into = torch.zeros_like(block)
+    records.read_carried(payload, len(counts), into)
+    assert torch.equal(into, block)
+    assert records.read_counts(records.pack_counts(counts), len(counts)) == counts
+    with pytest.raises(ValueError, match="does not hold 5 counts"):
+        records.read_carried(payload[:-1], len(counts), into)

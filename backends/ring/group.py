@@ -61,7 +61,15 @@ from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, connect_links
 from backends.ring.links import RecvLink, SendLink
 from backends.ring.p2p import PointToPoint
-from backends.ring.records import COMMON_BYTES, Meta, mismatch, split_mismatch
+from backends.ring.records import (
+    COMMON_BYTES,
+    Meta,
+    mismatch,
+    pack_counts,
+    read_carried,
+    read_counts,
+    split_mismatch,
+)
 from backends.ring.rendezvous import RingSockets, rendezvous
 from backends.ring.shared_buffers import SharedBuffers, Span
 from backends.ring.shm import RegionId
@@ -706,12 +714,16 @@ class RingProcessGroup(IProcessGroup):
         if n == 1:
             return
         if self._is_small(tensor):
-            payloads = self._check_meta(meta, tensor)
+            payloads = self._check_meta(meta, tensor, hold_last=True)
             for source, block in enumerate(blocks):
-                if source != r:
+                if source == r:
+                    continue
+                if source in payloads:
                     kernels.copy(block.view(-1), payloads[source].view(-1))
-                    if done is not None:
-                        done[source](block)
+                else:  # two ranks: the neighbour's tensor waits in the link, read straight into its block
+                    self._left.recv_into(block.view(-1))  # type: ignore[union-attr]
+                if done is not None:
+                    done[source](block)
             return
         self._check_meta(meta)
         for s in range(n - 1):
@@ -1042,13 +1054,9 @@ class RingProcessGroup(IProcessGroup):
         # Two ranks: a small block for the neighbour travels with the record (one message each way).
         carry = inputs[1 - r] if n == 2 and inputs[1 - r].nbytes <= self._small_bytes else None
         counts = [t.numel() for t in inputs] + [t.numel() for t in outputs] + [carry is not None]
-        head = torch.tensor(counts, dtype=torch.int64).view(torch.uint8)
-        payload = head if carry is None else torch.cat([head, carry.view(torch.uint8)])
-        payloads = self._check_meta(meta, payload.view(meta.dtype))  # type: ignore[arg-type]
-        rows = {
-            rank: p.view(torch.uint8)[: head.numel()].view(torch.int64).tolist()
-            for rank, p in payloads.items()
-        }
+        k = len(counts)
+        payloads = self._check_meta(meta, pack_counts(counts, carry).view(meta.dtype))  # type: ignore[arg-type]
+        rows = {rank: counts if rank == r else read_counts(p, k) for rank, p in payloads.items()}
         sent = [rows[i][:n] for i in range(n)]
         error = split_mismatch(sent, [rows[j][n : 2 * n] for j in range(n)])
         if error is not None:
@@ -1058,7 +1066,7 @@ class RingProcessGroup(IProcessGroup):
             left = 1 - r
             theirs = outputs[left]
             if rows[left][2 * n]:  # the neighbour's block came with its record
-                kernels.copy(theirs.view(torch.uint8), payloads[left].view(torch.uint8)[head.numel() :])
+                read_carried(payloads[left], k, theirs)
             self._stream(
                 [] if carry is not None else [inputs[left]], [] if rows[left][2 * n] else [theirs], lend=True
             )

@@ -13,6 +13,7 @@ the end, so that a record keeps its meaning.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import struct
 
@@ -22,7 +23,7 @@ from backends.ring.links import META_BYTES
 from commlib.errors import CollectiveMismatchError, ranks_by_value
 from commlib.types import WIRE_COLLECTIVES, WIRE_DTYPES, ReduceOp, dtype_name
 
-__all__ = ["COMMON_BYTES", "Meta", "mismatch", "split_mismatch"]
+__all__ = ["COMMON_BYTES", "Meta", "mismatch", "split_mismatch", "pack_counts", "read_counts", "read_carried"]
 
 _KINDS = WIRE_COLLECTIVES
 _DTYPES = WIRE_DTYPES
@@ -148,3 +149,29 @@ def split_mismatch(sent: list[list[int]], expected: list[list[int]]) -> Collecti
         + more
         + ". Each rank's output_split_sizes[i] must equal rank i's input_split_sizes for it"
     )
+
+
+def pack_counts(counts: list[int], carry: torch.Tensor | None = None) -> torch.Tensor:
+    """An all-to-all's payload: ``counts`` as int64, then the bytes of flat host tensor ``carry``.
+
+    Built with two ``memmove`` s instead of torch ops (a small all-to-all is mostly their cost).
+    """
+    head = struct.pack(f"={len(counts)}q", *counts)
+    extra = carry.nbytes if carry is not None else 0
+    payload = torch.empty(len(head) + extra, dtype=torch.uint8)
+    ctypes.memmove(payload.data_ptr(), head, len(head))
+    if extra:
+        ctypes.memmove(payload.data_ptr() + len(head), carry.data_ptr(), extra)  # type: ignore[union-attr]
+    return payload
+
+
+def read_counts(payload: torch.Tensor, k: int) -> list[int]:
+    """The first ``k`` counts of a ``pack_counts`` payload (a contiguous host tensor)."""
+    return list(struct.unpack(f"={k}q", ctypes.string_at(payload.data_ptr(), 8 * k)))
+
+
+def read_carried(payload: torch.Tensor, k: int, into: torch.Tensor) -> None:
+    """Copy the tensor carried after ``k`` counts of a ``pack_counts`` payload into flat host ``into``."""
+    if 8 * k + into.nbytes > payload.nbytes:
+        raise ValueError(f"a {payload.nbytes}-byte payload does not hold {k} counts and {into.nbytes} bytes")
+    ctypes.memmove(into.data_ptr(), payload.data_ptr() + 8 * k, into.nbytes)
