@@ -1,11 +1,11 @@
-"""Point-to-point and all-to-all benchmark: commlib backends beside raw torch Gloo and raw mpi4py.
+"""Point-to-point, all-to-all and all-gather benchmark: commlib backends beside raw torch Gloo and mpi4py.
 
 Launch::
 
     mpiexec -n 2 python benchmarks/collective_bench.py                # MPI gives rank and size
     python benchmarks/collective_bench.py --spawn 2                   # no MPI: spawns 2 ranks itself
 
-Two operations (``--ops``):
+Three operations (``--ops``):
 
 - ``pingpong``: rank 0 sends a tensor of the size to rank 1, which sends it
   back (``send`` / ``recv``); the other ranks wait at the barrier. Reported:
@@ -13,14 +13,16 @@ Two operations (``--ops``):
   ``size / half round trip``.
 - ``all_to_all``: ``all_to_all_single`` of a tensor of the size on every rank,
   equal splits. Reported: the time per call and ``size / time``.
+- ``all_gather``: ``all_gather_into_tensor`` of ``size / world size`` on every
+  rank into a tensor of the size. Reported: the time per call and ``size / time``.
 
 The modes: the commlib backends named by ``--backends`` (default ``ring``; each
 through ``commlib.create_process_group`` on its own port; ``ring+buf`` is the
 ring's ``all_to_all`` from a tensor of its ``alloc_buffer``, read in place), raw
-``torch.distributed`` Gloo (``dist.send`` / ``dist.recv``,
-``dist.all_to_all_single``) and raw mpi4py (``Send`` / ``Recv``, ``Alltoall``;
-only under an MPI launcher). For each size and operation, each mode first
-checks one exact result, warms up, then the modes take turns over
+``torch.distributed`` Gloo (``dist.send`` / ``dist.recv``, ``dist.all_to_all_single``,
+``dist.all_gather_single``) and raw mpi4py (``Send`` / ``Recv``, ``Alltoall``,
+``Allgather``; only under an MPI launcher). For each size and operation, each
+mode first checks one exact result, warms up, then the modes take turns over
 ``--rounds`` timing blocks of ``--iters`` operations, each block after the
 mode's own barrier. Reported: the median over rounds (rank 0's clock), the
 spread (min, max), and the latency ratios ours/Gloo and ours/MPI (below 1:
@@ -59,7 +61,7 @@ from benchmarks._spawn import add_spawn_arguments, backend_names, spawn_or_run  
 from benchmarks.allreduce_bench import agree_ports, format_size, open_mpi_comm, parse_size  # noqa: E402
 from commlib.env import DistEnv  # noqa: E402
 
-OPS = ("pingpong", "all_to_all")
+OPS = ("pingpong", "all_to_all", "all_gather")
 DEFAULT_SIZES = "4K,1M,25M"
 QUICK_SIZES = "4K,64K"
 REFERENCES = ("torch-gloo", "mpi4py")
@@ -139,7 +141,7 @@ class Mode:
     name: str
     kind: str  # "commlib" or "reference"
     ops: dict[str, Callable[..., None]]
-    """``pingpong(buf)`` and ``all_to_all(out, inp)``; an op missing here is skipped, with ``why``."""
+    """``pingpong(buf)``, ``all_to_all(out, inp)``, ``all_gather(out, inp)``; one missing is skipped."""
     barrier: Callable[[], None]
     close: Callable[[], None]
     note: str = ""
@@ -175,6 +177,7 @@ def commlib_modes(name: str, env: DistEnv, port: int, timeout: float) -> list[Mo
             ops={
                 "pingpong": _pingpong(env.rank, group.send, group.recv),
                 "all_to_all": lambda out, inp: group.all_to_all_single(out, inp),
+                "all_gather": lambda out, inp: group.all_gather_into_tensor(out, inp),
             },
             barrier=lambda: group.barrier(),
             close=group.close,
@@ -226,6 +229,7 @@ def torch_gloo_mode(env: DistEnv, port: int, timeout: float) -> Mode:
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout),
     )
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13's name
     return Mode(
         name="torch-gloo",
         kind="reference",
@@ -234,11 +238,12 @@ def torch_gloo_mode(env: DistEnv, port: int, timeout: float) -> Mode:
                 env.rank, lambda t, peer: dist.send(t, peer), lambda t, peer: dist.recv(t, peer)
             ),
             "all_to_all": lambda out, inp: dist.all_to_all_single(out, inp),
+            "all_gather": lambda out, inp: gather_single(out, inp),
         },
         barrier=dist.barrier,
         close=lambda: dist.destroy_process_group() if dist.is_initialized() else None,
         note=f"dist.init_process_group('gloo', tcp://{env.master_addr}:{port}); dist.send/recv, "
-        "dist.all_to_all_single",
+        "dist.all_to_all_single, dist.all_gather_single",
     )
 
 
@@ -258,6 +263,7 @@ def mpi4py_mode(comm: Any) -> Mode:
                 rank, lambda t, peer: comm.Send(t.numpy(), peer), lambda t, peer: comm.Recv(t.numpy(), peer)
             ),
             "all_to_all": all_to_all,
+            "all_gather": lambda out, inp: comm.Allgather(inp.numpy(), out.numpy()),
         },
         barrier=comm.Barrier,
         close=lambda: None,
@@ -422,8 +428,11 @@ def check_once(mode: Mode, op: str, numel: int, env: DistEnv) -> bool:
         mode.ops[op](buf)
         return r > 1 or torch.equal(buf, _pattern(numel, 1))
     block = numel // n
-    inp = torch.cat([_pattern(block, 10 * r + j) for j in range(n)])
     out = torch.empty(block * n)
+    if op == "all_gather":
+        mode.ops[op](out, _pattern(block, 10 * r))
+        return torch.equal(out, torch.cat([_pattern(block, 10 * j) for j in range(n)]))
+    inp = torch.cat([_pattern(block, 10 * r + j) for j in range(n)])
     mode.ops[op](out, inp)
     return torch.equal(out, torch.cat([_pattern(block, 10 * j + r) for j in range(n)]))
 
@@ -437,6 +446,7 @@ def measure(
     live = [m for m in modes if op in m.ops]
     results = {m.name: Result(op, numel * 4, m, iters, []) for m in live}
     buf, out = torch.zeros(numel), torch.zeros(numel)
+    mine = buf[: numel // env.world_size]  # an all-gather's input
 
     def guarded(mode: Mode, step: Callable[[], None]) -> None:
         try:
@@ -450,6 +460,8 @@ def measure(
     def run_once(mode: Mode) -> None:
         if op == "pingpong":
             mode.ops[op](buf)
+        elif op == "all_gather":
+            mode.ops[op](out, mine)
         else:
             mode.ops[op](out, buf)
 
@@ -514,7 +526,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     say(
         "pingpong: lat = half a round trip between ranks 0 and 1, bw = size / lat; all_to_all: lat = one "
-        "all_to_all_single of size bytes per rank, bw = size / lat. Median over rounds (rank 0's clock), "
+        "all_to_all_single of size bytes per rank, all_gather: lat = one all_gather_into_tensor into size "
+        "bytes, bw = size / lat. Median over rounds (rank 0's clock), "
         "min and max of the rounds; GB = 1e9 B; vs_gloo / vs_mpi = latency ours / reference (< 1: faster). "
         "Other processes on this host distort timings: compare within one run."
     )

@@ -52,9 +52,10 @@ def test_quick_benchmark_on_two_ranks(tmp_path: Path, bench: ModuleType) -> None
         assert reader.fieldnames == bench.CSV_COLUMNS
         rows = list(reader)
     assert {(row["op"], int(row["size_bytes"])) for row in rows} == {
-        (op, size) for op in ("pingpong", "all_to_all") for size in (4096, 65536)
+        (op, size) for op in ("pingpong", "all_to_all", "all_gather") for size in (4096, 65536)
     }
     assert expected <= {row["mode"] for row in rows}, report
+    assert ("all_to_all", "ring+buf") in {(row["op"], row["mode"]) for row in rows}, report
     for row in rows:
         assert row["correct"] == "ok", row
         assert float(row["median_us"]) > 0 and float(row["bw_GBps"]) > 0
