@@ -24,6 +24,7 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_to_all",
     "all_to_all_single",
@@ -33,19 +34,24 @@ __all__ = [
     "broadcast_object_list",
     "gather",
     "gather_object",
+    "get_backend",
     "get_global_rank",
     "get_group_rank",
     "get_process_group_ranks",
     "irecv",
     "isend",
     "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
     "recv",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
     "send",
+    "split_group",
 ]
 
 
@@ -131,6 +137,16 @@ def all_gather_into_tensor(
     return _group(group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
 
 
+def all_gather_single(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: IProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """``all_gather_into_tensor`` under torch 2.13's name for it."""
+    return _group(group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor | TensorList,  # noqa: A002
@@ -150,6 +166,17 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """``IProcessGroup.reduce_scatter_tensor`` on ``group`` (default group if None)."""
+    return _group(group).reduce_scatter_tensor(output, input, op, async_op=async_op)
+
+
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002
+    op: ReduceOp | PremulSum = ReduceOp.SUM,
+    group: IProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """``reduce_scatter_tensor`` under torch 2.13's name for it."""
     return _group(group).reduce_scatter_tensor(output, input, op, async_op=async_op)
 
 
@@ -207,9 +234,37 @@ def all_to_all_single(
     )
 
 
-def barrier(group: IProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """``IProcessGroup.barrier`` on ``group`` (default group if None)."""
-    return _group(group).barrier(async_op=async_op)
+def barrier(
+    group: IProcessGroup | None = None,
+    async_op: bool = False,
+    device_ids: Sequence[int] | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> Work | None:
+    """``IProcessGroup.barrier`` on ``group`` (default group if None), with torch's arguments.
+
+    Args:
+        group: The group; None: the default group.
+        async_op: Return a ``Work`` handle instead of waiting.
+        device_ids: torch's GPUs for NCCL's barrier: checked to be ints, otherwise unused (a
+            group knows its device).
+        timeout: Seconds (or a timedelta) this synchronous wait may take, instead of the group's
+            timeout; past it ``CommTimeoutError`` is raised and the barrier goes on.
+    """
+    g = _group(group)
+    if device_ids is not None and (
+        not isinstance(device_ids, (list, tuple))
+        or any(isinstance(d, bool) or not isinstance(d, int) for d in device_ids)
+    ):
+        raise TypeError(f"{g._prefix('barrier')}device_ids must be a list of ints, got {device_ids!r}")
+    if timeout is None or async_op:
+        return g.barrier(async_op=async_op)
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"{g._prefix('barrier')}timeout must be a positive number of seconds: {timeout!r}")
+    work = g.barrier(async_op=True)
+    assert work is not None
+    work.wait(float(seconds))
+    return None
 
 
 # ----------------------------------------------------------- point-to-point
@@ -339,6 +394,74 @@ def new_group(
     """
     group = get_default_group()
     return group.new_group(range(group.world_size) if ranks is None else ranks, timeout=timeout)
+
+
+def split_group(
+    parent_pg: IProcessGroup | None = None,
+    split_ranks: Sequence[Sequence[int]] | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> IProcessGroup | None:
+    """``IProcessGroup.split_group`` on ``parent_pg`` (default group if None); ranks are its group ranks."""
+    parent = _group(parent_pg)
+    if split_ranks is None:
+        raise ValueError(f"{parent._prefix('split_group')}split_ranks is required: disjoint lists of ranks")
+    return parent.split_group(split_ranks, timeout=timeout)
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: IProcessGroup | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> tuple[IProcessGroup, list[IProcessGroup | None]]:
+    """Cut ``group`` (default group if None) into groups of ``group_size`` consecutive ranks.
+
+    Every rank calls it. ``group_size`` None means the CUDA devices of this machine, as in torch
+    (on CPU, pass it).
+
+    Returns:
+        This rank's group, and every group in order: the ones this rank is not in are None
+        (torch hands out placeholders there; a rank here holds only its own groups).
+
+    Raises:
+        ValueError: ``group_size`` is not positive or does not divide the group's size.
+    """
+    parent = _group(group)
+    op = "new_subgroups"
+    if group_size is None:
+        group_size = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not group_size:
+            raise ValueError(f"{parent._prefix(op)}no CUDA device to size the groups by; pass group_size")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"{parent._prefix(op)}group_size must be a positive int, got {group_size!r}")
+    if parent.world_size % group_size:
+        raise ValueError(
+            f"{parent._prefix(op)}group_size {group_size} does not divide the group's size "
+            f"({parent.world_size} ranks)"
+        )
+    lists = [list(range(start, start + group_size)) for start in range(0, parent.world_size, group_size)]
+    mine = parent.split_group(lists, timeout=timeout)
+    assert mine is not None  # every rank is in one list
+    return mine, [mine if parent.rank in ranks else None for ranks in lists]
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: float | datetime.timedelta | None = None,
+) -> tuple[IProcessGroup | None, list[IProcessGroup | None]]:
+    """Groups of the default group from disjoint lists of global ranks; every rank calls it.
+
+    Returns:
+        This rank's group (None if it is in no list), and every group in order (None where this
+        rank is not a member).
+    """
+    parent = get_default_group()
+    mine = parent.split_group(ranks_per_subgroup_list, timeout=timeout)
+    return mine, [mine if parent.rank in ranks else None for ranks in ranks_per_subgroup_list]
+
+
+def get_backend(group: IProcessGroup | None = None) -> str:
+    """The name of ``group``'s backend (default group if None): ``ring``, ``gloo``, ``nccl``, ``mpi``."""
+    return _group(group).backend
 
 
 def get_group_rank(group: IProcessGroup, global_rank: int) -> int:

@@ -414,6 +414,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             self._check_tensor("all_gather_into_tensor", output_tensor, "output_tensor")
         return self.all_gather(output_tensor, input_tensor, async_op=async_op)
 
+    def all_gather_single(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *, async_op: bool = False
+    ) -> Work | None:
+        """``all_gather_into_tensor`` under torch 2.13's name for it."""
+        return self.all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
+
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -473,6 +479,18 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         if not isinstance(input, torch.Tensor):
             self._check_tensor("reduce_scatter_tensor", input, "input")
         return self.reduce_scatter(output, input, op, async_op=async_op)
+
+
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - the torch.distributed name
+        op: ReduceOp | PremulSum = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """``reduce_scatter_tensor`` under torch 2.13's name for it."""
+        return self.reduce_scatter_tensor(output, input, op, async_op=async_op)
 
     def _start_reduce_scatter(
         self,
@@ -888,6 +906,50 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         ]
         names = [self._next_subgroup_name() for _ in groups]
         return self._finish_split(name, groups, self._config, names)
+
+    def split_group(
+        self, split_ranks: Sequence[Sequence[int]], *, timeout: float | datetime.timedelta | None = None
+    ) -> IProcessGroup | None:
+        """Split this group into the disjoint groups ``split_ranks`` names, as torch's ``split_group``.
+
+        Every rank of this group calls it with the same lists (ranks of this
+        group); a rank in none of them gets None. One call makes every group,
+        each ordered by rank.
+
+        Args:
+            split_ranks: Disjoint lists of ranks of this group.
+            timeout: The new groups' timeout (seconds or a timedelta); default this group's.
+
+        Returns:
+            The group holding this rank, or None.
+
+        Raises:
+            TypeError: ``split_ranks`` is not a list of lists of ints.
+            ValueError: A list is empty, or a rank is out of range or in two lists.
+
+        Example::
+
+            >>> pair = group.split_group([[0, 1], [2, 3]])   # 4 ranks: two groups of two
+        """
+        name = "split_group"
+        self._check_usable(name)
+        if not isinstance(split_ranks, (list, tuple)) or not split_ranks:
+            raise TypeError(
+                f"{self._prefix(name)}split_ranks must be a non-empty list of rank lists, got {split_ranks!r}"
+            )
+        groups = [sorted(self._check_members(name, ranks)) for ranks in split_ranks]
+        seen: dict[int, int] = {}
+        for i, members in enumerate(groups):
+            for r in members:
+                if r in seen:
+                    raise ValueError(
+                        f"{self._prefix(name)}rank {r} is in split_ranks[{seen[r]}] and split_ranks[{i}]; "
+                        "the groups must be disjoint"
+                    )
+                seen[r] = i
+        config = self._sub_config(name, timeout)
+        names = [self._next_subgroup_name() for _ in groups]
+        return self._finish_split(name, groups, config, names)
 
     def _finish_split(
         self, op: str, groups: list[list[int]], config: CommConfig, names: list[str]

@@ -1059,6 +1059,33 @@ def test_new_group_checks_ranks(group: FakeGroup, ranks: Any, error: type, text:
     check_refused(group, lambda: group.new_group(ranks), error, "new_group", text)
 
 
+@pytest.mark.parametrize(
+    ("split_ranks", "error", "text"),
+    [
+        ([], TypeError, "split_ranks must be a non-empty list of rank lists"),
+        ([[0, 1], [1, 2]], ValueError, "rank 1 is in split_ranks[0] and split_ranks[1]; the groups must be"),
+        ([[0], []], ValueError, "ranks is empty"),
+        ([[0, 4]], ValueError, "ranks[1]=4 is not a rank of this group (valid: 0..3)"),
+        ("01", TypeError, "split_ranks must be a non-empty list of rank lists"),
+    ],
+)
+def test_split_group_checks_its_lists(group: FakeGroup, split_ranks: Any, error: type, text: str) -> None:
+    check_refused(group, lambda: group.split_group(split_ranks), error, "split_group", text)
+
+
+def test_split_group_and_new_subgroups_make_this_ranks_group(group: FakeGroup) -> None:
+    child = commlib.split_group(group, [[3, 1], [0, 2]], timeout=9.0)  # this is rank 1 of 4
+    assert child is not None and child.global_ranks == (1, 3) and child.timeout == 9.0
+    assert commlib.split_group(group, [[0, 2]]) is None  # rank 1 is in no list
+    mine, every = commlib.new_subgroups(2, group=group)
+    assert mine.global_ranks == (0, 1) and every == [mine, None]
+    with pytest.raises(ValueError, match=re.escape("group_size 3 does not divide the group's size (4")):
+        commlib.new_subgroups(3, group=group)
+    with pytest.raises(TypeError, match="device_ids must be a list of ints"):
+        commlib.barrier(group, device_ids="0")  # type: ignore[arg-type]
+    assert commlib.get_backend(group) == "fake"
+
+
 def test_new_group_sets_up_global_ranks_and_names(group: FakeGroup) -> None:
     child = group.new_group([3, 1], timeout=12.0)
     assert child is not None and (child.rank, child.world_size) == (0, 2)

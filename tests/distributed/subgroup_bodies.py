@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import commlib
+import commlib.world
 from commlib import IProcessGroup, ReduceOp
 from ddp import DistributedDataParallel, Join, ZeroRedundancyOptimizer
 from tests.distributed.ddp_feature_bodies import batch, digest, mlp
@@ -124,6 +125,49 @@ def body_split(group: IProcessGroup) -> dict[str, Any]:
         lonely.close()
     out = {"halves": halves.group_name, "global_ranks": list(halves.global_ranks)}
     halves.close()
+    return out
+
+
+def body_torch_split_functions(group: IProcessGroup) -> dict[str, Any]:
+    """torch's ``split_group``, ``new_subgroups``, ``new_subgroups_by_enumeration``, 2.13's ``*_single``
+    names, ``barrier(device_ids, timeout)`` and ``get_backend``, through the module functions.
+    """
+    n, r = group.world_size, group.rank
+    out: dict[str, Any] = {"backend": commlib.get_backend(group)}
+    # Disjoint lists, one left out: the last rank gets None.
+    lists = [[k for k in range(n - 1) if k % 2 == 0], [k for k in range(n - 1) if k % 2 == 1]]
+    part = commlib.split_group(group, lists, timeout=40)
+    assert (part is None) == (r == n - 1), (r, part)
+    if part is not None:
+        members = lists[r % 2]
+        _exercise(part, members, 5)
+        out["part_timeout"] = part.timeout
+        part.close()
+    # Groups of consecutive ranks; only this rank's is a group, the others None.
+    size = n // 2 if n % 2 == 0 else n
+    mine, every = commlib.new_subgroups(size, group=group)
+    _exercise(mine, list(range(r // size * size, r // size * size + size)), 6)
+    out["every"] = [g is not None for g in every]
+    # Enumerated global ranks of the default group.
+    previous, commlib.world._default_group = commlib.world._default_group, group  # noqa: SLF001
+    try:
+        listed, groups = commlib.new_subgroups_by_enumeration([[n - 1, 0]] + ([[1]] if n > 2 else []))
+    finally:
+        commlib.world._default_group = previous  # noqa: SLF001
+    out["listed"] = None if listed is None else list(listed.global_ranks)
+    out["listed_every"] = [g is not None for g in groups]
+    # 2.13's names, on the subgroup of consecutive ranks.
+    k = mine.world_size
+    gathered = torch.empty(2 * k, dtype=torch.int64)
+    commlib.all_gather_single(gathered, torch.tensor([mine.rank, 7]), mine)
+    out["gathered"] = gathered.tolist()
+    scattered = torch.empty(3, dtype=torch.int32)
+    commlib.reduce_scatter_single(scattered, torch.arange(3 * k, dtype=torch.int32), group=mine)
+    out["scattered"] = scattered.tolist()
+    commlib.barrier(mine, device_ids=[0], timeout=30)
+    for g in (mine, listed):
+        if g is not None:
+            g.close()
     return out
 
 

@@ -45,3 +45,19 @@ def test_a_subgroup_outlives_its_parent(get_pool, variant: str) -> None:
     values = get_pool(variant, 3).run(bodies.body_parent_closed, timeout=120)
     assert [v["member"] for v in values] == [True, False, True]
     assert all(v["sum"] == 3.0 for v in values)
+
+
+@pytest.mark.parametrize(("variant", "world_size"), CASES)
+def test_torchs_split_functions(get_pool, variant: str, world_size: int) -> None:
+    values = get_pool(variant, world_size).run(bodies.body_torch_split_functions, timeout=180)
+    n = world_size
+    size = n // 2 if n % 2 == 0 else n
+    for r, v in enumerate(values):
+        assert v["backend"] == VARIANTS[variant][0], v
+        assert r == n - 1 or v["part_timeout"] == 40
+        assert v["every"] == [r // size == i for i in range(n // size)]
+        assert v["listed"] == ([0, n - 1] if r in (0, n - 1) else [1] if r == 1 else None)
+        assert v["listed_every"] == [r in (0, n - 1)] + ([r == 1] if n > 2 else [])
+        assert v["gathered"] == [x for k in range(size) for x in (k, 7)]
+        k = r % size  # this rank's block of the sum of every member's arange(3 * size)
+        assert v["scattered"] == [size * (3 * k + i) for i in range(3)]
