@@ -512,9 +512,9 @@ def run(args: argparse.Namespace) -> int:
             print(text, flush=True)
 
     say(
-        f"commlib point-to-point and all-to-all benchmark: {env.world_size} ranks ({env.launcher}), "
-        f"float32, torch {torch.__version__}, {args.threads} thread(s)/rank, {os.cpu_count()} CPUs, "
-        f"{platform.node()}, {datetime.datetime.now().isoformat(timespec='seconds')}"
+        f"commlib point-to-point, all-to-all and all-gather benchmark: {env.world_size} ranks "
+        f"({env.launcher}), float32, torch {torch.__version__}, {args.threads} thread(s)/rank, "
+        f"{os.cpu_count()} CPUs, {platform.node()}, {datetime.datetime.now().isoformat(timespec='seconds')}"
     )
     modes, skipped = create_modes(args, env, comm, comm_why)
     for mode in modes:
