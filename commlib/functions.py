@@ -137,14 +137,8 @@ def all_gather_into_tensor(
     return _group(group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
 
 
-def all_gather_single(
-    output_tensor: torch.Tensor,
-    input_tensor: torch.Tensor,
-    group: IProcessGroup | None = None,
-    async_op: bool = False,
-) -> Work | None:
-    """``all_gather_into_tensor`` under torch 2.13's name for it."""
-    return _group(group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
+all_gather_single = all_gather_into_tensor
+"""torch 2.13's name for ``all_gather_into_tensor``."""
 
 
 def reduce_scatter(
@@ -169,15 +163,8 @@ def reduce_scatter_tensor(
     return _group(group).reduce_scatter_tensor(output, input, op, async_op=async_op)
 
 
-def reduce_scatter_single(
-    output: torch.Tensor,
-    input: torch.Tensor,  # noqa: A002
-    op: ReduceOp | PremulSum = ReduceOp.SUM,
-    group: IProcessGroup | None = None,
-    async_op: bool = False,
-) -> Work | None:
-    """``reduce_scatter_tensor`` under torch 2.13's name for it."""
-    return _group(group).reduce_scatter_tensor(output, input, op, async_op=async_op)
+reduce_scatter_single = reduce_scatter_tensor
+"""torch 2.13's name for ``reduce_scatter_tensor``."""
 
 
 def gather(

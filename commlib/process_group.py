@@ -414,11 +414,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             self._check_tensor("all_gather_into_tensor", output_tensor, "output_tensor")
         return self.all_gather(output_tensor, input_tensor, async_op=async_op)
 
-    def all_gather_single(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *, async_op: bool = False
-    ) -> Work | None:
-        """``all_gather_into_tensor`` under torch 2.13's name for it."""
-        return self.all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
+    all_gather_single = all_gather_into_tensor
+    """torch 2.13's name for ``all_gather_into_tensor``."""
 
     def reduce_scatter(
         self,
@@ -480,17 +477,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             self._check_tensor("reduce_scatter_tensor", input, "input")
         return self.reduce_scatter(output, input, op, async_op=async_op)
 
-
-    def reduce_scatter_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002 - the torch.distributed name
-        op: ReduceOp | PremulSum = ReduceOp.SUM,
-        *,
-        async_op: bool = False,
-    ) -> Work | None:
-        """``reduce_scatter_tensor`` under torch 2.13's name for it."""
-        return self.reduce_scatter_tensor(output, input, op, async_op=async_op)
+    reduce_scatter_single = reduce_scatter_tensor
+    """torch 2.13's name for ``reduce_scatter_tensor``."""
 
     def _start_reduce_scatter(
         self,
