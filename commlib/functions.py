@@ -118,13 +118,16 @@ def broadcast(
 
 
 def all_gather(
-    output: torch.Tensor | TensorList,
+    tensor_list: TensorList | torch.Tensor,
     tensor: torch.Tensor,
     group: IProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
-    """``IProcessGroup.all_gather`` on ``group`` (default group if None)."""
-    return _group(group).all_gather(output, tensor, async_op=async_op)
+    """``IProcessGroup.all_gather`` on ``group`` (default group if None); torch's argument names.
+
+    ``tensor_list`` may also be one tensor of ``world_size`` blocks (``all_gather_into_tensor``).
+    """
+    return _group(group).all_gather(tensor_list, tensor, async_op=async_op)
 
 
 def all_gather_into_tensor(
@@ -143,13 +146,16 @@ all_gather_single = all_gather_into_tensor
 
 def reduce_scatter(
     output: torch.Tensor,
-    input: torch.Tensor | TensorList,  # noqa: A002
+    input_list: TensorList | torch.Tensor,
     op: ReduceOp | PremulSum = ReduceOp.SUM,
     group: IProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
-    """``IProcessGroup.reduce_scatter`` on ``group`` (default group if None)."""
-    return _group(group).reduce_scatter(output, input, op, async_op=async_op)
+    """``IProcessGroup.reduce_scatter`` on ``group`` (default group if None); torch's argument names.
+
+    ``input_list`` may also be one tensor of ``world_size`` blocks (``reduce_scatter_tensor``).
+    """
+    return _group(group).reduce_scatter(output, input_list, op, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -371,25 +377,70 @@ def scatter_object_list(
 
 
 # ---------------------------------------------------------------- subgroups
+def _check_group_options(parent: IProcessGroup, op: str, backend: str | None, pg_options: Any) -> None:
+    """Refuse torch's group options commlib cannot honour (``backend`` may name the parent's own)."""
+    if backend is not None and str(backend).lower() != parent.backend:
+        raise ValueError(
+            f"{parent._prefix(op)}backend={backend!r}: a subgroup runs on its parent's backend "
+            f"({parent.backend}); leave backend out, or make a group of another backend with "
+            "commlib.create_process_group"
+        )
+    if pg_options is not None:
+        raise ValueError(f"{parent._prefix(op)}pg_options is torch's: commlib's backends take none")
+
+
 def new_group(
-    ranks: Sequence[int] | None = None, timeout: float | datetime.timedelta | None = None
+    ranks: Sequence[int] | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: torch.device | None = None,
+    sort_ranks: bool = True,
 ) -> IProcessGroup | None:
     """Make a subgroup of the default group from its global ``ranks`` (None: all); every rank calls it.
 
+    torch's other arguments: ``backend`` may name the default group's own backend (a subgroup
+    always runs on it); ``sort_ranks=False`` keeps the order of ``ranks`` for the new group's
+    ranks; ``group_desc`` and ``device_id`` are accepted and not used (a group knows its device).
+    ``pg_options`` and ``use_local_synchronization=True`` are refused: commlib's backends take no
+    options object, and every rank of the default group takes part in making a group.
+
     Returns:
         The new group on its members; None elsewhere.
+
+    Raises:
+        ValueError: ``backend`` names another backend, or ``pg_options`` /
+            ``use_local_synchronization`` is given.
     """
+    del group_desc, device_id  # torch's; nothing to do with them here
     group = get_default_group()
-    return group.new_group(range(group.world_size) if ranks is None else ranks, timeout=timeout)
+    _check_group_options(group, "new_group", backend, pg_options)
+    if use_local_synchronization:
+        raise ValueError(
+            f"{group._prefix('new_group')}use_local_synchronization=True is not supported: every rank of "
+            "the default group calls new_group, members and others alike"
+        )
+    members = range(group.world_size) if ranks is None else ranks
+    return group.new_group(members, timeout=timeout, sort_ranks=sort_ranks)
 
 
 def split_group(
     parent_pg: IProcessGroup | None = None,
     split_ranks: Sequence[Sequence[int]] | None = None,
     timeout: float | datetime.timedelta | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+    backend: str | None = None,
 ) -> IProcessGroup | None:
-    """``IProcessGroup.split_group`` on ``parent_pg`` (default group if None); ranks are its group ranks."""
+    """``IProcessGroup.split_group`` on ``parent_pg`` (default group if None); ranks are its group ranks.
+
+    ``backend``, ``pg_options`` and ``group_desc`` as for ``new_group``.
+    """
+    del group_desc
     parent = _group(parent_pg)
+    _check_group_options(parent, "split_group", backend, pg_options)
     if split_ranks is None:
         raise ValueError(f"{parent._prefix('split_group')}split_ranks is required: disjoint lists of ranks")
     return parent.split_group(split_ranks, timeout=timeout)
@@ -399,11 +450,14 @@ def new_subgroups(
     group_size: int | None = None,
     group: IProcessGroup | None = None,
     timeout: float | datetime.timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
 ) -> tuple[IProcessGroup, list[IProcessGroup | None]]:
     """Cut ``group`` (default group if None) into groups of ``group_size`` consecutive ranks.
 
     Every rank calls it. ``group_size`` None means the CUDA devices of this machine, as in torch
-    (on CPU, pass it).
+    (on CPU, pass it). ``backend``, ``pg_options`` and ``group_desc`` as for ``new_group``.
 
     Returns:
         This rank's group, and every group in order: the ones this rank is not in are None
@@ -412,8 +466,10 @@ def new_subgroups(
     Raises:
         ValueError: ``group_size`` is not positive or does not divide the group's size.
     """
+    del group_desc
     parent = _group(group)
     op = "new_subgroups"
+    _check_group_options(parent, op, backend, pg_options)
     if group_size is None:
         group_size = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not group_size:
@@ -434,14 +490,21 @@ def new_subgroups(
 def new_subgroups_by_enumeration(
     ranks_per_subgroup_list: Sequence[Sequence[int]],
     timeout: float | datetime.timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
 ) -> tuple[IProcessGroup | None, list[IProcessGroup | None]]:
     """Groups of the default group from disjoint lists of global ranks; every rank calls it.
+
+    ``backend``, ``pg_options`` and ``group_desc`` as for ``new_group``.
 
     Returns:
         This rank's group (None if it is in no list), and every group in order (None where this
         rank is not a member).
     """
+    del group_desc
     parent = get_default_group()
+    _check_group_options(parent, "new_subgroups_by_enumeration", backend, pg_options)
     mine = parent.split_group(ranks_per_subgroup_list, timeout=timeout)
     return mine, [mine if parent.rank in ranks else None for ranks in ranks_per_subgroup_list]
 

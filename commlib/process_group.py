@@ -828,17 +828,23 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     # ---------------------------------------------------------------- subgroups
     def new_group(
-        self, ranks: Sequence[int], *, timeout: float | datetime.timedelta | None = None
+        self,
+        ranks: Sequence[int],
+        *,
+        timeout: float | datetime.timedelta | None = None,
+        sort_ranks: bool = True,
     ) -> IProcessGroup | None:
         """Make a group of some of this group's ranks; every rank of this group must call it.
 
         Call it on every rank, in the same order relative to other ``new_group``
         and ``split`` calls, with the same ``ranks``. The new group's ranks follow
-        the sorted order of ``ranks``, as torch's.
+        the sorted order of ``ranks``, as torch's (``sort_ranks=False``: their order as given).
 
         Args:
             ranks: Ranks of this group that join.
             timeout: The new group's timeout (seconds or a timedelta); default this group's.
+            sort_ranks: Order the new group's ranks by their rank here (torch's default), or
+                keep the order of ``ranks``.
 
         Returns:
             The new group on its members; None on the other ranks.
@@ -853,7 +859,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """
         name = "new_group"
         self._check_usable(name)
-        members = sorted(self._check_members(name, ranks))
+        members = self._check_members(name, ranks)
+        if sort_ranks:
+            members.sort()
         config = self._sub_config(name, timeout)
         names = [self._next_subgroup_name()]
         return self._finish_split(name, [members], config, names)

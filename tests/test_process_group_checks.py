@@ -1086,6 +1086,33 @@ def test_split_group_and_new_subgroups_make_this_ranks_group(group: FakeGroup) -
     assert commlib.get_backend(group) == "fake"
 
 
+def test_split_functions_refuse_another_backend_and_pg_options(group: FakeGroup) -> None:
+    other_backend = lambda: commlib.split_group(group, [[0, 1]], backend="gloo")  # noqa: E731
+    check_refused(group, other_backend, ValueError, "split_group", "a subgroup runs on its parent's backend")
+    with_options = lambda: commlib.new_subgroups(2, group, pg_options=1)  # noqa: E731
+    check_refused(group, with_options, ValueError, "new_subgroups", "pg_options")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"backend": "nccl"}, "backend='nccl': a subgroup runs on its parent's backend (fake)"),
+        ({"pg_options": object()}, "pg_options is torch's: commlib's backends take none"),
+        ({"use_local_synchronization": True}, "use_local_synchronization=True is not supported"),
+    ],
+)
+def test_new_group_refuses_torch_arguments_it_cannot_honour(
+    group: FakeGroup, clean_commlib: None, kwargs: dict[str, Any], text: str
+) -> None:
+    commlib.world._default_group = group  # noqa: SLF001 - the default group new_group splits
+    try:
+        check_refused(group, lambda: commlib.new_group([0, 1], **kwargs), ValueError, "new_group", text)
+        child = commlib.new_group([3, 1], backend="FAKE", sort_ranks=False, group_desc="d", device_id=None)
+        assert child is not None and child.global_ranks == (3, 1) and child.rank == 1
+    finally:
+        commlib.world._default_group = None  # noqa: SLF001
+
+
 def test_new_group_sets_up_global_ranks_and_names(group: FakeGroup) -> None:
     child = group.new_group([3, 1], timeout=12.0)
     assert child is not None and (child.rank, child.world_size) == (0, 2)

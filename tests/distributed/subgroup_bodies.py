@@ -152,8 +152,13 @@ def body_torch_split_functions(group: IProcessGroup) -> dict[str, Any]:
     previous, commlib.world._default_group = commlib.world._default_group, group  # noqa: SLF001
     try:
         listed, groups = commlib.new_subgroups_by_enumeration([[n - 1, 0]] + ([[1]] if n > 2 else []))
+        # torch's new_group arguments: the own backend named, the ranks' order kept.
+        kept = commlib.new_group([n - 1, 0], backend=group.backend, sort_ranks=False, group_desc="pair")
     finally:
         commlib.world._default_group = previous  # noqa: SLF001
+    out["kept"] = None if kept is None else (kept.rank, list(kept.global_ranks))
+    if kept is not None:
+        kept.close()
     out["listed"] = None if listed is None else list(listed.global_ranks)
     out["listed_every"] = [g is not None for g in groups]
     # 2.13's names, on the subgroup of consecutive ranks.

@@ -57,6 +57,9 @@ def test_torchs_split_functions(get_pool, variant: str, world_size: int) -> None
         assert r == n - 1 or v["part_timeout"] == 40
         assert v["every"] == [r // size == i for i in range(n // size)]
         assert v["listed"] == ([0, n - 1] if r in (0, n - 1) else [1] if r == 1 else None)
+        # sort_ranks=False: the last rank is rank 0 of the pair.
+        expected_pair = ({n - 1: 0, 0: 1}[r], [n - 1, 0]) if r in (0, n - 1) else None
+        assert v["kept"] == expected_pair
         assert v["listed_every"] == [r in (0, n - 1)] + ([r == 1] if n > 2 else [])
         assert v["gathered"] == [x for k in range(size) for x in (k, 7)]
         k = r % size  # this rank's block of the sum of every member's arange(3 * size)
