@@ -251,12 +251,10 @@ def barrier(
         raise TypeError(f"{g._prefix('barrier')}device_ids must be a list of ints, got {device_ids!r}")
     if timeout is None or async_op:
         return g.barrier(async_op=async_op)
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"{g._prefix('barrier')}timeout must be a positive number of seconds: {timeout!r}")
+    seconds = g._sub_config("barrier", timeout).timeout  # checked as any group timeout is
     work = g.barrier(async_op=True)
     assert work is not None
-    work.wait(float(seconds))
+    work.wait(seconds)
     return None
 
 

@@ -1086,6 +1086,18 @@ def test_split_group_and_new_subgroups_make_this_ranks_group(group: FakeGroup) -
     assert commlib.get_backend(group) == "fake"
 
 
+@pytest.mark.parametrize(
+    ("timeout", "error", "text"),
+    [
+        (0, ValueError, "must be > 0 seconds"),
+        (float("inf"), ValueError, "must be finite"),
+        ("5", TypeError, "expected seconds"),
+    ],
+)
+def test_barrier_checks_its_timeout_first(group: FakeGroup, timeout: Any, error: type, text: str) -> None:
+    check_refused(group, lambda: commlib.barrier(group, timeout=timeout), error, "barrier", text)
+
+
 def test_split_functions_refuse_another_backend_and_pg_options(group: FakeGroup) -> None:
     other_backend = lambda: commlib.split_group(group, [[0, 1]], backend="gloo")  # noqa: E731
     check_refused(group, other_backend, ValueError, "split_group", "a subgroup runs on its parent's backend")
