@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -191,20 +192,44 @@ def launcher_pid() -> int | None:
     return None
 
 
+def launch_key(pid: int, start: object, pid_namespace: str) -> int:
+    """A number that every rank under the launcher process ``pid`` computes alike.
+
+    The pid alone repeats across containers that share the host's network (each
+    numbers its processes from 1, so two identical launches get the same pids):
+    the launcher's start time and the pid namespace (``/proc/self/ns/pid``) tell
+    such launches apart. Hashed with BLAKE2b, so every process agrees (Python's
+    ``hash`` is salted per process).
+    """
+    text = f"{pid}@{start}@{pid_namespace}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
+
+
 def _default_port(launcher: str, environ: Mapping[str, str], local_world_size: int, world_size: int) -> int:
     """Pick the rendezvous port when nothing names one.
 
     Under an MPI launcher with every rank on this host, the ranks share an
-    ancestor (the launcher's proxy process), so a port derived from its pid lets
-    two jobs run side by side without choosing ports by hand. It is taken from
-    outside the kernel's ephemeral range (see ``commlib.ports``), where no
-    outgoing connection can be holding it. Otherwise: 29500.
+    ancestor (the launcher's proxy process), so a port derived from it
+    (:func:`launch_key`) lets two jobs run side by side without choosing ports
+    by hand. It is taken from outside the kernel's ephemeral range (see
+    ``commlib.ports``), where no outgoing connection can be holding it.
+    Otherwise: 29500.
     """
     if launcher in _MPI_LAUNCHERS and local_world_size == world_size and "MASTER_ADDR" not in environ:
         pid = launcher_pid()
         if pid is not None:
-            return port_from_key(pid)
+            return port_from_key(launch_key(pid, *_process_identity(pid)))
     return DEFAULT_MASTER_PORT
+
+
+def _process_identity(pid: int) -> tuple[object, str]:
+    """``pid``'s start time and this process's pid namespace, each ``"?"`` where it cannot be read."""
+    info = read_process(pid)
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "?"
+    return (info.start if info is not None else "?"), namespace
 
 
 def _refuse_half_set_launcher(environ: Mapping[str, str]) -> None:

@@ -227,3 +227,16 @@ def scrubbed_env(**extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
+
+
+def mpiexec_env(**extra: str) -> dict[str, str]:
+    """``scrubbed_env(**extra)`` plus a ``MASTER_PORT`` checked free now, for a job started by mpiexec.
+
+    Without it the ranks derive their port from the launcher (``commlib.env``), unchecked: while the
+    suite runs, other tests' ranks hold ports in the same range, and a job whose derived port one of
+    them holds fails at rank 0 while the others wait out their timeout. The derivation itself is
+    tested in ``test_env.py``; jobs started by tests get a port as torchrun tests do.
+    """
+    from commlib.ports import free_port
+
+    return scrubbed_env(MASTER_PORT=str(free_port()), **extra)

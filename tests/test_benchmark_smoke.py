@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, run_job, scrubbed_env
+from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, mpiexec_env, run_job
 
 BENCH = REPO_ROOT / "benchmarks" / "allreduce_bench.py"
 TABLE_HEADER = [
@@ -69,7 +69,7 @@ def run_bench(args: list[str], timeout: float = 240) -> subprocess.CompletedProc
     """Run the benchmark; on timeout every rank is killed, not just the launcher."""
     try:
         return run_job(
-            args, timeout=timeout, env=scrubbed_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+            args, timeout=timeout, env=mpiexec_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"benchmark did not finish within {timeout} s:\n{e.stdout}\n{e.stderr}")

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, run_job, scrubbed_env
+from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, mpiexec_env, run_job
 
 BENCH = REPO_ROOT / "benchmarks" / "collective_bench.py"
 
@@ -41,7 +41,7 @@ def test_quick_benchmark_on_two_ranks(tmp_path: Path, bench: ModuleType) -> None
         cmd = [sys.executable, str(BENCH), "--spawn", "2", "--quick", "--csv", str(csv_path)]
         expected = {"ring", "torch-gloo"}
     try:
-        proc = run_job(cmd, timeout=240, env=scrubbed_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
+        proc = run_job(cmd, timeout=240, env=mpiexec_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"benchmark did not finish within 240 s:\n{e.stdout}\n{e.stderr}")
     report = f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, run_job, scrubbed_env
+from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, mpiexec_env, run_job
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
 def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
     try:
-        proc = run_job(cmd, timeout=timeout, env=scrubbed_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
+        proc = run_job(cmd, timeout=timeout, env=mpiexec_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"benchmark did not finish within {timeout} s:\n{e.stdout}\n{e.stderr}")
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -13,10 +14,12 @@ from commlib.env import (
     DistEnv,
     detect,
     get_env_or_raise,
+    launch_key,
     launcher_pid,
     read_env_var,
 )
 from commlib.ports import ephemeral_port_range, port_from_key
+from commlib.procfs import read_process
 from tests.conftest import REPO_ROOT, mpiexec_command, requires_mpi, run_job, scrubbed_env
 
 TORCHRUN = {
@@ -232,7 +235,20 @@ def test_read_env_var_warns_on_bad_value_and_uses_default() -> None:
 # ------------------------------------------------------- default port (MPI)
 def expected_mpi_port() -> int:
     pid = launcher_pid()
-    return 29500 if pid is None else port_from_key(pid)
+    if pid is None:
+        return 29500
+    start = read_process(pid).start  # type: ignore[union-attr]
+    return port_from_key(launch_key(pid, start, os.readlink("/proc/self/ns/pid")))
+
+
+def test_the_launch_key_tells_apart_launches_that_share_a_pid() -> None:
+    """Containers on the host's network number their processes alike: start time and namespace differ."""
+    pids = range(1, 400)
+    here = [launch_key(pid, 1000, "pid:[4026531836]") for pid in pids]
+    assert here == [launch_key(pid, 1000, "pid:[4026531836]") for pid in pids]
+    elsewhere = [launch_key(pid, 1000, "pid:[4026532417]") for pid in pids]
+    later = [launch_key(pid, 1001, "pid:[4026531836]") for pid in pids]
+    assert len(set(here) | set(elsewhere) | set(later)) == 3 * len(pids)
 
 
 @pytest.mark.parametrize(

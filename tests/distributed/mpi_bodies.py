@@ -568,7 +568,7 @@ def launch(
         launcher_args: Extra launcher flags (``-disable-auto-cleanup``).
     """
     from commlib.ports import free_port
-    from tests.conftest import mpiexec_command, run_job, scrubbed_env
+    from tests.conftest import mpiexec_command, mpiexec_env, run_job, scrubbed_env
 
     names = bodies if isinstance(bodies, str) else ",".join(bodies)
     script = [str(Path(__file__).resolve()), names, json.dumps(list(args))]
@@ -589,7 +589,8 @@ def launch(
     else:
         raise ValueError(f"launch: unknown launcher {launcher!r} (mpiexec, torchrun, python)")
     with tempfile.TemporaryDirectory(prefix="commlib-launch-") as result_dir:
-        child_env = scrubbed_env(
+        job_env = mpiexec_env if launcher == "mpiexec" else scrubbed_env
+        child_env = job_env(
             COMMLIB_BACKEND=backend,
             COMMLIB_RESULT_DIR=result_dir,
             OMP_NUM_THREADS="1",

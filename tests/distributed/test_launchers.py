@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from commlib.ports import free_port
-from tests.conftest import run_job
+from tests.conftest import mpiexec_env, run_job, scrubbed_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.launcher]
 
@@ -26,21 +26,9 @@ def _tool(name: str) -> str | None:
     return str(candidate) if candidate.exists() else shutil.which(name)
 
 
-def _clean_env(backend: str) -> dict[str, str]:
-    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in launcher_vars and not k.startswith(("OMPI_", "PMIX_", "SLURM_"))
-    }
-    env.update(
-        {"COMMLIB_BACKEND": backend, "COMMLIB_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    )
-    return env
-
-
-def _run(command: list[str], backend: str, world_size: int) -> None:
-    proc = run_job(command, timeout=240, env=_clean_env(backend), cwd=REPO)
+def _run(command: list[str], backend: str, world_size: int, env_of: Callable[..., dict[str, str]]) -> None:
+    env = env_of(COMMLIB_BACKEND=backend, COMMLIB_TIMEOUT="60", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = run_job(command, timeout=240, env=env, cwd=REPO)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{command[0]} exited {proc.returncode}:\n{output[-6000:]}"
     # Ranks share the launcher's stdout, so their lines may interleave: match the markers anywhere.
@@ -60,6 +48,7 @@ def test_bodies_under_torchrun(backend: str, world_size: int) -> None:
         [torchrun, "--nproc-per-node", str(world_size), f"--master-port={free_port()}", str(SCRIPT)],
         backend,
         world_size,
+        scrubbed_env,
     )
 
 
@@ -74,4 +63,4 @@ def test_bodies_under_mpirun(backend: str, world_size: int) -> None:
         pytest.skip("mpiexec / mpi4py are not installed (pip install 'commlib[mpi]')")
     if backend == "gloo" and importlib.util.find_spec("backends.torch") is None:
         pytest.skip("the gloo backend (backends/torch/group.py) is not present")
-    _run([mpiexec, "-n", str(world_size), sys.executable, str(SCRIPT)], backend, world_size)
+    _run([mpiexec, "-n", str(world_size), sys.executable, str(SCRIPT)], backend, world_size, mpiexec_env)

@@ -533,13 +533,13 @@ def test_wait_until_spins_naps_and_times_out() -> None:
 @pytest.mark.launcher
 def test_compare_backends_example(repo_root: object) -> None:
     """examples/compare_backends.py: mpi and gloo agree bit for bit on 2 ranks (sums of two are exact)."""
-    from tests.conftest import mpiexec_command, run_job, scrubbed_env
+    from tests.conftest import mpiexec_command, mpiexec_env, run_job
 
     script = str(repo_root / "examples" / "compare_backends.py")  # type: ignore[operator]
     proc = run_job(
         [*mpiexec_command(2), sys.executable, script, "--backends", "mpi,gloo", "--strict"],
         timeout=120,
-        env=scrubbed_env(OMP_NUM_THREADS="1", COMMLIB_TIMEOUT="30"),
+        env=mpiexec_env(OMP_NUM_THREADS="1", COMMLIB_TIMEOUT="30"),
         cwd=None,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
