@@ -258,6 +258,23 @@ def barrier(
     return None
 
 
+def monitored_barrier(
+    group: IProcessGroup | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    wait_all_ranks: bool = False,
+) -> None:
+    """``IProcessGroup.monitored_barrier`` on ``group`` (default group if None), with torch's arguments.
+
+    A barrier whose failure names the ranks that did not reach it.
+
+    Args:
+        group: The group; None: the default group.
+        timeout: Seconds (or a timedelta) rank 0 waits for the others; None: the group's timeout.
+        wait_all_ranks: Name every missing rank instead of stopping at the first.
+    """
+    _group(group).monitored_barrier(timeout, wait_all_ranks)
+
+
 # ----------------------------------------------------------- point-to-point
 def _peer(
     group: IProcessGroup, op: str, peer: int | None, group_peer: int | None, names: tuple[str, str]

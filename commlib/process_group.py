@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.graph import increment_version
 
-from commlib import nan_minmax, objects
+from commlib import monitored, nan_minmax, objects
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
 from commlib.diagnosis import Diagnostics, FingerprintExchange
@@ -98,6 +98,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._accepted: set[tuple[object, ...]] = set()
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
+        self._monitored_barriers = 0
+        """``monitored_barrier`` calls on this group so far (their messages carry the number)."""
         self._p2p_counts: dict[tuple[str, int | None, int], int] = {}
         """Point-to-point operations issued so far, per (``send``/``recv``, peer, tag)."""
         self._diagnostics: Diagnostics | None = None
@@ -676,6 +678,39 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._check_usable("barrier")
         return self._issue("barrier", None, None, -1, async_op, None, self._barrier, async_op)
 
+    def monitored_barrier(
+        self, timeout: float | datetime.timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """A barrier whose failure names the ranks that did not reach it (torch's ``monitored_barrier``).
+
+        Every rank but 0 reports to rank 0 and waits for its answer; rank 0
+        waits for every report until ``timeout``. If one is missing, rank 0
+        raises naming it (the first missing rank, or every one with
+        ``wait_all_ranks=True``) and tells the ranks that arrived, which raise
+        the same. Its messages use a tag no user message can have. Meant for
+        debugging hangs: it costs a round trip through rank 0.
+
+        Args:
+            timeout: Seconds (or a timedelta) rank 0 waits; None: the group's timeout. The other
+                ranks wait for rank 0's answer up to ``commlib.monitored.RELEASE_GRACE_S``
+                longer.
+            wait_all_ranks: Wait for every rank and name all that are missing, instead of
+                stopping at the first.
+
+        Raises:
+            CommTimeoutError: A rank did not arrive in time (on every rank that arrived), or
+                rank 0 did not answer.
+            CommError: The ranks called it a different number of times. After either, the
+                group holds unanswered messages: destroy it, or end the job.
+        """
+        name = "monitored_barrier"
+        self._check_usable(name)
+        if not isinstance(wait_all_ranks, bool):
+            raise TypeError(f"{self._prefix(name)}wait_all_ranks must be a bool, got {wait_all_ranks!r}")
+        seconds = self._sub_config(name, timeout).timeout
+        self._monitored_barriers += 1
+        monitored.monitored_barrier(self, seconds, wait_all_ranks, self._monitored_barriers)
+
     # ----------------------------------------------------------------- objects
     def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
         """Replace ``object_list``'s entries on every rank with ``src``'s (pickled; see ``commlib.objects``).
@@ -808,6 +843,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 )
         if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self.max_tag:
             raise ValueError(f"{self._prefix(name)}tag must be an int in 0..{self.max_tag}, got {tag!r}")
+        return self._count_p2p(kind, tensor, peer, tag)
+
+    def _count_p2p(self, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> P2PRequest:
+        """Number a checked send or receive among those with its peer and tag; return the request."""
         flat = tensor if tensor.dim() == 1 and not tensor.requires_grad else tensor.detach().view(-1)
         if kind == "recv":
             increment_version(flat)
@@ -815,6 +854,15 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         seq = self._p2p_counts.get(key, 0) + 1
         self._p2p_counts[key] = seq
         return P2PRequest(kind, flat, peer, tag, seq)
+
+    def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work:
+        """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``.
+
+        No user's send or receive can name that tag, so these never match one.
+        """
+        request = self._count_p2p(kind, tensor, peer, self.max_tag + 1)
+        (work,) = self._issue_p2p([request], self._start_p2p, request, True)
+        return work
 
     def _p2p_peer(self, name: str, p2p: P2POp, what: str) -> int | None:
         """The group rank a ``P2POp`` names (``peer`` is global, ``group_peer`` a rank of this group)."""

@@ -1098,6 +1098,23 @@ def test_barrier_checks_its_timeout_first(group: FakeGroup, timeout: Any, error:
     check_refused(group, lambda: commlib.barrier(group, timeout=timeout), error, "barrier", text)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"timeout": 0}, ValueError, "must be > 0 seconds"),
+        ({"timeout": float("inf")}, ValueError, "must be finite"),
+        ({"timeout": "5"}, TypeError, "expected seconds"),
+        ({"wait_all_ranks": "yes"}, TypeError, "wait_all_ranks must be a bool, got 'yes'"),
+    ],
+)
+def test_monitored_barrier_checks_its_arguments_first(
+    group: FakeGroup, kwargs: dict[str, Any], error: type, text: str
+) -> None:
+    call = lambda: commlib.monitored_barrier(group, **kwargs)  # noqa: E731
+    check_refused(group, call, error, "monitored_barrier", text)
+    assert group._monitored_barriers == 0  # a refused call is not counted: the ranks stay in step
+
+
 def test_split_functions_refuse_another_backend_and_pg_options(group: FakeGroup) -> None:
     other_backend = lambda: commlib.split_group(group, [[0, 1]], backend="gloo")  # noqa: E731
     check_refused(group, other_backend, ValueError, "split_group", "a subgroup runs on its parent's backend")
