@@ -843,10 +843,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 )
         if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self.max_tag:
             raise ValueError(f"{self._prefix(name)}tag must be an int in 0..{self.max_tag}, got {tag!r}")
-        return self._count_p2p(kind, tensor, peer, tag)
-
-    def _count_p2p(self, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> P2PRequest:
-        """Number a checked send or receive among those with its peer and tag; return the request."""
         flat = tensor if tensor.dim() == 1 and not tensor.requires_grad else tensor.detach().view(-1)
         if kind == "recv":
             increment_version(flat)
@@ -858,9 +854,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work:
         """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``.
 
-        No user's send or receive can name that tag, so these never match one.
+        No user's send or receive can name that tag, so these never match one. ``tensor`` is
+        the interface's own: flat, on the host, never seen by autograd.
         """
-        request = self._count_p2p(kind, tensor, peer, self.max_tag + 1)
+        key = (kind, peer, self.max_tag + 1)
+        self._p2p_counts[key] = seq = self._p2p_counts.get(key, 0) + 1
+        request = P2PRequest(kind, tensor, peer, self.max_tag + 1, seq)
         (work,) = self._issue_p2p([request], self._start_p2p, request, True)
         return work
 

@@ -242,10 +242,12 @@ def test_an_all_to_all_payload_carries_counts_and_a_block_exactly(dtype: torch.d
     block = (torch.arange(24) % 3).to(dtype)
     payload = records.pack_counts(counts, block)
     assert payload.dtype is torch.uint8 and payload.numel() == 8 * len(counts) + block.nbytes
-    assert records.read_counts(payload.view(dtype), len(counts)) == counts
+    assert records.read_counts(payload.view(dtype), len(counts), 1) == counts
     into = torch.zeros_like(block)
-    records.read_carried(payload, len(counts), into)
+    records.read_carried(payload, len(counts), into, 1)
     assert torch.equal(into, block)
-    assert records.read_counts(records.pack_counts(counts), len(counts)) == counts
-    with pytest.raises(ValueError, match="does not hold 5 counts"):
-        records.read_carried(payload[:-1], len(counts), into)
+    assert records.read_counts(records.pack_counts(counts), len(counts), 1) == counts
+    with pytest.raises(ValueError, match=f"rank 1's {payload.nbytes - 1}-byte record does not hold 5 split"):
+        records.read_carried(payload[:-1], len(counts), into, 1)
+    with pytest.raises(ValueError, match="rank 2's 39-byte record does not hold 5 split sizes$"):
+        records.read_counts(payload[:39], len(counts), 2)

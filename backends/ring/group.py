@@ -1056,7 +1056,10 @@ class RingProcessGroup(IProcessGroup):
         counts = [t.numel() for t in inputs] + [t.numel() for t in outputs] + [carry is not None]
         k = len(counts)
         payloads = self._check_meta(meta, pack_counts(counts, carry).view(meta.dtype))  # type: ignore[arg-type]
-        rows = {rank: counts if rank == r else read_counts(p, k) for rank, p in payloads.items()}
+        try:
+            rows = {rank: counts if rank == r else read_counts(p, k, rank) for rank, p in payloads.items()}
+        except ValueError as e:  # only a peer running other code sends a short record
+            raise CommError(f"{self._label('all_to_all')}: {e}") from None
         sent = [rows[i][:n] for i in range(n)]
         error = split_mismatch(sent, [rows[j][n : 2 * n] for j in range(n)])
         if error is not None:
@@ -1066,7 +1069,10 @@ class RingProcessGroup(IProcessGroup):
             left = 1 - r
             theirs = outputs[left]
             if rows[left][2 * n]:  # the neighbour's block came with its record
-                read_carried(payloads[left], k, theirs)
+                try:
+                    read_carried(payloads[left], k, theirs, left)
+                except ValueError as e:
+                    raise CommError(f"{self._label('all_to_all')}: {e}") from None
             self._stream(
                 [] if carry is not None else [inputs[left]], [] if rows[left][2 * n] else [theirs], lend=True
             )

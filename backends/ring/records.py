@@ -165,13 +165,26 @@ def pack_counts(counts: list[int], carry: torch.Tensor | None = None) -> torch.T
     return payload
 
 
-def read_counts(payload: torch.Tensor, k: int) -> list[int]:
-    """The first ``k`` counts of a ``pack_counts`` payload (a contiguous host tensor)."""
+def read_counts(payload: torch.Tensor, k: int, source: int) -> list[int]:
+    """The first ``k`` counts of rank ``source``'s ``pack_counts`` payload (a contiguous host tensor).
+
+    Raises:
+        ValueError: The payload is shorter than ``k`` counts (a peer running other code).
+    """
+    if 8 * k > payload.nbytes:
+        raise ValueError(f"rank {source}'s {payload.nbytes}-byte record does not hold {k} split sizes")
     return list(struct.unpack(f"={k}q", ctypes.string_at(payload.data_ptr(), 8 * k)))
 
 
-def read_carried(payload: torch.Tensor, k: int, into: torch.Tensor) -> None:
-    """Copy the tensor carried after ``k`` counts of a ``pack_counts`` payload into flat host ``into``."""
+def read_carried(payload: torch.Tensor, k: int, into: torch.Tensor, source: int) -> None:
+    """Copy the block carried after ``k`` counts of rank ``source``'s payload into flat host ``into``.
+
+    Raises:
+        ValueError: The payload does not hold the counts and ``into.nbytes`` bytes.
+    """
     if 8 * k + into.nbytes > payload.nbytes:
-        raise ValueError(f"a {payload.nbytes}-byte payload does not hold {k} counts and {into.nbytes} bytes")
+        raise ValueError(
+            f"rank {source}'s {payload.nbytes}-byte record does not hold {k} split sizes and its "
+            f"{into.nbytes}-byte block"
+        )
     ctypes.memmove(into.data_ptr(), payload.data_ptr() + 8 * k, into.nbytes)
