@@ -114,3 +114,26 @@ def test_target_lines_say_met_or_not(bench: ModuleType) -> None:
         "  send/recv 1 MiB: 0.67x MPICH's bandwidth (target >= 0.8x): NOT met",
         "  all_to_all 25 MiB: 4.00x Gloo's bandwidth (target >= 2x): met",
     ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_p2p_layers_times_every_layer(tmp_path: Path) -> None:
+    """``benchmarks/p2p_layers.py``: one short round of each layer's ping-pong, written and printed."""
+    reason = mpi_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    csv_path = tmp_path / "layers.csv"
+    script = REPO_ROOT / "benchmarks" / "p2p_layers.py"
+    args = ["--rounds", "2", "--iters", "20", "--csv", str(csv_path)]
+    cmd = [*mpiexec_command(2), sys.executable, str(script), *args]
+    proc = run_job(cmd, timeout=240, env=mpiexec_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    modes = ["mpi4py", "interface", "backend", "links"]
+    printed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert printed == modes, proc.stdout
+    with csv_path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    expected = sorted((mode, str(i)) for mode in modes for i in range(2))
+    assert sorted((r["mode"], r["round"]) for r in rows) == expected
+    assert all(r["size_bytes"] == "4096" and float(r["half_rtt_us"]) > 0 for r in rows), rows

@@ -1,0 +1,142 @@
+"""Where a small ring send/recv spends its time: one 2-rank ping-pong through each layer, beside MPICH.
+
+Run (two ranks on one host)::
+
+    mpiexec -n 2 python benchmarks/p2p_layers.py [--size 4K] [--rounds 5] [--iters 3000] [--csv out.csv]
+
+Modes, taking turns in every round:
+
+- ``mpi4py``: ``Comm.Send`` / ``Recv`` of the tensor's NumPy view (the reference);
+- ``interface``: ``group.send`` / ``recv``, what users call (checks, diagnosis, works);
+- ``backend``: the ring group's ``_send`` / ``_recv`` (its lanes and works; no checks, no diagnosis);
+- ``links``: the ring's ``PointToPoint.send`` / ``recv`` (the link protocol alone: header, the
+  receiver's verdict, the copies through shared memory).
+
+Each round times ``--iters`` round trips per mode; printed per mode: the median half round trip
+over the rounds [min-max], and its ratio to MPICH's. The layers below the interface are private
+APIs, reached here only to measure them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import commlib  # noqa: E402
+from benchmarks._rows import write_csv  # noqa: E402
+from commlib.ports import free_port  # noqa: E402
+
+CSV_COLUMNS = ["size_bytes", "mode", "round", "half_rtt_us"]
+
+
+def _size(text: str) -> int:
+    units = {"K": 1024, "M": 1024**2}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def _modes(group: commlib.IProcessGroup, tensor: torch.Tensor) -> dict[str, Callable[[int], None]]:
+    from mpi4py import MPI
+
+    comm, array = MPI.COMM_WORLD, tensor.numpy()
+    peer = 1 - group.rank
+    first = group.rank == 0
+    links = group._peer_links_for("send")  # type: ignore[attr-defined]
+    group._peer_links_for("recv")  # type: ignore[attr-defined]
+
+    def mpich(n: int) -> None:
+        for _ in range(n):
+            if first:
+                comm.Send(array, peer)
+                comm.Recv(array, peer)
+            else:
+                comm.Recv(array, peer)
+                comm.Send(array, peer)
+
+    def interface(n: int) -> None:
+        for _ in range(n):
+            if first:
+                group.send(tensor, peer)
+                group.recv(tensor, peer)
+            else:
+                group.recv(tensor, peer)
+                group.send(tensor, peer)
+
+    def backend(n: int) -> None:
+        send, recv = group._send, group._recv  # type: ignore[attr-defined]
+        for _ in range(n):
+            if first:
+                send(tensor, peer, 0, False).wait()
+                recv(tensor, peer, 0, False).wait()
+            else:
+                recv(tensor, peer, 0, False).wait()
+                send(tensor, peer, 0, False).wait()
+
+    def link_protocol(n: int) -> None:
+        send, recv = links.send, links.recv
+        for _ in range(n):
+            if first:
+                send(tensor, peer, 0, "p2p_layers")
+                recv(tensor, peer, 0, "p2p_layers")
+            else:
+                recv(tensor, peer, 0, "p2p_layers")
+                send(tensor, peer, 0, "p2p_layers")
+
+    return {"mpi4py": mpich, "interface": interface, "backend": backend, "links": link_protocol}
+
+
+def main() -> int:
+    """Time every mode, taking turns; print (and write) the half round trips."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="4K", help="bytes per message (default 4K)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; every mode runs once per round (default 5)")
+    p.add_argument("--iters", type=int, default=3000, help="round trips per mode and round (default 3000)")
+    p.add_argument("--csv", type=Path, default=None, help="write every round's figure here (rank 0)")
+    args = p.parse_args()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.size != 2:
+        print(f"p2p_layers: run on 2 ranks (mpiexec -n 2), not {comm.size}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    port = comm.bcast(free_port() if comm.rank == 0 else None, root=0)
+    group = commlib.init_process_group("ring", master_port=port)  # rank and size from mpiexec
+    size = _size(args.size)
+    tensor = torch.zeros(size // 4, dtype=torch.float32)
+    modes = _modes(group, tensor)
+    for run in modes.values():  # warm up: links opened, caches filled
+        run(max(1, args.iters // 10))
+    rows, times = [], {name: [] for name in modes}
+    for round_ in range(args.rounds):
+        for name, run in modes.items():
+            group.barrier()
+            start = time.perf_counter()
+            run(args.iters)
+            half_rtt = (time.perf_counter() - start) / args.iters / 2 * 1e6
+            times[name].append(half_rtt)
+            rows.append({"size_bytes": size, "mode": name, "round": round_, "half_rtt_us": f"{half_rtt:.3f}"})
+    if group.rank == 0:
+        reference = statistics.median(times["mpi4py"])
+        print(f"{size} B ping-pong, half round trip: median of {args.rounds} rounds [min-max], rank 0")
+        for name, values in times.items():
+            median = statistics.median(values)
+            print(
+                f"  {name:10s} {median:7.2f} us  [{min(values):.2f}-{max(values):.2f}]  "
+                f"{median / reference:5.2f}x MPICH"
+            )
+        if args.csv is not None:
+            write_csv(args.csv, CSV_COLUMNS, rows)
+    commlib.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
