@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,6 +43,23 @@ def _size(text: str) -> int:
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
+def _ping_pong(
+    first: bool, send: Callable[..., Any], send_args: tuple, recv: Callable[..., Any], recv_args: tuple
+) -> Callable[[int], None]:
+    """``n`` round trips: rank 0 sends first, rank 1 answers (the same loop for every mode)."""
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            if first:
+                send(*send_args)
+                recv(*recv_args)
+            else:
+                recv(*recv_args)
+                send(*send_args)
+
+    return run
+
+
 def _modes(group: commlib.IProcessGroup, tensor: torch.Tensor) -> dict[str, Callable[[int], None]]:
     from mpi4py import MPI
 
@@ -50,46 +68,21 @@ def _modes(group: commlib.IProcessGroup, tensor: torch.Tensor) -> dict[str, Call
     first = group.rank == 0
     links = group._peer_links_for("send")  # type: ignore[attr-defined]
     group._peer_links_for("recv")  # type: ignore[attr-defined]
+    backend_send, backend_recv = group._send, group._recv  # type: ignore[attr-defined]
+    sync, labelled = (tensor, peer, 0, False), (tensor, peer, 0, "p2p_layers")
 
-    def mpich(n: int) -> None:
-        for _ in range(n):
-            if first:
-                comm.Send(array, peer)
-                comm.Recv(array, peer)
-            else:
-                comm.Recv(array, peer)
-                comm.Send(array, peer)
+    def send_work(*args: Any) -> None:
+        backend_send(*args).wait()
 
-    def interface(n: int) -> None:
-        for _ in range(n):
-            if first:
-                group.send(tensor, peer)
-                group.recv(tensor, peer)
-            else:
-                group.recv(tensor, peer)
-                group.send(tensor, peer)
+    def recv_work(*args: Any) -> None:
+        backend_recv(*args).wait()
 
-    def backend(n: int) -> None:
-        send, recv = group._send, group._recv  # type: ignore[attr-defined]
-        for _ in range(n):
-            if first:
-                send(tensor, peer, 0, False).wait()
-                recv(tensor, peer, 0, False).wait()
-            else:
-                recv(tensor, peer, 0, False).wait()
-                send(tensor, peer, 0, False).wait()
-
-    def link_protocol(n: int) -> None:
-        send, recv = links.send, links.recv
-        for _ in range(n):
-            if first:
-                send(tensor, peer, 0, "p2p_layers")
-                recv(tensor, peer, 0, "p2p_layers")
-            else:
-                recv(tensor, peer, 0, "p2p_layers")
-                send(tensor, peer, 0, "p2p_layers")
-
-    return {"mpi4py": mpich, "interface": interface, "backend": backend, "links": link_protocol}
+    return {
+        "mpi4py": _ping_pong(first, comm.Send, (array, peer), comm.Recv, (array, peer)),
+        "interface": _ping_pong(first, group.send, (tensor, peer), group.recv, (tensor, peer)),
+        "backend": _ping_pong(first, send_work, sync, recv_work, sync),
+        "links": _ping_pong(first, links.send, labelled, links.recv, labelled),
+    }
 
 
 def main() -> int:
