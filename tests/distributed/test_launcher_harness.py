@@ -25,7 +25,7 @@ def hang_in_a_named_function(rank_to_hang: int) -> str:
 
 @pytest.mark.timeout(60)
 def test_a_stuck_rank_is_reported_with_where_it_was_stuck() -> None:
-    outcomes = run_ranks_outcomes(hang_in_a_named_function, 2, args=(1,), init=False, timeout=20)
+    outcomes = run_ranks_outcomes(hang_in_a_named_function, 2, args=(1,), init=False, timeout=10)
     assert outcomes[0].ok and outcomes[0].value == "done"
     stuck = outcomes[1]
     assert stuck.timed_out and not stuck.ok
