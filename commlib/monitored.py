@@ -49,7 +49,6 @@ class MonitoredGroup(Protocol):
 
     rank: int
     world_size: int
-    backend: str
 
     def _prefix(self, op: str) -> str: ...
     def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work: ...
