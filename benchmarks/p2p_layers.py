@@ -7,8 +7,9 @@ Run (two ranks on one host)::
 Modes, taking turns in every round:
 
 - ``mpi4py``: ``Comm.Send`` / ``Recv`` of the tensor's NumPy view (the reference);
-- ``interface``: ``group.send`` / ``recv``, what users call (checks, diagnosis, works);
-- ``backend``: the ring group's ``_send`` / ``_recv`` (its lanes and works; no checks, no diagnosis);
+- ``interface``: ``group.send`` / ``recv``, what users call (checks, diagnosis);
+- ``backend``: the ring group's ``_p2p_now``, what ``send`` / ``recv`` call once checked (its lanes;
+  no checks, no diagnosis);
 - ``links``: the ring's ``PointToPoint.send`` / ``recv`` (the link protocol alone: header, the
   receiver's verdict, the copies through shared memory).
 
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 
 import commlib  # noqa: E402
 from benchmarks._rows import write_csv  # noqa: E402
+from commlib.p2p import P2PRequest  # noqa: E402
 from commlib.ports import free_port  # noqa: E402
 
 CSV_COLUMNS = ["size_bytes", "mode", "round", "half_rtt_us"]
@@ -68,19 +70,14 @@ def _modes(group: commlib.IProcessGroup, tensor: torch.Tensor) -> dict[str, Call
     first = group.rank == 0
     links = group._peer_links_for("send")  # type: ignore[attr-defined]
     group._peer_links_for("recv")  # type: ignore[attr-defined]
-    backend_send, backend_recv = group._send, group._recv  # type: ignore[attr-defined]
-    sync, labelled = (tensor, peer, 0, False), (tensor, peer, 0, "p2p_layers")
-
-    def send_work(*args: Any) -> None:
-        backend_send(*args).wait()
-
-    def recv_work(*args: Any) -> None:
-        backend_recv(*args).wait()
+    run = group._p2p_now  # type: ignore[attr-defined]
+    labelled = (tensor, peer, 0, "p2p_layers")
+    sending, receiving = P2PRequest("send", tensor, peer, 0, 1), P2PRequest("recv", tensor, peer, 0, 1)
 
     return {
         "mpi4py": _ping_pong(first, comm.Send, (array, peer), comm.Recv, (array, peer)),
         "interface": _ping_pong(first, group.send, (tensor, peer), group.recv, (tensor, peer)),
-        "backend": _ping_pong(first, send_work, sync, recv_work, sync),
+        "backend": _ping_pong(first, run, (sending,), run, (receiving,)),
         "links": _ping_pong(first, links.send, labelled, links.recv, labelled),
     }
 

@@ -2,9 +2,11 @@
 
 Public methods check their arguments once, before any communication, then call
 one backend hook (``_all_reduce``, ``_send``, ``_new_group``...), which returns a
-``Work``. Every operation is issued by one helper, ``_issue`` (collectives) or
-``_issue_p2p`` (point-to-point), which numbers it, hands it to the diagnosis
-when that is on, and waits for it unless the caller asked for ``async_op``.
+``Work``. Every operation is issued by one helper, ``_issue`` (collectives),
+``_issue_p2p`` (asynchronous point-to-point) or ``_run_p2p`` (``send`` and
+``recv``, which need no work: the backend's ``_p2p_now`` runs them to the end),
+which numbers it, hands it to the diagnosis when that is on, and waits for it
+unless the caller asked for ``async_op``.
 """
 
 from __future__ import annotations
@@ -756,7 +758,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 sides), or the peer failed.
             CommTimeoutError: No matching receive within the group's timeout.
         """
-        self._point_to_point("send", "send", tensor, dst, tag, False).wait()
+        self._check_usable("send")
+        self._run_p2p(self._p2p_request("send", "send", tensor, dst, tag))
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive a message from rank ``src`` (None: any rank) into ``tensor``; return the sender's rank.
@@ -771,17 +774,16 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 both sides), or the peer failed.
             CommTimeoutError: No message within the group's timeout.
         """
-        work = self._point_to_point("recv", "recv", tensor, src, tag, False)
-        work.wait()
-        return work.source_rank()
+        self._check_usable("recv")
+        return self._run_p2p(self._p2p_request("recv", "recv", tensor, src, tag))
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start ``send``; return its ``Work`` (do not touch ``tensor`` until it completes)."""
-        return self._point_to_point("isend", "send", tensor, dst, tag, True)
+        return self._point_to_point("isend", "send", tensor, dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         """Start ``recv``; return its ``Work`` (``work.source_rank()`` names the sender once it completed)."""
-        return self._point_to_point("irecv", "recv", tensor, src, tag, True)
+        return self._point_to_point("irecv", "recv", tensor, src, tag)
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
         """Start every send and receive of ``p2p_op_list`` at once; return their works, in order.
@@ -814,14 +816,19 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             requests.append(self._p2p_request(name, p2p.kind, p2p.tensor, peer, p2p.tag))
         return self._issue_p2p(requests, self._batch_p2p, requests, True)
 
-    def _point_to_point(
-        self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int, async_op: bool
-    ) -> Work:
-        """Check, record and start one send or receive; ``async_op=False`` lets the backend run it inline."""
+    def _point_to_point(self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> Work:
+        """Check, record and start one ``isend`` or ``irecv``; return its work."""
         self._check_usable(name)
         request = self._p2p_request(name, kind, tensor, peer, tag)
-        (work,) = self._issue_p2p([request], self._start_p2p, request, async_op)
+        (work,) = self._issue_p2p([request], self._start_p2p, request, True)
         return work
+
+    def _run_p2p(self, request: P2PRequest) -> int:
+        """Run one ``send`` or ``recv`` to its end, followed by the diagnosis; return the peer (source)."""
+        diagnostics = self._diagnostics
+        if diagnostics is None:
+            return self._p2p_now(request)
+        return diagnostics.run_p2p(request, self._p2p_now)
 
     def _start_p2p(self, request: P2PRequest, async_op: bool) -> list[Work]:
         if request.kind == "send":
@@ -1277,6 +1284,19 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """
         raise self._not_implemented("all_to_all")
 
+    def _p2p_now(self, request: P2PRequest) -> int:
+        """Run one send or receive on this thread, to its end; return the peer (a receive's source).
+
+        The default starts it with ``_send`` / ``_recv`` (``async_op=False``) and
+        waits for its work; a backend that can run it without a work overrides it.
+        """
+        (work,) = self._start_p2p(request, False)
+        work.wait()
+        if request.peer is not None:
+            return request.peer
+        work._is_recv = True  # noqa: SLF001
+        return work.source_rank()
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
         """Start a send of flat ``tensor`` to ``dst`` (never this rank).
 
@@ -1334,6 +1354,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     def _label(self, op: str, tensor: torch.Tensor | None = None) -> CollectiveLabel:
         """Name the current collective (sequence number ``_seq``) for messages."""
         return CollectiveLabel(self.rank, self.world_size, self.backend, op, self._seq, tensor)
+
+    def _request_label(self, request: P2PRequest) -> CollectiveLabel:
+        """Name a checked send or receive for messages (``_p2p_label``, from what the request holds)."""
+        kind, tensor, peer, tag, seq = request
+        env = self._env
+        return CollectiveLabel(env.rank, env.world_size, self.backend_name, kind, seq, tensor, peer, tag)
 
     def _p2p_label(self, op: str, tensor: torch.Tensor | None, peer: int | None, tag: int) -> CollectiveLabel:
         """Name the latest ``send`` / ``recv`` with ``peer`` and ``tag`` for messages."""

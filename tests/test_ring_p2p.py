@@ -25,6 +25,7 @@ from backends.ring.link_setup import LinkShape
 from backends.ring.p2p import PointToPoint
 from backends.ring.rendezvous import Peer, host_id, open_listener, p2p_hello, p2p_hello_source
 from commlib import CommTimeoutError, GroupClosedError, MessageSizeError
+from tests._listeners import wait_until
 
 SESSION = secrets.token_bytes(32)
 
@@ -274,6 +275,33 @@ def test_a_lane_runs_inline_when_idle_and_in_order_behind_queued_work() -> None:
     first.wait()
     second.wait()
     assert order[1:] == ["first", "second"] and inline.is_completed()
+    lane.close()
+
+
+def test_a_lane_call_returns_the_value_inline_or_behind_queued_work_and_raises_its_error() -> None:
+    lane = Lane("test", bound_s=30)
+    here = threading.current_thread().name
+    assert lane.call("inline", lambda a, b: (a + b, threading.current_thread().name), 2, 3) == (5, here)
+    gate = threading.Event()
+    order: list[str] = []
+    lane.submit("first", lambda: (gate.wait(10), order.append("first")), True)
+    with concurrent.futures.ThreadPoolExecutor(1) as caller:
+        queued = caller.submit(
+            lane.call, "queued", lambda: (order.append("call"), threading.current_thread().name)
+        )
+        wait_until(lambda: not lane.idle and lane._inflight == 2, 10, "the call to queue behind the first op")
+        gate.set()
+        _, thread = queued.result(timeout=10)
+    assert order == ["first", "call"] and thread.startswith("commlib-ring-test") and lane.idle
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        lane.call("failing", fail)
+    lane.submit("busy", lambda: gate.wait(10), True)  # the gate is open: finishes at once
+    with pytest.raises(ValueError, match="boom"):
+        lane.call("failing behind", fail)
     lane.close()
 
 

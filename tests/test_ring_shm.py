@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -265,6 +266,51 @@ def test_a_message_larger_than_a_slot_is_refused(pair, tmp_path) -> None:
     sender, _ = _links(pair, tmp_path, chunk_bytes=4096)
     with pytest.raises(CommError, match=r"a 4100-byte message does not fit a 4096-byte slot of rank 1"):
         sender.send(torch.ones(1025))
+
+
+_RECORD = struct.Struct("!4sQqB")
+
+
+def test_a_record_packed_in_its_slot_reads_back_whichever_way_it_was_sent(pair, tmp_path) -> None:
+    """``send_record`` / ``recv_record`` and ``send_meta`` / ``recv_meta`` read each other's messages."""
+    sender, receiver = _links(pair, tmp_path, slots=2)
+    data = torch.arange(7, dtype=torch.int16)
+    sender.send_record(_RECORD, (b"p2p1", 5, -3, 9), data)  # packed straight into the slot
+    assert receiver.recv_record(_RECORD) == (b"p2p1", 5, -3, 9)
+    got = torch.zeros(7, dtype=torch.int16)
+    receiver.recv_into(got)
+    assert torch.equal(got, data)
+    sender.send_meta(_RECORD.pack(b"abcd", 1, 2, 3).ljust(96, b"\0"), data[:0])  # the general way
+    assert receiver.recv_record(_RECORD) == (b"abcd", 1, 2, 3)
+    receiver.recv_into(torch.empty(0, dtype=torch.int16))
+    sender.send_record(_RECORD, (b"wxyz", 2**63 - 1, -(2**63), 255), data)
+    assert receiver.recv_meta()[: _RECORD.size] == _RECORD.pack(b"wxyz", 2**63 - 1, -(2**63), 255)
+    receiver.recv_into(got)
+    strided = torch.arange(14, dtype=torch.int16)[::2]  # not one block of memory: copied by torch
+    sender.send_record(_RECORD, (b"strd", 0, 0, 0), strided)
+    assert receiver.recv_record(_RECORD) == (b"strd", 0, 0, 0)
+    receiver.recv_into(got)
+    assert torch.equal(got, strided)
+    assert sender.bell.count == receiver.bell.count == 4
+    with pytest.raises(CommError, match=r"a 4100-byte message does not fit a 4096-byte slot of rank 1"):
+        sender.send_record(_RECORD, (b"big!", 0, 0, 0), torch.ones(1025))
+
+
+@needs_memfd
+def test_a_record_read_in_place_still_retires_regions(pair, tmp_path) -> None:
+    sender, receiver = _links(pair, tmp_path, slots=1, can_lend=True)
+    region = Region.create_anonymous(64)
+    sender.lend(region.data[:16].view(torch.float32), region.id, 0)
+    receiver.recv_into(torch.empty(4))
+    assert receiver.lent_regions == 1
+    sender.retire(region.fd, region.token)
+    sender.send_record(_RECORD, (b"gone", 1, 1, 1), torch.ones(2))
+    assert receiver.recv_record(_RECORD) == (b"gone", 1, 1, 1)
+    assert receiver.lent_regions == 0
+    got = torch.zeros(2)
+    receiver.recv_into(got)
+    assert torch.equal(got, torch.ones(2))
+    region.close()
 
 
 # -------------------------------------------------------------- lent chunks

@@ -12,6 +12,7 @@ which settles the returned ``Work``.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +77,19 @@ class Lane:
         event_work = EventWork(label, bound_s=self._bound_s, keep_alive=keep_alive)
         self._executor.submit(self._run, event_work, body, on_value)  # type: ignore[union-attr]
         return event_work
+
+    def call(self, label: CollectiveLabel | str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` to its end and return its value, after everything issued before it.
+
+        On the caller's thread when the lane is idle (no work is made), as ``submit`` does.
+        """
+        if self._inflight == 0:
+            return fn(*args)
+        values: list[Any] = []
+        body = functools.partial(fn, *args)
+        work = self.submit(label, body, True, None, lambda _, value: values.append(value))
+        work.wait()
+        return values[0]
 
     def _run(self, work: EventWork, body: Body, on_value: Callable[[Work, Any], None] | None) -> None:
         error: BaseException | None = None

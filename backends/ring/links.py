@@ -129,6 +129,10 @@ class SendLink(_Link):
         """
         raise NotImplementedError
 
+    def send_record(self, layout: struct.Struct, fields: tuple[Any, ...], payload: torch.Tensor) -> None:
+        """``send_meta`` of the record ``layout`` packs from ``fields``, with ``payload`` (one chunk)."""
+        self.send_meta(layout.pack(*fields).ljust(META_BYTES, b"\0"), payload)
+
     def send(self, chunk: torch.Tensor) -> None:
         """Send a flat contiguous chunk of at most ``chunk_bytes``; returns before the peer reads it."""
         raise NotImplementedError
@@ -168,6 +172,10 @@ class RecvLink(_Link):
         self._check_frame(kind, _FRAME_META, "metadata")
         return self.reader.read_exact(META_BYTES, "metadata")
 
+    def recv_record(self, layout: struct.Struct) -> tuple[Any, ...]:
+        """Receive one metadata record and unpack it with ``layout`` (what ``send_record`` sent)."""
+        return layout.unpack_from(self.recv_meta())
+
     def recv_into(self, dst: torch.Tensor) -> None:
         """Receive the next chunk into ``dst`` (flat, contiguous, exactly the chunk's size)."""
         raise NotImplementedError
@@ -195,6 +203,11 @@ class RecvLink(_Link):
     def post_verdict(self, msg: int, verdict: tuple[int, int, int, int]) -> None:
         """Give the sender the verdict on message ``msg``; call it before taking the message's last chunk."""
         raise NotImplementedError
+
+    def take_into(self, msg: int, verdict: tuple[int, int, int, int], dst: torch.Tensor) -> None:
+        """``post_verdict`` on message ``msg``, then ``recv_into(dst)`` its one chunk (its last)."""
+        self.post_verdict(msg, verdict)
+        self.recv_into(dst)
 
     def ready(self) -> bool:
         """True if a message (or an abort, or the end of the connection) waits to be read; never blocks."""

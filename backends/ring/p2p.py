@@ -67,7 +67,7 @@ import torch
 
 from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, finish_recv_link, offer_recv_link, open_send_link
-from backends.ring.links import META_BYTES, RecvLink, SendLink
+from backends.ring.links import RecvLink, SendLink
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_source
 from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
@@ -83,7 +83,6 @@ TAKEN, WRONG_SIZE, SET_ASIDE = 0, 1, 2
 
 _MAGIC = b"p2p1"
 _HEADER = struct.Struct("!4sQqQQQB")  # magic, message number, tag, bytes, elements, piece bytes, dtype code
-_HEADER_PAD = bytes(META_BYTES - _HEADER.size)
 _HELLO_BYTES = 64 * 1024
 _ACCEPT_PERIOD_S = 1.0  # the acceptor looks at its stop flag at least this often
 _ANY_SLEEP_MAX_S = 1e-3  # longest nap of a receive from any source between looks at the links
@@ -100,22 +99,16 @@ class _Header(NamedTuple):
     dtype: int
     """The sender's dtype (``WIRE_DTYPES`` index)."""
 
-    def pack(self) -> bytes:
-        return _HEADER.pack(_MAGIC, *self) + _HEADER_PAD
-
     @classmethod
-    def unpack(cls, record: bytes, sender: str) -> _Header:
-        magic, *fields = _HEADER.unpack_from(record)
-        if magic != _MAGIC or fields[4] <= 0:
-            raise CommError(f"protocol error from {sender}: not a point-to-point message header")
-        return cls._make(fields)
+    def read(cls, link: RecvLink) -> _Header:
+        """Receive the next header from ``link``."""
+        fields = link.recv_record(_HEADER)
+        if fields[0] != _MAGIC or fields[5] <= 0:
+            raise CommError(f"protocol error from {link.describe}: not a point-to-point message header")
+        return cls._make(fields[1:])
 
 
 _CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _CODES.get(dtype, 255)
 
 
 def _describe(nbytes: int, numel: int, dtype: int) -> str:
@@ -223,7 +216,7 @@ class PointToPoint:
             CommTimeoutError: ``dst`` did not take the message within the timeout.
             PeerFailureError: The link to ``dst`` failed (now or earlier).
         """
-        out = self._outgoing_to(dst, label)
+        out = self._outgoing.get(dst) or self._outgoing_to(dst, label)
         if out.failed is not None:
             raise PeerFailureError(
                 f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
@@ -235,14 +228,15 @@ class PointToPoint:
         piece = min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
         msg = out.next_msg
         out.next_msg = msg + 1
-        header = _Header(msg, tag, nbytes, numel, piece, _dtype_code(data.dtype))
+        dtype = _CODES.get(data.dtype, 255)
+        fields = (_MAGIC, msg, tag, nbytes, numel, piece, dtype)
         posted = False
         try:
             if nbytes <= piece:
-                link.send_meta(header.pack(), data)
+                link.send_record(_HEADER, fields, data)
             else:
                 data = data.view(torch.uint8)
-                link.send_meta(header.pack(), data[:piece])
+                link.send_record(_HEADER, fields, data[:piece])
                 for start in range(piece, nbytes, piece):
                     link.send(data[start : start + piece])
             posted = True
@@ -265,7 +259,7 @@ class PointToPoint:
         if code == WRONG_SIZE:
             raise MessageSizeError(
                 f"{label}: rank {dst}'s matching recv holds {_describe(*theirs)}, but this send has "
-                f"{_describe(nbytes, numel, header.dtype)}; nothing was taken. A send and its recv must "
+                f"{_describe(nbytes, numel, dtype)}; nothing was taken. A send and its recv must "
                 "have tensors of the same size"
             )
 
@@ -348,12 +342,12 @@ class PointToPoint:
             PeerFailureError: The link from ``src`` failed (now or earlier).
         """
         self._start_acceptor()
-        mine = (data.nbytes, data.numel(), _dtype_code(data.dtype))
+        mine = (data.nbytes, data.numel(), _CODES.get(data.dtype, 255))
         if src is None:
             return self._recv_any(data, tag, mine, label)
         incoming = self._incoming_from(src, label)
         with incoming.lock:
-            aside = self._aside(incoming, tag)
+            aside = self._aside(incoming, tag) if incoming.aside else None
             if aside is None:
                 self._take(incoming, src, data, tag, mine, label, wait=True)
             else:
@@ -424,7 +418,7 @@ class PointToPoint:
         link = incoming.link
         while wait or link.ready():
             try:
-                header = _Header.unpack(link.recv_meta(), link.describe)
+                header = _Header.read(link)
             except CommTimeoutError as e:
                 raise CommTimeoutError(
                     f"{label}: no message from rank {src} within {self._timeout:g} s: rank {src} never sent "
@@ -447,8 +441,11 @@ class PointToPoint:
                         f"but this recv's tensor holds {_describe(*mine)}; nothing was received (the sender "
                         "raises too). A send and its recv must have tensors of the same size"
                     )
-                link.post_verdict(header.msg, (TAKEN, *mine))
-                self._read_body(link, header, data)
+                if header.nbytes <= header.piece:
+                    link.take_into(header.msg, (TAKEN, *mine), data)
+                else:
+                    link.post_verdict(header.msg, (TAKEN, *mine))
+                    self._read_body(link, header, data)
                 return True
             except MessageSizeError:
                 raise

@@ -65,6 +65,12 @@ _NOTHING_RETIRED = (-1, b"")
 _MAX_VIEWS = 256  # typed views of slot payloads kept per inbox (one per slot, dtype and size)
 _KIND_NAMES = {_KIND_META: "metadata", _KIND_DATA: "data", _KIND_LENT: "lent data"}
 assert _SLOT_HEADER.size <= _PAYLOAD_AT
+# The same header seen by a metadata message whose payload is in the slot and which retires nothing:
+# kind, payload, bytes, the lent chunk's fields (unused, zeroed), the retired region's fd (-1). Its
+# record, at _RECORD_AT, is packed by the caller's own layout (``send_record`` / ``recv_record``).
+_RECORD_SLOT = struct.Struct("=IIQ40xq")
+_RECORD_AT = _SLOT_HEADER.size - META_BYTES
+assert _RECORD_SLOT.size == _RECORD_AT - 16
 
 
 class Inbox:
@@ -75,8 +81,9 @@ class Inbox:
         self.slots = slots
         self.chunk_bytes = chunk_bytes
         stride = _PAYLOAD_AT + chunk_bytes
-        self._starts = [i * stride for i in range(slots)]
-        self.payloads = [region.data[s + _PAYLOAD_AT : s + stride] for s in self._starts]
+        starts = [i * stride for i in range(slots)]
+        self._headers = [HEADER_BYTES + s for s in starts]
+        self.payloads = [region.data[s + _PAYLOAD_AT : s + stride] for s in starts]
         self._views: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
     @staticmethod
@@ -86,7 +93,7 @@ class Inbox:
 
     def header_at(self, index: int) -> int:
         """Offset of slot ``index``'s header in the region's mapping."""
-        return HEADER_BYTES + self._starts[index % self.slots]
+        return self._headers[index % self.slots]
 
     def payload(self, index: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of slot ``index``'s payload, as ``dtype`` (views are kept for reuse)."""
@@ -251,6 +258,25 @@ class ShmSendLink(SendLink):
         if lend:
             self._lent_until = self.bell.count
 
+    def send_record(self, layout: struct.Struct, fields: tuple[Any, ...], payload: torch.Tensor) -> None:
+        """Pack the record straight into the next free slot, copy the payload beside it, post both.
+
+        The short way for what point-to-point sends most: a small message in one slot.
+        """
+        nbytes = payload.nbytes
+        if self._retired or nbytes > self.chunk_bytes or not kernels.is_plain_host(payload):
+            super().send_record(layout, fields, payload)
+            return
+        bell, inbox = self.bell, self.inbox
+        index = bell.count
+        if index - bell.peer_count >= inbox.slots:
+            bell.wait_for(index + 1 - inbox.slots, "a free slot")
+        at, region_map = inbox.header_at(index), inbox.region.map
+        _RECORD_SLOT.pack_into(region_map, at, _KIND_META, _KIND_DATA, nbytes, -1)
+        layout.pack_into(region_map, at + _RECORD_AT, *fields)
+        kernels.move_bytes(inbox.payloads[index % inbox.slots], payload, nbytes)
+        bell.advance()
+
     def send(self, chunk: torch.Tensor) -> None:
         """Copy ``chunk`` into the next free slot and post it."""
         nbytes = chunk.nbytes
@@ -370,6 +396,21 @@ class ShmRecvLink(RecvLink):
             self._held = (payload, nbytes, offset, fd, size, token)
         return record
 
+    def recv_record(self, layout: struct.Struct) -> tuple[Any, ...]:
+        """Unpack the next metadata record with ``layout`` straight out of its slot."""
+        bell, inbox = self.bell, self.inbox
+        bell.wait_for(bell.count + 1, "metadata")
+        at, region_map = inbox.header_at(bell.count), inbox.region.map
+        kind, payload, nbytes, gone_fd = _RECORD_SLOT.unpack_from(region_map, at)
+        if kind != _KIND_META or payload == _KIND_LENT or gone_fd >= 0:
+            return layout.unpack_from(self.recv_meta())  # the general case
+        fields = layout.unpack_from(region_map, at + _RECORD_AT)
+        if payload == _NO_PAYLOAD:
+            bell.advance()
+        else:
+            self._held = (payload, nbytes, 0, -1, 0, b"")
+        return fields
+
     def _incoming(self, dst: torch.Tensor) -> torch.Tensor:
         """A view of the next chunk, which must have ``dst``'s size and dtype."""
         return self._incoming_lent(dst)[0]
@@ -419,6 +460,18 @@ class ShmRecvLink(RecvLink):
         """Write the verdict words; the counter's next advance (fenced) publishes them."""
         _VERDICT_WORDS.pack_into(self.inbox.region.map, _VERDICT * 8, msg, *verdict)
 
+    def take_into(self, msg: int, verdict: tuple[int, int, int, int], dst: torch.Tensor) -> None:
+        """Write the verdict and copy the chunk out of its slot in one step, when it lies there."""
+        held, nbytes = self._held, dst.nbytes
+        if held is None or held[0] != _KIND_DATA or held[1] != nbytes or not kernels.is_plain_host(dst):
+            super().take_into(msg, verdict, dst)
+            return
+        self._held = None
+        inbox = self.inbox
+        _VERDICT_WORDS.pack_into(inbox.region.map, _VERDICT * 8, msg, *verdict)
+        kernels.move_bytes(dst, inbox.payloads[self.bell.count % inbox.slots], nbytes)
+        self.bell.advance()
+
     def ready(self) -> bool:
         """True if a message is posted (or held) and not yet consumed.
 
@@ -430,12 +483,12 @@ class ShmRecvLink(RecvLink):
     def recv_into(self, dst: torch.Tensor) -> None:
         """Copy the next chunk into ``dst``."""
         nbytes = dst.nbytes
-        kind, *where = self._chunk_header(nbytes)
-        fits = nbytes <= self.chunk_bytes  # a peer's size is checked
-        if kind == _KIND_DATA and fits and kernels.is_plain_host(dst):
+        header = self._chunk_header(nbytes)
+        # A peer's size is checked against the slot before a memmove reads it.
+        if header[0] == _KIND_DATA and nbytes <= self.chunk_bytes and kernels.is_plain_host(dst):
             kernels.move_bytes(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
         else:
-            kernels.copy(dst, self._view(dst, kind, *where))
+            kernels.copy(dst, self._view(dst, *header))
         self.bell.advance()
 
     def forward(self, like: torch.Tensor, send: SendLink) -> None:

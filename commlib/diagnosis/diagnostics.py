@@ -355,20 +355,13 @@ class Diagnostics:
         what: Any,
         async_op: bool,
     ) -> list[Work]:
-        """Record sends and receives, start them, and follow their works (no fingerprint, no ``_seq``).
-
-        A synchronous one (``async_op=False``) may run to its end inside
-        ``start``; the tracker then holds it as the one this thread is blocked in.
-        """
+        """Record sends and receives, start them, and follow their works (no fingerprint, no ``_seq``)."""
         now = time.monotonic()
         records: list[Record] = [
             (r.seq, r.kind, r.tensor.dtype, r.tensor.shape, None, r.peer, r.tag) for r in requests
         ]
         recorder = self.recorder
         entries = [recorder.begin(record) for record in records] if recorder is not None else None
-        tracker = self.tracker
-        if tracker is not None and not async_op:
-            tracker.p2p_active = (records[0], now)
         try:
             works = start(what, async_op)
         except BaseException as e:
@@ -376,15 +369,38 @@ class Diagnostics:
                 for entry in entries:
                     recorder.failed(entry, e)  # type: ignore[union-attr]
             raise
-        finally:
-            if tracker is not None and not async_op:
-                tracker.p2p_active = None
         if self.tracker is not None:
             self.tracker.track_p2p(records, works, now)
         if entries is not None:
             for entry, work in zip(entries, works, strict=True):
                 recorder.follow(entry, work)  # type: ignore[union-attr]
         return works
+
+    def run_p2p(self, request: P2PRequest, run: Callable[[P2PRequest], int]) -> int:
+        """Record a synchronous send or receive and ``run`` it on this thread; return what ``run`` returns.
+
+        While it runs, the tracker holds it as the one this thread is blocked in.
+        """
+        kind, tensor, peer, tag, seq = request
+        record: Record = (seq, kind, tensor.dtype, tensor.shape, None, peer, tag)
+        recorder, tracker = self.recorder, self.tracker
+        entry = recorder.begin(record) if recorder is not None else None
+        if tracker is not None:
+            tracker.p2p_active = (record, time.monotonic())
+        try:
+            peer = run(request)
+        except BaseException as e:
+            if entry is not None:
+                recorder.failed(entry, e)  # type: ignore[union-attr]
+            raise
+        finally:
+            if tracker is not None:
+                tracker.p2p_active = None
+        if tracker is not None:
+            tracker.finished_inline(record)
+        if entry is not None:
+            recorder.completed(entry)  # type: ignore[union-attr]
+        return peer
 
     def _check(
         self,

@@ -84,10 +84,11 @@ class CollectiveTracker:
             (the issuing thread appends, the watchdog takes out the finished ones).
         p2p_done: Per (``send``/``recv``, peer, tag): the number of the last one the watchdog saw
             finish (written by the watchdog).
-        p2p_active: The synchronous send or receive the issuing thread is blocked in (it runs
-            inline, with no work yet), with when it was issued, else None.
+        p2p_active: The synchronous send or receive the issuing thread is blocked in (it has
+            no work), with when it was issued, else None.
         p2p_done_inline: The same as ``p2p_done`` for those that finished before their call
-            returned (written by the issuing thread, so that they are never queued).
+            returned: every synchronous one, and asynchronous ones already done when issued
+            (written by the issuing thread, so that they are never queued).
 
     Args:
         p2p_issued: The group's own count of sends and receives per (kind, peer, tag), read here.
@@ -135,16 +136,19 @@ class CollectiveTracker:
     def track_p2p(self, records: list[Record], works: list[Work], now: float) -> None:
         """Note sends and receives just issued (the issuing thread): queue those still in flight.
 
-        One that already finished (a synchronous send or receive run inline)
-        is counted at once and never queued, so that a loop of them costs
-        nothing here.
+        One that already finished is counted at once and never queued.
         """
         for record, work in zip(records, works, strict=True):
             if not work._done:  # noqa: SLF001 - a plain read
                 self.p2p_pending.append((record, work, now))
             elif work._error is None:  # noqa: SLF001
-                key = (record[1], record[5], record[6])
-                self.p2p_done_inline[key] = max(self.p2p_done_inline.get(key, 0), record[0])
+                self.finished_inline(record)
+
+    def finished_inline(self, record: Record) -> None:
+        """Count a synchronous send or receive that just finished (the issuing thread)."""
+        done, key = self.p2p_done_inline, (record[1], record[5], record[6])
+        if done.get(key, 0) < record[0]:  # another thread may have counted a later one
+            done[key] = record[0]
 
     def prune_p2p(self, may_test: Callable[[Work], bool]) -> None:
         """Forget sends and receives that finished (in any order; each counts toward its peer and tag).
