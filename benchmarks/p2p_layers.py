@@ -11,7 +11,11 @@ Modes, taking turns in every round:
 - ``backend``: the ring group's ``_p2p_now``, what ``send`` / ``recv`` call once checked (its lanes;
   no checks, no diagnosis);
 - ``links``: the ring's ``PointToPoint.send`` / ``recv`` (the link protocol alone: header, the
-  receiver's verdict, the copies through shared memory).
+  receiver's verdict, the copies through shared memory);
+- ``bare``: no library at all, the least a Python process does per message (``_Bare``): a header
+  and a ``memmove`` into a shared-memory slot, a fenced counter to post it, the same back out, and
+  a counter the sender waits on until the receiver has taken it, as a send that hears the
+  receiver's verdict must. It bounds what any pure-Python protocol could reach here.
 
 Each round times ``--iters`` round trips per mode; printed per mode: the median half round trip
 over the rounds [min-max], and its ratio to MPICH's. The layers below the interface are private
@@ -21,8 +25,13 @@ APIs, reached here only to measure them.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
+import os
 import statistics
+import struct
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import commlib  # noqa: E402
+from backends.ring.shm import fence  # noqa: E402
 from benchmarks._rows import write_csv  # noqa: E402
 from commlib.p2p import P2PRequest  # noqa: E402
 from commlib.ports import free_port  # noqa: E402
@@ -62,6 +72,60 @@ def _ping_pong(
     return run
 
 
+class _Bare:
+    """Two ranks' shared-memory slots for the ``bare`` mode: one slot and two counters per sender."""
+
+    _HEADER = struct.Struct("=4sQqQQQB")  # what the ring's header holds
+    _SLOT_AT = 4096  # control words in the first page, each on its own cache line
+
+    def __init__(self, comm: Any, rank: int, tensor: torch.Tensor) -> None:
+        nbytes = tensor.nbytes
+        stride = (256 + nbytes + 4095) // 4096 * 4096
+        size = self._SLOT_AT + 2 * stride
+        path = None
+        if rank == 0:
+            fd, path = tempfile.mkstemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        path = comm.bcast(path, root=0)
+        with open(path, "r+b") as file:
+            self.map = mmap.mmap(file.fileno(), size)
+        comm.Barrier()
+        if rank == 0:
+            os.unlink(path)
+        self.words = memoryview(self.map).cast("q")
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.out_at, self.in_at = self._SLOT_AT + rank * stride, self._SLOT_AT + (1 - rank) * stride
+        self.out_data, self.in_data = base + self.out_at + 256, base + self.in_at + 256
+        self.posted, self.their_posted = 8 + 16 * rank, 8 + 16 * (1 - rank)  # written by each sender
+        self.taken, self.their_taken = 16 + 16 * (1 - rank), 16 + 16 * rank  # written by each receiver
+        self.tensor, self.nbytes, self.sent, self.received = tensor, nbytes, 0, 0
+
+    def send(self) -> None:
+        """Post one message and wait until the other rank has taken it."""
+        self.sent += 1
+        nbytes, words = self.nbytes, self.words
+        self._HEADER.pack_into(self.map, self.out_at, b"p2p1", self.sent, 0, nbytes, nbytes // 4, nbytes, 0)
+        ctypes.memmove(self.out_data, self.tensor.data_ptr(), nbytes)
+        fence()
+        words[self.posted] = self.sent
+        fence()
+        while words[self.their_taken] < self.sent:
+            pass
+
+    def recv(self) -> None:
+        """Wait for the next message, read its header, copy it out, tell the sender."""
+        self.received += 1
+        words = self.words
+        while words[self.their_posted] < self.received:
+            pass
+        self._HEADER.unpack_from(self.map, self.in_at)
+        ctypes.memmove(self.tensor.data_ptr(), self.in_data, self.nbytes)
+        fence()
+        words[self.taken] = self.received
+        fence()
+
+
 def _modes(group: commlib.IProcessGroup, tensor: torch.Tensor) -> dict[str, Callable[[int], None]]:
     from mpi4py import MPI
 
@@ -73,12 +137,14 @@ def _modes(group: commlib.IProcessGroup, tensor: torch.Tensor) -> dict[str, Call
     run = group._p2p_now  # type: ignore[attr-defined]
     labelled = (tensor, peer, 0, "p2p_layers")
     sending, receiving = P2PRequest("send", tensor, peer, 0, 1), P2PRequest("recv", tensor, peer, 0, 1)
+    bare = _Bare(comm, group.rank, tensor)
 
     return {
         "mpi4py": _ping_pong(first, comm.Send, (array, peer), comm.Recv, (array, peer)),
         "interface": _ping_pong(first, group.send, (tensor, peer), group.recv, (tensor, peer)),
         "backend": _ping_pong(first, run, (sending,), run, (receiving,)),
         "links": _ping_pong(first, links.send, labelled, links.recv, labelled),
+        "bare": _ping_pong(first, bare.send, (), bare.recv, ()),
     }
 
 

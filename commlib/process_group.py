@@ -54,7 +54,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     ``_broadcast``, ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and
     ``_close``; the hooks of the other operations (``_reduce``, ``_gather``,
     ``_scatter``, ``_all_to_all``, ``_send``, ``_recv``, ``_new_group``) raise
-    ``NotImplementedError`` until a backend implements them. Backends may narrow
+    ``NotImplementedError`` until a backend implements them; a blocking ``send``
+    or ``recv`` calls ``_p2p_now``, which by default starts ``_send`` / ``_recv``
+    and waits, and which a backend may run without a ``Work``. Backends may narrow
     ``supported_dtypes`` and ``supported_devices`` or override ``supports``. What
     every backend needs is here: argument checks, the sequence number and label
     of each collective (``_seq``, ``_label``; point-to-point operations are

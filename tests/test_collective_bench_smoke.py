@@ -129,7 +129,7 @@ def test_p2p_layers_times_every_layer(tmp_path: Path) -> None:
     cmd = [*mpiexec_command(2), sys.executable, str(script), *args]
     proc = run_job(cmd, timeout=240, env=mpiexec_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    modes = ["mpi4py", "interface", "backend", "links"]
+    modes = ["mpi4py", "interface", "backend", "links", "bare"]
     printed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
     assert printed == modes, proc.stdout
     with csv_path.open(newline="") as f:

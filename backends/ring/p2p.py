@@ -176,6 +176,7 @@ class PointToPoint:
         self._early = list(early)
         self._piece = max(4096, shape.chunk_bytes // max(1, shape.slots) // 64 * 64)  # the smallest
         self._chunk_bytes = shape.chunk_bytes
+        self._small_piece = self._piece_of(0)  # the piece of every message up to its size
         self._outgoing: dict[int, _Outgoing] = {}
         self._incoming: dict[int, _Incoming] = {}
         self._links = threading.Condition()  # guards both dicts, the lanes and the acceptor
@@ -225,7 +226,7 @@ class PointToPoint:
         link, numel, nbytes = out.link, data.numel(), data.nbytes
         # Four pieces or more, each between a slot's share and a whole slot: copies overlap, and a
         # long message costs few hand-offs.
-        piece = min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
+        piece = self._small_piece if nbytes <= self._small_piece else self._piece_of(nbytes)
         msg = out.next_msg
         out.next_msg = msg + 1
         dtype = _CODES.get(data.dtype, 255)
@@ -262,6 +263,9 @@ class PointToPoint:
                 f"{_describe(nbytes, numel, dtype)}; nothing was taken. A send and its recv must "
                 "have tensors of the same size"
             )
+
+    def _piece_of(self, nbytes: int) -> int:
+        return min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
 
     def _outgoing_to(self, dst: int, label: object) -> _Outgoing:
         """The link to ``dst``, opened now if this is the first send to it."""

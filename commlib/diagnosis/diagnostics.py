@@ -35,7 +35,7 @@ from commlib.diagnosis.fingerprint import (
 )
 from commlib.diagnosis.flight_recorder import FlightRecorder
 from commlib.diagnosis.sidechannel import SideChannelClient, SideChannelHub, hub_host
-from commlib.diagnosis.watchdog import CollectiveTracker, Record, Watchdog
+from commlib.diagnosis.watchdog import CollectiveTracker, Record, Watchdog, p2p_record
 from commlib.env import DistEnv
 from commlib.errors import CommError, CommTimeoutError
 from commlib.p2p import P2PRequest
@@ -357,9 +357,7 @@ class Diagnostics:
     ) -> list[Work]:
         """Record sends and receives, start them, and follow their works (no fingerprint, no ``_seq``)."""
         now = time.monotonic()
-        records: list[Record] = [
-            (r.seq, r.kind, r.tensor.dtype, r.tensor.shape, None, r.peer, r.tag) for r in requests
-        ]
+        records = [p2p_record(request) for request in requests]
         recorder = self.recorder
         entries = [recorder.begin(record) for record in records] if recorder is not None else None
         try:
@@ -381,12 +379,10 @@ class Diagnostics:
 
         While it runs, the tracker holds it as the one this thread is blocked in.
         """
-        kind, tensor, peer, tag, seq = request
-        record: Record = (seq, kind, tensor.dtype, tensor.shape, None, peer, tag)
         recorder, tracker = self.recorder, self.tracker
-        entry = recorder.begin(record) if recorder is not None else None
+        entry = recorder.begin(p2p_record(request)) if recorder is not None else None
         if tracker is not None:
-            tracker.p2p_active = (record, time.monotonic())
+            tracker.p2p_active = (request, time.monotonic())
         try:
             peer = run(request)
         except BaseException as e:
@@ -397,7 +393,7 @@ class Diagnostics:
             if tracker is not None:
                 tracker.p2p_active = None
         if tracker is not None:
-            tracker.finished_inline(record)
+            tracker.finished_inline((request.kind, request.peer, request.tag), request.seq)
         if entry is not None:
             recorder.completed(entry)  # type: ignore[union-attr]
         return peer

@@ -36,9 +36,18 @@ from typing import Any
 
 from commlib.diagnosis.fingerprint import describe_call
 from commlib.diagnosis.sidechannel import T_PROGRESS, T_QUERY, T_REPORT, T_STATUS, FrameReader, send_frame
+from commlib.p2p import P2PRequest
 from commlib.work import Work
 
-__all__ = ["CollectiveTracker", "Record", "Watchdog", "describe_record", "format_p2p_stall", "format_stall"]
+__all__ = [
+    "CollectiveTracker",
+    "Record",
+    "Watchdog",
+    "describe_record",
+    "format_p2p_stall",
+    "format_stall",
+    "p2p_record",
+]
 
 logger = logging.getLogger("commlib")
 
@@ -48,6 +57,12 @@ of one send or receive."""
 
 P2PKey = tuple[str, "int | None", int]
 """``(send or recv, peer, tag)``."""
+
+
+def p2p_record(request: P2PRequest) -> Record:
+    """The record of a send or receive."""
+    kind, tensor, peer, tag, seq = request
+    return (seq, kind, tensor.dtype, tensor.shape, None, peer, tag)
 
 _REPORT_WAIT_S = 5.0
 """How long the watchdog waits for the hub's answer before it reports what it knows alone."""
@@ -85,7 +100,8 @@ class CollectiveTracker:
         p2p_done: Per (``send``/``recv``, peer, tag): the number of the last one the watchdog saw
             finish (written by the watchdog).
         p2p_active: The synchronous send or receive the issuing thread is blocked in (it has
-            no work), with when it was issued, else None.
+            no work), with when it was issued, else None (its request: its record is made only
+            if a report needs it).
         p2p_done_inline: The same as ``p2p_done`` for those that finished before their call
             returned: every synchronous one, and asynchronous ones already done when issued
             (written by the issuing thread, so that they are never queued).
@@ -113,7 +129,7 @@ class CollectiveTracker:
         self.pending: deque[tuple[Record, Work]] = deque(maxlen=4096)
         self.p2p_pending: deque[tuple[Record, Work, float]] = deque(maxlen=4096)
         self.p2p_done: dict[P2PKey, int] = {}
-        self.p2p_active: tuple[Record, float] | None = None
+        self.p2p_active: tuple[P2PRequest, float] | None = None
         self.p2p_done_inline: dict[P2PKey, int] = {}
         self._p2p_issued = p2p_issued if p2p_issued is not None else {}
 
@@ -142,13 +158,13 @@ class CollectiveTracker:
             if not work._done:  # noqa: SLF001 - a plain read
                 self.p2p_pending.append((record, work, now))
             elif work._error is None:  # noqa: SLF001
-                self.finished_inline(record)
+                self.finished_inline((record[1], record[5], record[6]), record[0])
 
-    def finished_inline(self, record: Record) -> None:
-        """Count a synchronous send or receive that just finished (the issuing thread)."""
-        done, key = self.p2p_done_inline, (record[1], record[5], record[6])
-        if done.get(key, 0) < record[0]:  # another thread may have counted a later one
-            done[key] = record[0]
+    def finished_inline(self, key: P2PKey, seq: int) -> None:
+        """Count send or receive number ``seq`` of ``key``, which just finished (the issuing thread)."""
+        done = self.p2p_done_inline
+        if done.get(key, 0) < seq:  # another thread may have counted a later one
+            done[key] = seq
 
     def prune_p2p(self, may_test: Callable[[Work], bool]) -> None:
         """Forget sends and receives that finished (in any order; each counts toward its peer and tag).
@@ -172,7 +188,7 @@ class CollectiveTracker:
         pending: list[tuple[Record, Work | None, float]] = list(self.p2p_pending)
         active = self.p2p_active
         if active is not None:
-            pending.append((active[0], None, active[1]))
+            pending.append((p2p_record(active[0]), None, active[1]))
         return min(pending, key=lambda item: item[2]) if pending else None
 
     def oldest_in_flight(self) -> tuple[Record, Work | None] | None:
