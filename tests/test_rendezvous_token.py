@@ -76,8 +76,11 @@ def test_torchruns_default_run_id_is_no_job_id() -> None:
 def test_without_any_id_a_local_job_is_the_process_that_started_it() -> None:
     token = job_token(_env(1, "explicit"), {})
     leader = os.getpgrp()  # the process group's leader: the shell's job, or whoever ran setsid
-    with open(f"/proc/{leader}/comm") as f:
-        leader_name = f.read().strip()
+    try:
+        with open(f"/proc/{leader}/comm") as f:
+            leader_name = f.read().strip()
+    except FileNotFoundError:  # the leader has exited (a background job whose shell ended)
+        leader_name = "?"
     assert token.identity.startswith(f"local job started by pid {leader} ({leader_name}), rendezvous ")
     assert token.accepted == (token.key,)
     assert job_token(_env(2, "explicit"), {}).key == token.key
