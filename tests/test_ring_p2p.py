@@ -101,6 +101,27 @@ def test_messages_go_both_ways_over_links_opened_on_first_use(transport: str, nu
         pair.close()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sends_to_one_peer_from_two_threads_take_turns_on_the_link(transport: str) -> None:
+    """Each message arrives whole and in its own thread's order, whichever thread sends when."""
+    pair = Pair(transport)
+    try:
+
+        def sends(tag: int) -> None:
+            for i in range(100):  # 6000 bytes: two pieces each, over 4 KiB slots
+                pair.ends[0].send(torch.full((1500,), tag * 1000 + i, dtype=torch.int32), 1, tag, "send")
+
+        senders = [pair.pool.submit(sends, tag) for tag in (1, 2)]
+        for i in range(100):
+            for tag in (1, 2):
+                got = torch.empty(1500, dtype=torch.int32)
+                pair.ends[1].recv(got, 0, tag, "recv")
+                assert torch.equal(got, torch.full_like(got, tag * 1000 + i)), (tag, i)
+        _done(*senders)
+    finally:
+        pair.close()
+
+
 def test_many_messages_with_one_tag_arrive_in_order(pair: Pair) -> None:
     def sends() -> None:
         for i in range(300):

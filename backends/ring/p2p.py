@@ -42,7 +42,10 @@ Messages:
 Progress: sends to one peer run in order on one lane, receives from one source
 on another (``backends.ring.lanes``), so a send waiting for its receiver never
 holds up a receive, and two ranks may ``isend`` and ``irecv`` to each other at
-once. None of this touches the ring's links or its collective sequence.
+once. A blocking call runs on its caller's thread when its lane is idle, so
+sends from several threads to one peer (or receives from one source) take turns
+on a lock of the link, whole messages at a time. None of this touches the
+ring's links or its collective sequence.
 
 Failures: a send whose receiver never takes it raises ``CommTimeoutError``
 naming the peer and the tag after the group's timeout; if the whole message
@@ -124,6 +127,8 @@ class _Outgoing:
     """What a send waits for, in a timeout's message."""
     next_msg: int = 1
     failed: BaseException | None = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    """Held by the send on the link: sends from several threads take turns."""
 
 
 @dataclasses.dataclass
@@ -184,6 +189,7 @@ class PointToPoint:
         self._recv_lanes: dict[int | None, Lane] = {}
         self._nonces: set[str] = {e.nonce for e in early}
         self._connecting: set[socket.socket] = set()  # links being set up by a send
+        self._opening: dict[int, threading.Lock] = {}  # held by the send opening the link to a rank
         self._acceptor: threading.Thread | None = None
         self._closing = False
         self._scratch: torch.Tensor | None = None
@@ -218,6 +224,10 @@ class PointToPoint:
             PeerFailureError: The link to ``dst`` failed (now or earlier).
         """
         out = self._outgoing.get(dst) or self._outgoing_to(dst, label)
+        with out.lock:
+            self._send_on(out, data, dst, tag, label)
+
+    def _send_on(self, out: _Outgoing, data: torch.Tensor, dst: int, tag: int, label: object) -> None:
         if out.failed is not None:
             raise PeerFailureError(
                 f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
@@ -268,10 +278,16 @@ class PointToPoint:
         return min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
 
     def _outgoing_to(self, dst: int, label: object) -> _Outgoing:
-        """The link to ``dst``, opened now if this is the first send to it."""
+        """The link to ``dst``, opened now if this is the first send to it (one thread opens it)."""
         out = self._outgoing.get(dst)
         if out is not None:
             return out
+        with self._links:
+            opening = self._opening.setdefault(dst, threading.Lock())
+        with opening:
+            return self._outgoing.get(dst) or self._open_link(dst, label)
+
+    def _open_link(self, dst: int, label: object) -> _Outgoing:
         self._check_open(label)
         peer, name = self._peers[dst], f"rank {dst}"
         deadline = time.monotonic() + self._timeout
