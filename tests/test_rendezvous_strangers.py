@@ -214,3 +214,17 @@ def test_many_strangers_at_once_do_not_delay_the_ranks(commlib_log, pool) -> Non
         for s in strangers:
             s.close()
         _close(*sockets)
+
+
+def test_a_lobby_whose_listener_is_shut_down_stops_waiting_and_serves_no_more_connections(pool) -> None:
+    """Its owner closing: ``next_frame`` returns at once, not at its deadline, and the listener is dropped."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    hall = lobby.Lobby(listener, "test listener", 4096)
+    try:
+        waiting = pool.submit(hall.next_frame, time.monotonic() + 40)
+        listener.shutdown(socket.SHUT_RDWR)
+        assert waiting.result(timeout=20) is None and hall.shut
+        assert hall.next_frame(time.monotonic()) is None  # the shut listener is watched no more
+    finally:
+        hall.close()
+        listener.close()

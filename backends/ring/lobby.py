@@ -19,6 +19,7 @@ its address and the reason.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import selectors
@@ -83,6 +84,8 @@ class Lobby:
         self._limit = frame_limit
         self._selector = selectors.DefaultSelector()
         self._visitors: dict[socket.socket, Visitor] = {}
+        self.shut = False
+        """True once the listener was found shut down."""
         listener.setblocking(False)
         self._selector.register(listener, selectors.EVENT_READ)
 
@@ -92,7 +95,8 @@ class Lobby:
         Returns:
             The visitor and its decoded frame (the visitor stays in the lobby:
             answer it with ``reply``, then ``keep`` or ``drop`` it), or None at
-            ``deadline``.
+            ``deadline``, or at once when the listener turns out to be shut down
+            (``shut``; the lobby then serves the visitors it has, until their deadlines).
         """
         while True:
             for visitor in list(self._visitors.values()):  # a frame that arrived with the previous one
@@ -107,7 +111,8 @@ class Lobby:
             wake = min([deadline] + [v.deadline for v in self._visitors.values()])
             for key, _ in self._selector.select(timeout=max(0.0, wake - now)):
                 if key.fileobj is self._listener:
-                    self._accept()
+                    if not self._accept():
+                        return None
                     continue
                 visitor = self._visitors.get(key.fileobj)  # type: ignore[call-overload]
                 if visitor is None:
@@ -166,14 +171,19 @@ class Lobby:
         self._selector.close()
 
     # ------------------------------------------------------------- internals
-    def _accept(self) -> None:
+    def _accept(self) -> bool:
+        """Take one connection in; False if the listener was shut down (it is watched no more)."""
         try:
             sock, addr = self._listener.accept()
         except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:  # e.g. ECONNABORTED: it left before we got to it
-            logger.debug("%s: accept failed: %s", self._what, e)
-            return
+            return True
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # shut down (the owner is closing): readable for ever
+                self._selector.unregister(self._listener)
+                self.shut = True
+                return False
+            logger.debug("%s: accept failed: %s", self._what, e)  # e.g. ECONNABORTED: it left first
+            return True
         address = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
         try:
             sock.setblocking(False)
@@ -181,13 +191,14 @@ class Lobby:
         except OSError as e:
             sock.close()
             logger.debug("%s: dropped a connection from %s: %s", self._what, address, e)
-            return
+            return True
         visitor = Visitor(sock, address, time.monotonic() + STRANGER_DEADLINE_S)
         self._visitors[sock] = visitor
         self._selector.register(sock, selectors.EVENT_READ)
         if len(self._visitors) > MAX_PENDING:
             oldest = next(iter(self._visitors.values()))
             self.drop(oldest, f"more than {MAX_PENDING} connections at once; the oldest goes")
+        return True
 
     def _read(self, visitor: Visitor) -> Any:
         try:
