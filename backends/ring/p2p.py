@@ -181,7 +181,7 @@ class PointToPoint:
         self._early = list(early)
         self._piece = max(4096, shape.chunk_bytes // max(1, shape.slots) // 64 * 64)  # the smallest
         self._chunk_bytes = shape.chunk_bytes
-        self._small_piece = self._piece_of(0)  # the piece of every message up to its size
+        self._small_piece = self._piece_of(0)  # the piece of every message no larger than it
         self._outgoing: dict[int, _Outgoing] = {}
         self._incoming: dict[int, _Incoming] = {}
         self._links = threading.Condition()  # guards both dicts, the lanes and the acceptor
