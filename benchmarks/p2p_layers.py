@@ -48,6 +48,7 @@ from commlib.p2p import P2PRequest  # noqa: E402
 from commlib.ports import free_port  # noqa: E402
 
 CSV_COLUMNS = ["size_bytes", "mode", "round", "half_rtt_us"]
+_BARE_TIMEOUT_S = 60.0  # the longest a bare-mode rank spins for the other
 
 
 def _size(text: str) -> int:
@@ -99,7 +100,7 @@ class _Bare:
         self.out_data, self.in_data = base + self.out_at + 256, base + self.in_at + 256
         self.posted, self.their_posted = 8 + 16 * rank, 8 + 16 * (1 - rank)  # written by each sender
         self.taken, self.their_taken = 16 + 16 * (1 - rank), 16 + 16 * rank  # written by each receiver
-        self.tensor, self.nbytes, self.sent, self.received = tensor, nbytes, 0, 0
+        self.rank, self.tensor, self.nbytes, self.sent, self.received = rank, tensor, nbytes, 0, 0
 
     def send(self) -> None:
         """Post one message and wait until the other rank has taken it."""
@@ -110,15 +111,26 @@ class _Bare:
         fence()
         words[self.posted] = self.sent
         fence()
-        while words[self.their_taken] < self.sent:
-            pass
+        self._wait(self.their_taken, self.sent, "take message")
+
+    def _wait(self, word: int, count: int, what: str) -> None:
+        """Spin until the other rank's counter reaches ``count``, as the ring's doorbell does."""
+        words = self.words
+        if words[word] >= count:
+            return
+        deadline = time.perf_counter() + _BARE_TIMEOUT_S
+        while words[word] < count:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(
+                    f"p2p_layers bare mode, rank {self.rank}: the other rank did not {what} {count} "
+                    f"within {_BARE_TIMEOUT_S:g} s (it stopped, or ran another mode)"
+                )
 
     def recv(self) -> None:
         """Wait for the next message, read its header, copy it out, tell the sender."""
         self.received += 1
         words = self.words
-        while words[self.their_posted] < self.received:
-            pass
+        self._wait(self.their_posted, self.received, "post message")
         self._HEADER.unpack_from(self.map, self.in_at)
         ctypes.memmove(self.tensor.data_ptr(), self.in_data, self.nbytes)
         fence()

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from tests.conftest import REPO_ROOT, mpi_unavailable_reason, mpiexec_command, mpiexec_env, run_job
 
@@ -137,3 +138,25 @@ def test_p2p_layers_times_every_layer(tmp_path: Path) -> None:
     expected = sorted((mode, str(i)) for mode in modes for i in range(2))
     assert sorted((r["mode"], r["round"]) for r in rows) == expected
     assert all(r["size_bytes"] == "4096" and float(r["half_rtt_us"]) > 0 for r in rows), rows
+
+
+def test_p2p_layers_bare_mode_gives_up_on_a_silent_peer_naming_the_wait(monkeypatch) -> None:
+    """The bare ping-pong spins like the ring's doorbell, and like it stops at a deadline."""
+    spec = importlib.util.spec_from_file_location("p2p_layers", REPO_ROOT / "benchmarks" / "p2p_layers.py")
+    assert spec is not None and spec.loader is not None
+    layers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layers)
+    monkeypatch.setattr(layers, "_BARE_TIMEOUT_S", 0.05)
+
+    class OneRank:  # what _Bare asks of MPI's communicator, for rank 0 alone
+        def bcast(self, obj, root):  # type: ignore[no-untyped-def]
+            return obj
+
+        def Barrier(self) -> None:  # noqa: N802 - mpi4py's name
+            pass
+
+    bare = layers._Bare(OneRank(), 0, torch.zeros(1024))
+    with pytest.raises(TimeoutError, match=r"rank 0: the other rank did not post message 1 within 0.05 s"):
+        bare.recv()
+    with pytest.raises(TimeoutError, match=r"rank 0: the other rank did not take message 1 within 0.05 s"):
+        bare.send()

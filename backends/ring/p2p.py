@@ -278,10 +278,7 @@ class PointToPoint:
         return min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
 
     def _outgoing_to(self, dst: int, label: object) -> _Outgoing:
-        """The link to ``dst``, opened now if this is the first send to it (one thread opens it)."""
-        out = self._outgoing.get(dst)
-        if out is not None:
-            return out
+        """The link to ``dst`` when ``send`` found none: opened now, by one thread, the others waiting."""
         with self._links:
             opening = self._opening.setdefault(dst, threading.Lock())
         with opening:

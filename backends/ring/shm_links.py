@@ -467,9 +467,8 @@ class ShmRecvLink(RecvLink):
             super().take_into(msg, verdict, dst)
             return
         self._held = None
-        inbox = self.inbox
-        _VERDICT_WORDS.pack_into(inbox.region.map, _VERDICT * 8, msg, *verdict)
-        kernels.move_bytes(dst, inbox.payloads[self.bell.count % inbox.slots], nbytes)
+        self.post_verdict(msg, verdict)
+        kernels.move_bytes(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
         self.bell.advance()
 
     def ready(self) -> bool:
