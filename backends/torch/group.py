@@ -26,8 +26,12 @@ all-to-all of the blocks and a reduction of the received ones on Gloo's
 thread. On two ranks, all-gather and reduce-scatter are one exchange of blocks
 straight into place.
 
-What Gloo lacks is built here: int16 moves as float16 (the same bytes) and
-reduces as int32 (then wraps back); ``reduce`` hands Gloo a copy on the ranks
+What Gloo and NCCL lack is built here: int16 moves as float16 (the same bytes)
+and reduces as int32 (then wraps back). NCCL has no BAND, BOR or BXOR: on bool
+tensors BAND and BOR are NCCL's MIN and MAX over the bytes; otherwise every rank
+all-gathers the tensors and folds them in rank order (``n`` times the bytes of
+an all-reduce: for masks and flags), and ``reduce_scatter`` sends the blocks
+with one all-to-all and folds the received ones. For Gloo: ``reduce`` hands Gloo a copy on the ranks
 that do not receive (Gloo's reduce writes there); ``all_to_all`` with sizes that
 differ by peer is one ``alltoall_base`` over packed buffers; point-to-point
 checks sizes before any data moves (``backends.torch.p2p``).
@@ -119,10 +123,24 @@ _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int1
 
 _UPCASTABLE = frozenset(_WIDE)
 
-_GLOO_MOVES_AS = {torch.int16: torch.float16}
-"""Dtypes Gloo cannot move, and a dtype of the same size it moves the bytes of."""
+_MOVES_AS = {torch.int16: torch.float16}
+"""Dtypes Gloo and NCCL cannot move, and a dtype of the same size they move the bytes of."""
 
-_GLOO_CANNOT_REDUCE = frozenset({torch.int16})
+_CANNOT_REDUCE = frozenset({torch.int16})
+"""Dtypes Gloo and NCCL cannot reduce (reduced as their ``_WIDE`` dtype)."""
+
+_WITHOUT_INT16 = frozenset({"gloo", "nccl"})
+"""torch backends that have no int16."""
+
+_BITWISE = {
+    ReduceOp.BAND: torch.bitwise_and,
+    ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
+}
+"""The ops NCCL lacks, and the kernel that folds two ranks' tensors for each."""
+
+_NCCL_BOOL_OPS = {ReduceOp.BAND: ReduceOp.MIN, ReduceOp.BOR: ReduceOp.MAX}
+"""Bitwise ops on bool tensors that NCCL computes natively, over the bytes (0 and 1) as uint8."""
 
 _owner_lock = threading.Lock()
 _owner_count = 0
@@ -415,9 +433,9 @@ class TorchDistProcessGroup(IProcessGroup):
         return self._devices.get(tensor.device.type) in _NATIVE_AVG_BACKENDS
 
     def _needs_upcast(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type != "cpu":
-            return False
-        return tensor.dtype in self._upcast or (tensor.dtype in _GLOO_CANNOT_REDUCE and self._on_gloo(tensor))
+        if tensor.dtype in _CANNOT_REDUCE and self._devices.get(tensor.device.type) in _WITHOUT_INT16:
+            return True
+        return tensor.device.type == "cpu" and tensor.dtype in self._upcast
 
     def _torch(self, tensor: torch.Tensor | None) -> Any:
         """The torch backend object for ``tensor``'s device (the CPU one for ``barrier``)."""
@@ -426,9 +444,9 @@ class TorchDistProcessGroup(IProcessGroup):
         return self._backends[tensor.device.type]
 
     def _movable(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``, or a view of its bytes as a dtype Gloo moves (int16 as float16)."""
-        moved = _GLOO_MOVES_AS.get(tensor.dtype)
-        if moved is not None and self._on_gloo(tensor):
+        """``tensor``, or a view of its bytes as a dtype Gloo and NCCL move (int16 as float16)."""
+        moved = _MOVES_AS.get(tensor.dtype)
+        if moved is not None and self._devices.get(tensor.device.type) in _WITHOUT_INT16:
             return tensor.view(moved)
         return tensor
 
@@ -461,6 +479,8 @@ class TorchDistProcessGroup(IProcessGroup):
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         label = self._label("all_reduce", tensor)
+        if op in _BITWISE and self._on_nccl(tensor):
+            return self._bitwise_on_nccl(label, tensor, op, root=None)
         if self._needs_upcast(tensor):
             return self._all_reduce_upcast(tensor, op, label)
         opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
@@ -490,6 +510,8 @@ class TorchDistProcessGroup(IProcessGroup):
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
         """Gloo's reduce writes into every rank's tensor: the others reduce a copy."""
         label = self._label("reduce", tensor)
+        if op in _BITWISE and self._on_nccl(tensor):
+            return self._bitwise_on_nccl(label, tensor, op, root=dst)
         root = self.rank == dst
         wide = _WIDE[tensor.dtype] if self._needs_upcast(tensor) else None
         if wide is not None:
@@ -586,6 +608,8 @@ class TorchDistProcessGroup(IProcessGroup):
         async_op: bool,
     ) -> Work:
         label = self._label("reduce_scatter", output)
+        if op in _BITWISE and self._on_nccl(output):
+            return self._reduce_scatter_bitwise_on_nccl(label, output, flat_input, inputs, op)
         if self._needs_upcast(output):
             return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
         if self._on_gloo(output) and output.numel():
@@ -609,6 +633,94 @@ class TorchDistProcessGroup(IProcessGroup):
     def _on_gloo(self, tensor: torch.Tensor) -> bool:
         """True if Gloo serves ``tensor``'s device in this group."""
         return self._devices.get(tensor.device.type) == "gloo"
+
+    def _on_nccl(self, tensor: torch.Tensor) -> bool:
+        """True if NCCL serves ``tensor``'s device in this group."""
+        return self._devices.get(tensor.device.type) == "nccl"
+
+    def _bitwise_on_nccl(
+        self, label: CollectiveLabel, tensor: torch.Tensor, op: ReduceOp, root: int | None
+    ) -> Work:
+        """``all_reduce`` (``root`` None) or ``reduce`` to ``root`` with an op NCCL lacks.
+
+        Bool BAND and BOR are NCCL's MIN and MAX over the bytes. Otherwise every rank
+        gathers every rank's tensor and folds them in rank order; on ``reduce`` only
+        the root writes its tensor.
+        """
+        pg = self._torch(tensor)
+        native = _NCCL_BOOL_OPS.get(op) if tensor.dtype is torch.bool else None
+        if native is not None:
+            flat = tensor.view(torch.uint8)
+            if root is None:
+                opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[native])
+                return self._launch_torch(label, tensor, lambda: pg.allreduce([flat], opts), tensor)
+            source = flat if self.rank == root else flat.clone()
+            opts = _options(dist.ReduceOptions, reduceOp=_TORCH_OPS[native], rootRank=root, rootTensor=0)
+            return self._launch_torch(label, tensor, lambda: pg.reduce([source], opts), (tensor, source))
+        flat = tensor.view(-1)
+        rows = flat.new_empty((self.world_size, flat.numel()))
+        fold = _BITWISE[op]
+
+        def fold_rows() -> None:
+            if root is not None and self.rank != root:
+                return
+            fold(rows[0], rows[1], out=flat)
+            for row in rows[2:]:
+                fold(flat, row, out=flat)
+
+        moved_rows, moved = self._movable(rows.view(-1)), self._movable(flat)
+        return self._launch_torch(
+            label,
+            tensor,
+            lambda: pg._allgather_base(moved_rows, moved, _options(_AllgatherOptions)),  # noqa: SLF001
+            (tensor, rows),
+            fold_rows if self.world_size > 1 else None,
+        )
+
+    def _reduce_scatter_bitwise_on_nccl(
+        self,
+        label: CollectiveLabel,
+        output: torch.Tensor,
+        flat_input: torch.Tensor | None,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+    ) -> Work:
+        """``reduce_scatter`` with an op NCCL lacks: bool BAND/BOR natively, else an all-to-all and a fold."""
+        pg = self._torch(output)
+        source = self._whole(flat_input, inputs)
+        native = _NCCL_BOOL_OPS.get(op) if output.dtype is torch.bool else None
+        if native is not None:
+            out, src = output.view(torch.uint8), source.view(torch.uint8)
+            opts = _options(_ReduceScatterOptions, reduceOp=_TORCH_OPS[native])
+            return self._launch_torch(
+                label,
+                output,
+                lambda: pg._reduce_scatter_base(out, src, opts),
+                (output, source),  # noqa: SLF001
+            )
+        received = torch.empty_like(source)
+        blocks = received.view(self.world_size, -1)
+        splits = [output.numel()] * self.world_size
+        fold = _BITWISE[op]
+
+        def fold_blocks() -> None:
+            flat = output.view(-1)
+            if self.world_size == 1:
+                flat.copy_(blocks[0])
+                return
+            fold(blocks[0], blocks[1], out=flat)
+            for block in blocks[2:]:
+                fold(flat, block, out=flat)
+
+        moved_in, moved_out = self._movable(source), self._movable(received)
+        opts = _options(_AllToAllOptions)
+        return self._launch_torch(
+            label,
+            output,
+            lambda: pg.alltoall_base(moved_out, moved_in, splits, splits, opts),
+            (output, source, received),
+            fold_blocks,
+        )
 
     def _pairwise(self, tensor: torch.Tensor) -> bool:
         """Two ranks on Gloo: a block-moving collective is one exchange, run as an all-to-all."""

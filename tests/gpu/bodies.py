@@ -19,7 +19,7 @@ import torch
 
 from commlib import IProcessGroup
 from ddp import DistributedDataParallel
-from tests._reference import DTYPES, digest
+from tests._reference import ALL_DTYPE_NAMES, digest
 from tests.distributed import bodies
 from tests.distributed.ddp_bodies import (
     build,
@@ -34,7 +34,8 @@ from tests.distributed.ddp_bodies import (
 BIG_BYTES = 25 << 20
 """The large size of the collective matrix: 25 MiB, many staging chunks and ring chunks."""
 
-DTYPE_NAMES = [str(d).removeprefix("torch.") for d in DTYPES]
+DTYPE_NAMES = list(ALL_DTYPE_NAMES)
+"""Every dtype of the contract, bool and the narrow integers included (NCCL lacks int16 and bitwise ops)."""
 
 
 def use_gpu(group: IProcessGroup) -> str:

@@ -76,7 +76,7 @@ def test_ddp_on_cuda_parameters_bit_identical(pool_of, backend: str) -> None:  #
 
 # ---------------------------------------------------------------- mpi
 MATRIX_TIMEOUT_S = 1800
-"""One launch runs the whole matrix (24 collective x dtype cells, each up to 25 MiB, float64 references)."""
+"""One launch runs the whole matrix (every collective x dtype cell, each up to 25 MiB, float64 references)."""
 
 
 def mpi_launch(body: str, env: dict[str, str], timeout: float = 600) -> dict[int, dict]:
