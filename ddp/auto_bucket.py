@@ -8,6 +8,9 @@
    model on that backward's measured gradient arrival times and the bandwidth the
    buckets got during it (``choose_bucket_size``), broadcasts its pick, and every
    rank lays its buckets out once more. Nothing changes after that.
+
+With one rank nothing crosses a link: every bucket costs a call and saves nothing,
+so the cap is the whole model (one bucket), chosen without calibrating.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class AutoBucketReport:
     """What ``bucket_size_mb="auto"`` measured and chose (the same on every rank).
 
     Attributes:
-        cost_model: The fitted ``o`` and ``w`` of the group.
+        cost_model: The fitted ``o`` and ``w`` of the group; None for a group of one
+            rank, which is not calibrated (its cap is the whole model).
         model_bytes: Bytes of all gradients ``s``.
         seed_cap_bytes: The seed's optimum ``sqrt(s o w)`` (clamped to [64 KiB, s]),
             used until the re-size.
@@ -63,7 +67,7 @@ class AutoBucketReport:
         candidates: ``(cap_bytes, num_buckets, cost_s)`` of every cap simulated (rank 0).
     """
 
-    cost_model: CommCostModel
+    cost_model: CommCostModel | None
     model_bytes: int
     seed_cap_bytes: int
     cap_bytes: int
@@ -81,6 +85,11 @@ class AutoBucketReport:
 
     def summary(self) -> str:
         """One line: the model, the seed's optimum, and the simulation's pick."""
+        if self.cost_model is None:
+            return (
+                f"auto bucket size: one rank, nothing to communicate: one bucket of the whole model "
+                f"({self.model_bytes / MB:.1f} MiB)"
+            )
         line = (
             f"auto bucket size: {self.cost_model.summary()}, s = {self.model_bytes / MB:.1f} MiB; "
             f"sqrt(s*o*w) = {self.seed_cap_bytes / MB:.2f} MiB"
@@ -117,7 +126,16 @@ class AutoBucketSizer:
         cost_model: CommCostModel | None = None,
     ) -> None:
         self._group = group
+        self._params = list(params)
+        self._synced = 0
+        self._measured: tuple[float, list[int], list[float], float] | None = None
         total = sum(p.numel() * p.element_size() for p in params)
+        if cost_model is None and group.world_size == 1:
+            whole = max(total, 1)
+            self.report = AutoBucketReport(
+                cost_model=None, model_bytes=total, seed_cap_bytes=whole, cap_bytes=whole, tuned=True
+            )
+            return
         if cost_model is None:
             dtype = _dominant_dtype(params)
             try:
@@ -134,15 +152,13 @@ class AutoBucketSizer:
         self.report = AutoBucketReport(
             cost_model=cost_model, model_bytes=total, seed_cap_bytes=seed_cap, cap_bytes=seed_cap
         )
-        self._params = list(params)
-        self._synced = 0
-        self._measured: tuple[float, list[int], list[float], float] | None = None
 
     def predict(self, cap_bytes: int) -> ScheduleResult | None:
         """Simulate the measured backward with another cap (rank 0, after the re-size; else None)."""
         if self._measured is None:
             return None
         busy_w, order, arrival, backward = self._measured
+        assert self.report.cost_model is not None, "only a calibrated report is measured"
         return simulate_schedule(
             self.report.cost_model,
             self._params,
@@ -207,12 +223,14 @@ def _simulate(
     params = manager.params
     arrival = _arrivals(manager, recorder)
     order = manager.order
-    busy = in_backward(report.cost_model, recorder.service_times())
+    model = report.cost_model
+    assert model is not None, "a one-rank report is final from the start"
+    busy = in_backward(model, recorder.service_times())
     chosen, tried = choose_bucket_size(
-        report.cost_model, params, order, arrival, backward, busy_bandwidth_Bps=busy.bandwidth_Bps
+        model, params, order, arrival, backward, busy_bandwidth_Bps=busy.bandwidth_Bps
     )
     seed_result = simulate_schedule(
-        report.cost_model,
+        model,
         params,
         order,
         arrival,

@@ -215,6 +215,33 @@ def test_auto_names_rank_backend_and_the_way_out_when_calibration_fails(monkeypa
         assert "does not grow with the size" in message and "bucket_size_mb" in message
 
 
+def test_auto_on_one_rank_uses_one_bucket_without_calibrating(monkeypatch):
+    # One rank moves nothing: calibration (whose times would not grow with the size) is skipped.
+    import ddp.auto_bucket as auto_bucket
+
+    def no_calibration(group, **kwargs):
+        raise AssertionError("a group of one rank was calibrated")
+
+    monkeypatch.setattr(auto_bucket, "calibrate", no_calibration)
+
+    def body(group):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Uniform(), group, bucket_size_mb="auto")
+        for _ in range(TUNE_AFTER_BACKWARDS + 1):
+            ddp(torch.ones(2, 128)).sum().backward()
+        return ddp.auto_bucket, ddp.bucket_manager.num_buckets, ddp.module
+
+    ((report, buckets, module),) = run_threads(body, 1)
+    model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert report.cost_model is None and report.tuned
+    assert report.cap_bytes == report.seed_cap_bytes == report.model_bytes == model_bytes
+    assert buckets == 1
+    assert report.summary() == (
+        "auto bucket size: one rank, nothing to communicate: one bucket of the whole model "
+        f"({model_bytes / MB:.1f} MiB)"
+    )
+
+
 def test_busy_costs_split_into_a_per_call_and_a_per_byte_part():
     # Fake all-reduces advance the clock by o + n / w on top of the compute: per call o, per byte 1 / w.
     o, w = 300e-6, 2e9
