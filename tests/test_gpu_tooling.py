@@ -111,8 +111,19 @@ def test_gpu_check_is_executable_and_valid_bash() -> None:
 # CUDA (and, as asked, a fake CuPy distribution and an mpi4py without its MPI library); every
 # other call (pytest, a benchmark, pip) is recorded, with PIP_NO_INDEX as the call saw it.
 FAKE_CUDA_PY = """\
-import os, runpy, sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the fake cupy / mpi4py first
+import importlib.metadata, importlib.util, os, runpy, sys
+fake = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, fake)  # the fake cupy / mpi4py first
+# A CuPy installed in the real interpreter (on a GPU machine) stays out of sight: only the fake ones count.
+real_distributions, real_find_spec = importlib.metadata.distributions, importlib.util.find_spec
+importlib.metadata.distributions = lambda **kw: (
+    d for d in real_distributions(**kw)
+    if not (d.metadata["Name"] or "").lower().startswith("cupy") or str(d.locate_file("")).startswith(fake)
+)
+no_fake_cupy = not os.path.isdir(os.path.join(fake, "cupy"))
+importlib.util.find_spec = lambda name, package=None: (
+    None if name == "cupy" and no_fake_cupy else real_find_spec(name, package)
+)
 import torch, torch.cuda.nccl
 torch.version.cuda = os.environ["FAKE_TORCH_CUDA"] or None
 torch.__version__ = os.environ.get("FAKE_TORCH_VERSION") or torch.__version__
@@ -283,7 +294,7 @@ def test_offline_bench_and_cores_name_a_missing_cupy_and_mpi_and_skip_mpi(tmp_pa
     out_dir = paths["out"]
     assert steps == [
         f"benchmarks/gpu_ddp_bench.py --csv {out_dir}/gpu_ddp_nccl.csv",
-        f"benchmarks/gpu_ddp_bench.py --spawn 2 --csv {out_dir}/gpu_ddp_2ranks.csv",
+        f"benchmarks/gpu_ddp_bench.py --spawn 2 --steps 12 --warmup 2 --csv {out_dir}/gpu_ddp_2ranks.csv",
         f"benchmarks/allreduce_bench.py --device cuda --sizes 1M,25M,100M --csv {out_dir}/allreduce_cuda.csv "
         "--spawn 2 --backends ring,gloo",
         *(

@@ -219,6 +219,7 @@ def test_the_real_mpi_library_of_this_venv_is_asked(tmp_path) -> None:  # noqa: 
 # ----------------------------------------------------------------- CuPy
 def test_missing_cupy_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes 'import cupy' raise ImportError
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # the extra named depends on torch's CUDA
     with pytest.raises(BackendUnavailableError) as info:
         import_cupy(PREFIX)
     message = str(info.value)

@@ -83,6 +83,7 @@ def test_decided_once_and_logged_once_at_info(
 
 def test_missing_cupy_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # the extra named depends on torch's CUDA
     path = make_path(1)
     with pytest.raises(BackendUnavailableError, match=r'pip install "commlib\[cuda\]"') as info:
         path.as_cupy(torch.ones(4), "[rank 0/2] mpi.all_reduce: ")

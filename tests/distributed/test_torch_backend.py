@@ -402,7 +402,9 @@ def _undefined_backend_body() -> dict[str, Any]:
 
 
 def test_wraps_a_group_created_without_a_backend() -> None:
-    for value in run_ranks(_undefined_backend_body, 2, backend=None, init=False, timeout=90):
+    # torch's default without a backend is "cpu:gloo,cuda:nccl" where a GPU is visible: hide it.
+    hidden = {"CUDA_VISIBLE_DEVICES": ""}
+    for value in run_ranks(_undefined_backend_body, 2, backend=None, init=False, timeout=90, env=hidden):
         assert value == dict(
             torch_name="undefined", name="gloo", devices=["cpu"], preferred="cpu", mean=[1.0, 1.0, 1.0]
         )
