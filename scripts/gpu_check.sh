@@ -20,8 +20,8 @@
 # missing piece is named (and fails the run at the end), but the stages still run.
 #
 # Stages, each within --budget seconds (default 540: one stage fits a 10-minute run):
-#   gpu-tests  pytest -m gpu
-#   cpu-tests  the CPU suite (pytest -m "not gpu")
+#   gpu-tests  pytest -m gpu (with pytest-xdist: on half the cores' worth of workers, two ranks each)
+#   cpu-tests  the CPU suite (pytest -m "not gpu"; with pytest-xdist: a worker per core but two)
 #   tests      gpu-tests, then cpu-tests
 #   bench      gpu_ddp_bench.py (NCCL at world size 1; 2 ranks sharing the GPU over gloo and ring),
 #              allreduce_bench.py --device cuda on 2 ranks (ring, gloo, mpi; 1, 25, 100 MiB)
@@ -37,6 +37,9 @@
 #   GPU_CHECK_PYTHON        offline interpreter (default python3)
 #   GPU_CHECK_VENV          the venv of --wheels and --online (default <repo>/.venv-gpu)
 #   GPU_CHECK_PYTEST_ARGS   more pytest arguments for both test stages (e.g. "-x" or "-k ddp")
+#   GPU_CHECK_WORKERS       pytest-xdist workers for both test stages (0: none)
+# A failing test's report is printed when it fails (tests/report_at_once.py), so a stage stopped at
+# its budget still shows what failed.
 #   PYTHON                  interpreter that creates the --online venv (default python3)
 #   GPU_CHECK_TORCH         --online torch requirement, with any pip arguments (default "torch==2.13.0")
 #   GPU_CHECK_CUPY          --online CuPy package (default: the one for torch's CUDA major version)
@@ -231,7 +234,7 @@ fi
 ENV_LINE="torch $(env_of torch) (CUDA $(env_of torch_cuda)); $(env_of devices); NCCL $(env_of nccl)"
 ENV_LINE+="; CuPy wanted: $CUPY (found: $(env_of cupy_dists))"
 ENV_LINE+="; mpi4py $(env_of mpi4py) with $(env_of mpi_library), mpiexec ${MPIEXEC:-none}"
-ENV_LINE+="; pytest $(env_of pytest), pytest-timeout $(env_of pytest_timeout)"
+ENV_LINE+="; pytest $(env_of pytest), pytest-timeout $(env_of pytest_timeout), pytest-xdist $(env_of pytest_xdist); $(env_of cores) cores"
 say "environment: $ENV_LINE"
 [[ -n "$(env_of mpi_path)" ]] && say "$(env_of mpi_path)"
 for gap in "${MISSING[@]}"; do say "missing: $gap"; done
@@ -286,15 +289,23 @@ record_step() {  # record_step CHECK NAME FIGURES: PASS when RC is 0, else what 
     fi
 }
 
-PYTEST_ARGS=(-rs -q -p no:cacheprovider)
+PYTEST_ARGS=(-rs -q -p no:cacheprovider -p tests.report_at_once)
 [[ -n "$(env_of pytest_timeout)" ]] && PYTEST_ARGS+=(--timeout 900)
+# workers RANKS_PER_TEST: pytest-xdist's arguments for a test stage (none without pytest-xdist).
+workers() {
+    local cores n
+    cores="$(env_of cores)"
+    n="${GPU_CHECK_WORKERS:-$(((${cores:-1} - 2) / $1))}"
+    [[ -n "$(env_of pytest_xdist)" && "$n" =~ ^[0-9]+$ && $n -ge 2 ]] && echo "-n $n"
+}
 # shellcheck disable=SC2206  # GPU_CHECK_PYTEST_ARGS is a list of words
 PYTEST_ARGS+=(${GPU_CHECK_PYTEST_ARGS:-})
 
 pytest_summary() { grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT_DIR/$1.log" | tail -n 1 | tr -d '=' | sed 's/^ *//'; }
 
 stage_gpu_tests() {
-    run pytest_gpu 1 "$PY" -m pytest -m gpu "${PYTEST_ARGS[@]}" --junitxml "$OUT_DIR/pytest_gpu.xml" tests
+    # shellcheck disable=SC2046  # workers prints words
+    run pytest_gpu 1 "$PY" -m pytest -m gpu "${PYTEST_ARGS[@]}" $(workers 2) --junitxml "$OUT_DIR/pytest_gpu.xml" tests
     local summary
     summary="$(pytest_summary pytest_gpu)"
     if [[ $RC -eq 0 ]] && ! grep -q "passed" <<<"$summary"; then
@@ -306,7 +317,8 @@ stage_gpu_tests() {
 }
 
 stage_cpu_tests() {
-    run pytest_cpu 1 "$PY" -m pytest -m "not gpu" "${PYTEST_ARGS[@]}" --junitxml "$OUT_DIR/pytest_cpu.xml" tests
+    # shellcheck disable=SC2046  # workers prints words
+    run pytest_cpu 1 "$PY" -m pytest -m "not gpu" "${PYTEST_ARGS[@]}" $(workers 1) --junitxml "$OUT_DIR/pytest_cpu.xml" tests
     record_step "pytest (CPU suite)" pytest_cpu "$(pytest_summary pytest_cpu)"
 }
 

@@ -10,7 +10,8 @@ Keys: ``torch`` (version, empty when torch cannot be imported; ``torch_error`` s
 here), ``cupy_wanted`` (the CuPy wheel for torch's CUDA major version), ``cupy_dists``
 (the CuPy distributions installed), ``cupy_import``, ``mpi4py`` (version or empty),
 ``mpi_library`` (the MPI library's first line, or ``error: ...``), ``mpi_path`` (which path
-the mpi backend gives CUDA tensors), ``pytest``, ``pytest_timeout``. Nothing is installed
+the mpi backend gives CUDA tensors), ``pytest``, ``pytest_timeout``, ``pytest_xdist``, ``cores``.
+Nothing is installed
 and no failure is raised: every answer is a line. Values are one line each.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import sys
 from typing import Any
 
@@ -134,6 +136,9 @@ def main() -> int:
     report_mpi(torch)
     say("pytest", version_of("pytest") if importlib.util.find_spec("pytest") else "")
     say("pytest_timeout", version_of("pytest-timeout") if importlib.util.find_spec("pytest_timeout") else "")
+    say("pytest_xdist", version_of("pytest-xdist") if importlib.util.find_spec("xdist") else "")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    say("cores", cores or 1)
     return 0
 
 

@@ -265,6 +265,7 @@ def test_offline_tests_stage_runs_the_gpu_tests_then_the_cpu_suite(tmp_path: Pat
     assert steps[0].startswith("-m pytest -m gpu ") and steps[0].endswith(" tests"), steps
     assert steps[1].startswith("-m pytest -m not gpu ") and steps[1].endswith(" tests"), steps
     assert "--timeout 900" in steps[0] and f"--junitxml {paths['out']}/pytest_gpu.xml" in steps[0]
+    assert all(" -p tests.report_at_once " in step for step in steps), steps
     out = proc.stdout
     assert "stages: gpu-tests cpu-tests" in out and "missing:" not in out, out
     assert "(CUDA 13.0)" in out and "CuPy wanted: cupy-cuda13x (found: cupy-cuda13x 14.2.0)" in out
@@ -532,3 +533,24 @@ def test_tiny_mode_on_two_ranks_end_to_end(tmp_path: Path) -> None:
         assert float(row["hooks_ms"]) > 0 and float(row["end_ms"]) > 0, row
         assert float(row["py_calls_per_param"]) >= 2, row
     assert float(rows["torch-ddp"]["vs_torch_ddp"]) == pytest.approx(1.0)
+
+
+def test_report_at_once_prints_a_failure_before_the_run_ends(tmp_path: Path) -> None:
+    """gpu_check's plugin: a stage stopped at its budget has already printed what failed."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_fails():\n    assert 1 + 1 == 3, 'arithmetic'\n\ndef test_passes():\n    pass\n"
+    )
+    plugins = ["-p", "no:cacheprovider", "-p", "tests.report_at_once"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *plugins, "test_two.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=scrubbed_env(PYTHONPATH=str(REPO_ROOT)),
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    block = out.index("--- FAILED test_two.py::test_fails (call)")
+    assert "AssertionError: arithmetic" in out[block : out.index("--- end of test_two.py::test_fails")]
+    assert block < out.index("short test summary info"), out
