@@ -48,11 +48,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import datetime
 import hashlib
+import io
 import os
 import platform
+import pstats
 import statistics
 import sys
 import threading
@@ -128,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap of both DDPs, MiB (default 25)")
     p.add_argument("--tiny", action="store_true", help="tiny GPT on the CPU, 3 steps: the CI smoke test")
+    p.add_argument(
+        "--hook-profile",
+        type=Path,
+        default=None,
+        help="profile one more step of commlib DDP's hooks (cProfile) into this file (rank 0)",
+    )
     p.add_argument("--if-available", action="store_true", help="without CUDA: say so and exit 0 (else 2)")
     p.add_argument("--csv", type=Path, default=None, help="write the table to this CSV file (rank 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may take")
@@ -171,16 +180,22 @@ class HookMeter:
         self.end_s = 0.0
         self.hook_calls = 0
         self.counter: CallCounter | None = None
+        self.profile: cProfile.Profile | None = None
 
     @contextlib.contextmanager
-    def measuring(self, *, count: bool) -> Iterator[HookMeter]:
-        """Wrap the entry points for the duration; with ``count``, profile calls instead of timing."""
+    def measuring(self, *, count: bool, profile: cProfile.Profile | None = None) -> Iterator[HookMeter]:
+        """Wrap the entry points for the duration; with ``count``, count calls instead of timing.
+
+        With ``profile``, run the entry points under that ``cProfile`` profile (on whichever
+        thread calls them), for where their time goes.
+        """
         if not self.available:
             yield self
             return
         self.hook_s = self.end_s = 0.0
         self.hook_calls = 0
         self.counter = CallCounter() if count else None
+        self.profile = profile
         sync = self.sync
         on_grad, end = sync.register_grad_ready, sync._end_of_backward  # type: ignore[union-attr]  # noqa: SLF001
 
@@ -207,7 +222,14 @@ class HookMeter:
             del sync.register_grad_ready, sync._end_of_backward  # type: ignore[union-attr]  # the class's
 
     def _run(self, fn: Callable[..., None], *args: Any) -> None:
-        counter = self.counter
+        counter, profile = self.counter, self.profile
+        if profile is not None:
+            profile.enable()
+            try:
+                fn(*args)
+            finally:
+                profile.disable()
+            return
         if counter is None:
             fn(*args)
             return
@@ -255,6 +277,7 @@ class Mode:
     py_calls: float | None = None
     c_calls: float | None = None
     identical: bool | None = None
+    hook_profile: str | None = None
 
 
 @dataclasses.dataclass
@@ -416,6 +439,12 @@ def instrument(modes: list[Mode], setup: Setup, args: argparse.Namespace, first_
             assert meter.counter is not None
             mode.py_calls = (meter.counter.py_calls + meter.hook_calls) / params  # + the hook closures
             mode.c_calls = meter.counter.c_calls / params
+            if args.hook_profile is not None:
+                profile = cProfile.Profile()
+                barrier()
+                with mode.meter.measuring(count=False, profile=profile):
+                    one_step(mode, setup, step)
+                mode.hook_profile = hook_profile_text(profile, mode.name, params)
         elif mode.meter is None:
             counter = CallCounter()
             barrier()
@@ -431,6 +460,16 @@ def instrument(modes: list[Mode], setup: Setup, args: argparse.Namespace, first_
                 mode.py_calls, mode.c_calls = counter.py_calls / params, counter.c_calls / params
         step += 1
     return step
+
+
+def hook_profile_text(profile: cProfile.Profile, mode: str, params: int, top: int = 40) -> str:
+    """The profile of one step's hooks: the functions by own time, then by time including callees."""
+    out = io.StringIO()
+    out.write(f"=== {mode}: one step of commlib DDP's hooks and end of backward, {params} parameters\n")
+    stats = pstats.Stats(profile, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top // 2)
+    return out.getvalue()
 
 
 def same_on_all_ranks(model: torch.nn.Module, world: int) -> bool:
@@ -613,6 +652,10 @@ def run(args: argparse.Namespace) -> int:
         if lead and args.csv is not None:
             write_csv(args.csv, CSV_COLUMNS, rows)
             say(f"wrote {len(rows)} rows to {args.csv}")
+        profiles = [m.hook_profile for m in modes if m.hook_profile]
+        if lead and args.hook_profile is not None and profiles:
+            args.hook_profile.write_text("\n".join(profiles))
+            say(f"wrote the hooks' profile of {len(profiles)} mode(s) to {args.hook_profile}")
         differ = [m.name for m in modes if m.identical is False]
         if differ:
             print(f"[rank {rank}/{world}] parameters differ across ranks for: {differ}", file=sys.stderr)

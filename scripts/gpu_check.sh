@@ -355,7 +355,8 @@ PY
 }
 
 stage_bench() {
-    run gpu_ddp_nccl 3 "$PY" benchmarks/gpu_ddp_bench.py --csv "$OUT_DIR/gpu_ddp_nccl.csv"
+    run gpu_ddp_nccl 3 "$PY" benchmarks/gpu_ddp_bench.py --csv "$OUT_DIR/gpu_ddp_nccl.csv" \
+        --hook-profile "$OUT_DIR/hook_profile_nccl.txt"
     local figures
     figures="$(csv_figures ddp "$OUT_DIR/gpu_ddp_nccl.csv")"
     record_step "gpu_ddp_bench nccl, world 1" gpu_ddp_nccl "$figures"

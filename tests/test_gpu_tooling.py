@@ -294,7 +294,8 @@ def test_offline_bench_and_cores_name_a_missing_cupy_and_mpi_and_skip_mpi(tmp_pa
     steps = [c.removeprefix("PIP_NO_INDEX=1 ") for c in calls_of(paths)][1:]
     out_dir = paths["out"]
     assert steps == [
-        f"benchmarks/gpu_ddp_bench.py --csv {out_dir}/gpu_ddp_nccl.csv",
+        f"benchmarks/gpu_ddp_bench.py --csv {out_dir}/gpu_ddp_nccl.csv "
+        f"--hook-profile {out_dir}/hook_profile_nccl.txt",
         f"benchmarks/gpu_ddp_bench.py --spawn 2 --steps 12 --warmup 2 --csv {out_dir}/gpu_ddp_2ranks.csv",
         f"benchmarks/allreduce_bench.py --device cuda --sizes 1M,25M,100M --csv {out_dir}/allreduce_cuda.csv "
         "--spawn 2 --backends ring,gloo",
@@ -515,8 +516,8 @@ def test_verdicts_judge_the_nccl_target(bench: ModuleType) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_tiny_mode_on_two_ranks_end_to_end(tmp_path: Path) -> None:
-    csv_path = tmp_path / "gpu_ddp.csv"
-    proc = run_bench(["--tiny", "--spawn", "2", "--csv", str(csv_path)])
+    csv_path, profile_path = tmp_path / "gpu_ddp.csv", tmp_path / "hooks.txt"
+    proc = run_bench(["--tiny", "--spawn", "2", "--csv", str(csv_path), "--hook-profile", str(profile_path)])
     report = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     assert proc.returncode == 0, report
     out = proc.stdout
@@ -533,6 +534,11 @@ def test_tiny_mode_on_two_ranks_end_to_end(tmp_path: Path) -> None:
         assert float(row["hooks_ms"]) > 0 and float(row["end_ms"]) > 0, row
         assert float(row["py_calls_per_param"]) >= 2, row
     assert float(rows["torch-ddp"]["vs_torch_ddp"]) == pytest.approx(1.0)
+    # One more step of each commlib DDP profiled: where the hooks' time goes, function by function.
+    profile = profile_path.read_text()
+    for name in ("ddp-gloo", "ddp-ring"):
+        assert f"=== {name}: one step of commlib DDP's hooks" in profile, profile
+    assert profile.count("grad_sync.py") >= 2 and "register_grad_ready" in profile, profile
 
 
 def test_report_at_once_prints_a_failure_before_the_run_ends(tmp_path: Path) -> None:
