@@ -662,11 +662,8 @@ class TorchDistProcessGroup(IProcessGroup):
         fold = _BITWISE[op]
 
         def fold_rows() -> None:
-            if root is not None and self.rank != root:
-                return
-            fold(rows[0], rows[1], out=flat)
-            for row in rows[2:]:
-                fold(flat, row, out=flat)
+            if root is None or self.rank == root:
+                _fold_in_rank_order(fold, rows, flat)
 
         moved_rows, moved = self._movable(rows.view(-1)), self._movable(flat)
         return self._launch_torch(
@@ -704,13 +701,7 @@ class TorchDistProcessGroup(IProcessGroup):
         fold = _BITWISE[op]
 
         def fold_blocks() -> None:
-            flat = output.view(-1)
-            if self.world_size == 1:
-                flat.copy_(blocks[0])
-                return
-            fold(blocks[0], blocks[1], out=flat)
-            for block in blocks[2:]:
-                fold(flat, block, out=flat)
+            _fold_in_rank_order(fold, blocks, output.view(-1))
 
         moved_in, moved_out = self._movable(source), self._movable(received)
         opts = _options(_AllToAllOptions)
@@ -987,6 +978,16 @@ class TorchDistProcessGroup(IProcessGroup):
 _AllgatherOptions = dist.distributed_c10d.AllgatherOptions
 _AllToAllOptions = dist.distributed_c10d.AllToAllOptions
 _ReduceScatterOptions = dist.distributed_c10d.ReduceScatterOptions
+
+
+def _fold_in_rank_order(fold: Callable[..., torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = rows[0] op rows[1] op ...``: one row per rank, combined in rank order."""
+    if len(rows) == 1:
+        out.copy_(rows[0])
+        return
+    fold(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        fold(out, row, out=out)
 
 
 def _torch_ranks_of(pg: Any, size: int) -> list[int]:
