@@ -1024,6 +1024,13 @@ def _translate(describe: CollectiveLabel | str, error: BaseException, limit: flo
             f"Check the other ranks' logs; every rank must create a new group. "
             f"(torch.distributed: {first})"
         )
+    shared = next((line.strip() for line in text.splitlines() if "Duplicate GPU detected" in line), None)
+    if shared is not None:
+        return CommError(
+            f"{describe}: NCCL refuses two ranks on one GPU ({shared}). Give each rank a GPU of its "
+            "own (torch.cuda.set_device(local_rank), one rank per GPU), or share the GPU over the "
+            f"ring, gloo or mpi backend. (torch.distributed: {first})"
+        )
     return CommError(f"{describe}: torch.distributed failed: {first}")
 
 

@@ -352,6 +352,19 @@ def test_error_translation_and_parsing() -> None:
     error = _translate("[rank 1/2] gloo.broadcast #1", timeout, 3)
     assert isinstance(error, CommTimeoutError) and "did not finish within 3 s" in str(error)
     assert type(_translate("x", RuntimeError("boom"), 1)) is commlib.CommError
+    # NCCL 2.28.9's words for two ranks on one GPU (seen with torch 2.11 on an H200).
+    shared = RuntimeError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage (run with "
+        "NCCL_DEBUG=WARN for details), NCCL version 2.28.9\nncclInvalidUsage: This usually reflects "
+        "invalid usage of NCCL library.\nLast error:\n"
+        "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60"
+    )
+    message = str(_translate("[rank 0/2] nccl.broadcast #0", shared, 30))
+    assert message.startswith(
+        "[rank 0/2] nccl.broadcast #0: NCCL refuses two ranks on one GPU (Duplicate GPU detected : rank 0 "
+        "and rank 1 both on CUDA device 60). Give each rank a GPU of its own"
+    ), message
+    assert "ring, gloo or mpi backend" in message and "NCCL error in:" in message
     assert _parse_backend_spec("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
     assert _parse_backend_spec("gloo") == {"cpu": "gloo"}
     assert _parse_backend_spec("NCCL") == {"cuda": "nccl"}
