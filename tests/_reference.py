@@ -129,7 +129,7 @@ def assert_close_to_reference(
 
 
 def digest(t: torch.Tensor) -> str:
-    """Hash of a tensor's bytes, to check that every rank holds bitwise the same result."""
-    flat = t.contiguous().view(-1)
+    """Hash of a tensor's bytes (on any device), to check that every rank holds bitwise the same result."""
+    flat = t.detach().contiguous().view(-1).cpu()
     data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return hashlib.sha256(data).hexdigest()[:16]

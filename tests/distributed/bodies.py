@@ -84,10 +84,17 @@ def _tolerance(
 
 
 def _inputs(
-    n: int, numel: int, dtype: torch.dtype, op: ReduceOp | PremulSum, seed: int, integer_valued: bool
+    n: int,
+    numel: int,
+    dtype: torch.dtype,
+    op: ReduceOp | PremulSum,
+    seed: int,
+    integer_valued: bool,
+    device: str = "cpu",
 ) -> list[torch.Tensor]:
+    """Every rank's input, on ``device``: the reference and its check run where the result is."""
     kind = op if isinstance(op, ReduceOp) else ReduceOp.SUM
-    return [rank_input(k, numel, dtype, kind, seed, integer_valued) for k in range(n)]
+    return [rank_input(k, numel, dtype, kind, seed, integer_valued).to(device) for k in range(n)]
 
 
 def body_all_reduce(
@@ -104,10 +111,9 @@ def body_all_reduce(
         for op in _ops_for(dtype):
             for integer_valued in (True, False) if _random_too(op, dtype) else (True,):
                 for numel in sizes:
-                    inputs = _inputs(n, numel, dtype, op, seed, integer_valued)
-                    tensor = inputs[r].to(device, copy=True)
-                    group.all_reduce(tensor, op)
-                    result = tensor.cpu()
+                    inputs = _inputs(n, numel, dtype, op, seed, integer_valued, device)
+                    result = inputs[r].clone()
+                    group.all_reduce(result, op)
                     exact = integer_valued and op is not ReduceOp.AVG
                     what = (
                         f"all_reduce {_name(op)} {dtype_name} numel={numel} "
@@ -146,16 +152,16 @@ def body_reduce(
             for numel in sizes:
                 dst = turn % n
                 turn += 1
-                inputs = _inputs(n, numel, dtype, op, seed + turn, True)
-                tensor = inputs[r].to(device, copy=True)
+                inputs = _inputs(n, numel, dtype, op, seed + turn, True, device)
+                tensor = inputs[r].clone()
                 group.reduce(tensor, dst, op)
                 what = f"reduce {_name(op)} {dtype_name} numel={numel} dst={dst} world={n}"
                 if r == dst:
                     exact = op is not ReduceOp.AVG
                     expected = _expected(inputs, op, dtype)
-                    _check(tensor.cpu(), expected, _tolerance(inputs, op, dtype, exact), what)
+                    _check(tensor, expected, _tolerance(inputs, op, dtype, exact), what)
                 else:
-                    assert torch.equal(tensor.cpu(), inputs[r]), (
+                    assert torch.equal(tensor, inputs[r]), (
                         f"{what}: a rank that does not receive was changed"
                     )
     return []
@@ -227,7 +233,7 @@ def body_reduce_scatter(
     for dtype_name, dtype in _dtypes(dtype_names):
         for op in _ops_for(dtype):
             for numel in sizes:
-                inputs = _inputs(n, n * numel, dtype, op, seed, True)
+                inputs = _inputs(n, n * numel, dtype, op, seed, True, device)
                 blocks = [t[r * numel : (r + 1) * numel] for t in inputs]
                 expected = _expected(blocks, op, dtype)
                 tol = _tolerance(blocks, op, dtype, op is not ReduceOp.AVG)
@@ -235,7 +241,7 @@ def body_reduce_scatter(
                     ("tensor", "list", "reduce_scatter_tensor") if op is ReduceOp.SUM else ("tensor", "list")
                 )
                 for form in forms:
-                    source = inputs[r].to(device, copy=True)
+                    source = inputs[r].clone()
                     arg = list(source.split(numel)) if form == "list" and numel else source
                     if form == "list" and not numel:
                         arg = [source.new_empty(0) for _ in range(n)]
@@ -245,8 +251,8 @@ def body_reduce_scatter(
                     else:
                         group.reduce_scatter(output, arg, op)
                     what = f"reduce_scatter {_name(op)} {dtype_name} numel={numel} form={form} world={n}"
-                    _check(output.cpu(), expected, tol, what)
-                    assert torch.equal(source.cpu(), inputs[r]), f"{what}: the input was modified"
+                    _check(output, expected, tol, what)
+                    assert torch.equal(source, inputs[r]), f"{what}: the input was modified"
                 for shared in (False, True):  # the in-place form, in ordinary and in the group's own memory
                     what = f"in-place reduce_scatter {_name(op)} {dtype_name} numel={numel} world={n}"
                     what += f" shared={shared}"
@@ -264,7 +270,7 @@ def body_reduce_scatter(
                     flat.copy_(inputs[r])
                     output = flat[r * numel : (r + 1) * numel]
                     group.reduce_scatter(output, flat, op)
-                    _check(output.cpu(), expected, tol, what)
+                    _check(output, expected, tol, what)
                     assert base[0].item() == guard and base[-1].item() == guard, (
                         f"{what}: wrote outside the input"
                     )
