@@ -52,6 +52,7 @@ its parent's connections, so closing the parent leaves it working.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue
 import re
@@ -878,10 +879,19 @@ class TorchDistProcessGroup(IProcessGroup):
                 f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); every rank "
                 "must create the group with the same COMMLIB_DEBUG"
             ) from e
+        # Held here alone, not by the exchange below: ``close`` must destroy it (which joins its
+        # worker threads). Left to the interpreter's exit, a worker still finishing the last
+        # all-gather would drop that work's tensors when Python can no longer take them back, and
+        # the process aborts after a clean run ("terminate called without an active exception").
         self._fingerprint_pg = pg
+        del pg
         world = self.world_size
 
         def exchange(mine: bytes, timeout: float, label: object, background: bool) -> bytes:
+            where = label if isinstance(label, CollectiveLabel) else str(label)
+            pg = self._fingerprint_pg
+            if pg is None:
+                raise CommError(f"{where}: the group is closed; create a new one")
             send = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
             everyone = torch.empty(len(mine) * world, dtype=torch.uint8)
             try:
@@ -890,7 +900,6 @@ class TorchDistProcessGroup(IProcessGroup):
                 )
             except Exception as e:  # noqa: BLE001
                 # Worded as the collective's own failure: a dead or missing peer is what the user must see.
-                where = label if isinstance(label, CollectiveLabel) else str(label)
                 raise _translate(where, e, timeout) from e
             return everyone.numpy().tobytes()
 
@@ -959,6 +968,10 @@ class TorchDistProcessGroup(IProcessGroup):
         self._engine = None
         self._fingerprint_pg = None
         self._store = None
+        # Gloo groups caught in reference cycles (works, futures and their callbacks) would otherwise
+        # be destroyed by the collection at interpreter exit, when their worker threads can no longer
+        # take the GIL to drop their last work's tensors: the process aborts after a clean run.
+        gc.collect()
         if not self._owns_default:
             return
         with _owner_lock:

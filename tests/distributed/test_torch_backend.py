@@ -8,6 +8,7 @@ Bodies are module-level functions, as spawned children import them.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import time
 import warnings
@@ -22,7 +23,7 @@ import commlib
 from commlib import CommConfig, CommTimeoutError, DistEnv, PeerFailureError, ReduceOp
 from tests._launcher import RankPool, run_ranks, run_ranks_outcomes
 from tests.conftest import requires_mpi
-from tests.distributed import mpi_bodies
+from tests.distributed import mpi_bodies, p2p_bodies
 from tests.distributed.mpi_bodies import launch
 
 pytestmark = pytest.mark.multiprocess
@@ -389,6 +390,52 @@ def test_reference_checker_catches_wrong_answers() -> None:
     ints = [seeded_input(1, r, 10, torch.float16, ReduceOp.SUM, True) for r in range(2)]
     off_by_one = ints[0] + ints[1] + 1
     assert check_close("bad", off_by_one, reference(ReduceOp.SUM, ints), ints, ReduceOp.SUM, exact=True)
+
+
+def _gloo_threads() -> int:
+    """This process's native threads that belong to a Gloo process group (its workers and TCP loop)."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() in ("pt_gloo_runloop", "gloo_tcp_loop")
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return count
+
+
+def _threads_after_close_body(group: commlib.IProcessGroup) -> dict[str, int]:
+    """A gloo group with its fingerprint check (its own Gloo group) and a subgroup, used, then closed.
+
+    The collector is off, as it may happen to be at the last close before exit: what close leaves
+    to it would be destroyed by the collection at interpreter exit.
+    """
+    gc.disable()
+    pair = group.new_group([0, 1])
+    assert pair is not None
+    for g in (group, pair):
+        g.all_reduce(torch.ones(4))
+        g.all_gather(torch.empty(2 * g.world_size), torch.ones(2))
+        peer = 1 - g.rank
+        works = [g.isend(torch.full((3,), float(g.rank)), peer), g.irecv(torch.empty(3), peer)]
+        for work in works:
+            work.wait()
+    p2p_bodies.body_size_mismatch(group)  # errors raised and caught, as a training script might
+    while_open = _gloo_threads()
+    pair.close()
+    commlib.destroy_process_group()
+    closed = _gloo_threads()
+    gc.enable()
+    return {"open": while_open, "closed": closed}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc/self/task to count threads")
+def test_close_ends_every_gloo_thread_the_group_started() -> None:
+    # A Gloo group still alive at interpreter exit can abort the process after a clean run: a worker
+    # finishing its last work drops tensors when Python can no longer take them back.
+    for value in run_ranks(_threads_after_close_body, 2, backend="gloo", timeout=90):
+        assert value["open"] >= 6, value  # the group, its fingerprint group and the subgroup's: 2+1 each
+        assert value["closed"] == 0, value
 
 
 def _undefined_backend_body() -> dict[str, Any]:
