@@ -31,8 +31,8 @@ and reduces as int32 (then wraps back). NCCL has no BAND, BOR or BXOR: on bool
 tensors BAND and BOR are NCCL's MIN and MAX over the bytes; otherwise every rank
 all-gathers the tensors and folds them in rank order (``n`` times the bytes of
 an all-reduce: for masks and flags), and ``reduce_scatter`` sends the blocks
-with one all-to-all and folds the received ones. For Gloo: ``reduce`` hands Gloo a copy on the ranks
-that do not receive (Gloo's reduce writes there); ``all_to_all`` with sizes that
+with one all-to-all and folds the received ones. For Gloo: ``reduce`` hands
+Gloo a copy on the ranks that do not receive (Gloo's reduce writes there); ``all_to_all`` with sizes that
 differ by peer is one ``alltoall_base`` over packed buffers; point-to-point
 checks sizes before any data moves (``backends.torch.p2p``).
 
@@ -58,7 +58,7 @@ import queue
 import re
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -481,7 +481,9 @@ class TorchDistProcessGroup(IProcessGroup):
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         label = self._label("all_reduce", tensor)
         if op in _BITWISE and self._on_nccl(tensor):
-            return self._bitwise_on_nccl(label, tensor, op, root=None)
+            if not self._nccl_has_bool_op(tensor, op):
+                return self._bitwise_on_nccl(label, tensor, op, root=None)
+            tensor, op = tensor.view(torch.uint8), _NCCL_BOOL_OPS[op]
         if self._needs_upcast(tensor):
             return self._all_reduce_upcast(tensor, op, label)
         opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
@@ -512,7 +514,9 @@ class TorchDistProcessGroup(IProcessGroup):
         """Gloo's reduce writes into every rank's tensor: the others reduce a copy."""
         label = self._label("reduce", tensor)
         if op in _BITWISE and self._on_nccl(tensor):
-            return self._bitwise_on_nccl(label, tensor, op, root=dst)
+            if not self._nccl_has_bool_op(tensor, op):
+                return self._bitwise_on_nccl(label, tensor, op, root=dst)
+            tensor, op = tensor.view(torch.uint8), _NCCL_BOOL_OPS[op]
         root = self.rank == dst
         wide = _WIDE[tensor.dtype] if self._needs_upcast(tensor) else None
         if wide is not None:
@@ -610,7 +614,11 @@ class TorchDistProcessGroup(IProcessGroup):
     ) -> Work:
         label = self._label("reduce_scatter", output)
         if op in _BITWISE and self._on_nccl(output):
-            return self._reduce_scatter_bitwise_on_nccl(label, output, flat_input, inputs, op)
+            if not self._nccl_has_bool_op(output, op):
+                return self._reduce_scatter_bitwise_on_nccl(label, output, flat_input, inputs, op)
+            output, op = output.view(torch.uint8), _NCCL_BOOL_OPS[op]
+            flat_input = flat_input.view(torch.uint8) if flat_input is not None else None
+            inputs = [block.view(torch.uint8) for block in inputs]
         if self._needs_upcast(output):
             return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
         if self._on_gloo(output) and output.numel():
@@ -639,32 +647,26 @@ class TorchDistProcessGroup(IProcessGroup):
         """True if NCCL serves ``tensor``'s device in this group."""
         return self._devices.get(tensor.device.type) == "nccl"
 
+    def _nccl_has_bool_op(self, tensor: torch.Tensor, op: ReduceOp) -> bool:
+        """True if NCCL computes ``op`` on bool ``tensor`` itself: BAND and BOR are MIN and MAX of 0 and 1."""
+        return tensor.dtype is torch.bool and op in _NCCL_BOOL_OPS
+
     def _bitwise_on_nccl(
         self, label: CollectiveLabel, tensor: torch.Tensor, op: ReduceOp, root: int | None
     ) -> Work:
         """``all_reduce`` (``root`` None) or ``reduce`` to ``root`` with an op NCCL lacks.
 
-        Bool BAND and BOR are NCCL's MIN and MAX over the bytes. Otherwise every rank
-        gathers every rank's tensor and folds them in rank order; on ``reduce`` only
-        the root writes its tensor.
+        Every rank gathers every rank's tensor and folds them in rank order; on
+        ``reduce`` only the root writes its tensor.
         """
         pg = self._torch(tensor)
-        native = _NCCL_BOOL_OPS.get(op) if tensor.dtype is torch.bool else None
-        if native is not None:
-            flat = tensor.view(torch.uint8)
-            if root is None:
-                opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[native])
-                return self._launch_torch(label, tensor, lambda: pg.allreduce([flat], opts), tensor)
-            source = flat if self.rank == root else flat.clone()
-            opts = _options(dist.ReduceOptions, reduceOp=_TORCH_OPS[native], rootRank=root, rootTensor=0)
-            return self._launch_torch(label, tensor, lambda: pg.reduce([source], opts), (tensor, source))
         flat = tensor.view(-1)
         rows = flat.new_empty((self.world_size, flat.numel()))
-        fold = _BITWISE[op]
+        combine = _device_combine(op)
 
         def fold_rows() -> None:
             if root is None or self.rank == root:
-                _fold_in_rank_order(fold, rows, flat)
+                _fold_in_rank_order(combine, torch.Tensor.copy_, rows, flat)
 
         moved_rows, moved = self._movable(rows.view(-1)), self._movable(flat)
         return self._launch_torch(
@@ -683,26 +685,16 @@ class TorchDistProcessGroup(IProcessGroup):
         inputs: list[torch.Tensor],
         op: ReduceOp,
     ) -> Work:
-        """``reduce_scatter`` with an op NCCL lacks: bool BAND/BOR natively, else an all-to-all and a fold."""
+        """``reduce_scatter`` with an op NCCL lacks: an all-to-all of the blocks, then a fold of them."""
         pg = self._torch(output)
         source = self._whole(flat_input, inputs)
-        native = _NCCL_BOOL_OPS.get(op) if output.dtype is torch.bool else None
-        if native is not None:
-            out, src = output.view(torch.uint8), source.view(torch.uint8)
-            opts = _options(_ReduceScatterOptions, reduceOp=_TORCH_OPS[native])
-            return self._launch_torch(
-                label,
-                output,
-                lambda: pg._reduce_scatter_base(out, src, opts),
-                (output, source),  # noqa: SLF001
-            )
         received = torch.empty_like(source)
         blocks = received.view(self.world_size, -1)
         splits = [output.numel()] * self.world_size
-        fold = _BITWISE[op]
+        combine = _device_combine(op)
 
         def fold_blocks() -> None:
-            _fold_in_rank_order(fold, blocks, output.view(-1))
+            _fold_in_rank_order(combine, torch.Tensor.copy_, blocks, output.view(-1))
 
         moved_in, moved_out = self._movable(source), self._movable(received)
         opts = _options(_AllToAllOptions)
@@ -774,12 +766,7 @@ class TorchDistProcessGroup(IProcessGroup):
 
         def reduce_blocks() -> None:
             try:
-                if len(blocks) == 1:
-                    kernels.copy(output, blocks[0])
-                else:
-                    combine(output, blocks[0], blocks[1])
-                for block in blocks[2:]:
-                    combine(output, output, block)
+                _fold_in_rank_order(combine, kernels.copy, blocks, output)
             finally:
                 self._scratch.give_back(received)
 
@@ -993,14 +980,29 @@ _AllToAllOptions = dist.distributed_c10d.AllToAllOptions
 _ReduceScatterOptions = dist.distributed_c10d.ReduceScatterOptions
 
 
-def _fold_in_rank_order(fold: Callable[..., torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = rows[0] op rows[1] op ...``: one row per rank, combined in rank order."""
+def _fold_in_rank_order(
+    combine: kernels.Combine,
+    copy: Callable[[torch.Tensor, torch.Tensor], object],
+    rows: Sequence[torch.Tensor] | torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``out = rows[0] op rows[1] op ...``: one row per rank, combined in rank order (one row: a copy)."""
     if len(rows) == 1:
-        out.copy_(rows[0])
+        copy(out, rows[0])
         return
-    fold(rows[0], rows[1], out=out)
+    combine(out, rows[0], rows[1])
     for row in rows[2:]:
-        fold(out, row, out=out)
+        combine(out, out, row)
+
+
+def _device_combine(op: ReduceOp) -> kernels.Combine:
+    """``combine(out, a, b)`` for a bitwise ``op`` with torch's kernel, on whatever device the tensors are."""
+    kernel = _BITWISE[op]
+
+    def combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        kernel(a, b, out=out)
+
+    return combine
 
 
 def _torch_ranks_of(pg: Any, size: int) -> list[int]:
