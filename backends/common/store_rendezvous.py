@@ -29,6 +29,11 @@ without sending it:
    the key that rank proved: the key prefix of this job's part of the store.
    torch.distributed then runs on a ``PrefixStore`` under that prefix, so
    nothing written by anyone else can collide with its keys.
+5. Rank 0 then replaces the challenge with a notice that the check is over
+   (also when it failed). A rank of this job's next group that reaches the
+   store while it still serves this group (rank 0 has not yet destroyed it)
+   reads the notice and connects again until rank 0 listens anew, instead of
+   answering a challenge that nobody reads any more.
 
 A second process started as rank 0 finds the port taken; it answers the
 challenge there as rank 0, so that both learn at once that ``RANK=0`` is
@@ -337,6 +342,16 @@ def _answer_problem(answer: Any) -> str | None:
     return None
 
 
+_CLOSED = json.dumps({"closed": True})
+"""What the challenge key holds once rank 0's check is over (``_Leader.close``)."""
+_REOPEN_PAUSE_S = (0.01, 0.2)
+"""A rank that read ``_CLOSED`` connects again after this pause, doubling from the first to the second."""
+
+
+class _ChallengeClosed(RendezvousError):
+    """The store still holds an earlier group's rendezvous, already over: connect again."""
+
+
 class _Leader:
     """Rank 0's side: publish the challenge, read the answers in order, and give each its verdict."""
 
@@ -384,7 +399,15 @@ class _Leader:
         for rank, (slot, key, their_nonce) in self.accepted.items():
             proof = sign_with(key, "accepted", self.nonce, their_nonce, rank, scope)
             self._verdict(slot, {"accepted": True, "scope": scope, "proof": proof})
+        self.close()
         return scope
+
+    def close(self) -> None:
+        """End the check: the challenge becomes ``_CLOSED`` (best effort: the store may be failing)."""
+        try:  # only this check's own challenge: a later group of this process may share the server
+            self.store.compare_set(f"{self.ctx.base}/challenge", self.challenge, _CLOSED)
+        except Exception:  # noqa: BLE001, S110 - a store that fails now fails the next group's check too
+            pass
 
     def _verdict(self, slot: int, verdict: dict[str, Any]) -> None:
         self.store.set(f"{self.ctx.base}/verdict/{slot}", json.dumps(verdict))
@@ -487,6 +510,7 @@ class _Leader:
         lives in this process, and a rank still waiting for its verdict when
         rank 0 exits would learn only that the connection was reset.
         """
+        self.close()
         slots = list(told)
         for slot, _key, _nonce in self.accepted.values():
             try:
@@ -506,8 +530,22 @@ class _Leader:
 
 # ------------------------------------------------------------------ rank > 0
 def _follow(ctx: _Context) -> tuple[Any, str]:
-    store = _connect(ctx)
-    return store, _answer_in(ctx, store)
+    """Connect to rank 0's store and answer its challenge.
+
+    While the store holds the end of rank 0's previous check (its server lives until rank 0
+    destroys that group), connect again, until the deadline.
+    """
+    pause = _REOPEN_PAUSE_S[0]
+    while True:
+        store = _connect(ctx)
+        try:
+            return store, _answer_in(ctx, store)
+        except _ChallengeClosed as e:
+            if ctx.seconds_left() <= pause:
+                raise RendezvousTimeoutError(str(e)) from None
+        del store  # let go of the earlier group's server
+        time.sleep(pause)
+        pause = min(2 * pause, _REOPEN_PAUSE_S[1])
 
 
 def _answer_in(ctx: _Context, store: Any) -> str:
@@ -542,6 +580,12 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
             ) from None
         raise RendezvousError(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
     challenge = _decode(raw)
+    if isinstance(challenge, dict) and challenge.get("closed") is True:
+        raise _ChallengeClosed(
+            f"{prefix}the store at {ctx.master} still holds the end of an earlier rendezvous of rank 0 "
+            f"and no challenge of this group's within {ctx.timeout:.1f} s: rank 0 has not destroyed its "
+            "previous group, or is not creating this one"
+        )
     if not isinstance(challenge, dict) or not isinstance(challenge.get("nonce"), str):
         raise RendezvousError(
             f"{prefix}the store at {ctx.master} holds no commlib challenge (it holds {raw!r:.60}): another "

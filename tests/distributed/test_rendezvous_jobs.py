@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,62 @@ def test_a_group_start_reaps_the_files_of_ranks_killed_inside_link_set_up(tmp_pa
     for o in outcomes:
         assert o.ok and o.value["sum"] == 3.0, (o.error, o.value)
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+
+# ------------------------------------------------------------ a group after another
+def _next_group_meets_the_end_of_the_last(fifo: str) -> float:
+    """Rank 1 starts the next gloo group while rank 0 still serves the last group's store.
+
+    Rank 0 destroys its group only once rank 1 has read the end of that group's check and
+    paused to connect again (its pause writes to ``fifo``); then both make the next group.
+    """
+    import select
+    import types
+
+    import commlib
+    from backends.common import store_rendezvous
+
+    group = commlib.init_process_group("gloo", timeout=30)
+    group.barrier()
+    if group.rank == 1:
+        commlib.destroy_process_group()
+        told: list[bool] = []
+
+        def pause(seconds: float) -> None:
+            if not told:
+                fd = os.open(fifo, os.O_WRONLY)
+                os.write(fd, b"x")
+                os.close(fd)
+                told.append(True)
+            time.sleep(seconds)
+
+        store_rendezvous.time = types.SimpleNamespace(sleep=pause, monotonic=time.monotonic)  # type: ignore[assignment]
+    else:
+        fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer of its own: never an end-of-file
+        try:
+            ready, _, _ = select.select([fd], [], [], 20.0)
+            if not ready or os.read(fd, 1) != b"x":
+                raise AssertionError("rank 1 never paused at the end of the last group's check")
+        finally:
+            os.close(fd)
+        commlib.destroy_process_group()
+    group = commlib.init_process_group("gloo", timeout=30)
+    t = torch.full((1,), float(group.rank + 1))
+    group.all_reduce(t)
+    commlib.destroy_process_group()
+    return t.item()
+
+
+def test_a_rank_that_reaches_the_last_groups_store_waits_for_the_next(tmp_path: Path) -> None:
+    """Re-creating a group: a rank faster than rank 0 finds its old store, and must not answer it.
+
+    Without rank 0 closing its check, rank 1 answered the old challenge, waited for a verdict
+    nobody would give, and failed when the old store closed, while rank 0 timed out.
+    """
+    fifo = tmp_path / "paused"
+    os.mkfifo(fifo)
+    outcomes = run_ranks_outcomes(
+        _next_group_meets_the_end_of_the_last, 2, backend=None, init=False, args=(str(fifo),), timeout=90
+    )
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    assert [o.value for o in outcomes] == [3.0, 3.0]
