@@ -842,16 +842,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     ) -> P2PRequest:
         """Check one send or receive and count it; return what the backend gets."""
         self._check_tensor(name, tensor, "tensor")
-        arg = "dst" if kind == "send" else "src"
-        if peer is not None or kind == "send":
-            self._check_rank(name, peer, arg)
-            if peer == self.rank:
-                raise ValueError(
-                    f"{self._prefix(name)}{arg}={peer} is this rank; a rank cannot {kind} to itself "
-                    "(copy the tensor instead)"
-                )
-        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self.max_tag:
-            raise ValueError(f"{self._prefix(name)}tag must be an int in 0..{self.max_tag}, got {tag!r}")
+        env = self._env
+        # The common case costs two comparisons each; anything else gets the full checks.
+        if peer.__class__ is not int or not 0 <= peer < env.world_size or peer == env.rank:
+            self._check_peer(name, kind, peer)
+        if tag.__class__ is not int or not 0 <= tag <= self.max_tag:
+            self._check_tag(name, tag)
         flat = tensor if tensor.dim() == 1 and not tensor.requires_grad else tensor.detach().view(-1)
         if kind == "recv":
             increment_version(flat)
@@ -859,6 +855,23 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         seq = self._p2p_counts.get(key, 0) + 1
         self._p2p_counts[key] = seq
         return P2PRequest(kind, flat, peer, tag, seq)
+
+    def _check_peer(self, name: str, kind: str, peer: object) -> None:
+        """Raise unless ``peer`` is another rank of this group (or None, for a receive from any)."""
+        if peer is None and kind == "recv":
+            return
+        arg = "dst" if kind == "send" else "src"
+        self._check_rank(name, peer, arg)
+        if peer == self.rank:
+            raise ValueError(
+                f"{self._prefix(name)}{arg}={peer} is this rank; a rank cannot {kind} to itself "
+                "(copy the tensor instead)"
+            )
+
+    def _check_tag(self, name: str, tag: object) -> None:
+        """Raise unless ``tag`` is an int in ``0..max_tag``."""
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self.max_tag:
+            raise ValueError(f"{self._prefix(name)}tag must be an int in 0..{self.max_tag}, got {tag!r}")
 
     def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work:
         """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``.

@@ -1127,15 +1127,9 @@ class RingProcessGroup(IProcessGroup):
     # --------------------------------------------------------- point-to-point
     def _p2p_now(self, request: P2PRequest) -> int:
         """A host tensor's send or receive runs on this thread (behind its lane's queue), with no work."""
-        tensor, peer, tag, kind = request.tensor, request.peer, request.tag, request.kind
-        if not tensor.is_cpu:
+        if not request.tensor.is_cpu:
             return super()._p2p_now(request)
-        p2p = self._peer_links_for(kind)
-        label = self._request_label(request)
-        if kind == "send":
-            p2p.send_lane(peer).call(label, p2p.send, tensor, peer, tag, label)  # type: ignore[arg-type]
-            return peer  # type: ignore[return-value]
-        return p2p.recv_lane(peer).call(label, p2p.recv, tensor, peer, tag, label)
+        return self._peer_links_for(request.kind).run(request, self._request_label)
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
         p2p = self._peer_links_for("send")

@@ -75,6 +75,7 @@ from backends.ring.lobby import Lobby, Visitor
 from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_source
 from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
 from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageSizeError, PeerFailureError
+from commlib.p2p import P2PRequest
 from commlib.types import WIRE_DTYPES
 
 __all__ = ["PointToPoint", "TAKEN", "WRONG_SIZE", "SET_ASIDE"]
@@ -102,16 +103,32 @@ class _Header(NamedTuple):
     dtype: int
     """The sender's dtype (``WIRE_DTYPES`` index)."""
 
-    @classmethod
-    def read(cls, link: RecvLink) -> _Header:
-        """Receive the next header from ``link``."""
-        fields = link.recv_record(_HEADER)
-        if fields[0] != _MAGIC or fields[5] <= 0:
-            raise CommError(f"protocol error from {link.describe}: not a point-to-point message header")
-        return cls._make(fields[1:])
+
+def _read_header(link: RecvLink) -> tuple[Any, ...]:
+    """Receive the next header's fields from ``link``: magic, then those of ``_Header``.
+
+    A plain tuple: a message taken at once (most are) never needs the named one.
+    """
+    fields = link.recv_record(_HEADER)
+    if fields[0] != _MAGIC or fields[5] <= 0:
+        raise CommError(f"protocol error from {link.describe}: not a point-to-point message header")
+    return fields
 
 
 _CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
+
+
+class _Label:
+    """A request's label, made only when a message needs it (a blocking call that succeeds needs none)."""
+
+    __slots__ = ("_label_of", "_request")
+
+    def __init__(self, label_of: Callable[[P2PRequest], object], request: P2PRequest) -> None:
+        self._label_of = label_of
+        self._request = request
+
+    def __str__(self) -> str:
+        return str(self._label_of(self._request))
 
 
 def _describe(nbytes: int, numel: int, dtype: int) -> str:
@@ -212,6 +229,30 @@ class PointToPoint:
                 lane = self._recv_lanes.setdefault(src, Lane(name, self._timeout * 3 + 30.0))
         return lane
 
+    def run(self, request: P2PRequest, label_of: Callable[[P2PRequest], object]) -> int:
+        """Run a checked send or receive of a flat host tensor to its end, behind its lane's queue.
+
+        On this thread when its lane is idle (its label, ``label_of(request)``, is made only if an
+        error needs it); after the lane's queued operations otherwise.
+
+        Returns:
+            The peer: a send's destination, a receive's source.
+        """
+        kind, data, peer, tag, _ = request
+        if kind == "send":
+            lane = self._send_lanes.get(peer) or self.send_lane(peer)  # type: ignore[arg-type]
+            if lane.idle:
+                self.send(data, peer, tag, _Label(label_of, request))  # type: ignore[arg-type]
+            else:
+                label = label_of(request)
+                lane.call(label, self.send, data, peer, tag, label)  # type: ignore[arg-type]
+            return peer  # type: ignore[return-value]
+        lane = self._recv_lanes.get(peer) or self.recv_lane(peer)
+        if lane.idle:
+            return self.recv(data, peer, tag, _Label(label_of, request))
+        label = label_of(request)
+        return lane.call(label, self.recv, data, peer, tag, label)  # type: ignore[arg-type]
+
     # ---------------------------------------------------------------- send
     def send(self, data: torch.Tensor, dst: int, tag: int, label: object) -> None:
         """Send the flat host tensor ``data`` to ``dst``; return once ``dst`` has taken it.
@@ -251,7 +292,7 @@ class PointToPoint:
                 for start in range(piece, nbytes, piece):
                     link.send(data[start : start + piece])
             posted = True
-            code, *theirs = link.await_verdict(msg, out.taking)
+            verdict = link.await_verdict(msg, out.taking)
         except (CommError, OSError) as e:
             if self._closing:
                 raise GroupClosedError(f"{label}: the group was closed during the send") from e
@@ -267,9 +308,9 @@ class PointToPoint:
                     f"The link to rank {dst} is closed; the other ranks are still reachable"
                 ) from e
             raise PeerFailureError(f"{label}: sending to rank {dst} failed: {e}") from e
-        if code == WRONG_SIZE:
+        if verdict[0] == WRONG_SIZE:
             raise MessageSizeError(
-                f"{label}: rank {dst}'s matching recv holds {_describe(*theirs)}, but this send has "
+                f"{label}: rank {dst}'s matching recv holds {_describe(*verdict[1:])}, but this send has "
                 f"{_describe(nbytes, numel, dtype)}; nothing was taken. A send and its recv must "
                 "have tensors of the same size"
             )
@@ -358,7 +399,8 @@ class PointToPoint:
             CommTimeoutError: No such message came within the timeout.
             PeerFailureError: The link from ``src`` failed (now or earlier).
         """
-        self._start_acceptor()
+        if self._acceptor is None:
+            self._start_acceptor()
         mine = (data.nbytes, data.numel(), _CODES.get(data.dtype, 255))
         if src is None:
             return self._recv_any(data, tag, mine, label)
@@ -435,7 +477,7 @@ class PointToPoint:
         link = incoming.link
         while wait or link.ready():
             try:
-                header = _Header.read(link)
+                _, msg, their_tag, nbytes, numel, piece, dtype = _read_header(link)
             except CommTimeoutError as e:
                 raise CommTimeoutError(
                     f"{label}: no message from rank {src} within {self._timeout:g} s: rank {src} never sent "
@@ -444,6 +486,10 @@ class PointToPoint:
             except (CommError, OSError) as e:
                 raise self._broken(incoming, src, label, e) from e
             try:
+                if their_tag == tag and nbytes == mine[0] and nbytes <= piece:
+                    link.take_into(msg, (TAKEN, *mine), data)  # the message is one piece: most are
+                    return True
+                header = _Header(msg, their_tag, nbytes, numel, piece, dtype)
                 if header.tag != tag:
                     link.post_verdict(header.msg, (SET_ASIDE, header.nbytes, header.numel, header.dtype))
                     kept = torch.empty(header.nbytes, dtype=torch.uint8)
@@ -458,11 +504,8 @@ class PointToPoint:
                         f"but this recv's tensor holds {_describe(*mine)}; nothing was received (the sender "
                         "raises too). A send and its recv must have tensors of the same size"
                     )
-                if header.nbytes <= header.piece:
-                    link.take_into(header.msg, (TAKEN, *mine), data)
-                else:
-                    link.post_verdict(header.msg, (TAKEN, *mine))
-                    self._read_body(link, header, data)
+                link.post_verdict(header.msg, (TAKEN, *mine))
+                self._read_body(link, header, data)
                 return True
             except MessageSizeError:
                 raise

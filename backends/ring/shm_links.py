@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import socket
 import struct
@@ -84,6 +85,8 @@ class Inbox:
         starts = [i * stride for i in range(slots)]
         self._headers = [HEADER_BYTES + s for s in starts]
         self.payloads = [region.data[s + _PAYLOAD_AT : s + stride] for s in starts]
+        self.addresses = [payload.data_ptr() for payload in self.payloads]
+        """Where each slot's payload starts in this process (for ``ctypes.memmove``)."""
         self._views: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
     @staticmethod
@@ -108,6 +111,7 @@ class Inbox:
     def close(self) -> None:
         """Drop the views of the mapping, so that it can be unmapped."""
         self.payloads = []
+        self.addresses = []  # a late copy fails on the index, never writes into an unmapped page
         self._views.clear()
         self.region.close()
 
@@ -274,7 +278,7 @@ class ShmSendLink(SendLink):
         at, region_map = inbox.header_at(index), inbox.region.map
         _RECORD_SLOT.pack_into(region_map, at, _KIND_META, _KIND_DATA, nbytes, -1)
         layout.pack_into(region_map, at + _RECORD_AT, *fields)
-        kernels.move_bytes(inbox.payloads[index % inbox.slots], payload, nbytes)
+        ctypes.memmove(inbox.addresses[index % inbox.slots], payload.data_ptr(), nbytes)
         bell.advance()
 
     def send(self, chunk: torch.Tensor) -> None:
@@ -309,12 +313,13 @@ class ShmSendLink(SendLink):
         they are final once the counter has passed it.
         """
         self.bell.wait_for(self.bell.count, what)
-        named, *verdict = _VERDICT_WORDS.unpack_from(self.inbox.region.map, _VERDICT * 8)
-        if named != msg:
+        words = _VERDICT_WORDS.unpack_from(self.inbox.region.map, _VERDICT * 8)
+        if words[0] != msg:
             raise CommError(
-                f"protocol error from {self.describe} ({what}): its verdict names message {named}, not {msg}"
+                f"protocol error from {self.describe} ({what}): its verdict names message {words[0]}, "
+                f"not {msg}"
             )
-        return tuple(verdict)
+        return words[1:]
 
     def retire(self, fd: int, token: bytes) -> None:
         """Tell the receiver, in a coming metadata record, that a lent region is gone (any thread)."""
@@ -467,9 +472,10 @@ class ShmRecvLink(RecvLink):
             super().take_into(msg, verdict, dst)
             return
         self._held = None
-        self.post_verdict(msg, verdict)
-        kernels.move_bytes(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
-        self.bell.advance()
+        bell, inbox = self.bell, self.inbox
+        _VERDICT_WORDS.pack_into(inbox.region.map, _VERDICT * 8, msg, *verdict)
+        ctypes.memmove(dst.data_ptr(), inbox.addresses[bell.count % inbox.slots], nbytes)
+        bell.advance()
 
     def ready(self) -> bool:
         """True if a message is posted (or held) and not yet consumed.
