@@ -21,14 +21,19 @@ through ``commlib.create_process_group`` on its own port; ``ring+buf`` is the
 ring's ``all_to_all`` from a tensor of its ``alloc_buffer``, read in place), raw
 ``torch.distributed`` Gloo (``dist.send`` / ``dist.recv``, ``dist.all_to_all_single``,
 ``dist.all_gather_single``) and raw mpi4py (``Send`` / ``Recv``, ``Alltoall``,
-``Allgather``; only under an MPI launcher). For each size and operation, each
+``Allgather``; only under an MPI launcher), and for ``all_to_all`` the bound
+``copies``: each rank makes, with no partner, the copies that a transport
+copying each byte twice makes (its own block, then every other block into a
+slot-sized buffer and out of it), all ranks at once, so what the memory of the
+host allows shows beside the ring. For each size and operation, each
 mode first checks one exact result, warms up, then the modes take turns over
 ``--rounds`` timing blocks of ``--iters`` operations, each block after the
 mode's own barrier. Reported: the median over rounds (rank 0's clock), the
 spread (min, max), and the latency ratios ours/Gloo and ours/MPI (below 1:
 faster). The last lines compare the ring with the targets: send/recv from
 1 MiB at least 0.8x MPICH's bandwidth, all-to-all from 1 MiB at least 2x
-Gloo's, the 4 KiB half round trip at most 2x MPICH's.
+Gloo's (and its time over that of ``copies``), the 4 KiB half round trip at
+most 2x MPICH's.
 
 Exit status: 0 when every measured result was correct, 1 when a check failed
 or nothing could be measured, 2 for bad arguments.
@@ -271,6 +276,37 @@ def mpi4py_mode(comm: Any) -> Mode:
     )
 
 
+SLOT_BYTES = 1 << 20
+"""The buffer ``copies`` passes blocks through: the size of one of the ring's shared-memory slots."""
+
+
+def copies_mode(rank: int, world_size: int, barrier: Callable[[], None]) -> Mode:
+    """The copies of a two-copy all-to-all, made by each rank alone: a bound, not a transport."""
+    slot = torch.empty(SLOT_BYTES // 4)
+
+    def all_to_all(out: torch.Tensor, inp: torch.Tensor) -> None:
+        block = inp.numel() // world_size
+        mine = slice(rank * block, (rank + 1) * block)
+        out[mine].copy_(inp[mine])
+        for k in range(1, world_size):
+            start = (rank + k) % world_size * block
+            for at in range(start, start + block, slot.numel()):
+                piece = slice(at, min(at + slot.numel(), start + block))
+                size = piece.stop - piece.start
+                slot[:size].copy_(inp[piece])
+                out[piece].copy_(slot[:size])
+
+    return Mode(
+        name="copies",
+        kind="bound",
+        ops={"all_to_all": all_to_all},
+        barrier=barrier,
+        close=lambda: None,
+        note=f"no transport: each rank copies its own block, and every other block into a "
+        f"{SLOT_BYTES >> 10} KiB buffer and out of it, all ranks at once (its result is not an all-to-all)",
+    )
+
+
 def create_modes(
     args: argparse.Namespace, env: DistEnv, comm: Any, comm_why: str
 ) -> tuple[list[Mode], list[str]]:
@@ -300,6 +336,8 @@ def create_modes(
             skipped.append(f"mpi4py: {comm_why}")
         else:
             modes.append(mpi4py_mode(comm))
+    if modes:
+        modes.append(copies_mode(env.rank, env.world_size, modes[0].barrier))
     modes.sort(key=lambda m: m.kind != "commlib")
     return modes, skipped
 
@@ -391,6 +429,11 @@ def table_row(row: dict[str, Any]) -> str:
 def target_lines(rows: list[dict[str, Any]], mode: str = "ring") -> list[str]:
     """The ring against the targets, from the median rows of this run."""
     lines = []
+    bounds = {
+        (r["op"], r["size_bytes"]): float(r["median_us"])
+        for r in rows
+        if r["mode"] == "copies" and r["median_us"]
+    }
 
     def ratio(row: dict[str, Any], column: str) -> float | None:
         return float(row[column]) if row[column] else None
@@ -408,7 +451,11 @@ def target_lines(rows: list[dict[str, Any]], mode: str = "ring") -> list[str]:
             lines.append(f"  ping-pong 4 KiB: half round trip {mpi:.2f}x MPICH's (target <= 2x): {verdict}")
         if op == "all_to_all" and nbytes >= 1 << 20 and gloo is not None:
             verdict = "met" if 1 / gloo >= 2 else "NOT met"
-            lines.append(f"  all_to_all {size}: {1 / gloo:.2f}x Gloo's bandwidth (target >= 2x): {verdict}")
+            bound = bounds.get((op, row["size_bytes"]))
+            copies = f"; {float(row['median_us']) / bound:.2f}x the time of its copies alone" if bound else ""
+            lines.append(
+                f"  all_to_all {size}: {1 / gloo:.2f}x Gloo's bandwidth (target >= 2x): {verdict}{copies}"
+            )
     return lines
 
 
@@ -417,9 +464,12 @@ def _pattern(numel: int, salt: int) -> torch.Tensor:
     return (torch.arange(numel, dtype=torch.int64) * 7 + salt).remainder(251).to(torch.float32)
 
 
-def check_once(mode: Mode, op: str, numel: int, env: DistEnv) -> bool:
-    """Run ``op`` once on known data and compare exactly."""
+def check_once(mode: Mode, op: str, numel: int, env: DistEnv) -> bool | None:
+    """Run ``op`` once on known data and compare exactly (None: a bound, which computes no result)."""
     r, n = env.rank, env.world_size
+    if mode.kind == "bound":
+        mode.ops[op](torch.empty(numel), torch.zeros(numel))
+        return None
     if op == "pingpong":
         buf = _pattern(numel, 1) if r == 0 else torch.zeros(numel)
         if r == 0:

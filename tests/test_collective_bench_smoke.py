@@ -57,8 +57,9 @@ def test_quick_benchmark_on_two_ranks(tmp_path: Path, bench: ModuleType) -> None
     }
     assert expected <= {row["mode"] for row in rows}, report
     assert ("all_to_all", "ring+buf") in {(row["op"], row["mode"]) for row in rows}, report
+    assert {row["op"] for row in rows if row["mode"] == "copies"} == {"all_to_all"}, report
     for row in rows:
-        assert row["correct"] == "ok", row
+        assert row["correct"] == ("n/a" if row["mode"] == "copies" else "ok"), row
         assert float(row["median_us"]) > 0 and float(row["bw_GBps"]) > 0
         assert float(row["min_us"]) <= float(row["median_us"]) <= float(row["max_us"])
         if row["mode"] == "torch-gloo":
@@ -92,13 +93,15 @@ def test_rows_give_half_round_trips_and_ratios_to_the_references(bench: ModuleTy
 
 
 def test_target_lines_say_met_or_not(bench: ModuleType) -> None:
-    def row(op: str, nbytes: int, vs_mpi: str, vs_gloo: str) -> dict[str, str]:
+    def row(
+        op: str, nbytes: int, vs_mpi: str, vs_gloo: str, mode: str = "ring", us: str = "1.0"
+    ) -> dict[str, str]:
         return {
-            "mode": "ring",
+            "mode": mode,
             "op": op,
             "size": bench.format_size(nbytes),
             "size_bytes": str(nbytes),
-            "median_us": "1.0",
+            "median_us": us,
             "ratio_vs_mpi": vs_mpi,
             "ratio_vs_gloo": vs_gloo,
         }
@@ -107,14 +110,31 @@ def test_target_lines_say_met_or_not(bench: ModuleType) -> None:
         [
             row("pingpong", 4096, "1.5", ""),
             row("pingpong", 1 << 20, "1.5", ""),  # 0.67x MPICH's bandwidth
-            row("all_to_all", 25 << 20, "", "0.25"),  # 4x Gloo's
+            row("all_to_all", 1 << 20, "", "0.6"),  # 1.67x Gloo's, no bound measured
+            row("all_to_all", 25 << 20, "", "0.25", us="5000.0"),  # 4x Gloo's
+            row("all_to_all", 25 << 20, "", "0.2", mode="copies", us="4000.0"),
         ]
     )
     assert lines == [
         "  ping-pong 4 KiB: half round trip 1.50x MPICH's (target <= 2x): met",
         "  send/recv 1 MiB: 0.67x MPICH's bandwidth (target >= 0.8x): NOT met",
-        "  all_to_all 25 MiB: 4.00x Gloo's bandwidth (target >= 2x): met",
+        "  all_to_all 1 MiB: 1.67x Gloo's bandwidth (target >= 2x): NOT met",
+        "  all_to_all 25 MiB: 4.00x Gloo's bandwidth (target >= 2x): met; 1.25x the time of its copies alone",
     ]
+
+
+@pytest.mark.parametrize(("rank", "world_size"), [(0, 2), (1, 2), (2, 3)])
+def test_copies_bound_moves_every_block_through_the_slot_to_where_it_was(
+    bench: ModuleType, rank: int, world_size: int
+) -> None:
+    """``copies`` makes a two-copy all-to-all's copies: each block lands where it was, a slot at a time."""
+    block = bench.SLOT_BYTES // 4 + 13  # two pieces per block: a whole slot, then 13 elements
+    inp = torch.arange(block * world_size, dtype=torch.float32)
+    out = torch.full_like(inp, -1.0)
+    mode = bench.copies_mode(rank, world_size, lambda: None)
+    mode.ops["all_to_all"](out, inp)
+    assert torch.equal(out, inp)
+    assert mode.kind == "bound" and set(mode.ops) == {"all_to_all"}
 
 
 @pytest.mark.multiprocess
