@@ -232,26 +232,17 @@ class PointToPoint:
     def run(self, request: P2PRequest, label_of: Callable[[P2PRequest], object]) -> int:
         """Run a checked send or receive of a flat host tensor to its end, behind its lane's queue.
 
-        On this thread when its lane is idle (its label, ``label_of(request)``, is made only if an
-        error needs it); after the lane's queued operations otherwise.
+        Its label, ``label_of(request)``, is made only if a message needs it.
 
         Returns:
             The peer: a send's destination, a receive's source.
         """
         kind, data, peer, tag, _ = request
+        label = _Label(label_of, request)
         if kind == "send":
-            lane = self._send_lanes.get(peer) or self.send_lane(peer)  # type: ignore[arg-type]
-            if lane.idle:
-                self.send(data, peer, tag, _Label(label_of, request))  # type: ignore[arg-type]
-            else:
-                label = label_of(request)
-                lane.call(label, self.send, data, peer, tag, label)  # type: ignore[arg-type]
+            self.send_lane(peer).call(label, self.send, data, peer, tag, label)  # type: ignore[arg-type]
             return peer  # type: ignore[return-value]
-        lane = self._recv_lanes.get(peer) or self.recv_lane(peer)
-        if lane.idle:
-            return self.recv(data, peer, tag, _Label(label_of, request))
-        label = label_of(request)
-        return lane.call(label, self.recv, data, peer, tag, label)  # type: ignore[arg-type]
+        return self.recv_lane(peer).call(label, self.recv, data, peer, tag, label)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- send
     def send(self, data: torch.Tensor, dst: int, tag: int, label: object) -> None:

@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import socket
 import struct
@@ -85,8 +84,6 @@ class Inbox:
         starts = [i * stride for i in range(slots)]
         self._headers = [HEADER_BYTES + s for s in starts]
         self.payloads = [region.data[s + _PAYLOAD_AT : s + stride] for s in starts]
-        self.addresses = [payload.data_ptr() for payload in self.payloads]
-        """Where each slot's payload starts in this process (for ``ctypes.memmove``)."""
         self._views: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
     @staticmethod
@@ -111,7 +108,6 @@ class Inbox:
     def close(self) -> None:
         """Drop the views of the mapping, so that it can be unmapped."""
         self.payloads = []
-        self.addresses = []  # a late copy fails on the index, never writes into an unmapped page
         self._views.clear()
         self.region.close()
 
@@ -278,7 +274,7 @@ class ShmSendLink(SendLink):
         at, region_map = inbox.header_at(index), inbox.region.map
         _RECORD_SLOT.pack_into(region_map, at, _KIND_META, _KIND_DATA, nbytes, -1)
         layout.pack_into(region_map, at + _RECORD_AT, *fields)
-        ctypes.memmove(inbox.addresses[index % inbox.slots], payload.data_ptr(), nbytes)
+        kernels.move_bytes(inbox.payloads[index % inbox.slots], payload, nbytes)
         bell.advance()
 
     def send(self, chunk: torch.Tensor) -> None:
@@ -472,10 +468,9 @@ class ShmRecvLink(RecvLink):
             super().take_into(msg, verdict, dst)
             return
         self._held = None
-        bell, inbox = self.bell, self.inbox
-        _VERDICT_WORDS.pack_into(inbox.region.map, _VERDICT * 8, msg, *verdict)
-        ctypes.memmove(dst.data_ptr(), inbox.addresses[bell.count % inbox.slots], nbytes)
-        bell.advance()
+        self.post_verdict(msg, verdict)
+        kernels.move_bytes(dst, self.inbox.payloads[self.bell.count % self.inbox.slots], nbytes)
+        self.bell.advance()
 
     def ready(self) -> bool:
         """True if a message is posted (or held) and not yet consumed.
