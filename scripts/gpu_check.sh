@@ -144,8 +144,11 @@ install_wheels() {
     fi
     # --system-site-packages sees the base installation's packages only; where PY is itself a
     # venv, a .pth adds its site-packages too (after the venv's own, so DIR's wheels come first).
+    # site.addsitedir also reads the .pth files there: PY may reach its packages through one
+    # (a venv made by this script over another venv).
     site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
-    "$BASE_PY" -c 'import site; print("\n".join(site.getsitepackages()))' >"$site/gpu_check_base.pth" || return 1
+    "$BASE_PY" -c 'import site; print("\n".join(f"import site; site.addsitedir({p!r})" for p in site.getsitepackages()))' \
+        >"$site/gpu_check_base.pth" || return 1
     # pip comes from PY's packages and installs into the venv.
     "$py" -m pip install -q --no-index --find-links "$WHEELS" "${wheels[@]}" || return 1
 }

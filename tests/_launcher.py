@@ -23,12 +23,14 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import signal
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from commlib.ports import free_port
@@ -150,15 +152,16 @@ class _StackDumps:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _child_once(
-    conn: Any,
-    env: Mapping[str, str],
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    init: bool,
-    backend_kwargs: Mapping[str, Any],
-) -> None:
+def _child_once(conn: Any, env: Mapping[str, str], job: bytes) -> None:
+    """Run one rank's ``job``: its environment first, then the job's modules are imported.
+
+    ``job`` is pickled ``(fn, args, init, backend_kwargs)``. Unpickling imports the module
+    that defines ``fn``, and a test module may ask torch about CUDA at import
+    (``skipif(torch.cuda.device_count() < 2)``), which fixes the devices the process sees:
+    ``CUDA_VISIBLE_DEVICES`` in ``env`` must be set before that.
+    """
     _apply_env(env)
+    fn, args, init, backend_kwargs = pickle.loads(job)
     try:
         if init:
             import commlib
@@ -211,6 +214,10 @@ def run_ranks_outcomes(
     port = free_port() if port is None else port
     stacks = _StackDumps(world_size)
     procs, conns, child_conns = [], [], []
+
+    def job(rank_args: tuple[Any, ...]) -> bytes:
+        return bytes(ForkingPickler.dumps((fn, rank_args, init, dict(init_kwargs or {}))))
+
     for rank in range(world_size):
         rank_extra = dict(env or {}, **stacks.env(rank))
         if per_rank_env is not None:
@@ -220,7 +227,7 @@ def run_ranks_outcomes(
         parent_conn, child_conn = _CTX.Pipe(duplex=False)
         proc = _CTX.Process(
             target=_child_once,
-            args=(child_conn, _process_env(child_env), fn, rank_args, init, dict(init_kwargs or {})),
+            args=(child_conn, _process_env(child_env), job(rank_args)),
             name=f"commlib-test-rank{rank}",
             daemon=True,
         )

@@ -206,7 +206,7 @@ def offline_machine(tmp_path: Path, *, cupy: tuple[str, ...] = (), mpi: bool = T
 
 
 def run_offline(
-    paths: dict[str, Path], args: list[str], *, cuda: str, torch_version: str = ""
+    paths: dict[str, Path], args: list[str], *, cuda: str, torch_version: str = "", venv: str = "venv-gpu"
 ) -> subprocess.CompletedProcess[str]:
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: a download attempt fails at once
     env = scrubbed_env(
@@ -218,7 +218,7 @@ def run_offline(
         HTTP_PROXY=closed,
         HTTPS_PROXY=closed,
         PIP_INDEX_URL=closed,
-        GPU_CHECK_VENV=str(paths["out"].parent / "venv-gpu"),
+        GPU_CHECK_VENV=str(paths["out"].parent / venv),
     )
     for name in ("OUT", "GPU_CHECK_OUT", "GPU_CHECK_PYTHON", "PIP_NO_INDEX", "PYTHONPATH"):
         env.pop(name, None)
@@ -417,6 +417,30 @@ def test_offline_wheels_go_into_a_venv_over_the_interpreter_from_the_directory_a
     )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip().startswith(str(tmp_path / "venv-gpu")), probe.stdout
+
+
+def test_offline_wheels_over_an_interpreter_that_is_itself_such_a_venv(tmp_path: Path) -> None:
+    # The GPU machine's run: the CPU suite runs in the venv of --wheels, and its gpu_check tests make
+    # a venv over that one, which reaches torch only through the first venv's .pth.
+    paths = offline_machine(tmp_path)
+    hand_made_wheel(tmp_path / "wheels", "gpu_check_carried")
+    args = ["--stage", "tests", "--python", sys.executable, "--wheels", "wheels"]
+    first = run_offline(paths, args, cuda="")
+    assert "is a CPU build" in first.stdout, first.stdout + first.stderr
+    hand_made_wheel(tmp_path / "wheels2", "gpu_check_second")
+    inner = tmp_path / "venv-gpu" / "bin" / "python"
+    args = ["--stage", "tests", "--python", str(inner), "--wheels", "wheels2"]
+    proc = run_offline(paths, args, cuda="", venv="venv-gpu-2")
+    assert proc.returncode == 1 and "is a CPU build" in proc.stdout, proc.stdout + proc.stderr
+    code = "import gpu_check_carried, gpu_check_second, importlib.util as u; assert u.find_spec('torch')"
+    probe = subprocess.run(
+        [str(tmp_path / "venv-gpu-2" / "bin" / "python"), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=scrubbed_env(),
+    )
+    assert probe.returncode == 0, probe.stderr
 
 
 def test_gpu_check_rejects_an_unknown_stage(tmp_path: Path) -> None:

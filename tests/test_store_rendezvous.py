@@ -283,6 +283,14 @@ def test_a_rank_that_gave_up_behind_idle_connections_exits_with_its_own_status()
     out = subprocess.run(
         [sys.executable, "-c", _GIVEN_UP_BEHIND_A_FLOOD], capture_output=True, text=True, timeout=120
     )
-    assert "raised: [rank 1/2] gloo.rendezvous: something accepted the connection" in out.stdout, out.stderr
+    # Here the flood keeps the connect attempt inside torch's client past the timeout. A machine with
+    # cores to spare serves the flood in time: the rank connects, finds no challenge and says so.
+    # Either way the rank names the stranger on MASTER_PORT and exits with its own status.
+    assert out.stdout.startswith(
+        (
+            "raised: [rank 1/2] gloo.rendezvous: something accepted the connection",
+            "raised: [rank 1/2] gloo.rendezvous: rank 0 never published its challenge",
+        )
+    ), out.stdout + out.stderr
     assert "terminate called" not in out.stderr
     assert out.returncode == 0, out.stderr[-2000:]

@@ -25,28 +25,33 @@ def message(src: int, dst: int, tag: int, index: int, numel: int, dtype: torch.d
     return rank_input(src * 1000 + dst * 10 + tag, numel, dtype, commlib.ReduceOp.SUM, 7919 + index, False)
 
 
-def body_ring_exchange(group: IProcessGroup) -> list[str]:
+def body_ring_exchange(group: IProcessGroup, device: str = "cpu") -> list[str]:
     """Every rank sends to the next and receives from the previous: sync, async, and batched both ways."""
     n, r = group.world_size, group.rank
     if n == 1:
         return []
     nxt, prv = (r + 1) % n, (r - 1) % n
+
+    def msg(src: int, dst: int, tag: int, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return message(src, dst, tag, index, numel, dtype).to(device)
+
     digests = []
     for i, (dtype, numel) in enumerate((d, s) for d in DTYPES for s in SIZES):
-        got = torch.zeros(numel, dtype=dtype)
+        got = torch.zeros(numel, dtype=dtype, device=device)
         # Even ranks send first, odd ranks receive first: a plain blocking ring.
         if r % 2 == 0:
-            group.send(message(r, nxt, 0, i, numel, dtype), nxt)
+            group.send(msg(r, nxt, 0, i, numel, dtype), nxt)
             assert group.recv(got, prv) == prv
         else:
             assert group.recv(got, prv) == prv
-            group.send(message(r, nxt, 0, i, numel, dtype), nxt)
-        assert torch.equal(got, message(prv, r, 0, i, numel, dtype)), f"send/recv {dtype} {numel}: wrong data"
+            group.send(msg(r, nxt, 0, i, numel, dtype), nxt)
+        assert torch.equal(got, msg(prv, r, 0, i, numel, dtype)), f"send/recv {dtype} {numel}: wrong data"
         # Both directions at once in one batch: to and from each neighbour (never deadlocks).
-        left, right = torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype)
+        left = torch.zeros(numel, dtype=dtype, device=device)
+        right = torch.zeros(numel, dtype=dtype, device=device)
         ops = [
-            P2POp(commlib.isend, message(r, nxt, 1, i, numel, dtype), group=group, group_peer=nxt, tag=1),
-            P2POp(commlib.isend, message(r, prv, 2, i, numel, dtype), group=group, group_peer=prv, tag=2),
+            P2POp(commlib.isend, msg(r, nxt, 1, i, numel, dtype), group=group, group_peer=nxt, tag=1),
+            P2POp(commlib.isend, msg(r, prv, 2, i, numel, dtype), group=group, group_peer=prv, tag=2),
             P2POp(commlib.irecv, left, group=group, group_peer=prv, tag=1),
             P2POp(commlib.irecv, right, group=group, group_peer=nxt, tag=2),
         ]
@@ -54,8 +59,8 @@ def body_ring_exchange(group: IProcessGroup) -> list[str]:
         for work in works:
             work.wait()
         assert works[2].source_rank() == prv and works[3].source_rank() == nxt
-        assert torch.equal(left, message(prv, r, 1, i, numel, dtype)), f"batch from prev {dtype} {numel}"
-        assert torch.equal(right, message(nxt, r, 2, i, numel, dtype)), f"batch from next {dtype} {numel}"
+        assert torch.equal(left, msg(prv, r, 1, i, numel, dtype)), f"batch from prev {dtype} {numel}"
+        assert torch.equal(right, msg(nxt, r, 2, i, numel, dtype)), f"batch from next {dtype} {numel}"
         digests.append(digest(left))
     return digests
 
@@ -117,20 +122,20 @@ def body_many_in_order(group: IProcessGroup, count: int = 200) -> dict[str, Any]
     return {"order_7": got[7] == list(range(count)), "order_8": got[8] == list(range(count))}
 
 
-def body_large(group: IProcessGroup, mib: int = 100) -> dict[str, Any]:
+def body_large(group: IProcessGroup, mib: int = 100, device: str = "cpu") -> dict[str, Any]:
     """100 MiB from rank 0 to rank 1 and back, exact (float32, a pattern both sides compute)."""
     r = group.rank
     if group.world_size < 2 or r > 1:
         return {}
     numel = mib * (1 << 20) // 4
-    pattern = torch.arange(numel, dtype=torch.float32).remainder_(65_521.0)
+    pattern = torch.arange(numel, dtype=torch.float32, device=device).remainder_(65_521.0)
     if r == 0:
         start = time.monotonic()
         group.send(pattern, 1, tag=9)
-        back = torch.empty(numel)
+        back = torch.empty(numel, device=device)
         group.recv(back, 1, tag=9)
         return {"equal": bool(torch.equal(back, pattern + 1)), "round_trip_s": time.monotonic() - start}
-    got = torch.empty(numel)
+    got = torch.empty(numel, device=device)
     group.recv(got, 0, tag=9)
     equal = bool(torch.equal(got, pattern))
     group.send(got.add_(1), 0, tag=9)

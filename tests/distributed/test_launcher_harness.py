@@ -13,6 +13,7 @@ import pytest
 from tests import _launcher
 from tests._launcher import RankPool, RanksFailed, run_ranks_outcomes
 from tests.conftest import run_job
+from tests.distributed.env_at_import import seen_at_import
 
 
 def hang_in_a_named_function(rank_to_hang: int) -> str:
@@ -36,6 +37,16 @@ def test_a_stuck_rank_is_reported_with_where_it_was_stuck() -> None:
     report = _launcher.describe_failures(outcomes)
     assert "rank 1: timed out (killed)\nPython stacks of rank 1" in report
     assert "rank 0" not in report
+
+
+@pytest.mark.timeout(60)
+def test_a_ranks_environment_is_set_before_its_function_is_imported() -> None:
+    """A test module that asks torch about CUDA at import fixes the devices the process sees, so
+    ``CUDA_VISIBLE_DEVICES`` given to the ranks must be set before the function's module is imported."""
+    outcomes = run_ranks_outcomes(
+        seen_at_import, 2, init=False, env={"COMMLIB_TEST_AT_IMPORT": "the rank's"}, timeout=30
+    )
+    assert [o.value for o in outcomes] == ["the rank's", "the rank's"], _launcher.describe_failures(outcomes)
 
 
 @pytest.mark.timeout(90)

@@ -11,6 +11,7 @@ float64 reference; a missing CuPy fails with the extra's name.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import requires_mpi
 from tests.distributed.mpi_bodies import launch
@@ -88,8 +89,11 @@ def test_staged_async_all_reduce_is_driven_chunk_by_chunk_by_the_progress_thread
 
 
 def test_missing_cupy_names_the_extra_and_communicates_nothing() -> None:
+    # The extra that brings the CuPy for this torch's CUDA: cupy-cuda13x for CUDA 13, else cupy-cuda12x.
+    cuda13 = (torch.version.cuda or "").startswith("13.")
+    hint = 'pip install "commlib[cuda13]" (brings cupy-cuda13x)' if cuda13 else 'pip install "commlib[cuda]"'
     for r in _results("missing_cupy").values():
-        assert 'pip install "commlib[cuda]"' in r["message"], r["message"]
+        assert hint in r["message"], r["message"]
         assert "COMMLIB_MPI_CUDA_AWARE=0" in r["message"]
         assert r["calls"] == 0
         assert r["after"] == [2.0, 2.0, 2.0]

@@ -5,6 +5,8 @@
 - mpi: the same matrix with staging forced (``COMMLIB_MPI_CUDA_AWARE=0``), and
   zero copy where the MPI library is CUDA-aware; the backend's chunked staging with
   the real MPI library; CuPy views of CUDA tensors.
+- ring, gloo and mpi: send/recv, isend/irecv and batch_isend_irecv of CUDA
+  tensors, exact, and 100 MiB there and back.
 - ring, gloo and mpi: DDP on CUDA parameters equals one process on the full
   batch, and the parameters are bit-identical across ranks.
 """
@@ -15,7 +17,7 @@ import pytest
 
 from tests._launcher import RankPool
 from tests.conftest import mpi_unavailable_reason
-from tests.distributed import bodies
+from tests.distributed import bodies, p2p_bodies
 from tests.distributed.ddp_bodies import check_equivalence
 from tests.distributed.mpi_bodies import LaunchResult, launch
 from tests.gpu import bodies as gpu
@@ -52,6 +54,21 @@ def pool_of(pools):  # noqa: ANN001, ANN201
 def test_ring_collective_matrix_on_cuda(pool_of, collective: str, dtype_name: str) -> None:  # noqa: ANN001
     digests = pool_of("ring").run(gpu.cuda_collective, collective, dtype_name, timeout=600)
     assert digests[0] == digests[1], "ranks disagree bit for bit"
+
+
+# ------------------------------------------------------- point-to-point
+P2P_CHECKS = len(p2p_bodies.DTYPES) * len(p2p_bodies.SIZES)
+
+
+def check_p2p(per_rank: list[dict]) -> None:
+    for rank, out in enumerate(per_rank):
+        assert len(out["exchange"]) == P2P_CHECKS, f"rank {rank}: {len(out['exchange'])} checks"
+        assert out["large"]["equal"], f"rank {rank}: 100 MiB arrived wrong"
+
+
+@pytest.mark.parametrize("backend", SPAWNED)
+def test_p2p_on_cuda(pool_of, backend: str) -> None:  # noqa: ANN001
+    check_p2p(pool_of(backend).run(gpu.cuda_p2p, timeout=300))
 
 
 # ---------------------------------------------------------------- DDP
@@ -121,6 +138,12 @@ def test_mpi_cupy_views_and_zero_copy_where_the_library_allows() -> None:
     for collective in bodies.ALL_BODIES:
         row = mpi_launch("tests.gpu.bodies:cuda_matrix", env, timeout=MATRIX_TIMEOUT_S, args=(collective,))
         check_matrix(row)
+
+
+@pytest.mark.mpi
+def test_mpi_p2p_on_cuda_staged() -> None:
+    results = mpi_launch("tests.gpu.bodies:cuda_p2p", {"COMMLIB_MPI_CUDA_AWARE": "0"}, timeout=300)
+    check_p2p([results[0], results[1]])
 
 
 @pytest.mark.mpi
