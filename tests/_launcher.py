@@ -152,16 +152,22 @@ class _StackDumps:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _child_once(conn: Any, env: Mapping[str, str], job: bytes) -> None:
-    """Run one rank's ``job``: its environment first, then the job's modules are imported.
+def _child_once(
+    conn: Any,
+    env: Mapping[str, str],
+    pickled_fn: bytes,
+    args: tuple[Any, ...],
+    init: bool,
+    backend_kwargs: Mapping[str, Any],
+) -> None:
+    """Run one rank: its environment first, then ``fn``'s module is imported (``pickled_fn``).
 
-    ``job`` is pickled ``(fn, args, init, backend_kwargs)``. Unpickling imports the module
-    that defines ``fn``, and a test module may ask torch about CUDA at import
-    (``skipif(torch.cuda.device_count() < 2)``), which fixes the devices the process sees:
-    ``CUDA_VISIBLE_DEVICES`` in ``env`` must be set before that.
+    A test module may ask torch about CUDA at import (``skipif(torch.cuda.device_count() < 2)``),
+    which fixes the devices the process sees: ``CUDA_VISIBLE_DEVICES`` in ``env`` must be set
+    before that. ``args`` come as multiprocessing passes them (an ``Event`` may be among them).
     """
     _apply_env(env)
-    fn, args, init, backend_kwargs = pickle.loads(job)
+    fn = pickle.loads(pickled_fn)
     try:
         if init:
             import commlib
@@ -214,10 +220,7 @@ def run_ranks_outcomes(
     port = free_port() if port is None else port
     stacks = _StackDumps(world_size)
     procs, conns, child_conns = [], [], []
-
-    def job(rank_args: tuple[Any, ...]) -> bytes:
-        return bytes(ForkingPickler.dumps((fn, rank_args, init, dict(init_kwargs or {}))))
-
+    pickled_fn = bytes(ForkingPickler.dumps(fn))
     for rank in range(world_size):
         rank_extra = dict(env or {}, **stacks.env(rank))
         if per_rank_env is not None:
@@ -227,7 +230,7 @@ def run_ranks_outcomes(
         parent_conn, child_conn = _CTX.Pipe(duplex=False)
         proc = _CTX.Process(
             target=_child_once,
-            args=(child_conn, _process_env(child_env), job(rank_args)),
+            args=(child_conn, _process_env(child_env), pickled_fn, rank_args, init, dict(init_kwargs or {})),
             name=f"commlib-test-rank{rank}",
             daemon=True,
         )
