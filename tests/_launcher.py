@@ -30,7 +30,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from commlib.ports import free_port
@@ -220,7 +219,7 @@ def run_ranks_outcomes(
     port = free_port() if port is None else port
     stacks = _StackDumps(world_size)
     procs, conns, child_conns = [], [], []
-    pickled_fn = bytes(ForkingPickler.dumps(fn))
+    pickled_fn = pickle.dumps(fn)
     for rank in range(world_size):
         rank_extra = dict(env or {}, **stacks.env(rank))
         if per_rank_env is not None:
