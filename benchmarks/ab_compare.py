@@ -13,7 +13,8 @@ the new one (``--new``, default this checkout), so that a change in the
 machine's speed falls on both alike; each run writes
 ``<out>/<script>_<tree>_<round>.csv`` (the benchmark's own ``--csv``). Then, per
 script, every row of the CSVs (a size, operation and mode) gets the median
-over the rounds of its ``median_us``, with the rounds' min and max, for each
+over the rounds of its ``median_us`` (``p2p_layers.py``: of its ``half_rtt_us``, a
+row per round of each run), with the rounds' min and max, for each
 tree, and the ratio new / base; the ratios against the references
 (``ratio_vs_gloo``, ``ratio_vs_mpi``: latency ours / theirs, each taken within
 one run) are summarised the same way. The summary goes to stdout and
@@ -36,7 +37,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 TREES = ("base", "new")
 KEY_COLUMNS = ("size_bytes", "op", "dtype", "mode", "buffer")
-MEASURES = {"median_us": "latency us", "ratio_vs_gloo": "ours / Gloo", "ratio_vs_mpi": "ours / MPICH"}
+MEASURES = {
+    "median_us": "latency us",
+    "half_rtt_us": "half rtt us",  # p2p_layers.py: one row per round
+    "ratio_vs_gloo": "ours / Gloo",
+    "ratio_vs_mpi": "ours / MPICH",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

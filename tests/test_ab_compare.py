@@ -49,6 +49,20 @@ def test_summary_takes_the_median_over_rounds_per_tree_and_the_ratio(ab: ModuleT
     assert "ours / Gloo" not in text  # an empty column is no measure
 
 
+def test_p2p_layers_rows_pool_every_round_of_every_run(ab: ModuleType, tmp_path: Path) -> None:
+    """``p2p_layers.py`` writes one row per round and mode, with ``half_rtt_us``."""
+    for tree, runs in (("base", [(9.0, 9.2), (8.8, 30.0)]), ("new", [(8.5, 8.7), (8.6, 8.4)])):
+        for run, rounds in enumerate(runs, start=1):
+            with open(tmp_path / f"p2p_layers_{tree}_{run}.csv", "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(["size_bytes", "mode", "round", "half_rtt_us"])
+                writer.writerows([4096, "interface", i, value] for i, value in enumerate(rounds))
+    line = next(line for line in ab.summarize(tmp_path).splitlines() if "half rtt us" in line)
+    assert "4096 interface" in line
+    assert "base 9.1 [8.8-30]" in line and "new 8.55 [8.4-8.7]" in line
+    assert line.rstrip().endswith(f"new/base {8.55 / 9.1:.3f}")
+
+
 def test_a_row_only_one_tree_has_is_listed_alone(ab: ModuleType, tmp_path: Path) -> None:
     _write(tmp_path / "collective_bench_base_1.csv", [[4096, "4 KiB", "all_to_all", "ring", 20.0, "", ""]])
     _write(

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from backends.common import kernels
+from backends.ring import doorbell
 from backends.ring.doorbell import Doorbell, abort_frame
 from backends.ring.shared_buffers import SharedBuffers
 from backends.ring.shm import HEADER_BYTES, Region, can_share_descriptors
@@ -123,6 +124,19 @@ def test_a_posted_count_is_seen_without_waiting(pair, words) -> None:
     poster.advance()
     waiter.wait_for(2, "data")
     assert (poster.count, waiter.peer_count, words[POSTED_FLAG]) == (2, 2, 0)
+
+
+@pytest.mark.parametrize("stores_need_fence", [False, True], ids=["x86-64", "weaker order"])
+def test_advance_fences_its_data_before_the_count_only_where_stores_may_pass(
+    pair, words, monkeypatch, stores_need_fence
+) -> None:
+    """One full fence (count before flag) always; one more before the count where stores reorder."""
+    fences = []
+    monkeypatch.setattr(doorbell, "fence", lambda: fences.append(words[POSTED]))
+    monkeypatch.setattr(doorbell, "STORES_NEED_FENCE", stores_need_fence)
+    poster, _ = _bells(words, *pair)
+    poster.advance()
+    assert fences == ([0, 1] if stores_need_fence else [1])  # the count as each fence saw it
 
 
 def test_a_sleeping_waiter_is_woken_by_a_wake_byte(pair, words, wake) -> None:

@@ -14,9 +14,11 @@ own cache line). Each end of a link owns one counter and one sleep flag:
   on its wake pipe and the socket) until a wake byte, an abort or end-of-file
   arrives.
 
-With a full fence between each side's store and load (``_shm.fence``), at least
-one of the two sees the other's store, so a sleeper is always woken: the
-waiter either sees the new count or the poster sees its flag. Sleeps are also
+Where stores can pass one another (not x86-64), ``advance`` fences the data a
+count announces before the count. With a full fence between each side's store
+and load (``backends.ring.shm.fence``), at least one of the two sees the
+other's store, so a sleeper is always woken: the waiter either sees the new
+count or the poster sees its flag. Sleeps are also
 cut into periods of at most ``_SLEEP_PERIOD_S``, after which the waiter looks
 at the counter again; that bounds the cost of a lost wake-up on an
 architecture where the fence is weaker, and an idle rank still wakes only a few
@@ -34,7 +36,7 @@ import select
 import struct
 import time
 
-from backends.ring.shm import fence
+from backends.ring.shm import STORES_NEED_FENCE, fence
 from backends.ring.wire import SocketReader
 from commlib.errors import CommError, CommTimeoutError, PeerFailureError
 
@@ -109,7 +111,8 @@ class Doorbell:
         """Add one to this end's counter and wake the other end if it sleeps."""
         self.count += 1
         words = self._words
-        fence()  # the data this count announces is visible before the count
+        if STORES_NEED_FENCE:
+            fence()  # the data this count announces is visible before the count
         words[self._mine] = self.count
         fence()  # the count is visible before the flag is read
         if words[self._their_flag]:

@@ -15,20 +15,24 @@ Two ways to reach a region from the other process:
   is what buffers of any lifetime need.
 
 ``fence()`` is a full memory barrier: a store before it is visible to other
-cores before any load after it is performed.
+cores before any load after it is performed. ``STORES_NEED_FENCE`` says whether
+two stores also need one between them to be seen in order: not on x86-64,
+whose stores (``memmove``'s string and vector stores included, with glibc's
+closing ``sfence`` after non-temporal ones) become visible in program order.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import secrets
 import threading
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["HEADER_BYTES", "Region", "RegionId", "fence", "can_share_descriptors"]
+__all__ = ["HEADER_BYTES", "STORES_NEED_FENCE", "Region", "RegionId", "fence", "can_share_descriptors"]
 
 HEADER_BYTES = 4096
 _MAGIC = b"commlib-shm-v2\0\0"
@@ -36,6 +40,8 @@ _TOKEN_BYTES = 16
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 _fence_lock = threading.Lock()
+STORES_NEED_FENCE = platform.machine().lower() not in ("x86_64", "amd64")
+"""True where a store-to-store order must be fenced (every architecture but x86-64)."""
 
 
 def fence() -> None:
