@@ -14,10 +14,10 @@ machine's speed falls on both alike; each run writes
 ``<out>/<script>_<tree>_<round>.csv`` (the benchmark's own ``--csv``). Then, per
 script, every row of the CSVs (a size, operation and mode) gets the median
 over the rounds of its ``median_us`` (``p2p_layers.py``: of its ``half_rtt_us``, a
-row per round of each run), with the rounds' min and max, for each
-tree, and the ratio new / base; the ratios against the references
-(``ratio_vs_gloo``, ``ratio_vs_mpi``: latency ours / theirs, each taken within
-one run) are summarised the same way. The summary goes to stdout and
+row per round of each run; ``ddp_step_bench.py``: of its ``median_ms``), with the
+rounds' min and max, for each tree, and the ratio new / base; the ratios against the references
+(``ratio_vs_gloo``, ``ratio_vs_mpi``, ``vs_torch_ddp``: time ours / theirs, each
+taken within one run) are summarised the same way. The summary goes to stdout and
 ``<out>/summary.txt``; the commands to ``<out>/commands.txt``.
 
 ``--summarize-only`` summarises the CSVs already in ``--out``.
@@ -40,8 +40,10 @@ KEY_COLUMNS = ("size_bytes", "op", "dtype", "mode", "buffer")
 MEASURES = {
     "median_us": "latency us",
     "half_rtt_us": "half rtt us",  # p2p_layers.py: one row per round
+    "median_ms": "step ms",  # ddp_step_bench.py
     "ratio_vs_gloo": "ours / Gloo",
     "ratio_vs_mpi": "ours / MPICH",
+    "vs_torch_ddp": "ours / torch DDP",
 }
 
 

@@ -63,6 +63,22 @@ def test_p2p_layers_rows_pool_every_round_of_every_run(ab: ModuleType, tmp_path:
     assert line.rstrip().endswith(f"new/base {8.55 / 9.1:.3f}")
 
 
+def test_ddp_step_rows_give_the_step_time_and_the_ratio_to_torch_ddp(ab: ModuleType, tmp_path: Path) -> None:
+    """``ddp_step_bench.py`` writes a row per mode with ``median_ms`` and ``vs_torch_ddp``."""
+    for tree, (ours, theirs) in (("base", (800.0, 850.0)), ("new", (760.0, 850.0))):
+        with open(tmp_path / f"ddp_step_bench_{tree}_1.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["mode", "world_size", "median_ms", "vs_torch_ddp"])
+            writer.writerows([["ddp-ring", 2, ours, ours / theirs], ["torch-ddp", 2, theirs, 1.0]])
+    lines = ab.summarize(tmp_path).splitlines()
+    step = next(line for line in lines if line.lstrip().startswith("ddp-ring") and "step ms" in line)
+    assert "base 800 [800-800]" in step and step.rstrip().endswith("new/base 0.950")
+    ratio = next(
+        line for line in lines if line.lstrip().startswith("ddp-ring") and "ours / torch DDP" in line
+    )
+    assert ratio.rstrip().endswith(f"new/base {(760 / 850) / (800 / 850):.3f}")
+
+
 def test_a_row_only_one_tree_has_is_listed_alone(ab: ModuleType, tmp_path: Path) -> None:
     _write(tmp_path / "collective_bench_base_1.csv", [[4096, "4 KiB", "all_to_all", "ring", 20.0, "", ""]])
     _write(
