@@ -8,17 +8,17 @@ Run::
         --run "collective_bench.py --backends ring --sizes 4K,1M,25M" \\
         --run "allreduce_bench.py --backends ring --references none --sizes 4K,1M,25M"
 
-For each round, each ``--run`` is started from the base checkout, then from
-the new one (``--new``, default this checkout), so that a change in the
-machine's speed falls on both alike; each run writes
-``<out>/<script>_<tree>_<round>.csv`` (the benchmark's own ``--csv``). Then, per
-script, every row of the CSVs (a size, operation and mode) gets the median
-over the rounds of its ``median_us`` (``p2p_layers.py``: of its ``half_rtt_us``, a
-row per round of each run; ``ddp_step_bench.py``: of its ``median_ms``), with the
-rounds' min and max, for each tree, and the ratio new / base; the ratios against the references
+For each round, each ``--run`` is started from the base checkout, then from the
+new one (``--new``, default this checkout), so that a change in the machine's
+speed falls on both alike; each run writes ``<out>/<script>_<tree>_<round>.csv``
+(the benchmark's own ``--csv``). Then, per script, every row of the CSVs (a
+size, operation and mode) gets the median over the rounds of its ``median_us``
+(``p2p_layers.py``: of its ``half_rtt_us``, a row per round of each run;
+``ddp_step_bench.py``: of its ``median_ms``), with the rounds' min and max, for
+each tree, and the ratio new / base; the ratios against the references
 (``ratio_vs_gloo``, ``ratio_vs_mpi``, ``vs_torch_ddp``: time ours / theirs, each
-taken within one run) are summarised the same way. The summary goes to stdout and
-``<out>/summary.txt``; the commands to ``<out>/commands.txt``.
+taken within one run) are summarised the same way. The summary goes to stdout
+and ``<out>/summary.txt``; the commands to ``<out>/commands.txt``.
 
 ``--summarize-only`` summarises the CSVs already in ``--out``.
 """

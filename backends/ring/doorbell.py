@@ -16,13 +16,12 @@ own cache line). Each end of a link owns one counter and one sleep flag:
 
 Where stores can pass one another (not x86-64), ``advance`` fences the data a
 count announces before the count. With a full fence between each side's store
-and load (``backends.ring.shm.fence``), at least one of the two sees the
-other's store, so a sleeper is always woken: the waiter either sees the new
-count or the poster sees its flag. Sleeps are also
-cut into periods of at most ``_SLEEP_PERIOD_S``, after which the waiter looks
-at the counter again; that bounds the cost of a lost wake-up on an
-architecture where the fence is weaker, and an idle rank still wakes only a few
-times a second.
+and load (``backends.ring.shm.fence``), at least one of the two sees the other's
+store, so a sleeper is always woken: the waiter either sees the new count or the
+poster sees its flag. Sleeps are also cut into periods of at most
+``_SLEEP_PERIOD_S``, after which the waiter looks at the counter again; that
+bounds the cost of a lost wake-up on an architecture where the fence is weaker,
+and an idle rank still wakes only a few times a second.
 
 The socket stays the channel for failures: an abort frame (``X`` + length +
 reason) or end-of-file (the peer's process ended) wakes the waiter with a
