@@ -161,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
                 group.close()
     if env.rank == 0:
         shown = "each backend's default" if debug is None else debug.upper()
-        print(f"# 2 ranks, COMMLIB_DEBUG: {shown}, COMMLIB_STALL_S=1, COMMLIB_TIMEOUT={args.timeout:g}; "
-              "rank 0")
+        print(
+            f"# 2 ranks, COMMLIB_DEBUG: {shown}, COMMLIB_STALL_S=1, COMMLIB_TIMEOUT={args.timeout:g}; rank 0"
+        )
         for name, rows in results.items():
             for case, seconds, text in rows:
                 print(f"{name:5s} | {case:33s} | {seconds * 1e3:9.1f} ms | {text[: args.width]}")

@@ -688,4 +688,3 @@ class GradientBucketManager:
 
     def _prefix(self, op: str) -> str:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", op)
-

@@ -98,6 +98,8 @@ class RepeatedGradientError(CommError):
 
 class EarlyTerminationError(CommError):
     """With ``Join(..., throw_on_early_termination=True)``: a rank ran out of inputs (raised on all)."""
+
+
 class RanksOutOfStepError(CollectiveMismatchError):
     """The ranks' collectives of one backward belong to different training steps.
 

@@ -410,7 +410,6 @@ def _decode(code: int, kind: int, index: int) -> str:
     return f"{dtype} on {device}{'' if index < 0 else f':{index}'}"
 
 
-
 # -------------------------------------------------- other operations' agreement
 def describe_position(row: Sequence[int]) -> str:
     """Where the rank whose agreement row this is stood: ``in DDP's backward (training forward 3, ...)``."""

@@ -68,9 +68,7 @@ def bench() -> Iterator[ModuleType]:
 def run_bench(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """Run the benchmark; on timeout every rank is killed, not just the launcher."""
     try:
-        return run_job(
-            args, timeout=timeout, env=mpiexec_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-        )
+        return run_job(args, timeout=timeout, env=mpiexec_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"benchmark did not finish within {timeout} s:\n{e.stdout}\n{e.stderr}")
 

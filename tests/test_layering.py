@@ -46,7 +46,10 @@ def _graph() -> dict[str, set[str]]:
 
 def test_commlib_imports_neither_backends_nor_ddp() -> None:
     bad = sorted(
-        f"{m} imports {i}" for m, deps in _graph().items() if m.startswith("commlib") for i in deps
+        f"{m} imports {i}"
+        for m, deps in _graph().items()
+        if m.startswith("commlib")
+        for i in deps
         if not i.startswith("commlib")
     )
     assert not bad, bad
@@ -99,9 +102,7 @@ def test_no_import_cycles(package: str) -> None:
             visit(node, [node])
     # A package's __init__ re-exporting its modules, which import siblings through the package,
     # is not a cycle in code that runs; count only cycles between modules.
-    real = [
-        c for c in cycles if not any(_is_package_init(m) for m in c) and c[0].split(".")[0] == package
-    ]
+    real = [c for c in cycles if not any(_is_package_init(m) for m in c) and c[0].split(".")[0] == package]
     assert not real, "import cycles:\n" + "\n".join(" -> ".join(c) for c in real)
 
 

@@ -55,17 +55,13 @@ class Pair:
     def send(self, rank: int, tensor: torch.Tensor, tag: int = 0) -> concurrent.futures.Future[Any]:
         end = self.ends[rank]
         label = f"[rank {rank}/2] ring.send to rank {1 - rank} tag {tag}"
-        return self.pool.submit(
-            end.send, tensor.view(-1), 1 - rank, tag, label
-        )
+        return self.pool.submit(end.send, tensor.view(-1), 1 - rank, tag, label)
 
     def recv(self, rank: int, tensor: torch.Tensor, tag: int = 0, src: int | None = -1) -> Any:
         end = self.ends[rank]
         source = 1 - rank if src == -1 else src
         label = f"[rank {rank}/2] ring.recv from rank {source} tag {tag}"
-        return self.pool.submit(
-            end.recv, tensor.view(-1), source, tag, label
-        )
+        return self.pool.submit(end.recv, tensor.view(-1), source, tag, label)
 
     def close(self) -> None:
         for end in self.ends:

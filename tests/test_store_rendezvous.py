@@ -258,7 +258,6 @@ def test_idle_connections_to_the_store_port_delay_the_job_but_it_forms() -> None
     assert stores[0].get("k") == b"v"
 
 
-
 _GIVEN_UP_BEHIND_A_FLOOD = """
 import datetime, os, socket, sys
 sys.path.insert(0, os.getcwd())

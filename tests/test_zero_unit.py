@@ -389,11 +389,17 @@ def test_join_without_the_optimizer_is_refused_before_any_communication(gradient
     model = DistributedDataParallel(build("plain", 7), group, gradient_sync=gradient_sync)
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.05)
     issued = group.bytes_issued
-    with pytest.raises(ValueError, match=r"ddp.join: a ZeroRedundancyOptimizer steps the parameters of "
-                       r"DistributedDataParallel but is not in this Join.*Join\(\[model, optimizer\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ddp.join: a ZeroRedundancyOptimizer steps the parameters of "
+        r"DistributedDataParallel but is not in this Join.*Join\(\[model, optimizer\]\)",
+    ):
         Join([model])
-    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer steps the parameters of "
-                       r"DistributedDataParallel but is listed before it.*Join\(\[model, optimizer\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ZeroRedundancyOptimizer steps the parameters of "
+        r"DistributedDataParallel but is listed before it.*Join\(\[model, optimizer\]\)",
+    ):
         Join([opt, model])
     assert group.bytes_issued == issued
     Join([model], enable=False)  # off: nothing to refuse

@@ -64,6 +64,7 @@ def p2p_record(request: P2PRequest) -> Record:
     kind, tensor, peer, tag, seq = request
     return (seq, kind, tensor.dtype, tensor.shape, None, peer, tag)
 
+
 _REPORT_WAIT_S = 5.0
 """How long the watchdog waits for the hub's answer before it reports what it knows alone."""
 

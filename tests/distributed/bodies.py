@@ -161,9 +161,7 @@ def body_reduce(
                     expected = _expected(inputs, op, dtype)
                     _check(tensor, expected, _tolerance(inputs, op, dtype, exact), what)
                 else:
-                    assert torch.equal(tensor, inputs[r]), (
-                        f"{what}: a rank that does not receive was changed"
-                    )
+                    assert torch.equal(tensor, inputs[r]), f"{what}: a rank that does not receive was changed"
     return []
 
 

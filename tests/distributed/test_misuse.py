@@ -174,8 +174,9 @@ def test_consolidate_state_dict_on_one_rank_raises_on_every_rank(misuse_pools, b
 def test_consolidate_state_dict_on_one_rank_while_the_other_waits_names_the_cause(backend: str) -> None:
     results = [o.value for o in _fresh(backend, bodies.case_consolidate_on_one_rank, False)]
     assert results[0]["outcomes"] == ["step", results[0]["type"]]
-    assert "waiting for every rank to enter ZeroRedundancyOptimizer.consolidate_state_dict()" in (
-        results[0]["message"]
+    assert (
+        "waiting for every rank to enter ZeroRedundancyOptimizer.consolidate_state_dict()"
+        in (results[0]["message"])
     )
     assert "every rank must call it" in results[0]["message"]
     assert results[1]["outcomes"] == ["step"]
