@@ -41,8 +41,15 @@ class DistEnv:
         local_world_size: Number of processes on this host.
         master_addr: Host where rank 0 listens for the rendezvous.
         master_port: Port where rank 0 listens for the rendezvous.
-        launcher: Who set this up: ``explicit``, ``torchrun``, ``openmpi``,
-            ``pmix``, ``mpich``, ``slurm`` or ``single``.
+        launcher: Where rank and world size came from: ``explicit``
+            (arguments), ``torchrun``, ``openmpi``, ``pmix``, ``mpich``,
+            ``slurm`` or ``single``.
+        started_by: The launcher whose variables this process runs under
+            (``torchrun``, ``openmpi``, ``pmix``, ``mpich``, ``slurm``),
+            whichever way rank and world size came; ``launcher`` when none is
+            set. The job token follows it: ranks that one ``mpirun`` or
+            ``torchrun`` started are one job also when a script passes their
+            ranks as arguments.
         store: A ``torch.distributed.Store`` every rank of the group can reach, to
             meet through instead of ``master_addr:master_port`` (torch.distributed
             hands one to the backends it creates). Scoped to this group by whoever
@@ -56,9 +63,12 @@ class DistEnv:
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
     launcher: str = "single"
+    started_by: str = ""
     store: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not self.started_by:
+            object.__setattr__(self, "started_by", self.launcher)
         if self.world_size < 1:
             raise ValueError(f"DistEnv: world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -232,6 +242,14 @@ def _process_identity(pid: int) -> tuple[object, str]:
     return (info.start if info is not None else "?"), namespace
 
 
+def launcher_in(environ: Mapping[str, str]) -> str | None:
+    """Return the first launcher whose rank and size variables are both set in ``environ``, if any."""
+    for name, rank_var, size_var, _, _ in _LAUNCHERS:
+        if rank_var in environ and size_var in environ:
+            return name
+    return None
+
+
 def _refuse_half_set_launcher(environ: Mapping[str, str]) -> None:
     """Raise if a launcher set only one of its rank and size variables (never guess a single process)."""
     for name, rank_var, size_var, _, _ in _LAUNCHERS:
@@ -311,4 +329,5 @@ def detect(
         master_addr=addr,
         master_port=port,
         launcher=launcher,
+        started_by=launcher_in(environ) or launcher,
     )

@@ -14,8 +14,10 @@ from commlib.env import DistEnv
 REMOTE = "10.1.2.3"  # not this host: no local identity applies
 
 
-def _env(rank: int = 1, launcher: str = "torchrun", addr: str = "127.0.0.1") -> DistEnv:
-    return DistEnv(rank=rank, world_size=4, master_addr=addr, master_port=29500, launcher=launcher)
+def _env(rank: int = 1, launcher: str = "torchrun", addr: str = "127.0.0.1", started_by: str = "") -> DistEnv:
+    return DistEnv(
+        rank=rank, world_size=4, master_addr=addr, master_port=29500, launcher=launcher, started_by=started_by
+    )
 
 
 def test_an_explicit_token_is_shared_by_its_job_and_never_shown() -> None:
@@ -75,14 +77,16 @@ def test_torchruns_default_run_id_is_no_job_id() -> None:
 
 def test_without_any_id_a_local_job_is_the_process_that_started_it() -> None:
     token = job_token(_env(1, "explicit"), {})
-    leader = os.getpgrp()  # the process group's leader: the shell's job, or whoever ran setsid
+    leader = os.getpgrp()  # the process group's leader: the shell's job, or a launcher's parent process
+    if leader == os.getpid() == os.getsid(0):  # it leads a session of its own: its parent started it
+        leader = os.getppid()
     try:
         with open(f"/proc/{leader}/comm") as f:
             leader_name = f.read().strip()
     except FileNotFoundError:  # the leader has exited (a background job whose shell ended)
         leader_name = "?"
     assert token.identity.startswith(f"local job started by pid {leader} ({leader_name}), rendezvous ")
-    assert token.accepted == (token.key,)
+    assert token.accepted[0] == token.key
     assert job_token(_env(2, "explicit"), {}).key == token.key
 
 
@@ -113,11 +117,95 @@ def test_ranks_started_by_rank_0_or_each_under_its_own_wrapper_are_one_job() -> 
     assert _child_key("bash", "-c", '"$0" "$@"; exit $?') in rank0.accepted
 
 
-def test_a_rank_started_in_another_session_is_another_job() -> None:
-    """What a second terminal, or a launcher that runs setsid, gives: another job on the same port."""
+_LAUNCH_IN_SESSIONS = (
+    "import subprocess, sys;"
+    "procs = [subprocess.run([sys.executable, '-c', sys.argv[1]], capture_output=True, text=True,"
+    " timeout=60, start_new_session=True) for _ in range(2)];"
+    "print(' '.join(p.stdout.strip() for p in procs))"
+)
+"""A launcher that starts each rank in a session of its own (as torchrun and mpirun do); prints their keys."""
+
+
+def _keys_of_ranks_launched_in_sessions(*wrapper: str) -> list[str]:
+    child = _CHILD.format(root=os.getcwd())
+    out = subprocess.run(
+        [*wrapper, sys.executable, "-c", _LAUNCH_IN_SESSIONS, child],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert out.returncode == 0, out.stderr
+    keys = out.stdout.split()
+    assert len(keys) == 2, out.stdout
+    return keys
+
+
+def test_ranks_a_launcher_starts_each_in_a_session_of_its_own_are_one_job() -> None:
+    """torchrun and mpirun start every rank with setsid: their parent, not the session, is the job."""
+    first = _keys_of_ranks_launched_in_sessions()
+    assert first[0] == first[1]
+    # Another launch (from another terminal, whose shell stays the launcher's parent): another job.
+    second = _keys_of_ranks_launched_in_sessions("bash", "-c", '"$0" "$@"; exit $?')
+    assert second[0] == second[1] != first[0]
+
+
+def test_a_rank_in_its_own_session_accepts_the_ranks_it_starts_itself() -> None:
+    """``setsid python train.py`` as rank 0, whose ranks 1.. are its children in its process group."""
+    code = (
+        f"import subprocess, sys; sys.path.insert(0, {os.getcwd()!r});"
+        "from backends.common.jobtoken import job_token; from commlib.env import DistEnv;"
+        "rank0 = job_token(DistEnv(rank=0, world_size=2, launcher='explicit'), {});"
+        "child = subprocess.run([sys.executable, '-c', sys.argv[1]], capture_output=True, timeout=60);"
+        "print(bytes.fromhex(child.stdout.decode().strip()) in rank0.accepted,"
+        " rank0.accepted[0] != rank0.accepted[-1])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, _CHILD.format(root=os.getcwd())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_a_rank_started_from_another_terminal_is_another_job() -> None:
+    """A terminal's shell leads its session; a rank it starts (not in a session of its own) is its job."""
     rank0 = job_token(_env(0, "explicit"), {})
-    assert _child_key(new_session=True) not in rank0.accepted
     assert _child_key("bash", "-c", '"$0" "$@"; exit $?', new_session=True) not in rank0.accepted
+    assert _child_key("bash", "-c", '"$0" "$@"; exit $?', new_session=True) != _child_key(
+        "bash", "-c", '"$0" "$@"; exit $?', new_session=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("started_by", "environ", "shown"),
+    [
+        ("torchrun", {"TORCHELASTIC_RUN_ID": "run-a"}, "TORCHELASTIC_RUN_ID=run-a"),
+        ("openmpi", {"OMPI_MCA_ess_base_jobid": "4242"}, "OMPI_MCA_ess_base_jobid=4242"),
+        ("slurm", {"SLURM_JOB_ID": "900", "SLURM_STEP_ID": "0"}, "SLURM_JOB_ID=900 SLURM_STEP_ID=0"),
+    ],
+)
+def test_ranks_passed_as_arguments_follow_the_launcher_they_run_under(
+    started_by: str, environ: dict, shown: str
+) -> None:
+    by_argument = job_token(_env(1, "explicit", REMOTE, started_by=started_by), environ)
+    by_environment = job_token(_env(1, started_by, REMOTE), environ)
+    assert by_argument.key == by_environment.key and by_argument.identity.startswith(shown)
+
+
+def test_detect_says_which_launcher_a_process_runs_under_whichever_way_its_rank_came() -> None:
+    from commlib.env import detect
+
+    mpich = {"PMI_RANK": "1", "PMI_SIZE": "2"}
+    assert detect(rank=1, world_size=2, environ=mpich).started_by == "mpich"
+    assert detect(rank=1, world_size=2, environ=mpich).launcher == "explicit"
+    assert detect(environ=mpich).started_by == "mpich"
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}
+    assert detect(rank=0, world_size=2, environ=torchrun).started_by == "torchrun"
+    assert detect(rank=0, world_size=2, environ={}).started_by == "explicit"
 
 
 def test_a_remote_job_without_ids_keeps_strangers_out_but_cannot_tell_jobs_apart() -> None:

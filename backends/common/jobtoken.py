@@ -3,21 +3,25 @@
 Where the token comes from, first match wins:
 
 1. ``COMMLIB_JOB_TOKEN``, when set: the same value on every rank of one job.
-2. The job identity of the launcher that set this rank's variables: torchrun's
-   ``TORCHELASTIC_RUN_ID`` (unless it is torchrun's default, ``none``), Open
-   MPI's ``OMPI_MCA_ess_base_jobid`` / ``PMIX_NAMESPACE``, PMIx's
-   ``PMIX_NAMESPACE``, Slurm's ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``.
+2. The job identity of the launcher this rank runs under (``DistEnv.started_by``,
+   whether rank and world size came from its variables or from arguments):
+   torchrun's ``TORCHELASTIC_RUN_ID`` (unless it is torchrun's default,
+   ``none``), Open MPI's ``OMPI_MCA_ess_base_jobid`` / ``PMIX_NAMESPACE``,
+   PMIx's ``PMIX_NAMESPACE``, Slurm's ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``.
 3. With neither, and ``MASTER_ADDR`` a loopback address (so every rank of the
    job runs on this host): the process that started the job, by pid and start
-   time. That is the leader of the ranks' process group: the shell's job (a
-   script or command run from a terminal), or the process that ran
-   ``setsid``/``start_new_session``. Ranks started by ``multiprocessing``,
-   ``subprocess``, a shell script, or each under a wrapper of its own
-   (``bash -c 'python train.py'`` per rank) share it. Under mpirun, whose
-   launcher starts every rank in a session of its own, it is the nearest MPI
-   launcher process (``hydra_pmi_proxy``, ``prted``...) instead. Two jobs
+   time. Under an MPI launcher that is the nearest launcher process
+   (``hydra_pmi_proxy``, ``prted``...). Otherwise it is the leader of the
+   rank's process group (the shell's job: a script or command run from a
+   terminal; a ``multiprocessing`` or ``subprocess`` parent, whose children
+   stay in its group), except for a rank that leads a session of its own: a
+   launcher that starts each rank with ``setsid`` / ``start_new_session``
+   (torchrun, mpirun, ``subprocess.Popen(..., start_new_session=True)``)
+   started the job, so that rank takes its parent. Ranks started by one
+   launcher, one parent or one shell script share the token, also each under
+   a wrapper shell of its own that stays in its parent's process group; two jobs
    started from two terminals, or as two jobs of one interactive shell, hold
-   different tokens. Not under torchrun's agent store: it serves one job
+   different ones. Not under torchrun's agent store: it serves one job
    already.
 4. Otherwise the token is the same for every commlib job: it still keeps out
    strangers (other programs, port scanners) but cannot tell two commlib jobs
@@ -137,16 +141,34 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _local_token(env: DistEnv, where: str) -> JobToken:
-    starter = launcher_pid() if env.launcher in _MPI_LAUNCHERS else None
-    if starter is None:
-        starter = os.getpgrp()
-    known = read_process(starter)
+def _job_starter(env: DistEnv) -> tuple[int, int | None]:
+    """The pid of the process that started this rank's job, and another pid a peer may name instead.
+
+    A rank that leads its own session was started by its parent (see the module
+    docstring); its own children (ranks it starts without a session of their
+    own) name it instead, so it accepts both.
+    """
+    if env.started_by in _MPI_LAUNCHERS:
+        launcher = launcher_pid()
+        if launcher is not None:
+            return launcher, None
+    leader = os.getpgrp()
+    if leader == os.getpid() == os.getsid(0) and os.getppid() > 1:
+        return os.getppid(), leader
+    return leader, None
+
+
+def _local_key(pid: int) -> tuple[bytes, str]:
+    known = read_process(pid)
     name, start = (known.name, str(known.start)) if known is not None else ("?", "?")
-    return JobToken(
-        key=_derive_key("local", f"{starter}@{start}"),
-        identity=f"local job started by pid {starter} ({name}), {where}",
-    )
+    return _derive_key("local", f"{pid}@{start}"), f"pid {pid} ({name})"
+
+
+def _local_token(env: DistEnv, where: str) -> JobToken:
+    starter, also = _job_starter(env)
+    key, who = _local_key(starter)
+    accepted = (key,) if also is None else (key, _local_key(also)[0])
+    return JobToken(key=key, identity=f"local job started by {who}, {where}", accepted=accepted)
 
 
 def job_token(
@@ -155,7 +177,7 @@ def job_token(
     """Work out this rank's job token (see the module docstring for the rules).
 
     Args:
-        env: This rank's place in the job (its launcher decides which job ids count).
+        env: This rank's place in the job (the launcher it runs under decides which job ids count).
         environ: Mapping to read instead of ``os.environ``.
         local_parent: Apply rule 3 (the process that started the ranks); off
             where something else already keeps jobs apart.
@@ -172,7 +194,7 @@ def job_token(
         )
     ids = [
         f"{name}={environ[name]}"
-        for name in _JOB_ID_VARS.get(env.launcher, ())
+        for name in _JOB_ID_VARS.get(env.started_by, ())
         if environ.get(name)
         and not (name == "TORCHELASTIC_RUN_ID" and environ[name] == _TORCHRUN_DEFAULT_RUN_ID)
     ]

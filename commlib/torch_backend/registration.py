@@ -83,6 +83,7 @@ def _env(store: Any, rank: int, size: int) -> DistEnv:
         master_addr=addr,
         master_port=port,
         launcher=job.launcher if job.launcher != "single" else "explicit",
+        started_by=job.started_by,
         store=store,
     )
 

@@ -169,7 +169,7 @@ def test_ranks_started_in_two_sessions_are_both_told_at_once_to_set_the_job_toke
     (the refused one might have been another job's), then raises too, long before the timeout.
     """
     port = free_port()
-    one_rank = '"$PY" "$MAIN"'
+    one_rank = '"$PY" "$MAIN"; exit $?'  # the terminal's shell stays the rank's parent and leads its session
     rank0 = _session(one_rank, _env(port, backend, RANK="0"))
     rank1 = None
     try:
