@@ -31,22 +31,27 @@ steps (at least 12), ratios as medians of per-round ratios.
 
 After the timed steps, instrumented steps measure, for commlib's DDP:
 
-- ``hooks ms``: time per step inside the per-parameter gradient hooks (their
-  entry point ``GradSync.register_grad_ready`` wrapped with a timer), and ``end ms``:
-  inside the end-of-backward callback (``GradSync._end_of_backward``: the final wait
-  included).
-- ``calls/param``: Python function calls (``sys.setprofile`` "call" events,
-  installed inside the wrapped entry points, so on whichever thread autograd
-  runs them) per parameter per step, counting the hook closure itself, plus
-  the C functions they call (``c_call`` events), shown as ``py+c``. torch's
+- ``hooks ms``: time per step inside the per-parameter gradient hooks (each
+  wrapped with a timer where torch keeps it, ``param._post_accumulate_grad_hooks``),
+  and ``end ms``: inside the end-of-backward callback (``GradSync._end_of_backward``:
+  the final wait included).
+- ``calls/param``: Python function calls (``sys.setprofile`` "call" events, on
+  the thread that runs backward) per parameter per step inside the
+  per-parameter hooks: each hook itself, everything it calls (the bucket
+  launches, the collective's issue, torch's own Python functions) included, plus
+  the C functions they call (``c_call`` events), shown as ``py+c``. In brackets:
+  the Python calls per step of the backward's start (``on_backward_start``, which
+  points ``.grad`` at the buckets, and ``GradSync.begin``, which the first hook
+  runs: the step agreement's launch) and of its end (the final waits). torch's
   DDP registers C++ hooks; where the profiler can see every thread (Python
-  3.12+, or a CPU backward on the calling thread) its backward's Python calls
-  are counted the same way.
+  3.12+, or a CPU backward on the calling thread) every Python call of its
+  whole backward is counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import dataclasses
@@ -99,6 +104,8 @@ CSV_COLUMNS = [
     "end_ms",
     "py_calls_per_param",
     "c_calls_per_param",
+    "step_py_calls",
+    "end_py_calls",
     "exposed_ms",
     "identical",
 ]
@@ -146,36 +153,77 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -------------------------------------------------------------- measuring
-class CallCounter:
-    """A ``sys.setprofile`` function that counts Python calls and C calls."""
+OUR_PACKAGES = tuple(str(REPO_ROOT / name) + os.sep for name in ("commlib", "ddp", "backends"))
+"""Where commlib's code lives: frames of these files entered from elsewhere are DDP's entry points."""
 
-    def __init__(self) -> None:
-        self.py_calls = 0
-        self.c_calls = 0
+
+_ENTRY_CATEGORY = {"_end_of_backward": "end", "on_backward_start": "step"}
+
+
+class CallCounter:
+    """A ``sys.setprofile`` function that counts Python calls and C calls.
+
+    With ``ours`` it counts only inside commlib's own code entered from outside it
+    (autograd calling DDP's hooks and callbacks), everything those frames call
+    included (torch's Python functions too), and sorts each call into a category
+    by the entry point it runs under: ``end`` under the end-of-backward callback,
+    ``step`` under the once-per-backward start (``on_backward_start``, and
+    ``GradSync.begin``, which the first hook of a backward runs), ``hooks``
+    under the per-parameter hooks. Without ``ours``, every call counts as
+    ``hooks``. Install it on the thread that runs backward.
+    """
+
+    def __init__(self, ours: bool = True) -> None:
+        self.ours = ours
+        self.py: collections.Counter[str] = collections.Counter()
+        self.c: collections.Counter[str] = collections.Counter()
+        self._local = threading.local()
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         """Count one profiler event."""
+        if not self.ours:
+            if event == "call":
+                self.py["hooks"] += 1
+            elif event == "c_call":
+                self.c["hooks"] += 1
+            return
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
         if event == "call":
-            self.py_calls += 1
-        elif event == "c_call":
-            self.c_calls += 1
+            code = frame.f_code
+            if stack:
+                category = "step" if code.co_qualname == "GradSync.begin" else stack[-1]
+            elif code.co_filename.startswith(OUR_PACKAGES):
+                category = _ENTRY_CATEGORY.get(code.co_name, "hooks")
+            else:
+                return
+            stack.append(category)
+            self.py[category] += 1
+        elif event == "return":
+            if stack:
+                stack.pop()
+        elif event == "c_call" and stack:
+            self.c[stack[-1]] += 1
 
 
 class HookMeter:
-    """Times and counts commlib DDP's Python work in backward by wrapping its two entry points.
+    """Times and counts commlib DDP's Python work in backward, on whichever thread autograd runs it.
 
-    The per-parameter hooks call ``sync.register_grad_ready(index)`` and backward's
-    end runs ``sync._end_of_backward`` (``sync``: the model's ``GradSync``); both are
-    looked up on the instance, so wrappers set there see every call, on whichever
-    thread autograd runs them.
+    The per-parameter hooks are wrapped where torch keeps them
+    (``param._post_accumulate_grad_hooks``); the start and end of backward
+    (``GradSync.on_backward_start``, ``GradSync._end_of_backward``) are looked up
+    on the instance, so wrappers set there see every call. With ``count``, the
+    wrapper of the start installs a ``CallCounter`` on that thread, and the
+    wrapper of the end removes it.
     """
-
-    ENTRY_POINTS = ("register_grad_ready", "_end_of_backward")
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
         self.ddp = ddp
         self.sync = getattr(ddp, "_sync", None)
-        self.available = all(callable(getattr(self.sync, name, None)) for name in self.ENTRY_POINTS)
+        self.available = self.sync is not None and all(
+            callable(getattr(self.sync, name, None)) for name in ("on_backward_start", "_end_of_backward")
+        )
         self.hook_s = 0.0
         self.end_s = 0.0
         self.hook_calls = 0
@@ -186,7 +234,7 @@ class HookMeter:
     def measuring(self, *, count: bool, profile: cProfile.Profile | None = None) -> Iterator[HookMeter]:
         """Wrap the entry points for the duration; with ``count``, count calls instead of timing.
 
-        With ``profile``, run the entry points under that ``cProfile`` profile (on whichever
+        With ``profile``, run the hooks under that ``cProfile`` profile (on whichever
         thread calls them), for where their time goes.
         """
         if not self.available:
@@ -194,51 +242,67 @@ class HookMeter:
             return
         self.hook_s = self.end_s = 0.0
         self.hook_calls = 0
-        self.counter = CallCounter() if count else None
+        self.counter = counter = CallCounter() if count else None
         self.profile = profile
         sync = self.sync
-        on_grad, end = sync.register_grad_ready, sync._end_of_backward  # type: ignore[union-attr]  # noqa: SLF001
+        start, end = sync.on_backward_start, sync._end_of_backward  # type: ignore[union-attr]  # noqa: SLF001
+        installed: list[Any] = []
 
-        def wrapped_on_grad(index: int) -> None:
-            self.hook_calls += 1
-            start = time.perf_counter()
-            try:
-                self._run(on_grad, index)
-            finally:
-                self.hook_s += time.perf_counter() - start
+        def wrapped_start() -> None:
+            if counter is not None and sys.getprofile() is not counter:
+                installed.append(sys.getprofile())
+                sys.setprofile(counter)
+            start()
 
         def wrapped_end() -> None:
-            start = time.perf_counter()
+            began = time.perf_counter()
             try:
-                self._run(end)
+                end()
             finally:
-                self.end_s += time.perf_counter() - start
+                self.end_s += time.perf_counter() - began
+                if counter is not None and installed:
+                    sys.setprofile(installed.pop())
 
-        sync.register_grad_ready = wrapped_on_grad  # type: ignore[method-assign, union-attr]
+        def timed(hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+            def wrapped(param: torch.Tensor) -> None:
+                self.hook_calls += 1
+                if profile is not None:
+                    profile.enable()
+                began = time.perf_counter()
+                try:
+                    hook(param)
+                finally:
+                    self.hook_s += time.perf_counter() - began
+                    if profile is not None:
+                        profile.disable()
+
+            return wrapped
+
+        hooks = _ddp_hooks(self.ddp)
+        originals = [(table, key, table[key]) for table, key in hooks]
+        for table, key, hook in originals:
+            table[key] = timed(hook)
+        sync.on_backward_start = wrapped_start  # type: ignore[method-assign, union-attr]
         sync._end_of_backward = wrapped_end  # type: ignore[method-assign, union-attr]  # noqa: SLF001
         try:
             yield self
         finally:
-            del sync.register_grad_ready, sync._end_of_backward  # type: ignore[union-attr]  # the class's
+            del sync.on_backward_start, sync._end_of_backward  # type: ignore[union-attr]  # the class's
+            for table, key, hook in originals:
+                table[key] = hook
+            while installed:
+                sys.setprofile(installed.pop())
 
-    def _run(self, fn: Callable[..., None], *args: Any) -> None:
-        counter, profile = self.counter, self.profile
-        if profile is not None:
-            profile.enable()
-            try:
-                fn(*args)
-            finally:
-                profile.disable()
-            return
-        if counter is None:
-            fn(*args)
-            return
-        previous = sys.getprofile()
-        sys.setprofile(counter)
-        try:
-            fn(*args)
-        finally:
-            sys.setprofile(previous)
+
+def _ddp_hooks(ddp: DistributedDataParallel) -> list[tuple[Any, Any]]:
+    """``(table, key)`` of each post-accumulate-grad hook commlib's DDP registered on its parameters."""
+    found = []
+    for p in ddp.module.parameters():
+        table = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        for key, hook in table.items():
+            if getattr(hook, "__module__", "").startswith("ddp."):
+                found.append((table, key))
+    return found
 
 
 @contextlib.contextmanager
@@ -276,6 +340,8 @@ class Mode:
     end_ms: float | None = None
     py_calls: float | None = None
     c_calls: float | None = None
+    step_calls: int | None = None
+    end_calls: int | None = None
     identical: bool | None = None
     hook_profile: str | None = None
 
@@ -437,8 +503,9 @@ def instrument(modes: list[Mode], setup: Setup, args: argparse.Namespace, first_
             with mode.meter.measuring(count=True) as meter:
                 one_step(mode, setup, step)
             assert meter.counter is not None
-            mode.py_calls = (meter.counter.py_calls + meter.hook_calls) / params  # + the hook closures
-            mode.c_calls = meter.counter.c_calls / params
+            counted = meter.counter
+            mode.py_calls, mode.c_calls = counted.py["hooks"] / params, counted.c["hooks"] / params
+            mode.step_calls, mode.end_calls = counted.py["step"], counted.py["end"]
             if args.hook_profile is not None:
                 profile = cProfile.Profile()
                 barrier()
@@ -446,7 +513,7 @@ def instrument(modes: list[Mode], setup: Setup, args: argparse.Namespace, first_
                     one_step(mode, setup, step)
                 mode.hook_profile = hook_profile_text(profile, mode.name, params)
         elif mode.meter is None:
-            counter = CallCounter()
+            counter = CallCounter(ours=False)
             barrier()
             x, y = setup.batches[step % len(setup.batches)]
             mode.opt.zero_grad(set_to_none=True)
@@ -457,12 +524,12 @@ def instrument(modes: list[Mode], setup: Setup, args: argparse.Namespace, first_
                 sync_device(setup.device)
             mode.opt.step()
             if every_thread or setup.device.type == "cpu":
-                mode.py_calls, mode.c_calls = counter.py_calls / params, counter.c_calls / params
+                mode.py_calls, mode.c_calls = counter.py["hooks"] / params, counter.c["hooks"] / params
         step += 1
     return step
 
 
-def hook_profile_text(profile: cProfile.Profile, mode: str, params: int, top: int = 40) -> str:
+def hook_profile_text(profile: cProfile.Profile, mode: str, params: int, top: int = 200) -> str:
     """The profile of one step's hooks: the functions by own time, then by time including callees."""
     out = io.StringIO()
     out.write(f"=== {mode}: one step of commlib DDP's hooks and end of backward, {params} parameters\n")
@@ -521,6 +588,8 @@ def summarise(modes: list[Mode], setup: Setup) -> list[dict[str, Any]]:
                 "end_ms": m.end_ms,
                 "py_calls_per_param": m.py_calls,
                 "c_calls_per_param": m.c_calls,
+                "step_py_calls": m.step_calls,
+                "end_py_calls": m.end_calls,
                 "exposed_ms": statistics.median(m.exposed) * 1e3 if m.exposed else None,
                 "identical": m.identical,
             }
@@ -536,18 +605,20 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     """Format the rows as the printed table."""
     head = (
         f"{'mode':<10} {'step ms':>8} {'p25-p75 ms':>15} {'vs none':>8} {'/torch':>7} {'hooks ms':>8} "
-        f"{'end ms':>7} {'calls/param':>11} {'exposed ms':>10} {'same':>5}"
+        f"{'end ms':>7} {'calls/param (start/end)':>23} {'exposed ms':>10} {'same':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         calls = "-"
         if r["py_calls_per_param"] is not None:
             calls = f"{r['py_calls_per_param']:.1f}+{r['c_calls_per_param']:.1f}"
+        if r["step_py_calls"] is not None:
+            calls += f" ({r['step_py_calls']}/{r['end_py_calls']})"
         same = {True: "yes", False: "NO", None: "-"}[r["identical"]]
         lines.append(
             f"{r['mode']:<10} {r['median_ms']:8.2f} {r['p25_ms']:7.2f}-{r['p75_ms']:<7.2f} "
             f"{_fmt(r['vs_none'], '+.1%'):>8} {_fmt(r['vs_torch_ddp'], '.3f'):>7} "
-            f"{_fmt(r['hooks_ms'], '.2f'):>8} {_fmt(r['end_ms'], '.2f'):>7} {calls:>11} "
+            f"{_fmt(r['hooks_ms'], '.2f'):>8} {_fmt(r['end_ms'], '.2f'):>7} {calls:>23} "
             f"{_fmt(r['exposed_ms'], '.2f'):>10} {same:>5}"
         )
     return lines
@@ -643,9 +714,11 @@ def run(args: argparse.Namespace) -> int:
         say(
             "step ms: median; vs none, /torch: medians of per-round ratios; hooks ms: per step inside "
             "commlib DDP's per-parameter hooks; end ms: inside its end-of-backward callback (final wait "
-            "included); calls/param: Python calls + C calls per parameter per step in those hooks (see the "
-            "docstring; for torch-ddp/none: in its whole backward, where the profiler sees every thread); "
-            "exposed: end-of-backward wait; same: parameters bit-identical on all ranks"
+            "included); calls/param: Python calls + C calls per parameter per step in those hooks, the "
+            "hooks themselves and their bucket launches included, and in brackets the Python calls per "
+            "step of the backward's start (restoring views, GradSync.begin) and of its end (see the "
+            "docstring; for torch-ddp/none: every call of the whole backward, where the profiler sees "
+            "every thread); exposed: end-of-backward wait; same: parameters bit-identical on all ranks"
         )
         for line in verdicts(rows, torch_backend):
             say(line)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
+import functools
 import ipaddress
 import itertools
 import socket
@@ -30,6 +31,7 @@ from commlib.diagnosis import Diagnostics, FingerprintExchange
 from commlib.env import DistEnv
 from commlib.errors import CommError, error_prefix
 from commlib.p2p import P2POp, P2PRequest
+from commlib.prepared import PreparedCollective
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, op_applies
 from commlib.work import CollectiveLabel, Work
 
@@ -91,6 +93,11 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     _works_testable_from_any_thread: bool = True
     """Whether the watchdog thread may call ``Work.is_completed()`` on this group's works."""
+
+    orders_cuda_streams: bool = False
+    """True if the backend orders its CUDA collectives after the work already queued on the
+    caller's current stream, and ``Work.wait()`` orders the current stream after them, by
+    itself (NCCL): callers then need no communication stream of their own."""
 
     def __init__(self, env: DistEnv, config: CommConfig | None = None) -> None:
         self._env = env
@@ -291,6 +298,51 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         plain = op is ReduceOp.SUM and tensor.dtype is not _BOOL
         start = self._all_reduce if plain else self._start_all_reduce
         return self._issue("all_reduce", tensor, op, -1, async_op, [tensor], start, tensor, op, async_op)
+
+    def prepare_all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | PremulSum = ReduceOp.SUM
+    ) -> PreparedCollective:
+        """Check an all-reduce of the fixed buffer ``tensor`` once; ``start()`` then issues it cheaply.
+
+        For a buffer reduced again and again (DDP's buckets): ``prepared.start()``
+        is ``all_reduce(tensor, op, async_op=True)`` without the per-call argument
+        checks, and with what the backend can bind once (its options, its process
+        group) bound. Every start is numbered, checked against the other ranks and
+        recorded as any collective is.
+
+        Args:
+            tensor: Contiguous buffer, the same shape and dtype on every rank; it
+                must stay the same tensor (fill it between starts).
+            op: How to combine the ranks' buffers.
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor, or its dtype is not supported.
+            ValueError: ``tensor`` is not contiguous, or ``op`` does not apply.
+
+        Example::
+
+            >>> prepared = group.prepare_all_reduce(bucket)
+            >>> for step in range(steps):
+            ...     fill(bucket)
+            ...     prepared.start().wait()
+        """
+        self._check_reduction("all_reduce", tensor, op)
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        plain = op is ReduceOp.SUM and tensor.dtype is not _BOOL
+        start = self._prepare_all_reduce(tensor, op) if plain else None
+        if start is None:
+            hook = self._all_reduce if plain else self._start_all_reduce
+            start = functools.partial(hook, tensor, op, True)
+        return PreparedCollective(self, "all_reduce", tensor, op, start)
+
+    def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
+        """Return a starter for a plain all-reduce of ``tensor`` bound once, or None to call ``_all_reduce``.
+
+        The starter runs where ``_all_reduce(tensor, op, True)`` would (``_seq``
+        counts the call) and returns the same kind of ``Work``.
+        """
+        return None
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
         op, finish = self._prepare_reduction(tensor, op, in_place=True)

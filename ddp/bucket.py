@@ -108,6 +108,10 @@ class GradientBucket:
             self.grad_data[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, params, strict=True)
         )
         """``views[i]`` is the gradient of ``params[i]``: a view into ``grad_data``."""
+        self.comm_nbytes = padded * self.comm_data.element_size()
+        """Size of the buffer the collective reduces, in bytes (padding included)."""
+        self.padding_bytes = self.padding * self.comm_data.element_size()
+        """Bytes of padding in that buffer."""
 
     def __repr__(self) -> str:
         staged = f", reduced as {dtype_name(self.comm_dtype)} on {self.comm_device}" if self.staged else ""
@@ -121,11 +125,6 @@ class GradientBucket:
     def nbytes(self) -> int:
         """Size of the gradient buffer in bytes."""
         return self.numel * self.grad_data.element_size()
-
-    @property
-    def comm_nbytes(self) -> int:
-        """Size of the buffer the collective reduces, in bytes (padding included)."""
-        return self.padded_numel * self.comm_data.element_size()
 
     # ------------------------------------------- torch's GradBucket methods
     def index(self) -> int:

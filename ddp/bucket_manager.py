@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 import types
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,11 @@ from ddp.touched_rows import TouchedRows
 from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
+
+_ARRIVED = 2
+"""``_ready`` value: the parameter's gradient arrived and is final."""
+_GIVEN = 1
+"""``_ready`` value: final without arriving (unused, missing, or a joined rank's zeros)."""
 
 
 def plan_buckets(
@@ -89,12 +94,20 @@ class GradientBucketManager:
     """The buckets of a set of parameters: their layout, their gradients' readiness, their communication.
 
     This object is the one owner of whether a gradient has arrived (Megatron's
-    bucket group; buckets are passive layouts), and ``mark_ready`` its one writer:
-    it takes a final gradient into its bucket (a gradient that arrived as a fresh
-    tensor is copied into its view, scaled in the same pass) and launches every
-    bucket that became launchable; ``finish_grad_sync`` waits for them and leaves
-    every ``.grad`` a view holding the result. Observers (``add_observer``) are
-    told of each bucket's ready, launch and done, and keep no copy of the state.
+    bucket group; buckets are passive layouts). Two paths write it:
+
+    - ``grad_hook``'s fast path, while ``fast_path`` is on: the gradient is
+      already its bucket view (``restore_views`` points every ``.grad`` that is
+      None at its view when backward starts, so autograd accumulates in place),
+      so the hook marks it, counts its bucket down and launches at zero;
+    - ``mark_ready``, everything else: it takes a final gradient into its bucket
+      (a gradient that arrived as a fresh tensor is copied into its view) and
+      launches every bucket that became launchable.
+
+    A bucket is scaled once, at launch. ``finish_grad_sync`` waits for the
+    buckets and leaves every ``.grad`` a view holding the result. Observers
+    (``add_observer``) are told of each bucket's ready, launch and done, and
+    keep no copy of the state.
 
     Buckets are launched strictly in bucket order on every rank: a bucket that
     completes early waits until every bucket before it has been launched, so all
@@ -200,16 +213,26 @@ class GradientBucketManager:
             shards=ReduceScatterBuckets(group) if gradient_sync == "reduce_scatter" else None,
         )
         self._pad_to = group.world_size if gradient_sync == "reduce_scatter" else 1
+        self.fast_path = bytearray(1)
+        """``fast_path[0]``: 1 while ``grad_hook``'s fast path may take gradients (``GradSync`` sets it)."""
         self.layout_version = -1
         """Counts the layouts (construction, rebuilds, re-sizes): a sharded optimizer follows it."""
         n = len(self._params)
-        # Readiness, owned here and nowhere else.
+        # Readiness, owned here and nowhere else. The lists below are changed in place
+        # (never rebound): the gradient hooks hold them.
         self._ready = bytearray(n)
-        """1 for each parameter whose gradient is final in this iteration."""
+        """Per parameter, in this iteration: ``_ARRIVED`` (its gradient is final), ``_GIVEN``
+        (final without arriving: unused, missing or a joined rank's zeros), 0 (not yet)."""
         self._in_window = bytearray(n)
         """1 for each parameter that got a gradient since ``end_window`` (the last sync)."""
+        self._restored = bytearray(n)
+        """1 for each parameter whose ``.grad`` was None and is its zeroed view since ``end_window``."""
         self._pending: list[int] = []
         """Per bucket: gradients not yet ready in this iteration."""
+        self._bucket_of: list[int] = [-1] * n
+        self._views: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
+        self.launch_s = 0.0
+        """Seconds spent launching this iteration's buckets (scaling, checks, issuing)."""
         self.arrival_order: list[int] = []
         """Parameter indices in the order their gradients arrived in this iteration."""
         self.arrival_times: list[float] = []
@@ -218,6 +241,8 @@ class GradientBucketManager:
         """Time each gradient's arrival (``bucket_size_mb="auto"`` needs it for one backward)."""
         self.grads_copied = 0
         """Gradients of this iteration that arrived as fresh tensors and were copied into their view."""
+        self.views_restored = 0
+        """Gradients that were None when this iteration's backward started and were pointed at their view."""
         self.padding_bytes = 0
         """Bytes of padding in the buckets launched in this iteration (reduce-scatter mode)."""
         self._reduced = False  # every bucket's reduction has landed, and nothing has arrived since
@@ -250,15 +275,15 @@ class GradientBucketManager:
                 p.grad = view
         self._buckets, self._plan, self._order = buckets, plan, order
         self.layout_version += 1
-        self._bucket_of, self._views = bucket_of, views
+        self._bucket_of[:], self._views[:] = bucket_of, views
         self._sizes = [len(members) for members in plan]
-        self._pending = list(self._sizes)
+        self._pending[:] = self._sizes
         self._inflight = [None] * len(buckets)
         self._rows = [
             TouchedRows(bucket, self.group) if members[0] in self._row_sparse else None
             for bucket, members in zip(buckets, plan, strict=True)
         ]
-        self._refresh_scaling()
+        self._sync.prepare(buckets)
         self._next_launch = self._next_done = self._next_waited = 0
 
     def _plan_for(self, order: list[int]) -> list[list[int]]:
@@ -278,9 +303,6 @@ class GradientBucketManager:
             comm_device=comm_device(self.group, dtype, device),
             pad_to=self._pad_to,
         )
-
-    def _refresh_scaling(self) -> None:
-        self._adopt_scaling = [self._sync.adopt_scaling(b) for b in self._buckets]
 
     def rebuild(self, order: Sequence[int]) -> bool:
         """Lay the buckets out again for gradients arriving in ``order``.
@@ -388,7 +410,6 @@ class GradientBucketManager:
         torch's do). Checked by ``DistributedDataParallel.register_comm_hook``.
         """
         self._sync.hook, self._sync.hook_state = hook, state
-        self._refresh_scaling()
 
     @property
     def reduce_scatters(self) -> bool:
@@ -420,10 +441,7 @@ class GradientBucketManager:
                 this iteration's gradients by this many ranks instead of the world
                 size (``Join`` with ``divide_by_initial_world_size=False``).
         """
-        scaling = self._sync.average_over(average_over)
-        if scaling != self._sync.scaling:
-            self._sync.scaling = scaling
-            self._refresh_scaling()
+        self._sync.scaling = self._sync.average_over(average_over)
         self._active = True
         self._ready[:] = bytes(len(self._ready))
         self._pending[:] = self._sizes
@@ -433,6 +451,7 @@ class GradientBucketManager:
         self.arrival_times.clear()
         self.grads_copied = 0
         self.padding_bytes = 0
+        self.launch_s = 0.0
         self._reduced = False
         if self._sync.check is not None:
             self._sync.check.reset()
@@ -488,11 +507,77 @@ class GradientBucketManager:
             self.grads_copied += 1
         self._in_window[index] = 1
 
-    def mark_ready(self, index: int, *, arrived: bool, zero: bool = False) -> bool:
-        """Make parameter ``index``'s slice final for this iteration: the one writer of readiness.
+    def restore_views(self) -> None:
+        """Backward starts: point every ``.grad`` that is None at its bucket view, zeroed.
 
-        Then launch, in bucket order, every bucket that became launchable, and note
-        the buckets seen complete. Call ``reset`` first in each iteration.
+        Autograd then adds each gradient into its view in place, so the hooks copy
+        nothing (torch's ``gradient_as_bucket_view=True``). A bucket whose
+        gradients are all None is zeroed in one fill. A parameter that then gets
+        no gradient holds zeros rather than None, unless no rank used it in the
+        accumulation window (``find_unused_parameters``: ``release_grads``).
+        """
+        restored = self._restored
+        count = 0
+        for bucket, members in zip(self._buckets, self._plan, strict=True):
+            params = bucket.params
+            nones = 0
+            for p in params:
+                if p.grad is None:
+                    nones += 1
+            if not nones:
+                continue
+            whole = nones == len(params)
+            if whole:
+                bucket.grad_data.zero_()
+            for p, view, index in zip(params, bucket.views, members, strict=True):
+                if p.grad is None:
+                    if not whole:
+                        view.zero_()
+                    try:
+                        p.grad = view
+                    except RuntimeError:  # converted after wrapping: the step agreement reports it
+                        continue
+                    restored[index] = 1
+                    count += 1
+        self.views_restored = count
+
+    def grad_hook(self, index: int, general: Callable[[int], None]) -> Callable[[torch.Tensor], None]:
+        """Parameter ``index``'s post-accumulate-grad hook: the fast path, else ``general(index)``.
+
+        The fast path, while ``fast_path`` is on: the gradient is its bucket view
+        and not yet ready, so the hook marks it, counts its bucket down and, at
+        zero, launches what became launchable. No call but the hook's own on the
+        way. Everything else (a fresh gradient tensor, a repeated one, ``no_sync``,
+        learning a static graph, the first backward's arrival order...) goes to
+        ``general``. The hook holds the manager's lists, which layouts change in place.
+        """
+        fast, ready, pending, bucket_of, views = (
+            self.fast_path,
+            self._ready,
+            self._pending,
+            self._bucket_of,
+            self._views,
+        )
+        complete = self._bucket_complete
+
+        def hook(param: torch.Tensor) -> None:
+            if fast[0] and param.grad is views[index] and not ready[index]:
+                ready[index] = _ARRIVED
+                b = bucket_of[index]
+                left = pending[b] - 1
+                pending[b] = left
+                if not left:
+                    complete(b)
+            else:
+                general(index)
+
+        return hook
+
+    def mark_ready(self, index: int, *, arrived: bool, zero: bool = False) -> bool:
+        """Make parameter ``index``'s slice final for this iteration (every path but the hooks' fast one).
+
+        Then launch, in bucket order, every bucket that became launchable. Call
+        ``reset`` first in each iteration.
 
         Args:
             index: The parameter, in registration order.
@@ -506,40 +591,52 @@ class GradientBucketManager:
         """
         if self._ready[index]:
             return False
-        self._ready[index] = 1
         if arrived:
+            self._ready[index] = _ARRIVED
             self._in_window[index] = 1
             self.arrival_order.append(index)
             if self.record_arrival_times:
                 self.arrival_times.append(time.perf_counter())
-        b = self._bucket_of[index]
+        else:
+            self._ready[index] = _GIVEN
         param, view = self._params[index], self._views[index]
         grad = param.grad
         if zero:
             view.zero_()
             param.grad = view
-        elif grad is view:
-            self._adopt_scaling[b].apply_(view)
         elif grad is None:
             view.zero_()
-        else:
-            self._adopt_scaling[b].into(grad, view)
+        elif grad is not view:
+            view.copy_(grad)
             param.grad = view
             self.grads_copied += 1
-        pending = self._pending
-        left = pending[b] = pending[b] - 1
+        b = self._bucket_of[index]
+        left = self._pending[b] = self._pending[b] - 1
         if not left:
-            for observer in self._observers:
-                observer.ready(b)
-            count = len(self._buckets)
-            while self._next_launch < count and not pending[self._next_launch]:
-                self._launch(self._next_launch)
+            self._bucket_complete(b)
+        return True
+
+    def _bucket_complete(self, b: int) -> None:
+        """Bucket ``b`` has all its gradients: launch every bucket now launchable, in order."""
+        for observer in self._observers:
+            observer.ready(b)
+        pending, count = self._pending, len(self._buckets)
+        while self._next_launch < count and not pending[self._next_launch]:
+            self._launch(self._next_launch)
         inflight = self._inflight
         while self._next_done < self._next_launch and inflight[self._next_done].is_completed():  # type: ignore[union-attr]
             for observer in self._observers:
                 observer.done(self._next_done)
             self._next_done += 1
-        return True
+
+    def arrived(self, index: int) -> bool:
+        """True if parameter ``index``'s gradient arrived in this iteration (by either path)."""
+        return self._ready[index] == _ARRIVED
+
+    def arrived_names(self) -> set[str]:
+        """Names of the parameters whose gradient arrived in this iteration."""
+        ready = self._ready
+        return {name for i, name in enumerate(self._names) if ready[i] == _ARRIVED}
 
     def missing(self) -> list[tuple[int, int]]:
         """``(parameter index, bucket index)`` of every gradient not yet ready."""
@@ -557,11 +654,15 @@ class GradientBucketManager:
     def local_grad_flags(self, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out[i]`` with 1 where parameter ``i`` has a gradient in this window, else 0.
 
-        A gradient counts if it arrived since the last sync, or if ``.grad`` is not
-        None (a gradient the user kept, zeroed or not, as one process would).
+        A gradient counts if it arrived since the last sync, or if ``.grad`` held one
+        before backward (a gradient the user kept, zeroed or not, as one process
+        would); a view ``restore_views`` put in place of None does not count.
         """
-        window = self._in_window
-        flags = [1 if window[i] or p.grad is not None else 0 for i, p in enumerate(self._params)]
+        window, ready, restored = self._in_window, self._ready, self._restored
+        flags = [
+            1 if window[i] or ready[i] == _ARRIVED or (p.grad is not None and not restored[i]) else 0
+            for i, p in enumerate(self._params)
+        ]
         out.copy_(torch.tensor(flags, dtype=out.dtype))
         return out
 
@@ -573,16 +674,18 @@ class GradientBucketManager:
     def end_window(self) -> None:
         """Forget which gradients arrived: the accumulation window closed with a sync."""
         self._in_window[:] = bytes(len(self._in_window))
+        self._restored[:] = bytes(len(self._restored))
 
     # ---------------------------------------------------------- collectives
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
         start = time.perf_counter()
-        self._inflight[index] = self._sync.launch(bucket, self._rows[index])
-        self.padding_bytes += bucket.padding * bucket.comm_data.element_size()
+        self._inflight[index] = self._sync.launch(index, bucket, self._rows[index])
+        self.padding_bytes += bucket.padding_bytes
         self._next_launch = index + 1
         for observer in self._observers:
             observer.launched(index, bucket.comm_nbytes, len(bucket.params), start)
+        self.launch_s += time.perf_counter() - start
 
     def reduce_bucket_async(self, index: int) -> None:
         """Launch bucket ``index`` now.
@@ -652,7 +755,7 @@ class GradientBucketManager:
             bucket, pending = self._buckets[b], self._inflight[b]
             assert pending is not None
             try:
-                sync.finish(bucket, pending, max(deadline - time.perf_counter(), 0.001))
+                sync.finish(b, bucket, pending, max(deadline - time.perf_counter(), 0.001))
             except CommHookError as e:  # this rank's hook: raised on every rank by the outcome agreement
                 failed = failed or (b, e)
             except CommError as e:

@@ -1,9 +1,10 @@
 """How a ready bucket is communicated: the one place that decides, launches and lands it.
 
 ``BucketSync.launch`` runs when a bucket's gradients are all in: it stages the
-bucket (another dtype or device, if any), scales it if scaling was not already
-fused into the copies, checks it for NaN and Inf when asked, and starts its
-collective: an all-reduce of the bucket (the default), for a bucket of embedding
+bucket (another dtype or device, if any), scales it (one pass over the bucket,
+in the dtype it is communicated in), checks it for NaN and Inf when asked, and
+starts its collective: an all-reduce of the bucket (the default, prepared once
+per layout with ``IProcessGroup.prepare_all_reduce``), for a bucket of embedding
 gradients the exchange of their touched rows (``ddp.touched_rows``), a
 reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.zero.shard_sync``) or
 the registered communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
@@ -20,12 +21,13 @@ from typing import Any
 import torch
 
 from commlib.errors import CommError, CommTimeoutError, error_prefix
+from commlib.prepared import PreparedCollective
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CompletedWork, Work
 from ddp.bucket import GradientBucket
 from ddp.config import GradientScaling
-from ddp.devices import CommStreams, control_tensor, to_host
+from ddp.devices import CommStreams, HostReadback, control_tensor
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
@@ -99,9 +101,8 @@ class BucketSync:
     Args:
         group: The group to reduce over.
         op: The collective's reduction (``SUM`` for averages and scaled sums).
-        scaling: What gradients are scaled by before communication: fused into
-            their copies into the bucket (``adopt_scaling``), or applied at launch
-            to a bucket summed in a wider dtype (``scales_at_launch``).
+        scaling: What gradients are scaled by before communication, once per
+            bucket at launch (not with a communication hook: it scales itself).
         check: The NaN/Inf check, or None (off).
         shards: Reduce-scatter the buckets with this instead of all-reducing
             them (``gradient_sync="reduce_scatter"``), or None.
@@ -120,25 +121,25 @@ class BucketSync:
         self.shards = shards
         self.op = op
         self.scaling = scaling
+        """What this iteration's buckets are scaled by (``average_over`` re-weights it for ``Join``)."""
         self._configured = scaling
         self.check = check
         self.streams = CommStreams()
         self.hook: CommHook | None = None
         self.hook_state: Any = None
+        self._prepared: list[PreparedCollective | None] = []
+        """Per bucket: its all-reduce, prepared for the current layout (None: nothing to reduce)."""
+        self._cuda: list[bool] = []
+        """Per bucket: communicated from a CUDA device (waits are stream dependencies there)."""
+        self._side_stream: list[bool] = []
+        """Per bucket: launched on a communication stream (CUDA, where the group does not order streams)."""
+        self._outcome: HostReadback | None = None
+        """The outcome agreement's table and its read, allocated once."""
 
     def _prefix(self) -> str:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", "comm_hook")
 
     # --------------------------------------------------------------- decisions
-    def scales_at_launch(self, bucket: GradientBucket) -> bool:
-        """True if ``bucket`` is scaled at launch, in its communication dtype, not when gradients are copied.
-
-        With a hook nothing is scaled (the hook does it, as torch's do); a bucket
-        summed in a wider dtype is scaled in that dtype, after the cast, so the
-        scaling does not round in the narrow one.
-        """
-        return self.hook is None and bucket.comm_dtype != bucket.dtype and not self.scaling.is_identity
-
     def average_over(self, ranks: int | None) -> GradientScaling:
         """The scaling that averages over ``ranks`` ranks (None: the configured one).
 
@@ -149,49 +150,56 @@ class BucketSync:
             return configured
         return GradientScaling(divisor=ranks)
 
-    def adopt_scaling(self, bucket: GradientBucket) -> GradientScaling:
-        """The scaling fused into the copies of ``bucket``'s gradients (identity if none)."""
-        if self.hook is not None or bucket.comm_dtype != bucket.dtype:
-            return _NO_SCALING
-        return self.scaling
+    def prepare(self, buckets: Sequence[GradientBucket]) -> None:
+        """A new layout: prepare each bucket's all-reduce once, and where it is launched from."""
+        group, op = self.group, self.op
+        self._prepared = [
+            group.prepare_all_reduce(bucket.comm_data, op) if bucket.numel else None for bucket in buckets
+        ]
+        self._cuda = [CommStreams.applies(bucket.comm_device) for bucket in buckets]
+        self._side_stream = [cuda and not group.orders_cuda_streams for cuda in self._cuda]
 
     # ------------------------------------------------------------------ launch
-    def launch(self, bucket: GradientBucket, rows: TouchedRows | None = None) -> PendingSync:
-        """Start communicating ``bucket`` (all its gradients are in its views).
+    def launch(
+        self, index: int, bucket: GradientBucket, rows: TouchedRows | None = None, *, on_stream: bool = False
+    ) -> PendingSync:
+        """Start communicating bucket ``index`` (all its gradients are in its views).
 
         A bucket of zero elements (empty parameters) communicates nothing, unless
         a hook is registered (it is called for every bucket, as torch calls it).
         ``rows``: the bucket holds row-sparse gradients only; unless a hook is
         registered or the gradients are reduce-scattered, exchange only the rows
-        some rank touched.
+        some rank touched. ``on_stream``: already on the bucket's communication stream.
         """
         if bucket.numel == 0 and self.hook is None:
             return PendingSync(work=CompletedWork())
-        with self.streams.launching(bucket.comm_device):
-            data = bucket.comm_data
-            if bucket.staged:
-                data.copy_(bucket.grad_data)
-                if self.scales_at_launch(bucket):
-                    self.scaling.apply_(data)
+        if self._side_stream[index] and not on_stream:
+            with self.streams.launching(bucket.comm_device):
+                return self.launch(index, bucket, rows, on_stream=True)
+        data = bucket.comm_data
+        if bucket.staged:
+            data.copy_(bucket.grad_data)
+        if self.hook is not None:
             if self.check is not None:
                 self.check.inspect(bucket, data)
-            if self.hook is None:
-                if self.shards is not None:
-                    work = self.shards.launch(bucket, data, self.op)
-                elif rows is not None:
-                    return PendingSync(work=rows.launch(), rows=rows)
-                else:
-                    work = self.group.all_reduce(data, self.op, async_op=True)
-                assert work is not None  # async_op=True always returns a handle
-                return PendingSync(
-                    work=work.annotate(  # the bucket, named in stall warnings and flight-recorder dumps
-                        lambda: (
-                            f"DDP bucket {bucket.index()}, {len(bucket.names)} parameters, "
-                            f"first: {', '.join(bucket.names[:3])}"
-                        )
-                    )
-                )
             return self._launch_hook(bucket)
+        self.scaling.apply_(data)
+        if self.check is not None:
+            self.check.inspect(bucket, data)
+        if self.shards is not None:
+            work = self.shards.launch(bucket, data, self.op)
+        elif rows is not None:
+            return PendingSync(work=rows.launch(), rows=rows)
+        else:
+            work = self._prepared[index].start()  # type: ignore[union-attr]  # numel > 0: prepared
+        return PendingSync(
+            work=work.annotate(  # the bucket, named in stall warnings and flight-recorder dumps
+                lambda: (
+                    f"DDP bucket {bucket.index()}, {len(bucket.names)} parameters, "
+                    f"first: {', '.join(bucket.names[:3])}"
+                )
+            )
+        )
 
     def _launch_hook(self, bucket: GradientBucket) -> PendingSync:
         """Call the hook; if it fails before communicating, issue a stand-in all-reduce of zeros.
@@ -301,8 +309,13 @@ class BucketSync:
         if self.hook is not None and failed is not None:
             values[(rows - 1) * world + rank] = failed[0] + 1
         tensor = control_tensor(group, values, torch.int64)
-        group.all_reduce(tensor, ReduceOp.SUM)
-        got = to_host(tensor).tolist()
+        work = group.all_reduce(tensor, ReduceOp.SUM, async_op=True)
+        assert work is not None  # async_op=True always returns a handle
+        outcome = self._outcome
+        if outcome is None or outcome.tensor.shape != tensor.shape:
+            outcome = self._outcome = HostReadback(tensor)
+        outcome.start(work, source=tensor)
+        got = outcome.result()
         nonfinite = check.explain(got[:world], buckets) if check is not None else None
         hook_failed = {r: b - 1 for r, b in enumerate(got[(rows - 1) * world :]) if b} if self.hook else {}
         if hook_failed:
@@ -332,8 +345,8 @@ class BucketSync:
         return error
 
     # ------------------------------------------------------------------ finish
-    def finish(self, bucket: GradientBucket, pending: PendingSync, timeout: float | None) -> None:
-        """Wait for ``bucket``'s communication and land the result in its gradients.
+    def finish(self, index: int, bucket: GradientBucket, pending: PendingSync, timeout: float | None) -> None:
+        """Wait for bucket ``index``'s communication and land the result in its gradients.
 
         On CUDA the wait of the default path is a stream dependency (no host
         block; the group's own timeout, NCCL's watchdog, bounds it).
@@ -342,7 +355,7 @@ class BucketSync:
             CommTimeoutError: Not finished within ``timeout`` seconds.
             CommError: The collective or the hook failed (the message names the bucket).
         """
-        cuda = CommStreams.applies(bucket.comm_device)
+        cuda = self._cuda[index]
         if pending.error is not None:
             if pending.work is not None:
                 pending.work.wait(None if cuda else timeout)
@@ -401,7 +414,6 @@ class BucketSync:
         return value.reshape(-1)
 
 
-_NO_SCALING = GradientScaling()
 
 
 def _is_torch_future(value: object) -> bool:

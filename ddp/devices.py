@@ -11,14 +11,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp, dtype_name
+from commlib.work import Work
 from ddp.config import DDPConfig, reduce_dtype_for
 
-__all__ = ["CommStreams", "check_reducible", "comm_device", "control_buffer", "control_tensor", "to_host"]
+__all__ = [
+    "CommStreams",
+    "HostReadback",
+    "check_reducible",
+    "comm_device",
+    "control_buffer",
+    "control_tensor",
+    "to_host",
+]
 
 
 def comm_device(group: IProcessGroup, dtype: torch.dtype, device: torch.device) -> torch.device:
@@ -70,19 +80,88 @@ def control_buffer(group: IProcessGroup, numel: int, dtype: torch.dtype) -> torc
 def control_tensor(
     group: IProcessGroup, values: Sequence[float] | torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``values`` as a tensor on the group's preferred device (same shape as ``values``)."""
+    """``values`` as a tensor on the group's preferred device (same shape as ``values``).
+
+    On CUDA the values go up from pinned memory, asynchronously: a copy from pageable
+    memory would wait for every kernel queued on the stream first.
+    """
     host = torch.as_tensor(values, dtype=dtype)
     device = group.preferred_device()
     if device.type == "cpu":
         return host.contiguous()
     out = group.alloc_buffer(host.numel(), dtype, device).view(host.shape)
-    out.copy_(host)
+    if CommStreams.applies(device):
+        out.copy_(host.contiguous().pin_memory(), non_blocking=True)
+    else:
+        out.copy_(host)
     return out
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` on the CPU (itself if it is there already), to read it with ``tolist()``."""
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
+class HostReadback:
+    """Reads a small device tensor on the host without waiting for the work queued after it.
+
+    On CUDA, ``start`` queues a non-blocking copy into pinned memory on a stream of
+    its own, after the work queued so far on the current stream and after
+    ``after`` (the collective that writes the tensor), and records an event;
+    ``result`` waits on that event alone. A ``.cpu()`` at the end of backward would
+    wait for the whole backward instead. Elsewhere ``result`` waits for ``after``
+    and reads the tensor.
+
+    Args:
+        tensor: The tensor to read (its storage is read at each ``start``), or one of
+            its shape, dtype and device when ``start`` is given the tensor to read.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._source = tensor
+        self._cuda = CommStreams.applies(tensor.device)
+        self._work: Work | None = None
+        self._error: BaseException | None = None
+        if self._cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._event = torch.cuda.Event()
+            self._stream = torch.cuda.Stream(tensor.device)
+
+    def start(self, after: Work | None = None, source: torch.Tensor | None = None) -> None:
+        """Queue the read of ``tensor`` (or ``source``) once ``after`` wrote it; never blocks on CUDA."""
+        self._error = None
+        self._source = self.tensor if source is None else source
+        if not self._cuda:
+            self._work = after
+            return
+        device = self.tensor.device
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                try:
+                    after.wait()  # on CUDA: this stream waits for the collective
+                except BaseException as e:  # noqa: BLE001 - raised where the result is asked for
+                    self._error = e
+                    return
+            self._host.copy_(self._source, non_blocking=True)
+            self._event.record(self._stream)
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """The tensor's values as a (nested) list, once read.
+
+        Raises:
+            CommError: The collective that writes it failed or timed out.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._cuda:
+            self._event.synchronize()
+            return self._host.tolist()
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait(timeout)
+        return to_host(self._source).tolist()
 
 
 class CommStreams:
@@ -101,7 +180,7 @@ class CommStreams:
 
     @staticmethod
     def applies(device: torch.device) -> bool:
-        """True if ``device`` is a real CUDA device (streams to order)."""
+        """True if ``device`` is a real CUDA device (streams to order). Ask once, not per launch."""
         return device.type == "cuda" and torch.cuda.is_available()
 
     @contextlib.contextmanager

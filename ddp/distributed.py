@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -218,7 +218,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._require_forward_param_sync = True  # the previous forward synchronised gradients
         self._divide_by_initial_world_size = True  # set by join_hook
         for i, p in enumerate(params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(self._sync, i)))  # type: ignore[no-untyped-call]
+            hook = manager.grad_hook(i, self._sync.register_grad_ready)
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ facts
     @property
@@ -431,15 +432,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         if timeline is not None:
             with contextlib.suppress(Exception):
                 timeline.close()
-
-
-def _grad_hook(sync: GradSync, index: int) -> Callable[[torch.Tensor], None]:
-    """Parameter ``index``'s gradient hook: hand the gradient over (it holds no reference to the module)."""
-
-    def hook(_param: torch.Tensor) -> None:
-        sync.register_grad_ready(index)
-
-    return hook
 
 
 class _DDPJoinHook(JoinHook):

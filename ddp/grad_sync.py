@@ -7,13 +7,18 @@ and torch's ``Reducer::finalize_backward``:
   has joined, ``ddp.Join``, shadows the others' backward). In a synchronised backward
   the step agreement (``ddp.step_guard``) is launched first, before any bucket, on
   every rank; then the parameters known to get no gradient are marked ready.
-- ``register_grad_ready(index)``: a parameter's gradient hook fired. Inside
-  ``no_sync()`` the gradient is only accumulated in its bucket. Otherwise it is
-  counted against the gradients the parameter gets in one backward (one; with
-  ``static_graph=True``, the counts the first synchronised backward learnt, which
-  may be more under reentrant activation checkpointing); on the last one it is
-  taken into its bucket (``GradientBucketManager.mark_ready``), which launches once
-  complete, in bucket order. One more than expected is a problem, kept for ``finish``.
+- ``register_grad_ready(index)``: a parameter's gradient hook fired and did not
+  take its fast path (``GradientBucketManager.grad_hook``; ``begin`` turns it on
+  for a synchronised backward once the bucket layout is settled: not in the
+  first backward, whose arrival order rebuilds the buckets, nor while learning a
+  static graph or timing arrivals for ``bucket_size_mb="auto"``, nor on a rank
+  that has joined). Inside ``no_sync()`` the gradient is only accumulated in its
+  bucket. Otherwise it is counted against the gradients the parameter gets in
+  one backward (one; with ``static_graph=True``, the counts the first
+  synchronised backward learnt, which may be more under reentrant activation
+  checkpointing); on the last one it is taken into its bucket
+  (``GradientBucketManager.mark_ready``), which launches once complete, in bucket
+  order. One more than expected is a problem, kept for ``finish``.
 - ``finish()``: at the end of backward. It always issues the same collectives in the
   same order, whatever went wrong on this rank: it waits for the agreement, launches
   the buckets not launched yet (a missing gradient counts as zeros, and so does
@@ -46,7 +51,7 @@ from ddp.auto_bucket import AutoBucketSizer
 from ddp.bucket_manager import GradientBucketManager
 from ddp.bucket_sync import CommHook, check_comm_hook
 from ddp.config import DDPConfig
-from ddp.devices import control_buffer, control_tensor, to_host
+from ddp.devices import HostReadback, control_buffer, control_tensor, to_host
 from ddp.errors import (
     AbandonedBackwardError,
     CommHookError,
@@ -109,7 +114,7 @@ class GradSync:
         self._learning = config.static_graph
         self._counts = [0] * n
         self._first_order: list[int] = []  # while learning: parameters in the order of their first gradient
-        self._used_flags = control_buffer(self.group, n, torch.int32)
+        self._used_flags = HostReadback(control_buffer(self.group, n, torch.int32))
         self._rebuilt = not config.rebuild_buckets
         self.recorder = StepRecorder()
         """The bucket events of the current (or latest) backward."""
@@ -135,6 +140,7 @@ class GradSync:
         self._problems: list[CommError] = []
         self._end_queued = False
         self._hook_s = 0.0
+        """Seconds in the hooks' general path this backward, its bucket launches left out."""
         self._bytes_at_begin = 0
         self._extra_collectives = 0
 
@@ -200,14 +206,17 @@ class GradSync:
         self._used_hint = used if self._used_hint is None else self._used_hint | used
 
     def on_backward_start(self) -> None:
-        """Backward reached the forward's outputs: queue ``finish`` at the end of this (outer) backward.
+        """Backward reached the forward's outputs: point ``.grad`` at the buckets, queue ``finish``.
 
-        Reentrant activation checkpointing runs a segment's backward as an inner
-        graph task, maybe before any gradient hook of the outer one fires; the
-        end of backward must be that of the outer one.
+        Before any parameter's gradient: every ``.grad`` that is None becomes its
+        zeroed bucket view (``GradientBucketManager.restore_views``), so autograd
+        accumulates into the buckets. ``finish`` runs at the end of this (outer)
+        backward: reentrant activation checkpointing runs a segment's backward as
+        an inner graph task, maybe before any gradient hook of the outer one fires.
         """
         if not self._end_queued:
             self._end_queued = True
+            self.manager.restore_views()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -249,6 +258,12 @@ class GradSync:
         self._first_order.clear()
         if joined:
             return
+        manager.fast_path[0] = (
+            self._rebuilt
+            and not self._learning
+            and not manager.record_arrival_times
+            and (self._expected is None or max(self._expected, default=0) <= 1)
+        )
         if self._expected is not None:  # the learnt graph gives these no gradient
             for index, expected in enumerate(self._expected):
                 if not expected:
@@ -273,15 +288,22 @@ class GradSync:
         self.finish()
 
     def register_grad_ready(self, index: int) -> None:
-        """Parameter ``index`` got a gradient in ``.grad``: count it; take it into its bucket when final."""
+        """Parameter ``index`` got a gradient in ``.grad``: count it; take it into its bucket when final.
+
+        The general path of the gradient hooks (see the module docstring).
+        """
         start = time.perf_counter()
+        manager = self.manager
+        launched_s = manager.launch_s
         if not self.active:
             self.begin()
-        manager = self.manager
         if not self.synced:
             manager.accumulate(index)
         else:
-            count = self._counts[index] = self._counts[index] + 1
+            count = self._counts[index] + 1
+            if count == 1 and manager.arrived(index):
+                count = 2  # its first gradient took the hooks' fast path
+            self._counts[index] = count
             expected = 1 if self._expected is None else self._expected[index]
             if self._learning:
                 if count == 1:
@@ -291,7 +313,7 @@ class GradSync:
                 manager.accumulate(index)
             elif count > expected or not manager.mark_ready(index, arrived=True):
                 self._problems.append(self._repeated(index, count))
-        self._hook_s += time.perf_counter() - start
+        self._hook_s += time.perf_counter() - start - (manager.launch_s - launched_s)
 
     def finish(self) -> None:
         """End the backward: issue the rest of its collectives, land the results, then raise what was found.
@@ -314,6 +336,7 @@ class GradSync:
         if not self.active:
             return
         self.active = False
+        self.manager.fast_path[0] = 0
         exposed = 0.0
         try:
             if self.synced:
@@ -368,15 +391,17 @@ class GradSync:
             for index, _ in missing:
                 manager.mark_ready(index, arrived=False)
             if config.find_unused_parameters:
-                arrived = set(manager.arrival_order)
-                self.unused = [name for i, name in enumerate(manager.names) if i not in arrived]
+                self.unused = [name for i, name in enumerate(manager.names) if not manager.arrived(i)]
         flags = None
         if config.find_unused_parameters:
+            used = self._used_flags.tensor
             if self.joined:
-                self._used_flags.zero_()
+                used.zero_()
             else:
-                manager.local_grad_flags(self._used_flags)
-            flags = group.all_reduce(self._used_flags, ReduceOp.SUM, async_op=True)
+                manager.local_grad_flags(used)
+            flags = group.all_reduce(used, ReduceOp.SUM, async_op=True)
+            assert flags is not None  # async_op=True always returns a handle
+            self._used_flags.start(flags)
             self._extra_collectives += 1
         budget = timeout or group.timeout
         start = time.perf_counter()
@@ -395,7 +420,7 @@ class GradSync:
             flags.wait(budget)
         exposed = time.perf_counter() - start
         if flags is not None:
-            nobody = (to_host(self._used_flags) == 0).nonzero().flatten().tolist()
+            nobody = [i for i, count in enumerate(self._used_flags.result()) if not count]
             if nobody:
                 manager.release_grads(nobody)
         manager.end_window()
@@ -454,7 +479,7 @@ class GradSync:
             exposed_wait_s=exposed,
             grads_copied=manager.grads_copied,
             bytes_sent=sent,
-            hook_s=self._hook_s,
+            hook_s=self._hook_s + manager.launch_s,
             padding_bytes=manager.padding_bytes,
             wire_bytes=wire_bytes(group.world_size, sent, scattered),
         )

@@ -20,7 +20,7 @@ from commlib.errors import error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
-from ddp.devices import control_tensor, to_host
+from ddp.devices import HostReadback, control_tensor, to_host
 from ddp.errors import NonFiniteGradientError
 
 __all__ = ["NonFiniteCheck"]
@@ -28,7 +28,27 @@ __all__ = ["NonFiniteCheck"]
 MAX_REPORTED = 8
 """Non-finite parameters each rank reports (the message names at most these)."""
 
-_WIDE_SUM = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def _reads_of(
+    bucket: GradientBucket, data: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor], HostReadback]:
+    """What ``inspect`` needs for ``bucket`` communicated from ``data``, made once per layout."""
+    slots, slices = [], []
+    for slot, (offset, param) in enumerate(zip(bucket.offsets, bucket.params, strict=True)):
+        if param.numel():
+            slots.append(slot)
+            slices.append(data[offset : offset + param.numel()])
+    maxima = torch.empty(len(slices), dtype=data.dtype, device=data.device)
+    return data, tuple(slots), slices, HostReadback(maxima)
+
+
+def _max_abs(slices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest absolute value of each slice (NaN where it holds one), one launch where torch can."""
+    foreach = getattr(torch, "_foreach_norm", None)
+    if foreach is not None:
+        return list(foreach(slices, math.inf))
+    return [torch.linalg.vector_norm(s, math.inf) for s in slices]
 
 
 class NonFiniteCheck:
@@ -41,28 +61,37 @@ class NonFiniteCheck:
     def __init__(self, group: IProcessGroup) -> None:
         self._group = group
         self._found: list[tuple[int, int]] = []  # (bucket index, slot) on this rank, this backward
+        self._pending: list[tuple[int, tuple[int, ...], HostReadback]] = []
+        # Per bucket index: the buffer inspected, its non-empty slots, their slices, their maxima, the read.
+        self._reads: dict[int, tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor], HostReadback]] = {}
 
     def reset(self) -> None:
         """Forget what the previous backward found."""
         self._found.clear()
+        self._pending.clear()
 
     def inspect(self, bucket: GradientBucket, data: torch.Tensor) -> None:
-        """Check ``data`` (the bucket's flat tensor about to be communicated) for NaN and Inf.
+        """Look for NaN and Inf in ``data`` (the bucket's flat tensor about to be communicated).
 
-        One pass (a sum) when everything is finite. On CUDA, reading the sum waits
-        for the kernels before it.
+        Queues the work on the device and returns; the result is read by ``found``.
         """
-        total = data.sum(dtype=_WIDE_SUM.get(data.dtype, data.dtype))
-        if math.isfinite(float(total)):
-            return
-        for slot, (offset, param) in enumerate(zip(bucket.offsets, bucket.params, strict=True)):
-            piece = data[offset : offset + param.numel()]
-            if not bool(torch.isfinite(piece).all()):
-                self._found.append((bucket.index(), slot))
+        index = bucket.index()
+        entry = self._reads.get(index)
+        if entry is None or entry[0] is not data:
+            entry = self._reads[index] = _reads_of(bucket, data)
+        _, slots, slices, readback = entry
+        if slots:
+            readback.start(source=torch.stack(_max_abs(slices)))
+            self._pending.append((index, slots, readback))
 
     @property
     def found(self) -> int:
         """Non-finite parameter slices this rank found in this backward (its entry in the agreement)."""
+        for index, slots, readback in self._pending:
+            for slot, value in zip(slots, readback.result(), strict=True):
+                if not math.isfinite(value):
+                    self._found.append((index, slot))
+        self._pending.clear()
         return len(self._found)
 
     def explain(

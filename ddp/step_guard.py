@@ -72,7 +72,7 @@ from commlib.errors import CommError, error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import dtype_name
 from commlib.work import Work
-from ddp.devices import control_buffer, control_tensor, to_host
+from ddp.devices import HostReadback, control_buffer, control_tensor, to_host
 from ddp.errors import ParametersChangedError, RanksOutOfStepError, with_context
 from ddp.param_registry import ParamRegistry
 
@@ -187,7 +187,8 @@ class StepGuard:
         """What the latest forward found changed (empty: nothing)."""
         self._backward_since_found = True
         self._work: Work | None = None
-        self._gathered: torch.Tensor | None = None
+        self._readback: HostReadback | None = None
+        """The agreement's gathered table and its read (allocated at the first agreement)."""
         self._local_row: list[int] | None = None
 
     def _prefix(self, op: str) -> str:
@@ -283,9 +284,12 @@ class StepGuard:
         if group.world_size == 1 or not communicates:
             self._local_row = row if communicates else None
             return
-        self._gathered = control_buffer(group, group.world_size * ROW, torch.int64)
-        work = group.all_gather(self._gathered, control_tensor(group, row, torch.int64), async_op=True)
+        if self._readback is None:
+            self._readback = HostReadback(control_buffer(group, group.world_size * ROW, torch.int64))
+        readback = self._readback
+        work = group.all_gather(readback.tensor, control_tensor(group, row, torch.int64), async_op=True)
         assert work is not None  # async_op=True always returns a handle
+        readback.start(work)  # read when it lands: no host sync at the end of backward
         forwards, backwards = row[0], row[1]
         self._work = work.annotate(
             lambda: f"DDP step agreement (training forward {forwards}, synchronised backward {backwards})"
@@ -314,16 +318,17 @@ class StepGuard:
         """
         if self._work is not None:
             work, self._work = self._work, None
+            assert self._readback is not None
             try:
                 work.wait(timeout if timeout is not None else self._group.timeout)
+                flat = self._readback.result()
             except CommError as e:
                 raise with_context(
                     e,
                     f"{self._prefix('backward')}waiting for the {work.context}, the collective every rank "
                     "launches before its first bucket: some rank did not reach this backward",
                 ) from e
-            assert self._gathered is not None
-            table = to_host(self._gathered).view(self._group.world_size, ROW).tolist()
+            table = [flat[r * ROW : (r + 1) * ROW] for r in range(self._group.world_size)]
         elif self._local_row is not None:
             table = [self._local_row]
         else:

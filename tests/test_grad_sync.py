@@ -161,7 +161,7 @@ def test_a_joined_rank_shadows_with_the_same_collectives_and_is_observed(tmp_pat
 
 
 # ------------------------------------------------------------- the hot path
-_HOOK = "_grad_hook.<locals>.hook"
+_HOOK = "GradientBucketManager.grad_hook.<locals>.hook"
 
 
 class _FrameCounter(FakeProcessGroup):
@@ -184,12 +184,20 @@ class _FrameCounter(FakeProcessGroup):
         return super()._all_reduce(tensor, op, async_op)
 
 
-def test_a_gradient_reaches_the_collective_in_eight_frames() -> None:
+def test_a_gradient_reaches_the_collective_in_seven_frames_on_the_fast_path() -> None:
     group = _FrameCounter(0, FakeHub(1))
     ddp = DistributedDataParallel(_net(), group, bucket_size_mb=0)
     ddp(torch.ones(2, 4)).sum().backward()
-    # Every bucket is launched from a gradient hook: the hook, GradSync.register_grad_ready,
-    # the manager's mark_ready and _launch, BucketSync.launch, then the group's all_reduce.
+    # The first backward takes the general path (its arrival order rebuilds the buckets): the hook,
+    # GradSync.register_grad_ready, the manager's mark_ready, _bucket_complete and _launch,
+    # BucketSync.launch, the prepared all-reduce's start, the group's _issue and _all_reduce.
     assert len(group.depths) == ddp.bucket_manager.num_buckets == 6
-    assert max(group.depths) <= 8, " <- ".join(group.frames)
+    assert max(group.depths) <= 9, " <- ".join(group.frames)
+    group.depths.clear()
+    ddp.zero_grad()
+    ddp(torch.ones(2, 4)).sum().backward()
+    # Then the fast path: the hook counts its bucket down and, at zero, _bucket_complete launches.
+    # The first hook of a backward begins it (the general path: it turns the fast path on).
+    assert len(group.depths) == 6 and group.depths[0] <= 9
+    assert max(group.depths[1:]) <= 7, " <- ".join(group.frames)
     group.close()

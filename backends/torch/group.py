@@ -498,6 +498,28 @@ class TorchDistProcessGroup(IProcessGroup):
             else None,
         )
 
+    @property
+    def orders_cuda_streams(self) -> bool:  # type: ignore[override]
+        """True where NCCL serves CUDA tensors: it orders its collectives after the current stream."""
+        return self._devices.get("cuda") == "nccl"
+
+    def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
+        if (op in _BITWISE and self._on_nccl(tensor)) or self._needs_upcast(tensor):
+            return None  # the general path folds or upcasts
+        opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
+        pg, tensors, cuda = self._torch(tensor), [tensor], tensor.device.type == "cuda"
+        rank, world, name = self.rank, self.world_size, self._name
+
+        def start() -> Work:
+            label = CollectiveLabel(rank, world, name, "all_reduce", self._seq, tensor)
+            try:
+                handle = pg.allreduce(tensors, opts)
+            except Exception:  # noqa: BLE001 - the general path retries wider or translates the error
+                return self._all_reduce(tensor, op, True)
+            return _TorchWork(self, label, handle, cuda, tensor)
+
+        return start
+
     def _all_reduce_upcast(self, tensor: torch.Tensor, op: ReduceOp, label: CollectiveLabel) -> Work:
         wide = tensor.to(_WIDE[tensor.dtype])
         opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])

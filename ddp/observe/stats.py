@@ -55,8 +55,9 @@ class StepStats:
             backward (``IProcessGroup.bytes_issued``): the buckets, or what a
             communication hook sent instead (half with bf16 compression), plus
             the small flag all-reduces (not the step agreement's all-gather).
-        hook_s: Time spent inside DDP's gradient hooks (taking gradients into
-            buckets, launching collectives), on the thread running backward.
+        hook_s: Time spent in DDP's gradient hooks' general path (taking
+            gradients into buckets) and in launching buckets, on the thread
+            running backward; the fast path's count-down is not timed.
         padding_bytes: Bytes of ``bytes_reduced`` that are padding, not
             gradients (``gradient_sync="reduce_scatter"`` pads each bucket to a
             multiple of the world size; 0 otherwise).

@@ -324,7 +324,13 @@ def case_rebuild(group) -> dict:
         layouts.append(ddp.bucket_manager.layout)
         ptrs.append([p.grad.data_ptr() for p in ddp.parameters()])
         grads = [p.grad.clone() for p in ddp.parameters()]
-    return {"layouts": layouts, "ptrs": ptrs, "grads": grads, "copied": ddp.last_step_stats.grads_copied}
+    return {
+        "layouts": layouts,
+        "ptrs": ptrs,
+        "grads": grads,
+        "copied": ddp.last_step_stats.grads_copied,
+        "restored": ddp.bucket_manager.views_restored,
+    }
 
 
 # ----------------------------------------------------------------- checks
