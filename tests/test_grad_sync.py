@@ -201,3 +201,125 @@ def test_a_gradient_reaches_the_collective_in_seven_frames_on_the_fast_path() ->
     assert len(group.depths) == 6 and group.depths[0] <= 9
     assert max(group.depths[1:]) <= 7, " <- ".join(group.frames)
     group.close()
+
+
+# ------------------------------------------------------ gradients in buckets
+class _Partial(nn.Module):
+    """Two layers, the second used only when ``use_b`` (``find_unused_parameters``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def test_backward_start_hands_each_none_grad_its_bucket_view_and_unused_ones_get_none_back() -> None:
+    def body(group: FakeProcessGroup) -> dict[str, Any]:
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            model = _Partial()
+        ddp = DistributedDataParallel(model, group, find_unused_parameters=True)
+        x = torch.full((1, 3), float(group.rank + 1))
+        seen: dict[str, Any] = {}
+        for step, use_b in enumerate([True, True, group.rank == 1, False]):
+            ddp.zero_grad(set_to_none=True)
+            ddp(x, use_b).sum().backward()
+            seen[f"copied{step}"] = ddp.last_step_stats.grads_copied  # type: ignore[union-attr]
+            seen[f"b{step}"] = None if model.b.weight.grad is None else model.b.weight.grad.clone()
+            seen[f"a{step}"] = model.a.weight.grad.clone()  # type: ignore[union-attr]
+        seen["restored"] = ddp.bucket_manager.views_restored
+        seen["in_bucket"] = all(
+            p.grad is None or p.grad.data_ptr() >= ddp.bucket_manager.buckets[0].buffer().data_ptr()
+            for p in model.parameters()
+        )
+        return seen
+
+    r0, r1 = run_threads(body, 2)
+    for r in (r0, r1):
+        assert [r[f"copied{s}"] for s in range(4)] == [0, 0, 0, 0]  # autograd added into the views
+        assert r["restored"] == 4 and r["in_bucket"]
+    # Used on rank 1 only: rank 0's view stayed zeros, so both hold rank 1's gradient over 2.
+    assert torch.equal(r0["b2"], r1["b2"]) and r0["b2"].abs().sum() > 0
+    assert r0["b3"] is None and r1["b3"] is None  # used by no rank: None again, as on one process
+    assert torch.equal(r0["a3"], r1["a3"])
+
+
+def test_a_gradient_that_arrives_as_a_new_tensor_is_copied_in_by_the_general_path() -> None:
+    def body(group: FakeProcessGroup) -> tuple[list[float], list[int]]:
+        with _BUILD_LOCK:
+            torch.manual_seed(0)
+            model = nn.Linear(2, 1, bias=False)
+        # A hook of the user's, registered before DDP's, replaces each gradient with a new tensor.
+        model.weight.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad * 2))
+        ddp = DistributedDataParallel(model, group)
+        copied = []
+        for _ in range(3):
+            ddp.zero_grad()
+            ddp(torch.full((1, 2), float(group.rank + 1))).sum().backward()
+            copied.append(ddp.last_step_stats.grads_copied)  # type: ignore[union-attr]
+        return model.weight.grad.flatten().tolist(), copied  # type: ignore[union-attr]
+
+    for grads, copied in run_threads(body, 2):
+        assert grads == [3.0, 3.0]  # the mean of 2 * (1, 2)
+        assert copied == [1, 1, 1]
+
+
+def test_a_repeated_gradient_on_the_fast_path_is_named_as_a_second_gradient() -> None:
+    def body(group: FakeProcessGroup) -> str:
+        ddp = DistributedDataParallel(_net(), group, bucket_size_mb=0)
+        x = torch.ones(2, 4)
+        for _ in range(3):  # the first backward rebuilds the layout; the later ones take the fast path
+            ddp(x).sum().backward()
+        try:
+            ddp(x, "repeated").sum().backward()
+        except CommError as e:
+            return str(e)
+        return "no error"
+
+    for message in run_threads(body, 2):
+        assert "got a second gradient in this backward" in message, message
+
+
+# ------------------------------------------------------- prepared collectives
+def test_a_prepared_all_reduce_is_an_all_reduce_checked_once() -> None:
+    def body(group: FakeProcessGroup) -> dict[str, Any]:
+        buffer = torch.zeros(4, requires_grad=True)
+        plain = group.prepare_all_reduce(buffer)
+        average = group.prepare_all_reduce(torch.zeros(4), ReduceOp.AVG)
+        out: dict[str, Any] = {"detached": not plain.tensor.requires_grad}
+        for step in range(2):
+            plain.tensor.fill_(group.rank + step)
+            average.tensor.fill_(group.rank + step)
+            seq = group._seq  # noqa: SLF001
+            works = [plain.start(), average.start()]
+            for work in works:
+                work.wait()
+            out[f"seq{step}"] = group._seq - seq  # noqa: SLF001 - numbered as any collective
+            out[f"sum{step}"] = plain.tensor.tolist()
+            out[f"avg{step}"] = average.tensor.tolist()
+            out[f"value{step}"] = works[0].get_future().wait()[0] is plain.tensor
+        group.close()
+        try:
+            plain.start()
+        except CommError as e:
+            out["closed"] = type(e).__name__
+        return out
+
+    for r in run_threads(body, 2, supports_avg=False):
+        assert r["detached"] and r["value0"] and r["value1"]
+        assert r["seq0"] == r["seq1"] == 2
+        assert r["sum0"] == [1.0] * 4 and r["sum1"] == [3.0] * 4
+        assert r["avg0"] == [0.5] * 4 and r["avg1"] == [1.5] * 4  # summed, then divided once
+        assert r["closed"] == "GroupClosedError"
+
+
+def test_preparing_checks_the_buffer_before_any_communication() -> None:
+    group = FakeProcessGroup(0, FakeHub(1))
+    with pytest.raises(ValueError, match="contiguous"):
+        group.prepare_all_reduce(torch.zeros(4, 4).t())
+    with pytest.raises((TypeError, ValueError), match="BAND|bitwise|integer"):
+        group.prepare_all_reduce(torch.zeros(4), ReduceOp.BAND)
+    assert group.issued == []
+    group.close()
