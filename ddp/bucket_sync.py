@@ -414,8 +414,6 @@ class BucketSync:
         return value.reshape(-1)
 
 
-
-
 def _is_torch_future(value: object) -> bool:
     """True for a ``torch.futures.Future``, including those ``then()`` returns (torch's C++ class)."""
     return all(callable(getattr(value, m, None)) for m in ("add_done_callback", "wait", "done", "value"))

@@ -29,7 +29,6 @@ MAX_REPORTED = 8
 """Non-finite parameters each rank reports (the message names at most these)."""
 
 
-
 def _reads_of(
     bucket: GradientBucket, data: torch.Tensor
 ) -> tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor], HostReadback]:
