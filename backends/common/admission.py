@@ -41,7 +41,6 @@ __all__ = [
 ]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RendezvousContext:
     """What every step of one rendezvous needs, whichever the protocol.
