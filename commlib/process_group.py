@@ -29,6 +29,7 @@ from commlib.config import CommConfig
 from commlib.diagnosis import Diagnostics, FingerprintExchange
 from commlib.env import DistEnv
 from commlib.errors import CommError, error_prefix
+from commlib.membership import agree_on_members
 from commlib.p2p import P2POp, P2PRequest
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, op_applies
 from commlib.work import CollectiveLabel, Work
@@ -932,6 +933,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         if sort_ranks:
             members.sort()
         config = self._sub_config(name, timeout)
+        agree_on_members(self, self._prefix(name), name, [members])
         names = [self._next_subgroup_name()]
         return self._finish_split(name, [members], config, names)
 
@@ -1013,6 +1015,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                     )
                 seen[r] = i
         config = self._sub_config(name, timeout)
+        agree_on_members(self, self._prefix(name), name, groups)
         names = [self._next_subgroup_name() for _ in groups]
         return self._finish_split(name, groups, config, names)
 

@@ -286,3 +286,29 @@ def body_zero_on_subgroups(group: IProcessGroup, steps: int = 4, lr: float = 0.0
     out = {"color": color, "diff": _max_diff(model, reference), "digest": digest(model)}
     dp.close()
     return out
+
+
+def body_mismatched_member_lists(group: IProcessGroup) -> dict[str, Any]:
+    """The last rank passes other rank lists to ``new_group`` and ``split_group`` than the others.
+
+    Every rank must get ``CollectiveMismatchError`` naming each rank's lists, and the parent must
+    stay usable. Returns each error's text (None where none was raised) and a sum after them.
+    """
+    r, last = group.rank, group.world_size - 1
+    others = list(range(1, last))
+    lists = [0, last] if r == last else [0, 1]
+    splits = [[0, last], others] if r == last else [[0, 1], list(range(2, last + 1))]
+    report: dict[str, Any] = {}
+    for name, call in (
+        ("new_group", lambda: group.new_group(lists)),
+        ("split_group", lambda: commlib.split_group(group, splits)),
+    ):
+        try:
+            call()
+            report[name] = None
+        except commlib.CollectiveMismatchError as e:
+            report[name] = str(e)
+    t = torch.ones(1)
+    group.all_reduce(t)
+    report["sum_after"] = t.item()
+    return report

@@ -94,6 +94,7 @@ CALLS: dict[int, list[tuple[str, list[Any]]]] = {
         (f"{BODIES}:body_async_order", []),
         *_P2P,
         *_SUBGROUPS,
+        (f"{SUBGROUPS}:body_mismatched_member_lists", []),
         (f"{OBJECTS}:body_objects", []),
         (f"{OBJECTS}:body_object_limits", []),
         (f"{FEATURES}:p2p_sizes_sources_order", []),
@@ -347,6 +348,17 @@ def test_interface_subgroups(job: Job, nprocs: int) -> None:
     for rank in range(nprocs):
         split = values[rank][f"{SUBGROUPS}:body_split()"]
         assert split["global_ranks"] == sorted((k for k in range(nprocs) if k % 2 == rank % 2), reverse=True)
+
+
+@pytest.mark.launcher
+def test_interface_different_member_lists(job: Job) -> None:
+    """subgroup_bodies.py: rank 2 lists other members; every rank raises at once, naming each rank's lists."""
+    from tests.distributed.test_subgroups import mismatched_member_lists_expected
+
+    values = job(3)
+    for rank in range(3):
+        value = values[rank][f"{SUBGROUPS}:body_mismatched_member_lists()"]
+        assert value == mismatched_member_lists_expected("mpi", rank, 3), value
 
 
 @pytest.mark.launcher

@@ -1,6 +1,9 @@
-"""Subgroups on every backend variant: overlapping groups used in turn, groups of one, closing, split."""
+"""Subgroups on every backend variant: overlapping groups used in turn, groups of one, closing, split,
+and rank lists that differ across ranks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -64,3 +67,36 @@ def test_torchs_split_functions(get_pool, variant: str, world_size: int) -> None
         assert v["gathered"] == [x for k in range(size) for x in (k, 7)]
         k = r % size  # this rank's block of the sum of every member's arange(3 * size)
         assert v["scattered"] == [size * (3 * k + i) for i in range(3)]
+
+
+def mismatched_member_lists_expected(backend: str, rank: int, world_size: int) -> dict[str, Any]:
+    """What ``body_mismatched_member_lists`` reports on every rank, whatever the backend."""
+    last = world_size - 1
+    most = f"0-{last - 1}" if last > 2 else "0, 1"  # the ranks that passed the same lists
+    fix = "in the same order relative to its other new_group / split / split_group calls; no group was made"
+    return {
+        "new_group": (
+            f"[rank {rank}/{world_size}] {backend}.new_group: the ranks passed different rank lists to "
+            f"new_group: ranks {most} passed [0, 1]; rank {last} passed [0, {last}]. Every rank of the group "
+            f"must call new_group with the same ranks, {fix}"
+        ),
+        "split_group": (
+            f"[rank {rank}/{world_size}] {backend}.split_group: the ranks passed different rank lists to "
+            f"split_group: ranks {most} passed [[0, 1], {list(range(2, world_size))}]; rank {last} passed "
+            f"[[0, {last}], {list(range(1, last))}]. Every rank of the group must call split_group with the "
+            f"same ranks, {fix}"
+        ),
+        "sum_after": float(world_size),
+    }
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_different_member_lists_raise_on_every_rank_before_any_set_up(get_pool, variant: str) -> None:
+    """The last rank lists other members: every rank raises, naming each rank's lists; the parent works.
+
+    The pool's COMMLIB_TIMEOUT is 60 s, the run's deadline 30 s: waiting for missing members fails.
+    """
+    values = get_pool(variant, 3).run(bodies.body_mismatched_member_lists, timeout=30)
+    backend = VARIANTS[variant][0]
+    for rank, value in enumerate(values):
+        assert value == mismatched_member_lists_expected(backend, rank, 3), value
