@@ -401,6 +401,22 @@ def test_missing_rank_times_out_then_aborts_the_job() -> None:
     assert "aborts the MPI job (MPI_Abort" in err, result.describe()
 
 
+def test_a_timeout_on_a_subgroup_names_the_group_by_its_global_ranks() -> None:
+    """Overlapping pairs called in a cyclic order deadlock until their 3 s timeout; then a recv is lost.
+
+    The stuck collectives make the job abort at exit; each rank's report is written before.
+    """
+    from tests.distributed.test_subgroups import timeouts_name_the_group_expected
+
+    result = launch(f"{SUBGROUPS}:body_timeouts_name_the_group", 3, env=TEST_TIMEOUT, timeout=120)
+    assert not result.timed_out, result.describe()
+    assert sorted(result.results) == [0, 1, 2], result.describe()
+    for rank in range(3):
+        value = result.results[rank][f"{SUBGROUPS}:body_timeouts_name_the_group"]
+        for what, start in timeouts_name_the_group_expected("mpi", rank).items():
+            assert value[what] is not None and value[what].startswith(start), (rank, what, value)
+
+
 def test_dead_peer_ends_the_job() -> None:
     """MPICH's launcher kills the job as soon as a rank dies; no hang."""
     result = launch("die_after_first", 2, env=FAST_TIMEOUT, timeout=60)

@@ -100,3 +100,29 @@ def test_different_member_lists_raise_on_every_rank_before_any_set_up(get_pool, 
     backend = VARIANTS[variant][0]
     for rank, value in enumerate(values):
         assert value == mismatched_member_lists_expected(backend, rank, 3), value
+
+
+def timeouts_name_the_group_expected(backend: str, rank: int) -> dict[str, str]:
+    """The start of each error ``body_timeouts_name_the_group`` reports on ``rank``."""
+    pair = {0: (0, [0, 1]), 1: (0, [1, 2]), 2: (1, [0, 2])}[rank]
+    expected = {
+        "deadlock": f"[rank {pair[0]}/2] {backend}.all_reduce #1 (float32, 4 elements) in group {pair[1]} "
+        "(global ranks): "
+    }
+    if rank == 2:
+        expected["recv"] = (
+            f"[rank 1/2] {backend}.recv #1 from rank 0 tag 5 (float32, 4 elements) in group [1, 2] "
+            "(global ranks): "
+        )
+    return expected
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_timeout_on_a_subgroup_names_the_group_by_its_global_ranks(get_pool, variant: str) -> None:
+    """Overlapping pairs called in a cyclic order deadlock until their 3 s timeout; then a recv is lost."""
+    values = get_pool(variant, 3).run(bodies.body_timeouts_name_the_group, timeout=90)
+    backend = VARIANTS[variant][0]
+    for rank, value in enumerate(values):
+        for what, start in timeouts_name_the_group_expected(backend, rank).items():
+            assert value[what] is not None and value[what].startswith(start), (rank, what, value)
+        assert set(value) == {"deadlock"} | ({"recv"} if rank == 2 else set()), value
