@@ -2,7 +2,8 @@
 
 What is checked here needs no second process: that two ranks of one job meet and share one scoped
 store; that garbage in an answer slot, a forged verdict, a port held by another program and a
-listener that is not a store each give their own clear outcome within the timeout.
+listener that is not a store each give their own clear outcome within the timeout; and that an
+answer under another job token is refused without keeping this job's rank out.
 """
 
 from __future__ import annotations
