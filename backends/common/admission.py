@@ -9,7 +9,7 @@ port until its own ranks are in, so waiting would not get it in). Rank 0
 cannot tell a rank of its own job that holds another token (started from
 another terminal, or given another ``COMMLIB_JOB_TOKEN``) from a second job on
 the same port, or from any process that claims a rank to stop the job. So a
-refusal never ends, stalls or fills the job (``Refusals``): rank 0 logs it at
+refusal never ends, stalls or joins the job (``Refusals``): rank 0 logs it at
 WARNING at once, keeps the rank it claimed open for this job's own rank, and
 goes on waiting until its deadline; the timeout error then names every refused
 claim and says how to fix a job that could not form.
@@ -165,11 +165,14 @@ class Claim:
     address: str = dataclasses.field(default="", compare=False)
 
     def describe(self) -> str:
-        """``pid 9513 on vm (from 127.0.0.1:35896) claiming rank 1 of world size 2 (its job: ...)``."""
+        """``pid 9513 on vm (from 127.0.0.1:35896) claiming rank 1 of world size 2 (its job: ...)``.
+
+        What the claimant sent is cut short (a stranger chooses it), so a line stays a line.
+        """
         where = f" (from {self.address})" if self.address else ""
         return (
-            f"pid {self.pid} on {self.host}{where} claiming rank {self.rank} of world size {self.world_size} "
-            f"(its job: {self.identity})"
+            f"pid {self.pid} on {self.host:.100}{where} claiming rank {self.rank} of world size "
+            f"{self.world_size} (its job: {self.identity:.300})"
         )
 
 

@@ -237,11 +237,17 @@ def test_p2p_timeouts_leave_the_group_usable(job: Job) -> None:
         r = _body(values, "p2p_timeouts")
         assert r["all_reduce"] == 2.0 and r["left_in_flight"] == 0, r
         if rank == 0:
-            assert r["send"].startswith("[rank 0/2] mpi.send #1 to rank 1 tag 12 (float32, 3 elements): ")
+            assert r["send"].startswith(
+                "[rank 0/2] mpi.send #1 to rank 1 tag 12 (float32, 3 elements) in group [0, 1] "
+                "(global ranks): "
+            )
             assert "within 1.5 s" in r["send"] and "MPI cannot withdraw a send" in r["send"]
             assert r["back"] == [1.0, 1.0]
         else:
-            assert r["recv"].startswith("[rank 1/2] mpi.recv #1 from rank 0 tag 11 (float32, 3 elements): ")
+            assert r["recv"].startswith(
+                "[rank 1/2] mpi.recv #1 from rank 0 tag 11 (float32, 3 elements) in group [0, 1] "
+                "(global ranks): "
+            )
             assert "no message arrived within 1.5 s" in r["recv"] and "withdrawn" in r["recv"]
             assert r["recv_tensor"] == [2.0] * 3
             # The send that timed out was still queued: the next recv with its tag receives it.

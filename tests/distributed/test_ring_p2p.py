@@ -20,7 +20,8 @@ def test_a_send_nobody_receives_times_out_and_the_rest_goes_on() -> None:
     messages = run_ranks(bodies.body_send_nobody_receives, 3, env={"COMMLIB_TIMEOUT": "60"}, timeout=120)
     to_1, to_2 = messages[0]
     assert to_1.startswith(
-        "[rank 0/3] ring.send #1 to rank 1 tag 9 (float32, 4 elements): rank 1 did not receive"
+        "[rank 0/3] ring.send #1 to rank 1 tag 9 (float32, 4 elements) in group [0-2] (global ranks): rank 1 "
+        "did not receive"
     ), to_1
     assert "within 1 s" in to_1 and "stays queued for a later recv" in to_1, to_1
     assert to_2.startswith("[rank 0/3] ring.send #1 to rank 2 tag 9"), to_2
