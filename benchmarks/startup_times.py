@@ -5,7 +5,8 @@ Run (spawns its own ranks; 2026-11-25 figures in docs/reliability.md)::
     python benchmarks/startup_times.py [--flood 0,64,150] [--csv startup_times.csv]
 
 Cases, 2 ranks each, ``COMMLIB_TIMEOUT=120`` unless said: a wrong ``COMMLIB_JOB_TOKEN`` on rank 1
-(ring, gloo); two processes with ``RANK=0`` (ring, gloo); a store client that replaces rank 0's
+(ring, gloo, ``COMMLIB_TIMEOUT=5``: rank 1 is refused at once, rank 0 waits for its own rank 1 until its
+deadline); two processes with ``RANK=0`` (ring, gloo); a store client that replaces rank 0's
 challenge before rank 1 starts (gloo, ``COMMLIB_TIMEOUT=5``). Each rank reports the seconds from
 the start of its ``init_process_group`` to its error (or to its all-reduce's result). Then, for each
 count in ``--flood``, two ranks in threads of this process join gloo's store while that many idle
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for backend in ("ring", "gloo"):
         tokens = [{"COMMLIB_JOB_TOKEN": "alpha"}, {"COMMLIB_JOB_TOKEN": "beta"}]
-        cases.append(("wrong token on rank 1", backend, tokens, "120", False))
+        cases.append(("wrong token on rank 1", backend, tokens, "5", False))
         cases.append(("two processes with RANK=0", backend, [{}, {"RANK": "0"}], "120", False))
     cases.append(("forged challenge", "gloo", [{"COMMLIB_JOB_TOKEN": "j"}] * 2, "5", True))
     for name, backend, per_rank, timeout, forge in cases:

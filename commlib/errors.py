@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 __all__ = [
@@ -79,7 +79,24 @@ def ranks_by_value(items: Iterable[Any], key: Callable[[Any], str]) -> str:
     )
 
 
-def error_prefix(rank: int, world_size: int, backend: str, op: str) -> str:
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``[0, 2, 5]``; ``[0-511]`` for a run of consecutive ranks; past 8 ranks, the first ones and a count."""
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"[{ranks[0]}-{ranks[-1]}]"
+    if len(ranks) > 8:
+        return f"[{', '.join(map(str, ranks[:6]))}, ...] ({len(ranks)} ranks)"
+    return f"[{', '.join(map(str, ranks))}]"
+
+
+def in_group(global_ranks: Sequence[int] | None) -> str:
+    """`` in group [0, 2] (global ranks)``: where a subgroup's operation ran; "" for a root group (None)."""
+    return f" in group {format_ranks(global_ranks)} (global ranks)" if global_ranks is not None else ""
+
+
+def error_prefix(
+    rank: int, world_size: int, backend: str, op: str, group: Sequence[int] | None = None
+) -> str:
     """Return the ``[rank 1/4] ring.all_reduce: `` prefix every message starts with.
 
     Args:
@@ -87,5 +104,6 @@ def error_prefix(rank: int, world_size: int, backend: str, op: str) -> str:
         world_size: Number of ranks in the group.
         backend: Backend name (``ring``, ``mpi``, ``nccl``, ``gloo``).
         op: The operation that failed (``all_reduce``, ``rendezvous``, ...).
+        group: A subgroup's global ranks, named after the op (its ranks are numbered within it).
     """
-    return f"[rank {rank}/{world_size}] {backend}.{op}: "
+    return f"[rank {rank}/{world_size}] {backend}.{op}{in_group(group)}: "

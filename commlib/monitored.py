@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from commlib.errors import CommError, CommTimeoutError
+from commlib.errors import CommError, CommTimeoutError, error_prefix
 from commlib.work import Work
 
 __all__ = ["RELEASE_GRACE_S", "monitored_barrier"]
@@ -49,9 +49,15 @@ class MonitoredGroup(Protocol):
 
     rank: int
     world_size: int
+    backend: str
+    _named_ranks: tuple[int, ...] | None
 
-    def _prefix(self, op: str) -> str: ...
     def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work: ...
+
+
+def _prefix(group: MonitoredGroup) -> str:
+    """``[rank 1/2] ring.monitored_barrier: ``, naming a subgroup by its global ranks."""
+    return error_prefix(group.rank, group.world_size, group.backend, _NAME, group._named_ranks)
 
 
 def monitored_barrier(group: MonitoredGroup, timeout_s: float, wait_all_ranks: bool, call: int) -> None:
@@ -125,14 +131,14 @@ def _follow(group: MonitoredGroup, timeout_s: float, deadline: float, call: int)
         released.wait(_remaining(deadline))
     except CommTimeoutError:
         raise CommTimeoutError(
-            f"{group._prefix(_NAME)}rank 0 did not answer within {waited:g} s ({timeout_s:g} s and "
+            f"{_prefix(group)}rank 0 did not answer within {waited:g} s ({timeout_s:g} s and "
             f"{RELEASE_GRACE_S:g} s of grace): rank 0 has not reached monitored_barrier call #{call}, or "
             "has not finished it (rank 0's error names the ranks it waited for)"
         ) from None
     verdict = [int(v) for v in release.tolist()]
     if verdict[0] != call:
         raise CommError(
-            f"{group._prefix(_NAME)}rank 0 answered monitored_barrier call #{verdict[0]}, this rank is at "
+            f"{_prefix(group)}rank 0 answered monitored_barrier call #{verdict[0]}, this rank is at "
             f"call #{call}: the ranks called monitored_barrier a different number of times"
         )
     if any(v != _GO for v in verdict[1:]):
@@ -161,4 +167,4 @@ def _failure(
         )
     source = "" if group.rank == 0 else "rank 0 reports: "
     error = CommTimeoutError if _MISSING in verdict else CommError
-    return error(f"{group._prefix(_NAME)}{source}{'; '.join(parts)}")
+    return error(f"{_prefix(group)}{source}{'; '.join(parts)}")

@@ -30,6 +30,7 @@ from commlib.config import CommConfig
 from commlib.diagnosis import Diagnostics, FingerprintExchange
 from commlib.env import DistEnv
 from commlib.errors import CommError, error_prefix
+from commlib.membership import agree_on_members
 from commlib.p2p import P2POp, P2PRequest
 from commlib.prepared import PreparedCollective
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, op_applies
@@ -117,6 +118,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """Stall watchdog, fingerprint check and flight recorder, when any is on."""
         self._bytes_issued = 0
         self._global_ranks: tuple[int, ...] = tuple(range(env.world_size))
+        self._named_ranks: tuple[int, ...] | None = None
+        """A subgroup's global ranks, which its messages name; None for a root group."""
         self._group_name = f"#{next(_root_groups)}"
         self._subgroups_made = 0
         """``new_group`` / ``split`` calls on this group: numbers the groups they make."""
@@ -984,6 +987,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         if sort_ranks:
             members.sort()
         config = self._sub_config(name, timeout)
+        agree_on_members(self, self._prefix(name), name, [members])
         names = [self._next_subgroup_name()]
         return self._finish_split(name, [members], config, names)
 
@@ -1065,6 +1069,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                     )
                 seen[r] = i
         config = self._sub_config(name, timeout)
+        agree_on_members(self, self._prefix(name), name, groups)
         names = [self._next_subgroup_name() for _ in groups]
         return self._finish_split(name, groups, config, names)
 
@@ -1085,7 +1090,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 f"{self._prefix(op)}the {self.backend} backend made a group where this rank is "
                 f"{child.rank}/{child.world_size}, expected {ranks.index(self.rank)}/{len(ranks)}"
             )
-        child._global_ranks = tuple(self._global_ranks[r] for r in ranks)
+        child._global_ranks = child._named_ranks = tuple(self._global_ranks[r] for r in ranks)
         child._group_name = names[mine]  # type: ignore[index]
         child._start_diagnostics()
         return child
@@ -1420,18 +1425,24 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     def _label(self, op: str, tensor: torch.Tensor | None = None) -> CollectiveLabel:
         """Name the current collective (sequence number ``_seq``) for messages."""
-        return CollectiveLabel(self.rank, self.world_size, self.backend, op, self._seq, tensor)
+        return CollectiveLabel(
+            self.rank, self.world_size, self.backend, op, self._seq, tensor, group=self._named_ranks
+        )
 
     def _request_label(self, request: P2PRequest) -> CollectiveLabel:
         """Name a checked send or receive for messages (``_p2p_label``, from what the request holds)."""
         kind, tensor, peer, tag, seq = request
         env = self._env
-        return CollectiveLabel(env.rank, env.world_size, self.backend_name, kind, seq, tensor, peer, tag)
+        return CollectiveLabel(
+            env.rank, env.world_size, self.backend_name, kind, seq, tensor, peer, tag, self._named_ranks
+        )
 
     def _p2p_label(self, op: str, tensor: torch.Tensor | None, peer: int | None, tag: int) -> CollectiveLabel:
         """Name the latest ``send`` / ``recv`` with ``peer`` and ``tag`` for messages."""
         seq = self._p2p_counts.get((op, peer, tag), 0)
-        return CollectiveLabel(self.rank, self.world_size, self.backend, op, seq, tensor, peer, tag)
+        return CollectiveLabel(
+            self.rank, self.world_size, self.backend, op, seq, tensor, peer, tag, self._named_ranks
+        )
 
     def _not_implemented(self, op: str) -> NotImplementedError:
         return NotImplementedError(f"{self._prefix(op)}the {self.backend} backend does not implement {op}")

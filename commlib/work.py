@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from commlib.errors import CommError, CommTimeoutError
+from commlib.errors import CommError, CommTimeoutError, in_group
 from commlib.types import dtype_name
 
 __all__ = ["CollectiveLabel", "CompletedWork", "EventWork", "Work"]
@@ -27,8 +27,11 @@ class CollectiveLabel:
     """Names one operation in messages: ``[rank 0/2] gloo.all_reduce #7 (float32, 1024 elements)``.
 
     Point-to-point operations name their peer and tag, and count per peer and
-    tag: ``[rank 0/2] gloo.send #3 to rank 1 tag 0 (float32, 8 elements)``. It is
-    formatted only when a message needs it, so the hot path pays for no string.
+    tag: ``[rank 0/2] gloo.send #3 to rank 1 tag 0 (float32, 8 elements)``. An
+    operation on a subgroup names the group by its global ranks, since its ranks
+    are numbered within it: ``[rank 1/2] gloo.all_reduce #4 (float32, 8 elements)
+    in group [0, 2] (global ranks)``. It is formatted only when a message needs it,
+    so the hot path pays for no string.
 
     Args:
         rank: This rank.
@@ -40,9 +43,10 @@ class CollectiveLabel:
         tensor: The tensor the operation works on, if any (its dtype and size are named).
         peer: Point-to-point only: the other rank (None: a receive from any rank).
         tag: Point-to-point only: the tag (None for collectives).
+        group: A subgroup's members' global ranks, in its rank order; None for a root group.
     """
 
-    __slots__ = ("rank", "world_size", "backend", "op", "seq", "dtype", "numel", "peer", "tag")
+    __slots__ = ("rank", "world_size", "backend", "op", "seq", "dtype", "numel", "peer", "tag", "group")
 
     def __init__(
         self,
@@ -54,6 +58,7 @@ class CollectiveLabel:
         tensor: torch.Tensor | None = None,
         peer: int | None = None,
         tag: int | None = None,
+        group: tuple[int, ...] | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -64,6 +69,7 @@ class CollectiveLabel:
         self.numel = tensor.numel() if tensor is not None else 0
         self.peer = peer
         self.tag = tag
+        self.group = group
 
     def __str__(self) -> str:
         what = f" ({dtype_name(self.dtype)}, {self.numel} elements)" if self.dtype is not None else ""
@@ -71,7 +77,8 @@ class CollectiveLabel:
         if self.tag is not None:
             other = f"rank {self.peer}" if self.peer is not None else "any rank"
             pair = f" {'to' if self.op == 'send' else 'from'} {other} tag {self.tag}"
-        return f"[rank {self.rank}/{self.world_size}] {self.backend}.{self.op} #{self.seq}{pair}{what}"
+        where = in_group(self.group)
+        return f"[rank {self.rank}/{self.world_size}] {self.backend}.{self.op} #{self.seq}{pair}{what}{where}"
 
     def __repr__(self) -> str:
         return f"CollectiveLabel({self})"

@@ -1195,3 +1195,23 @@ def test_module_functions_take_one_of_global_and_group_rank(group: FakeGroup) ->
     assert child.calls[-1].args["src"] == 1  # global rank 3 is the child's rank 1
     with pytest.raises(ValueError, match="src=0 is not a member of this group"):
         commlib.broadcast(torch.ones(2), src=0, group=child)
+
+
+def test_a_subgroups_labels_name_it_by_its_global_ranks(group: FakeGroup) -> None:
+    """Ranks of a subgroup are numbered within it: its operations' labels say which group that is."""
+    from commlib.errors import format_ranks
+
+    child = group.new_group([3, 1])  # this is rank 1 of 4: rank 0 of [1, 3]
+    assert child is not None
+    assert str(child._label("all_reduce", torch.ones(2))) == (
+        "[rank 0/2] fake.all_reduce #0 (float32, 2 elements) in group [1, 3] (global ranks)"
+    )
+    assert str(child._p2p_label("send", torch.ones(2), 1, 4)).endswith(
+        "fake.send #0 to rank 1 tag 4 (float32, 2 elements) in group [1, 3] (global ranks)"
+    )
+    grandchild = child.new_group([0])
+    assert grandchild is not None and "in group [1] (global ranks)" in str(grandchild._label("barrier"))
+    root = str(group._label("barrier"))  # a root group: no group named
+    assert root.startswith("[rank 1/4] fake.barrier #") and "group" not in root
+    assert format_ranks(range(512)) == "[0-511]"
+    assert format_ranks([0, 2, 4, 6, 8, 10, 12, 14, 16]) == "[0, 2, 4, 6, 8, 10, ...] (9 ranks)"

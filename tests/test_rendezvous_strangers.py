@@ -4,7 +4,10 @@ Two ranks rendezvous in threads of this process; a stranger connects to rank 0's
 rendezvous port, or to its data listener, before rank 1 arrives. Each stranger
 must be dropped on its own and logged at DEBUG on the ``commlib`` logger, and the
 two ranks must meet as if it had never come: at once, not after the timeout, and
-linked to each other rather than to the stranger.
+linked to each other rather than to the stranger. An impostor that speaks the protocol
+with another job token is refused and logged at WARNING, and must neither end the
+rendezvous nor keep this job's rank out; a rank that never comes is named at the
+deadline together with the refused claim.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from backends.ring import lobby
 from backends.ring.rendezvous import RingSockets, rendezvous
 from backends.ring.wire import SocketReader, recv_json, send_json
 from commlib.env import DistEnv
+from commlib.errors import RendezvousTimeoutError
 from commlib.ports import free_port
 from tests._listeners import listening_ports, wait_until
 
@@ -228,3 +232,78 @@ def test_a_lobby_whose_listener_is_shut_down_stops_waiting_and_serves_no_more_co
     finally:
         hall.close()
         listener.close()
+
+
+# ------------------------------------------------------------ impostors with another token
+def _impostor_hello(port: int, rank: int = 1, world_size: int = 2) -> dict:
+    """Claim ``rank`` at rank 0's port as a commlib rank of another job would: hello, then a proof
+    under another token. Returns rank 0's answer to the proof."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(20)
+        reader = SocketReader(sock, "rank 0")
+        hello = {
+            "protocol": 2,
+            "rank": rank,
+            "world_size": world_size,
+            "host": "elsewhere/boot",
+            "addr": "127.0.0.1",
+            "port": 9,
+            "pid": 4242,
+            "identity": "an impostor's job",
+            "nonce": "cd" * 16,
+        }
+        send_json(sock, hello)
+        assert "challenge" in recv_json(reader, "the challenge")
+        send_json(sock, {"proof": "ab" * 32})
+        return recv_json(reader, "the verdict")
+
+
+def _refusal_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "claiming rank 1 of world size 2" in r.getMessage()
+    ]
+
+
+def test_an_impostor_claiming_rank_1_first_is_refused_and_the_job_still_forms(commlib_log, pool) -> None:
+    """It holds another job token and comes before rank 1: refused, logged at WARNING, and nothing else."""
+    rank0, port = _start_rank0(pool)
+    answer = _impostor_hello(port)
+    assert answer["refused"] == "token" and answer["pid"] > 0
+    wait_until(lambda: bool(_refusal_warnings(commlib_log)), 10, "rank 0 warns about the refusal")
+    (warning,) = _refusal_warnings(commlib_log)
+    assert warning.startswith(
+        f"[rank 0/2] ring.rendezvous: rendezvous port 127.0.0.1:{port}: refused pid 4242"
+    )
+    assert "claiming rank 1 of world size 2 (its job: an impostor's job)" in warning
+    assert "still waiting for this job's rank 1 until the rendezvous deadline" in warning
+    assert not rank0.done()  # rank 0 still waits for its own rank 1
+    rank1 = pool.submit(rendezvous, _env(1, port), TIMEOUT, {})
+    sockets = rank0.result(TIMEOUT + 5), rank1.result(TIMEOUT + 5)
+    try:
+        _assert_linked(*sockets)
+    finally:
+        _close(*sockets)
+
+
+def test_a_rank_that_never_comes_after_an_impostor_is_named_with_the_refused_claim(commlib_log, pool) -> None:
+    port = free_port()
+    rank0 = pool.submit(rendezvous, _env(0, port), 2.0, {})
+    _wait_listening(rank0, port)
+    assert _impostor_hello(port)["refused"] == "token"
+    with pytest.raises(RendezvousTimeoutError) as caught:
+        rank0.result(TIMEOUT)
+    message = str(caught.value)
+    assert message.startswith(f"[rank 0/2] ring.rendezvous: timed out after 2.0 s at 127.0.0.1:{port}")
+    assert "ranks [1] never did" in message
+    assert (
+        "Rank 0 refused 1 claim(s) holding another job token: pid 4242 on elsewhere (from 127.0.0.1:"
+        in message
+    )
+    assert (
+        "claiming rank 1 of world size 2 (its job: an impostor's job). Ranks [1] were claimed only with"
+        in message
+    )
+    assert "set COMMLIB_JOB_TOKEN to the same value on every rank" in message
+    assert "give each job its own MASTER_PORT" in message

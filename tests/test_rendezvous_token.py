@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -237,31 +238,74 @@ def test_under_torchrun_s_store_the_starting_process_does_not_count() -> None:
     ).distinguishes_jobs
 
 
-def test_a_refusal_grace_counts_only_for_ranks_still_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 0's wait after refusing a derived token ends early only for a rank that has not come since."""
-    from backends.common import admission
+def _refusals(timeout: float = 60.0):  # type: ignore[no-untyped-def]
+    import time
 
-    now = [100.0]
-    monkeypatch.setattr(admission.time, "monotonic", lambda: now[0])
-    grace = admission.RefusalGrace()
-    grace.start(1, "rank 1 never came")
-    grace.start(1, "a later refusal does not extend the first")
-    grace.start(2, "rank 2 never came")
-    due = 100.0 + admission.REFUSAL_GRACE_S
-    assert grace.deadline(500.0, {1, 2}) == due
-    assert grace.deadline(500.0, {3}) == 500.0  # ranks 1 and 2 are in: the rendezvous deadline holds
-    assert grace.deadline(101.0, {1}) == 101.0
-    assert grace.over({1, 2}) is None  # not yet
-    now[0] = due
-    assert grace.over({1, 2}) == "rank 1 never came"
-    assert grace.over({2}) == "rank 2 never came"
-    assert grace.over({3}) is None  # whoever was refused, this job's ranks 1 and 2 came
+    from backends.common.admission import Refusals, RendezvousContext
+
+    env = DistEnv(rank=0, world_size=3, master_addr="127.0.0.1", master_port=29500, launcher="explicit")
+    token = JobToken(key=b"k" * 32, identity="this job's description", accepted=(b"k" * 32,))
+    ctx = RendezvousContext(env, "[rank 0/3] ring.rendezvous: ", time.monotonic() + timeout, timeout, token)
+    return Refusals(ctx)
 
 
-def test_rank0s_log_line_after_a_refusal_says_what_it_does_next() -> None:
-    from backends.common.admission import REFUSAL_GRACE_S, still_waiting
+def _claim(rank: int = 1, pid: int = 4242, address: str = "127.0.0.1:35896"):  # type: ignore[no-untyped-def]
+    from backends.common.admission import Claim
 
-    assert still_waiting(1, {1, 2}, False) == f"waiting {REFUSAL_GRACE_S:g} s for this job's rank 1"
-    assert still_waiting(1, {1}, True).startswith("stopping: COMMLIB_JOB_TOKEN is set")  # no wait then
-    assert still_waiting(1, {2}, False) == "this job's rank 1 is in already"
-    assert still_waiting(0, {1}, False).startswith("it claimed rank 0")
+    return Claim(rank, 3, pid, "vm", "another job's description", address=address)
+
+
+def test_a_refused_claim_is_logged_at_warning_once_and_rank_0_keeps_waiting() -> None:
+    refusals = _refusals()
+    level, text = refusals.add(_claim(), missing={1, 2})
+    assert level == logging.WARNING
+    assert text.startswith(
+        "refused pid 4242 on vm (from 127.0.0.1:35896) claiming rank 1 of world size 3 (its job: another "
+        "job's description): it holds another job token (this job: this job's description); still waiting "
+        "for this job's rank 1 until the rendezvous deadline ("
+    )
+    assert "set COMMLIB_JOB_TOKEN to the same value on every rank" in text
+    assert "give each job its own MASTER_PORT" in text
+    # The same process again (a new connection): logged at DEBUG, named once, counted twice.
+    level, _ = refusals.add(_claim(address="127.0.0.1:35900"), missing={1, 2})
+    assert level == logging.DEBUG
+    assert refusals.claims == [_claim()] and refusals.count == 2
+
+
+def test_what_rank_0_says_it_does_after_a_refusal() -> None:
+    refusals = _refusals()
+    assert refusals.add(_claim(rank=1), missing={2})[1].endswith("this job's rank 1 is in already")
+    assert "it claimed rank 0, which this process is" in refusals.add(_claim(rank=0, pid=1), missing={2})[1]
+    assert refusals.add(_claim(rank=7, pid=2), missing={2})[1].endswith(
+        "this job has no rank 7 (world size 3)"
+    )
+
+
+def test_a_flood_of_refused_claims_is_warned_about_a_bounded_number_of_times() -> None:
+    from backends.common.admission import MAX_WARNED_CLAIMS
+
+    refusals = _refusals()
+    levels = [refusals.add(_claim(pid=pid), missing={1})[0] for pid in range(3 * MAX_WARNED_CLAIMS)]
+    assert levels.count(logging.WARNING) == MAX_WARNED_CLAIMS
+    assert len(refusals.claims) == MAX_WARNED_CLAIMS and refusals.count == 3 * MAX_WARNED_CLAIMS
+    assert f"and {2 * MAX_WARNED_CLAIMS} more refusal(s)" in refusals.summary([1])
+
+
+def test_the_timeout_error_names_the_refused_claims_and_the_fix() -> None:
+    from backends.common.admission import missing_ranks_message
+
+    refusals = _refusals()
+    env = DistEnv(rank=0, world_size=3, master_addr="127.0.0.1", master_port=29500, launcher="explicit")
+    assert missing_ranks_message("[p] ", 5.0, "127.0.0.1:29500", env, [1, 2], refusals) == (
+        "[p] timed out after 5.0 s at 127.0.0.1:29500: 1/3 ranks arrived; ranks [1, 2] never did. Check "
+        "that every rank was started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE=3, and that none "
+        "crashed at start-up"
+    )
+    refusals.add(_claim(rank=1), missing={1, 2})
+    message = missing_ranks_message("[p] ", 5.0, "127.0.0.1:29500", env, [1, 2], refusals)
+    assert (
+        ". Rank 0 refused 1 claim(s) holding another job token: pid 4242 on vm (from 127.0.0.1:35896) "
+        "claiming rank 1 of world size 3 (its job: another job's description). Ranks [1] were claimed only "
+        "with another job token. If the refused process is a rank of this job"
+    ) in message
+    assert message.endswith("give each job its own MASTER_PORT")

@@ -2,7 +2,8 @@
 
 What is checked here needs no second process: that two ranks of one job meet and share one scoped
 store; that garbage in an answer slot, a forged verdict, a port held by another program and a
-listener that is not a store each give their own clear outcome within the timeout.
+listener that is not a store each give their own clear outcome within the timeout; and that an
+answer under another job token is refused without keeping this job's rank out.
 """
 
 from __future__ import annotations
@@ -170,6 +171,74 @@ def test_a_store_left_from_an_earlier_group_of_this_process_does_not_confuse_the
     assert json.loads(earlier.get(f"{BASE}/verdict/2")) == {"stale": True}
     stores[0].set("k", "v")
     assert stores[1].get("k") == b"v"
+
+
+def _impostor_answer(port: int) -> dict[str, Any]:
+    """Answer rank 0's challenge as rank 1 of another job would (a proof under another token); return
+    rank 0's verdict."""
+    store = TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=20), wait_for_workers=False)
+    challenge = json.loads(store.get(f"{BASE}/challenge"))
+    record = {
+        "rank": 1,
+        "world_size": 2,
+        "pid": 4242,
+        "host": "elsewhere",
+        "identity": "an impostor's job",
+        "nonce": "cd" * 16,
+        "challenge": challenge["nonce"],
+    }
+    slot = _claim_slot(store, BASE, json.dumps({"record": record, "proof": "ab" * 32}))
+    store.wait([f"{BASE}/verdict/{slot}"], datetime.timedelta(seconds=20))
+    return json.loads(store.get(f"{BASE}/verdict/{slot}"))
+
+
+def _refusal_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "claiming rank 1 of world size 2" in r.getMessage()
+    ]
+
+
+def test_an_impostor_answering_as_rank_1_first_is_refused_and_the_job_still_forms(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = free_port()
+    caplog.set_level(logging.DEBUG, logger="commlib")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(join_job_store, _env(0, port), 30.0, "gloo")
+        wait_until(lambda: port_is_listening(port), 20, "rank 0 listens")
+        assert _impostor_answer(port)["refused"] == "token"
+        wait_until(lambda: bool(_refusal_warnings(caplog)), 10, "rank 0 warns about the refusal")
+        assert not leader.done()  # still waiting for its own rank 1
+        follower = pool.submit(join_job_store, _env(1, port), 30.0, "gloo")
+        stores = [leader.result(timeout=60), follower.result(timeout=60)]
+    stores[1].set("k", "v")
+    assert stores[0].get("k") == b"v"
+    (warning,) = _refusal_warnings(caplog)
+    assert warning.startswith(
+        f"[rank 0/2] gloo.rendezvous: store at 127.0.0.1:{port}: answer slot 1: refused pid 4242 on "
+        "elsewhere claiming rank 1 of world size 2 (its job: an impostor's job): it holds another job token"
+    )
+    assert "still waiting for this job's rank 1 until the rendezvous deadline" in warning
+
+
+def test_a_rank_that_never_comes_after_an_impostor_is_named_with_the_refused_claim() -> None:
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        leader = pool.submit(join_job_store, _env(0, port), 3.0, "gloo")
+        wait_until(lambda: port_is_listening(port), 20, "rank 0 listens")
+        assert _impostor_answer(port)["refused"] == "token"
+        with pytest.raises(RendezvousTimeoutError) as caught:
+            leader.result(timeout=60)
+    message = str(caught.value)
+    assert message.startswith(f"[rank 0/2] gloo.rendezvous: timed out after 3.0 s at 127.0.0.1:{port}")
+    assert "ranks [1] never did" in message
+    assert (
+        "Rank 0 refused 1 claim(s) holding another job token: pid 4242 on elsewhere claiming rank 1 of "
+        "world size 2 (its job: an impostor's job). Ranks [1] were claimed only with another job token"
+    ) in message
+    assert "set COMMLIB_JOB_TOKEN to the same value on every rank" in message
 
 
 class _CountingStore:

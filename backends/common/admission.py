@@ -2,18 +2,17 @@
 
 Both rendezvous admit ranks the same way: a peer announces its rank and world
 size, rank 0 checks them, and a rendezvous that runs out of time names the ranks
-that never arrived and the ones it refused for holding another job token.
+that never arrived and the claims it refused for holding another job token.
 
-A refusal is final: the refused rank raises at once (rank 0 holds the port
-until its own ranks are in, so waiting would not get this rank in). Rank 0
-raises at once too when either side set ``COMMLIB_JOB_TOKEN``: a job whose
-ranks were given the token by hand and disagree cannot form, and waiting for
-the timeout would only hide the typo. With derived tokens the refused peer is
-either a rank of this job started from another session (two terminals: the
-job cannot form without ``COMMLIB_JOB_TOKEN``) or a second job started on the
-same port; rank 0 cannot tell which, so it waits ``REFUSAL_GRACE_S`` for its
-own rank of that number (``RefusalGrace``) and fails if none comes, saying to
-set the token.
+A refusal ends only the refused process: it raises at once (rank 0 holds the
+port until its own ranks are in, so waiting would not get it in). Rank 0
+cannot tell a rank of its own job that holds another token (started from
+another terminal, or given another ``COMMLIB_JOB_TOKEN``) from a second job on
+the same port, or from any process that claims a rank to stop the job. So a
+refusal never ends, stalls or joins the job (``Refusals``): rank 0 logs it at
+WARNING at once, keeps the rank it claimed open for this job's own rank, and
+goes on waiting until its deadline; the timeout error then names every refused
+claim and says how to fix a job that could not form.
 """
 
 from __future__ import annotations
@@ -26,25 +25,20 @@ import socket
 import time
 from typing import Any
 
-from backends.common.jobtoken import TOKEN_VAR, JobToken
+from backends.common.jobtoken import JobToken
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError
 
 __all__ = [
-    "REFUSAL_GRACE_S",
-    "RefusalGrace",
+    "MAX_WARNED_CLAIMS",
+    "Claim",
+    "Refusals",
     "RendezvousContext",
     "announcement_problem",
     "check_rank0_reply",
     "missing_ranks_message",
-    "refusal_stops_rank0",
-    "refused_peer_message",
-    "refused_rank_never_came",
-    "still_waiting",
     "token_mismatch_advice",
 ]
-
-logger = logging.getLogger("commlib")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,89 +144,129 @@ def announcement_problem(
     return None
 
 
-def refusal_stops_rank0(token: JobToken, peer_identity: str, peer_rank: int, missing: set[int]) -> bool:
-    """True if rank 0 must fail at once after refusing a peer's token, rather than wait for its rank.
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A peer that rank 0 refused for holding another job token: what it claimed, and who it said it is.
 
-    It must when the peer claims a rank still missing and either side set ``COMMLIB_JOB_TOKEN``:
-    see the module docstring.
+    Attributes:
+        rank: The rank it claimed.
+        world_size: The world size it announced.
+        pid: The pid it announced.
+        host: The host it announced.
+        identity: Its job's description, as it sent it (never a secret).
+        address: Where it connected from, when rank 0 knows (the ring's port does; a store does not).
     """
-    explicit = token.identity.startswith(TOKEN_VAR) or peer_identity.startswith(TOKEN_VAR)
-    return explicit and peer_rank in missing
+
+    rank: int
+    world_size: int
+    pid: int
+    host: str
+    identity: str
+    address: str = dataclasses.field(default="", compare=False)
+
+    def describe(self) -> str:
+        """``pid 9513 on vm (from 127.0.0.1:35896) claiming rank 1 of world size 2 (its job: ...)``.
+
+        What the claimant sent is cut short (a stranger chooses it), so a line stays a line.
+        """
+        where = f" (from {self.address})" if self.address else ""
+        return (
+            f"pid {self.pid} on {self.host:.100}{where} claiming rank {self.rank} of world size "
+            f"{self.world_size} (its job: {self.identity:.300})"
+        )
 
 
-REFUSAL_GRACE_S = 1.5
-"""How long rank 0 waits for a rank of its own after refusing that rank number for a derived token."""
+MAX_WARNED_CLAIMS = 8
+"""Refused claims logged at WARNING (and named in the timeout error); later ones are logged at DEBUG."""
 
 
-class RefusalGrace:
-    """Rank 0's wait for its own ranks after refusing peers that claimed them with other derived tokens."""
+class Refusals:
+    """The claims rank 0 refused for another job token: each logged at once, all named at the deadline.
 
-    def __init__(self) -> None:
-        self._due: dict[int, tuple[float, str]] = {}
+    A refused claim takes nothing from the job: the rank it claimed stays open for
+    this job's own rank, and rank 0 goes on waiting until its deadline.
 
-    def start(self, rank: int, message: str) -> None:
-        """Give this job's ``rank`` ``REFUSAL_GRACE_S`` to arrive; ``message`` is the error if it does not."""
-        self._due.setdefault(rank, (time.monotonic() + REFUSAL_GRACE_S, message))
-
-    def deadline(self, deadline: float, missing: set[int]) -> float:
-        """The earlier of ``deadline`` and the end of the first grace of a rank still ``missing``."""
-        return min([deadline, *(due for rank, (due, _) in self._due.items() if rank in missing)])
-
-    def over(self, missing: set[int]) -> str | None:
-        """The error for a rank still ``missing`` whose grace has ended, else None."""
-        now = time.monotonic()
-        for rank, (due, message) in sorted(self._due.items()):
-            if rank in missing and now >= due:
-                return message
-        return None
-
-
-def refused_rank_never_came(
-    prefix: str, master: str, who: str, rank: int, peer_identity: str, identity: str
-) -> str:
-    """Rank 0's error when a peer claiming ``rank`` held another derived token, and no rank ``rank`` came."""
-    return (
-        f"{prefix}{who} at {master} holds another job token (its job: {peer_identity}; this job: "
-        f"{identity}), and no rank {rank} with this job's token came within {REFUSAL_GRACE_S:g} s. Ranks "
-        "started from different terminals or sessions derive different tokens: if they are one job, set "
-        "COMMLIB_JOB_TOKEN to the same value on every rank; if another job uses this port, give each job "
-        "its own MASTER_PORT"
-    )
-
-
-def still_waiting(rank: int, missing: set[int], stops: bool) -> str:
-    """The end of rank 0's log line about a refused peer that claimed ``rank``: what rank 0 does next.
-
-    ``stops``: rank 0 fails the rendezvous now (``refusal_stops_rank0``).
+    Args:
+        ctx: Rank 0's rendezvous context.
     """
-    if stops:
-        return f"stopping: COMMLIB_JOB_TOKEN is set, so a peer claiming missing rank {rank} is this job's own"
-    if rank in missing:
-        return f"waiting {REFUSAL_GRACE_S:g} s for this job's rank {rank}"
-    if rank == 0:
-        return "it claimed rank 0, which this process is (another job's rank 0, finding the port taken?)"
-    return f"this job's rank {rank} is in already"
+
+    def __init__(self, ctx: RendezvousContext) -> None:
+        self._ctx = ctx
+        self.claims: list[Claim] = []
+        """The distinct claims refused, the first ``MAX_WARNED_CLAIMS`` of them."""
+        self.count = 0
+        """Every refusal, repeated ones included."""
+
+    def add(self, claim: Claim, missing: set[int]) -> tuple[int, str]:
+        """Record a refused ``claim``; return the level and text of its log line.
+
+        Args:
+            claim: What the refused peer announced.
+            missing: The ranks of this job not in yet.
+
+        Returns:
+            WARNING for a claim not seen before (up to ``MAX_WARNED_CLAIMS``), DEBUG after, and
+            the line: who, what it claimed, both jobs, what rank 0 does now, and the fix.
+        """
+        ctx = self._ctx
+        self.count += 1
+        new = claim not in self.claims and len(self.claims) < MAX_WARNED_CLAIMS
+        if new:
+            self.claims.append(claim)
+        text = (
+            f"refused {claim.describe()}: it holds another job token (this job: {ctx.token.identity}); "
+            f"{self._next_step(claim.rank, missing)}"
+        )
+        if new and len(self.claims) == MAX_WARNED_CLAIMS:
+            text += f". Further refusals are logged at DEBUG ({MAX_WARNED_CLAIMS} claims so far)"
+        return (logging.WARNING if new else logging.DEBUG), text
+
+    def _next_step(self, rank: int, missing: set[int]) -> str:
+        ctx = self._ctx
+        if rank in missing:
+            return (
+                f"still waiting for this job's rank {rank} until the rendezvous deadline "
+                f"({ctx.seconds_left():.0f} s left). {_claim_advice(ctx.master)}"
+            )
+        if rank == 0:
+            return "it claimed rank 0, which this process is (another job's rank 0, finding the port taken?)"
+        if not 0 <= rank < ctx.env.world_size:
+            return f"this job has no rank {rank} (world size {ctx.env.world_size})"
+        return f"this job's rank {rank} is in already"
+
+    def summary(self, missing: list[int]) -> str:
+        """What the timeout error adds about the refused claims ("" if none): each claim, and the fix."""
+        if not self.claims:
+            return ""
+        named = "; ".join(claim.describe() for claim in self.claims)
+        more = self.count - len(self.claims)
+        if more:
+            named += f"; and {more} more refusal(s)"
+        claimed = sorted({claim.rank for claim in self.claims} & set(missing))
+        if claimed:
+            which = ", ".join(map(str, claimed))
+            head = f"Ranks [{which}] were claimed only with another job token. "
+        else:
+            head = ""
+        return (
+            f". Rank 0 refused {self.count} claim(s) holding another job token: {named}. "
+            f"{head}{_claim_advice(self._ctx.master)}"
+        )
 
 
-def refused_peer_message(prefix: str, master: str, who: str, peer_identity: str, identity: str) -> str:
-    """Rank 0's error when a rank of its own job proved another ``COMMLIB_JOB_TOKEN``."""
+def _claim_advice(master: str) -> str:
+    """The fix when a rank was claimed with another job token: one job, or two on one port."""
     return (
-        f"{prefix}{who} at {master} holds another job token (its job: {peer_identity}; this job: "
-        f"{identity}). Set COMMLIB_JOB_TOKEN to the same value on every rank of this job, or give each "
-        "job its own MASTER_PORT"
+        "If the refused process is a rank of this job (started from another terminal or session, or "
+        "given another COMMLIB_JOB_TOKEN), set COMMLIB_JOB_TOKEN to the same value on every rank; if it "
+        f"belongs to a second job using this port ({master}), give each job its own MASTER_PORT"
     )
 
 
 def missing_ranks_message(
-    prefix: str,
-    timeout: float,
-    master: str,
-    env: DistEnv,
-    missing: list[int],
-    refused: list[str],
-    refused_what: str,
+    prefix: str, timeout: float, master: str, env: DistEnv, missing: list[int], refusals: Refusals
 ) -> str:
-    """Rank 0's message when the rendezvous timed out: who never arrived, and who was refused.
+    """Rank 0's message when the rendezvous timed out: who never arrived, and which claims it refused.
 
     Args:
         prefix: The ``[rank R/N] backend.op: `` prefix.
@@ -240,21 +274,15 @@ def missing_ranks_message(
         master: ``MASTER_ADDR:MASTER_PORT``.
         env: Rank 0's view of the job.
         missing: Ranks that never arrived.
-        refused: Descriptions of the peers refused for holding another job token.
-        refused_what: What was refused (``"connection(s)"``, ``"answer(s)"``).
+        refusals: The claims refused for holding another job token.
     """
     arrived = env.world_size - len(missing)
-    message = (
+    return (
         f"{prefix}timed out after {timeout:.1f} s at {master}: {arrived}/{env.world_size} ranks arrived; "
         f"ranks {missing} never did. Check that every rank was started with the same "
         f"MASTER_ADDR/MASTER_PORT and WORLD_SIZE={env.world_size}, and that none crashed at start-up"
+        f"{refusals.summary(missing)}"
     )
-    if refused:
-        message += (
-            f". Rank 0 refused {len(refused)} {refused_what} holding another job token: "
-            f"{'; '.join(dict.fromkeys(refused))}. {token_mismatch_advice(master)}"
-        )
-    return message
 
 
 def check_rank0_reply(prefix: str, master: str, reply: dict[str, Any], identity: str) -> None:

@@ -19,8 +19,8 @@ without sending it:
    overwrite an answer already there.
 3. Rank 0 reads the slots in order. An answer whose HMAC fails holds another
    job's token: rank 0 writes a refusal naming its job, and the refused rank
-   raises at once. Rank 0 raises at once too when ``COMMLIB_JOB_TOKEN`` is set
-   on either side; otherwise it goes on waiting for its own rank
+   raises at once. Rank 0 logs the refusal at WARNING and goes on reading slots
+   for its own rank until its deadline, whose error names the refused claims
    (``backends.common.admission``). An answer to an earlier challenge (a store
    this process still serves for an earlier group, which torch shares per
    port) is asked to answer again, once: if the store's challenge is then still
@@ -62,16 +62,13 @@ from typing import Any, NoReturn
 
 from backends.common.admission import (
     HOLDER_PROBE_S,
-    RefusalGrace,
+    Claim,
+    Refusals,
     RendezvousContext,
     announcement_problem,
     check_rank0_reply,
     missing_ranks_message,
     raise_if_holder_answered,
-    refusal_stops_rank0,
-    refused_peer_message,
-    refused_rank_never_came,
-    still_waiting,
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
@@ -362,8 +359,7 @@ class _Leader:
         self.accepted: dict[int, tuple[int, bytes, str]] = {}  # rank -> (slot, proof key, its nonce)
         self.pids: dict[int, int] = {0: os.getpid()}  # rank -> pid, of every rank in (this one included)
         self.challenge = ""  # as published, to tell whether someone has replaced it
-        self.refused: list[str] = []
-        self.grace = RefusalGrace()
+        self.refusals = Refusals(ctx)
 
     def run(self) -> str:
         ctx = self.ctx
@@ -380,16 +376,9 @@ class _Leader:
         while len(self.accepted) < ctx.env.world_size - 1:
             if ctx.expired():  # answers may keep coming (a flood of slots): the deadline still holds
                 self._fail(RendezvousTimeoutError(self._timeout_message()))
-            missing = self._missing()
-            never_came = self.grace.over(missing)
-            if never_came is not None:
-                self._fail(RendezvousError(never_came))
-            wait = max(0.0, self.grace.deadline(ctx.deadline, missing) - time.monotonic())
             try:
-                raw = _get(self.store, f"{ctx.base}/answer/{slot}", datetime.timedelta(seconds=wait))
+                raw = _get(self.store, f"{ctx.base}/answer/{slot}", ctx.remaining())
             except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError and others
-                if _is_timeout(e) and time.monotonic() < ctx.deadline:
-                    continue  # a grace ended before the deadline: checked above, then the same slot again
                 if _is_timeout(e) or time.monotonic() >= ctx.deadline:
                     self._fail(RendezvousTimeoutError(self._timeout_message()))
                 self._fail(RendezvousError(f"{ctx.prefix}the store at {ctx.master} failed: {e}"))
@@ -448,9 +437,8 @@ class _Leader:
         logger.debug("%srank %d (pid %d) proved this job's token", ctx.prefix, record["rank"], record["pid"])
 
     def _refuse(self, slot: int, record: dict[str, Any]) -> None:
+        """Tell an answer holding another job token that it is refused, log it, and go on reading slots."""
         ctx = self.ctx
-        rank = record["rank"]
-        who = f"pid {record['pid']} on {record['host']} claiming rank {rank}"
         self._verdict(
             slot,
             {
@@ -460,32 +448,9 @@ class _Leader:
                 "host": socket.gethostname(),
             },
         )
-        stop = refusal_stops_rank0(ctx.token, record["identity"], rank, self._missing())
-        first = not any(entry.startswith(who) for entry in self.refused)
-        self.refused.append(f"{who} (its job: {record['identity']})")
-        logger.log(
-            logging.WARNING if first and not stop else logging.DEBUG,  # stopping: the error says it
-            "%sstore at %s: refused answer slot %d: %s holds another job token (its job: %s; this job: %s); "
-            "%s",
-            ctx.prefix,
-            ctx.master,
-            slot,
-            who,
-            record["identity"],
-            ctx.token.identity,
-            still_waiting(rank, self._missing(), stop),
-        )
-        if stop:
-            self._fail(
-                RendezvousError(
-                    refused_peer_message(ctx.prefix, ctx.master, who, record["identity"], ctx.token.identity)
-                ),
-                told=(slot,),
-            )
-        never_came = refused_rank_never_came(
-            ctx.prefix, ctx.master, who, rank, record["identity"], ctx.token.identity
-        )
-        self.grace.start(rank, never_came)
+        claim = Claim(record["rank"], record["world_size"], record["pid"], record["host"], record["identity"])
+        level, text = self.refusals.add(claim, self._missing())
+        logger.log(level, "%sstore at %s: answer slot %d: %s", ctx.prefix, ctx.master, slot, text)
 
     def _missing(self) -> set[int]:
         return set(range(1, self.ctx.env.world_size)) - set(self.accepted)
@@ -498,9 +463,7 @@ class _Leader:
     def _timeout_message(self) -> str:
         ctx = self.ctx
         missing = sorted(set(range(1, ctx.env.world_size)) - set(self.accepted))
-        return missing_ranks_message(
-            ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refused, "answer(s)"
-        )
+        return missing_ranks_message(ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refusals)
 
     def _fail(self, error: RendezvousError, told: tuple[int, ...] = ()) -> NoReturn:
         """Tell every accepted rank why the rendezvous failed, then raise ``error``.

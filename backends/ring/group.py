@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -1182,10 +1183,13 @@ class RingProcessGroup(IProcessGroup):
         return self._submit(describe, lambda: self._check_meta(meta), async_op)
 
     def _close(self) -> None:
+        # Sends in flight get the group's timeout to be taken; what the links linger for their
+        # neighbours' end-of-file comes out of the same time, so close ends within it (plus 1 s).
+        deadline = time.monotonic() + self.timeout
         if self._peer_links is not None:
             self._peer_links.close()
         self._lane.close()
-        linger = min(self.timeout, 10.0)
+        linger = min(self.timeout, 10.0, max(1.0, deadline - time.monotonic()))
         with self._run_lock:
             links = [link for link in (self._right, self._left) if link is not None]
             for link in links:

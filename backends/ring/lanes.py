@@ -39,6 +39,8 @@ class Lane:
         self._name = name
         self._bound_s = bound_s
         self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)
+        """Notified whenever the lane's thread has finished everything queued."""
         self._inflight = 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -102,7 +104,18 @@ class Lane:
         finally:
             with self._lock:
                 self._inflight -= 1
+                if self._inflight == 0:
+                    self._drained.notify_all()
         work._settle(error)  # noqa: SLF001 - the lane's thread completes its work
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until nothing is queued or running on the lane's thread.
+
+        Returns:
+            True if the lane is idle.
+        """
+        with self._lock:
+            return self._drained.wait_for(lambda: self._inflight == 0, timeout=max(0.0, timeout))
 
     def close(self) -> None:
         """Run what is queued, then stop the thread (wake blocked operations first)."""

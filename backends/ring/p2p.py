@@ -209,6 +209,8 @@ class PointToPoint:
         self._opening: dict[int, threading.Lock] = {}  # held by the send opening the link to a rank
         self._acceptor: threading.Thread | None = None
         self._closing = False
+        self._unsent = False
+        """True once ``close`` gave up waiting for the sends in flight: they fail, saying so."""
         self._scratch: torch.Tensor | None = None
 
     # --------------------------------------------------------------- lanes
@@ -286,7 +288,7 @@ class PointToPoint:
             verdict = link.await_verdict(msg, out.taking)
         except (CommError, OSError) as e:
             if self._closing:
-                raise GroupClosedError(f"{label}: the group was closed during the send") from e
+                raise self._closed_during_send(label, dst) from e
             if isinstance(e, CommTimeoutError) and posted:
                 raise CommTimeoutError(
                     f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it "
@@ -328,13 +330,15 @@ class PointToPoint:
             link = open_send_link(sock, SocketReader(sock, name), dst, name, self._shape, f"{label}: ")
         except (CommError, OSError) as e:
             if self._closing:
-                raise GroupClosedError(f"{label}: the group was closed during the send") from e
-            if not isinstance(e, CommTimeoutError):
+                raise self._closed_during_send(label, dst) from e
+            if isinstance(e, CommTimeoutError):
+                raise CommTimeoutError(
+                    f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it posted "
+                    f"no recv from this rank (its first opens the link), or is stuck ({e})"
+                ) from None
+            if isinstance(e, CommError) and str(e).startswith(str(label)):
                 raise
-            raise CommTimeoutError(
-                f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it posted no "
-                f"recv from this rank (its first opens the link), or is stuck ({e})"
-            ) from None
+            raise PeerFailureError(f"{label}: opening the link to rank {dst} failed: {e}") from e
         finally:
             with self._links:
                 self._connecting.discard(sock)
@@ -346,7 +350,7 @@ class PointToPoint:
             if self._closing:
                 link.shutdown()
                 link.close(0)
-                raise GroupClosedError(f"{label}: the group was closed during the send")
+                raise self._closed_during_send(label, dst)
             self._outgoing[dst] = out
         return out
 
@@ -365,9 +369,18 @@ class PointToPoint:
             with self._links:
                 if self._closing:
                     sock.close()
-                    raise GroupClosedError(f"{label}: the group was closed during the send")
+                    raise self._closed_during_send(label, peer.rank)
                 self._connecting.add(sock)  # close() shuts it, waking the set-up's waits
             return sock
+
+    def _closed_during_send(self, label: object, dst: int) -> GroupClosedError:
+        if self._unsent:
+            return GroupClosedError(
+                f"{label}: the group was closed before rank {dst} took the message: close waited "
+                f"the group's timeout ({self._timeout:g} s) for it. Rank {dst} posted no matching recv, "
+                "or is stuck"
+            )
+        return GroupClosedError(f"{label}: the group was closed during the send")
 
     def _fail(self, out: _Outgoing, reason: str) -> None:
         """End a link whose message was cut off: the receiver learns it, later sends raise."""
@@ -652,9 +665,19 @@ class PointToPoint:
         )
 
     def close(self) -> None:
-        """Wake every waiting operation, stop the lanes and the acceptor, close the links."""
+        """Finish the sends issued (within the timeout), then wake every waiting operation and close.
+
+        A send issued with ``isend`` is delivered if its receiver takes it within the group's
+        timeout; one still waiting then fails with ``GroupClosedError``, which says so. Receives
+        still waiting fail at once. Then the lanes and the acceptor stop and the links close.
+        """
+        deadline = time.monotonic() + self._timeout
+        with self._links:
+            send_lanes = list(self._send_lanes.values())
+        flushed = all(lane.wait_idle(deadline - time.monotonic()) for lane in send_lanes)
         with self._links:
             self._closing = True
+            self._unsent = not flushed
             self._links.notify_all()
             lanes = list(self._send_lanes.values()) + list(self._recv_lanes.values())
             links: list[SendLink | RecvLink] = [o.link for o in self._outgoing.values()]

@@ -10,9 +10,10 @@ Protocol 2 (length-prefixed JSON frames over TCP):
    HMAC under its job token (``backends.common.jobtoken``) over both nonces and its
    hello. The token itself never travels.
 3. A rank whose proof fails holds another job's token: rank 0 refuses it (the
-   answer names both jobs) and the refused rank raises at once. Rank 0 raises
-   at once too when ``COMMLIB_JOB_TOKEN`` is set on either side; otherwise it
-   goes on waiting for its own rank (``backends.common.admission``). A second
+   answer names both jobs) and the refused rank raises at once. Rank 0 logs
+   the refusal at WARNING and goes on waiting for its own rank until its
+   deadline, whose error names the refused claims (``backends.common.admission``):
+   a process that claims a rank never ends, stalls or joins the job. A second
    process started as rank 0 finds the port taken and says hello there as
    rank 0, so that both learn at once that ``RANK=0`` is duplicated.
 4. Once every rank is in, rank 0 sends each the peer table, the ring settings
@@ -51,16 +52,13 @@ from typing import Any
 
 from backends.common.admission import (
     HOLDER_PROBE_S,
-    RefusalGrace,
+    Claim,
+    Refusals,
     RendezvousContext,
     announcement_problem,
     check_rank0_reply,
     missing_ranks_message,
     raise_if_holder_answered,
-    refusal_stops_rank0,
-    refused_peer_message,
-    refused_rank_never_came,
-    still_waiting,
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
@@ -380,21 +378,14 @@ class _Leader:
         self.conns: dict[int, socket.socket] = {}
         self.keys: dict[int, bytes] = {}
         self.nonces: dict[int, str] = {}
-        self.refused: list[str] = []
-        self.grace = RefusalGrace()
+        self.refusals = Refusals(ctx)
 
     def run(self, settings: dict[str, Any]) -> tuple[list[Peer], dict[str, Any], bytes]:
         env = self.ctx.env
         try:
             while len(self.peers) < env.world_size:
-                missing = self._missing()
-                never_came = self.grace.over(missing)
-                if never_came is not None:
-                    self._fail(RendezvousError(never_came))
-                arrival = self.lobby.next_frame(self.grace.deadline(self.ctx.deadline, missing))
+                arrival = self.lobby.next_frame(self.ctx.deadline)
                 if arrival is None:
-                    if time.monotonic() < self.ctx.deadline:
-                        continue  # a grace ended: checked above
                     self._fail(RendezvousTimeoutError(self._timeout_message()))
                 visitor, frame = arrival
                 if visitor.state == "new":
@@ -466,36 +457,27 @@ class _Leader:
         )
 
     def _refuse(self, visitor: Visitor, hello: dict[str, Any]) -> None:
-        rank, ctx = hello["rank"], self.ctx
-        who = f"pid {hello['pid']} on {hello['host'].split('/')[0]} claiming rank {rank}"
+        """Tell a peer holding another job token that it is refused, log it, and go on waiting."""
         self.lobby.reply(
             visitor,
             {
                 "refused": "token",
-                "identity": ctx.token.identity,
+                "identity": self.ctx.token.identity,
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
             },
         )
-        stop = refusal_stops_rank0(ctx.token, hello["identity"], rank, self._missing())
-        first = not any(entry.startswith(who) for entry in self.refused)
-        self.refused.append(f"{who} (its job: {hello['identity']})")
-        self.lobby.drop(
-            visitor,
-            f"{who} holds another job token (its job: {hello['identity']}; this job: "
-            f"{ctx.token.identity}); {still_waiting(rank, self._missing(), stop)}",
-            level=logging.WARNING if first and not stop else logging.DEBUG,  # stopping: the error says it
+        claim = Claim(
+            hello["rank"],
+            hello["world_size"],
+            hello["pid"],
+            hello["host"].split("/")[0],
+            hello["identity"],
+            address=visitor.address,
         )
-        if stop:
-            self._fail(
-                RendezvousError(
-                    refused_peer_message(ctx.prefix, ctx.master, who, hello["identity"], ctx.token.identity)
-                )
-            )
-        never_came = refused_rank_never_came(
-            ctx.prefix, ctx.master, who, rank, hello["identity"], ctx.token.identity
-        )
-        self.grace.start(rank, never_came)
+        self.lobby.drop(visitor, "refused: it holds another job token")
+        level, text = self.refusals.add(claim, self._missing())
+        logger.log(level, "%srendezvous port %s: %s", self.ctx.prefix, self.ctx.master, text)
 
     def _missing(self) -> set[int]:
         return set(range(self.ctx.env.world_size)) - set(self.peers)
@@ -508,9 +490,7 @@ class _Leader:
     def _timeout_message(self) -> str:
         ctx = self.ctx
         missing = sorted(set(range(ctx.env.world_size)) - set(self.peers))
-        return missing_ranks_message(
-            ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refused, "connection(s)"
-        )
+        return missing_ranks_message(ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refusals)
 
     def _fail(self, error: RendezvousError) -> None:
         for conn in self.conns.values():

@@ -197,6 +197,7 @@ class Diagnostics:
                 label=f"[rank {group.rank}/{world}] {group.backend}",
                 rank=group.rank,
                 group=group.group_name,
+                global_ranks=group.global_ranks,
                 may_test=lambda work: testable,
                 name=f"commlib-watchdog-{group.backend}-rank{group.rank}",
             )
@@ -284,7 +285,9 @@ class Diagnostics:
         )
         tracker, recorder = self.tracker, self.recorder
         if deferred:
-            label = CollectiveLabel(group.rank, group.world_size, group.backend, kind, seq, tensor)
+            label = CollectiveLabel(
+                group.rank, group.world_size, group.backend, kind, seq, tensor, group=group._named_ranks
+            )
             work: Work = DeferredWork(label, bound_s=group.timeout * 2 + 30.0)
             work._set_value(value)  # noqa: SLF001 - what the work's future completes with
             if tracker is not None:

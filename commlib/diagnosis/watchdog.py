@@ -36,6 +36,7 @@ from typing import Any
 
 from commlib.diagnosis.fingerprint import describe_call
 from commlib.diagnosis.sidechannel import T_PROGRESS, T_QUERY, T_REPORT, T_STATUS, FrameReader, send_frame
+from commlib.errors import format_ranks
 from commlib.p2p import P2PRequest
 from commlib.work import Work
 
@@ -430,6 +431,7 @@ class Watchdog:
         name: The thread's name.
         rank: This rank (named in point-to-point reports).
         group: The group's name, added to the label of a subgroup's reports.
+        global_ranks: The group's global ranks, added there too.
     """
 
     def __init__(
@@ -444,12 +446,16 @@ class Watchdog:
         name: str,
         rank: int = 0,
         group: str | None = None,
+        global_ranks: tuple[int, ...] | None = None,
     ) -> None:
         self._tracker = tracker
         self._control = control
         self._stall_s = stall_s
         self._timeout_s = timeout_s
-        self._label = label if group is None or "." not in group else f"{label} (group {group})"
+        self._label = label
+        if group is not None and "." in group:  # a subgroup: its ranks are numbered within it
+            ranks = f": global ranks {format_ranks(global_ranks)}" if global_ranks is not None else ""
+            self._label = f"{label} (group {group}{ranks})"
         self._rank = rank
         self._p2p_warned: tuple[int, float] | None = None
         """The send or receive warned about last (its work's id), and when."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from commlib import CommTimeoutError, IProcessGroup
@@ -88,3 +90,50 @@ def body_subgroup_links(group: IProcessGroup) -> tuple[str, str, list[float]]:
     results.append(t.item())
     survivor.close()
     return transports[0], transports[1], results
+
+
+def _on_close_flush(flushing: Any) -> None:
+    """Set ``flushing`` when this process's ring group starts waiting for its sends in flight at close."""
+    from backends.ring.lanes import Lane
+
+    wait_idle = Lane.wait_idle
+
+    def waiting(lane: Lane, timeout: float) -> bool:
+        flushing.set()
+        return wait_idle(lane, timeout)
+
+    Lane.wait_idle = waiting  # type: ignore[method-assign]
+
+
+def body_isend_then_destroy(flushing: Any, closed: Any, receives: bool) -> dict[str, Any]:
+    """Rank 0 isends 1000 floats to rank 1 and destroys its group at once; rank 1 receives only then.
+
+    Rank 1 posts its recv once rank 0's close waits for the send (``flushing``), or, when it does not
+    receive, leaves its group once rank 0's destroy has returned (``closed``). Reports what arrived,
+    and how rank 0's send ended.
+    """
+    import commlib
+
+    group = commlib.init_process_group("ring")
+    expected = torch.arange(1000, dtype=torch.float32) * 3 + 1
+    if group.rank == 0:
+        _on_close_flush(flushing)
+        work = commlib.isend(expected.clone(), 1)
+        commlib.destroy_process_group()
+        done = work.is_completed()
+        closed.set()
+        try:
+            work.wait()
+        except commlib.CommError as e:
+            return {"completed": done, "error_type": type(e).__name__, "error": str(e)}
+        return {"completed": done, "error": None}
+    if not (flushing if receives else closed).wait(120):
+        raise TimeoutError("rank 0 never reached its close")
+    try:
+        if not receives:
+            return {}
+        got = torch.zeros(1000)
+        commlib.recv(got, 0)
+        return {"equal": torch.equal(got, expected)}
+    finally:
+        commlib.destroy_process_group()

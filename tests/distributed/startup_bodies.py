@@ -53,6 +53,26 @@ def join_and_sum(backend: str, init_kwargs: dict[str, Any] | None = None) -> dic
         commlib.destroy_process_group()
 
 
+def impostor_or_rank(role: str, backend: str, gate: Any) -> dict[str, Any]:
+    """One of three processes on one port: this job's rank 0, an impostor, or this job's rank 1.
+
+    The impostor (another job token, claiming rank 1) joins first and sets ``gate`` once refused;
+    rank 1 joins only then. Rank 0 reports the warnings it logged, with its sum.
+    """
+    if role == "impostor":
+        port = int(os.environ["MASTER_PORT"])
+        wait_until(lambda: port_is_listening(port), 60, "rank 0 listens")
+        try:
+            return join_and_sum(backend) | {"pid": os.getpid()}
+        finally:
+            gate.set()
+    if role == "rank1" and not gate.wait(60):
+        raise TimeoutError("the impostor never finished its attempt")
+    warnings = _Warnings()
+    logging.getLogger("commlib").addHandler(warnings)
+    return join_and_sum(backend) | {"warnings": warnings.seen}
+
+
 def overwrite_challenge_then_join(backend: str) -> dict[str, Any]:
     """Before this rank starts: a store client (anyone who reaches the port) replaces rank 0's challenge."""
     from torch.distributed import TCPStore

@@ -286,3 +286,60 @@ def body_zero_on_subgroups(group: IProcessGroup, steps: int = 4, lr: float = 0.0
     out = {"color": color, "diff": _max_diff(model, reference), "digest": digest(model)}
     dp.close()
     return out
+
+
+def body_mismatched_member_lists(group: IProcessGroup) -> dict[str, Any]:
+    """The last rank passes other rank lists to ``new_group`` and ``split_group`` than the others.
+
+    Every rank must get ``CollectiveMismatchError`` naming each rank's lists, and the parent must
+    stay usable. Returns each error's text (None where none was raised) and a sum after them.
+    """
+    r, last = group.rank, group.world_size - 1
+    others = list(range(1, last))
+    lists = [0, last] if r == last else [0, 1]
+    splits = [[0, last], others] if r == last else [[0, 1], list(range(2, last + 1))]
+    report: dict[str, Any] = {}
+    for name, call in (
+        ("new_group", lambda: group.new_group(lists)),
+        ("split_group", lambda: commlib.split_group(group, splits)),
+    ):
+        try:
+            call()
+            report[name] = None
+        except commlib.CollectiveMismatchError as e:
+            report[name] = str(e)
+    t = torch.ones(1)
+    group.all_reduce(t)
+    report["sum_after"] = t.item()
+    return report
+
+
+def body_timeouts_name_the_group(group: IProcessGroup, timeout_s: float = 3.0) -> dict[str, Any]:
+    """Three ranks, three overlapping pairs called in a cyclic order: a true deadlock, then a lost recv.
+
+    Rank 0 all-reduces on [0, 1], rank 1 on [1, 2], rank 2 on [0, 2]: each waits for a rank that
+    waits in another pair, until the pairs' timeout. Then rank 2 receives on [1, 2] a message rank 1
+    never sends. Returns each error, to show that it names the group by its global ranks.
+    """
+    pairs = [group.new_group(members, timeout=timeout_s) for members in ([0, 1], [1, 2], [0, 2])]
+    first = pairs[group.rank]  # rank 0: [0, 1]; rank 1: [1, 2]; rank 2: [0, 2]
+    assert first is not None
+    report: dict[str, Any] = {}
+    try:
+        first.all_reduce(torch.ones(4))
+        report["deadlock"] = None
+    except commlib.CommTimeoutError as e:
+        report["deadlock"] = str(e)
+    lost = group.new_group([1, 2], timeout=timeout_s)
+    if group.rank == 2:
+        assert lost is not None
+        try:
+            lost.recv(torch.empty(4), 0, tag=5)
+            report["recv"] = None
+        except commlib.CommTimeoutError as e:
+            report["recv"] = str(e)
+    group.barrier()
+    for sub in [*pairs, lost]:
+        if sub is not None:
+            sub.close()
+    return report

@@ -94,6 +94,7 @@ CALLS: dict[int, list[tuple[str, list[Any]]]] = {
         (f"{BODIES}:body_async_order", []),
         *_P2P,
         *_SUBGROUPS,
+        (f"{SUBGROUPS}:body_mismatched_member_lists", []),
         (f"{OBJECTS}:body_objects", []),
         (f"{OBJECTS}:body_object_limits", []),
         (f"{FEATURES}:p2p_sizes_sources_order", []),
@@ -236,11 +237,17 @@ def test_p2p_timeouts_leave_the_group_usable(job: Job) -> None:
         r = _body(values, "p2p_timeouts")
         assert r["all_reduce"] == 2.0 and r["left_in_flight"] == 0, r
         if rank == 0:
-            assert r["send"].startswith("[rank 0/2] mpi.send #1 to rank 1 tag 12 (float32, 3 elements): ")
+            assert r["send"].startswith(
+                "[rank 0/2] mpi.send #1 to rank 1 tag 12 (float32, 3 elements) in group [0, 1] "
+                "(global ranks): "
+            )
             assert "within 1.5 s" in r["send"] and "MPI cannot withdraw a send" in r["send"]
             assert r["back"] == [1.0, 1.0]
         else:
-            assert r["recv"].startswith("[rank 1/2] mpi.recv #1 from rank 0 tag 11 (float32, 3 elements): ")
+            assert r["recv"].startswith(
+                "[rank 1/2] mpi.recv #1 from rank 0 tag 11 (float32, 3 elements) in group [0, 1] "
+                "(global ranks): "
+            )
             assert "no message arrived within 1.5 s" in r["recv"] and "withdrawn" in r["recv"]
             assert r["recv_tensor"] == [2.0] * 3
             # The send that timed out was still queued: the next recv with its tag receives it.
@@ -350,6 +357,17 @@ def test_interface_subgroups(job: Job, nprocs: int) -> None:
 
 
 @pytest.mark.launcher
+def test_interface_different_member_lists(job: Job) -> None:
+    """subgroup_bodies.py: rank 2 lists other members; every rank raises at once, naming each rank's lists."""
+    from tests.distributed.test_subgroups import mismatched_member_lists_expected
+
+    values = job(3)
+    for rank in range(3):
+        value = values[rank][f"{SUBGROUPS}:body_mismatched_member_lists()"]
+        assert value == mismatched_member_lists_expected("mpi", rank, 3), value
+
+
+@pytest.mark.launcher
 def test_interface_objects(job: Job) -> None:
     """object_bodies.py on 1 and 3 ranks, and the size limit raising alike on every rank."""
     for nprocs in (1, 3):
@@ -387,6 +405,22 @@ def test_missing_rank_times_out_then_aborts_the_job() -> None:
     assert "CommTimeoutError: [rank 0/2] mpi.all_reduce #" in err, result.describe()
     assert "no progress for 3 s" in err
     assert "aborts the MPI job (MPI_Abort" in err, result.describe()
+
+
+def test_a_timeout_on_a_subgroup_names_the_group_by_its_global_ranks() -> None:
+    """Overlapping pairs called in a cyclic order deadlock until their 3 s timeout; then a recv is lost.
+
+    The stuck collectives make the job abort at exit; each rank's report is written before.
+    """
+    from tests.distributed.test_subgroups import timeouts_name_the_group_expected
+
+    result = launch(f"{SUBGROUPS}:body_timeouts_name_the_group", 3, env=TEST_TIMEOUT, timeout=120)
+    assert not result.timed_out, result.describe()
+    assert sorted(result.results) == [0, 1, 2], result.describe()
+    for rank in range(3):
+        value = result.results[rank][f"{SUBGROUPS}:body_timeouts_name_the_group"]
+        for what, start in timeouts_name_the_group_expected("mpi", rank).items():
+            assert value[what] is not None and value[what].startswith(start), (rank, what, value)
 
 
 def test_dead_peer_ends_the_job() -> None:

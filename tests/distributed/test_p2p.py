@@ -97,7 +97,7 @@ def test_send_whose_recv_never_comes(watched: tuple[dict[str, RankPool], Path], 
     stalls = [w for w in sender["warnings"] if ".send #1 to rank 1 tag 7" in w]
     assert stalls, sender["warnings"]
     assert "Rank 1 has posted 0 receive(s) from rank 0 and 0 from any rank with tag 7" in stalls[0], stalls[0]
-    assert f"(group {sender['group']})" in stalls[0], stalls[0]
+    assert f"(group {sender['group']}: global ranks [0, 1])" in stalls[0], stalls[0]
     assert sender["after"] == waiter["after"] == 2.0, "the parent group goes on"
     document = json.loads(Path(sender["dump"]).read_text())
     (group,) = [g for g in document["groups"] if g["name"] == sender["group"]]

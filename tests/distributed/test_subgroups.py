@@ -1,6 +1,9 @@
-"""Subgroups on every backend variant: overlapping groups used in turn, groups of one, closing, split."""
+"""Subgroups on every backend variant: overlapping groups used in turn, groups of one, closing, split,
+and rank lists that differ across ranks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -64,3 +67,62 @@ def test_torchs_split_functions(get_pool, variant: str, world_size: int) -> None
         assert v["gathered"] == [x for k in range(size) for x in (k, 7)]
         k = r % size  # this rank's block of the sum of every member's arange(3 * size)
         assert v["scattered"] == [size * (3 * k + i) for i in range(3)]
+
+
+def mismatched_member_lists_expected(backend: str, rank: int, world_size: int) -> dict[str, Any]:
+    """What ``body_mismatched_member_lists`` reports on every rank, whatever the backend."""
+    last = world_size - 1
+    most = f"0-{last - 1}" if last > 2 else "0, 1"  # the ranks that passed the same lists
+    fix = "in the same order relative to its other new_group / split / split_group calls; no group was made"
+    return {
+        "new_group": (
+            f"[rank {rank}/{world_size}] {backend}.new_group: the ranks passed different rank lists to "
+            f"new_group: ranks {most} passed [0, 1]; rank {last} passed [0, {last}]. Every rank of the group "
+            f"must call new_group with the same ranks, {fix}"
+        ),
+        "split_group": (
+            f"[rank {rank}/{world_size}] {backend}.split_group: the ranks passed different rank lists to "
+            f"split_group: ranks {most} passed [[0, 1], {list(range(2, world_size))}]; rank {last} passed "
+            f"[[0, {last}], {list(range(1, last))}]. Every rank of the group must call split_group with the "
+            f"same ranks, {fix}"
+        ),
+        "sum_after": float(world_size),
+    }
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_different_member_lists_raise_on_every_rank_before_any_set_up(get_pool, variant: str) -> None:
+    """The last rank lists other members: every rank raises, naming each rank's lists; the parent works.
+
+    The pool's COMMLIB_TIMEOUT is 60 s, the run's deadline 30 s: waiting for missing members fails.
+    """
+    values = get_pool(variant, 3).run(bodies.body_mismatched_member_lists, timeout=30)
+    backend = VARIANTS[variant][0]
+    for rank, value in enumerate(values):
+        assert value == mismatched_member_lists_expected(backend, rank, 3), value
+
+
+def timeouts_name_the_group_expected(backend: str, rank: int) -> dict[str, str]:
+    """The start of each error ``body_timeouts_name_the_group`` reports on ``rank``."""
+    pair = {0: (0, [0, 1]), 1: (0, [1, 2]), 2: (1, [0, 2])}[rank]
+    expected = {
+        "deadlock": f"[rank {pair[0]}/2] {backend}.all_reduce #1 (float32, 4 elements) in group {pair[1]} "
+        "(global ranks): "
+    }
+    if rank == 2:
+        expected["recv"] = (
+            f"[rank 1/2] {backend}.recv #1 from rank 0 tag 5 (float32, 4 elements) in group [1, 2] "
+            "(global ranks): "
+        )
+    return expected
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_timeout_on_a_subgroup_names_the_group_by_its_global_ranks(get_pool, variant: str) -> None:
+    """Overlapping pairs called in a cyclic order deadlock until their 3 s timeout; then a recv is lost."""
+    values = get_pool(variant, 3).run(bodies.body_timeouts_name_the_group, timeout=90)
+    backend = VARIANTS[variant][0]
+    for rank, value in enumerate(values):
+        for what, start in timeouts_name_the_group_expected(backend, rank).items():
+            assert value[what] is not None and value[what].startswith(start), (rank, what, value)
+        assert set(value) == {"deadlock"} | ({"recv"} if rank == 2 else set()), value
