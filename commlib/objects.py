@@ -3,12 +3,15 @@
 As torch.distributed does, each object is pickled into a uint8 tensor. Every
 call starts with one small all-gather in which each rank announces the size of
 what it sends, its own size limit (``CommConfig.max_object_bytes``,
-``COMMLIB_MAX_OBJECT_BYTES``) and whether its arguments are well formed. Every
-rank then reaches the same verdict from the same numbers: an object over a
-receiver's limit, or a list of the wrong length on any rank, raises the same
-``ValueError`` on every rank before any object's bytes move (and before any
-buffer of that size is allocated). Then the bytes move: one broadcast,
-all-gather, gather or scatter of uint8 tensors padded to the largest object.
+``COMMLIB_MAX_OBJECT_BYTES``), whether its arguments are well formed and
+whether its objects pickled. Every rank then reaches the same verdict from the
+same numbers: an object over a receiver's limit, or a list of the wrong length
+on any rank, raises the same ``ValueError`` on every rank before any object's
+bytes move (and before any buffer of that size is allocated). An object that
+does not pickle raises the same ``TypeError`` on every rank, naming the rank and
+the error: its text travels in one more all-gather, made only then. Then the
+bytes move: one broadcast, all-gather, gather or scatter of uint8 tensors
+padded to the largest object.
 
 Unpickling runs code chosen by whoever produced the bytes: only exchange
 objects with ranks you trust (docs/reliability.md).
@@ -29,6 +32,9 @@ __all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatt
 
 _LENGTH = struct.Struct("!q")
 """The length before each pickled object inside a padded block."""
+
+_FAILURE_CHARS = 2000
+"""At most this much of a pickling error's text travels to the other ranks."""
 
 
 class ObjectGroup(Protocol):
@@ -62,15 +68,16 @@ def broadcast_object_list(group: ObjectGroup, object_list: list[Any], src: int =
     Raises:
         ValueError: (on every rank) a list's length differs from ``src``'s, or the pickled
             objects exceed some rank's ``COMMLIB_MAX_OBJECT_BYTES``.
+        TypeError: (on every rank) an object of ``src`` does not pickle.
     """
     op = "broadcast_object_list"
     group._check_rank(op, src, "src")
     _check_list(group, op, object_list, "object_list")
-    payload = b""
+    payload, failure = b"", None
     if group.rank == src:
-        pickles = [_dumps(group, op, obj) for obj in object_list]
+        pickles, failure = _dumps_each(object_list, "object_list")
         payload = struct.pack(f"!{len(pickles)}q", *map(len, pickles)) + b"".join(pickles)
-    rows = _agree(group, op, len(payload), len(object_list), 0)
+    rows = _agree(group, op, len(payload), len(object_list), 0, failure)
     size, count = rows[src][0], rows[src][1]
     wrong = [r for r, row in enumerate(rows) if row[1] != count]
     if wrong:
@@ -97,12 +104,13 @@ def all_gather_object(group: ObjectGroup, object_list: list[Any], obj: Any) -> N
     Raises:
         ValueError: (on every rank) some ``object_list`` does not have ``world_size`` entries,
             or an object exceeds some rank's ``COMMLIB_MAX_OBJECT_BYTES``.
+        TypeError: (on every rank) some rank's ``obj`` does not pickle.
     """
     op = "all_gather_object"
     world = group.world_size
     _check_list(group, op, object_list, "object_list")
-    data = _dumps(group, op, obj)
-    rows = _agree(group, op, len(data), len(object_list), world)
+    data, failure = _dumps(obj, "obj")
+    rows = _agree(group, op, len(data), len(object_list), world, failure)
     _wrong_length(group, op, rows, world, "object_list", range(world))
     _over_limit(group, op, rows, [(s, r) for s in range(world) for r in range(world)])
     width = max(row[0] for row in rows)
@@ -121,15 +129,16 @@ def gather_object(
     Raises:
         ValueError: (on every rank) ``dst``'s list does not have ``world_size`` entries, a
             non-root rank passes a list, or an object exceeds ``dst``'s ``COMMLIB_MAX_OBJECT_BYTES``.
+        TypeError: (on every rank) some rank's ``obj`` does not pickle.
     """
     op = "gather_object"
     world = group.world_size
     group._check_rank(op, dst, "dst")
     if object_gather_list is not None:
         _check_list(group, op, object_gather_list, "object_gather_list")
-    data = _dumps(group, op, obj)
+    data, failure = _dumps(obj, "obj")
     length = -1 if object_gather_list is None else len(object_gather_list)
-    rows = _agree(group, op, len(data), length, world if group.rank == dst else -1)
+    rows = _agree(group, op, len(data), length, world if group.rank == dst else -1, failure)
     _wrong_length(group, op, rows, world, "object_gather_list", [dst])
     extra = [r for r, row in enumerate(rows) if r != dst and row[1] > 0]
     if extra:
@@ -158,19 +167,21 @@ def scatter_object_list(
     Raises:
         ValueError: (on every rank) ``src``'s input list does not have ``world_size`` entries,
             some output list is empty, or an object exceeds its receiver's ``COMMLIB_MAX_OBJECT_BYTES``.
+        TypeError: (on every rank) an object of ``src`` does not pickle.
     """
     op = "scatter_object_list"
     world = group.world_size
     group._check_rank(op, src, "src")
     _check_list(group, op, scatter_object_output_list, "scatter_object_output_list")
     pieces: list[bytes] = []
+    failure = None
     if group.rank == src:
         if scatter_object_input_list is not None:
             _check_list(group, op, scatter_object_input_list, "scatter_object_input_list")
-            pieces = [_dumps(group, op, obj) for obj in scatter_object_input_list]
+            pieces, failure = _dumps_each(scatter_object_input_list, "scatter_object_input_list")
     width = max(map(len, pieces), default=0) + _LENGTH.size
     count = len(pieces) if group.rank == src else world
-    rows = _agree(group, op, width, count, world if scatter_object_output_list else -1)
+    rows = _agree(group, op, width, count, world if scatter_object_output_list else -1, failure)
     _wrong_length(group, op, rows, world, "scatter_object_input_list", [src])
     empty = [r for r, row in enumerate(rows) if row[3] < 0]
     if empty:
@@ -195,23 +206,72 @@ def _check_list(group: ObjectGroup, op: str, value: object, arg: str) -> None:
         raise TypeError(f"{group._prefix(op)}{arg} must be a list, got {type(value).__name__}")
 
 
-def _dumps(group: ObjectGroup, op: str, obj: Any) -> bytes:
+class _Failure:
+    """Why this rank's objects did not pickle: the text every rank reads, and the exception itself."""
+
+    def __init__(self, text: str, error: BaseException) -> None:
+        self.text = text
+        self.error = error
+
+
+def _dumps(obj: Any, what: str) -> tuple[bytes, _Failure | None]:
+    """``obj`` pickled, or no bytes and why it does not pickle (``what`` names it: ``obj``...)."""
     try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        raise TypeError(f"{group._prefix(op)}cannot pickle {type(obj).__qualname__}: {e}") from e
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as e:  # noqa: BLE001 - every rank is told below
+        text = f"cannot pickle {what} ({type(obj).__qualname__}): {type(e).__name__}: {e}"
+        return b"", _Failure(text[:_FAILURE_CHARS], e)
 
 
-def _agree(group: ObjectGroup, op: str, size: int, length: int, expected: int) -> list[list[int]]:
-    """All-gather every rank's (size it sends, list length, its limit, list length it should have)."""
+def _dumps_each(objects: list[Any], what: str) -> tuple[list[bytes], _Failure | None]:
+    """Each of ``objects`` pickled; at the first that does not pickle, none, and why."""
+    pickles = []
+    for i, obj in enumerate(objects):
+        data, failure = _dumps(obj, f"{what}[{i}]")
+        if failure is not None:
+            return [], failure
+        pickles.append(data)
+    return pickles, None
+
+
+def _agree(
+    group: ObjectGroup, op: str, size: int, length: int, expected: int, failure: _Failure | None = None
+) -> list[list[int]]:
+    """All-gather every rank's (size it sends, list length, its limit, list length it should have).
+
+    A fifth number is the length of this rank's pickling error, if any: when
+    some rank has one, every rank raises it (``_raise_pickling_failures``).
+    """
     device = group.preferred_device()
+    text = failure.text.encode() if failure is not None else b""
     mine = torch.tensor(
-        [size, length, group.config.max_object_bytes, expected], dtype=torch.int64, device=device
+        [size, length, group.config.max_object_bytes, expected, len(text)], dtype=torch.int64, device=device
     )
-    everyone = torch.empty(4 * group.world_size, dtype=torch.int64, device=device)
+    everyone = torch.empty(5 * group.world_size, dtype=torch.int64, device=device)
     group.all_gather(everyone, mine)
-    rows: list[list[int]] = everyone.view(group.world_size, 4).tolist()
+    rows: list[list[int]] = everyone.view(group.world_size, 5).tolist()
+    if any(row[4] for row in rows):
+        _raise_pickling_failures(group, op, rows, text, failure)
     return rows
+
+
+def _raise_pickling_failures(
+    group: ObjectGroup, op: str, rows: list[list[int]], text: bytes, failure: _Failure | None
+) -> None:
+    """All-gather the pickling errors' texts and raise them, on every rank alike."""
+    width = max(row[4] for row in rows)
+    gathered = _tensor(group, width * group.world_size)
+    group.all_gather(gathered, _tensor(group, text, width))
+    whole = _bytes(gathered)
+    reasons = [
+        f"rank {r} {whole[r * width : r * width + row[4]].decode(errors='replace')}"
+        for r, row in enumerate(rows)
+        if row[4]
+    ]
+    error = TypeError(
+        f"{group._prefix(op)}{'; '.join(reasons)}. No object moved on any rank; pass objects that pickle"
+    )
+    raise error from (failure.error if failure is not None else None)
 
 
 def _wrong_length(

@@ -72,6 +72,7 @@ from backends.common.admission import (
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
+from backends.common.native_sockets import connections_to, shut_down_new_connections
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
 
@@ -268,14 +269,22 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
             result["error"] = e
 
     helper = threading.Thread(target=attempt, name=f"commlib-store-connect-rank{env.rank}", daemon=True)
+    before = connections_to(env.master_port)
     helper.start()
     helper.join(seconds + _CONNECT_GRACE_S)
     if "store" in result:
         return result["store"]
     if helper.is_alive():
-        if not _left_behind:
-            atexit.register(_wait_for_left_behind)
-        _left_behind.append(helper)
+        # End its wait now: a thread still inside torch's client when the interpreter exits aborts it.
+        for _ in range(10):
+            shut_down_new_connections(env.master_port, before)
+            helper.join(0.2)
+            if not helper.is_alive():
+                break
+        else:
+            if not _left_behind:
+                atexit.register(_wait_for_left_behind)
+            _left_behind.append(helper)
         raise RendezvousTimeoutError(
             f"{prefix}something accepted the connection at {master} but never answered as "
             f"{where}'s store within {timeout:.1f} s: another program holds MASTER_PORT. Set "

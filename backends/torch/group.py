@@ -968,6 +968,12 @@ class TorchDistProcessGroup(IProcessGroup):
 
     def _close(self) -> None:
         global _owner_count
+        if self._engine is not None:
+            with _owner_lock:
+                last_owner = self._owns_default and _owner_count == 1
+            # Gloo's connections may be closed where they go with this group: its own backends, or
+            # torch's default group that this close destroys. Others' groups are only waited for.
+            self._engine.close(self._prefix("close"), close_connections=self._pg is None or last_owner)
         if self._waiter is not None:
             self._waiting.put(None)
         # Drop the torch group: a closed group must not keep its store (and rank 0's

@@ -27,19 +27,32 @@ whose receive never comes raises ``CommTimeoutError`` naming the peer and the
 tag; Gloo then closes its connection to that peer, so the group is marked
 unusable (every rank must create a new one).
 
+Closing (``close()``, ``destroy_process_group``): the operations in flight
+were issued before it, so sends get until the group's timeout to be received;
+a send whose receiver never comes, and every receive still waiting then, fails
+with ``GroupClosedError``. To end those waits, ``close`` times out one empty
+receive of its own, at once, and Gloo closes the group's connections. A lane
+must not be left inside a Gloo wait: one that returns while the interpreter
+exits aborts the process ("terminate called without an active exception").
+A receive from any rank is the one wait closing the connections does not end;
+``close`` waits for it (Gloo bounds it by the timeout), saying so.
+
 CUDA tensors travel through host memory over Gloo (the group's CPU backend).
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
+import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from commlib.errors import CommError, CommTimeoutError, MessageSizeError
+from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageSizeError
 from commlib.types import WIRE_DTYPES, dtype_name
 from commlib.work import CollectiveLabel, EventWork, Work
 
@@ -48,6 +61,14 @@ __all__ = ["P2PEngine"]
 MAGIC = 0x434C5032  # "CLP2"
 ACCEPT = 1
 REFUSE = 2
+
+CLOSING_TAG = 3 * ((1 << 24) + 1) + 2
+"""The torch tag of ``close``'s own receive: above all that operations use (``3 * (max_tag + 1) + 2``)."""
+
+_EXIT_GRACE_S = 5.0
+"""How long ``close`` waits for the lanes to leave Gloo once the connections are closed."""
+
+_log = logging.getLogger(__name__)
 
 _CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
@@ -64,6 +85,7 @@ class _Lanes:
     def __init__(self, name: str) -> None:
         self._name = name
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)
         self._queues: dict[Any, collections.deque[Callable[[], None]]] = {}
 
     def submit(self, key: Any, step: Callable[[], None]) -> None:
@@ -75,12 +97,24 @@ class _Lanes:
             self._queues[key] = collections.deque([step])
         threading.Thread(target=self._run, args=(key,), name=f"{self._name}-{key}", daemon=True).start()
 
+    def wait_until_ended(self, keep: Callable[[Any], bool], timeout: float | None) -> list[Any]:
+        """Wait until no lane whose key ``keep`` accepts is running, up to ``timeout``; return those left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                left = [key for key in self._queues if keep(key)]
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if not left or (remaining is not None and remaining <= 0):
+                    return left
+                self._ended.wait(remaining)
+
     def _run(self, key: Any) -> None:
         while True:
             with self._lock:
                 queue = self._queues[key]
                 if not queue:
                     del self._queues[key]
+                    self._ended.notify_all()
                     return
                 step = queue.popleft()
             step()
@@ -110,34 +144,124 @@ class P2PEngine:
         self._mark_broken = mark_broken
         self._translate = translate
         self._lanes = _Lanes(name)
+        self._lock = threading.Lock()
+        self._open: dict[EventWork, tuple[str, int | None]] = {}
+        """The works not finished yet: ``send`` or ``recv``, and the peer (None: any rank)."""
+        self._closed = False
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, label: CollectiveLabel) -> Work:
         """Start a send of flat ``tensor``; the work completes once the receiver has the data."""
-        work = EventWork(label, bound_s=3 * self._timeout + 30.0, keep_alive=tensor)
+        work = self._open_work(label, tensor, "send", dst)
         self._lanes.submit(("send", dst, tag), lambda: self._run(work, self._send, tensor, dst, tag))
         return work
 
     def recv(self, tensor: torch.Tensor, src: int | None, tag: int, label: CollectiveLabel) -> Work:
         """Start a receive into flat ``tensor`` from ``src`` (None: any rank)."""
-        work = EventWork(label, bound_s=3 * self._timeout + 30.0, keep_alive=tensor)
+        work = self._open_work(label, tensor, "recv", src)
         self._lanes.submit(("recv", src, tag), lambda: self._run(work, self._recv, tensor, src, tag))
         return work
 
+    def close(self, prefix: str, close_connections: bool) -> None:
+        """Finish or fail every operation in flight within the timeout, and leave no lane inside Gloo.
+
+        Sends get until the group's timeout to be received (every operation
+        does, where the connections are not this group's alone); then whatever
+        is still open fails with ``GroupClosedError``, and Gloo's connections are
+        closed, which ends the lanes' waits (see the module's docstring).
+
+        Args:
+            prefix: ``[rank R/N] gloo.close: ``, for messages.
+            close_connections: The Gloo backend is this group's alone, and goes with it.
+        """
+        if close_connections:
+            self._lanes.wait_until_ended(lambda key: key[0] == "send", self._timeout)
+        else:
+            self._lanes.wait_until_ended(lambda key: True, self._timeout)
+        with self._lock:
+            works, self._open = self._open, {}
+            self._closed = True
+        if not works:
+            return
+        for work, (kind, peer) in works.items():
+            work._settle(GroupClosedError(f"{work.label}: {self._unfinished(kind, peer)}"))  # noqa: SLF001
+        if close_connections:
+            self._close_connections()
+            self._lanes.wait_until_ended(lambda key: key[1] is not None, _EXIT_GRACE_S)
+        left = self._lanes.wait_until_ended(lambda key: True, 0)
+        if left:
+            _log.warning(
+                "%s%s still waiting in Gloo, which ends %s within %g s; closing waits for %s, as a Gloo "
+                "wait that ends while the interpreter exits aborts the process",
+                prefix,
+                ", ".join(
+                    f"a {kind} {'from any rank' if peer is None else f'with rank {peer}'} (tag {tag})"
+                    for kind, peer, tag in left
+                ),
+                "them" if len(left) > 1 else "it",
+                self._timeout,
+                "them" if len(left) > 1 else "it",
+            )
+            self._lanes.wait_until_ended(lambda key: True, self._timeout + _EXIT_GRACE_S)
+
+    def _unfinished(self, kind: str, peer: int | None) -> str:
+        if kind == "send":
+            return (
+                f"the group was closed with this send in flight, and rank {peer} did not receive it "
+                f"within the group's timeout ({self._timeout:g} s); the data may not have arrived"
+            )
+        source = "any rank" if peer is None else f"rank {peer}"
+        return f"the group was closed while this recv was waiting; nothing came from {source}"
+
+    def _close_connections(self) -> None:
+        """Time out an empty receive of this engine's own at once: Gloo then closes every connection."""
+        if self._backend.size() < 2:
+            return
+        peer = 1 if self._backend.rank() == 0 else 0
+        try:
+            handle = self._backend.recv([torch.empty(1, dtype=torch.uint8)], peer, CLOSING_TAG)
+            handle.wait(datetime.timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001, S110 - the timeout is the point
+            pass
+
+    def _open_work(
+        self, label: CollectiveLabel, tensor: torch.Tensor, kind: str, peer: int | None
+    ) -> EventWork:
+        work = EventWork(label, bound_s=3 * self._timeout + 30.0, keep_alive=tensor)
+        with self._lock:
+            self._open[work] = (kind, peer)
+        return work
+
     def _run(self, work: EventWork, step: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            if self._closed:
+                return  # ``close`` failed it already
+        try:
+            self._step(work, step, *args)
+        finally:
+            with self._lock:
+                self._open.pop(work, None)
+
+    def _step(self, work: EventWork, step: Callable[..., None], *args: Any) -> None:
         try:
             step(work, *args)
         except MessageSizeError as e:
             work._settle(e)  # noqa: SLF001 - the pair is in step: the group goes on
         except CommError as e:
-            self._mark_broken(e)
+            self._broken(e)
             work._settle(e)  # noqa: SLF001
         except Exception as e:  # noqa: BLE001 - every failure becomes the work's error
             error = CommError(f"{work.label}: {type(e).__name__}: {e}")
             error.__cause__ = e
-            self._mark_broken(error)
+            self._broken(error)
             work._settle(error)  # noqa: SLF001
         else:
             work._settle()  # noqa: SLF001
+
+    def _broken(self, error: CommError) -> None:
+        with self._lock:
+            closed = self._closed
+        if not closed:  # a failure that closing caused does not break a group
+            self._mark_broken(error)
 
     def _send(self, work: EventWork, tensor: torch.Tensor, dst: int, tag: int) -> None:
         label = work.label

@@ -243,11 +243,25 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None
     ) -> dist._Work:
-        """``all_gather`` of each input, as one work."""
+        """``dist.all_gather_coalesced``: ``all_gather`` of each input, as one work.
+
+        torch's layout is by rank: ``output_lists[r][i]`` receives rank ``r``'s ``input_list[i]``.
+
+        Raises:
+            ValueError: ``output_lists`` does not hold one list per rank, each with one tensor per input.
+        """
         opts = opts if opts is not None else dist.AllgatherOptions()
+        n, k = self._group.world_size, len(input_list)
+        if len(output_lists) != n or any(len(row) != k for row in output_lists):
+            raise ValueError(
+                f"{self._group._prefix('all_gather_coalesced')}output_tensor_lists holds "  # noqa: SLF001
+                f"{len(output_lists)} lists of {[len(row) for row in output_lists]} tensors; it needs one "
+                f"list per rank ({n}), each with one tensor per input ({k}): output_tensor_lists[r][i] "
+                "receives rank r's input i"
+            )
         calls = [
-            lambda a, o=o, i=i: self._group.all_gather(list(o), i, async_op=a)
-            for o, i in zip(output_lists, input_list, strict=True)
+            lambda a, i=i: self._group.all_gather([row[i] for row in output_lists], input_list[i], async_op=a)
+            for i in range(k)
         ]
         return self._each(opts, output_lists, calls, "all_gather_coalesced")
 

@@ -10,11 +10,24 @@ The futures a pending work hands out are completed on a small pool of threads
 of their own, never on the backend's progress thread: torch's hooks (PowerSGD)
 issue another collective inside a future's callback and wait for it, which
 would deadlock the thread that has to run that collective.
+
+A failed operation fails its future in C++, where torch's C++ callers look.
+``torch.futures.Future.set_exception`` cannot do that: it completes the future
+*successfully*, with the exception object as its value, and only Python's
+``wait()`` raises it. DDP's reducer reads such a value as the bucket's tensors
+(``parseCppCommHookResult``): it finds none and indexes past the end, and the
+process dies of SIGSEGV. A future made by ``then`` from a callback that raises
+is the one a Python process group can fail in C++: every caller (the reducer's
+``value()``, a hook's ``then``, Python's ``wait()``) then raises a
+``RuntimeError`` that carries commlib's message, as torch's own backends fail
+their futures with a ``RuntimeError``. ``PendingWork.wait()`` raises commlib's
+error itself.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import datetime
 from typing import Any
 
@@ -29,6 +42,30 @@ _NO_TIMEOUT = datetime.timedelta(0)
 
 _COMPLETERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="commlib-torch-future")
 """Completes torch futures (and so runs their callbacks); threads start on demand, up to 8 callbacks deep."""
+
+
+class _Failed:
+    """The value a future's source holds when the operation failed: the chained future raises ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _value_or_raise(source: torch.futures.Future[Any]) -> Any:
+    """The chained future's value: the operation's, or its error raised (which fails the future in C++).
+
+    A copy of the error is raised: the work's own error may be raised on another thread at once.
+    """
+    value = source.value()
+    if type(value) is _Failed:
+        try:
+            error = copy.copy(value.error)
+        except Exception:  # noqa: BLE001 - an error that cannot be copied is raised itself
+            error = value.error
+        raise error
+    return value
 
 
 def _seconds(timeout: datetime.timedelta | None) -> float | None:
@@ -123,24 +160,25 @@ class PendingWork(dist._Work):
         return self._work.exception()
 
     def get_future(self) -> torch.futures.Future[Any]:
-        """Return a future that completes with torch's value for the operation, or our error."""
+        """Return a future that completes with torch's value for the operation, or fails with our error.
+
+        A failure fails the future as torch's C++ sees it (see the module's
+        docstring): ``wait()`` and ``value()`` raise a ``RuntimeError`` carrying
+        commlib's message; this work's ``wait()`` raises commlib's error itself.
+        """
         if self._future is None:
-            future: torch.futures.Future[Any] = torch.futures.Future()
-            self._future = future
+            source: torch.futures.Future[Any] = torch.futures.Future()
+            self._future = source.then(_value_or_raise)
             value = self._value
 
             def complete(ours: torch.futures.Future[Any]) -> None:
-                try:
-                    ours.wait()
-                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                    future.set_exception(e)
-                else:
-                    future.set_result(value)
+                error = self._work.exception()
+                source.set_result(value if error is None else _Failed(error))
 
             # commlib's future, not an observer: asking for it makes sure the work advances
             # even if nobody waits (an MPI library without a progress thread).
             self._work.get_future().add_done_callback(lambda ours: _COMPLETERS.submit(complete, ours))
-        return future
+        return self._future
 
     def _source_rank(self) -> int:
         return self._work.source_rank()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import torch
@@ -81,3 +82,48 @@ def body_object_limits(group: IProcessGroup, limit: int = 4096) -> dict[str, Any
     sub.all_gather_object(small, r)
     sub.close()
     return {"errors": errors, "small": small}
+
+
+def body_object_pickling_failures(group: IProcessGroup) -> dict[str, str | None]:
+    """An object that does not pickle raises on every rank in the same call, naming the rank and the error.
+
+    Three ranks. After each case the group goes on in step: an all_reduce sums to ``n``.
+    """
+    n, r = group.world_size, group.rank
+    lock = threading.Lock()
+    cases = {
+        "all_gather": lambda: group.all_gather_object([None] * n, lock if r == n - 1 else r),
+        "broadcast": lambda: group.broadcast_object_list([1, lock] if r == 1 else [None, None], 1),
+        "gather": lambda: group.gather_object(lock if r != 1 else r, [None] * n if r == 1 else None, 1),
+        "scatter": lambda: group.scatter_object_list([None], [0, 1, lock] if r == 0 else None, 0),
+    }
+    errors: dict[str, str | None] = {}
+    for name, call in cases.items():
+        try:
+            call()
+            errors[name] = None
+        except TypeError as e:
+            errors[name] = str(e)
+        t = torch.ones(1)
+        group.all_reduce(t)
+        assert t.item() == n, name
+    return errors
+
+
+LOCK = "(lock): TypeError: cannot pickle '_thread.lock' object"
+PICKLING_FAILURES = {
+    "all_gather": f"all_gather_object: rank 2 cannot pickle obj {LOCK}.",
+    "broadcast": f"broadcast_object_list: rank 1 cannot pickle object_list[1] {LOCK}.",
+    "gather": f"gather_object: rank 0 cannot pickle obj {LOCK}; rank 2 cannot pickle obj {LOCK}.",
+    "scatter": f"scatter_object_list: rank 0 cannot pickle scatter_object_input_list[2] {LOCK}.",
+}
+"""What every rank of three raises in ``body_object_pickling_failures``, after its prefix."""
+
+
+def check_pickling_failures(values: list[dict[str, str | None]], backend: str) -> None:
+    """Every rank raised the same TypeError in the same call; the group went on (checked in the body)."""
+    for rank, errors in enumerate(values):
+        for case, text in PICKLING_FAILURES.items():
+            assert errors[case] == (
+                f"[rank {rank}/3] {backend}.{text} No object moved on any rank; pass objects that pickle"
+            ), (rank, case, errors[case])

@@ -27,7 +27,7 @@ import pytest
 from commlib import BackendUnavailableError, CommConfig, DistEnv
 from tests._launcher import run_ranks_outcomes
 from tests.conftest import find_mpiexec, requires_gpu, requires_mpi
-from tests.distributed import bodies, p2p_bodies, subgroup_bodies
+from tests.distributed import bodies, object_bodies, p2p_bodies, subgroup_bodies
 from tests.distributed.mpi_bodies import LaunchResult, launch
 
 pytestmark = [pytest.mark.mpi, pytest.mark.multiprocess, requires_mpi]
@@ -97,6 +97,7 @@ CALLS: dict[int, list[tuple[str, list[Any]]]] = {
         (f"{SUBGROUPS}:body_mismatched_member_lists", []),
         (f"{OBJECTS}:body_objects", []),
         (f"{OBJECTS}:body_object_limits", []),
+        (f"{OBJECTS}:body_object_pickling_failures", []),
         (f"{FEATURES}:p2p_sizes_sources_order", []),
         (f"{FEATURES}:mpi_subgroups", []),
     ],
@@ -369,7 +370,7 @@ def test_interface_different_member_lists(job: Job) -> None:
 
 @pytest.mark.launcher
 def test_interface_objects(job: Job) -> None:
-    """object_bodies.py on 1 and 3 ranks, and the size limit raising alike on every rank."""
+    """object_bodies.py on 1 and 3 ranks; the size limit and a pickling failure raise alike on every rank."""
     for nprocs in (1, 3):
         results = [values[f"{OBJECTS}:body_objects()"] for values in job(nprocs).values()]
         assert results == [{"ok": True}] * nprocs
@@ -380,6 +381,9 @@ def test_interface_objects(job: Job) -> None:
         start = f"[rank {rank}/3] mpi.broadcast_object_list: rank 0 sends 20"
         assert errors["broadcast_big"].startswith(start), errors["broadcast_big"]
         assert all("COMMLIB_MAX_OBJECT_BYTES" in errors[case] for case in ("broadcast_big", "gather_big"))
+    object_bodies.check_pickling_failures(
+        [job(3)[rank][f"{OBJECTS}:body_object_pickling_failures()"] for rank in range(3)], "mpi"
+    )
 
 
 @pytest.mark.launcher

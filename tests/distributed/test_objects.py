@@ -44,3 +44,9 @@ def test_object_size_limit_raises_on_every_rank(get_pool, variant: str) -> None:
         assert (
             "object_gather_list must hold one entry per rank (3) (rank 0: 4)" in errors["gather_list_length"]
         )
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_pickling_failure_reaches_every_rank(get_pool, variant: str) -> None:
+    values = get_pool(variant, 3).run(bodies.body_object_pickling_failures, timeout=120)
+    bodies.check_pickling_failures(values, VARIANTS[variant][0])

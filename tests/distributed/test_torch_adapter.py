@@ -138,6 +138,20 @@ def _check_ddp(diffs: dict[str, float]) -> None:
 
 
 @BACKENDS_2
+def test_all_gather_coalesced(pool: RankPool, backend: str) -> None:
+    inner = backend.removeprefix("commlib_")
+    for rank, value in enumerate(_on(pool, "all_gather_coalesced", backend)):
+        # rank r's input i holds 10 * i + r: shapes (2,), (1,), (2, 3)
+        expected = [[[float(r)] * 2, [10.0 + r], [[20.0 + r] * 3] * 2] for r in range(2)]
+        assert value["sync"] == expected and value["async"] == expected, value
+        assert value["wrong_layout"] == (
+            f"[rank {rank}/2] {inner}.all_gather_coalesced: output_tensor_lists holds 3 lists of [2, 2, 2] "
+            "tensors; it needs one list per rank (2), each with one tensor per input (3): "
+            "output_tensor_lists[r][i] receives rank r's input i"
+        )
+
+
+@BACKENDS_2
 def test_torch_ddp_equals_one_process(pool: RankPool, backend: str) -> None:
     for diffs in _on(pool, "ddp_parity", backend):
         _check_ddp(diffs)

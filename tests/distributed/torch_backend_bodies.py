@@ -534,6 +534,34 @@ def pipeline_parity(backend: str) -> dict[str, float]:
     return diffs
 
 
+def all_gather_coalesced(backend: str) -> dict[str, Any]:
+    """``dist.all_gather_coalesced``, sync and async: ``outputs[r][i]`` receives rank ``r``'s input ``i``."""
+    import warnings
+
+    _init(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    shapes = [(2,), (1,), (2, 3)]
+    out: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch plans to deprecate the function
+            for async_op in (False, True):
+                inputs = [torch.full(s, float(10 * i + r)) for i, s in enumerate(shapes)]
+                outputs = [[torch.full(s, -1.0) for s in shapes] for _ in range(n)]
+                work = dist.all_gather_coalesced(outputs, inputs, async_op=async_op)
+                if async_op:
+                    work.wait()
+                out["async" if async_op else "sync"] = [[t.tolist() for t in row] for row in outputs]
+            by_input = [[torch.empty(s) for _ in range(n)] for s in shapes]  # the layout torch does not use
+            try:
+                dist.all_gather_coalesced(by_input, [torch.zeros(s) for s in shapes])
+            except ValueError as e:
+                out["wrong_layout"] = str(e)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
 def on_torch(group: Any, bodies: str, backend: str, *args: Any) -> dict[str, Any]:
     """Run each of ``bodies`` (names joined by ``+``) as ``body(backend, *args)``; return ``{name: value}``.
 
