@@ -15,6 +15,7 @@ __all__ = [
     "BackendUnavailableError",
     "NotInitializedError",
     "GroupClosedError",
+    "MessageMismatchError",
     "MessageSizeError",
     "ReduceOpTypeError",
     "error_prefix",
@@ -57,8 +58,15 @@ class GroupClosedError(CommError):
     """A collective was called on a process group after ``close()``, or after it broke."""
 
 
-class MessageSizeError(CommError, ValueError):
-    """A send and its receive disagree on the message's size; both sides raise it, and nothing moved."""
+class MessageMismatchError(CommError, ValueError):
+    """A send and its receive disagree on the message: its dtype or its size.
+
+    Both sides raise it before any byte lands in the receive's tensor, and the pair stays usable.
+    """
+
+
+class MessageSizeError(MessageMismatchError):
+    """A send and its receive disagree on the message's size in bytes (a ``MessageMismatchError``)."""
 
 
 class ReduceOpTypeError(TypeError, ValueError):
