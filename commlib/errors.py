@@ -17,6 +17,7 @@ __all__ = [
     "GroupClosedError",
     "MessageMismatchError",
     "MessageSizeError",
+    "NotGroupMemberError",
     "ReduceOpTypeError",
     "error_prefix",
 ]
@@ -67,6 +68,10 @@ class MessageMismatchError(CommError, ValueError):
 
 class MessageSizeError(MessageMismatchError):
     """A send and its receive disagree on the message's size in bytes (a ``MessageMismatchError``)."""
+
+
+class NotGroupMemberError(CommError, ValueError):
+    """A rank called an operation on a group it is not a member of (``GroupMember.NON_GROUP_MEMBER``)."""
 
 
 class ReduceOpTypeError(TypeError, ValueError):

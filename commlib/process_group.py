@@ -29,6 +29,7 @@ from commlib.config import CommConfig
 from commlib.diagnosis import Diagnostics, FingerprintExchange
 from commlib.env import DistEnv
 from commlib.errors import CommError, error_prefix
+from commlib.membership import NonGroupMember
 from commlib.p2p import P2POp, P2PRequest
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, op_applies
 from commlib.work import CollectiveLabel, Work
@@ -902,7 +903,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         *,
         timeout: float | datetime.timedelta | None = None,
         sort_ranks: bool = True,
-    ) -> IProcessGroup | None:
+    ) -> IProcessGroup | NonGroupMember:
         """Make a group of some of this group's ranks; every rank of this group must call it.
 
         Call it on every rank, in the same order relative to other ``new_group``
@@ -916,7 +917,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 keep the order of ``ranks``.
 
         Returns:
-            The new group on its members; None on the other ranks.
+            The new group on its members; on the other ranks ``commlib.GroupMember.NON_GROUP_MEMBER``
+            (a placeholder naming the group, on which every operation raises ``NotGroupMemberError``).
 
         Raises:
             TypeError: A rank is not an int.
@@ -933,9 +935,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             members.sort()
         config = self._sub_config(name, timeout)
         names = [self._next_subgroup_name()]
-        return self._finish_split(name, [members], config, names)
+        return self._mine(name, self._finish_split(name, [members], config, names))
 
-    def split(self, color: int | None, key: int = 0) -> IProcessGroup | None:
+    def split(self, color: int | None, key: int = 0) -> IProcessGroup | NonGroupMember:
         """Split this group into disjoint groups by ``color``, as MPI's ``Comm_split``; every rank calls it.
 
         Ranks that pass the same ``color`` form one group, ordered by ``(key, rank)``.
@@ -945,7 +947,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             key: Orders the ranks within their group.
 
         Returns:
-            This rank's group, or None for ``color=None``.
+            This rank's group; for ``color=None``, ``commlib.GroupMember.NON_GROUP_MEMBER``.
 
         Example::
 
@@ -970,23 +972,24 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             for c in colors
         ]
         names = [self._next_subgroup_name() for _ in groups]
-        return self._finish_split(name, groups, self._config, names)
+        return self._mine(name, self._finish_split(name, groups, self._config, names))
 
     def split_group(
         self, split_ranks: Sequence[Sequence[int]], *, timeout: float | datetime.timedelta | None = None
-    ) -> IProcessGroup | None:
+    ) -> IProcessGroup | NonGroupMember:
         """Split this group into the disjoint groups ``split_ranks`` names, as torch's ``split_group``.
 
         Every rank of this group calls it with the same lists (ranks of this
-        group); a rank in none of them gets None. One call makes every group,
-        each ordered by rank.
+        group); a rank in none of them gets ``commlib.GroupMember.NON_GROUP_MEMBER``
+        (torch's gives None, which commlib reads as the default group). One call
+        makes every group, each ordered by rank.
 
         Args:
             split_ranks: Disjoint lists of ranks of this group.
             timeout: The new groups' timeout (seconds or a timedelta); default this group's.
 
         Returns:
-            The group holding this rank, or None.
+            The group holding this rank, or ``commlib.GroupMember.NON_GROUP_MEMBER``.
 
         Raises:
             TypeError: ``split_ranks`` is not a list of lists of ints.
@@ -997,6 +1000,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             >>> pair = group.split_group([[0, 1], [2, 3]])   # 4 ranks: two groups of two
         """
         name = "split_group"
+        return self._mine(name, self._split_group(name, split_ranks, timeout))
+
+    def _split_group(
+        self, name: str, split_ranks: Sequence[Sequence[int]], timeout: float | datetime.timedelta | None
+    ) -> list[IProcessGroup | NonGroupMember]:
+        """``split_group``'s work: every group, in order (this rank's, and a placeholder for each other)."""
         self._check_usable(name)
         if not isinstance(split_ranks, (list, tuple)) or not split_ranks:
             raise TypeError(
@@ -1018,14 +1027,22 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     def _finish_split(
         self, op: str, groups: list[list[int]], config: CommConfig, names: list[str]
-    ) -> IProcessGroup | None:
-        """Have the backend make ``groups``; set up this rank's (global ranks, name, diagnosis)."""
+    ) -> list[IProcessGroup | NonGroupMember]:
+        """Have the backend make ``groups``; set up this rank's (global ranks, name, diagnosis).
+
+        Returns:
+            One entry per group, in order: this rank's group, and a placeholder for each group
+            it is not in (``GroupMember.NON_GROUP_MEMBER``, naming that group).
+        """
         child = self._split(groups, config, names)
         mine = next((i for i, g in enumerate(groups) if self.rank in g), None)
+        every: list[IProcessGroup | NonGroupMember] = [
+            self._placeholder(op, [ranks], [name]) for ranks, name in zip(groups, names, strict=True)
+        ]
         if child is None:
             if mine is not None:
                 raise CommError(f"{self._prefix(op)}the {self.backend} backend made no group for a member")
-            return None
+            return every
         ranks = groups[mine]  # type: ignore[index]
         if (child.rank, child.world_size) != (ranks.index(self.rank), len(ranks)):
             child.close()
@@ -1036,7 +1053,29 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         child._global_ranks = tuple(self._global_ranks[r] for r in ranks)
         child._group_name = names[mine]  # type: ignore[index]
         child._start_diagnostics()
-        return child
+        every[mine] = child  # type: ignore[index]
+        return every
+
+    def _mine(self, op: str, every: list[IProcessGroup | NonGroupMember]) -> IProcessGroup | NonGroupMember:
+        """This rank's group among ``every``, or one placeholder that names all of them."""
+        for group in every:
+            if isinstance(group, IProcessGroup):
+                return group
+        if not every:  # split with every color None
+            return self._placeholder(op, [], [])
+        return NonGroupMember.of_all(every)  # type: ignore[arg-type]
+
+    def _placeholder(self, op: str, groups: list[list[int]], names: list[str]) -> NonGroupMember:
+        """What this rank gets for ``groups`` (ranks of this group, named ``names``), none with it."""
+        return NonGroupMember(
+            op,
+            [[self._global_ranks[r] for r in g] for g in groups],
+            names,
+            rank=self.rank,
+            world_size=self.world_size,
+            backend=self.backend,
+            global_rank=self._global_ranks[self.rank],
+        )
 
     def _sub_config(self, op: str, timeout: float | datetime.timedelta | None) -> CommConfig:
         if timeout is None:

@@ -19,16 +19,19 @@ from commlib import (
     CompletedWork,
     EventWork,
     GroupClosedError,
+    NotGroupMemberError,
     PeerFailureError,
     ReduceOp,
     ReduceOpTypeError,
 )
+from commlib.membership import NonGroupMember
 from commlib.process_group import IProcessGroup
 from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, op_applies
 from tests._fake_groups import FakeGroup, FloatOnlyGroup, NoProductGroup, RecordingWork, make_env
 
 RANK, WORLD = 1, 4
 PREFIX = "[rank 1/4] fake."
+NON_GROUP_MEMBER = commlib.GroupMember.NON_GROUP_MEMBER
 
 
 @pytest.fixture
@@ -1076,9 +1079,9 @@ def test_split_group_checks_its_lists(group: FakeGroup, split_ranks: Any, error:
 def test_split_group_and_new_subgroups_make_this_ranks_group(group: FakeGroup) -> None:
     child = commlib.split_group(group, [[3, 1], [0, 2]], timeout=9.0)  # this is rank 1 of 4
     assert child is not None and child.global_ranks == (1, 3) and child.timeout == 9.0
-    assert commlib.split_group(group, [[0, 2]]) is None  # rank 1 is in no list
+    assert commlib.split_group(group, [[0, 2]]) == NON_GROUP_MEMBER  # rank 1 is in no list
     mine, every = commlib.new_subgroups(2, group=group)
-    assert mine.global_ranks == (0, 1) and every == [mine, None]
+    assert mine.global_ranks == (0, 1) and every == [mine, NON_GROUP_MEMBER]
     with pytest.raises(ValueError, match=re.escape("group_size 3 does not divide the group's size (4")):
         commlib.new_subgroups(3, group=group)
     with pytest.raises(TypeError, match="device_ids must be a list of ints"):
@@ -1147,7 +1150,7 @@ def test_new_group_sets_up_global_ranks_and_names(group: FakeGroup) -> None:
     assert child is not None and (child.rank, child.world_size) == (0, 2)
     assert child.global_ranks == (1, 3) and child.timeout == 12.0
     assert child.group_name == f"{group.group_name}.0"
-    assert group.new_group([0, 2]) is None  # not a member
+    assert group.new_group([0, 2]) == NON_GROUP_MEMBER  # not a member
     grandchild = child.new_group([1, 0])
     assert (
         grandchild is not None
@@ -1163,6 +1166,62 @@ def test_new_group_sets_up_global_ranks_and_names(group: FakeGroup) -> None:
     child.close()
     group.barrier()  # the parent goes on
     assert [c.method for c in group.calls][-1] == "barrier"
+
+
+def test_a_non_member_gets_a_placeholder_that_every_operation_refuses(
+    group: FakeGroup, clean_commlib: None
+) -> None:
+    """What new_group and its kin give rank 1 of 4 outside the group is never the default group."""
+    commlib.world._default_group = group  # noqa: SLF001 - the default group the module functions use
+    try:
+        made = {
+            "new_group": (commlib.new_group([0, 2]), "the group fake#"),
+            "group.new_group": (group.new_group([2, 3]), "(global ranks [2, 3])"),
+            "split_group": (commlib.split_group(None, [[0, 2], [3]]), "(global ranks [0, 2]); fake#"),
+            "new_subgroups_by_enumeration": (
+                commlib.new_subgroups_by_enumeration([[0, 3]])[0],
+                "(global ranks [0, 3])",
+            ),
+            "new_subgroups (another's group)": (commlib.new_subgroups(2)[1][1], "(global ranks [2, 3])"),
+        }
+        group.calls.clear()
+        t = torch.ones(2)
+        for how, (placeholder, names) in made.items():
+            assert isinstance(placeholder, NonGroupMember), how
+            assert placeholder == NON_GROUP_MEMBER and placeholder is not None, how
+            calls = {
+                "all_reduce": lambda p=placeholder: commlib.all_reduce(t, group=p),
+                "broadcast": lambda p=placeholder: commlib.broadcast(t, src=0, group=p),
+                "barrier": lambda p=placeholder: commlib.barrier(group=p),
+                "send": lambda p=placeholder: commlib.send(t, dst=0, group=p),
+                "irecv": lambda p=placeholder: commlib.irecv(t, src=0, group=p),
+                "all_gather_object": lambda p=placeholder: commlib.all_gather_object([None] * 4, 1, group=p),
+                "get_process_group_ranks": lambda p=placeholder: commlib.get_process_group_ranks(p),
+                "batch_isend_irecv": lambda p=placeholder: commlib.batch_isend_irecv(
+                    [commlib.P2POp(commlib.isend, t, peer=0, group=p)]
+                ),
+                "reduce_scatter": lambda p=placeholder: p.reduce_scatter(t, [t] * 4),
+                "new_group": lambda p=placeholder: p.new_group([0]),
+                "rank": lambda p=placeholder: p.rank,
+            }
+            for op, call in calls.items():
+                with pytest.raises(NotGroupMemberError) as info:
+                    call()
+                text = str(info.value)
+                assert text.startswith(f"{PREFIX}{op}: this rank (global rank 1) is not a member"), (
+                    how,
+                    text,
+                )
+                assert names in text and "GroupMember.NON_GROUP_MEMBER" in text, (how, text)
+                assert isinstance(info.value, ValueError)
+            assert commlib.get_rank(placeholder) == -1 and commlib.get_world_size(placeholder) == -1
+            commlib.destroy_process_group(placeholder)  # nothing to close: nothing happens
+        assert group.calls == [], "a call on a placeholder reached the default group"
+        assert commlib.is_initialized()
+        with pytest.raises(NotGroupMemberError, match="^all_reduce: the group passed is commlib.GroupMember"):
+            commlib.all_reduce(t, group=NON_GROUP_MEMBER)
+    finally:
+        commlib.world._default_group = None  # noqa: SLF001
 
 
 def test_split_checks_color_and_key(group: FakeGroup) -> None:

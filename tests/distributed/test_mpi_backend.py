@@ -70,6 +70,7 @@ _P2P = [
     (f"{P2P}:body_p2p_keeps_collectives_numbered", []),
 ]
 _SUBGROUPS = [(f"{SUBGROUPS}:body_overlapping_groups", []), (f"{SUBGROUPS}:body_split", [])]
+_NON_MEMBERS = (f"{SUBGROUPS}:body_non_members_are_refused", [])
 
 CALLS: dict[int, list[tuple[str, list[Any]]]] = {
     1: [("collectives_matrix", []), *_MATRIX, (f"{OBJECTS}:body_objects", [])],
@@ -95,6 +96,7 @@ CALLS: dict[int, list[tuple[str, list[Any]]]] = {
         (f"{BODIES}:body_async_order", []),
         *_P2P,
         *_SUBGROUPS,
+        _NON_MEMBERS,
         (f"{OBJECTS}:body_objects", []),
         (f"{OBJECTS}:body_object_limits", []),
         (f"{FEATURES}:p2p_sizes_sources_order", []),
@@ -356,6 +358,14 @@ def test_interface_subgroups(job: Job, nprocs: int) -> None:
     for rank in range(nprocs):
         split = values[rank][f"{SUBGROUPS}:body_split()"]
         assert split["global_ranks"] == sorted((k for k in range(nprocs) if k % 2 == rank % 2), reverse=True)
+
+
+@pytest.mark.launcher
+def test_a_non_member_is_refused_and_never_joins_the_world(job: Job) -> None:
+    """subgroup_bodies.py: a rank outside a pair passes its placeholder to operations; each raises."""
+    values = job(3)
+    name = f"{_NON_MEMBERS[0]}()"
+    subgroup_bodies.check_non_members_refused("mpi", [values[rank][name] for rank in range(3)])
 
 
 @pytest.mark.launcher

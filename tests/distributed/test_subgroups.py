@@ -64,3 +64,9 @@ def test_torchs_split_functions(get_pool, variant: str, world_size: int) -> None
         assert v["gathered"] == [x for k in range(size) for x in (k, 7)]
         k = r % size  # this rank's block of the sum of every member's arange(3 * size)
         assert v["scattered"] == [size * (3 * k + i) for i in range(3)]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_non_member_is_refused_and_never_joins_the_world(get_pool, variant: str) -> None:
+    values = get_pool(variant, 3).run(bodies.body_non_members_are_refused, timeout=120)
+    bodies.check_non_members_refused(VARIANTS[variant][0], values)
