@@ -16,7 +16,9 @@ import dataclasses
 import datetime
 import ipaddress
 import itertools
+import logging
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -26,9 +28,10 @@ from torch.autograd.graph import increment_version
 from commlib import monitored, nan_minmax, objects
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
-from commlib.diagnosis import Diagnostics, FingerprintExchange
+from commlib.diagnosis import Diagnostics, FingerprintExchange, history
+from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
-from commlib.errors import CommError, error_prefix
+from commlib.errors import CollectiveMismatchError, CommError, error_prefix
 from commlib.membership import NonGroupMember
 from commlib.p2p import P2POp, P2PRequest
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, op_applies
@@ -36,7 +39,12 @@ from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
 
+logger = logging.getLogger("commlib")
+
 _BOOL = torch.bool
+
+_SLOT = HISTORY - 1
+"""``seq & _SLOT``: the slot of collective ``seq`` in a group's history."""
 
 _root_groups = itertools.count()
 """Root groups created in this process: names them (``gloo#0``) alike on every rank."""
@@ -103,6 +111,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._accepted: set[tuple[object, ...]] = set()
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
+        self._recent = new_history()
+        """The kinds of the last collectives, at ``seq & _SLOT`` (``commlib.diagnosis.history``)."""
+        self._closing_with = ""
+        """The call a collective of the interface's own belongs to (``destroy_process_group``), else empty."""
+        self._calls_parted = False
+        """Whether the ranks were found calling different collectives (``_parting_history``)."""
         self._monitored_barriers = 0
         """``monitored_barrier`` calls on this group so far (their messages carry the number)."""
         self._p2p_counts: dict[tuple[str, int | None, int], int] = {}
@@ -156,6 +170,15 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """The group's name, alike on every member: ``gloo#0`` (a root group), ``gloo#0.2`` (a subgroup)."""
         name = self._group_name
         return f"{self.backend}{name}" if name.startswith("#") else name
+
+    @property
+    def collective_count(self) -> int:
+        """Collectives this rank has issued on this group so far (point-to-point operations not counted).
+
+        Collectives pair by this count: a rank's ``n``-th collective runs with the others' ``n``-th.
+        """
+        diagnostics = self._diagnostics
+        return diagnostics.issued if diagnostics is not None else self._seq
 
     @property
     def bytes_issued(self) -> int:
@@ -1135,6 +1158,41 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             ) from None
 
     # -------------------------------------------------------------------- close
+    def _barrier_before_close(self, op: str) -> CollectiveMismatchError | None:
+        """Run a barrier before ``op`` closes the group; return the error if the ranks' counts differ.
+
+        A rank that issued a collective more than the others (or fewer) is still in it when
+        the others reach this barrier, so the ranks' checks pair the barrier with it and every
+        rank raises (``commlib.diagnosis.history``). Skipped on one rank, on a group that is
+        closed or broken, once the ranks were found calling different collectives (the error
+        was raised on every rank then), and while an exception is being handled (the rank is
+        failing: its peers learn it from the closed connection). Any other failure of the
+        barrier is logged, and the group closes anyway.
+
+        Returns:
+            The ``CollectiveMismatchError`` to raise once the group is closed, or None.
+        """
+        if self.world_size == 1 or self._closed or self._broken is not None or self._calls_parted:
+            return None  # (after different calls, a peer that raised may have closed already)
+        if sys.exc_info()[1] is not None:
+            return None
+        self._closing_with = op
+        try:
+            self.barrier()
+        except CollectiveMismatchError as e:
+            found = str(e).split(": ", 1)[-1]
+            return CollectiveMismatchError(
+                f"{self._prefix(op)}the barrier it runs first, to compare the ranks' collective counts, "
+                f"found them different ({self.collective_count} collectives here, the barrier included): "
+                f"{found}"
+            )
+        except CommError as e:
+            logger.info("%sthe ranks' collective counts were not compared: %s", self._prefix(op), e)
+        finally:
+            self._closing_with = ""
+        return None
+
+    # -------------------------------------------------------------------- close
     def close(self) -> None:
         """Release connections and buffers; later collectives raise ``GroupClosedError``.
 
@@ -1180,7 +1238,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         diagnostics = self._diagnostics
         if diagnostics is not None:
             return diagnostics.issue(self, kind, tensor, op, root, async_op, value, start, args, counts)
-        self._seq += 1
+        self._seq = seq = self._seq + 1
+        self._recent[seq & _SLOT] = kind
         work = start(*args)
         if async_op:
             work._set_value(value)  # noqa: SLF001 - what the work's future completes with
@@ -1208,6 +1267,15 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 if request.peer is not None:
                     work._source = request.peer  # noqa: SLF001
         return works
+
+    def _parting_history(self) -> str:
+        """This rank's count and last collectives, to swap when the ranks' checks found different calls.
+
+        The backend's check (the ring's records) or the fingerprint check calls it on every rank,
+        at the same point; from then on ``destroy_process_group`` runs no barrier of its own.
+        """
+        self._calls_parted = True
+        return history.describe(self)
 
     def _next_seq(self) -> int:
         """Advance ``_seq`` for the collective being issued now (the diagnosis's issuing thread calls it)."""

@@ -91,7 +91,16 @@ def init_process_group(
 def destroy_process_group(group: IProcessGroup | NonGroupMember | None = None) -> None:
     """Close ``group`` (default: the default group) and forget the default if it was that one.
 
-    ``GroupMember.NON_GROUP_MEMBER`` (a group this rank is not in) has nothing to close: nothing happens.
+    Every rank of the group calls it. It first runs a barrier on the group, which finds a
+    rank that issued a collective more than the others (or fewer): every rank then raises
+    ``CollectiveMismatchError`` naming each rank's count and last collectives, once the group
+    is closed. The barrier waits for every rank up to the group's timeout; it is skipped on a
+    group that a failure broke and while an exception is being handled, and a failure of its
+    own (a rank that closed first) is logged at INFO. ``GroupMember.NON_GROUP_MEMBER`` (a
+    group this rank is not in) has nothing to close: nothing happens.
+
+    Raises:
+        CollectiveMismatchError: The ranks issued different numbers of collectives on the group.
     """
     global _default_group
     if is_non_member(group):
@@ -100,8 +109,15 @@ def destroy_process_group(group: IProcessGroup | NonGroupMember | None = None) -
         target = group if group is not None else _default_group
         if target is _default_group:
             _default_group = None
-    if target is not None:
+    if target is None:
+        return
+    mismatch = None
+    try:
+        mismatch = target._barrier_before_close("destroy_process_group")
+    finally:
         target.close()
+    if mismatch is not None:
+        raise mismatch
 
 
 def is_initialized() -> bool:
