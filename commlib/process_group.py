@@ -1183,7 +1183,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             found = str(e).split(": ", 1)[-1]
             return CollectiveMismatchError(
                 f"{self._prefix(op)}the barrier it runs first, to compare the ranks' collective counts, "
-                f"found them different ({self.collective_count} collectives here, the barrier included): "
+                f"found them different (this rank issued {self.collective_count}, the barrier included): "
                 f"{found}"
             )
         except CommError as e:

@@ -14,6 +14,7 @@ import torch
 import commlib
 from commlib import (
     CollectiveLabel,
+    CollectiveMismatchError,
     CommError,
     CommTimeoutError,
     CompletedWork,
@@ -1254,3 +1255,45 @@ def test_module_functions_take_one_of_global_and_group_rank(group: FakeGroup) ->
     assert child.calls[-1].args["src"] == 1  # global rank 3 is the child's rank 1
     with pytest.raises(ValueError, match="src=0 is not a member of this group"):
         commlib.broadcast(torch.ones(2), src=0, group=child)
+
+
+def test_destroy_process_group_runs_a_barrier_first_unless_the_group_cannot_take_one(
+    clean_commlib: None,
+) -> None:
+    """The barrier that compares the ranks' counts; skipped where a peer may be gone or this rank fails."""
+
+    def destroyed(group: FakeGroup) -> list[str]:
+        commlib.destroy_process_group(group)
+        assert group.close_calls == 1
+        return [c.method for c in group.calls]
+
+    assert destroyed(FakeGroup(make_env(RANK, WORLD))) == ["barrier"]
+    assert destroyed(FakeGroup(make_env(0, 1))) == []  # one rank: nothing to compare
+    broken = FakeGroup(make_env(RANK, WORLD))
+    broken._mark_broken(CommError("a peer died"))
+    assert destroyed(broken) == []
+    parted = FakeGroup(make_env(RANK, WORLD))
+    parted._parting_history()  # as the checks do when the ranks called different collectives
+    assert destroyed(parted) == []
+    failing = FakeGroup(make_env(RANK, WORLD))
+    try:
+        raise ValueError("this rank's own failure")
+    except ValueError:
+        assert destroyed(failing) == [], "no barrier while an exception is being handled"
+    commlib.world._default_group = default = FakeGroup(make_env(RANK, WORLD))  # noqa: SLF001
+    commlib.destroy_process_group()
+    assert [c.method for c in default.calls] == ["barrier"] and not commlib.is_initialized()
+    # A peer that closed first: logged, and the group closes.
+    gone = FakeGroup(make_env(RANK, WORLD))
+    gone.next_error = PeerFailureError("rank 0 closed the connection")
+    assert destroyed(gone) == ["barrier"]
+    # The ranks' calls differ at the barrier: raised once the group is closed.
+    out_of_step = FakeGroup(make_env(RANK, WORLD))
+    out_of_step.next_error = CollectiveMismatchError("[rank 1/4] fake.barrier #1: ranks called different ...")
+    with pytest.raises(CollectiveMismatchError) as info:
+        commlib.destroy_process_group(out_of_step)
+    assert out_of_step.close_calls == 1
+    assert str(info.value).startswith(
+        f"{PREFIX}destroy_process_group: the barrier it runs first, to compare the ranks' collective counts, "
+        "found them different (this rank issued 1, the barrier included): ranks called different ..."
+    )
