@@ -1192,7 +1192,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             self._closing_with = ""
         return None
 
-    # -------------------------------------------------------------------- close
     def close(self) -> None:
         """Release connections and buffers; later collectives raise ``GroupClosedError``.
 

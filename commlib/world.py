@@ -96,8 +96,9 @@ def destroy_process_group(group: IProcessGroup | NonGroupMember | None = None) -
     ``CollectiveMismatchError`` naming each rank's count and last collectives, once the group
     is closed. The barrier waits for every rank up to the group's timeout; it is skipped on a
     group that a failure broke and while an exception is being handled, and a failure of its
-    own (a rank that closed first) is logged at INFO. ``GroupMember.NON_GROUP_MEMBER`` (a
-    group this rank is not in) has nothing to close: nothing happens.
+    own (a rank that closed first) is logged at INFO. ``group.close()`` closes a group on this
+    rank alone, without the barrier. ``GroupMember.NON_GROUP_MEMBER`` (a group this rank is
+    not in) has nothing to close: nothing happens.
 
     Raises:
         CollectiveMismatchError: The ranks issued different numbers of collectives on the group.
