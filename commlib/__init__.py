@@ -13,7 +13,9 @@ from commlib.errors import (
     CommError,
     CommTimeoutError,
     GroupClosedError,
+    MessageMismatchError,
     MessageSizeError,
+    NotGroupMemberError,
     NotInitializedError,
     PeerFailureError,
     ReduceOpTypeError,
@@ -54,6 +56,7 @@ from commlib.functions import (
     send,
     split_group,
 )
+from commlib.membership import GroupMember
 from commlib.p2p import P2POp
 from commlib.process_group import IProcessGroup
 from commlib.registry import (
@@ -90,8 +93,11 @@ __all__ = [
     "DistEnv",
     "EventWork",
     "GroupClosedError",
+    "GroupMember",
     "IProcessGroup",
+    "MessageMismatchError",
     "MessageSizeError",
+    "NotGroupMemberError",
     "NotInitializedError",
     "P2POp",
     "PeerFailureError",

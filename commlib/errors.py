@@ -15,7 +15,9 @@ __all__ = [
     "BackendUnavailableError",
     "NotInitializedError",
     "GroupClosedError",
+    "MessageMismatchError",
     "MessageSizeError",
+    "NotGroupMemberError",
     "ReduceOpTypeError",
     "error_prefix",
 ]
@@ -57,8 +59,19 @@ class GroupClosedError(CommError):
     """A collective was called on a process group after ``close()``, or after it broke."""
 
 
-class MessageSizeError(CommError, ValueError):
-    """A send and its receive disagree on the message's size; both sides raise it, and nothing moved."""
+class MessageMismatchError(CommError, ValueError):
+    """A send and its receive disagree on the message: its dtype or its size.
+
+    Both sides raise it before any byte lands in the receive's tensor, and the pair stays usable.
+    """
+
+
+class MessageSizeError(MessageMismatchError):
+    """A send and its receive disagree on the message's size in bytes (a ``MessageMismatchError``)."""
+
+
+class NotGroupMemberError(CommError, ValueError):
+    """A rank called an operation on a group it is not a member of (``GroupMember.NON_GROUP_MEMBER``)."""
 
 
 class ReduceOpTypeError(TypeError, ValueError):

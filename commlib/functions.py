@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from commlib.membership import NonGroupMember, is_non_member
 from commlib.p2p import P2POp
 from commlib.process_group import IProcessGroup, TensorList
 from commlib.types import PremulSum, ReduceOp
@@ -55,8 +56,13 @@ __all__ = [
 ]
 
 
-def _group(group: IProcessGroup | None) -> IProcessGroup:
-    return group if group is not None else get_default_group()
+def _group(group: IProcessGroup | NonGroupMember | None, op: str) -> IProcessGroup:
+    """``group``, the default group for None; a placeholder of a group this rank is not in raises."""
+    if group is None:
+        return get_default_group()
+    if is_non_member(group):
+        group.refuse(op)  # type: ignore[union-attr]
+    return group  # type: ignore[return-value]
 
 
 def _rank_in(
@@ -89,7 +95,7 @@ def all_reduce(
     async_op: bool = False,
 ) -> Work | None:
     """``IProcessGroup.all_reduce`` on ``group`` (default group if None)."""
-    return _group(group).all_reduce(tensor, op, async_op=async_op)
+    return _group(group, "all_reduce").all_reduce(tensor, op, async_op=async_op)
 
 
 def reduce(
@@ -101,7 +107,7 @@ def reduce(
     group_dst: int | None = None,
 ) -> Work | None:
     """``IProcessGroup.reduce`` on ``group``; ``dst`` is a global rank, ``group_dst`` a group rank."""
-    g = _group(group)
+    g = _group(group, "reduce")
     return g.reduce(tensor, _root(g, "reduce", dst, group_dst, ("dst", "group_dst")), op, async_op=async_op)
 
 
@@ -113,7 +119,7 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     """``IProcessGroup.broadcast`` on ``group``; ``src`` is a global rank, ``group_src`` a group rank."""
-    g = _group(group)
+    g = _group(group, "broadcast")
     return g.broadcast(tensor, _root(g, "broadcast", src, group_src, ("src", "group_src")), async_op=async_op)
 
 
@@ -127,7 +133,7 @@ def all_gather(
 
     ``tensor_list`` may also be one tensor of ``world_size`` blocks (``all_gather_into_tensor``).
     """
-    return _group(group).all_gather(tensor_list, tensor, async_op=async_op)
+    return _group(group, "all_gather").all_gather(tensor_list, tensor, async_op=async_op)
 
 
 def all_gather_into_tensor(
@@ -137,7 +143,9 @@ def all_gather_into_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """``IProcessGroup.all_gather_into_tensor`` on ``group`` (default group if None)."""
-    return _group(group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
+    return _group(group, "all_gather_into_tensor").all_gather_into_tensor(
+        output_tensor, input_tensor, async_op=async_op
+    )
 
 
 all_gather_single = all_gather_into_tensor
@@ -155,7 +163,7 @@ def reduce_scatter(
 
     ``input_list`` may also be one tensor of ``world_size`` blocks (``reduce_scatter_tensor``).
     """
-    return _group(group).reduce_scatter(output, input_list, op, async_op=async_op)
+    return _group(group, "reduce_scatter").reduce_scatter(output, input_list, op, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -166,7 +174,7 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Work | None:
     """``IProcessGroup.reduce_scatter_tensor`` on ``group`` (default group if None)."""
-    return _group(group).reduce_scatter_tensor(output, input, op, async_op=async_op)
+    return _group(group, "reduce_scatter_tensor").reduce_scatter_tensor(output, input, op, async_op=async_op)
 
 
 reduce_scatter_single = reduce_scatter_tensor
@@ -182,7 +190,7 @@ def gather(
     group_dst: int | None = None,
 ) -> Work | None:
     """``IProcessGroup.gather`` on ``group``; ``dst`` is a global rank, ``group_dst`` a group rank."""
-    g = _group(group)
+    g = _group(group, "gather")
     return g.gather(
         tensor, gather_list, _root(g, "gather", dst, group_dst, ("dst", "group_dst")), async_op=async_op
     )
@@ -197,7 +205,7 @@ def scatter(
     group_src: int | None = None,
 ) -> Work | None:
     """``IProcessGroup.scatter`` on ``group``; ``src`` is a global rank, ``group_src`` a group rank."""
-    g = _group(group)
+    g = _group(group, "scatter")
     return g.scatter(
         tensor, scatter_list, _root(g, "scatter", src, group_src, ("src", "group_src")), async_op=async_op
     )
@@ -210,7 +218,7 @@ def all_to_all(
     async_op: bool = False,
 ) -> Work | None:
     """``IProcessGroup.all_to_all`` on ``group`` (default group if None)."""
-    return _group(group).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)
+    return _group(group, "all_to_all").all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)
 
 
 def all_to_all_single(
@@ -222,7 +230,7 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> Work | None:
     """``IProcessGroup.all_to_all_single`` on ``group`` (default group if None)."""
-    return _group(group).all_to_all_single(
+    return _group(group, "all_to_all_single").all_to_all_single(
         output, input, output_split_sizes, input_split_sizes, async_op=async_op
     )
 
@@ -243,7 +251,7 @@ def barrier(
         timeout: Seconds (or a timedelta) this synchronous wait may take, instead of the group's
             timeout; past it ``CommTimeoutError`` is raised and the barrier goes on.
     """
-    g = _group(group)
+    g = _group(group, "barrier")
     if device_ids is not None and (
         not isinstance(device_ids, (list, tuple))
         or any(isinstance(d, bool) or not isinstance(d, int) for d in device_ids)
@@ -272,7 +280,7 @@ def monitored_barrier(
         timeout: Seconds (or a timedelta) rank 0 waits for the others; None: the group's timeout.
         wait_all_ranks: Name every missing rank instead of stopping at the first.
     """
-    _group(group).monitored_barrier(timeout, wait_all_ranks)
+    _group(group, "monitored_barrier").monitored_barrier(timeout, wait_all_ranks)
 
 
 # ----------------------------------------------------------- point-to-point
@@ -293,7 +301,7 @@ def send(
     group_dst: int | None = None,
 ) -> None:
     """``IProcessGroup.send`` on ``group``; ``dst`` is a global rank, ``group_dst`` a group rank."""
-    g = _group(group)
+    g = _group(group, "send")
     g.send(tensor, _peer(g, "send", dst, group_dst, ("dst", "group_dst")), tag)
 
 
@@ -305,7 +313,7 @@ def recv(
     group_src: int | None = None,
 ) -> int:
     """``IProcessGroup.recv`` on ``group`` (``src`` None: any rank); return the sender's global rank."""
-    g = _group(group)
+    g = _group(group, "recv")
     sender = g.recv(tensor, _rank_in(g, "recv", src, group_src, ("src", "group_src")), tag)
     return g.global_ranks[sender]
 
@@ -318,7 +326,7 @@ def isend(
     group_dst: int | None = None,
 ) -> Work:
     """``IProcessGroup.isend`` on ``group``; ``dst`` is a global rank, ``group_dst`` a group rank."""
-    g = _group(group)
+    g = _group(group, "isend")
     return g.isend(tensor, _peer(g, "isend", dst, group_dst, ("dst", "group_dst")), tag)
 
 
@@ -330,7 +338,7 @@ def irecv(
     group_src: int | None = None,
 ) -> Work:
     """``IProcessGroup.irecv`` on ``group`` (``src`` None: any rank; ``source_rank()`` is a group rank)."""
-    g = _group(group)
+    g = _group(group, "irecv")
     return g.irecv(tensor, _rank_in(g, "irecv", src, group_src, ("src", "group_src")), tag)
 
 
@@ -339,7 +347,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     groups = {id(p.group): p.group for p in p2p_op_list if isinstance(p, P2POp) and p.group is not None}
     if len(groups) > 1:
         raise ValueError("batch_isend_irecv: every P2POp of one batch must belong to the same group")
-    group = next(iter(groups.values())) if groups else get_default_group()
+    group = _group(next(iter(groups.values())) if groups else None, "batch_isend_irecv")
     return group.batch_isend_irecv(p2p_op_list)
 
 
@@ -352,7 +360,7 @@ def broadcast_object_list(
     group_src: int | None = None,
 ) -> None:
     """``IProcessGroup.broadcast_object_list`` on ``group`` (``device`` is accepted for torch's signature)."""
-    g = _group(group)
+    g = _group(group, "broadcast_object_list")
     g.broadcast_object_list(
         object_list, _root(g, "broadcast_object_list", src, group_src, ("src", "group_src"))
     )
@@ -360,7 +368,7 @@ def broadcast_object_list(
 
 def all_gather_object(object_list: list[Any], obj: Any, group: IProcessGroup | None = None) -> None:
     """``IProcessGroup.all_gather_object`` on ``group`` (default group if None)."""
-    _group(group).all_gather_object(object_list, obj)
+    _group(group, "all_gather_object").all_gather_object(object_list, obj)
 
 
 def gather_object(
@@ -371,7 +379,7 @@ def gather_object(
     group_dst: int | None = None,
 ) -> None:
     """``IProcessGroup.gather_object`` on ``group``; ``dst`` is a global rank, ``group_dst`` a group rank."""
-    g = _group(group)
+    g = _group(group, "gather_object")
     g.gather_object(obj, object_gather_list, _root(g, "gather_object", dst, group_dst, ("dst", "group_dst")))
 
 
@@ -383,7 +391,7 @@ def scatter_object_list(
     group_src: int | None = None,
 ) -> None:
     """``IProcessGroup.scatter_object_list`` on ``group``; ``src`` global, ``group_src`` a group rank."""
-    g = _group(group)
+    g = _group(group, "scatter_object_list")
     g.scatter_object_list(
         scatter_object_output_list,
         scatter_object_input_list,
@@ -413,7 +421,7 @@ def new_group(
     group_desc: str | None = None,
     device_id: torch.device | None = None,
     sort_ranks: bool = True,
-) -> IProcessGroup | None:
+) -> IProcessGroup | NonGroupMember:
     """Make a subgroup of the default group from its global ``ranks`` (None: all); every rank calls it.
 
     torch's other arguments: ``backend`` may name the default group's own backend (a subgroup
@@ -423,7 +431,8 @@ def new_group(
     options object, and every rank of the default group takes part in making a group.
 
     Returns:
-        The new group on its members; None elsewhere.
+        The new group on its members; elsewhere ``commlib.GroupMember.NON_GROUP_MEMBER`` (every
+        operation on it raises ``NotGroupMemberError``; it is never the default group).
 
     Raises:
         ValueError: ``backend`` names another backend, or ``pg_options`` /
@@ -448,13 +457,15 @@ def split_group(
     pg_options: Any = None,
     group_desc: str | None = None,
     backend: str | None = None,
-) -> IProcessGroup | None:
+) -> IProcessGroup | NonGroupMember:
     """``IProcessGroup.split_group`` on ``parent_pg`` (default group if None); ranks are its group ranks.
 
-    ``backend``, ``pg_options`` and ``group_desc`` as for ``new_group``.
+    ``backend``, ``pg_options`` and ``group_desc`` as for ``new_group``. A rank in none of
+    the lists gets ``commlib.GroupMember.NON_GROUP_MEMBER`` (torch's gives None, which
+    commlib would read as the default group).
     """
     del group_desc
-    parent = _group(parent_pg)
+    parent = _group(parent_pg, "split_group")
     _check_group_options(parent, "split_group", backend, pg_options)
     if split_ranks is None:
         raise ValueError(f"{parent._prefix('split_group')}split_ranks is required: disjoint lists of ranks")
@@ -468,21 +479,21 @@ def new_subgroups(
     backend: str | None = None,
     pg_options: Any = None,
     group_desc: str | None = None,
-) -> tuple[IProcessGroup, list[IProcessGroup | None]]:
+) -> tuple[IProcessGroup, list[IProcessGroup | NonGroupMember]]:
     """Cut ``group`` (default group if None) into groups of ``group_size`` consecutive ranks.
 
     Every rank calls it. ``group_size`` None means the CUDA devices of this machine, as in torch
     (on CPU, pass it). ``backend``, ``pg_options`` and ``group_desc`` as for ``new_group``.
 
     Returns:
-        This rank's group, and every group in order: the ones this rank is not in are None
-        (torch hands out placeholders there; a rank here holds only its own groups).
+        This rank's group, and every group in order: the ones this rank is not in are
+        ``commlib.GroupMember.NON_GROUP_MEMBER``, as in torch (each names its group).
 
     Raises:
         ValueError: ``group_size`` is not positive or does not divide the group's size.
     """
     del group_desc
-    parent = _group(group)
+    parent = _group(group, "new_subgroups")
     op = "new_subgroups"
     _check_group_options(parent, op, backend, pg_options)
     if group_size is None:
@@ -497,9 +508,10 @@ def new_subgroups(
             f"({parent.world_size} ranks)"
         )
     lists = [list(range(start, start + group_size)) for start in range(0, parent.world_size, group_size)]
-    mine = parent.split_group(lists, timeout=timeout)
-    assert mine is not None  # every rank is in one list
-    return mine, [mine if parent.rank in ranks else None for ranks in lists]
+    every = parent._split_group(op, lists, timeout)
+    mine = every[parent.rank // group_size]
+    assert isinstance(mine, IProcessGroup)  # every rank is in one list
+    return mine, every
 
 
 def new_subgroups_by_enumeration(
@@ -508,37 +520,39 @@ def new_subgroups_by_enumeration(
     backend: str | None = None,
     pg_options: Any = None,
     group_desc: str | None = None,
-) -> tuple[IProcessGroup | None, list[IProcessGroup | None]]:
+) -> tuple[IProcessGroup | NonGroupMember, list[IProcessGroup | NonGroupMember]]:
     """Groups of the default group from disjoint lists of global ranks; every rank calls it.
 
     ``backend``, ``pg_options`` and ``group_desc`` as for ``new_group``.
 
     Returns:
-        This rank's group (None if it is in no list), and every group in order (None where this
-        rank is not a member).
+        This rank's group, and every group in order; where this rank is not a member,
+        ``commlib.GroupMember.NON_GROUP_MEMBER`` (for its own, when it is in no list: torch
+        gives None there, which commlib would read as the default group).
     """
     del group_desc
+    op = "new_subgroups_by_enumeration"
     parent = get_default_group()
-    _check_group_options(parent, "new_subgroups_by_enumeration", backend, pg_options)
-    mine = parent.split_group(ranks_per_subgroup_list, timeout=timeout)
-    return mine, [mine if parent.rank in ranks else None for ranks in ranks_per_subgroup_list]
+    _check_group_options(parent, op, backend, pg_options)
+    every = parent._split_group(op, ranks_per_subgroup_list, timeout)
+    return parent._mine(op, every), every
 
 
 def get_backend(group: IProcessGroup | None = None) -> str:
     """The name of ``group``'s backend (default group if None): ``ring``, ``gloo``, ``nccl``, ``mpi``."""
-    return _group(group).backend
+    return _group(group, "get_backend").backend
 
 
 def get_group_rank(group: IProcessGroup, global_rank: int) -> int:
     """Return the rank in ``group`` of global rank ``global_rank`` (ValueError if it is not a member)."""
-    return group.get_group_rank(global_rank)
+    return _group(group, "get_group_rank").get_group_rank(global_rank)
 
 
 def get_global_rank(group: IProcessGroup, group_rank: int) -> int:
     """Return the global rank of ``group``'s rank ``group_rank``."""
-    return group.get_global_rank(group_rank)
+    return _group(group, "get_global_rank").get_global_rank(group_rank)
 
 
 def get_process_group_ranks(group: IProcessGroup | None = None) -> list[int]:
     """Return the global ranks of ``group``'s members, in group-rank order."""
-    return list(_group(group).global_ranks)
+    return list(_group(group, "get_process_group_ranks").global_ranks)

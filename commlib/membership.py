@@ -1,115 +1,132 @@
-"""Agreement on a new group's members before any backend sets it up.
+"""What a rank outside a new group gets instead of the group: ``GroupMember.NON_GROUP_MEMBER``.
 
-``new_group`` and ``split_group`` take their rank lists from each rank's own
-arguments. If the ranks pass different lists, a backend would link up
-different groups on different ranks and wait for peers that never come. So
-every rank first all-gathers a digest of the lists it passed (one ``int64``
-per rank over the parent group); when the digests differ, every rank
-all-gathers the lists themselves and raises ``CollectiveMismatchError``
-naming what each rank passed. The ranks agree or all raise, at once.
+The module functions take ``group=None`` for the default group, so a rank that
+made a subgroup without being in it must not hold None: passing that to a
+collective would pair it with the members' next collective of the default group.
+As in torch, ``new_group`` (and ``split``, ``split_group``, ``new_subgroups``,
+``new_subgroups_by_enumeration``) gives such a rank a placeholder that equals
+``GroupMember.NON_GROUP_MEMBER``. Unlike torch, which warns and skips the call,
+every operation on it raises ``NotGroupMemberError``, naming the group's global
+ranks and this rank.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
-import torch
+from commlib.errors import NotGroupMemberError, error_prefix
 
-from commlib.errors import CollectiveMismatchError
-
-__all__ = ["agree_on_members"]
-
-_MAX_SHOWN = 8
-"""Distinct rank lists named in the error; the rest are counted."""
+__all__ = ["GroupMember", "NonGroupMember", "is_non_member"]
 
 
-class _Parent(Protocol):
-    rank: int
-    world_size: int
+class NonGroupMember:
+    """The placeholder a rank gets for a group it is not in; it equals ``GroupMember.NON_GROUP_MEMBER``.
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Any: ...
-
-    def preferred_device(self) -> torch.device: ...
-
-
-def agree_on_members(parent: _Parent, prefix: str, op: str, groups: list[list[int]]) -> None:
-    """Raise on every rank unless every rank of ``parent`` passed the same ``groups`` to ``op``.
-
-    Every rank of ``parent`` calls it, before any set-up of the groups.
+    It is not a process group: reading any of a group's attributes on it (a collective,
+    ``rank``, ``new_group``...) raises ``NotGroupMemberError``. Test membership with
+    ``group != commlib.GroupMember.NON_GROUP_MEMBER`` (torch's spelling).
 
     Args:
-        parent: The group the new groups are made from.
-        prefix: The ``[rank R/N] backend.op: `` prefix of the error.
-        op: What was called (``new_group``, ``split_group``), for the message.
-        groups: The groups this rank asks for, as ranks of ``parent``, each in its rank order.
-
-    Raises:
-        CollectiveMismatchError: The ranks passed different lists; the message names each
-            rank's lists.
+        made_by: The call that made the group (``new_group``, ``split``...); empty for the bare sentinel.
+        groups: The global ranks of each group that call made, none with this rank.
+        names: The groups' names (``ring#0.1``).
+        rank: This rank in the parent group.
+        world_size: The parent group's size.
+        backend: The parent group's backend.
+        global_rank: This rank in the root group.
     """
-    size = parent.world_size
-    if size == 1:
-        return
-    device = parent.preferred_device()
-    mine = _encode(groups, size)
-    digest = int.from_bytes(
-        hashlib.blake2b(mine.numpy().tobytes(), digest_size=8).digest(), "little", signed=True
-    )
-    digests = torch.empty(size, dtype=torch.int64, device=device)
-    parent.all_gather(digests, torch.tensor([digest], dtype=torch.int64, device=device))
-    if len(set(digests.tolist())) == 1:
-        return
-    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    parent.all_gather(everyone, mine.to(device))
-    passed = [_decode(row) for row in everyone.view(size, -1).tolist()]
-    raise CollectiveMismatchError(f"{prefix}{_mismatch_message(op, passed)}")
+
+    __slots__ = ("_made_by", "_groups", "_names", "_rank", "_world_size", "_backend", "_global_rank")
+
+    def __init__(
+        self,
+        made_by: str = "",
+        groups: Sequence[Sequence[int]] = (),
+        names: Sequence[str] = (),
+        *,
+        rank: int = -1,
+        world_size: int = -1,
+        backend: str = "",
+        global_rank: int = -1,
+    ) -> None:
+        self._made_by = made_by
+        self._groups = tuple(tuple(g) for g in groups)
+        self._names = tuple(names)
+        self._rank = rank
+        self._world_size = world_size
+        self._backend = backend
+        self._global_rank = global_rank
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NonGroupMember)
+
+    def __hash__(self) -> int:
+        return hash(NonGroupMember)
+
+    def __repr__(self) -> str:
+        if not self._made_by:
+            return "GroupMember.NON_GROUP_MEMBER"
+        return f"<GroupMember.NON_GROUP_MEMBER: global rank {self._global_rank} is not in {self._which()}>"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self.refuse(name)
+
+    @classmethod
+    def of_all(cls, placeholders: Sequence[NonGroupMember]) -> NonGroupMember:
+        """One placeholder for every group of ``placeholders`` (made by one call, none with this rank)."""
+        first = placeholders[0]
+        return cls(
+            first._made_by,
+            [g for p in placeholders for g in p._groups],
+            [n for p in placeholders for n in p._names],
+            rank=first._rank,
+            world_size=first._world_size,
+            backend=first._backend,
+            global_rank=first._global_rank,
+        )
+
+    def _which(self) -> str:
+        if not self._groups:
+            return "any group (every rank passed color=None)"
+        groups = "; ".join(
+            f"{name} (global ranks {list(g)})" for name, g in zip(self._names, self._groups, strict=True)
+        )
+        return f"the group {groups}" if len(self._groups) == 1 else f"any of the groups {groups}"
+
+    def refuse(self, op: str) -> NoReturn:
+        """Raise the ``NotGroupMemberError`` of a call of ``op`` on this placeholder.
+
+        Raises:
+            NotGroupMemberError: Always.
+        """
+        fix = (
+            "Only a group's members may call its operations; on the other ranks skip the call "
+            "(if group != commlib.GroupMember.NON_GROUP_MEMBER: ...), or pass a group this rank is in. "
+            "It is never the default group: pass group=None for that"
+        )
+        if not self._made_by:
+            raise NotGroupMemberError(
+                f"{op}: the group passed is commlib.GroupMember.NON_GROUP_MEMBER, what new_group gives a "
+                f"rank outside the group. {fix}"
+            )
+        prefix = error_prefix(self._rank, self._world_size, self._backend, op)
+        raise NotGroupMemberError(
+            f"{prefix}this rank (global rank {self._global_rank}) is not a member of the group it called "
+            f"{op} on: {self._made_by} made {self._which()} without it, and gave it "
+            f"commlib.GroupMember.NON_GROUP_MEMBER. {fix}"
+        )
 
 
-def _encode(groups: list[list[int]], size: int) -> torch.Tensor:
-    """``[count, len(g0), *g0, len(g1), *g1, ...]``, padded with -1 to ``2 * size + 1`` numbers.
+class GroupMember:
+    """torch's ``GroupMember``: ``NON_GROUP_MEMBER`` is what a rank outside a new group gets."""
 
-    The groups are disjoint lists of ranks below ``size`` (checked before), so they fit.
-    """
-    flat = [len(groups)]
-    for members in groups:
-        flat += [len(members), *members]
-    return torch.tensor(flat + [-1] * (2 * size + 1 - len(flat)), dtype=torch.int64)
+    NON_GROUP_MEMBER = NonGroupMember()
+    """Equals every placeholder ``new_group`` and its kin hand to the ranks outside the groups they make."""
 
 
-def _decode(row: list[int]) -> list[list[int]]:
-    groups, at = [], 1
-    for _ in range(row[0]):
-        length = row[at]
-        groups.append(row[at + 1 : at + 1 + length])
-        at += 1 + length
-    return groups
-
-
-def _mismatch_message(op: str, passed: list[list[list[int]]]) -> str:
-    """``the ranks passed different rank lists to new_group: ranks 0, 1 passed [0, 1]; rank 2 ...``."""
-    single = op == "new_group"
-    by_lists: dict[str, list[int]] = {}
-    for rank, groups in enumerate(passed):
-        text = str(groups[0] if single and len(groups) == 1 else groups)
-        by_lists.setdefault(text if len(text) <= 300 else f"{text[:300]}...", []).append(rank)
-    parts = []
-    for text, ranks in list(by_lists.items())[:_MAX_SHOWN]:
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
-        parts.append(f"{who} passed {text}")
-    if len(by_lists) > _MAX_SHOWN:
-        parts.append(f"and {len(by_lists) - _MAX_SHOWN} more different lists")
-    return (
-        f"the ranks passed different rank lists to {op}: {'; '.join(parts)}. Every rank of the group "
-        f"must call {op} with the same ranks, in the same order relative to its other new_group / "
-        "split / split_group calls; no group was made"
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    """``0, 1, 2`` or ``0-511`` for a run of consecutive ranks, or the first ones and a count."""
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    if len(ranks) > 8:
-        return f"{', '.join(map(str, ranks[:6]))}, ... ({len(ranks)} ranks)"
-    return ", ".join(map(str, ranks))
+def is_non_member(group: object) -> bool:
+    """True if ``group`` is a placeholder for a group this rank is not in (not None: None is the default)."""
+    return group.__class__ is NonGroupMember

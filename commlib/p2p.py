@@ -12,7 +12,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["P2POp", "P2PRequest"]
+from commlib.errors import MessageMismatchError, MessageSizeError
+from commlib.types import dtype_name
+
+__all__ = ["MessageLayout", "P2POp", "P2PRequest", "describe_message", "message_mismatch"]
 
 _KINDS = {"isend": "send", "irecv": "recv"}
 
@@ -87,3 +90,64 @@ class P2PRequest(NamedTuple):
     """The tag."""
     seq: int
     """Its number among this rank's operations of this kind with this peer and tag (1 for the first)."""
+
+
+MessageLayout = tuple[int, int, torch.dtype | None]
+"""``(bytes, elements, dtype)`` of a message or of a receive's tensor (dtype None: unknown here)."""
+
+
+def describe_message(layout: MessageLayout) -> str:
+    """``400 bytes (100 x float32)``."""
+    nbytes, numel, dtype = layout
+    return f"{nbytes} bytes ({numel} x {dtype_name(dtype) if dtype is not None else 'unknown dtype'})"
+
+
+def message_mismatch(
+    label: object, side: str, peer: int, sent: MessageLayout, holds: MessageLayout, *, peer_told: bool = True
+) -> MessageMismatchError:
+    """The error a send or a receive raises when the message does not fit the receive's tensor.
+
+    A message fits when its dtype and its size in bytes are the receive's; every backend
+    decides this on the receiver before any byte lands in its tensor, and tells the sender.
+
+    Args:
+        label: This side's operation (``[rank 0/2] ring.send #1 to rank 1 tag 0 (float32, 100 elements)``).
+        side: ``send`` or ``recv``: which end raises.
+        peer: The other end's rank.
+        sent: The sender's message.
+        holds: The receive's tensor.
+        peer_told: The other end raises too (False: the message was set aside before its
+            receive was posted, and only the receiver learns of it).
+
+    Returns:
+        ``MessageSizeError`` when the sizes in bytes differ, else ``MessageMismatchError``.
+    """
+    other = (
+        f"rank {peer} raises too"
+        if peer_told
+        else f"rank {peer} was not told: the message came before a recv with its tag, and its send completed"
+    )
+    if side == "send":
+        what = (
+            f"rank {peer}'s matching recv holds {describe_message(holds)}, but this send has "
+            f"{describe_message(sent)}; nothing was received ({other})"
+        )
+    else:
+        what = (
+            f"rank {peer} sends {describe_message(sent)}, but this recv's tensor holds "
+            f"{describe_message(holds)}; nothing was written into it ({other})"
+        )
+    sizes_differ = sent[0] != holds[0]
+    dtypes_differ = sent[2] != holds[2]
+    if dtypes_differ and sent[2] is not None and holds[2] is not None:
+        want, has = dtype_name(sent[2]), dtype_name(holds[2])
+        fix = (
+            f"A send and its recv must have the same dtype and number of elements: receive into a {want} "
+            f"tensor (convert it after with .to(torch.{has})), or send tensor.to(torch.{has})"
+        )
+    elif dtypes_differ:
+        fix = "A send and its recv must have the same dtype and number of elements"
+    else:
+        fix = "A send and its recv must have tensors of the same dtype and size"
+    text = f"{label}: {what}. {fix}; the pair stays usable"
+    return MessageSizeError(text) if sizes_differ else MessageMismatchError(text)

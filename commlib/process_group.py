@@ -17,7 +17,9 @@ import datetime
 import functools
 import ipaddress
 import itertools
+import logging
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -27,10 +29,12 @@ from torch.autograd.graph import increment_version
 from commlib import monitored, nan_minmax, objects
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
-from commlib.diagnosis import Diagnostics, FingerprintExchange
+from commlib.diagnosis import Diagnostics, FingerprintExchange, history
+from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
-from commlib.errors import CommError, error_prefix
-from commlib.membership import agree_on_members
+from commlib.errors import CollectiveMismatchError, CommError, error_prefix
+from commlib.member_agreement import agree_on_members
+from commlib.membership import NonGroupMember
 from commlib.p2p import P2POp, P2PRequest
 from commlib.prepared import PreparedCollective
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, op_applies
@@ -38,7 +42,12 @@ from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
 
+logger = logging.getLogger("commlib")
+
 _BOOL = torch.bool
+
+_SLOT = HISTORY - 1
+"""``seq & _SLOT``: the slot of collective ``seq`` in a group's history."""
 
 _root_groups = itertools.count()
 """Root groups created in this process: names them (``gloo#0``) alike on every rank."""
@@ -110,6 +119,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._accepted: set[tuple[object, ...]] = set()
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
+        self._recent = new_history()
+        """The kinds of the last collectives, at ``seq & _SLOT`` (``commlib.diagnosis.history``)."""
+        self._closing_with = ""
+        """The call a collective of the interface's own belongs to (``destroy_process_group``), else empty."""
+        self._calls_parted = False
+        """Whether the ranks were found calling different collectives (``_parting_history``)."""
         self._monitored_barriers = 0
         """``monitored_barrier`` calls on this group so far (their messages carry the number)."""
         self._p2p_counts: dict[tuple[str, int | None, int], int] = {}
@@ -165,6 +180,15 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """The group's name, alike on every member: ``gloo#0`` (a root group), ``gloo#0.2`` (a subgroup)."""
         name = self._group_name
         return f"{self.backend}{name}" if name.startswith("#") else name
+
+    @property
+    def collective_count(self) -> int:
+        """Collectives this rank has issued on this group so far (point-to-point operations not counted).
+
+        Collectives pair by this count: a rank's ``n``-th collective runs with the others' ``n``-th.
+        """
+        diagnostics = self._diagnostics
+        return diagnostics.issued if diagnostics is not None else self._seq
 
     @property
     def bytes_issued(self) -> int:
@@ -957,7 +981,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         *,
         timeout: float | datetime.timedelta | None = None,
         sort_ranks: bool = True,
-    ) -> IProcessGroup | None:
+    ) -> IProcessGroup | NonGroupMember:
         """Make a group of some of this group's ranks; every rank of this group must call it.
 
         Call it on every rank, in the same order relative to other ``new_group``
@@ -971,7 +995,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 keep the order of ``ranks``.
 
         Returns:
-            The new group on its members; None on the other ranks.
+            The new group on its members; on the other ranks ``commlib.GroupMember.NON_GROUP_MEMBER``
+            (a placeholder naming the group, on which every operation raises ``NotGroupMemberError``).
 
         Raises:
             TypeError: A rank is not an int.
@@ -989,9 +1014,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         config = self._sub_config(name, timeout)
         agree_on_members(self, self._prefix(name), name, [members])
         names = [self._next_subgroup_name()]
-        return self._finish_split(name, [members], config, names)
+        return self._mine(name, self._finish_split(name, [members], config, names))
 
-    def split(self, color: int | None, key: int = 0) -> IProcessGroup | None:
+    def split(self, color: int | None, key: int = 0) -> IProcessGroup | NonGroupMember:
         """Split this group into disjoint groups by ``color``, as MPI's ``Comm_split``; every rank calls it.
 
         Ranks that pass the same ``color`` form one group, ordered by ``(key, rank)``.
@@ -1001,7 +1026,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             key: Orders the ranks within their group.
 
         Returns:
-            This rank's group, or None for ``color=None``.
+            This rank's group; for ``color=None``, ``commlib.GroupMember.NON_GROUP_MEMBER``.
 
         Example::
 
@@ -1026,23 +1051,24 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             for c in colors
         ]
         names = [self._next_subgroup_name() for _ in groups]
-        return self._finish_split(name, groups, self._config, names)
+        return self._mine(name, self._finish_split(name, groups, self._config, names))
 
     def split_group(
         self, split_ranks: Sequence[Sequence[int]], *, timeout: float | datetime.timedelta | None = None
-    ) -> IProcessGroup | None:
+    ) -> IProcessGroup | NonGroupMember:
         """Split this group into the disjoint groups ``split_ranks`` names, as torch's ``split_group``.
 
         Every rank of this group calls it with the same lists (ranks of this
-        group); a rank in none of them gets None. One call makes every group,
-        each ordered by rank.
+        group); a rank in none of them gets ``commlib.GroupMember.NON_GROUP_MEMBER``
+        (torch's gives None, which commlib reads as the default group). One call
+        makes every group, each ordered by rank.
 
         Args:
             split_ranks: Disjoint lists of ranks of this group.
             timeout: The new groups' timeout (seconds or a timedelta); default this group's.
 
         Returns:
-            The group holding this rank, or None.
+            The group holding this rank, or ``commlib.GroupMember.NON_GROUP_MEMBER``.
 
         Raises:
             TypeError: ``split_ranks`` is not a list of lists of ints.
@@ -1053,6 +1079,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             >>> pair = group.split_group([[0, 1], [2, 3]])   # 4 ranks: two groups of two
         """
         name = "split_group"
+        return self._mine(name, self._split_group(name, split_ranks, timeout))
+
+    def _split_group(
+        self, name: str, split_ranks: Sequence[Sequence[int]], timeout: float | datetime.timedelta | None
+    ) -> list[IProcessGroup | NonGroupMember]:
+        """``split_group``'s work: every group, in order (this rank's, and a placeholder for each other)."""
         self._check_usable(name)
         if not isinstance(split_ranks, (list, tuple)) or not split_ranks:
             raise TypeError(
@@ -1075,14 +1107,22 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     def _finish_split(
         self, op: str, groups: list[list[int]], config: CommConfig, names: list[str]
-    ) -> IProcessGroup | None:
-        """Have the backend make ``groups``; set up this rank's (global ranks, name, diagnosis)."""
+    ) -> list[IProcessGroup | NonGroupMember]:
+        """Have the backend make ``groups``; set up this rank's (global ranks, name, diagnosis).
+
+        Returns:
+            One entry per group, in order: this rank's group, and a placeholder for each group
+            it is not in (``GroupMember.NON_GROUP_MEMBER``, naming that group).
+        """
         child = self._split(groups, config, names)
         mine = next((i for i, g in enumerate(groups) if self.rank in g), None)
+        every: list[IProcessGroup | NonGroupMember] = [
+            self._placeholder(op, [ranks], [name]) for ranks, name in zip(groups, names, strict=True)
+        ]
         if child is None:
             if mine is not None:
                 raise CommError(f"{self._prefix(op)}the {self.backend} backend made no group for a member")
-            return None
+            return every
         ranks = groups[mine]  # type: ignore[index]
         if (child.rank, child.world_size) != (ranks.index(self.rank), len(ranks)):
             child.close()
@@ -1093,7 +1133,29 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         child._global_ranks = child._named_ranks = tuple(self._global_ranks[r] for r in ranks)
         child._group_name = names[mine]  # type: ignore[index]
         child._start_diagnostics()
-        return child
+        every[mine] = child  # type: ignore[index]
+        return every
+
+    def _mine(self, op: str, every: list[IProcessGroup | NonGroupMember]) -> IProcessGroup | NonGroupMember:
+        """This rank's group among ``every``, or one placeholder that names all of them."""
+        for group in every:
+            if isinstance(group, IProcessGroup):
+                return group
+        if not every:  # split with every color None
+            return self._placeholder(op, [], [])
+        return NonGroupMember.of_all(every)  # type: ignore[arg-type]
+
+    def _placeholder(self, op: str, groups: list[list[int]], names: list[str]) -> NonGroupMember:
+        """What this rank gets for ``groups`` (ranks of this group, named ``names``), none with it."""
+        return NonGroupMember(
+            op,
+            [[self._global_ranks[r] for r in g] for g in groups],
+            names,
+            rank=self.rank,
+            world_size=self.world_size,
+            backend=self.backend,
+            global_rank=self._global_ranks[self.rank],
+        )
 
     def _sub_config(self, op: str, timeout: float | datetime.timedelta | None) -> CommConfig:
         if timeout is None:
@@ -1153,6 +1215,40 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             ) from None
 
     # -------------------------------------------------------------------- close
+    def _barrier_before_close(self, op: str) -> CollectiveMismatchError | None:
+        """Run a barrier before ``op`` closes the group; return the error if the ranks' counts differ.
+
+        A rank that issued a collective more than the others (or fewer) is still in it when
+        the others reach this barrier, so the ranks' checks pair the barrier with it and every
+        rank raises (``commlib.diagnosis.history``). Skipped on one rank, on a group that is
+        closed or broken, once the ranks were found calling different collectives (the error
+        was raised on every rank then), and while an exception is being handled (the rank is
+        failing: its peers learn it from the closed connection). Any other failure of the
+        barrier is logged, and the group closes anyway.
+
+        Returns:
+            The ``CollectiveMismatchError`` to raise once the group is closed, or None.
+        """
+        if self.world_size == 1 or self._closed or self._broken is not None or self._calls_parted:
+            return None  # (after different calls, a peer that raised may have closed already)
+        if sys.exc_info()[1] is not None:
+            return None
+        self._closing_with = op
+        try:
+            self.barrier()
+        except CollectiveMismatchError as e:
+            found = str(e).split(": ", 1)[-1]
+            return CollectiveMismatchError(
+                f"{self._prefix(op)}the barrier it runs first, to compare the ranks' collective counts, "
+                f"found them different (this rank issued {self.collective_count}, the barrier included): "
+                f"{found}"
+            )
+        except CommError as e:
+            logger.info("%sthe ranks' collective counts were not compared: %s", self._prefix(op), e)
+        finally:
+            self._closing_with = ""
+        return None
+
     def close(self) -> None:
         """Release connections and buffers; later collectives raise ``GroupClosedError``.
 
@@ -1198,7 +1294,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         diagnostics = self._diagnostics
         if diagnostics is not None:
             return diagnostics.issue(self, kind, tensor, op, root, async_op, value, start, args, counts)
-        self._seq += 1
+        self._seq = seq = self._seq + 1
+        self._recent[seq & _SLOT] = kind
         work = start(*args)
         if async_op:
             work._set_value(value)  # noqa: SLF001 - what the work's future completes with
@@ -1226,6 +1323,15 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                 if request.peer is not None:
                     work._source = request.peer  # noqa: SLF001
         return works
+
+    def _parting_history(self) -> str:
+        """This rank's count and last collectives, to swap when the ranks' checks found different calls.
+
+        The backend's check (the ring's records) or the fingerprint check calls it on every rank,
+        at the same point; from then on ``destroy_process_group`` runs no barrier of its own.
+        """
+        self._calls_parted = True
+        return history.describe(self)
 
     def _next_seq(self) -> int:
         """Advance ``_seq`` for the collective being issued now (the diagnosis's issuing thread calls it)."""

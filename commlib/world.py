@@ -10,6 +10,7 @@ import threading
 from commlib.config import CommConfig
 from commlib.env import detect
 from commlib.errors import CommError, NotInitializedError
+from commlib.membership import NonGroupMember, is_non_member
 from commlib.process_group import IProcessGroup
 from commlib.registry import create_process_group
 
@@ -87,15 +88,37 @@ def init_process_group(
         return group
 
 
-def destroy_process_group(group: IProcessGroup | None = None) -> None:
-    """Close ``group`` (default: the default group) and forget the default if it was that one."""
+def destroy_process_group(group: IProcessGroup | NonGroupMember | None = None) -> None:
+    """Close ``group`` (default: the default group) and forget the default if it was that one.
+
+    Every rank of the group calls it. It first runs a barrier on the group, which finds a
+    rank that issued a collective more than the others (or fewer): every rank then raises
+    ``CollectiveMismatchError`` naming each rank's count and last collectives, once the group
+    is closed. The barrier waits for every rank up to the group's timeout; it is skipped on a
+    group that a failure broke and while an exception is being handled, and a failure of its
+    own (a rank that closed first) is logged at INFO. ``group.close()`` closes a group on this
+    rank alone, without the barrier. ``GroupMember.NON_GROUP_MEMBER`` (a group this rank is
+    not in) has nothing to close: nothing happens.
+
+    Raises:
+        CollectiveMismatchError: The ranks issued different numbers of collectives on the group.
+    """
     global _default_group
+    if is_non_member(group):
+        return
     with _lock:
         target = group if group is not None else _default_group
         if target is _default_group:
             _default_group = None
-    if target is not None:
+    if target is None:
+        return
+    mismatch = None
+    try:
+        mismatch = target._barrier_before_close("destroy_process_group")
+    finally:
         target.close()
+    if mismatch is not None:
+        raise mismatch
 
 
 def is_initialized() -> bool:
@@ -122,11 +145,15 @@ def _group(group: IProcessGroup | None) -> IProcessGroup:
     return group if group is not None else get_default_group()
 
 
-def get_rank(group: IProcessGroup | None = None) -> int:
-    """Return this process's rank in ``group`` (default group if None)."""
-    return _group(group).rank
+def get_rank(group: IProcessGroup | NonGroupMember | None = None) -> int:
+    """Return this process's rank in ``group`` (default group if None); -1 if it is not a member, as torch."""
+    if is_non_member(group):
+        return -1
+    return _group(group).rank  # type: ignore[arg-type]
 
 
-def get_world_size(group: IProcessGroup | None = None) -> int:
-    """Return the number of ranks in ``group`` (default group if None)."""
-    return _group(group).world_size
+def get_world_size(group: IProcessGroup | NonGroupMember | None = None) -> int:
+    """Return the number of ranks in ``group`` (default group if None); -1 if this rank is not in it."""
+    if is_non_member(group):
+        return -1
+    return _group(group).world_size  # type: ignore[arg-type]

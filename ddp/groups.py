@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import commlib
+from commlib.membership import is_non_member
 from commlib.process_group import IProcessGroup
 
 __all__ = ["resolve_group"]
@@ -21,10 +22,14 @@ def resolve_group(process_group: Any, user: str = "DistributedDataParallel") -> 
     Raises:
         commlib.NotInitializedError: None was given and neither commlib nor
             torch.distributed has been initialised.
+        commlib.NotGroupMemberError: ``process_group`` is ``GroupMember.NON_GROUP_MEMBER``, what
+            ``new_group`` gives a rank outside the group.
         TypeError: ``process_group`` is something else.
     """
     if isinstance(process_group, IProcessGroup):
         return process_group
+    if is_non_member(process_group):
+        process_group.refuse(user)
     import torch.distributed as dist
 
     torch_pg = getattr(dist, "ProcessGroup", None)

@@ -639,3 +639,38 @@ def test_call_sites_travel_in_the_fingerprint_and_name_a_mismatch() -> None:
     wider = Fingerprint.of(1, 7, "all_reduce", torch.ones(5), ReduceOp.SUM)
     with pytest.raises(CollectiveMismatchError, match="sizes or dtypes.*called from rank 0: a; rank 1: b"):
         check_fingerprints("x", [a, wider], ["a", "b"])
+
+
+# ----------------------------------------------------------------- history
+def test_a_group_counts_its_collectives_and_remembers_the_last_kinds() -> None:
+    from commlib.diagnosis import history
+    from tests._fake_groups import FakeGroup, make_env
+
+    group = FakeGroup(make_env(0, 2))
+    for k in range(10):
+        if k % 3:
+            group.all_reduce(torch.ones(2))
+        else:
+            group.barrier()
+        group.send(torch.ones(1), 1)  # point-to-point is not counted
+    assert group.collective_count == 10
+    assert (
+        history.describe(group) == "10 issued (last: barrier #7, all_reduce #8, all_reduce #9, barrier #10)"
+    )
+    packed = history.pack(history.describe(group))
+    assert len(packed) == history.HISTORY_BYTES and history.unpack(packed) == history.describe(group)
+    assert history.describe(FakeGroup(make_env(0, 2))) == "0 issued (last: none)"
+
+
+def test_a_mismatch_at_a_barrier_names_each_ranks_count() -> None:
+    from commlib.diagnosis import history
+
+    text = history.explain([(0, "barrier", 5), (1, "all_reduce", 5), (2, "barrier", 5)], ["a", "b", "c"])
+    assert (
+        " The ranks issued different numbers of collectives on this group before the barrier: rank 0: 4 "
+        "before its barrier #5; rank 1: at least 5 (it is in all_reduce #5); rank 2: 4 before its barrier #5."
+        in text
+    )
+    assert text.endswith(" Each rank's collectives on this group: rank 0: a; rank 1: b; rank 2: c")
+    # Two kinds of data collective: no counts to tell, only the histories (when swapped).
+    assert history.explain([(0, "all_reduce", 3), (1, "broadcast", 3)], None) == ""

@@ -14,21 +14,25 @@ import torch
 import commlib
 from commlib import (
     CollectiveLabel,
+    CollectiveMismatchError,
     CommError,
     CommTimeoutError,
     CompletedWork,
     EventWork,
     GroupClosedError,
+    NotGroupMemberError,
     PeerFailureError,
     ReduceOp,
     ReduceOpTypeError,
 )
+from commlib.membership import NonGroupMember
 from commlib.process_group import IProcessGroup
 from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, op_applies
 from tests._fake_groups import FakeGroup, FloatOnlyGroup, NoProductGroup, RecordingWork, make_env
 
 RANK, WORLD = 1, 4
 PREFIX = "[rank 1/4] fake."
+NON_GROUP_MEMBER = commlib.GroupMember.NON_GROUP_MEMBER
 
 
 @pytest.fixture
@@ -1076,9 +1080,9 @@ def test_split_group_checks_its_lists(group: FakeGroup, split_ranks: Any, error:
 def test_split_group_and_new_subgroups_make_this_ranks_group(group: FakeGroup) -> None:
     child = commlib.split_group(group, [[3, 1], [0, 2]], timeout=9.0)  # this is rank 1 of 4
     assert child is not None and child.global_ranks == (1, 3) and child.timeout == 9.0
-    assert commlib.split_group(group, [[0, 2]]) is None  # rank 1 is in no list
+    assert commlib.split_group(group, [[0, 2]]) == NON_GROUP_MEMBER  # rank 1 is in no list
     mine, every = commlib.new_subgroups(2, group=group)
-    assert mine.global_ranks == (0, 1) and every == [mine, None]
+    assert mine.global_ranks == (0, 1) and every == [mine, NON_GROUP_MEMBER]
     with pytest.raises(ValueError, match=re.escape("group_size 3 does not divide the group's size (4")):
         commlib.new_subgroups(3, group=group)
     with pytest.raises(TypeError, match="device_ids must be a list of ints"):
@@ -1147,7 +1151,7 @@ def test_new_group_sets_up_global_ranks_and_names(group: FakeGroup) -> None:
     assert child is not None and (child.rank, child.world_size) == (0, 2)
     assert child.global_ranks == (1, 3) and child.timeout == 12.0
     assert child.group_name == f"{group.group_name}.0"
-    assert group.new_group([0, 2]) is None  # not a member
+    assert group.new_group([0, 2]) == NON_GROUP_MEMBER  # not a member
     grandchild = child.new_group([1, 0])
     assert (
         grandchild is not None
@@ -1163,6 +1167,62 @@ def test_new_group_sets_up_global_ranks_and_names(group: FakeGroup) -> None:
     child.close()
     group.barrier()  # the parent goes on
     assert [c.method for c in group.calls][-1] == "barrier"
+
+
+def test_a_non_member_gets_a_placeholder_that_every_operation_refuses(
+    group: FakeGroup, clean_commlib: None
+) -> None:
+    """What new_group and its kin give rank 1 of 4 outside the group is never the default group."""
+    commlib.world._default_group = group  # noqa: SLF001 - the default group the module functions use
+    try:
+        made = {
+            "new_group": (commlib.new_group([0, 2]), "the group fake#"),
+            "group.new_group": (group.new_group([2, 3]), "(global ranks [2, 3])"),
+            "split_group": (commlib.split_group(None, [[0, 2], [3]]), "(global ranks [0, 2]); fake#"),
+            "new_subgroups_by_enumeration": (
+                commlib.new_subgroups_by_enumeration([[0, 3]])[0],
+                "(global ranks [0, 3])",
+            ),
+            "new_subgroups (another's group)": (commlib.new_subgroups(2)[1][1], "(global ranks [2, 3])"),
+        }
+        group.calls.clear()
+        t = torch.ones(2)
+        for how, (placeholder, names) in made.items():
+            assert isinstance(placeholder, NonGroupMember), how
+            assert placeholder == NON_GROUP_MEMBER and placeholder is not None, how
+            calls = {
+                "all_reduce": lambda p=placeholder: commlib.all_reduce(t, group=p),
+                "broadcast": lambda p=placeholder: commlib.broadcast(t, src=0, group=p),
+                "barrier": lambda p=placeholder: commlib.barrier(group=p),
+                "send": lambda p=placeholder: commlib.send(t, dst=0, group=p),
+                "irecv": lambda p=placeholder: commlib.irecv(t, src=0, group=p),
+                "all_gather_object": lambda p=placeholder: commlib.all_gather_object([None] * 4, 1, group=p),
+                "get_process_group_ranks": lambda p=placeholder: commlib.get_process_group_ranks(p),
+                "batch_isend_irecv": lambda p=placeholder: commlib.batch_isend_irecv(
+                    [commlib.P2POp(commlib.isend, t, peer=0, group=p)]
+                ),
+                "reduce_scatter": lambda p=placeholder: p.reduce_scatter(t, [t] * 4),
+                "new_group": lambda p=placeholder: p.new_group([0]),
+                "rank": lambda p=placeholder: p.rank,
+            }
+            for op, call in calls.items():
+                with pytest.raises(NotGroupMemberError) as info:
+                    call()
+                text = str(info.value)
+                assert text.startswith(f"{PREFIX}{op}: this rank (global rank 1) is not a member"), (
+                    how,
+                    text,
+                )
+                assert names in text and "GroupMember.NON_GROUP_MEMBER" in text, (how, text)
+                assert isinstance(info.value, ValueError)
+            assert commlib.get_rank(placeholder) == -1 and commlib.get_world_size(placeholder) == -1
+            commlib.destroy_process_group(placeholder)  # nothing to close: nothing happens
+        assert group.calls == [], "a call on a placeholder reached the default group"
+        assert commlib.is_initialized()
+        with pytest.raises(NotGroupMemberError, match="^all_reduce: the group passed is commlib.GroupMember"):
+            commlib.all_reduce(t, group=NON_GROUP_MEMBER)
+    finally:
+        commlib.world._default_group = None  # noqa: SLF001
 
 
 def test_split_checks_color_and_key(group: FakeGroup) -> None:
@@ -1215,3 +1275,45 @@ def test_a_subgroups_labels_name_it_by_its_global_ranks(group: FakeGroup) -> Non
     assert root.startswith("[rank 1/4] fake.barrier #") and "group" not in root
     assert format_ranks(range(512)) == "[0-511]"
     assert format_ranks([0, 2, 4, 6, 8, 10, 12, 14, 16]) == "[0, 2, 4, 6, 8, 10, ...] (9 ranks)"
+
+
+def test_destroy_process_group_runs_a_barrier_first_unless_the_group_cannot_take_one(
+    clean_commlib: None,
+) -> None:
+    """The barrier that compares the ranks' counts; skipped where a peer may be gone or this rank fails."""
+
+    def destroyed(group: FakeGroup) -> list[str]:
+        commlib.destroy_process_group(group)
+        assert group.close_calls == 1
+        return [c.method for c in group.calls]
+
+    assert destroyed(FakeGroup(make_env(RANK, WORLD))) == ["barrier"]
+    assert destroyed(FakeGroup(make_env(0, 1))) == []  # one rank: nothing to compare
+    broken = FakeGroup(make_env(RANK, WORLD))
+    broken._mark_broken(CommError("a peer died"))
+    assert destroyed(broken) == []
+    parted = FakeGroup(make_env(RANK, WORLD))
+    parted._parting_history()  # as the checks do when the ranks called different collectives
+    assert destroyed(parted) == []
+    failing = FakeGroup(make_env(RANK, WORLD))
+    try:
+        raise ValueError("this rank's own failure")
+    except ValueError:
+        assert destroyed(failing) == [], "no barrier while an exception is being handled"
+    commlib.world._default_group = default = FakeGroup(make_env(RANK, WORLD))  # noqa: SLF001
+    commlib.destroy_process_group()
+    assert [c.method for c in default.calls] == ["barrier"] and not commlib.is_initialized()
+    # A peer that closed first: logged, and the group closes.
+    gone = FakeGroup(make_env(RANK, WORLD))
+    gone.next_error = PeerFailureError("rank 0 closed the connection")
+    assert destroyed(gone) == ["barrier"]
+    # The ranks' calls differ at the barrier: raised once the group is closed.
+    out_of_step = FakeGroup(make_env(RANK, WORLD))
+    out_of_step.next_error = CollectiveMismatchError("[rank 1/4] fake.barrier #1: ranks called different ...")
+    with pytest.raises(CollectiveMismatchError) as info:
+        commlib.destroy_process_group(out_of_step)
+    assert out_of_step.close_calls == 1
+    assert str(info.value).startswith(
+        f"{PREFIX}destroy_process_group: the barrier it runs first, to compare the ranks' collective counts, "
+        "found them different (this rank issued 1, the barrier included): ranks called different ..."
+    )

@@ -24,7 +24,7 @@ from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape
 from backends.ring.p2p import PointToPoint
 from backends.ring.rendezvous import Peer, host_id, open_listener, p2p_hello, p2p_hello_source
-from commlib import CommTimeoutError, GroupClosedError, MessageSizeError
+from commlib import CommTimeoutError, GroupClosedError, MessageMismatchError, MessageSizeError
 from tests._listeners import wait_until
 
 SESSION = secrets.token_bytes(32)
@@ -142,18 +142,59 @@ def test_a_size_mismatch_raises_on_both_sides_naming_both_sizes(pair: Pair, mine
         recv.result(timeout=30)
     assert str(sent.value) == (
         f"[rank 0/2] ring.send to rank 1 tag 7: rank 1's matching recv holds {4 * theirs} bytes ({theirs} x "
-        f"float32), but this send has {4 * mine} bytes ({mine} x float32); nothing was taken. A send and its "
-        "recv must have tensors of the same size"
+        f"float32), but this send has {4 * mine} bytes ({mine} x float32); nothing was received (rank 1 "
+        "raises too). A send and its recv must have tensors of the same dtype and size; the pair stays usable"
     )
     assert str(received.value).startswith(
         f"[rank 1/2] ring.recv from rank 0 tag 7: rank 0 sends {4 * mine} bytes ({mine} x float32), but this "
-        f"recv's tensor holds {4 * theirs} bytes ({theirs} x float32); nothing was received"
+        f"recv's tensor holds {4 * theirs} bytes ({theirs} x float32); nothing was written into it"
     )
     assert isinstance(sent.value, ValueError)
     # The link is still in step: the next message goes through.
     x = torch.empty(3)
     _done(pair.send(0, torch.full((3,), 5.0), tag=7), pair.recv(1, x, tag=7))
     assert x.tolist() == [5.0] * 3
+
+
+@pytest.mark.parametrize("numel", [3, 5000], ids=["one piece", "many pieces"])
+def test_a_dtype_mismatch_raises_on_both_sides_before_any_byte_lands(pair: Pair, numel: int) -> None:
+    into = torch.full((numel,), -7, dtype=torch.int32)
+    send, recv = pair.send(0, torch.ones(numel), tag=8), pair.recv(1, into, tag=8)
+    with pytest.raises(MessageMismatchError) as sent:
+        send.result(timeout=30)
+    with pytest.raises(MessageMismatchError) as received:
+        recv.result(timeout=30)
+    assert not isinstance(sent.value, MessageSizeError) and isinstance(sent.value, ValueError)
+    nbytes = 4 * numel
+    assert str(sent.value).startswith(
+        f"[rank 0/2] ring.send to rank 1 tag 8: rank 1's matching recv holds {nbytes} bytes "
+        f"({numel} x int32), but this send has {nbytes} bytes ({numel} x float32)"
+    )
+    assert f"rank 0 sends {nbytes} bytes ({numel} x float32), but this recv's tensor holds" in str(
+        received.value
+    )
+    assert bool((into == -7).all()), "bytes of the refused message landed in the receiving tensor"
+    x = torch.empty(3)
+    _done(pair.send(0, torch.full((3,), 5.0), tag=8), pair.recv(1, x, tag=8))
+    assert x.tolist() == [5.0] * 3
+
+
+def test_a_message_set_aside_of_another_dtype_fails_its_receive_only(pair: Pair) -> None:
+    # Tag 1 comes first and is set aside (its send completes then); the receive for it is int64.
+    _done(
+        pair.send(0, torch.ones(2), tag=1),
+        pair.send(0, torch.ones(2), tag=2),
+        pair.recv(1, torch.empty(2), tag=2),
+    )
+    into = torch.full((2,), -7, dtype=torch.int32)
+    with pytest.raises(
+        MessageMismatchError, match=r"rank 0 was not told: the message came before a recv with its tag"
+    ) as received:
+        pair.recv(1, into, tag=1).result(timeout=30)
+    assert "rank 0 sends 8 bytes (2 x float32), but this recv's tensor holds 8 bytes (2 x int32)" in str(
+        received.value
+    )
+    assert into.tolist() == [-7, -7]
 
 
 def test_a_message_with_another_tag_waits_aside_for_its_own_recv(pair: Pair) -> None:

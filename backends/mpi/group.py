@@ -55,7 +55,7 @@ from backends.common.store_rendezvous import scope_in
 from backends.mpi import device_path
 from backends.mpi.cuda import cuda_aware_override
 from backends.mpi.dtypes import DtypePlan, code_dtype, dtype_code, plan_for
-from backends.mpi.p2p import DirectPayload, P2PEngine, Payload, RecvRequest, SendRequest, SizeMismatch
+from backends.mpi.p2p import DirectPayload, Layout, Mismatch, P2PEngine, Payload, RecvRequest, SendRequest
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
@@ -64,13 +64,14 @@ from commlib.errors import (
     CommError,
     CommTimeoutError,
     GroupClosedError,
-    MessageSizeError,
+    MessageMismatchError,
     RendezvousError,
     RendezvousTimeoutError,
     error_prefix,
 )
+from commlib.p2p import MessageLayout, message_mismatch
 from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp, dtype_name
+from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from_mpi_comm"]
@@ -396,7 +397,7 @@ class _P2PWork(_MPIWork):
 
     @staticmethod
     def _breaks_group(error: BaseException) -> bool:
-        return not isinstance(error, (CommTimeoutError, MessageSizeError))
+        return not isinstance(error, (CommTimeoutError, MessageMismatchError))
 
     def _timeout_error(self, limit: float) -> CommTimeoutError:
         request = self._request
@@ -409,7 +410,8 @@ class _P2PWork(_MPIWork):
                     f"usable. {hint}"
                 )
             return CommTimeoutError(
-                f"{self.describe}: the message from rank {request.source} ({request.sent} bytes) started "
+                f"{self.describe}: the message from rank {request.source} "
+                f"({request.sent[0] if request.sent else '?'} bytes) started "
                 f"but did not finish within {limit:g} s; the sender stopped or died. It stays in flight: "
                 "this process aborts the MPI job when it exits if it never finishes."
             )
@@ -996,11 +998,11 @@ class MPIProcessGroup(IProcessGroup):
         self._check_tag("send", tag)
         label = self._p2p_label("send", tensor, dst, tag)
         payload = self._payload("send", tensor, str(label), send=True)
-        nbytes = tensor.nbytes
+        layout = (tensor.nbytes, tensor.numel(), dtype_code(tensor.dtype))
         return self._start(
             "send",
             tensor,
-            lambda: self._messages.send(payload, nbytes, dst, tag),
+            lambda: self._messages.send(payload, layout, dst, tag),
             None,
             (tensor, payload),
             async_op,
@@ -1012,11 +1014,11 @@ class MPIProcessGroup(IProcessGroup):
         self._check_tag("recv", tag)
         label = self._p2p_label("recv", tensor, src, tag)
         payload = self._payload("recv", tensor, str(label), send=False)
-        nbytes, holds = tensor.nbytes, (tensor.numel(), dtype_code(tensor.dtype))
+        holds = (tensor.nbytes, tensor.numel(), dtype_code(tensor.dtype))
         return self._start(
             "recv",
             tensor,
-            lambda: self._messages.recv(payload, nbytes, src, tag, holds),
+            lambda: self._messages.recv(payload, holds, src, tag),
             None,
             (tensor, payload),
             async_op,
@@ -1177,30 +1179,11 @@ class MPIProcessGroup(IProcessGroup):
 
     # ------------------------------------------------------------------ errors
     def _failure(self, label: CollectiveLabel | str, error: BaseException) -> CommError:
-        """The error a request failed with, for people: a size mismatch or an MPI error."""
-        if isinstance(error, SizeMismatch):
-            return self._size_error(label, error)
+        """The error a request failed with, for people: a dtype or size mismatch, or an MPI error."""
+        if isinstance(error, Mismatch):
+            sent, holds = _layout(error.sent), _layout(error.holds)
+            return message_mismatch(label, error.side, error.peer, sent, holds)
         return self._mpi_error(str(label), error)
-
-    @staticmethod
-    def _size_error(label: CollectiveLabel | str, mismatch: SizeMismatch) -> MessageSizeError:
-        numel, code = mismatch.holds
-        dtype = code_dtype(code)
-        holds = f"{mismatch.expected} bytes ({numel} x {dtype_name(dtype) if dtype else 'unknown dtype'})"
-        peer = mismatch.peer
-        if mismatch.side == "send":
-            has = f"{mismatch.sent} bytes"
-            if isinstance(label, CollectiveLabel) and label.dtype is not None:
-                has += f" ({label.numel} x {dtype_name(label.dtype)})"
-            what = f"rank {peer}'s matching recv holds {holds}, but this send has {has}; it was discarded"
-        else:
-            what = (
-                f"rank {peer} sends {mismatch.sent} bytes, but this recv's tensor holds {holds}; the "
-                "message was discarded and the tensor is unchanged"
-            )
-        return MessageSizeError(
-            f"{label}: {what}. Send and receive tensors of the same size (the group stays usable)"
-        )
 
     def _mpi_error(self, describe: str, error: BaseException) -> CommError:
         MPI = self._MPI
@@ -1423,3 +1406,9 @@ def from_mpi_comm(comm: Any, *, config: CommConfig | None = None) -> MPIProcessG
 
 BACKENDS = {"mpi": create_mpi_group}
 """Backend name -> factory, read by ``commlib.registry``."""
+
+
+def _layout(layout: Layout) -> MessageLayout:
+    """A message's ``(bytes, elements, dtype code)`` with the dtype itself."""
+    nbytes, numel, code = layout
+    return nbytes, numel, code_dtype(code)

@@ -1,25 +1,28 @@
-"""Point-to-point messages over MPI: receives matched in the order they were posted, and a size verdict.
+"""Point-to-point messages over MPI: receives matched in the order they were posted, and a verdict.
 
 Each group keeps two communicators of its own for point-to-point traffic,
 duplicates of its collective one (so no message ever matches a collective's):
 
-- **data**: the sender ``Isend``s the tensor's bytes to ``(peer, tag)``.
+- **data**: the sender ``Isend``s a 24-byte header (the message's bytes,
+  elements and dtype code: three int64), then the tensor's bytes, both to
+  ``(peer, tag)``; MPI keeps them in that order.
 - **verdict**: the receiver answers every message it matches with what its
-  buffer holds (bytes, elements, a dtype code: three int64). The sender posts
-  the receive for that answer when it sends, and its send completes only when
-  the data has left and the answer has come. Equal sizes: both succeed.
-  Different sizes: both raise, naming both sizes. On success this costs one
-  24-byte message, sent the moment the receiver matches, so it travels while
-  the data does.
+  buffer holds (bytes, elements, dtype code). The sender posts the receive for
+  that answer when it sends, and its send completes only when the data has
+  left and the answer has come. Same dtype and bytes: both succeed. Otherwise
+  both raise, naming both. On success this costs the header and the answer,
+  each sent the moment it can be, so both travel while the data does.
 
-A receive is matched by a matched probe (``Improbe``) before any byte lands,
-so a message of the wrong size is drained (received into an empty buffer,
-which MPI truncates) and the receiver's tensor is left untouched. Matching
-keeps MPI's order: the group's unmatched receives are probed in the order
-they were posted, and a message found is handed to the **earliest** posted
-receive that accepts it (same tag; same source, or any source), which is
-exactly the receive MPI itself would have matched it with. Messages between
-one pair with one tag therefore arrive in the order they were sent.
+A receive is matched by a matched probe (``Improbe``) of the header, before any
+byte of the data lands: a message of another dtype or size is drained
+(received into an empty buffer, which MPI truncates) and the receiver's tensor
+is left untouched. The data is received from the header's source with its
+tag, so it is that header's. Matching keeps MPI's order: the group's unmatched
+receives are probed in the order they were posted, and a header found is
+handed to the **earliest** posted receive that accepts it (same tag; same
+source, or any source), which is exactly the receive MPI itself would have
+matched it with. Messages between one pair with one tag therefore arrive in
+the order they were sent.
 
 Sends to one ``(peer, tag)`` are posted in the order they were issued, even
 when an earlier one still waits for its data (a CUDA tensor being copied to
@@ -40,10 +43,19 @@ import threading
 import time
 from typing import Any, Protocol
 
-__all__ = ["P2PEngine", "Payload", "DirectPayload", "RecvRequest", "SendRequest", "SizeMismatch"]
+__all__ = [
+    "DirectPayload",
+    "Layout",
+    "Mismatch",
+    "P2PEngine",
+    "Payload",
+    "RecvRequest",
+    "SendRequest",
+    "fits",
+]
 
-_ANSWER = struct.Struct("<qqq")
-"""The receiver's answer: bytes, elements and dtype code of its buffer."""
+_LAYOUT = struct.Struct("<qqq")
+"""Bytes, elements and dtype code: the sender's header, and the receiver's answer about its buffer."""
 
 
 class Payload(Protocol):
@@ -85,37 +97,44 @@ class DirectPayload:
         """Nothing to do."""
 
 
-class SizeMismatch(Exception):  # noqa: N818 - a fact reported to the group, which raises its own error
-    """A message's size differs from the receiver's buffer: both sides fail with these numbers."""
+Layout = tuple[int, int, int]
+"""``(bytes, elements, dtype code)`` of a message or a receive's buffer."""
 
-    def __init__(
-        self, side: str, peer: int, tag: int, sent: int, expected: int, holds: tuple[int, int]
-    ) -> None:
-        super().__init__(f"{side} with rank {peer}, tag {tag}: {sent} bytes sent, {expected} bytes expected")
+
+def fits(sent: Layout, holds: Layout) -> bool:
+    """Whether a message fits a receive's buffer: the same bytes and dtype (both sides decide alike)."""
+    return sent[0] == holds[0] and sent[2] == holds[2]
+
+
+class Mismatch(Exception):  # noqa: N818 - a fact reported to the group, which raises its own error
+    """A message's dtype or size differs from the receiver's buffer: both sides fail with these numbers."""
+
+    def __init__(self, side: str, peer: int, tag: int, sent: Layout, holds: Layout) -> None:
+        super().__init__(f"{side} with rank {peer}, tag {tag}: {sent} sent, {holds} expected")
         self.side = side
         """``send`` or ``recv``: which end reports it."""
         self.peer = peer
         """The other side: the destination of a send, the source of a receive."""
         self.tag = tag
         self.sent = sent
-        """Bytes the sender sent."""
-        self.expected = expected
-        """Bytes of the receiver's buffer."""
+        """The sender's message."""
         self.holds = holds
-        """Elements and dtype code of the receiver's buffer."""
+        """The receiver's buffer."""
 
 
 class SendRequest:
-    """One send: the data's ``Isend`` and the receive of the answer, with an MPI request's ``Test``."""
+    """One send: the header's and the data's ``Isend`` and the answer's receive, with a request's ``Test``."""
 
-    def __init__(self, engine: P2PEngine, payload: Payload, nbytes: int, peer: int, tag: int) -> None:
+    def __init__(self, engine: P2PEngine, payload: Payload, layout: Layout, peer: int, tag: int) -> None:
         self.peer = peer
         self.tag = tag
-        self.nbytes = nbytes
+        self.layout = layout
         self._engine = engine
         self._payload = payload
-        self._answer = bytearray(_ANSWER.size)
+        self._header = _LAYOUT.pack(*layout)
+        self._answer = bytearray(_LAYOUT.size)
         self._verdict = engine._verdict_comm.Irecv([self._answer, engine._MPI.BYTE], source=peer, tag=tag)
+        self._sent_header: Any = None
         self._data: Any = None
         self._data_done = False
         self._verdict_done = False
@@ -135,6 +154,8 @@ class SendRequest:
         """
         if self._data is None or not (self._data_done or self._data.Test()):
             return False
+        if not self._sent_header.Test():
+            return False
         if not self._verdict_done:
             self._verdict.Cancel()
             deadline = time.monotonic() + bound_s
@@ -146,13 +167,15 @@ class SendRequest:
         return True
 
     def _post(self) -> None:
-        self._data = self._engine._data_comm.Isend(self._payload.buffer(), dest=self.peer, tag=self.tag)
+        comm, byte = self._engine._data_comm, self._engine._MPI.BYTE
+        self._sent_header = comm.Isend([self._header, byte], dest=self.peer, tag=self.tag)
+        self._data = comm.Isend(self._payload.buffer(), dest=self.peer, tag=self.tag)
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's request method name
         """Advance without blocking; True once the data has left and the answer has come.
 
         Raises:
-            SizeMismatch: The receiver's buffer has another size (the message was drained there).
+            Mismatch: The receiver's buffer has another dtype or size (the message was drained there).
         """
         if self._done:
             return True
@@ -169,15 +192,15 @@ class SendRequest:
             if self._data is None:
                 return False
         if not self._data_done:
-            self._data_done = bool(self._data.Test())
+            self._data_done = bool(self._data.Test()) and bool(self._sent_header.Test())
         if not self._verdict_done:
             self._verdict_done = bool(self._verdict.Test())
         if not (self._data_done and self._verdict_done):
             return False
         self._done = True
-        expected, numel, code = _ANSWER.unpack(self._answer)
-        if expected != self.nbytes:
-            raise SizeMismatch("send", self.peer, self.tag, self.nbytes, expected, (numel, code))
+        holds = _LAYOUT.unpack(self._answer)
+        if not fits(self.layout, holds):
+            raise Mismatch("send", self.peer, self.tag, self.layout, holds)
         self._payload.finish()
         return True
 
@@ -189,26 +212,21 @@ class RecvRequest:
     """
 
     def __init__(
-        self,
-        engine: P2PEngine,
-        payload: Payload,
-        nbytes: int,
-        source: int | None,
-        tag: int,
-        holds: tuple[int, int],
+        self, engine: P2PEngine, payload: Payload, holds: Layout, source: int | None, tag: int
     ) -> None:
         self.wanted = source
         """The source asked for (None: any)."""
         self.tag = tag
-        self.nbytes = nbytes
+        self.holds = holds
+        """Bytes, elements and dtype code of the buffer."""
         self.source: int | None = None
-        self.sent: int | None = None
-        """Bytes of the matched message."""
+        self.sent: Layout | None = None
+        """The matched message's header."""
         self.cancelled = False
         self._engine = engine
         self._payload = payload
-        self._holds = holds
-        self._reply = _ANSWER.pack(nbytes, *holds)
+        self._reply = _LAYOUT.pack(*holds)
+        self._fits = False
         self._requests: list[Any] | None = None
         """The data receive (or drain) and the answer's send, once matched."""
         self._done = False
@@ -222,23 +240,29 @@ class RecvRequest:
         """Return True if a message from ``source`` with ``tag`` may match this receive."""
         return tag == self.tag and (self.wanted is None or self.wanted == source)
 
-    def _match(self, message: Any, source: int, sent: int) -> None:
-        """Take ``message`` (called by the engine, under its lock): receive or drain it, and answer."""
-        MPI = self._engine._MPI
-        self.source, self.sent = source, sent
-        if sent == self.nbytes:
-            data = message.Irecv(self._payload.buffer())
-        else:
-            # The wrong size: drain it into no memory (MPI truncates, the message is consumed).
-            data = message.Irecv([bytearray(0), MPI.BYTE])
-        answer = self._engine._verdict_comm.Isend([self._reply, MPI.BYTE], dest=source, tag=self.tag)
+    def _match(self, header: Any, source: int) -> None:
+        """Take the message whose ``header`` was probed (by the engine, under its lock): receive or drain it.
+
+        The header is 24 bytes, already matched, so receiving it does not wait; the data
+        that follows it from ``source`` with this tag is its message's.
+        """
+        engine = self._engine
+        MPI = engine._MPI
+        layout = bytearray(_LAYOUT.size)
+        header.Recv([layout, MPI.BYTE])
+        self.source, self.sent = source, _LAYOUT.unpack(layout)
+        self._fits = fits(self.sent, self.holds)
+        # A message that does not fit is drained into no memory (MPI truncates; the message is consumed).
+        buffer = self._payload.buffer() if self._fits else [bytearray(0), MPI.BYTE]
+        data = engine._data_comm.Irecv(buffer, source=source, tag=self.tag)
+        answer = engine._verdict_comm.Isend([self._reply, MPI.BYTE], dest=source, tag=self.tag)
         self._requests = [data, answer]
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's request method name
         """Advance without blocking; True once the message is in the buffer and answered.
 
         Raises:
-            SizeMismatch: The message had another size than this receive's buffer (it was drained).
+            Mismatch: The message had another dtype or size than this receive's buffer (it was drained).
         """
         if self._done:
             return True
@@ -259,30 +283,23 @@ class RecvRequest:
             try:
                 finished = bool(data.Test())
             except self._engine._MPI.Exception as e:
-                if e.Get_error_class() != self._engine._MPI.ERR_TRUNCATE or self.sent == self.nbytes:
+                if e.Get_error_class() != self._engine._MPI.ERR_TRUNCATE or self._fits:
                     raise
-                finished = True  # the drain of a message of the wrong size
+                finished = True  # the drain of a message that does not fit
             if not finished:
                 return False
             self._requests[0] = None
         if not answer.Test():
             return False
         self._done = True
-        if self.sent != self.nbytes:
-            raise SizeMismatch(
-                "recv",
-                self.source,
-                self.tag,
-                self.sent,
-                self.nbytes,
-                self._holds,  # type: ignore[arg-type]
-            )
+        if not self._fits:
+            raise Mismatch("recv", self.source, self.tag, self.sent, self.holds)  # type: ignore[arg-type]
         self._payload.finish()
         return True
 
 
 class P2PEngine:
-    """The point-to-point traffic of one group: ordered matching, sends in order, the size verdict.
+    """The point-to-point traffic of one group: ordered matching, sends in order, the verdict.
 
     Args:
         mpi: The ``mpi4py.MPI`` module.
@@ -311,23 +328,25 @@ class P2PEngine:
         """The data and verdict communicators (the group frees them when it closes)."""
         return self._data_comm, self._verdict_comm
 
-    def send(self, payload: Payload, nbytes: int, peer: int, tag: int) -> SendRequest:
-        """Send ``nbytes`` bytes to ``peer`` with ``tag`` (posted now if the payload is ready)."""
+    def send(self, payload: Payload, layout: Layout, peer: int, tag: int) -> SendRequest:
+        """Send a message of ``layout`` (bytes, elements, dtype code) to ``peer`` with ``tag``.
+
+        It is posted now if the payload is ready, else once it is (behind earlier sends to ``peer``, ``tag``).
+        """
         with self._lock:
-            request = SendRequest(self, payload, nbytes, peer, tag)
+            request = SendRequest(self, payload, layout, peer, tag)
             queue = self._unposted.setdefault((peer, tag), collections.deque())
             queue.append(request)
             self._post_ready(queue, peer, tag)
         return request
 
-    def recv(
-        self, payload: Payload, nbytes: int, source: int | None, tag: int, holds: tuple[int, int] = (0, -1)
-    ) -> RecvRequest:
-        """Receive ``nbytes`` bytes from ``source`` (None: any) with ``tag``; matched at once if one waits.
+    def recv(self, payload: Payload, holds: Layout, source: int | None, tag: int) -> RecvRequest:
+        """Receive from ``source`` (None: any) with ``tag``; matched at once if a message waits.
 
-        ``holds`` (elements, dtype code) describes the buffer to a sender whose size differs.
+        ``holds`` (bytes, elements, dtype code of the buffer) is what a message must match,
+        and what its sender is told.
         """
-        request = RecvRequest(self, payload, nbytes, source, tag, holds)
+        request = RecvRequest(self, payload, holds, source, tag)
         with self._lock:
             self._unmatched.append(request)
         self.match()
@@ -366,7 +385,7 @@ class P2PEngine:
                     continue
                 found = status.Get_source()
                 taker = next(i for i in range(index + 1) if pending[i].accepts(found, request.tag))
-                pending.pop(taker)._match(message, found, status.Get_count(MPI.BYTE))
+                pending.pop(taker)._match(message, found)
                 if taker < index:
                     index -= 1  # the request probed shifted left; probe it again
 

@@ -65,6 +65,7 @@ from backends.ring.p2p import PointToPoint
 from backends.ring.records import (
     COMMON_BYTES,
     Meta,
+    different_calls,
     mismatch,
     pack_counts,
     read_carried,
@@ -77,6 +78,8 @@ from backends.ring.shm import RegionId
 from backends.ring.staging import Staged, View, first_chunks, on_host, publisher, waiter
 from backends.ring.subgroups import Parent, new_subgroup
 from commlib.config import CommConfig
+from commlib.diagnosis import history
+from commlib.diagnosis.history import HISTORY_BYTES
 from commlib.env import DistEnv
 from commlib.errors import (
     CollectiveMismatchError,
@@ -385,7 +388,18 @@ class RingProcessGroup(IProcessGroup):
         send.flush()  # a queued payload may be a view of the caller's tensor, about to be overwritten
         if all(r[:COMMON_BYTES] == common for r in records):
             return payloads  # shapes may differ: the calls agree on the element count
-        raise mismatch(records)
+        histories = self._swap_histories(mine.seq) if different_calls(records) else None
+        raise mismatch(records, histories)
+
+    def _swap_histories(self, seq: int) -> list[str]:
+        """Pass every rank's count and last collectives round the ring (its records named different calls).
+
+        Every rank holds the same records, so every rank makes this one pass, at the same point.
+        """
+        text = torch.frombuffer(bytearray(history.pack(self._parting_history())), dtype=torch.uint8)
+        meta = Meta(seq, "barrier", torch.uint8, None, -1, self.rank, HISTORY_BYTES, (HISTORY_BYTES,))
+        texts = self._check_meta(meta, text)
+        return [history.unpack(texts[r].numpy().tobytes()) for r in range(self.world_size)]
 
     def _chunk_numel(self, tensor: torch.Tensor) -> int:
         """Elements of ``tensor``'s dtype in one chunk (at least one)."""

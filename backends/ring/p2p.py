@@ -25,16 +25,17 @@ Messages:
   receiver copies one piece out while the sender copies the next in, and a
   long message costs few hand-offs.
 - The receiver gives its verdict before it takes the message's last piece
-  (``RecvLink.post_verdict``): taken, refused for its size (the receiver's
-  byte count rides along), or set aside. The sender's operation completes when
-  the receiver has taken the whole message and reads the verdict then, so a
-  size mismatch raises on both sides and the success path costs no round trip
-  beyond the receiver's own progress.
+  (``RecvLink.post_verdict``): taken, refused because its dtype or size is not
+  the receive's (the receiver's bytes, elements and dtype ride along), or set
+  aside. The sender's operation completes when the receiver has taken the
+  whole message and reads the verdict then, so a dtype or size mismatch raises
+  on both sides, before any byte lands in the receive's tensor, and the
+  success path costs no round trip beyond the receiver's own progress.
 - Receives from one source run in the order issued; each takes the next
   message with its tag, so messages between one pair with one tag arrive in
   order. A message with another tag that comes first is copied aside for a
   later receive with that tag; its send completes then (as MPI's eager sends
-  do), and a size mismatch found later raises on the receiver only.
+  do), and a dtype or size mismatch found later raises on the receiver only.
 - A receive from any source takes the first message, with its tag, from a
   source that has no receive of its own queued; it polls the links (a
   fraction of a millisecond apart once idle).
@@ -74,16 +75,22 @@ from backends.ring.links import RecvLink, SendLink
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_source
 from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
-from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageSizeError, PeerFailureError
-from commlib.p2p import P2PRequest
+from commlib.errors import (
+    CommError,
+    CommTimeoutError,
+    GroupClosedError,
+    MessageMismatchError,
+    PeerFailureError,
+)
+from commlib.p2p import MessageLayout, P2PRequest, message_mismatch
 from commlib.types import WIRE_DTYPES
 
-__all__ = ["PointToPoint", "TAKEN", "WRONG_SIZE", "SET_ASIDE"]
+__all__ = ["PointToPoint", "TAKEN", "REFUSED", "SET_ASIDE"]
 
 logger = logging.getLogger("commlib")
 
-TAKEN, WRONG_SIZE, SET_ASIDE = 0, 1, 2
-"""The receiver's verdicts on a message."""
+TAKEN, REFUSED, SET_ASIDE = 0, 1, 2
+"""The receiver's verdicts on a message (REFUSED: its dtype or size is not the receive's)."""
 
 _MAGIC = b"p2p1"
 _HEADER = struct.Struct("!4sQqQQQB")  # magic, message number, tag, bytes, elements, piece bytes, dtype code
@@ -131,10 +138,9 @@ class _Label:
         return str(self._label_of(self._request))
 
 
-def _describe(nbytes: int, numel: int, dtype: int) -> str:
-    """``32 bytes (8 x float32)``."""
-    name = str(WIRE_DTYPES[dtype]).removeprefix("torch.") if dtype < len(WIRE_DTYPES) else "unknown dtype"
-    return f"{nbytes} bytes ({numel} x {name})"
+def _layout(nbytes: int, numel: int, dtype: int) -> MessageLayout:
+    """A header's or verdict's ``(bytes, elements, dtype code)`` with the dtype itself."""
+    return nbytes, numel, WIRE_DTYPES[dtype] if dtype < len(WIRE_DTYPES) else None
 
 
 @dataclasses.dataclass
@@ -253,7 +259,7 @@ class PointToPoint:
         ``label`` names the operation in errors (``[rank 0/2] ring.send #1 to rank 1 tag 0 ...``).
 
         Raises:
-            MessageSizeError: The receive buffer had another size.
+            MessageMismatchError: The receive's tensor had another dtype or size (``MessageSizeError``).
             CommTimeoutError: ``dst`` did not take the message within the timeout.
             PeerFailureError: The link to ``dst`` failed (now or earlier).
         """
@@ -301,12 +307,8 @@ class PointToPoint:
                     f"The link to rank {dst} is closed; the other ranks are still reachable"
                 ) from e
             raise PeerFailureError(f"{label}: sending to rank {dst} failed: {e}") from e
-        if verdict[0] == WRONG_SIZE:
-            raise MessageSizeError(
-                f"{label}: rank {dst}'s matching recv holds {_describe(*verdict[1:])}, but this send has "
-                f"{_describe(nbytes, numel, dtype)}; nothing was taken. A send and its recv must "
-                "have tensors of the same size"
-            )
+        if verdict[0] == REFUSED:
+            raise message_mismatch(label, "send", dst, _layout(nbytes, numel, dtype), _layout(*verdict[1:]))
 
     def _piece_of(self, nbytes: int) -> int:
         return min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
@@ -399,7 +401,8 @@ class PointToPoint:
             The source rank.
 
         Raises:
-            MessageSizeError: The message has another size (it is dropped, and its sender told).
+            MessageMismatchError: The message has another dtype or size than ``data``
+                (``MessageSizeError``); it is dropped, ``data`` is untouched, and its sender is told.
             CommTimeoutError: No such message came within the timeout.
             PeerFailureError: The link from ``src`` failed (now or earlier).
         """
@@ -447,13 +450,10 @@ class PointToPoint:
         aside: _Aside, src: int, data: torch.Tensor, mine: tuple[int, int, int], label: object
     ) -> None:
         header = aside.header
-        if header.nbytes != mine[0]:
-            raise MessageSizeError(
-                f"{label}: rank {src} sent {_describe(header.nbytes, header.numel, header.dtype)}, but this "
-                f"recv's tensor holds {_describe(*mine)}; nothing was received. The message came before a "
-                "recv with its tag and was kept aside, so its sender was not told. A send and its recv must "
-                "have tensors of the same size"
-            )
+        if header.nbytes != mine[0] or header.dtype != mine[2]:
+            # It came before a recv with its tag and was kept aside: its sender was not told.
+            sent = _layout(header.nbytes, header.numel, header.dtype)
+            raise message_mismatch(label, "recv", src, sent, _layout(*mine), peer_told=False)
         if mine[0]:
             data.view(torch.uint8).copy_(aside.data)
 
@@ -490,7 +490,7 @@ class PointToPoint:
             except (CommError, OSError) as e:
                 raise self._broken(incoming, src, label, e) from e
             try:
-                if their_tag == tag and nbytes == mine[0] and nbytes <= piece:
+                if their_tag == tag and nbytes == mine[0] and dtype == mine[2] and nbytes <= piece:
                     link.take_into(msg, (TAKEN, *mine), data)  # the message is one piece: most are
                     return True
                 header = _Header(msg, their_tag, nbytes, numel, piece, dtype)
@@ -500,18 +500,15 @@ class PointToPoint:
                     self._read_body(link, header, kept)
                     incoming.aside.append(_Aside(header, kept))
                     continue
-                if header.nbytes != mine[0]:
-                    link.post_verdict(header.msg, (WRONG_SIZE, *mine))
+                if header.nbytes != mine[0] or header.dtype != mine[2]:
+                    link.post_verdict(header.msg, (REFUSED, *mine))
                     self._read_body(link, header, None)
-                    raise MessageSizeError(
-                        f"{label}: rank {src} sends {_describe(header.nbytes, header.numel, header.dtype)}, "
-                        f"but this recv's tensor holds {_describe(*mine)}; nothing was received (the sender "
-                        "raises too). A send and its recv must have tensors of the same size"
-                    )
+                    sent = _layout(header.nbytes, header.numel, header.dtype)
+                    raise message_mismatch(label, "recv", src, sent, _layout(*mine))
                 link.post_verdict(header.msg, (TAKEN, *mine))
                 self._read_body(link, header, data)
                 return True
-            except MessageSizeError:
+            except MessageMismatchError:
                 raise
             except (CommError, OSError) as e:
                 raise self._broken(incoming, src, label, e) from e

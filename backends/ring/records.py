@@ -20,10 +20,20 @@ import struct
 import torch
 
 from backends.ring.links import META_BYTES
+from commlib.diagnosis.history import explain
 from commlib.errors import CollectiveMismatchError, ranks_by_value
 from commlib.types import WIRE_COLLECTIVES, WIRE_DTYPES, ReduceOp, dtype_name
 
-__all__ = ["COMMON_BYTES", "Meta", "mismatch", "split_mismatch", "pack_counts", "read_counts", "read_carried"]
+__all__ = [
+    "COMMON_BYTES",
+    "Meta",
+    "different_calls",
+    "mismatch",
+    "split_mismatch",
+    "pack_counts",
+    "read_counts",
+    "read_carried",
+]
 
 _KINDS = WIRE_COLLECTIVES
 _DTYPES = WIRE_DTYPES
@@ -99,14 +109,26 @@ class Meta:
 _ROOTS = {"reduce": ("destination", "dst"), "gather": ("destination", "dst")}
 
 
-def mismatch(records: list[bytes]) -> CollectiveMismatchError:
-    """The error every rank raises when the common parts of ``records`` (one per rank) differ."""
+def different_calls(records: list[bytes]) -> bool:
+    """True if ``records`` (one per rank) name different collectives, not only different tensors."""
+    calls = {(meta.kind, meta.seq) for meta in map(Meta.unpack, records)}
+    return len(calls) > 1
+
+
+def mismatch(records: list[bytes], histories: list[str] | None = None) -> CollectiveMismatchError:
+    """The error every rank raises when the common parts of ``records`` (one per rank) differ.
+
+    ``histories``: each rank's count and last collectives (``commlib.diagnosis.history``), in
+    rank order, swapped when the records name different collectives.
+    """
     metas = sorted((Meta.unpack(r) for r in records), key=lambda m: m.rank)
     if len({(m.kind, m.seq) for m in metas}) > 1:
+        counts = explain([(m.rank, m.kind, m.seq) for m in metas], histories)
         return CollectiveMismatchError(
             "ranks called different collectives: "
             + ranks_by_value(metas, lambda m: f"{m.kind} #{m.seq}")
             + ". Every rank must issue the same collectives in the same order"
+            + (f".{counts}" if counts else "")
         )
     if len({(m.dtype, m.numel) for m in metas}) > 1:
         return CollectiveMismatchError(

@@ -1,18 +1,20 @@
-"""Point-to-point over a torch.distributed backend: a size check before the data, one lane per peer and tag.
+"""Point-to-point over a torch.distributed backend: dtype and size checked first, a lane per peer and tag.
 
-Gloo aborts the process when a message does not fit its receive buffer, so the
-data never travels before the receiver has checked its size. One send to rank
-``D`` with tag ``T`` is three messages on the pair (torch tags ``3T``, ``3T+1``,
-``3T+2``; commlib tags stop at ``max_tag``, so these fit Gloo's 31 bits):
+Gloo aborts the process when a message does not fit its receive buffer, and
+lands another dtype's bytes as they are, so the data never travels before the
+receiver has checked the message's dtype and size. One send to rank ``D`` with
+tag ``T`` is three messages on the pair (torch tags ``3T``, ``3T+1``, ``3T+2``;
+commlib tags stop at ``max_tag``, so these fit Gloo's 31 bits):
 
-- header, sender -> receiver: int64 ``(MAGIC, bytes, dtype code, elements)``;
-- verdict, receiver -> sender: int64 ``(ACCEPT or REFUSE, bytes, dtype code,
-  elements)`` of the receive's tensor;
+- header, sender -> receiver: int64 ``(MAGIC, bytes, elements, dtype code)``;
+- verdict, receiver -> sender: int64 ``(ACCEPT or REFUSE, bytes, elements,
+  dtype code)`` of the receive's tensor: ACCEPT when dtype and bytes agree;
 - data, sender -> receiver: the tensor's bytes, only after ACCEPT (none if empty).
 
-A size mismatch therefore raises ``MessageSizeError`` on both sides, with both
-sizes, and leaves the pair in step: the group goes on. A receive from any rank
-posts its header receive on any source; the header names the sender.
+A dtype or size mismatch therefore raises ``MessageMismatchError``
+(``MessageSizeError`` when the sizes differ) on both sides, naming both, and
+leaves the pair in step: the group goes on. A receive from any rank posts its
+header receive on any source; the header names the sender.
 
 Order: one lane (a thread that lives while it has work) runs the operations of
 each (send or recv, peer, tag) one after the other. Gloo completes a send only
@@ -52,8 +54,9 @@ from typing import Any
 
 import torch
 
-from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageSizeError
-from commlib.types import WIRE_DTYPES, dtype_name
+from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageMismatchError
+from commlib.p2p import MessageLayout, message_mismatch
+from commlib.types import WIRE_DTYPES
 from commlib.work import CollectiveLabel, EventWork, Work
 
 __all__ = ["P2PEngine"]
@@ -74,9 +77,8 @@ _CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
-def _describe(nbytes: int, numel: int, code: int) -> str:
-    dtype = _DTYPES.get(code)
-    return f"{nbytes} bytes ({numel} x {dtype_name(dtype) if dtype is not None else 'unknown dtype'})"
+def _layout(nbytes: int, numel: int, code: int) -> MessageLayout:
+    return nbytes, numel, _DTYPES.get(code)
 
 
 class _Lanes:
@@ -244,7 +246,7 @@ class P2PEngine:
     def _step(self, work: EventWork, step: Callable[..., None], *args: Any) -> None:
         try:
             step(work, *args)
-        except MessageSizeError as e:
+        except MessageMismatchError as e:
             work._settle(e)  # noqa: SLF001 - the pair is in step: the group goes on
         except CommError as e:
             self._broken(e)
@@ -275,11 +277,7 @@ class P2PEngine:
         self._wait(self._backend.recv([verdict], dst, 3 * tag + 1), label, f"rank {dst} did not answer")
         answer, *theirs = verdict.tolist()
         if answer == REFUSE:
-            raise MessageSizeError(
-                f"{label}: rank {dst}'s matching recv holds {_describe(*theirs)}, "
-                f"but this send has {_describe(mine[0], mine[1], mine[2])}; nothing was sent. Send and "
-                "receive tensors of the same size"
-            )
+            raise message_mismatch(label, "send", dst, _layout(*mine), _layout(*theirs))
         if answer != ACCEPT:
             raise CommError(f"{label}: rank {dst} answered the header with garbage ({verdict.tolist()})")
         if mine[0]:
@@ -302,15 +300,12 @@ class P2PEngine:
                 "program uses this group's tags"
             )
         mine = (tensor.numel() * tensor.element_size(), tensor.numel(), _CODES.get(tensor.dtype, -1))
-        accept = theirs[0] == mine[0]
+        accept = theirs[0] == mine[0] and theirs[2] == mine[2]
         verdict = torch.tensor([ACCEPT if accept else REFUSE, *mine], dtype=torch.int64)
         self._wait(self._backend.send([verdict], src, 3 * tag + 1), label, f"rank {src} took no answer")
         work._set_source(src)  # noqa: SLF001
         if not accept:
-            raise MessageSizeError(
-                f"{label}: rank {src} sends {_describe(*theirs)}, but this recv's tensor holds "
-                f"{_describe(*mine)}; nothing was received. Send and receive tensors of the same size"
-            )
+            raise message_mismatch(label, "recv", src, _layout(*theirs), _layout(*mine))
         if not mine[0]:
             return
         data = tensor.view(torch.uint8)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from commlib.config import CommConfig
+from commlib.diagnosis import history
 from commlib.diagnosis.call_site import SITE_BYTES, call_site, pack_site, unpack_site
 from commlib.diagnosis.deferred import DeferredWork, Launcher, launch_step
 from commlib.diagnosis.fingerprint import (
@@ -34,10 +35,11 @@ from commlib.diagnosis.fingerprint import (
     only_splits_differ,
 )
 from commlib.diagnosis.flight_recorder import FlightRecorder
+from commlib.diagnosis.history import HISTORY, HISTORY_BYTES
 from commlib.diagnosis.sidechannel import SideChannelClient, SideChannelHub, hub_host
 from commlib.diagnosis.watchdog import CollectiveTracker, Record, Watchdog, p2p_record
 from commlib.env import DistEnv
-from commlib.errors import CommError, CommTimeoutError
+from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from commlib.p2p import P2PRequest
 from commlib.types import PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, Work
@@ -66,15 +68,20 @@ class DiagnosedGroup(Protocol):
     timeout: float
     default_debug: str
     _seq: int
+    _recent: list[str]
+    _closing_with: str
     _closed: bool
     _broken: BaseException | None
     _p2p_counts: dict[tuple[str, int | None, int], int]
     _works_testable_from_any_thread: bool
 
+    @property
+    def collective_count(self) -> int: ...  # noqa: D102
     def preferred_device(self) -> torch.device: ...  # noqa: D102
     def _prefix(self, op: str) -> str: ...
     def _label(self, op: str, tensor: torch.Tensor | None = None) -> CollectiveLabel: ...
     def _next_seq(self) -> int: ...
+    def _parting_history(self) -> str: ...
     def _check_usable(self, op: str) -> None: ...
     def _mark_broken(self, error: BaseException) -> None: ...
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work: ...
@@ -87,6 +94,8 @@ token, length of the text that follows (the hub's host, or why rank 0 has no hub
 _ADDRESS_MAGIC = b"CLDGADDR"
 _ADDRESS_WORDS = 48
 """Size of the set-up broadcast in int64 words (384 bytes)."""
+_SLOT = HISTORY - 1
+"""``seq & _SLOT``: the slot of collective ``seq`` in the group's history."""
 _RANK_FIELD = slice(16, 20)
 """Where a packed fingerprint holds the rank (skipped when comparing two ranks' calls)."""
 
@@ -122,6 +131,11 @@ class Diagnostics:
         """Whether fingerprints carry the caller's call site (DETAIL asked for, not a backend's default)."""
         self._last_seq = 0
         """Sequence number given to the last collective (ahead of ``_seq`` while the launcher has work)."""
+
+    @property
+    def issued(self) -> int:
+        """Collectives issued on the group so far (the launcher may not have started the last ones)."""
+        return self._last_seq
 
     # --------------------------------------------------------------- set-up
     @classmethod
@@ -270,8 +284,8 @@ class Diagnostics:
                     f"{group._label(kind, tensor)}: the collectives issued before it did not start within "
                     f"{bound:g} s: the group's launcher thread is stuck"
                 )
-        self._last_seq += 1
-        seq = self._last_seq
+        self._last_seq = seq = self._last_seq + 1
+        group._recent[seq & _SLOT] = kind
         site = call_site() if self.call_sites else (0, "")
         if op.__class__ is PremulSum:
             op = op.op  # type: ignore[union-attr]
@@ -320,7 +334,10 @@ class Diagnostics:
             work.wait()
         except BaseException as e:
             if entry is not None:
-                recorder.failed(entry, e)  # type: ignore[union-attr]
+                # The barrier before a group closes meeting a peer that closed first is no failure of
+                # the caller's collectives: it is recorded, and the dump of the real failure is kept.
+                dump = not group._closing_with or isinstance(e, CollectiveMismatchError)
+                recorder.failed(entry, e, dump=dump)  # type: ignore[union-attr]
             raise
         finally:
             if tracker is not None:
@@ -426,6 +443,16 @@ class Diagnostics:
         ):
             return
         prints = [Fingerprint.unpack(everyone[i : i + size]) for i in range(0, len(everyone), size)]
+        histories = None
+        if len({(fp.kind, fp.seq) for fp in prints}) > 1:
+            # The ranks called different collectives: every rank holds the same fingerprints, so every
+            # rank swaps its count and last collectives once, to name them (commlib.diagnosis.history).
+            texts = self._exchange(
+                group, history.pack(group._parting_history()), label, background, HISTORY_BYTES
+            )
+            histories = [
+                history.unpack(texts[i : i + HISTORY_BYTES]) for i in range(0, len(texts), HISTORY_BYTES)
+            ]
         sites = None
         if self.call_sites and mismatch_detail(prints) is not None:
             # Every rank holds the same fingerprints, so every rank takes this second exchange (an
@@ -437,7 +464,7 @@ class Diagnostics:
             row = struct.Struct(f"!{2 * self._world}q")
             matrix = self._exchange(group, row.pack(*counts[0], *counts[1]), label, background, row.size)
             check_splits(label, [row.unpack_from(matrix, i) for i in range(0, len(matrix), row.size)], prints)
-        check_fingerprints(label, prints, sites)
+        check_fingerprints(label, prints, sites, histories)
 
     def _exchange(
         self,

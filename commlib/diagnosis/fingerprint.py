@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from commlib.diagnosis.history import explain
 from commlib.errors import CollectiveMismatchError, ranks_by_value
 from commlib.types import WIRE_COLLECTIVES, WIRE_DTYPES, ReduceOp, dtype_name
 
@@ -277,7 +278,10 @@ def check_splits(label: object, rows: Sequence[Sequence[int]], prints: Sequence[
 
 
 def check_fingerprints(
-    label: object, prints: Sequence[Fingerprint], sites: Sequence[str] | None = None
+    label: object,
+    prints: Sequence[Fingerprint],
+    sites: Sequence[str] | None = None,
+    histories: Sequence[str] | None = None,
 ) -> None:
     """Raise ``CollectiveMismatchError`` if the ranks' calls disagree.
 
@@ -288,6 +292,8 @@ def check_fingerprints(
         label: This rank's name for the call (``[rank 0/2] gloo.all_reduce #7 (...)``).
         prints: One fingerprint per rank.
         sites: Each rank's call site as text, in rank order, to name in the message.
+        histories: Each rank's count and last collectives (``commlib.diagnosis.history``), in rank
+            order, to name when the ranks called different collectives.
     """
     detail = mismatch_detail(prints)
     if detail is not None:
@@ -296,4 +302,7 @@ def check_fingerprints(
         where = ""
         if sites is not None:
             where = "; called from " + "; ".join(f"rank {fp.rank}: {sites[fp.rank]}" for fp in ordered)
-        raise CollectiveMismatchError(f"{label}: {detail} (each rank's call: {calls}{where})")
+        counts = explain([(fp.rank, fp.kind, fp.seq) for fp in ordered], histories)
+        raise CollectiveMismatchError(
+            f"{label}: {detail} (each rank's call: {calls}{where})" + (f".{counts}" if counts else "")
+        )

@@ -143,13 +143,13 @@ class FlightRecorder:
         entry.end = time.time()
         entry.status = "completed"
 
-    def failed(self, entry: _Entry, error: BaseException) -> None:
-        """Record that the collective failed; dump everything if it is a ``CommError``."""
+    def failed(self, entry: _Entry, error: BaseException, *, dump: bool = True) -> None:
+        """Record that the collective failed; dump everything if it is a ``CommError`` (and ``dump``)."""
         entry.end = time.time()
         entry.status = "failed"
         entry.error = f"{type(error).__name__}: {error}"
         entry.work = None
-        if isinstance(error, CommError):
+        if dump and isinstance(error, CommError):
             dump_on_error(error)
 
     def follow(self, entry: _Entry, work: Work) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import commlib
 from commlib import CollectiveMismatchError, CommError, IProcessGroup, ReduceOp
@@ -239,6 +240,82 @@ def extra_collective(group: IProcessGroup) -> dict[str, Any]:
     if error is None and group.rank != 0:
         group.all_reduce(torch.ones(4))  # pairs with rank 0's last call: let every rank finish
     return {"seq": seq, "error": error, "elapsed_s": elapsed, "value": t[0].item()}
+
+
+def _error_of(call: Callable[[], object]) -> tuple[str, str] | None:
+    try:
+        call()
+    except CommError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def extra_collective_counts(group: IProcessGroup) -> dict[str, Any]:
+    """Rank 1 issues one all_reduce more than the others, of the same shape; the next checkpoint catches it.
+
+    ``barrier``: then every rank issues its all_reduce and a barrier. Rank 1's extra
+    call pairs with rank 0's all_reduce (a wrong sum nothing can see), and rank 0's
+    barrier with rank 1's second all_reduce: every rank raises, naming the counts.
+    ``destroy``: the same on a subgroup of every rank, ended by
+    ``destroy_process_group`` instead of a barrier (its own barrier catches it).
+    """
+    r = group.rank
+    out: dict[str, Any] = {}
+    group.barrier()
+    seq = group.collective_count + 2  # where the ranks' calls part
+    t = torch.full((4,), float(r + 1))
+
+    def barrier_case() -> None:
+        if r == 1:
+            group.all_reduce(torch.full((4,), 10.0))
+        group.all_reduce(t)
+        group.barrier()
+
+    out["barrier"] = {"seq": seq, "error": _error_of(barrier_case), "sum": t[0].item()}
+    after = torch.ones(2)
+    group.all_reduce(after)  # the ranks raised on one call each: they are in step again
+    out["after"] = after[0].item()
+
+    sub = group.new_group(list(range(group.world_size)))
+    seq = sub.collective_count + 2
+    t = torch.full((4,), float(r + 1))
+
+    def destroy_case() -> None:
+        if r == 1:
+            sub.all_reduce(torch.full((4,), 10.0))
+        sub.all_reduce(t)
+
+    out["destroy"] = {
+        "seq": seq,
+        "error": _error_of(destroy_case),
+        "at_destroy": _error_of(lambda: commlib.destroy_process_group(sub)),
+        "sum": t[0].item(),
+    }
+    group.barrier()
+    return out
+
+
+def extra_collective_in_ddp(group: IProcessGroup) -> dict[str, Any]:
+    """Rank 1 issues an all_reduce of its own between two DDP steps: the next backward raises on every rank.
+
+    DDP's step agreement, launched before the backward's buckets, pairs with rank 1's extra call.
+    """
+    from ddp import DistributedDataParallel
+
+    sub = group.new_group(list(range(group.world_size)))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), sub)
+    x = torch.randn(4, 8)
+
+    def steps() -> None:
+        for step in range(3):
+            if sub.rank == 1 and step == 1:
+                sub.all_reduce(torch.ones(4))
+            model(x).sum().backward()
+
+    error = _error_of(steps)
+    commlib.destroy_process_group(sub)
+    return {"error": error}
 
 
 def desyncs(group: IProcessGroup) -> dict[str, Any]:

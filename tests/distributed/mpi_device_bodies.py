@@ -174,7 +174,7 @@ class FakeQueryMPI:
 
 
 class RecordingComm:
-    """The group's communicator, recording each collective: name, thread, device buffer or not."""
+    """The group's communicator, recording each call with a tensor's buffer: name, thread, device or not."""
 
     def __init__(self, comm: Any, log: list[str]) -> None:
         self._comm = comm
@@ -187,6 +187,8 @@ class RecordingComm:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, list) and isinstance(a[0], (bytes, bytearray)) for a in args):
+                return attr(*args, **kwargs)  # a point-to-point header: host bytes of its own, no tensor
             device = any(isinstance(a, list) and isinstance(a[0], FakeCupyArray) for a in args)
             self.calls.append((name, threading.current_thread().name, device))
             self.log.append(f"mpi {name}")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+import commlib
 from commlib import CommError, CommTimeoutError, IProcessGroup, ReduceOp
 
 
@@ -146,20 +147,20 @@ def mpi_subgroups(group: IProcessGroup) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     pair = group.new_group([world - 1, 0])
-    if pair is not None:
+    if pair != commlib.GroupMember.NON_GROUP_MEMBER:
         out["pair"] = (pair.rank, pair.world_size, members(pair), list(pair.global_ranks))
     # Reversed by key: the last rank of each color comes first.
     halves = group.split(rank % 2, key=-rank)
     assert halves is not None
     out["halves"] = (halves.rank, halves.world_size, members(halves))
     none = group.split(None if rank == 0 else 0)
-    out["split_none"] = none is None
+    out["split_none"] = none == commlib.GroupMember.NON_GROUP_MEMBER
     # A child of a group outlives it: close the parent, keep using the child.
     parent = group.new_group(list(range(world)))
     assert parent is not None
     child = parent.new_group(list(range(1, world)))
     parent.close()
-    if child is not None:
+    if child != commlib.GroupMember.NON_GROUP_MEMBER:
         t = torch.ones(3)
         child.all_reduce(t)
         out["child_after_parent_closed"] = t.tolist()
@@ -167,7 +168,7 @@ def mpi_subgroups(group: IProcessGroup) -> dict[str, Any]:
         child.close()
         out["child_comms_freed"] = all(c == MPI.COMM_NULL for c in comms)
     for sub in (pair, halves, none):
-        if sub is not None:
+        if sub != commlib.GroupMember.NON_GROUP_MEMBER:
             sub.close()
     t = torch.ones(1)
     group.all_reduce(t)

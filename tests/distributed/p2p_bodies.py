@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import commlib
-from commlib import CommError, CommTimeoutError, IProcessGroup, MessageSizeError, P2POp
+from commlib import CommError, CommTimeoutError, IProcessGroup, MessageMismatchError, MessageSizeError, P2POp
 from tests._reference import digest, rank_input
 from tests.distributed.diagnosis_bodies import CapturedWarnings
 
@@ -165,6 +165,79 @@ def body_size_mismatch(group: IProcessGroup) -> dict[str, Any]:
         out["after"] = got.tolist()
     out["seq"] = group._seq
     return out
+
+
+DTYPE_CASES = ("send/recv", "isend/irecv", "batch_isend_irecv", "recv from any rank", "dtype and size")
+
+
+def body_dtype_mismatch(group: IProcessGroup) -> dict[str, Any]:
+    """Rank 0 sends float32, rank 1 receives into int32, by every route: both raise, the pair goes on.
+
+    Each case is followed by a good message on the same tag, which must arrive
+    intact: the refused message left nothing behind. Rank 1's tensor is filled
+    with -7 first and must still hold it.
+    """
+    r = group.rank
+    out: dict[str, Any] = {}
+    if group.world_size < 2 or r > 1:
+        return out
+    tag = 13
+    for i, case in enumerate(DTYPE_CASES):
+        numel = 10 if case == "dtype and size" else 100
+        sent = torch.ones(numel, dtype=torch.float64 if case == "dtype and size" else torch.float32)
+        into = torch.full((numel,), -7, dtype=torch.int32)
+        try:
+            if case == "send/recv":
+                group.send(sent, 1, tag) if r == 0 else group.recv(into, 0, tag)
+            elif case in ("isend/irecv", "dtype and size"):
+                (group.isend(sent, 1, tag) if r == 0 else group.irecv(into, 0, tag)).wait()
+            elif case == "batch_isend_irecv":
+                op = P2POp(commlib.isend, sent, group=group, group_peer=1, tag=tag)
+                if r == 1:
+                    op = P2POp(commlib.irecv, into, group=group, group_peer=0, tag=tag)
+                for work in group.batch_isend_irecv([op]):
+                    work.wait()
+            else:
+                group.send(sent, 1, tag) if r == 0 else group.recv(into, None, tag)
+            error: Any = None
+        except MessageMismatchError as e:
+            error = [type(e).__name__, isinstance(e, MessageSizeError), isinstance(e, ValueError), str(e)]
+        good = torch.full((3,), float(i))
+        if r == 0:
+            group.send(good, 1, tag)
+        else:
+            got = torch.zeros(3)
+            group.recv(got, 0, tag)
+            out[f"{case}: after"] = got.tolist()
+            out[f"{case}: untouched"] = bool((into == -7).all())
+        out[case] = error
+    return out
+
+
+def check_dtype_mismatch(backend: str, sender: dict[str, Any], receiver: dict[str, Any]) -> None:
+    """Both sides of every case of ``body_dtype_mismatch`` raised the error that names both ends."""
+    for case in DTYPE_CASES:
+        size = case == "dtype and size"
+        sent = "80 bytes (10 x float64)" if size else "400 bytes (100 x float32)"
+        holds = "40 bytes (10 x int32)" if size else "400 bytes (100 x int32)"
+        name = "MessageSizeError" if size else "MessageMismatchError"
+        assert sender[case] is not None and receiver[case] is not None, (case, sender[case], receiver[case])
+        for side, (kind, is_size, is_value_error, text) in (("send", sender[case]), ("recv", receiver[case])):
+            assert (kind, is_size, is_value_error) == (name, size, True), (case, side, text)
+            if side == "send":
+                assert text.startswith(f"[rank 0/2] {backend}.send #"), text
+                assert "to rank 1 tag 13" in text and f"rank 1's matching recv holds {holds}" in text, text
+                assert f"but this send has {sent}; nothing was received (rank 1 raises too)" in text, text
+            else:
+                source = "any rank" if case == "recv from any rank" else "rank 0"
+                assert text.startswith(f"[rank 1/2] {backend}.recv #") and f"from {source} tag 13" in text
+                assert f"rank 0 sends {sent}, but this recv's tensor holds {holds}" in text, text
+                assert "nothing was written into it (rank 0 raises too)" in text, text
+            want = "float64" if size else "float32"
+            assert f"receive into a {want} tensor" in text and "or send tensor.to(torch.int32)" in text, text
+        assert receiver[f"{case}: untouched"], f"{case}: bytes landed in the receiving tensor"
+        index = DTYPE_CASES.index(case)
+        assert receiver[f"{case}: after"] == [float(index)] * 3, f"{case}: the pair fell out of step"
 
 
 def body_p2p_keeps_collectives_numbered(group: IProcessGroup) -> dict[str, Any]:

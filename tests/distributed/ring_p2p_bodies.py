@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+import commlib
 from commlib import CommTimeoutError, IProcessGroup
 
 
@@ -64,7 +65,7 @@ def body_subgroup_links(group: IProcessGroup) -> tuple[str, str, list[float]]:
     odds = group.new_group([q for q in range(n) if q % 2 == 1])
     mine = evens if r % 2 == 0 else odds
     other = odds if r % 2 == 0 else evens
-    assert other is None and mine is not None
+    assert other == commlib.GroupMember.NON_GROUP_MEMBER and mine is not None
     transports = mine.transports if mine.world_size > 1 else ("none", "none")  # type: ignore[attr-defined]
     results = []
     t = torch.tensor([float(r)])

@@ -150,7 +150,7 @@ def subgroup_on_other_hosts(
     report: dict[str, Any] = {"hostname": socket.gethostname()}
     try:
         sub = group.new_group([1, 2])
-        if sub is not None:
+        if sub != commlib.GroupMember.NON_GROUP_MEMBER:
             try:
                 sub.all_reduce(torch.ones(100 if rank == 1 else 200))
             except commlib.CommError as e:

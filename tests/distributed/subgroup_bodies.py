@@ -19,6 +19,15 @@ from ddp import DistributedDataParallel, Join, ZeroRedundancyOptimizer
 from tests.distributed.ddp_feature_bodies import batch, digest, mlp
 
 
+def _member(group: object) -> bool:
+    """True if ``group`` is a group, False if it is ``GroupMember.NON_GROUP_MEMBER`` (never None)."""
+    member = isinstance(group, IProcessGroup)
+    assert member or group == commlib.GroupMember.NON_GROUP_MEMBER, (
+        f"not a group nor a placeholder: {group!r}"
+    )
+    return member
+
+
 def _layout(world: int) -> tuple[list[int], list[int]]:
     """Two overlapping groups: {0, 1} and {1, 2} on 3 ranks; {0, 1, 2} and {1, 2, 3} on 4."""
     if world == 3:
@@ -60,19 +69,19 @@ def body_overlapping_groups(group: IProcessGroup, rounds: int = 3) -> dict[str, 
     a_ranks, b_ranks = _layout(n)
     a = group.new_group(a_ranks)
     b = group.new_group(b_ranks, timeout=45)
-    assert (a is not None) == (r in a_ranks) and (b is not None) == (r in b_ranks)
+    assert (_member(a)) == (r in a_ranks) and (_member(b)) == (r in b_ranks)
     for k in range(rounds):
-        if a is not None:
+        if _member(a):
             _exercise(a, a_ranks, 10 * k + 1)
-        if b is not None:
+        if _member(b):
             _exercise(b, b_ranks, 10 * k + 2)
         t = torch.ones(1)
         group.all_reduce(t)
         assert t.item() == n
-    names = {"a": a.group_name if a else None, "b": b.group_name if b else None}
-    timeouts = {"b": b.timeout if b else None}
+    names = {"a": a.group_name if _member(a) else None, "b": b.group_name if _member(b) else None}
+    timeouts = {"b": b.timeout if _member(b) else None}
     # Module functions take global ranks (the pool's group is the default group).
-    if b is not None:
+    if _member(b):
         t = torch.full((2,), float(r))
         commlib.broadcast(t, src=b_ranks[0], group=b)
         assert torch.all(t == b_ranks[0]), "commlib.broadcast(src=global rank) on a subgroup"
@@ -80,33 +89,33 @@ def body_overlapping_groups(group: IProcessGroup, rounds: int = 3) -> dict[str, 
         assert commlib.get_global_rank(b, 0) == b_ranks[0]
     # Groups of one: every rank calls new_group for each rank; each gets its own.
     singles = [group.new_group([k]) for k in range(n)]
-    assert [s is not None for s in singles] == [k == r for k in range(n)]
+    assert [_member(s) for s in singles] == [k == r for k in range(n)]
     own = singles[r]
-    assert own is not None
+    assert _member(own)
     _exercise(own, [r], 5)
     own.barrier()
     names["single"] = own.group_name
     # A group made from a subgroup: global ranks follow through.
-    nested = None
-    if b is not None:
+    nested: Any = commlib.GroupMember.NON_GROUP_MEMBER
+    if _member(b):
         nested = b.new_group([len(b_ranks) - 1, 0])
-        if nested is not None:
+        if _member(nested):
             _exercise(nested, [b_ranks[0], b_ranks[-1]], 7)
             names["nested"] = nested.group_name
     # Close one group on its members while the parent and the other group go on.
-    if a is not None:
+    if _member(a):
         a.close()
     t = torch.ones(2)
     group.all_reduce(t)
     assert torch.all(t == n), "the parent after a subgroup closed"
-    if b is not None:
+    if _member(b):
         _exercise(b, b_ranks, 30)
     again = group.new_group(a_ranks)
-    if again is not None:
+    if _member(again):
         _exercise(again, a_ranks, 40)
         again.close()
     for g in (b, nested, *singles):
-        if g is not None:
+        if _member(g):
             g.close()
     return {"names": names, "timeouts": timeouts}
 
@@ -119,8 +128,8 @@ def body_split(group: IProcessGroup) -> dict[str, Any]:
     members = sorted((k for k in range(n) if k % 2 == r % 2), reverse=True)
     _exercise(halves, members, 3)
     lonely = group.split(None if r == n - 1 else 0)
-    assert (lonely is None) == (r == n - 1)
-    if lonely is not None:
+    assert (not _member(lonely)) == (r == n - 1)
+    if _member(lonely):
         _exercise(lonely, list(range(n - 1)), 4)
         lonely.close()
     out = {"halves": halves.group_name, "global_ranks": list(halves.global_ranks)}
@@ -134,20 +143,20 @@ def body_torch_split_functions(group: IProcessGroup) -> dict[str, Any]:
     """
     n, r = group.world_size, group.rank
     out: dict[str, Any] = {"backend": commlib.get_backend(group)}
-    # Disjoint lists, one left out: the last rank gets None.
+    # Disjoint lists, one left out: the last rank gets GroupMember.NON_GROUP_MEMBER.
     lists = [[k for k in range(n - 1) if k % 2 == 0], [k for k in range(n - 1) if k % 2 == 1]]
     part = commlib.split_group(group, lists, timeout=40)
-    assert (part is None) == (r == n - 1), (r, part)
-    if part is not None:
+    assert (not _member(part)) == (r == n - 1), (r, part)
+    if _member(part):
         members = lists[r % 2]
         _exercise(part, members, 5)
         out["part_timeout"] = part.timeout
         part.close()
-    # Groups of consecutive ranks; only this rank's is a group, the others None.
+    # Groups of consecutive ranks; only this rank's is a group, the others NON_GROUP_MEMBER.
     size = n // 2 if n % 2 == 0 else n
     mine, every = commlib.new_subgroups(size, group=group)
     _exercise(mine, list(range(r // size * size, r // size * size + size)), 6)
-    out["every"] = [g is not None for g in every]
+    out["every"] = [_member(g) for g in every]
     # Enumerated global ranks of the default group.
     previous, commlib.world._default_group = commlib.world._default_group, group  # noqa: SLF001
     try:
@@ -156,11 +165,11 @@ def body_torch_split_functions(group: IProcessGroup) -> dict[str, Any]:
         kept = commlib.new_group([n - 1, 0], backend=group.backend, sort_ranks=False, group_desc="pair")
     finally:
         commlib.world._default_group = previous  # noqa: SLF001
-    out["kept"] = None if kept is None else (kept.rank, list(kept.global_ranks))
-    if kept is not None:
+    out["kept"] = None if not _member(kept) else (kept.rank, list(kept.global_ranks))
+    if _member(kept):
         kept.close()
-    out["listed"] = None if listed is None else list(listed.global_ranks)
-    out["listed_every"] = [g is not None for g in groups]
+    out["listed"] = None if not _member(listed) else list(listed.global_ranks)
+    out["listed_every"] = [_member(g) for g in groups]
     # 2.13's names, on the subgroup of consecutive ranks.
     k = mine.world_size
     gathered = torch.empty(2 * k, dtype=torch.int64)
@@ -171,9 +180,76 @@ def body_torch_split_functions(group: IProcessGroup) -> dict[str, Any]:
     out["scattered"] = scattered.tolist()
     commlib.barrier(mine, device_ids=[0], timeout=30)
     for g in (mine, listed):
-        if g is not None:
+        if _member(g):
             g.close()
     return out
+
+
+def body_non_members_are_refused(group: IProcessGroup) -> dict[str, Any]:
+    """A rank outside a subgroup that passes what it got to an operation is refused; never the world.
+
+    Ranks 0 and 1 reduce on their pair, then every rank reduces on the world; the rank
+    outside the pair passes its placeholder to the same operations first (module
+    functions and methods, from ``new_group``, ``group.new_group``, ``split`` and
+    ``split_group``). Were it the world, the members' world sum would pair with it.
+    """
+    r = group.rank
+    previous, commlib.world._default_group = commlib.world._default_group, group  # noqa: SLF001
+    try:
+        made = {
+            "commlib.new_group": commlib.new_group([0, 1]),
+            "group.new_group": group.new_group([0, 1]),
+            "group.split": group.split(0 if r < 2 else None),
+            "commlib.split_group": commlib.split_group(None, [[0, 1]]),
+        }
+    finally:
+        commlib.world._default_group = previous  # noqa: SLF001
+    out: dict[str, Any] = {"refused": {}, "sums": {}}
+    for how, sub in made.items():
+        t = torch.full((1,), 10.0 * (r + 1))
+        if r < 2:
+            assert _member(sub), how
+            commlib.all_reduce(t, group=sub)
+            out["sums"][how] = t.item()
+        else:
+            assert not _member(sub) and commlib.get_rank(sub) == -1, how
+            calls = {
+                "commlib.all_reduce": lambda sub=sub, t=t: commlib.all_reduce(t, group=sub),
+                "commlib.barrier": lambda sub=sub: commlib.barrier(group=sub),
+                "commlib.send": lambda sub=sub, t=t: commlib.send(t, dst=0, group=sub),
+                "method all_reduce": lambda sub=sub, t=t: sub.all_reduce(t),
+            }
+            refused = {}
+            for call, run in calls.items():
+                try:
+                    run()
+                    refused[call] = None
+                except commlib.NotGroupMemberError as e:
+                    refused[call] = str(e)
+            out["refused"][how] = refused
+        world = torch.full((1,), 10.0 * (r + 1))
+        group.all_reduce(world)
+        out["sums"][f"{how} then world"] = world.item()
+        if _member(sub):
+            sub.close()
+    return out
+
+
+def check_non_members_refused(backend: str, values: list[dict[str, Any]]) -> None:
+    """``body_non_members_are_refused``: every call of the rank outside the pair raised, naming it."""
+    n = len(values)
+    world = sum(10.0 * (k + 1) for k in range(n))
+    for r, v in enumerate(values):
+        for how in ("commlib.new_group", "group.new_group", "group.split", "commlib.split_group"):
+            assert v["sums"][f"{how} then world"] == world, (r, how, v["sums"])
+            if r < 2:
+                assert v["sums"][how] == 30.0, (r, how, v["sums"])
+                continue
+            for call, text in v["refused"][how].items():
+                assert text is not None, f"rank {r}: {call} on the placeholder from {how} was not refused"
+                op = call.split()[-1].split(".")[-1]
+                assert text.startswith(f"[rank {r}/{n}] {backend}.{op}: this rank (global rank {r}) "), text
+                assert "(global ranks [0, 1])" in text and "GroupMember.NON_GROUP_MEMBER" in text, text
 
 
 def body_parent_closed(group: IProcessGroup) -> dict[str, Any]:
@@ -184,12 +260,12 @@ def body_parent_closed(group: IProcessGroup) -> dict[str, Any]:
     members = list(range(0, n, 2)) if n > 2 else list(range(n))
     child = parent.new_group(members)
     parent.close()
-    if child is not None:
+    if _member(child):
         _exercise(child, members, 9)
         child.close()
     t = torch.ones(1)
     group.all_reduce(t)
-    return {"member": child is not None, "sum": t.item()}
+    return {"member": _member(child), "sum": t.item()}
 
 
 # ------------------------------------------------------------------ training

@@ -121,6 +121,83 @@ def _check_desync(case: str, backend: str, outcome: list[dict[str, Any]], each_c
         assert value["after"] == 2.0, "the group must stay usable after a mismatch"
 
 
+def _check_extra_collective(backend: str, outcome: list[dict[str, Any]]) -> None:
+    """``extra_collective_counts``: at the barrier and at destroy, every rank raised naming the counts."""
+    for rank, value in enumerate(outcome):
+        case = value["barrier"]
+        seq = case["seq"]
+        assert case["error"] is not None, f"rank {rank}: the barrier after an extra all_reduce raised nothing"
+        kind, text = case["error"]
+        op = "barrier" if rank == 0 else "all_reduce"
+        assert kind == "CollectiveMismatchError", text
+        assert text.startswith(f"[rank {rank}/2] {backend}.{op} #{seq}"), text
+        assert f"rank 0: barrier #{seq}; rank 1: all_reduce #{seq}" in text, text
+        assert (
+            f"before the barrier: rank 0: {seq - 1} before its barrier #{seq}; "
+            f"rank 1: at least {seq} (it is in all_reduce #{seq})" in text
+        ), text
+        assert f"rank 0: {seq} issued (last: " in text and f"all_reduce #{seq - 1}, barrier #{seq})" in text
+        assert (
+            f"rank 1: {seq} issued (last: " in text and f"all_reduce #{seq - 1}, all_reduce #{seq})" in text
+        )
+        assert value["after"] == 2.0, "the ranks are in step again after the error"
+    # Rank 0's all_reduce paired with rank 1's extra one (1 + 10); rank 1's own never ran.
+    assert [value["barrier"]["sum"] for value in outcome] == [11.0, 2.0]
+    rank0, rank1 = (value["destroy"] for value in outcome)
+    seq = rank0["seq"]
+    assert rank0["error"] is None and rank0["sum"] == 11.0, rank0
+    assert rank0["at_destroy"] is not None, "destroy_process_group after an extra all_reduce raised nothing"
+    kind, text = rank0["at_destroy"]
+    assert kind == "CollectiveMismatchError", text
+    assert text.startswith(f"[rank 0/2] {backend}.destroy_process_group: the barrier it runs first"), text
+    assert f"rank 0: barrier #{seq}; rank 1: all_reduce #{seq}" in text, text
+    assert f"rank 0: {seq - 1} before its barrier #{seq}; rank 1: at least {seq}" in text, text
+    assert f"barrier #{seq}, in destroy_process_group)" in text, text
+    assert rank1["error"] is not None and rank1["at_destroy"] is None, rank1
+    kind, text = rank1["error"]
+    assert kind == "CollectiveMismatchError" and text.startswith(f"[rank 1/2] {backend}.all_reduce #{seq}")
+    assert f"barrier #{seq}, in destroy_process_group)" in text, text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_collective_more_is_caught_at_the_next_barrier_and_at_destroy_on_the_defaults(
+    pools: dict[str, RankPool], backend: str
+) -> None:
+    """Rank 1 issues one all_reduce more (same shape): the barrier, or destroy_process_group, raises."""
+    _check_extra_collective(
+        backend, pools[f"defaults-{backend}"].run(bodies.extra_collective_counts, timeout=90)
+    )
+
+
+def _check_extra_collective_in_ddp(backend: str, outcome: list[dict[str, Any]]) -> None:
+    for rank, value in enumerate(outcome):
+        assert value["error"] is not None, (
+            f"rank {rank}: an extra all_reduce between DDP steps raised nothing"
+        )
+        kind, text = value["error"]
+        assert kind == "CollectiveMismatchError", text
+        start = (
+            "[rank 0/2] ddp.backward: waiting for the DDP step agreement"
+            if rank == 0
+            else f"[rank 1/2] {backend}.all_reduce #"
+        )
+        assert text.startswith(start), text
+        assert (
+            "ranks called different collectives: rank 0: all_gather #" in text
+            and "rank 1: all_reduce #" in text
+        )
+        assert "Each rank's collectives on this group: rank 0: " in text, text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_collective_more_between_ddp_steps_is_caught_in_the_next_backward(
+    pools: dict[str, RankPool], backend: str
+) -> None:
+    _check_extra_collective_in_ddp(
+        backend, pools[f"defaults-{backend}"].run(bodies.extra_collective_in_ddp, timeout=90)
+    )
+
+
 # ----------------------------------------------------------------- desyncs
 @pytest.mark.parametrize("case", list(bodies.DESYNCS))
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -377,12 +454,23 @@ def test_mpi_desyncs_dumps_and_semantics(
     """Under mpiexec, with the mpi backend's default COMMLIB_DEBUG: every desync raises; dumps; semantics."""
     directory = dump_dirs["detail-mpi"]
     # The dump test first: the report names the first divergence, and the desyncs come after it.
-    names = [f"{MODULE}:{b}" for b in ("dump_after_mismatch", "desyncs", "semantics_equivalence")]
+    names = [
+        f"{MODULE}:{b}"
+        for b in (
+            "dump_after_mismatch",
+            "desyncs",
+            "extra_collective_counts",
+            "extra_collective_in_ddp",
+            "semantics_equivalence",
+        )
+    ]
     result = launch(names, 2, env={**MPI_ENV, "COMMLIB_DUMP_DIR": str(directory)}, timeout=240)
     assert result.returncode == 0, result.describe()
     per_rank = [result.results[r] for r in range(2)]
     for case in bodies.DESYNCS:
         _check_desync(case, "mpi", [v[f"{MODULE}:desyncs"][case] for v in per_rank])
+    _check_extra_collective("mpi", [v[f"{MODULE}:extra_collective_counts"] for v in per_rank])
+    _check_extra_collective_in_ddp("mpi", [v[f"{MODULE}:extra_collective_in_ddp"] for v in per_rank])
     seq = per_rank[0][f"{MODULE}:dump_after_mismatch"]["seq"]
     report = _divergence(directory, capsys)
     assert f"first divergence at #{seq} (the ranks' calls differ):" in report, report

@@ -170,16 +170,27 @@ def test_consolidate_state_dict_on_one_rank_raises_on_every_rank(misuse_pools, b
         assert r["after"] == 3.0
 
 
-@pytest.mark.parametrize("backend", ["ring", "gloo"])  # leaves a rank waiting: a fresh pair each
-def test_consolidate_state_dict_on_one_rank_while_the_other_waits_names_the_cause(backend: str) -> None:
-    results = [o.value for o in _fresh(backend, bodies.case_consolidate_on_one_rank, False)]
-    assert results[0]["outcomes"] == ["step", results[0]["type"]]
-    assert (
-        "waiting for every rank to enter ZeroRedundancyOptimizer.consolidate_state_dict()"
-        in (results[0]["message"])
+@pytest.mark.parametrize("backend", ["ring", "gloo"])  # a fresh pair each: the group ends out of step
+def test_consolidate_state_dict_on_one_rank_while_the_other_ends_names_the_cause(backend: str) -> None:
+    """Rank 0 alone consolidates while rank 1 ends: destroy_process_group's barrier meets it on both."""
+    reason = variant_available("gloo" if backend == "gloo" else "ring-shm")
+    if reason:
+        pytest.skip(reason)
+    env = {"COMMLIB_TIMEOUT": TIMEOUT_S}
+    rank0, rank1 = run_ranks_outcomes(
+        bodies.case_consolidate_on_one_rank, 2, backend=backend, args=(False,), timeout=60, env=env
     )
-    assert "every rank must call it" in results[0]["message"]
-    assert results[1]["outcomes"] == ["step"]
+    assert rank0.ok and not rank1.timed_out, describe_failures([rank0, rank1])
+    result = rank0.value
+    assert result["outcomes"] == ["step", "CollectiveMismatchError"], result
+    message = result["message"]
+    assert "waiting for every rank to enter ZeroRedundancyOptimizer.consolidate_state_dict()" in message
+    assert "every rank must call it" in message
+    assert "rank 0: all_gather #" in message and "in destroy_process_group)" in message, message
+    # Rank 1 ended its training and destroyed the group: its barrier met rank 0's extra collective.
+    assert rank1.error_type == "CollectiveMismatchError", describe_failures([rank1])
+    assert rank1.error is not None and f"[rank 1/2] {backend}.destroy_process_group: " in rank1.error
+    assert "rank 0: at least " in rank1.error and " (it is in all_gather #" in rank1.error, rank1.error
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -70,6 +70,7 @@ _P2P = [
     (f"{P2P}:body_p2p_keeps_collectives_numbered", []),
 ]
 _SUBGROUPS = [(f"{SUBGROUPS}:body_overlapping_groups", []), (f"{SUBGROUPS}:body_split", [])]
+_NON_MEMBERS = (f"{SUBGROUPS}:body_non_members_are_refused", [])
 
 CALLS: dict[int, list[tuple[str, list[Any]]]] = {
     1: [("collectives_matrix", []), *_MATRIX, (f"{OBJECTS}:body_objects", [])],
@@ -83,6 +84,7 @@ CALLS: dict[int, list[tuple[str, list[Any]]]] = {
         *_P2P,
         (f"{P2P}:body_large", []),
         (f"{P2P}:body_size_mismatch", []),
+        (f"{P2P}:body_dtype_mismatch", []),
         (f"{FEATURES}:p2p_sizes_sources_order", []),
         (f"{FEATURES}:p2p_timeouts", []),
         # Last: a failure writes the flight recorder's file again, and the test reads this one's.
@@ -95,6 +97,7 @@ CALLS: dict[int, list[tuple[str, list[Any]]]] = {
         *_P2P,
         *_SUBGROUPS,
         (f"{SUBGROUPS}:body_mismatched_member_lists", []),
+        _NON_MEMBERS,
         (f"{OBJECTS}:body_objects", []),
         (f"{OBJECTS}:body_object_limits", []),
         (f"{OBJECTS}:body_object_pickling_failures", []),
@@ -226,10 +229,18 @@ def test_p2p_sizes_any_source_and_order(job: Job, nprocs: int) -> None:
                 assert name == "MessageSizeError" and is_value_error
                 assert "mpi.recv #" in message and "from rank 0 tag 9" in message
                 holds = "this recv's tensor holds 16 bytes (4 x float32)"
-                assert f"rank 0 sends {sent} bytes, but {holds}" in message
+                assert f"rank 0 sends {sent} bytes ({sent // 4} x float32), but {holds}" in message
                 assert tensor == [7.0] * 4, "the receiving tensor is left as it was"
             assert r["after"] == [5.0] * 4, "the next message on the same tag arrives intact"
             assert r["order"] and r["order_sources"] == [0] and r["early"], r
+
+
+@pytest.mark.launcher
+def test_p2p_dtype_mismatch_raises_on_both_sides_by_every_route(job: Job) -> None:
+    """float32 into int32 by send/recv, isend/irecv, batch and any source: both sides raise, nothing lands."""
+    results = job(2)
+    name = f"{P2P}:body_dtype_mismatch()"
+    p2p_bodies.check_dtype_mismatch("mpi", results[0][name], results[1][name])
 
 
 @pytest.mark.launcher
@@ -314,8 +325,8 @@ def test_interface_p2p_large_mismatch_and_unmatched_send(job: Job) -> None:
     sender, receiver = (values[rank][f"{P2P}:body_size_mismatch()"] for rank in (0, 1))
     for case, (sent, held) in {"smaller": (8, 5), "larger": (5, 8)}.items():
         assert (
-            f"rank 0 sends {4 * sent} bytes, but this recv's tensor holds {4 * held} bytes ({held} x float32)"
-            in receiver[case]
+            f"rank 0 sends {4 * sent} bytes ({sent} x float32), but this recv's tensor holds "
+            f"{4 * held} bytes ({held} x float32)" in receiver[case]
         ), receiver[case]
         assert (
             f"rank 1's matching recv holds {4 * held} bytes ({held} x float32), but this send has "
@@ -366,6 +377,14 @@ def test_interface_different_member_lists(job: Job) -> None:
     for rank in range(3):
         value = values[rank][f"{SUBGROUPS}:body_mismatched_member_lists()"]
         assert value == mismatched_member_lists_expected("mpi", rank, 3), value
+
+
+@pytest.mark.launcher
+def test_a_non_member_is_refused_and_never_joins_the_world(job: Job) -> None:
+    """subgroup_bodies.py: a rank outside a pair passes its placeholder to operations; each raises."""
+    values = job(3)
+    name = f"{_NON_MEMBERS[0]}()"
+    subgroup_bodies.check_non_members_refused("mpi", [values[rank][name] for rank in range(3)])
 
 
 @pytest.mark.launcher

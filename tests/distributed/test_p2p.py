@@ -1,6 +1,6 @@
 """Point-to-point on every backend variant.
 
-Ring exchanges, skipping pairs, batches both ways, order, 100 MiB, size mismatches
+Ring exchanges, skipping pairs, batches both ways, order, 100 MiB, size and dtype mismatches
 on both sides, and a send whose receive never comes (timeout, stall report, flight recorder).
 """
 
@@ -64,6 +64,14 @@ def test_100_mib_and_size_mismatch(get_pool, variant: str) -> None:
         assert "tag 11" in text and text.startswith(f"[rank {0 if text is sender['smaller'] else 1}/2] ")
     assert receiver["after"] == [4.0, 4.0, 4.0], "the pair must stay in step after a size mismatch"
     assert sender["seq"] == receiver["seq"], "point-to-point advanced the collective sequence"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dtype_mismatch_raises_on_both_sides_by_every_route(get_pool, variant: str) -> None:
+    """float32 into int32 (and float64 x10 into int32 x10): send/recv, isend/irecv, batch, any source."""
+    pool = get_pool(variant, 2)
+    sender, receiver = pool.run(bodies.body_dtype_mismatch, timeout=120)
+    bodies.check_dtype_mismatch(VARIANTS[variant][0], sender, receiver)
 
 
 @pytest.fixture(scope="module")

@@ -266,6 +266,7 @@ def _next_group_meets_the_end_of_the_last(fifo: str) -> float:
     group = commlib.init_process_group("gloo", timeout=30)
     group.barrier()
     if group.rank == 1:
+        group.close()  # closed alone: destroy_process_group's barrier would wait for rank 0
         commlib.destroy_process_group()
         told: list[bool] = []
 

@@ -126,3 +126,9 @@ def test_a_timeout_on_a_subgroup_names_the_group_by_its_global_ranks(get_pool, v
         for what, start in timeouts_name_the_group_expected(backend, rank).items():
             assert value[what] is not None and value[what].startswith(start), (rank, what, value)
         assert set(value) == {"deadlock"} | ({"recv"} if rank == 2 else set()), value
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_non_member_is_refused_and_never_joins_the_world(get_pool, variant: str) -> None:
+    values = get_pool(variant, 3).run(bodies.body_non_members_are_refused, timeout=120)
+    bodies.check_non_members_refused(VARIANTS[variant][0], values)

@@ -118,6 +118,24 @@ def test_functional_api(pool: RankPool, backend: str) -> None:
     _check_functional(_on(pool, "functional_api", backend), backend.removeprefix("commlib_"))
 
 
+@BACKENDS_2
+def test_one_collective_more_is_caught_at_dist_barrier(pool: RankPool, backend: str) -> None:
+    """Rank 1's extra dist.all_reduce pairs with rank 0's; dist.barrier raises commlib's error everywhere."""
+    inner = backend.removeprefix("commlib_")
+    values = _on(pool, "extra_collective", backend)
+    for rank, value in enumerate(values):
+        assert value["error"] is not None, f"rank {rank}: nothing raised; its sum is {value['sum']}"
+        kind, text = value["error"]
+        assert kind == "CollectiveMismatchError", text
+        op = "barrier" if rank == 0 else "all_reduce"
+        assert text.startswith(f"[rank {rank}/2] {inner}.{op} #"), text
+        assert "ranks called different collectives: rank 0: barrier #" in text, text
+        assert "The ranks issued different numbers of collectives on this group before the barrier" in text
+        assert " before its barrier #" in text and "rank 1: at least " in text, text
+        assert "Each rank's collectives on this group: rank 0: " in text, text
+    assert [value["sum"] for value in values] == [11.0, 2.0]
+
+
 def _check_functional(values: list[dict[str, Any]], inner: str) -> None:
     for rank, value in enumerate(values):
         assert value["inner"] == inner and value["collectives"] and value["p2p"] and value["async"]

@@ -252,6 +252,28 @@ def _errors(r: int, n: int) -> dict[str, Any]:
     return {"errors": errors}
 
 
+def extra_collective(backend: str) -> dict[str, Any]:
+    """Through ``dist.*``: rank 1 issues one all_reduce more (same shape), then every rank a barrier.
+
+    Rank 0's barrier pairs with rank 1's second all_reduce; commlib's checks raise on every rank.
+    """
+    _init(backend)
+    try:
+        r = dist.get_rank()
+        t = torch.full((4,), float(r + 1))
+        error = None
+        try:
+            if r == 1:
+                dist.all_reduce(torch.full((4,), 10.0))
+            dist.all_reduce(t)
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            error = (type(e).__name__, str(e))
+        return {"error": error, "sum": t[0].item()}
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------- DDP
 class _Net(torch.nn.Module):
     def __init__(self, unused: bool) -> None:
