@@ -11,16 +11,13 @@ none of the per-call argument checks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import increment_version
 
 from commlib.types import PremulSum, ReduceOp
 from commlib.work import Work
-
-if TYPE_CHECKING:
-    from commlib.process_group import IProcessGroup
 
 __all__ = ["PreparedCollective"]
 
@@ -36,6 +33,20 @@ def _bump_versions() -> Callable[[tuple[torch.Tensor, ...]], None]:
 
 
 _bump = _bump_versions()
+
+
+class _IssuingGroup(Protocol):
+    """What a prepared collective uses of its ``IProcessGroup``."""
+
+    _closed: bool
+    _broken: BaseException | None
+    _bytes_issued: int
+
+    def _check_usable(self, op: str) -> None: ...
+
+    def _issue(
+        self, kind: str, tensor: Any, op: Any, root: int, async_op: bool, value: object, start: Any
+    ) -> Any: ...
 
 
 class PreparedCollective:
@@ -57,7 +68,7 @@ class PreparedCollective:
 
     def __init__(
         self,
-        group: IProcessGroup,
+        group: _IssuingGroup,
         kind: str,
         tensor: torch.Tensor,
         op: ReduceOp | PremulSum,
