@@ -135,7 +135,6 @@ def _is_package_init(name: str) -> bool:
 @pytest.mark.parametrize(
     ("old", "new", "names"),
     [
-        ("backends.nccl", "backends.torch", ["from_torch_group", "TorchDistProcessGroup"]),
         ("backends.ring", "backends.ring.group", ["RingProcessGroup", "RingConfig", "BACKENDS"]),
         ("backends.mpi", "backends.mpi.group", ["MPIProcessGroup", "MPIConfig", "from_mpi_comm"]),
     ],
