@@ -48,7 +48,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import commlib.torch_backend  # noqa: E402,F401 - registers commlib_ring
+import commlib.torch_adapter  # noqa: E402,F401 - registers commlib_ring
 from benchmarks._rows import write_csv  # noqa: E402
 from benchmarks._spawn import add_spawn_arguments, spawn_or_run  # noqa: E402
 from examples.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402

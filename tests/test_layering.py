@@ -137,6 +137,7 @@ def _is_package_init(name: str) -> bool:
     [
         ("backends.ring", "backends.ring.group", ["RingProcessGroup", "RingConfig", "BACKENDS"]),
         ("backends.mpi", "backends.mpi.group", ["MPIProcessGroup", "MPIConfig", "from_mpi_comm"]),
+        ("commlib.torch_backend", "commlib.torch_adapter", ["CommlibProcessGroup", "BACKENDS", "register"]),
     ],
 )
 def test_public_names_stay_importable_where_users_import_them(old: str, new: str, names: list[str]) -> None:

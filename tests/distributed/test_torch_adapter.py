@@ -1,4 +1,4 @@
-"""commlib's backends under torch.distributed (``commlib.torch_backend``).
+"""commlib's backends under torch.distributed (``commlib.torch_adapter``).
 
 The multi-rank tests run bodies in real ranks (a ``RankPool`` kept for the
 module, and spawned ranks for 4) that call ``dist.init_process_group("commlib_ring")``
@@ -10,6 +10,8 @@ DTensor) is checked against closed-form values or one process on the full batch.
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from commlib import BackendUnavailableError, PremulSum, ReduceOp
-from commlib.torch_backend import BACKENDS, registration
-from commlib.torch_backend.group import reduce_op
-from commlib.torch_backend.work import PendingWork, done
+from commlib.torch_adapter import BACKENDS, registration
+from commlib.torch_adapter.group import reduce_op
+from commlib.torch_adapter.work import PendingWork, done
 from commlib.work import CompletedWork
 from tests._launcher import RankPool, run_ranks
-from tests.conftest import requires_mpi
+from tests.conftest import REPO_ROOT, requires_mpi
 from tests.distributed import torch_backend_bodies as bodies
 
 pytestmark = pytest.mark.multiprocess
@@ -60,6 +62,20 @@ def test_registered_names_and_devices() -> None:
         assert inner in ("ring", "mpi", "gloo")
     registration.register()  # a second registration changes nothing
     assert sum(name.startswith("COMMLIB_") for name in dist.Backend._plugins) == 3
+
+
+def test_import_commlib_torch_backend_registers_the_backends_in_a_fresh_process() -> None:
+    """``import commlib.torch_backend`` (what users write) registers, as ``commlib.torch_adapter`` does."""
+    code = (
+        "import torch.distributed as dist, commlib.torch_backend as b, commlib.torch_adapter as a; "
+        "assert b.CommlibProcessGroup is a.CommlibProcessGroup; "
+        "print(sorted(n for n in dist.Backend._plugins if n.startswith('COMMLIB_')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['COMMLIB_GLOO', 'COMMLIB_MPI', 'COMMLIB_RING']"
 
 
 def test_unsupported_torch_is_refused_at_registration() -> None:

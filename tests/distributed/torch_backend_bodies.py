@@ -1,4 +1,4 @@
-"""Bodies for commlib's backends under torch.distributed (``commlib.torch_backend``).
+"""Bodies for commlib's backends under torch.distributed (``commlib.torch_adapter``).
 
 Each body initialises torch.distributed itself (``dist.init_process_group`` on
 the backend it is given), checks torch's own API against closed-form values or a
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import commlib.torch_backend  # noqa: F401 - registers the backends
+import commlib.torch_adapter  # noqa: F401 - registers the backends
 from commlib import CommTimeoutError
-from commlib.torch_backend import CommlibProcessGroup
+from commlib.torch_adapter import CommlibProcessGroup
 
 
 def _init(backend: str, how: str = "env", store_path: str = "") -> None:

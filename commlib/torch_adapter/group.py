@@ -6,7 +6,7 @@ returns a torch work handle. A call torch will wait on at once
 (``opts.asyncOp`` False: every synchronous ``dist.*`` call) runs inline on the
 caller's thread and returns a finished handle, so a synchronous call costs the
 commlib call plus a few microseconds. Others return the commlib work wrapped
-(``commlib.torch_backend.work``). commlib validates every call before any
+(``commlib.torch_adapter.work``). commlib validates every call before any
 communication, and its errors (``[rank R/N] ring.all_reduce: ...``) reach the
 caller unchanged.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.process_group import IProcessGroup
-from commlib.torch_backend.work import PendingWork, done
+from commlib.torch_adapter.work import PendingWork, done
 from commlib.types import PremulSum, ReduceOp, premul_sum
 from commlib.work import Work
 
@@ -111,7 +111,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group that runs every operation on a commlib group.
 
     Created by torch through the registered backends (``commlib_ring``,
-    ``commlib_mpi``, ``commlib_gloo``); see ``commlib.torch_backend``. The
+    ``commlib_mpi``, ``commlib_gloo``); see ``commlib.torch_adapter``. The
     commlib group is owned: ``shutdown()`` (torch's ``destroy_process_group``)
     closes it.
 

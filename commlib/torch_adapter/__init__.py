@@ -1,9 +1,9 @@
-"""commlib's backends under torch.distributed: ``import commlib.torch_backend`` registers them.
+"""commlib's backends under torch.distributed: ``import commlib.torch_adapter`` registers them.
 
 After the import, torch.distributed creates process groups whose operations run
 on commlib's backends::
 
-    import commlib.torch_backend  # registers commlib_ring, commlib_mpi, commlib_gloo
+    import commlib.torch_adapter  # registers commlib_ring, commlib_mpi, commlib_gloo
     import torch.distributed as dist
     dist.init_process_group("commlib_ring")  # env://, tcp://... or store=, as any backend
 
@@ -19,8 +19,8 @@ Python process group.
 
 from __future__ import annotations
 
-from commlib.torch_backend.group import CommlibProcessGroup
-from commlib.torch_backend.registration import BACKENDS, SUPPORTED_TORCH, register
+from commlib.torch_adapter.group import CommlibProcessGroup
+from commlib.torch_adapter.registration import BACKENDS, SUPPORTED_TORCH, register
 
 __all__ = ["BACKENDS", "SUPPORTED_TORCH", "CommlibProcessGroup", "register"]
 

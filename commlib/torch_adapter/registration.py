@@ -24,7 +24,7 @@ from commlib.config import CommConfig
 from commlib.env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, DistEnv, detect
 from commlib.errors import BackendUnavailableError
 from commlib.registry import create_process_group
-from commlib.torch_backend.group import CommlibProcessGroup
+from commlib.torch_adapter.group import CommlibProcessGroup
 
 __all__ = ["BACKENDS", "SUPPORTED_TORCH", "register"]
 
@@ -48,7 +48,7 @@ def _check_torch(version: str) -> None:
     if not first <= found <= last:
         span = f"{first[0]}.{first[1]} to {last[0]}.{last[1]}"
         raise BackendUnavailableError(
-            f"commlib.torch_backend: torch {version} is outside the releases the adapter supports "
+            f"commlib.torch_adapter: torch {version} is outside the releases the adapter supports "
             f"({span}): torch's Python process-group API changes between releases. Install a torch in "
             "that range, or use commlib.init_process_group() directly"
         )
@@ -108,7 +108,7 @@ def _creator(name: str, commlib_backend: str) -> Any:
 def register(version: str | None = None) -> None:
     """Register ``commlib_ring``, ``commlib_mpi`` and ``commlib_gloo`` with torch.distributed.
 
-    Importing ``commlib.torch_backend`` calls it; calling it again does nothing.
+    Importing ``commlib.torch_adapter`` calls it; calling it again does nothing.
 
     Args:
         version: The torch version to check (default: the installed one).
