@@ -9,7 +9,7 @@ on commlib's backends::
 
 Everything built on torch.distributed then runs on them: the ``dist.*``
 functions, ``new_group``, torch's DDP, FSDP2, DTensor, pipelining. See
-docs/torch_backend.md for what works and what torch cannot route to a
+docs/torch_adapter.md for what works and what torch cannot route to a
 Python process group.
 
 - ``registration``: the names, the torch version check, and the creator torch calls.

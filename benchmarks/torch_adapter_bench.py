@@ -2,9 +2,9 @@
 
 Launch::
 
-    python benchmarks/torch_backend_bench.py --spawn 2                 # 2 local ranks
-    torchrun --nproc-per-node 2 benchmarks/torch_backend_bench.py      # or under a launcher
-    python benchmarks/torch_backend_bench.py --spawn 2 --quick         # seconds (smoke test)
+    python benchmarks/torch_adapter_bench.py --spawn 2                 # 2 local ranks
+    torchrun --nproc-per-node 2 benchmarks/torch_adapter_bench.py      # or under a launcher
+    python benchmarks/torch_adapter_bench.py --spawn 2 --quick         # seconds (smoke test)
 
 torch.distributed is initialised with ``commlib_ring``; a Gloo group of the same
 ranks comes from ``dist.new_group(backend="gloo")``. Three parts, each with its
@@ -26,14 +26,12 @@ rounds cancels in the per-round ratios:
 - ``fsdp2`` (with ``--fsdp2``): ``fully_shard`` on each block and the model,
   on a mesh of each group: median step time and the ratio ring/gloo.
 
-Rank 0 prints the tables and writes ``--csv`` (default
-``benchmarks/results/torch_backend_<date>.csv``).
+Rank 0 prints the tables and, with ``--csv PATH``, writes them there.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -270,11 +268,9 @@ def run(args: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             print(f"torch {torch.__version__}, {dist.get_world_size()} ranks, commlib_ring vs gloo")
             _print(rows)
-            path = args.csv or REPO_ROOT / "benchmarks" / "results" / (
-                f"torch_backend_{datetime.date.today().isoformat()}.csv"
-            )
-            write_csv(path, CSV_COLUMNS, rows)
-            print(f"wrote {path}")
+            if args.csv:
+                write_csv(args.csv, CSV_COLUMNS, rows)
+                print(f"wrote {args.csv}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
