@@ -14,13 +14,13 @@ from commlib.errors import CommError, error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
+from ddp.bucket_shards import ReduceScatterBuckets
 from ddp.bucket_sync import BucketSync, CommHook, PendingSync
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
 from ddp.errors import BucketOrderError, CommHookError, with_context
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
-from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
 
@@ -133,7 +133,7 @@ class GradientBucketManager:
             on every rank if any rank found one (see ``DDPConfig``).
         gradient_sync: ``"allreduce"`` or ``"reduce_scatter"``: each bucket is
             padded to a multiple of ``world_size`` elements and reduce-scattered;
-            each rank gets its shard only (see ``ddp.zero.shard_sync``).
+            each rank gets its shard only (see ``ddp.bucket_shards``).
         order: Order in which gradients are expected (indices into ``params``);
             default: reverse registration order, the order backward produces them.
         row_sparse: Indices of CPU parameters whose gradients are zero outside the

@@ -6,7 +6,7 @@ in the dtype it is communicated in), checks it for NaN and Inf when asked, and
 starts its collective: an all-reduce of the bucket (the default, prepared once
 per layout with ``IProcessGroup.prepare_all_reduce``), for a bucket of embedding
 gradients the exchange of their touched rows (``ddp.touched_rows``), a
-reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.zero.shard_sync``) or
+reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.bucket_shards``) or
 the registered communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
 message naming the bucket, and lands the result in the gradients.
 """
@@ -26,12 +26,12 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CompletedWork, Work
 from ddp.bucket import GradientBucket
+from ddp.bucket_shards import ReduceScatterBuckets
 from ddp.config import GradientScaling
 from ddp.devices import CommStreams, HostReadback, control_tensor
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
-from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
 

@@ -82,6 +82,22 @@ def test_no_backend_imports_another() -> None:
     assert not bad, sorted(bad)
 
 
+DDP_LAYERS_ABOVE_THE_CORE = ("ddp.zero", "ddp.hooks", "ddp.observe")
+"""Subpackages of ``ddp`` built on its core; the core (every other ``ddp`` module) imports none of ZeRO."""
+
+
+def test_the_ddp_core_does_not_import_zero() -> None:
+    """ZeRO builds on the bucket layer (``ddp.bucket_shards``, ``ddp.param_gathers``), never the reverse.
+
+    ``ddp/__init__.py`` (the package's public names) re-exports ZeRO's and is not part of the core.
+    """
+    graph = _graph()
+    core = [m for m in graph if m.startswith("ddp.") and not m.startswith(DDP_LAYERS_ABOVE_THE_CORE)]
+    assert "ddp.bucket_manager" in core and "ddp.bucket_shards" in core and "ddp.distributed" in core
+    bad = sorted(f"{m} imports {i}" for m in core for i in graph[m] if i.split(".")[:2] == ["ddp", "zero"])
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycles(package: str) -> None:
     graph = _graph()

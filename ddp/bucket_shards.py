@@ -1,22 +1,22 @@
-"""``gradient_sync="reduce_scatter"``: each bucket is reduce-scattered, and each rank keeps its shard.
+"""The buckets' reduce-scatter layout (``gradient_sync="reduce_scatter"``): each rank keeps its shard.
 
-Four pieces, one job each:
+Three pieces, one job each:
 
 - ``ReduceScatterBuckets`` launches a ready bucket's reduce-scatter and lands this
   rank's block of the result in its slice of the bucket (``BucketSync`` calls it
   in place of the all-reduce, in the same strict bucket order).
-- ``ShardedGradientLayout`` is what a ``ZeroRedundancyOptimizer`` follows: the
-  buckets' layout as a ``ParameterPartition`` (``ParameterPartition.from_buckets``:
-  each bucket, padded to a multiple of ``world_size`` elements, cut into equal
-  shards, shard ``r`` owned by rank ``r``), and a version that changes whenever
-  DDP lays its buckets out again. The bucket manager owns the layout; this object
-  only describes it.
+- ``ShardedGradientLayout`` is what a sharded optimizer follows: the parameters
+  of each bucket, in buffer order (each bucket, padded to a multiple of
+  ``world_size`` elements, cut into equal shards, shard ``r`` owned by rank
+  ``r``; ``ddp.zero`` builds its ``ParameterPartition`` from them), and a
+  version that changes whenever DDP lays its buckets out again. The bucket
+  manager owns the layout; this object only describes it.
 - A registry from parameters to the layout that reduce-scatters their
   gradients, so that ``ZeroRedundancyOptimizer(model.parameters(), ...)`` finds it
   with no argument: the same parameters, one owner.
-- ``ParamGathers`` (``overlap_param_gather=True``): the optimizer's all-gathers of
-  the new parameters left in flight after ``step``, which the next forward waits
-  for module by module (``wait_before_forward``).
+
+The optimizer's all-gathers that the next forward waits for
+(``overlap_param_gather=True``) are ``ddp.param_gathers``.
 
 After backward, a rank's gradients are exact (averaged over the ranks) in its
 own shard of every bucket only. The other elements of ``.grad`` are undefined:
@@ -41,18 +41,15 @@ from commlib.types import ReduceOp
 from commlib.work import Work
 from ddp.bucket import GradientBucket
 from ddp.errors import UnsupportedCollectiveError
-from ddp.zero.gather_stats import ParamGatherStats
-from ddp.zero.partition import ParameterPartition
+from ddp.param_gathers import ParamGathers
 
 __all__ = [
-    "ParamGathers",
     "ReduceScatterBuckets",
     "ShardedGradientLayout",
     "check_reduce_scatter_support",
     "layout_of",
     "register_layout",
     "registrations",
-    "wait_before_forward",
     "wire_bytes",
 ]
 
@@ -143,59 +140,8 @@ class ReduceScatterBuckets:
             bucket.grad_data[shard].copy_(bucket.comm_data[shard])
 
 
-class ParamGathers:
-    """The parameters' all-gathers still in flight after a step (``overlap_param_gather``).
-
-    The optimizer adds each buffer's all-gather with the parameters it writes;
-    DDP's forward pre-hooks wait for those of a module's parameters just before
-    it runs; the optimizer waits for the rest before it touches the buffers again.
-    Each wait that blocks is reported to the optimizer's ``ParamGatherStats``
-    (``begin``): that is the part of the all-gathers the forward did not hide.
-    """
-
-    def __init__(self) -> None:
-        self._by_param: dict[int, Work] = {}  # id(parameter) -> the all-gather writing it
-        self._stats: ParamGatherStats | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self._by_param)
-
-    def begin(self, stats: ParamGatherStats) -> None:
-        """A step is about to add its all-gathers; report the waits for them to ``stats``."""
-        self._stats = stats
-
-    def add(self, params: Sequence[torch.Tensor], work: Work) -> None:
-        """Record that ``work`` writes ``params`` (until waited for)."""
-        for p in params:
-            self._by_param[id(p)] = work
-
-    def wait_for(self, params: Any) -> None:
-        """Wait for the all-gathers that write any of ``params`` (an iterable of tensors)."""
-        by_param, stats = self._by_param, self._stats
-        start: float | None = None
-        for p in params:
-            work = by_param.pop(id(p), None)
-            if work is not None:
-                if start is None and stats is not None:
-                    start = stats.clock()
-                work.wait()
-        if start is not None and stats is not None:
-            stats.waited(start, stats.clock(), done=not by_param)
-
-    def wait_all(self) -> None:
-        """Wait for every all-gather still in flight."""
-        works = {id(w): w for w in self._by_param.values()}
-        self._by_param.clear()
-        stats = self._stats
-        start = stats.clock() if stats is not None and works else None
-        for work in works.values():
-            work.wait()
-        if start is not None and stats is not None:
-            stats.waited(start, stats.clock(), done=True)
-
-
 class ShardedGradientLayout:
-    """DDP's buckets as a ``ParameterPartition``: what each rank's optimizer must step.
+    """DDP's reduce-scattered buckets as a sharded optimizer sees them: what each rank must step.
 
     Args:
         manager: The bucket manager that owns the layout (a
@@ -220,44 +166,6 @@ class ShardedGradientLayout:
         """The parameters of each bucket, in buffer order."""
         manager = self._manager()
         return [] if manager is None else [b.params for b in manager.buckets]
-
-    def partition_for(self, params: Sequence[torch.Tensor], prefix: str = "") -> ParameterPartition:
-        """The partition of ``params`` (an optimizer's) that matches the buckets' shards.
-
-        Raises:
-            ValueError: ``params`` leaves out a parameter the buckets hold.
-        """
-        held = {id(p) for p in params}
-        buckets = self.buckets()
-        left_out = sum(1 for b in buckets for p in b if id(p) not in held)
-        if left_out:
-            raise ValueError(
-                f"{prefix}{left_out} of the parameters DistributedDataParallel reduce-scatters "
-                "(gradient_sync='reduce_scatter') are not in this optimizer; each rank holds the averaged "
-                "gradients of its shard of every bucket only, so one ZeroRedundancyOptimizer must hold "
-                "them all (pass model.parameters()), or use gradient_sync='allreduce'"
-            )
-        return ParameterPartition.from_buckets(params, buckets, self.group.world_size)
-
-
-def wait_before_forward(module: torch.nn.Module, gathers: ParamGathers) -> list[Any]:
-    """Make every submodule wait for its own parameters' all-gathers just before it runs.
-
-    Returns:
-        The hook handles (``handle.remove()`` undoes them).
-    """
-    handles = []
-    for sub in module.modules():
-        own = tuple(sub.parameters(recurse=False))
-        if not own:
-            continue
-
-        def pre_hook(_module: torch.nn.Module, _args: Any, own: tuple[torch.Tensor, ...] = own) -> None:
-            if gathers:
-                gathers.wait_for(own)
-
-        handles.append(sub.register_forward_pre_hook(pre_hook))
-    return handles
 
 
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
