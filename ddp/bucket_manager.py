@@ -322,9 +322,9 @@ class GradientBucketManager:
         if self._plan_for(order) == self._plan:
             self._order = order
             return False
-        if self._sync.shards is not None and self._reduced:
+        if self._sync.reduce_scatters and self._reduced:
             # Each rank holds its shard of the old layout only; the new one cuts elsewhere.
-            self._sync.shards.gather(self._buckets)
+            self._sync.gather_shards(self._buckets)
         self._layout(order)
         return True
 
@@ -409,12 +409,12 @@ class GradientBucketManager:
         Gradients are then handed to the hook unscaled (the hook averages, as
         torch's do). Checked by ``DistributedDataParallel.register_comm_hook``.
         """
-        self._sync.hook, self._sync.hook_state = hook, state
+        self._sync.register_comm_hook(state, hook)
 
     @property
     def reduce_scatters(self) -> bool:
         """True if the buckets are reduce-scattered (``gradient_sync="reduce_scatter"``)."""
-        return self._sync.shards is not None
+        return self._sync.reduce_scatters
 
     @property
     def comm_hook(self) -> CommHook | None:
@@ -441,7 +441,7 @@ class GradientBucketManager:
                 this iteration's gradients by this many ranks instead of the world
                 size (``Join`` with ``divide_by_initial_world_size=False``).
         """
-        self._sync.scaling = self._sync.average_over(average_over)
+        self._sync.begin(average_over)
         self._active = True
         self._ready[:] = bytes(len(self._ready))
         self._pending[:] = self._sizes
@@ -453,8 +453,6 @@ class GradientBucketManager:
         self.padding_bytes = 0
         self.launch_s = 0.0
         self._reduced = False
-        if self._sync.check is not None:
-            self._sync.check.reset()
         for observer in self._observers:
             observer.begin(len(self._buckets))
 

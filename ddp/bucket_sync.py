@@ -140,6 +140,19 @@ class BucketSync:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", "comm_hook")
 
     # --------------------------------------------------------------- decisions
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Communicate every bucket with ``hook(state, bucket)`` from now on (it scales itself)."""
+        self.hook, self.hook_state = hook, state
+
+    def begin(self, average_over: int | None = None) -> None:
+        """An iteration starts: its buckets average over ``average_over`` ranks (None: as configured).
+
+        The NaN check, if on, forgets what it found in the last iteration.
+        """
+        self.scaling = self.average_over(average_over)
+        if self.check is not None:
+            self.check.reset()
+
     def average_over(self, ranks: int | None) -> GradientScaling:
         """The scaling that averages over ``ranks`` ranks (None: the configured one).
 
@@ -158,6 +171,20 @@ class BucketSync:
         ]
         self._cuda = [CommStreams.applies(bucket.comm_device) for bucket in buckets]
         self._side_stream = [cuda and not group.orders_cuda_streams for cuda in self._cuda]
+
+    @property
+    def reduce_scatters(self) -> bool:
+        """True if the buckets are reduce-scattered (``gradient_sync="reduce_scatter"``)."""
+        return self.shards is not None
+
+    def gather_shards(self, buckets: Sequence[GradientBucket]) -> None:
+        """All-gather every rank's reduced shard of ``buckets`` (collective): every gradient becomes exact.
+
+        Reduce-scatter mode only, before the buckets are laid out again: the new
+        layout's shards cut elsewhere (``ReduceScatterBuckets.gather``).
+        """
+        assert self.shards is not None, "gather_shards: the buckets are all-reduced, not reduce-scattered"
+        self.shards.gather(buckets)
 
     # ------------------------------------------------------------------ launch
     def launch(

@@ -98,6 +98,41 @@ def test_the_ddp_core_does_not_import_zero() -> None:
     assert not bad, bad
 
 
+def test_the_bucket_manager_writes_no_field_of_bucket_sync() -> None:
+    """``BucketSync``'s state has one writer, itself: the manager calls its verbs (``begin``, ...)."""
+    path = REPO_ROOT / "ddp" / "bucket_manager.py"
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = {  # locals bound to self._sync (sync = self._sync)
+        t.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and getattr(node.value, "attr", None) == "_sync"
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+
+    def inside_sync(node: ast.expr) -> bool:
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Attribute) and node.attr == "_sync":
+                return True
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in aliases
+
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        bad += [
+            f"{path.name}:{node.lineno}: {ast.unparse(t)}"
+            for t in targets
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and inside_sync(t.value)
+        ]
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycles(package: str) -> None:
     graph = _graph()
