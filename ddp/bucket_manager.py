@@ -14,13 +14,13 @@ from commlib.errors import CommError, error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
+from ddp.bucket_shards import ReduceScatterBuckets
 from ddp.bucket_sync import BucketSync, CommHook, PendingSync
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
 from ddp.errors import BucketOrderError, CommHookError, with_context
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
-from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
 
@@ -133,7 +133,7 @@ class GradientBucketManager:
             on every rank if any rank found one (see ``DDPConfig``).
         gradient_sync: ``"allreduce"`` or ``"reduce_scatter"``: each bucket is
             padded to a multiple of ``world_size`` elements and reduce-scattered;
-            each rank gets its shard only (see ``ddp.zero.shard_sync``).
+            each rank gets its shard only (see ``ddp.bucket_shards``).
         order: Order in which gradients are expected (indices into ``params``);
             default: reverse registration order, the order backward produces them.
         row_sparse: Indices of CPU parameters whose gradients are zero outside the
@@ -322,9 +322,9 @@ class GradientBucketManager:
         if self._plan_for(order) == self._plan:
             self._order = order
             return False
-        if self._sync.shards is not None and self._reduced:
+        if self._sync.reduce_scatters and self._reduced:
             # Each rank holds its shard of the old layout only; the new one cuts elsewhere.
-            self._sync.shards.gather(self._buckets)
+            self._sync.gather_shards(self._buckets)
         self._layout(order)
         return True
 
@@ -409,12 +409,12 @@ class GradientBucketManager:
         Gradients are then handed to the hook unscaled (the hook averages, as
         torch's do). Checked by ``DistributedDataParallel.register_comm_hook``.
         """
-        self._sync.hook, self._sync.hook_state = hook, state
+        self._sync.register_comm_hook(state, hook)
 
     @property
     def reduce_scatters(self) -> bool:
         """True if the buckets are reduce-scattered (``gradient_sync="reduce_scatter"``)."""
-        return self._sync.shards is not None
+        return self._sync.reduce_scatters
 
     @property
     def comm_hook(self) -> CommHook | None:
@@ -441,7 +441,7 @@ class GradientBucketManager:
                 this iteration's gradients by this many ranks instead of the world
                 size (``Join`` with ``divide_by_initial_world_size=False``).
         """
-        self._sync.scaling = self._sync.average_over(average_over)
+        self._sync.begin(average_over)
         self._active = True
         self._ready[:] = bytes(len(self._ready))
         self._pending[:] = self._sizes
@@ -453,8 +453,6 @@ class GradientBucketManager:
         self.padding_bytes = 0
         self.launch_s = 0.0
         self._reduced = False
-        if self._sync.check is not None:
-            self._sync.check.reset()
         for observer in self._observers:
             observer.begin(len(self._buckets))
 

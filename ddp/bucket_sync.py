@@ -6,7 +6,7 @@ in the dtype it is communicated in), checks it for NaN and Inf when asked, and
 starts its collective: an all-reduce of the bucket (the default, prepared once
 per layout with ``IProcessGroup.prepare_all_reduce``), for a bucket of embedding
 gradients the exchange of their touched rows (``ddp.touched_rows``), a
-reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.zero.shard_sync``) or
+reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.bucket_shards``) or
 the registered communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
 message naming the bucket, and lands the result in the gradients.
 """
@@ -26,12 +26,12 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CompletedWork, Work
 from ddp.bucket import GradientBucket
+from ddp.bucket_shards import ReduceScatterBuckets
 from ddp.config import GradientScaling
 from ddp.devices import CommStreams, HostReadback, control_tensor
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
-from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
 
@@ -140,6 +140,19 @@ class BucketSync:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", "comm_hook")
 
     # --------------------------------------------------------------- decisions
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Communicate every bucket with ``hook(state, bucket)`` from now on (it scales itself)."""
+        self.hook, self.hook_state = hook, state
+
+    def begin(self, average_over: int | None = None) -> None:
+        """An iteration starts: its buckets average over ``average_over`` ranks (None: as configured).
+
+        The NaN check, if on, forgets what it found in the last iteration.
+        """
+        self.scaling = self.average_over(average_over)
+        if self.check is not None:
+            self.check.reset()
+
     def average_over(self, ranks: int | None) -> GradientScaling:
         """The scaling that averages over ``ranks`` ranks (None: the configured one).
 
@@ -158,6 +171,20 @@ class BucketSync:
         ]
         self._cuda = [CommStreams.applies(bucket.comm_device) for bucket in buckets]
         self._side_stream = [cuda and not group.orders_cuda_streams for cuda in self._cuda]
+
+    @property
+    def reduce_scatters(self) -> bool:
+        """True if the buckets are reduce-scattered (``gradient_sync="reduce_scatter"``)."""
+        return self.shards is not None
+
+    def gather_shards(self, buckets: Sequence[GradientBucket]) -> None:
+        """All-gather every rank's reduced shard of ``buckets`` (collective): every gradient becomes exact.
+
+        Reduce-scatter mode only, before the buckets are laid out again: the new
+        layout's shards cut elsewhere (``ReduceScatterBuckets.gather``).
+        """
+        assert self.shards is not None, "gather_shards: the buckets are all-reduced, not reduce-scattered"
+        self.shards.gather(buckets)
 
     # ------------------------------------------------------------------ launch
     def launch(
