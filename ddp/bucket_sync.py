@@ -101,8 +101,9 @@ class BucketSync:
     Args:
         group: The group to reduce over.
         op: The collective's reduction (``SUM`` for averages and scaled sums).
-        scaling: What gradients are scaled by before communication, once per
-            bucket at launch (not with a communication hook: it scales itself).
+        scaling: What gradients are scaled by before communication: each as it
+            is taken into a CPU bucket, or once per bucket at launch
+            (``scales_each_gradient``); not with a communication hook (it scales itself).
         check: The NaN/Inf check, or None (off).
         shards: Reduce-scatter the buckets with this instead of all-reducing
             them (``gradient_sync="reduce_scatter"``), or None.
@@ -133,6 +134,8 @@ class BucketSync:
         """Per bucket: communicated from a CUDA device (waits are stream dependencies there)."""
         self._side_stream: list[bool] = []
         """Per bucket: launched on a communication stream (CUDA, where the group does not order streams)."""
+        self._on_host: list[bool] = []
+        """Per bucket: a CPU bucket communicated in its own dtype (see ``scales_each_gradient``)."""
         self._outcome: HostReadback | None = None
         """The outcome agreement's table and its read, allocated once."""
 
@@ -171,6 +174,19 @@ class BucketSync:
         ]
         self._cuda = [CommStreams.applies(bucket.comm_device) for bucket in buckets]
         self._side_stream = [cuda and not group.orders_cuda_streams for cuda in self._cuda]
+        self._on_host = [bucket.device.type == "cpu" and not bucket.staged for bucket in buckets]
+
+    def scales_each_gradient(self, index: int) -> bool:
+        """True if bucket ``index``'s gradients are scaled one by one as they are taken in, not at launch.
+
+        On the CPU memory bandwidth is the cost: a fresh gradient is copied into its
+        view with the scaling in the same pass (``torch.div(grad, world, out=view)``
+        costs what the copy costs), which beats zeroing the bucket for autograd to add
+        into and then scaling it. Elsewhere (CUDA) the gradients land in their views
+        and the bucket is scaled once at launch, one kernel. A bucket communicated in
+        another dtype is scaled at launch in that dtype; with a hook nothing is scaled.
+        """
+        return self.hook is None and self._on_host[index]
 
     @property
     def reduce_scatters(self) -> bool:
@@ -210,7 +226,8 @@ class BucketSync:
             if self.check is not None:
                 self.check.inspect(bucket, data)
             return self._launch_hook(bucket)
-        self.scaling.apply_(data)
+        if not self._on_host[index]:
+            self.scaling.apply_(data)
         if self.check is not None:
             self.check.inspect(bucket, data)
         if self.shards is not None:
