@@ -156,6 +156,7 @@ class HostReadback:
                 except BaseException as e:  # noqa: BLE001 - raised where the result is asked for
                     self._error = e
                     return
+            self._source.record_stream(self._stream)  # its memory is not reused before the copy is done
             self._host.copy_(self._source, non_blocking=True)
             self._event.record(self._stream)
 
