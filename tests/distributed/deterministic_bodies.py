@@ -3,8 +3,9 @@
 Each body takes a group and runs on spawned ring and gloo ranks (``test_deterministic.py``)
 and under ``mpiexec`` (``mpi_bodies.launch``; ``across_backends`` makes an mpi, a gloo and a
 ring group in one job and compares them). Inputs are seeded per rank, so every rank builds
-every rank's input and checks its results against ``commlib.deterministic.left_fold``
-computed here, in one process, bit for bit. Bodies return their failures (empty when
+every rank's input and checks its results bit for bit against ``fold``, the definition
+written out here on its own (it shares no code with ``commlib.deterministic``), computed in
+one process. Bodies return their failures (empty when
 all is well) and SHA-256 digests of their results, which the tests compare across backends.
 """
 
@@ -14,12 +15,12 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 import commlib
 from commlib import CommConfig, IProcessGroup, ReduceOp, create_process_group
-from commlib.deterministic import left_fold
 from commlib.types import PremulSum
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -39,8 +40,10 @@ def op_name(op: ReduceOp | PremulSum) -> str:
     return repr(op) if isinstance(op, PremulSum) else op.name
 
 
-def rank_input(seed: int, rank: int, numel: int, dtype: torch.dtype, op: ReduceOp | PremulSum) -> torch.Tensor:
-    """Rank ``rank``'s input: magnitudes spread over many binades (float16: into its subnormals), so order matters."""
+def rank_input(
+    seed: int, rank: int, numel: int, dtype: torch.dtype, op: ReduceOp | PremulSum
+) -> torch.Tensor:
+    """Rank ``rank``'s input: magnitudes over many binades (float16: into its subnormals); order matters."""
     g = torch.Generator().manual_seed(seed * 7919 + rank * 104_729 + numel)
     if op is ReduceOp.PRODUCT:
         values = 1 + torch.randn(numel, generator=g, dtype=torch.float64) / 8
@@ -49,6 +52,22 @@ def rank_input(seed: int, rank: int, numel: int, dtype: torch.dtype, op: ReduceO
         scale = torch.pow(2.0, torch.randint(low, high, (numel,), generator=g).double())
         values = torch.randn(numel, generator=g, dtype=torch.float64) * scale
     return values.to(dtype)
+
+
+def fold(tensors: Sequence[torch.Tensor], op: ReduceOp | PremulSum = ReduceOp.SUM) -> torch.Tensor:
+    """The left fold in rank order: PREMUL_SUM's factor first (in the dtype), float32 for halves, AVG once."""
+    xs = [t.reshape(-1) for t in tensors]
+    dtype = xs[0].dtype
+    if isinstance(op, PremulSum):
+        xs = [x * op.scalar() for x in xs]
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    acc = xs[0].to(wide)
+    for x in xs[1:]:
+        acc = acc * x.to(wide) if op is ReduceOp.PRODUCT else acc + x.to(wide)
+    if op is ReduceOp.AVG:
+        values = acc.numpy()
+        acc = torch.from_numpy(values / np.array(len(xs), dtype=values.dtype))
+    return acc.to(dtype).view(tensors[0].shape)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -66,7 +85,8 @@ def first_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
         return f"{a.numel()} elements, expected {b.numel()}"
     i = int((a != b).nonzero()[0])
     count = int((a != b).sum())
-    return f"{count} of {a.numel()} elements differ; first at [{i}]: {got.reshape(-1)[i].item()!r}, fold {want.reshape(-1)[i].item()!r}"
+    at = f"[{i}]: {got.reshape(-1)[i].item()!r}, fold {want.reshape(-1)[i].item()!r}"
+    return f"{count} of {a.numel()} elements differ; first at {at}"
 
 
 class _Digest:
@@ -111,7 +131,7 @@ def body_reductions(group: IProcessGroup, seed: int = 1, sizes: Sequence[int] = 
             for numel in sizes:
                 tag = f"{str(dtype)[6:]} {op_name(op)} n={numel}"
                 inputs = [rank_input(seed, r, numel, dtype, op) for r in range(world)]
-                want = left_fold(inputs, op)
+                want = fold(inputs, op)
                 t = inputs[rank].clone()
                 det.all_reduce(t, op)
                 check(f"all_reduce {tag}", t, want)
@@ -130,8 +150,10 @@ def body_reductions(group: IProcessGroup, seed: int = 1, sizes: Sequence[int] = 
                 det.reduce(t, dst, op)
                 check(f"reduce to {dst} {tag}", t, want if rank == dst else inputs[rank])
                 # reduce_scatter: rank r's input is the W blocks of rank r's numel-element tensors.
-                blocks = [[rank_input(seed + k, r, numel, dtype, op) for k in range(world)] for r in range(world)]
-                mine = left_fold([blocks[r][rank] for r in range(world)], op)
+                blocks = [
+                    [rank_input(seed + k, r, numel, dtype, op) for k in range(world)] for r in range(world)
+                ]
+                mine = fold([blocks[r][rank] for r in range(world)], op)
                 out = torch.full((numel,), 7.0, dtype=dtype)
                 det.reduce_scatter(out, torch.cat(blocks[rank]), op)
                 check(f"reduce_scatter {tag}", out, mine)
@@ -154,7 +176,7 @@ def body_two_dimensional_and_grad(group: IProcessGroup) -> dict[str, Any]:
     t = inputs[rank].clone().requires_grad_(True)
     with torch.no_grad():
         det.all_reduce(t)
-    failures = [p for p in [first_difference(t.detach(), left_fold(inputs))] if p]
+    failures = [p for p in [first_difference(t.detach(), fold(inputs))] if p]
     if group is not det:
         commlib.destroy_process_group(det)
     return {"failures": failures}
@@ -178,7 +200,7 @@ def body_in_flight(group: IProcessGroup) -> dict[str, Any]:
         if i % 4 == 0:
             futures.append(work.get_future().then(lambda f: f.value()[0].sum()))
         works.append(work)
-        checks.append((f"async #{i}", t, left_fold(inputs, op)))
+        checks.append((f"async #{i}", t, fold(inputs, op)))
         # Collectives of other kinds between the folds: they must wait their turn on every rank.
         flag = torch.tensor([rank + i], dtype=torch.int64)
         if i % 3 == 0:
@@ -191,7 +213,7 @@ def body_in_flight(group: IProcessGroup) -> dict[str, Any]:
             sync = [rank_input(50 + i, r, 300, torch.float32, ReduceOp.SUM) for r in range(world)]
             s = sync[rank].clone()
             det.all_reduce(s)  # a synchronous fold while others are queued
-            checks.append((f"sync #{i}", s, left_fold(sync)))
+            checks.append((f"sync #{i}", s, fold(sync)))
     for work in works:
         work.wait()
     for future in futures:
@@ -212,7 +234,10 @@ def body_collective_counts(group: IProcessGroup) -> dict[str, int]:
     for name, target in (("off", group), ("on", deterministic_group(group))):
         for tag, call in (
             ("all_reduce", lambda g: g.all_reduce(torch.ones(10))),
-            ("all_reduce_avg_bf16", lambda g: g.all_reduce(torch.ones(10, dtype=torch.bfloat16), ReduceOp.AVG)),
+            (
+                "all_reduce_avg_bf16",
+                lambda g: g.all_reduce(torch.ones(10, dtype=torch.bfloat16), ReduceOp.AVG),
+            ),
             ("all_reduce_int", lambda g: g.all_reduce(torch.ones(10, dtype=torch.int64))),
             ("all_reduce_max", lambda g: g.all_reduce(torch.ones(10), ReduceOp.MAX)),
             ("reduce", lambda g: g.reduce(torch.ones(10), 0)),
@@ -239,7 +264,7 @@ def body_off_by_default(group: IProcessGroup, seed: int = 3) -> dict[str, Any]:
         "config": group.config.deterministic,
         "collectives": group.collective_count - before,
         "digest": hashlib.sha256(bits(t).numpy().tobytes()).hexdigest(),
-        "equals_fold": first_difference(t, left_fold(inputs)) is None,
+        "equals_fold": first_difference(t, fold(inputs)) is None,
     }
 
 
@@ -276,9 +301,14 @@ class _Net(nn.Module):
 
 
 def train_hash(
-    group: IProcessGroup, *, sync: str = "allreduce", hook: str | None = None, bucket_mb: float = 0.004, steps: int = 5
+    group: IProcessGroup,
+    *,
+    sync: str = "allreduce",
+    hook: str | None = None,
+    bucket_mb: float = 0.004,
+    steps: int = 5,
 ) -> str:
-    """SHA-256 of the parameters after ``steps`` steps of DDP on ``group`` (seeded: the same on every backend)."""
+    """SHA-256 of the parameters after ``steps`` steps of DDP on ``group`` (seeded alike on every backend)."""
     from ddp import DistributedDataParallel, ZeroRedundancyOptimizer
     from ddp.hooks import bf16_compress_hook
 
