@@ -383,3 +383,12 @@ def _with_port(group: IProcessGroup, port: int) -> Any:
     import dataclasses
 
     return dataclasses.replace(group.env, master_port=port, master_addr="127.0.0.1")
+
+
+def perturbed_step(group: IProcessGroup, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A step for ``examples/compare_backends.py`` whose gloo run differs in one element on rank 1."""
+    x = inputs["x"].clone()
+    group.all_reduce(x)
+    if group.backend == "gloo" and group.rank == 1:
+        x[2, 3] = 1.0 if x[2, 3] != 1.0 else 2.0
+    return {"summed": x}

@@ -153,3 +153,34 @@ def test_mpi_gloo_and_ring_give_the_same_bits(world: int) -> None:
     assert len(ddp_hashes) == 1, "DDP's parameters differ between ranks or backends"
     hashes = dict(next(iter(ddp_hashes)))
     assert hashes["buckets"] == hashes["buckets_large"] and hashes["zero"] == hashes["zero_large"]
+
+
+@pytest.mark.mpi
+@pytest.mark.launcher
+@requires_mpi
+def test_compare_backends_exact_mode(repo_root: Any) -> None:
+    """compare_backends.py --exact: ring, gloo and mpi on 3 ranks agree bit for bit, else it names where."""
+    import sys
+
+    from tests.conftest import mpiexec_command, mpiexec_env, run_job
+
+    script = [
+        sys.executable,
+        str(repo_root / "examples" / "compare_backends.py"),
+        "--backends",
+        "ring,gloo,mpi",
+    ]
+    env = mpiexec_env(OMP_NUM_THREADS="1", COMMLIB_TIMEOUT="30")
+    proc = run_job([*mpiexec_command(3), *script, "--exact"], timeout=180, env=env, cwd=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ring vs gloo on 3 ranks, seed 0 (deterministic):" in proc.stdout
+    assert "ring vs mpi on 3 ranks, seed 0 (deterministic):" in proc.stdout
+    assert proc.stdout.count("identical") == 8, proc.stdout
+    assert "the same bits on ring, gloo, mpi" in proc.stdout
+
+    step = ["--step", f"{bodies.__name__}:perturbed_step"]
+    proc = run_job([*mpiexec_command(3), *script, *step, "--exact"], timeout=180, env=env, cwd=None)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "summed                   float32   float   1 of 1536 elements differ" in proc.stdout
+    assert "not the same bits: first difference summed[2, 3] on rank 1: ring " in proc.stdout
+    assert "gloo 1.0 (0x3f800000)" in proc.stdout or "gloo 2.0 (0x40000000)" in proc.stdout
