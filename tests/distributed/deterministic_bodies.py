@@ -392,3 +392,34 @@ def perturbed_step(group: IProcessGroup, inputs: dict[str, torch.Tensor]) -> dic
     if group.backend == "gloo" and group.rank == 1:
         x[2, 3] = 1.0 if x[2, 3] != 1.0 else 2.0
     return {"summed": x}
+
+
+def body_large(group: IProcessGroup, numel: int = (5 << 20) // 4 + 3) -> dict[str, Any]:
+    """Shards past 1 MiB, beside a user's pending receive (which the folds' messages must never meet)."""
+    det = deterministic_group(group)
+    world, rank = det.world_size, det.rank
+    failures: list[str] = []
+    # A user's receive with tag 0 waits across the folds: their messages must not match it.
+    left, right = (rank - 1) % world, (rank + 1) % world
+    mail = torch.full((3,), -1.0)
+    pending = det.irecv(mail, src=left, tag=0) if world > 1 else None
+    for dtype, op in ((torch.float32, ReduceOp.SUM), (torch.bfloat16, ReduceOp.AVG)):
+        inputs = [rank_input(21, r, numel, dtype, op) for r in range(world)]
+        t = inputs[rank].clone()
+        det.all_reduce(t, op)
+        problem = first_difference(t, fold(inputs, op))
+        if problem:
+            failures.append(f"all_reduce {dtype} {op_name(op)}: {problem}")
+        t = inputs[rank].clone()
+        det.reduce(t, 0, op)
+        problem = first_difference(t, fold(inputs, op) if rank == 0 else inputs[rank])
+        if problem:
+            failures.append(f"reduce {dtype} {op_name(op)}: {problem}")
+    if pending is not None:
+        det.send(torch.full((3,), float(rank)), dst=right, tag=0)
+        pending.wait()
+        if mail.tolist() != [float(left)] * 3:
+            failures.append(f"the user's receive got {mail.tolist()}, expected rank {left}'s message")
+    if group is not det:
+        commlib.destroy_process_group(det)
+    return {"failures": failures}

@@ -55,6 +55,14 @@ def test_async_folds_run_in_issue_order_among_other_collectives(
         assert values["collectives"] == (16 + 2 + 8 if world == 2 else 16 * 2 + 8)
 
 
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_large_shards_beside_a_users_point_to_point(get_pool: Any, variant: str, world: int) -> None:
+    """Shards past 1 MiB with a user's irecv pending: the exchange never waits behind it."""
+    for values in get_pool(variant, world).run(bodies.body_large, timeout=180):
+        assert values["failures"] == [], "\n".join(values["failures"])
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("variant", ["ring-shm", "gloo"])
 def test_shapes_and_tensors_that_require_grad(get_pool: Any, variant: str, world: int) -> None:
