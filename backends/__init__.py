@@ -7,6 +7,5 @@
 - ``common``: what several backends share (job token, store rendezvous, kernels, CUDA staging).
 
 Each backend subpackage exposes ``BACKENDS``: a mapping from backend name to factory. No backend
-imports another; ``backends.nccl`` keeps the ``gloo`` / ``nccl`` names importable from their
-earlier place.
+imports another.
 """

@@ -3,7 +3,7 @@ r"""Before and after: run benchmarks from two checkouts taking turns, and summar
 Run::
 
     git worktree add /tmp/base <rev>
-    python benchmarks/ab_compare.py --base /tmp/base --out benchmarks/results/<date>-<name> \\
+    python benchmarks/ab_compare.py --base /tmp/base --out /tmp/ab-<name> \\
         --launcher "mpiexec -n 2" --rounds 3 \\
         --run "collective_bench.py --backends ring --sizes 4K,1M,25M" \\
         --run "allreduce_bench.py --backends ring --references none --sizes 4K,1M,25M"

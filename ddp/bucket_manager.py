@@ -13,14 +13,15 @@ import torch
 from commlib.errors import CommError, error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
+from ddp import devices
 from ddp.bucket import GradientBucket
+from ddp.bucket_shards import ReduceScatterBuckets
 from ddp.bucket_sync import BucketSync, CommHook, PendingSync
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, MB, DDPConfig, reduce_dtype_for
 from ddp.devices import comm_device
 from ddp.errors import BucketOrderError, CommHookError, with_context
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
-from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["GradientBucketManager", "plan_buckets"]
 
@@ -97,17 +98,20 @@ class GradientBucketManager:
     bucket group; buckets are passive layouts). Two paths write it:
 
     - ``grad_hook``'s fast path, while ``fast_path`` is on: the gradient is
-      already its bucket view (``restore_views`` points every ``.grad`` that is
-      None at its view when backward starts, so autograd accumulates in place),
-      so the hook marks it, counts its bucket down and launches at zero;
+      its bucket view (where gradients land in their views, on CUDA,
+      ``restore_views`` points every ``.grad`` that is None at its view when
+      backward starts, so autograd accumulates in place), or, elsewhere (CPU), a
+      fresh tensor the hook copies in, with the scaling fused where the bucket is
+      scaled per gradient; the hook marks it, counts its bucket down and launches
+      at zero;
     - ``mark_ready``, everything else: it takes a final gradient into its bucket
-      (a gradient that arrived as a fresh tensor is copied into its view) and
-      launches every bucket that became launchable.
+      and launches every bucket that became launchable.
 
-    A bucket is scaled once, at launch. ``finish_grad_sync`` waits for the
-    buckets and leaves every ``.grad`` a view holding the result. Observers
-    (``add_observer``) are told of each bucket's ready, launch and done, and
-    keep no copy of the state.
+    Gradients are scaled as ``BucketSync.scales_each_gradient`` says: one by one
+    as a CPU bucket takes them in, else once per bucket at launch.
+    ``finish_grad_sync`` waits for the buckets and leaves every ``.grad`` a view
+    holding the result. Observers (``add_observer``) are told of each bucket's
+    ready, launch and done, and keep no copy of the state.
 
     Buckets are launched strictly in bucket order on every rank: a bucket that
     completes early waits until every bucket before it has been launched, so all
@@ -133,7 +137,7 @@ class GradientBucketManager:
             on every rank if any rank found one (see ``DDPConfig``).
         gradient_sync: ``"allreduce"`` or ``"reduce_scatter"``: each bucket is
             padded to a multiple of ``world_size`` elements and reduce-scattered;
-            each rank gets its shard only (see ``ddp.zero.shard_sync``).
+            each rank gets its shard only (see ``ddp.bucket_shards``).
         order: Order in which gradients are expected (indices into ``params``);
             default: reverse registration order, the order backward produces them.
         row_sparse: Indices of CPU parameters whose gradients are zero outside the
@@ -231,6 +235,13 @@ class GradientBucketManager:
         """Per bucket: gradients not yet ready in this iteration."""
         self._bucket_of: list[int] = [-1] * n
         self._views: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
+        self._scale_each: list[bool] = []
+        """Per bucket: its gradients are scaled as they are taken in (``BucketSync.scales_each_gradient``)."""
+        self._lands: list[bool] = []
+        """Per bucket: its gradients land in their views, handed back at backward start
+        (``ddp.devices.lands_in_views``); else a fresh gradient is copied in."""
+        self._scale = [1, 1.0]
+        """This iteration's scaling, ``[divisor, factor]``, for the hooks' fast path."""
         self.launch_s = 0.0
         """Seconds spent launching this iteration's buckets (scaling, checks, issuing)."""
         self.arrival_order: list[int] = []
@@ -284,7 +295,14 @@ class GradientBucketManager:
             for bucket, members in zip(buckets, plan, strict=True)
         ]
         self._sync.prepare(buckets)
+        self._lands[:] = [devices.lands_in_views(bucket.device) for bucket in buckets]
+        self._refresh_scaling()
         self._next_launch = self._next_done = self._next_waited = 0
+
+    def _refresh_scaling(self) -> None:
+        self._scale_each[:] = [self._sync.scales_each_gradient(b) for b in range(len(self._buckets))]
+        scaling = self._sync.scaling
+        self._scale[:] = [scaling.divisor, scaling.factor]
 
     def _plan_for(self, order: list[int]) -> list[list[int]]:
         return plan_buckets(self._params, order, self.bucket_bytes, self.first_bucket_bytes, self._row_sparse)
@@ -322,9 +340,9 @@ class GradientBucketManager:
         if self._plan_for(order) == self._plan:
             self._order = order
             return False
-        if self._sync.shards is not None and self._reduced:
+        if self._sync.reduce_scatters and self._reduced:
             # Each rank holds its shard of the old layout only; the new one cuts elsewhere.
-            self._sync.shards.gather(self._buckets)
+            self._sync.gather_shards(self._buckets)
         self._layout(order)
         return True
 
@@ -409,12 +427,13 @@ class GradientBucketManager:
         Gradients are then handed to the hook unscaled (the hook averages, as
         torch's do). Checked by ``DistributedDataParallel.register_comm_hook``.
         """
-        self._sync.hook, self._sync.hook_state = hook, state
+        self._sync.register_comm_hook(state, hook)
+        self._refresh_scaling()
 
     @property
     def reduce_scatters(self) -> bool:
         """True if the buckets are reduce-scattered (``gradient_sync="reduce_scatter"``)."""
-        return self._sync.shards is not None
+        return self._sync.reduce_scatters
 
     @property
     def comm_hook(self) -> CommHook | None:
@@ -441,7 +460,9 @@ class GradientBucketManager:
                 this iteration's gradients by this many ranks instead of the world
                 size (``Join`` with ``divide_by_initial_world_size=False``).
         """
-        self._sync.scaling = self._sync.average_over(average_over)
+        self._sync.begin(average_over)
+        scaling = self._sync.scaling
+        self._scale[:] = [scaling.divisor, scaling.factor]
         self._active = True
         self._ready[:] = bytes(len(self._ready))
         self._pending[:] = self._sizes
@@ -453,8 +474,6 @@ class GradientBucketManager:
         self.padding_bytes = 0
         self.launch_s = 0.0
         self._reduced = False
-        if self._sync.check is not None:
-            self._sync.check.reset()
         for observer in self._observers:
             observer.begin(len(self._buckets))
 
@@ -510,15 +529,18 @@ class GradientBucketManager:
     def restore_views(self) -> None:
         """Backward starts: point every ``.grad`` that is None at its bucket view, zeroed.
 
-        Autograd then adds each gradient into its view in place, so the hooks copy
-        nothing (torch's ``gradient_as_bucket_view=True``). A bucket whose
-        gradients are all None is zeroed in one fill. A parameter that then gets
-        no gradient holds zeros rather than None, unless no rank used it in the
-        accumulation window (``find_unused_parameters``: ``release_grads``).
+        Only in buckets whose gradients land in their views (``ddp.devices.lands_in_views``:
+        CUDA). Autograd then adds each gradient into its view in place, so the
+        hooks copy nothing (torch's ``gradient_as_bucket_view=True``). A bucket
+        whose gradients are all None is zeroed in one fill. A parameter that then
+        gets no gradient holds zeros rather than None, unless no rank used it in
+        the accumulation window (``find_unused_parameters``: ``release_grads``).
         """
         restored = self._restored
         count = 0
-        for bucket, members in zip(self._buckets, self._plan, strict=True):
+        for bucket, members, lands in zip(self._buckets, self._plan, self._lands, strict=True):
+            if not lands:
+                continue
             params = bucket.params
             nones = 0
             for p in params:
@@ -544,32 +566,60 @@ class GradientBucketManager:
     def grad_hook(self, index: int, general: Callable[[int], None]) -> Callable[[torch.Tensor], None]:
         """Parameter ``index``'s post-accumulate-grad hook: the fast path, else ``general(index)``.
 
-        The fast path, while ``fast_path`` is on: the gradient is its bucket view
-        and not yet ready, so the hook marks it, counts its bucket down and, at
-        zero, launches what became launchable. No call but the hook's own on the
-        way. Everything else (a fresh gradient tensor, a repeated one, ``no_sync``,
-        learning a static graph, the first backward's arrival order...) goes to
-        ``general``. The hook holds the manager's lists, which layouts change in place.
+        The fast path, while ``fast_path`` is on and the gradient is not yet ready:
+        the gradient is its bucket view, or, in a bucket whose gradients do not land
+        in their views (CPU), a fresh tensor copied in (scaled on the way where the
+        bucket is scaled per gradient); the hook marks it, counts its bucket down
+        and, at zero, launches what became launchable. No Python call but the
+        hook's own on the way. Everything else (a fresh gradient where views are
+        handed back, a repeated one, ``no_sync``, learning a static graph, the
+        first backward's arrival order...) goes to ``general``. The hook holds the
+        manager's lists, which layouts change in place.
         """
-        fast, ready, pending, bucket_of, views = (
+        fast, ready, pending, bucket_of, views, lands, each, scale = (
             self.fast_path,
             self._ready,
             self._pending,
             self._bucket_of,
             self._views,
+            self._lands,
+            self._scale_each,
+            self._scale,
         )
         complete = self._bucket_complete
+        manager = self
 
         def hook(param: torch.Tensor) -> None:
-            if fast[0] and param.grad is views[index] and not ready[index]:
-                ready[index] = _ARRIVED
-                b = bucket_of[index]
-                left = pending[b] - 1
-                pending[b] = left
-                if not left:
-                    complete(b)
+            if not fast[0] or ready[index]:
+                general(index)
+                return
+            b = bucket_of[index]
+            grad, view = param.grad, views[index]
+            if grad is view:
+                if each[b]:
+                    divisor, factor = scale
+                    if divisor != 1:
+                        view.div_(divisor)
+                    elif factor != 1.0:
+                        view.mul_(factor)
+            elif grad is not None and not lands[b]:
+                divisor, factor = scale if each[b] else (1, 1.0)
+                if divisor != 1:
+                    torch.div(grad, divisor, out=view)
+                elif factor != 1.0:
+                    torch.mul(grad, factor, out=view)
+                else:
+                    view.copy_(grad)
+                param.grad = view
+                manager.grads_copied += 1
             else:
                 general(index)
+                return
+            ready[index] = _ARRIVED
+            left = pending[b] - 1
+            pending[b] = left
+            if not left:
+                complete(b)
 
         return hook
 
@@ -600,17 +650,23 @@ class GradientBucketManager:
         else:
             self._ready[index] = _GIVEN
         param, view = self._params[index], self._views[index]
+        b = self._bucket_of[index]
         grad = param.grad
         if zero:
             view.zero_()
             param.grad = view
         elif grad is None:
             view.zero_()
-        elif grad is not view:
-            view.copy_(grad)
+        elif grad is view:
+            if self._scale_each[b]:
+                self._sync.scaling.apply_(view)
+        else:
+            if self._scale_each[b]:
+                self._sync.scaling.into(grad, view)
+            else:
+                view.copy_(grad)
             param.grad = view
             self.grads_copied += 1
-        b = self._bucket_of[index]
         left = self._pending[b] = self._pending[b] - 1
         if not left:
             self._bucket_complete(b)

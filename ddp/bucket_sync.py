@@ -6,7 +6,7 @@ in the dtype it is communicated in), checks it for NaN and Inf when asked, and
 starts its collective: an all-reduce of the bucket (the default, prepared once
 per layout with ``IProcessGroup.prepare_all_reduce``), for a bucket of embedding
 gradients the exchange of their touched rows (``ddp.touched_rows``), a
-reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.zero.shard_sync``) or
+reduce-scatter (``gradient_sync="reduce_scatter"``, see ``ddp.bucket_shards``) or
 the registered communication hook. ``BucketSync.finish`` waits for it, with a timeout and a
 message naming the bucket, and lands the result in the gradients.
 """
@@ -26,12 +26,12 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CompletedWork, Work
 from ddp.bucket import GradientBucket
+from ddp.bucket_shards import ReduceScatterBuckets
 from ddp.config import GradientScaling
 from ddp.devices import CommStreams, HostReadback, control_tensor
 from ddp.errors import CommHookError
 from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
-from ddp.zero.shard_sync import ReduceScatterBuckets
 
 __all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
 
@@ -101,8 +101,9 @@ class BucketSync:
     Args:
         group: The group to reduce over.
         op: The collective's reduction (``SUM`` for averages and scaled sums).
-        scaling: What gradients are scaled by before communication, once per
-            bucket at launch (not with a communication hook: it scales itself).
+        scaling: What gradients are scaled by before communication: each as it
+            is taken into a CPU bucket, or once per bucket at launch
+            (``scales_each_gradient``); not with a communication hook (it scales itself).
         check: The NaN/Inf check, or None (off).
         shards: Reduce-scatter the buckets with this instead of all-reducing
             them (``gradient_sync="reduce_scatter"``), or None.
@@ -133,6 +134,8 @@ class BucketSync:
         """Per bucket: communicated from a CUDA device (waits are stream dependencies there)."""
         self._side_stream: list[bool] = []
         """Per bucket: launched on a communication stream (CUDA, where the group does not order streams)."""
+        self._on_host: list[bool] = []
+        """Per bucket: a CPU bucket communicated in its own dtype (see ``scales_each_gradient``)."""
         self._outcome: HostReadback | None = None
         """The outcome agreement's table and its read, allocated once."""
 
@@ -140,6 +143,19 @@ class BucketSync:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", "comm_hook")
 
     # --------------------------------------------------------------- decisions
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Communicate every bucket with ``hook(state, bucket)`` from now on (it scales itself)."""
+        self.hook, self.hook_state = hook, state
+
+    def begin(self, average_over: int | None = None) -> None:
+        """An iteration starts: its buckets average over ``average_over`` ranks (None: as configured).
+
+        The NaN check, if on, forgets what it found in the last iteration.
+        """
+        self.scaling = self.average_over(average_over)
+        if self.check is not None:
+            self.check.reset()
+
     def average_over(self, ranks: int | None) -> GradientScaling:
         """The scaling that averages over ``ranks`` ranks (None: the configured one).
 
@@ -158,6 +174,33 @@ class BucketSync:
         ]
         self._cuda = [CommStreams.applies(bucket.comm_device) for bucket in buckets]
         self._side_stream = [cuda and not group.orders_cuda_streams for cuda in self._cuda]
+        self._on_host = [bucket.device.type == "cpu" and not bucket.staged for bucket in buckets]
+
+    def scales_each_gradient(self, index: int) -> bool:
+        """True if bucket ``index``'s gradients are scaled one by one as they are taken in, not at launch.
+
+        On the CPU memory bandwidth is the cost: a fresh gradient is copied into its
+        view with the scaling in the same pass (``torch.div(grad, world, out=view)``
+        costs what the copy costs), which beats zeroing the bucket for autograd to add
+        into and then scaling it. Elsewhere (CUDA) the gradients land in their views
+        and the bucket is scaled once at launch, one kernel. A bucket communicated in
+        another dtype is scaled at launch in that dtype; with a hook nothing is scaled.
+        """
+        return self.hook is None and self._on_host[index]
+
+    @property
+    def reduce_scatters(self) -> bool:
+        """True if the buckets are reduce-scattered (``gradient_sync="reduce_scatter"``)."""
+        return self.shards is not None
+
+    def gather_shards(self, buckets: Sequence[GradientBucket]) -> None:
+        """All-gather every rank's reduced shard of ``buckets`` (collective): every gradient becomes exact.
+
+        Reduce-scatter mode only, before the buckets are laid out again: the new
+        layout's shards cut elsewhere (``ReduceScatterBuckets.gather``).
+        """
+        assert self.shards is not None, "gather_shards: the buckets are all-reduced, not reduce-scattered"
+        self.shards.gather(buckets)
 
     # ------------------------------------------------------------------ launch
     def launch(
@@ -183,7 +226,8 @@ class BucketSync:
             if self.check is not None:
                 self.check.inspect(bucket, data)
             return self._launch_hook(bucket)
-        self.scaling.apply_(data)
+        if not self._on_host[index]:
+            self.scaling.apply_(data)
         if self.check is not None:
             self.check.inspect(bucket, data)
         if self.shards is not None:

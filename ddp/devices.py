@@ -27,8 +27,20 @@ __all__ = [
     "comm_device",
     "control_buffer",
     "control_tensor",
+    "lands_in_views",
     "to_host",
 ]
+
+
+def lands_in_views(device: torch.device) -> bool:
+    """True if gradients on ``device`` should land in their bucket views rather than be copied in.
+
+    On CUDA a copy per gradient is a kernel launched from Python on autograd's
+    thread; a fill of the bucket and autograd's own add in place cost a kernel per
+    bucket. On the CPU memory bandwidth is the cost, and a copy (with the scaling
+    fused) moves fewer bytes than a fill and an add.
+    """
+    return device.type != "cpu"
 
 
 def comm_device(group: IProcessGroup, dtype: torch.dtype, device: torch.device) -> torch.device:

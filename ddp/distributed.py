@@ -23,6 +23,7 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.auto_bucket import AutoBucketReport, AutoBucketSizer
 from ddp.bucket_manager import GradientBucketManager
+from ddp.bucket_shards import ShardedGradientLayout, check_reduce_scatter_support, register_layout
 from ddp.bucket_sync import CommHook
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig
 from ddp.cost_model import CommCostModel
@@ -34,16 +35,10 @@ from ddp.groups import resolve_group
 from ddp.join import Join, Joinable, JoinHook, adopt_last_joiners_states, join_round
 from ddp.observe.stats import StepHistory, StepStats
 from ddp.observe.timeline import TimelineWriter, timeline_path_from_env
+from ddp.param_gathers import ParamGathers, wait_before_forward
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.step_guard import StepGuard
 from ddp.touched_rows import row_sparse_tables
-from ddp.zero.shard_sync import (
-    ParamGathers,
-    ShardedGradientLayout,
-    check_reduce_scatter_support,
-    register_layout,
-    wait_before_forward,
-)
 
 __all__ = ["DistributedDataParallel", "resolve_group"]
 

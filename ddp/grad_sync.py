@@ -49,6 +49,7 @@ from commlib.errors import CommError, error_prefix
 from commlib.types import ReduceOp
 from ddp.auto_bucket import AutoBucketSizer
 from ddp.bucket_manager import GradientBucketManager
+from ddp.bucket_shards import wire_bytes
 from ddp.bucket_sync import CommHook, check_comm_hook
 from ddp.config import DDPConfig
 from ddp.devices import HostReadback, control_buffer, control_tensor, to_host
@@ -63,7 +64,6 @@ from ddp.errors import (
 )
 from ddp.observe.stats import StepRecorder, StepStats
 from ddp.step_guard import StepGuard, register_backward
-from ddp.zero.shard_sync import wire_bytes
 
 __all__ = ["GradSync"]
 

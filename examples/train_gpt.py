@@ -214,7 +214,7 @@ def train(args: argparse.Namespace) -> int:
         if model.timeline is not None:
             path = model.timeline.save()
             if lead:
-                print(f"train_gpt: timeline written to {path} (python -m ddp.timeline_plot {path})")
+                print(f"train_gpt: timeline written to {path} (python -m ddp.observe.timeline_plot {path})")
         same, detail = check_identical(group, model.module)
         if lead:
             n = len(stats)

@@ -47,7 +47,11 @@ def solo(**kwargs):
 
 
 # ------------------------------------------------------------------ scaling
-def test_average_is_divided_once_per_bucket_before_a_sum():
+@pytest.mark.parametrize("lands", [False, True])
+def test_average_is_divided_before_a_sum_and_fused_into_the_copy(monkeypatch, lands):
+    # lands: CUDA's policy, here on the CPU: the gradient lands in its view and the bucket is divided once.
+    monkeypatch.setattr("ddp.devices.lands_in_views", lambda device: lands)
+
     def body(group):
         model = nn.Linear(3, 2, bias=False)
         ddp = DistributedDataParallel(model, group)
@@ -56,11 +60,11 @@ def test_average_is_divided_once_per_bucket_before_a_sum():
 
     for grads, ops, copied in run_threads(body, 4):
         assert grads == [[2.5] * 3] * 2  # mean of 1..4
-        assert ops == [ReduceOp.SUM] and copied == 0
+        assert ops == [ReduceOp.SUM] and copied == (0 if lands else 1)
 
 
 def test_average_scales_gradients_accumulated_in_place():
-    # zero_grad(set_to_none=False): autograd accumulates into the views; the launch scales the bucket.
+    # zero_grad(set_to_none=False): autograd accumulates into the views; the hook scales them in place.
     def body(group):
         model = nn.Linear(2, 1, bias=False)
         ddp = DistributedDataParallel(model, group)
@@ -74,7 +78,7 @@ def test_average_scales_gradients_accumulated_in_place():
     r0, r1, r2 = run_threads(body, 3)
     assert r0 == r1 == r2
     assert [g for g, _ in r0] == [[[2.0, 2.0]], [[3.0, 3.0]], [[4.0, 4.0]]]
-    assert [c for _, c in r0] == [0, 0, 0]  # the view replaces None when backward starts: never copied
+    assert [c for _, c in r0] == [1, 0, 0]  # copied once (grad was None), then accumulated in place
 
 
 def test_gradient_scaling_factor_multiplies_before_the_sum():

@@ -126,9 +126,8 @@ def test_rebuild_follows_rank_zero():
     assert {tuple(b) for b in after} == {tuple(b) for b in initial} and after[0][0].startswith("first")
     assert r0["ptrs"][1] == r0["ptrs"][2] and r1["ptrs"][1] == r1["ptrs"][2]  # rebuilt once, then reused
     assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"], strict=True))
-    # zero_grad(set_to_none=True) each step: each .grad is its zeroed view again when backward starts,
-    # and autograd accumulates into it: nothing is copied.
-    assert r0["copied"] == 0 and r0["restored"] == 4
+    # zero_grad(set_to_none=True) each step, on the CPU: each fresh gradient is copied in once.
+    assert r0["copied"] == 4 and r0["restored"] == 0
 
 
 # -------------------------------------------------------- module behaviour
@@ -148,7 +147,10 @@ def test_wrapper_behaves_like_the_module():
     assert "buckets=1" in repr(ddp)
 
 
-def test_gradients_are_views_whether_zeroed_or_set_to_none():
+@pytest.mark.parametrize("lands", [False, True])
+def test_gradients_are_views_whether_zeroed_or_set_to_none(monkeypatch, lands):
+    # lands: gradients land in their views (CUDA's policy, here on the CPU), else fresh ones are copied in.
+    monkeypatch.setattr("ddp.devices.lands_in_views", lambda device: lands)
     group = solo()
     model = nn.Linear(4, 2)
     ddp = DistributedDataParallel(model, group)
@@ -157,10 +159,10 @@ def test_gradients_are_views_whether_zeroed_or_set_to_none():
         set_to_none = step % 2 == 0
         ddp.zero_grad(set_to_none=set_to_none)
         ddp(torch.ones(1, 4)).sum().backward()
-        # None: the view is zeroed and handed back when backward starts; either way autograd
-        # accumulates in place and nothing is copied.
-        assert ddp.last_step_stats.grads_copied == 0
-        assert ddp.bucket_manager.views_restored == (2 if set_to_none else 0)
+        # None: copied in, or (lands) the view is zeroed and handed back when backward starts, for
+        # autograd to accumulate into. Zeroed: accumulated in place either way.
+        assert ddp.last_step_stats.grads_copied == (2 if set_to_none and not lands else 0)
+        assert ddp.bucket_manager.views_restored == (2 if set_to_none and lands else 0)
         assert torch.equal(model.weight.grad, torch.ones(2, 4)) and torch.equal(
             model.bias.grad, torch.ones(2)
         )

@@ -35,6 +35,7 @@ from commlib.diagnosis.flight_recorder import (
     find_divergence,
     load_dumps,
 )
+from commlib.diagnosis.flight_recorder import main as flight_main
 from commlib.diagnosis.sidechannel import (
     FRAME,
     HELLO,
@@ -46,7 +47,6 @@ from commlib.diagnosis.sidechannel import (
     send_frame,
 )
 from commlib.diagnosis.watchdog import CollectiveTracker, Watchdog, format_stall
-from commlib.flight import main as flight_main
 from commlib.work import CompletedWork, Work
 from tests._fake_groups import FakeGroup
 
@@ -587,7 +587,7 @@ def test_recorder_dump_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert group["entries"][1]["status"] == "in flight" and group["entries"][1]["context"] == "DDP bucket 0"
     assert load_dumps(tmp_path)[0]["reason"] == "requested"
     out = subprocess.run(
-        [sys.executable, "-m", "commlib.flight", str(tmp_path)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "commlib", "flight", str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""  # no runpy warning: the package does not import its command-line module
@@ -595,6 +595,18 @@ def test_recorder_dump_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert flight_main([str(tmp_path / "none")]) == 2
     assert "no commlib_flight_rank*.json" in capsys.readouterr().err
     del recorder
+
+
+def test_the_command_line_names_an_unknown_command(capsys) -> None:
+    from commlib.__main__ import main as commlib_main
+
+    assert commlib_main(["flights", "/tmp"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'flights'" in err and "flight DIR" in err
+    assert commlib_main([]) == 2
+    assert "no command given" in capsys.readouterr().err
+    assert commlib_main(["--help"]) == 0
+    assert "python -m commlib" in capsys.readouterr().out
 
 
 def test_a_frame_helper_sends_length_prefixed_frames() -> None:

@@ -82,6 +82,57 @@ def test_no_backend_imports_another() -> None:
     assert not bad, sorted(bad)
 
 
+DDP_LAYERS_ABOVE_THE_CORE = ("ddp.zero", "ddp.hooks", "ddp.observe")
+"""Subpackages of ``ddp`` built on its core; the core (every other ``ddp`` module) imports none of ZeRO."""
+
+
+def test_the_ddp_core_does_not_import_zero() -> None:
+    """ZeRO builds on the bucket layer (``ddp.bucket_shards``, ``ddp.param_gathers``), never the reverse.
+
+    ``ddp/__init__.py`` (the package's public names) re-exports ZeRO's and is not part of the core.
+    """
+    graph = _graph()
+    core = [m for m in graph if m.startswith("ddp.") and not m.startswith(DDP_LAYERS_ABOVE_THE_CORE)]
+    assert "ddp.bucket_manager" in core and "ddp.bucket_shards" in core and "ddp.distributed" in core
+    bad = sorted(f"{m} imports {i}" for m in core for i in graph[m] if i.split(".")[:2] == ["ddp", "zero"])
+    assert not bad, bad
+
+
+def test_the_bucket_manager_writes_no_field_of_bucket_sync() -> None:
+    """``BucketSync``'s state has one writer, itself: the manager calls its verbs (``begin``, ...)."""
+    path = REPO_ROOT / "ddp" / "bucket_manager.py"
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = {  # locals bound to self._sync (sync = self._sync)
+        t.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and getattr(node.value, "attr", None) == "_sync"
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+
+    def inside_sync(node: ast.expr) -> bool:
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Attribute) and node.attr == "_sync":
+                return True
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in aliases
+
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        bad += [
+            f"{path.name}:{node.lineno}: {ast.unparse(t)}"
+            for t in targets
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and inside_sync(t.value)
+        ]
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycles(package: str) -> None:
     graph = _graph()
@@ -135,9 +186,9 @@ def _is_package_init(name: str) -> bool:
 @pytest.mark.parametrize(
     ("old", "new", "names"),
     [
-        ("backends.nccl", "backends.torch", ["from_torch_group", "TorchDistProcessGroup"]),
         ("backends.ring", "backends.ring.group", ["RingProcessGroup", "RingConfig", "BACKENDS"]),
         ("backends.mpi", "backends.mpi.group", ["MPIProcessGroup", "MPIConfig", "from_mpi_comm"]),
+        ("commlib.torch_backend", "commlib.torch_adapter", ["CommlibProcessGroup", "BACKENDS", "register"]),
     ],
 )
 def test_public_names_stay_importable_where_users_import_them(old: str, new: str, names: list[str]) -> None:

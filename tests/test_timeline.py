@@ -422,7 +422,7 @@ def test_command_rejects_a_file_that_is_not_a_timeline(tmp_path, capsys):
 def test_command_missing_file_exits_2_without_traceback(tmp_path):
     missing = tmp_path / "nope.json"
     result = subprocess.run(
-        [sys.executable, "-m", "ddp.timeline_plot", str(missing)],
+        [sys.executable, "-m", "ddp.observe.timeline_plot", str(missing)],
         cwd=REPO,
         capture_output=True,
         text=True,

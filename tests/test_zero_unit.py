@@ -25,7 +25,7 @@ from ddp import (
 )
 from ddp.auto_bucket import TUNE_AFTER_BACKWARDS
 from ddp.cost_model import CommCostModel
-from ddp.zero import shard_sync
+from ddp.param_gathers import ParamGathers
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed import zero_bodies
 from tests.distributed.ddp_bodies import Uniform
@@ -306,7 +306,7 @@ def test_param_gather_stats_count_issue_and_blocked_waits_exactly():
     """On a fake clock: exposed = issue + blocked waits; the step is done when the last one is waited."""
     clock = [100.0]
     stats = ParamGatherStats(clock=lambda: clock[0])
-    gathers = shard_sync.ParamGathers()
+    gathers = ParamGathers()
     p1, p2, p3 = torch.zeros(1), torch.zeros(1), torch.zeros(1)
     gathers.begin(stats)
     gathers.add([p1, p2], _ClockedWork(clock, 5.0))

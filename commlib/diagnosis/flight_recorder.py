@@ -8,13 +8,11 @@ members' global ranks. The process writes them all to
 ``COMMLIB_DUMP_DIR/commlib_flight_rank{R}.json`` (``R``: its global rank) on any
 ``CommError`` an operation raises, on SIGUSR1, and on ``dump_flight_recorder()``.
 
-Read the dumps of every rank with ``python -m commlib.flight DIR``, which
-prints, per group, the first sequence number at which the ranks disagree
+Read the dumps of every rank with ``python -m commlib flight DIR`` (``main``),
+which prints, per group, the first sequence number at which the ranks disagree
 (different collective, dtype, size, op or root) or at which some rank is
 missing, each rank's last collective, and the sends and receives that did not
-complete. That command line is its own module,
-``commlib.flight``, which ``import commlib`` does not import: ``python -m`` then
-runs it afresh instead of warning that it was imported already.
+complete.
 """
 
 from __future__ import annotations
@@ -191,7 +189,7 @@ def dump_flight_recorder(
     """Write this process's flight recorders to ``path/commlib_flight_rank{R}.json``.
 
     ``R`` is this process's global rank. Every rank writes its own
-    file, so one directory gathers the whole job for ``python -m commlib.flight DIR``.
+    file, so one directory gathers the whole job for ``python -m commlib flight DIR``.
 
     Args:
         path: Directory to write into; default ``COMMLIB_DUMP_DIR``, else the
@@ -425,9 +423,9 @@ def _first_unfinished(entries: dict[int, dict[int, dict[str, Any]]]) -> tuple[in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m commlib.flight DIR``: print where the ranks' dumps diverge."""
+    """``python -m commlib flight DIR``: print where the ranks' dumps diverge."""
     parser = argparse.ArgumentParser(
-        prog="python -m commlib.flight",
+        prog="python -m commlib flight",
         description="Read every rank's commlib flight-recorder dump in DIR; print where the ranks diverge.",
     )
     parser.add_argument("directory", help="the COMMLIB_DUMP_DIR the ranks wrote into")
@@ -435,11 +433,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         dumps = load_dumps(args.directory)
     except (OSError, ValueError, KeyError) as e:
-        print(f"commlib.flight: cannot read the dumps in {args.directory}: {e}", file=sys.stderr)
+        print(f"{parser.prog}: cannot read the dumps in {args.directory}: {e}", file=sys.stderr)
         return 2
     if not dumps:
         print(
-            f"commlib.flight: no commlib_flight_rank*.json in {args.directory}; run the job with "
+            f"{parser.prog}: no commlib_flight_rank*.json in {args.directory}; run the job with "
             "COMMLIB_FLIGHT_RECORDER=N and COMMLIB_DUMP_DIR set",
             file=sys.stderr,
         )

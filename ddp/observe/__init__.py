@@ -2,7 +2,7 @@
 
 Both observe the synchronised backward (``ddp.grad_sync.GradSync``): the
 statistics are built from its bucket events, and the timeline records each
-step's statistics. ``python -m ddp.timeline_plot`` renders timeline files.
+step's statistics. ``python -m ddp.observe.timeline_plot`` renders timeline files.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class StepStats:
             (ring) algorithm: ``2 (w - 1) / w`` of what it hands to all-reduces,
             ``(w - 1) / w`` of what it hands to reduce-scatters (so the
             reduce-scatter mode shows half of the all-reduce's; see
-            ``ddp.zero.shard_sync.wire_bytes``).
+            ``ddp.bucket_shards.wire_bytes``).
     """
 
     step: int

@@ -1,4 +1,4 @@
-"""Render DDP timeline files to a PNG: ``python -m ddp.timeline_plot TRACE.json``."""
+"""Render DDP timeline files to a PNG: ``python -m ddp.observe.timeline_plot TRACE.json``."""
 
 from __future__ import annotations
 
@@ -289,7 +289,7 @@ def render_timeline(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0, or 2 on a bad file or argument)."""
     parser = argparse.ArgumentParser(
-        prog="python -m ddp.timeline_plot",
+        prog="python -m ddp.observe.timeline_plot",
         description="Render DDP timeline files (one per rank, from COMMLIB_TIMELINE or "
         "DistributedDataParallel(timeline=...)) to a PNG.",
     )

@@ -1,11 +1,13 @@
-"""ZeRO: optimizer state sharded across ranks (``ZeroRedundancyOptimizer``), and DDP's reduce-scatter side.
+"""ZeRO: optimizer state sharded across ranks (``ZeroRedundancyOptimizer``).
 
 - ``optimizer``: ``ZeroRedundancyOptimizer``, each rank stepping its shard;
 - ``partition``: ``ParameterPartition``, who owns which parameter elements;
 - ``state``: moving optimizer state between ranks (consolidation, repartition);
-- ``shard_sync``: ``gradient_sync="reduce_scatter"`` (DDP's buckets reduce-scattered,
-  the layout the optimizer follows, the overlapped parameter all-gathers);
 - ``gather_stats``: how long the parameter all-gathers took, and how much was exposed.
+
+ZeRO builds on DDP's bucket layer: with ``gradient_sync="reduce_scatter"`` the
+optimizer follows the buckets' shards (``ddp.bucket_shards``) and leaves its
+parameter all-gathers for the next forward to wait on (``ddp.param_gathers``).
 """
 
 from __future__ import annotations

@@ -11,11 +11,12 @@ import torch
 from commlib.errors import error_prefix
 from commlib.process_group import IProcessGroup
 from commlib.types import dtype_name
+from ddp.bucket_shards import ShardedGradientLayout, layout_of, registrations
 from ddp.errors import ModelMismatchError, ParametersChangedError, StateNotConsolidatedError
 from ddp.groups import resolve_group
 from ddp.join import Join, Joinable, JoinHook, require_in_joins
+from ddp.param_gathers import ParamGathers
 from ddp.step_guard import ZERO_CONSOLIDATE, ZERO_STEP, agree_on_operation
-from ddp.zero import shard_sync
 from ddp.zero.gather_stats import ParamGatherStats
 from ddp.zero.partition import ParameterPartition, ParamPiece
 from ddp.zero.state import ShardPayload, exchange_objects, merge_payloads, piece_state
@@ -138,7 +139,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         super().__init__(params, defaults)
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._check_communicable("init", self._params)
-        self._gradient_layout: shard_sync.ShardedGradientLayout | None = None
+        self._gradient_layout: ShardedGradientLayout | None = None
         self._gradient_layout_version = -1
         followed = self._follow_gradient_layout("init", partition)
         if partition is None:
@@ -296,8 +297,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise
         self._params.extend(new_params)
         require_in_joins(new_params, self)
-        if self._gradient_layout is not None:
-            self._repartition(self._gradient_layout.partition_for(self._params, self._prefix(op)), op)
+        layout = self._gradient_layout
+        if layout is not None:
+            partition = ParameterPartition.from_gradient_layout(self._params, layout, self._prefix(op))
+            self._repartition(partition, op)
             return
         balanced = ParameterPartition.balanced([g["params"] for g in self.param_groups], self.world_size)
         if self._external:
@@ -535,10 +538,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """
         layout = self._gradient_layout
         if layout is None or layout.version < 0:
-            if self._ready and shard_sync.registrations() == self._registrations_seen:
+            if self._ready and registrations() == self._registrations_seen:
                 return None
-            self._registrations_seen = shard_sync.registrations()
-            layout = shard_sync.layout_of(self._params, self._prefix(op))
+            self._registrations_seen = registrations()
+            layout = layout_of(self._params, self._prefix(op))
             if layout is None:
                 self._gradient_layout = None
                 return None
@@ -552,7 +555,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 )
         elif layout.version == self._gradient_layout_version:
             return None
-        partition = layout.partition_for(self._params, self._prefix(op))
+        partition = ParameterPartition.from_gradient_layout(self._params, layout, self._prefix(op))
         if given is not None:
             self._check_same_as_layout(given, layout, op)
         self._gradient_layout, self._gradient_layout_version = layout, layout.version
@@ -562,9 +565,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         return partition
 
     def _check_same_as_layout(
-        self, partition: ParameterPartition, layout: shard_sync.ShardedGradientLayout, op: str
+        self, partition: ParameterPartition, layout: ShardedGradientLayout, op: str
     ) -> None:
-        expected = layout.partition_for(self._params, self._prefix(op))
+        expected = ParameterPartition.from_gradient_layout(self._params, layout, self._prefix(op))
         if partition.fingerprint() != expected.fingerprint():
             raise ValueError(
                 f"{self._prefix(op)}the partition given differs from the layout of the "
@@ -618,7 +621,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         for tensor, _ in self._pieces:
             tensor.grad = None
 
-    def _param_gathers(self) -> shard_sync.ParamGathers | None:
+    def _param_gathers(self) -> ParamGathers | None:
         layout = getattr(self, "_gradient_layout", None)
         return None if layout is None else layout.param_gathers
 

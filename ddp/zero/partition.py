@@ -13,7 +13,8 @@ Two rules build one:
 - ``balanced``: whole parameters, balanced by size (ZeRO-1 as torch partitions).
 - ``from_buckets``: DDP's buckets laid out in order and cut into equal shards
   (Megatron's distributed optimizer): the shards a reduce-scatter of each bucket
-  leaves on each rank.
+  leaves on each rank (``from_gradient_layout`` reads them from DDP's
+  ``ShardedGradientLayout``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from commlib.types import dtype_name
+from ddp.bucket_shards import ShardedGradientLayout
 
 __all__ = ["FlatLayout", "ParamPiece", "ParamSlot", "ParameterPartition"]
 
@@ -158,6 +160,27 @@ class ParameterPartition:
                     offset += params[i].numel()
             layouts.append(FlatLayout(key[0], key[1], shard, tuple(slots)))
         return cls(world_size, layouts, [p.numel() for p in params])
+
+    @classmethod
+    def from_gradient_layout(
+        cls, params: Sequence[torch.Tensor], layout: ShardedGradientLayout, prefix: str = ""
+    ) -> ParameterPartition:
+        """The partition of ``params`` (an optimizer's) that matches the shards of DDP's buckets.
+
+        Raises:
+            ValueError: ``params`` leaves out a parameter the buckets hold.
+        """
+        held = {id(p) for p in params}
+        buckets = layout.buckets()
+        left_out = sum(1 for b in buckets for p in b if id(p) not in held)
+        if left_out:
+            raise ValueError(
+                f"{prefix}{left_out} of the parameters DistributedDataParallel reduce-scatters "
+                "(gradient_sync='reduce_scatter') are not in this optimizer; each rank holds the averaged "
+                "gradients of its shard of every bucket only, so one ZeroRedundancyOptimizer must hold "
+                "them all (pass model.parameters()), or use gradient_sync='allreduce'"
+            )
+        return cls.from_buckets(params, buckets, layout.group.world_size)
 
     @classmethod
     def from_buckets(

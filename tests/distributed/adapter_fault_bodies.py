@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import commlib.torch_backend  # noqa: F401 - registers the backends
+import commlib.torch_adapter  # noqa: F401 - registers the backends
 
 FAULTY_RANK = 1
 FAULT_MESSAGE = "rank 1 broke in backward"

@@ -107,11 +107,13 @@ def _on_close_flush(flushing: Any) -> None:
 
 
 def body_isend_then_destroy(flushing: Any, closed: Any, receives: bool) -> dict[str, Any]:
-    """Rank 0 isends 1000 floats to rank 1 and destroys its group at once; rank 1 receives only then.
+    """Rank 0 isends 1000 floats to rank 1 and closes its group at once; rank 1 receives only then.
 
-    Rank 1 posts its recv once rank 0's close waits for the send (``flushing``), or, when it does not
-    receive, leaves its group once rank 0's destroy has returned (``closed``). Reports what arrived,
-    and how rank 0's send ended.
+    Rank 0 calls ``close()``, which closes its side alone (``destroy_process_group`` first runs a
+    barrier with the other ranks, so rank 1 would have to be there already). Rank 1 posts its recv
+    once rank 0's close waits for the send (``flushing``), or, when it does not receive, leaves its
+    group once rank 0's close has returned (``closed``). Reports what arrived, and how rank 0's
+    send ended.
     """
     import commlib
 
@@ -120,7 +122,8 @@ def body_isend_then_destroy(flushing: Any, closed: Any, receives: bool) -> dict[
     if group.rank == 0:
         _on_close_flush(flushing)
         work = commlib.isend(expected.clone(), 1)
-        commlib.destroy_process_group()
+        group.close()
+        commlib.destroy_process_group()  # the default group, closed already: forgotten
         done = work.is_completed()
         closed.set()
         try:
@@ -137,4 +140,4 @@ def body_isend_then_destroy(flushing: Any, closed: Any, receives: bool) -> dict[
         commlib.recv(got, 0)
         return {"equal": torch.equal(got, expected)}
     finally:
-        commlib.destroy_process_group()
+        group.close()

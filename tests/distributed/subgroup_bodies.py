@@ -399,7 +399,7 @@ def body_timeouts_name_the_group(group: IProcessGroup, timeout_s: float = 3.0) -
     """
     pairs = [group.new_group(members, timeout=timeout_s) for members in ([0, 1], [1, 2], [0, 2])]
     first = pairs[group.rank]  # rank 0: [0, 1]; rank 1: [1, 2]; rank 2: [0, 2]
-    assert first is not None
+    assert first != commlib.GroupMember.NON_GROUP_MEMBER
     report: dict[str, Any] = {}
     try:
         first.all_reduce(torch.ones(4))
@@ -408,7 +408,7 @@ def body_timeouts_name_the_group(group: IProcessGroup, timeout_s: float = 3.0) -
         report["deadlock"] = str(e)
     lost = group.new_group([1, 2], timeout=timeout_s)
     if group.rank == 2:
-        assert lost is not None
+        assert lost != commlib.GroupMember.NON_GROUP_MEMBER
         try:
             lost.recv(torch.empty(4), 0, tag=5)
             report["recv"] = None
@@ -416,6 +416,6 @@ def body_timeouts_name_the_group(group: IProcessGroup, timeout_s: float = 3.0) -
             report["recv"] = str(e)
     group.barrier()
     for sub in [*pairs, lost]:
-        if sub is not None:
+        if sub != commlib.GroupMember.NON_GROUP_MEMBER:
             sub.close()
     return report

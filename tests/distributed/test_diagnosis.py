@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from commlib import ReduceOp
-from commlib.flight import main as flight_main
+from commlib.diagnosis.flight_recorder import main as flight_main
 from tests._launcher import RankPool, run_ranks_outcomes
 from tests.conftest import requires_mpi
 from tests.distributed import diagnosis_bodies as bodies

@@ -1,4 +1,4 @@
-"""commlib's backends under torch.distributed (``commlib.torch_backend``).
+"""commlib's backends under torch.distributed (``commlib.torch_adapter``).
 
 The multi-rank tests run bodies in real ranks (a ``RankPool`` kept for the
 module, and spawned ranks for 4) that call ``dist.init_process_group("commlib_ring")``
@@ -10,6 +10,8 @@ DTensor) is checked against closed-form values or one process on the full batch.
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,19 +20,19 @@ import torch
 import torch.distributed as dist
 
 from commlib import BackendUnavailableError, PremulSum, ReduceOp
-from commlib.torch_backend import BACKENDS, registration
-from commlib.torch_backend.group import reduce_op
-from commlib.torch_backend.work import PendingWork, done
+from commlib.torch_adapter import BACKENDS, registration
+from commlib.torch_adapter.group import reduce_op
+from commlib.torch_adapter.work import PendingWork, done
 from commlib.work import CompletedWork
 from tests._launcher import RankPool, run_ranks
-from tests.conftest import requires_mpi
-from tests.distributed import torch_backend_bodies as bodies
+from tests.conftest import REPO_ROOT, requires_mpi
+from tests.distributed import torch_adapter_bodies as bodies
 
 pytestmark = pytest.mark.multiprocess
 
 ENV = {"COMMLIB_TIMEOUT": "60", "CUDA_VISIBLE_DEVICES": ""}
 """CPU ranks, on a machine with a GPU too: torch's PowerSGD hook calls torch.cuda.synchronize(grad.device)
-whenever CUDA is available, which fails for CPU gradients (docs/torch_backend.md)."""
+whenever CUDA is available, which fails for CPU gradients (docs/torch_adapter.md)."""
 
 BACKENDS_2 = pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
 """The integrations run on the ring and, as the control, on Gloo through the same adapter."""
@@ -60,6 +62,20 @@ def test_registered_names_and_devices() -> None:
         assert inner in ("ring", "mpi", "gloo")
     registration.register()  # a second registration changes nothing
     assert sum(name.startswith("COMMLIB_") for name in dist.Backend._plugins) == 3
+
+
+def test_import_commlib_torch_backend_registers_the_backends_in_a_fresh_process() -> None:
+    """``import commlib.torch_backend`` (what users write) registers, as ``commlib.torch_adapter`` does."""
+    code = (
+        "import torch.distributed as dist, commlib.torch_backend as b, commlib.torch_adapter as a; "
+        "assert b.CommlibProcessGroup is a.CommlibProcessGroup; "
+        "print(sorted(n for n in dist.Backend._plugins if n.startswith('COMMLIB_')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['COMMLIB_GLOO', 'COMMLIB_MPI', 'COMMLIB_RING']"
 
 
 def test_unsupported_torch_is_refused_at_registration() -> None:
@@ -224,7 +240,7 @@ def test_functional_api_under_torchrun() -> None:
     """torchrun's agent serves the store env:// hands torch; the ring meets there."""
     from tests.distributed.mpi_bodies import launch
 
-    name = "tests.distributed.torch_backend_bodies:as_launched"
+    name = "tests.distributed.torch_adapter_bodies:as_launched"
     result = launch(name, 2, ["functional_api", "commlib_ring"], launcher="torchrun", backend="ring", env=ENV)
     assert result.returncode == 0, result.describe()
     _check_functional([result.results[r][name]["functional_api"] for r in range(2)], "ring")
@@ -235,7 +251,7 @@ def test_functional_api_under_torchrun() -> None:
 def test_functional_api_and_ddp_on_mpi() -> None:
     from tests.distributed.mpi_bodies import launch
 
-    name = "tests.distributed.torch_backend_bodies:on_torch"
+    name = "tests.distributed.torch_adapter_bodies:on_torch"
     result = launch(name, 2, ["functional_api+ddp_parity", "commlib_mpi"], timeout=200, env=ENV)
     assert result.returncode == 0, result.describe()
     values = [result.results[r][name] for r in range(2)]
@@ -246,7 +262,7 @@ def test_functional_api_and_ddp_on_mpi() -> None:
 
 # ------------------------------------------------------------------ benchmark
 def test_benchmark_quick(tmp_path: Any) -> None:
-    """``torch_backend_bench.py --quick`` runs every part and writes one row per mode and ratio."""
+    """``torch_adapter_bench.py --quick`` runs every part and writes one row per mode and ratio."""
     import csv
     import subprocess
     import sys
@@ -254,7 +270,7 @@ def test_benchmark_quick(tmp_path: Any) -> None:
     from tests.conftest import REPO_ROOT
 
     out = tmp_path / "bench.csv"
-    script = REPO_ROOT / "benchmarks" / "torch_backend_bench.py"
+    script = REPO_ROOT / "benchmarks" / "torch_adapter_bench.py"
     args = [sys.executable, str(script), "--spawn", "2", "--quick", "--fsdp2", "--csv", str(out)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Faults and misconfigured ranks through commlib's torch.distributed backends (``commlib.torch_backend``).
+"""Faults and misconfigured ranks through commlib's torch.distributed backends (``commlib.torch_adapter``).
 
 A peer that dies or raises mid-step: rank 1 ends its process (``os._exit``,
 SIGKILL) or raises in the middle of its backward (torch's DDP, FSDP2
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from commlib import PeerFailureError
-from commlib.torch_backend.work import PendingWork
+from commlib.torch_adapter.work import PendingWork
 from commlib.work import CompletedWork
 from tests._launcher import run_ranks_outcomes
 from tests.distributed import adapter_fault_bodies as bodies

@@ -31,8 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp import DistributedDataParallel, Join, ParameterPartition, ZeroRedundancyOptimizer
-from ddp.zero import shard_sync
+from ddp import DistributedDataParallel, Join, ParameterPartition, ZeroRedundancyOptimizer, bucket_shards
 from examples.gpt import GPT, GPTConfig, synthetic_batch
 
 PER_RANK = 4
@@ -466,7 +465,7 @@ def case_rs_overlap(group: Any) -> dict[str, Any]:
     )
     zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, lr=1e-2, weight_decay=0.1)
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    gathers = shard_sync.layout_of(list(model.parameters())).param_gathers
+    gathers = bucket_shards.layout_of(list(model.parameters())).param_gathers
     diffs, hashes, in_flight = [], [], []
     for step in range(STEPS):
         x, y = batch("net", step, PER_RANK * world)
