@@ -310,13 +310,16 @@ def train_hash(
 ) -> str:
     """SHA-256 of the parameters after ``steps`` steps of DDP on ``group`` (seeded alike on every backend)."""
     from ddp import DistributedDataParallel, ZeroRedundancyOptimizer
-    from ddp.hooks import bf16_compress_hook
+    from ddp.hooks import PowerSGDState, bf16_compress_hook, powerSGD_hook
 
     torch.manual_seed(1234)
     net = _Net()
     model = DistributedDataParallel(net, group, bucket_size_mb=bucket_mb, gradient_sync=sync)
     if hook == "bf16":
         model.register_comm_hook(group, bf16_compress_hook)
+    elif hook == "powersgd":  # seeded alike on every rank and backend (random_seed's default)
+        state = PowerSGDState(group, start_powerSGD_iter=2, min_compression_rate=1.0)
+        model.register_comm_hook(state, powerSGD_hook)
     if sync == "reduce_scatter":
         opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     else:
@@ -338,6 +341,7 @@ DDP_CASES: dict[str, dict[str, Any]] = {
     "buckets": {},
     "buckets_large": {"bucket_mb": 1.0},
     "bf16": {"hook": "bf16"},
+    "powersgd": {"hook": "powersgd"},
     "zero": {"sync": "reduce_scatter"},
     "zero_large": {"sync": "reduce_scatter", "bucket_mb": 1.0},
 }
