@@ -16,7 +16,6 @@ and the cost.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -33,7 +32,7 @@ from commlib.work import CompletedWork, EventWork, Work
 __all__ = [
     "DeterministicReductions",
     "FOLDED_OPS",
-    "deterministic_config",
+    "deterministic_mode",
     "fold_rows",
     "left_fold",
     "shard_bounds",
@@ -47,11 +46,11 @@ _HALF = (torch.float16, torch.bfloat16)
 _MULTIPLIES = (ReduceOp.PRODUCT,)
 
 
-def deterministic_config(config: CommConfig) -> CommConfig:
-    """Return ``config`` with ``deterministic`` settled: torch's flag now, where the config leaves it None."""
+def deterministic_mode(config: CommConfig) -> bool:
+    """Whether a group made now with ``config`` is deterministic: its setting, else torch's flag now."""
     if config.deterministic is not None:
-        return config
-    return dataclasses.replace(config, deterministic=torch.are_deterministic_algorithms_enabled())
+        return config.deterministic
+    return torch.are_deterministic_algorithms_enabled()
 
 
 # ------------------------------------------------------------------ the definition

@@ -29,7 +29,7 @@ from torch.autograd.graph import increment_version
 from commlib import monitored, nan_minmax, objects
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
-from commlib.deterministic import DeterministicReductions, deterministic_config
+from commlib.deterministic import DeterministicReductions, deterministic_mode
 from commlib.diagnosis import Diagnostics, FingerprintExchange, history
 from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
@@ -112,8 +112,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     def __init__(self, env: DistEnv, config: CommConfig | None = None) -> None:
         self._env = env
-        self._config = deterministic_config(config if config is not None else CommConfig())
-        self._exact = DeterministicReductions(self) if self._config.deterministic else None
+        self._config = config if config is not None else CommConfig()
+        self._exact = DeterministicReductions(self) if deterministic_mode(self._config) else None
         """The deterministic mode's reductions (``commlib.deterministic``), or None when it is off."""
         self._closed = False
         self._broken: BaseException | None = None
@@ -173,7 +173,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """True if floating-point reductions give the left fold in rank order, the same bits on every backend.
 
         Settled when the group is made (``CommConfig.deterministic``, else
-        ``torch.are_deterministic_algorithms_enabled()``); subgroups inherit it. See
+        ``torch.are_deterministic_algorithms_enabled()`` then); subgroups inherit it. See
         ``commlib.deterministic`` and docs/backends.md.
         """
         return self._exact is not None
@@ -1079,7 +1079,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             for c in colors
         ]
         names = [self._next_subgroup_name() for _ in groups]
-        return self._mine(name, self._finish_split(name, groups, self._config, names))
+        return self._mine(name, self._finish_split(name, groups, self._sub_config(name, None), names))
 
     def split_group(
         self,
@@ -1197,12 +1197,18 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     def _sub_config(
         self, op: str, timeout: float | datetime.timedelta | None, deterministic: bool | None = None
     ) -> CommConfig:
-        """A subgroup's settings: this group's, with ``timeout`` and ``deterministic`` where given."""
-        if timeout is None and deterministic is None:
+        """A subgroup's settings: this group's, with ``timeout`` where given, and its deterministic mode.
+
+        The mode is ``deterministic`` where given, else this group's as settled when it was made.
+        """
+        changes: dict[str, object] = {} if timeout is None else {"timeout": timeout}
+        mode = self.deterministic if deterministic is None else deterministic
+        if mode != self._config.deterministic:
+            changes["deterministic"] = mode
+        if not changes:
             return self._config
-        changes: dict[str, object] = {"timeout": timeout, "deterministic": deterministic}
         try:
-            return dataclasses.replace(self._config, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]
+            return dataclasses.replace(self._config, **changes)  # type: ignore[arg-type]
         except (TypeError, ValueError) as e:
             raise type(e)(f"{self._prefix(op)}{e}") from None
 

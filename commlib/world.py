@@ -87,8 +87,11 @@ def init_process_group(
         if config is None:
             config = CommConfig.from_env(timeout=timeout, deterministic=deterministic)
         else:
-            overrides = {"timeout": timeout, "deterministic": deterministic}
-            config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
+            overrides = {
+                k: v for k, v in (("timeout", timeout), ("deterministic", deterministic)) if v is not None
+            }
+            if overrides:
+                config = dataclasses.replace(config, **overrides)  # type: ignore[arg-type]
         group = create_process_group(name, env, config)
         _default_group = group
         return group

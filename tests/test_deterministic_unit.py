@@ -130,15 +130,20 @@ def torch_deterministic():  # type: ignore[no-untyped-def]
 def test_off_by_default() -> None:
     assert not torch.are_deterministic_algorithms_enabled()
     group = FakeGroup(make_env(0, 3))
-    assert group.deterministic is False and group.config.deterministic is False
+    assert group.deterministic is False and group.config.deterministic is None
 
 
 def test_torch_flag_is_read_when_the_group_is_made(torch_deterministic: None) -> None:
-    group = FakeGroup(make_env(0, 3))
-    assert group.deterministic and group.config.deterministic is True
+    config = CommConfig()
+    group = FakeGroup(make_env(0, 3), config)
+    assert group.deterministic and group.config is config
     torch.use_deterministic_algorithms(False)
     assert group.deterministic, "the mode is settled when the group is made"
     assert not FakeGroup(make_env(0, 3)).deterministic
+    # Its subgroups take the mode it was made with, unless told otherwise.
+    assert group._sub_config("new_group", None).deterministic is True
+    assert group._sub_config("new_group", 5, deterministic=False).deterministic is False
+    assert group._sub_config("new_group", 5).timeout == 5
 
 
 def test_an_explicit_setting_wins_over_torch_flag(torch_deterministic: None) -> None:
