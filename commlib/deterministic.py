@@ -215,15 +215,18 @@ class DeterministicReductions:
 
     # -------------------------------------------------------------- routing
     def folds(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> bool:
-        """True if this reduction of ``tensor`` (already checked) is one the mode computes as a left fold."""
-        return tensor.is_floating_point() and _base(op) in FOLDED_OPS and self._group.world_size > 1
+        """True if this reduction of ``tensor`` (already checked) must be folded here, not by the backend.
 
-    def _pair(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> bool:
-        """True if the backend's own two-rank reduction gives the fold's bits (see ``_exact_pair``)."""
-        group = self._group
-        if group.world_size != 2 or not group._exact_pair(tensor):  # noqa: SLF001
+        False for what is exact in any order (MIN, MAX, integers, bools), on one rank, and on
+        two ranks of a backend whose own reduction is the fold (``_exact_pair``), except AVG of
+        float16 and bfloat16, which divides in float32 before rounding.
+        """
+        if not tensor.is_floating_point() or _base(op) not in FOLDED_OPS:
             return False
-        return not (op is ReduceOp.AVG and tensor.dtype in _HALF)  # float32 before the division
+        group = self._group
+        if group.world_size == 2 and group._exact_pair(tensor):  # noqa: SLF001
+            return op is ReduceOp.AVG and tensor.dtype in _HALF
+        return group.world_size > 1
 
     # ------------------------------------------------------------ all_reduce
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work | None:
@@ -244,22 +247,7 @@ class DeterministicReductions:
     def _start_all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool
     ) -> Work | None:
-        group = self._group
-        flat = tensor.view(-1)
-        if self._pair(tensor, op):
-            return group._issue(  # noqa: SLF001
-                "all_reduce", tensor, op, -1, async_op, [tensor], self._pair_all_reduce, flat, op, async_op
-            )
-        return self._run("all_reduce", tensor, async_op, [tensor], self._fold_all_reduce, flat, op)
-
-    def _pair_all_reduce(self, flat: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
-        group = self._group
-        if isinstance(op, PremulSum):
-            flat.mul_(op.scalar())
-        work = group._all_reduce(flat, _backend_op(op), async_op)  # noqa: SLF001
-        if op is ReduceOp.AVG:
-            work.add_finisher(_Divide(flat, 2))
-        return work
+        return self._run("all_reduce", tensor, async_op, [tensor], self._fold_all_reduce, tensor.view(-1), op)
 
     def _fold_all_reduce(self, flat: torch.Tensor, op: ReduceOp | PremulSum) -> None:
         """all_to_all of the shards, the fold of this rank's shard into ``flat``, all_gather of the shards."""
@@ -335,22 +323,7 @@ class DeterministicReductions:
         if group.rank == dst:
             increment_version(flat)
         group._bytes_issued += tensor.nbytes  # noqa: SLF001
-        if self._pair(tensor, op):
-            return group._issue(  # noqa: SLF001
-                "reduce", tensor, op, dst, async_op, [tensor], self._pair_reduce, flat, dst, op, async_op
-            )
         return self._run("reduce", tensor, async_op, [tensor], self._fold_reduce, flat, dst, op)
-
-    def _pair_reduce(self, flat: torch.Tensor, dst: int, op: ReduceOp | PremulSum, async_op: bool) -> Work:
-        group = self._group
-        root = group.rank == dst
-        source = flat
-        if isinstance(op, PremulSum):
-            source = flat.mul_(op.scalar()) if root else flat.mul(op.scalar())
-        work = group._reduce(source, dst, _backend_op(op), async_op)  # noqa: SLF001
-        if op is ReduceOp.AVG and root:
-            work.add_finisher(_Divide(flat, 2))
-        return work
 
     def _fold_reduce(self, flat: torch.Tensor, dst: int, op: ReduceOp | PremulSum) -> None:
         """all_to_all of the shards, the fold of this rank's shard, gather of the shards on ``dst``."""
@@ -396,21 +369,6 @@ class DeterministicReductions:
         flat = output.detach().view(-1)
         increment_version(flat)
         group._bytes_issued += output.nbytes * group.world_size  # noqa: SLF001
-        if self._pair(output, op):
-            return group._issue(  # noqa: SLF001
-                "reduce_scatter",
-                output,
-                op,
-                -1,
-                async_op,
-                [output],
-                self._pair_reduce_scatter,
-                flat,
-                flat_input,
-                inputs,
-                op,
-                async_op,
-            )
         if isinstance(op, PremulSum):
             scaled = (flat_input if flat_input is not None else torch.cat(inputs)).mul(op.scalar())
             inputs = list(scaled.view(group.world_size, -1))
@@ -439,23 +397,6 @@ class DeterministicReductions:
     ) -> Work:
         work = self._group._all_to_all(rows, inputs, async_op)  # noqa: SLF001
         work.add_finisher(fold)
-        return work
-
-    def _pair_reduce_scatter(
-        self,
-        flat: torch.Tensor,
-        flat_input: torch.Tensor | None,
-        inputs: list[torch.Tensor],
-        op: ReduceOp | PremulSum,
-        async_op: bool,
-    ) -> Work:
-        group = self._group
-        if isinstance(op, PremulSum):
-            flat_input = (flat_input if flat_input is not None else torch.cat(inputs)).mul(op.scalar())
-            inputs = list(flat_input.view(group.world_size, -1))
-        work = group._reduce_scatter(flat, flat_input, inputs, _backend_op(op), async_op)  # noqa: SLF001
-        if op is ReduceOp.AVG:
-            work.add_finisher(_Divide(flat, 2))
         return work
 
     # ------------------------------------------------------------ running
@@ -521,29 +462,6 @@ class DeterministicReductions:
         """Stop the helper (what is queued still runs, and fails on the closed group) and drop the buffers."""
         self._helper.close()
         self._scratch.clear()
-
-
-def _backend_op(op: ReduceOp | PremulSum) -> ReduceOp:
-    """The backend's own op of a two-rank fold: PRODUCT stays, the rest are sums."""
-    return ReduceOp.PRODUCT if op is ReduceOp.PRODUCT else ReduceOp.SUM
-
-
-class _Divide:
-    """AVG's division of a two-rank sum (float32 / float64: the fold's own division)."""
-
-    __slots__ = ("_tensor", "_world")
-
-    def __init__(self, tensor: torch.Tensor, world: int) -> None:
-        self._tensor = tensor
-        self._world = world
-
-    def __call__(self) -> None:
-        tensor = self._tensor
-        tensor.div_(
-            self._world
-            if tensor.is_cpu
-            else torch.tensor(float(self._world), dtype=tensor.dtype, device=tensor.device)
-        )
 
 
 class _FoldInto:

@@ -1443,8 +1443,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         Each result element is then ``x0 + x1`` (``x0 * x1``) correctly rounded, or for
         float16 and bfloat16 computed in float32 and rounded to the dtype (rounding twice
         is exact there: float32 has more than twice their precision plus two bits), which
-        is the deterministic mode's left fold; the mode uses them on two ranks. The
-        default is False: the mode folds in the interface.
+        is the deterministic mode's left fold; its AVG of float32 and float64 must be that
+        sum divided once (a true division). The mode then leaves two-rank reductions
+        (but AVG of float16 and bfloat16) to the backend's own path. The default is False:
+        the mode folds in the interface.
         """
         return False
 

@@ -706,7 +706,7 @@ class MPIProcessGroup(IProcessGroup):
         self._progress.submit(work)
 
     def _exact_pair(self, tensor: torch.Tensor) -> bool:
-        """MPI's SUM and PRODUCT, and the user-defined ops of float16 and bfloat16, combine each pair once."""
+        """MPI's SUM and PRODUCT, and the float16 / bfloat16 user ops, combine each pair once."""
         return True
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:

@@ -274,7 +274,7 @@ class RingProcessGroup(IProcessGroup):
 
     # ------------------------------------------------------------- execution
     def _exact_pair(self, tensor: torch.Tensor) -> bool:
-        """On two ranks each element is one torch add (multiply) of the two ranks' values."""
+        """On two ranks each element is one torch add (multiply); AVG divides the sum after."""
         return True
 
     def _native_avg(self, tensor: torch.Tensor) -> bool:

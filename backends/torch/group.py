@@ -430,7 +430,7 @@ class TorchDistProcessGroup(IProcessGroup):
 
     # ------------------------------------------------------------- collectives
     def _exact_pair(self, tensor: torch.Tensor) -> bool:
-        """Gloo adds (multiplies) each pair of elements once, float16 via float32; NCCL is not declared."""
+        """Gloo adds (multiplies) each pair once, float16 via float32; NCCL is not declared."""
         return self._devices.get(tensor.device.type) == "gloo"
 
     def _native_avg(self, tensor: torch.Tensor) -> bool:
