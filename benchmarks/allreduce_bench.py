@@ -38,6 +38,12 @@ pipeline hid: ``(host latency + copy time - CUDA latency) / copy time``,
 clipped to [0, 1]. Every timing block ends with ``torch.cuda.synchronize()``.
 Without CUDA, ``--device cuda`` exits at once with status 2 and one line.
 
+``--deterministic`` adds, for every commlib mode, the same backend in deterministic
+mode (``commlib.deterministic``: a group of all ranks made with ``deterministic=True``,
+whose float sums are the left fold in rank order); its mode name ends in ``+det``
+and ``vs_plain`` is its latency over the same backend's ordinary all-reduce, in
+the same run (``ring+buf+det`` against ``ring+buf``).
+
 Exit status: 0 when every measured result was correct, 1 when a check failed
 or nothing could be measured, 2 for bad arguments.
 """
@@ -98,6 +104,7 @@ CSV_COLUMNS = [
     "busbw_GBps",
     "ratio_vs_gloo",
     "ratio_vs_mpi",
+    "ratio_vs_plain",
     "correct",
     "threads",
     "buffer",
@@ -114,6 +121,7 @@ TABLE_COLUMNS = [
     "busbw_GB/s",
     "vs_gloo",
     "vs_mpi",
+    "vs_plain",
     "check",
 ]
 CUDA_TABLE_COLUMNS = [*TABLE_COLUMNS[:-1], "bw_vs_host", "hidden", "check"]
@@ -200,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="untimed all-reduces per mode and size after the check (default 2, --quick 1)",
     )
     p.add_argument("--quick", action="store_true", help="CI smoke test: small sizes, few iterations")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also measure every commlib backend in deterministic mode (mode name +det; vs_plain: its "
+        "latency over the same backend's ordinary all-reduce)",
+    )
     p.add_argument("--csv", type=Path, default=None, help="write the results to this CSV file (rank 0)")
     p.add_argument(
         "--timeout", type=float, default=120.0, help="commlib/Gloo timeout in seconds (default 120)"
@@ -260,6 +274,8 @@ class Mode:
     """Where the mode's tensors live (``cpu`` or ``cuda:N``)."""
     host_twin: str = ""
     """Name of the same backend's mode on host tensors (CUDA modes of ring and mpi)."""
+    plain: str = ""
+    """For a deterministic mode: the ``base`` of the same backend's ordinary mode (``vs_plain``)."""
 
     def __post_init__(self) -> None:
         self.base = self.base or self.name
@@ -270,17 +286,40 @@ class Mode:
 
 
 def commlib_modes(
-    name: str, env: DistEnv, port: int, timeout: float, buffers: str, device: str = "cpu"
+    name: str,
+    env: DistEnv,
+    port: int,
+    timeout: float,
+    buffers: str,
+    device: str = "cpu",
+    deterministic: bool = False,
 ) -> list[Mode]:
     """Create backend ``name`` with ``commlib.create_process_group`` on its own port.
 
     Returns one mode on ordinary tensors (``buffers`` plain or both) and, if the
     backend has its own ``alloc_buffer``, one on its buffers (alloc or both).
     On a CUDA ``device``: one mode on CUDA tensors and, for ring and mpi, one on
-    host tensors (``name[host]``) over the same group.
+    host tensors (``name[host]``) over the same group. With ``deterministic``, each
+    mode also has a twin (``+det``) on a deterministic group of all ranks.
     """
-    config = commlib.CommConfig.from_env(timeout=timeout)
+    config = commlib.CommConfig.from_env(timeout=timeout, deterministic=False)
     group = commlib.create_process_group(name, dataclasses.replace(env, master_port=port), config)
+    modes = _modes_of(group, name, buffers, device, port)
+    if not deterministic:
+        return modes
+    twin = group.new_group(list(range(group.world_size)), deterministic=True)
+    assert isinstance(twin, IProcessGroup)
+    twins = _modes_of(twin, name, buffers, device, port)
+    for mode in twins:
+        mode.note = f"{mode.note}; deterministic mode (a new_group of all ranks)"
+        mode.plain = mode.name
+        mode.name = mode.base = f"{mode.name}+det"
+        mode.host_twin = mode.host_twin and f"{mode.host_twin}+det"
+    return modes + twins
+
+
+def _modes_of(group: IProcessGroup, name: str, buffers: str, device: str, port: int) -> list[Mode]:
+    """The modes of one group (see ``commlib_modes``)."""
     note = f"{type(group).__name__} via commlib.create_process_group({name!r}), port {port}"
     transports = getattr(group, "transports", None)
     if transports is not None:
@@ -456,6 +495,7 @@ def rows_for_size(
         if median is not None:
             algbw, busbw = bandwidths(r.nbytes, median, world_size)
             gloo, mpi = refs.get(("torch-gloo", r.mode.threads)), refs.get(("mpi4py", r.mode.threads))
+            plain = refs.get((r.mode.plain, r.mode.threads)) if r.mode.plain else None
             row.update(
                 median_us=f"{median * 1e6:.1f}",
                 min_us=f"{min(r.per_call_s) * 1e6:.1f}",
@@ -464,6 +504,7 @@ def rows_for_size(
                 busbw_GBps=f"{busbw:.4f}",
                 ratio_vs_gloo=f"{median / gloo:.3f}" if gloo else "",
                 ratio_vs_mpi=f"{median / mpi:.3f}" if mpi else "",
+                ratio_vs_plain=f"{median / plain:.3f}" if plain else "",
             )
         row["device"] = r.mode.device
         twin = refs.get((r.mode.host_twin, r.mode.threads)) if r.mode.host_twin else None
@@ -477,8 +518,8 @@ def rows_for_size(
 
 
 def table_line(values: Sequence[str]) -> str:
-    """One fixed-width table line (11 cells, or 13 with the CUDA columns)."""
-    widths = [9, 15, 10, 6, 11, 11, 11, 11, 8, 8, *([10, 6] if len(values) == 13 else []), 0]
+    """One fixed-width table line (12 cells, or 14 with the CUDA columns)."""
+    widths = [9, 15, 10, 6, 11, 11, 11, 11, 8, 8, 8, *([10, 6] if len(values) == 14 else []), 0]
     last = len(values) - 1
     cells = [
         v.ljust(w) if i in (1, 2, last) else v.rjust(w)
@@ -500,6 +541,7 @@ def table_row(row: dict[str, Any]) -> str:
         row["busbw_GBps"] or "-",
         row["ratio_vs_gloo"] or "-",
         row["ratio_vs_mpi"] or "-",
+        row["ratio_vs_plain"] or "-",
     ]
     if "device" in row:
         cells += [row["busbw_vs_host"] or "-", row["copy_hidden"] or "-"]
@@ -733,7 +775,9 @@ def create_modes(
             skipped.append(f"mpi: {comm_why}")
             continue
         try:
-            modes.extend(commlib_modes(name, env, ports[i], args.timeout, args.buffers, device))
+            modes.extend(
+                commlib_modes(name, env, ports[i], args.timeout, args.buffers, device, args.deterministic)
+            )
         except (ImportError, commlib.CommError, RuntimeError, OSError, ValueError, TypeError) as e:
             skipped.append(f"{name}: {type(e).__name__}: {e}")
     if "mpi4py" in references:

@@ -39,6 +39,7 @@ MEASURES = {
     "busbw_GBps": "busbw GB/s",  # allreduce_bench.py
     "ratio_vs_gloo": "ours / Gloo",
     "ratio_vs_mpi": "ours / MPICH",
+    "ratio_vs_plain": "det / plain",  # allreduce_bench.py --deterministic
     "vs_torch_ddp": "ours / torch DDP",
     "ratio": "ratio",  # torch_adapter_bench.py
 }

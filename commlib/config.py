@@ -55,6 +55,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _switch(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1 or 0")
+
+
 def _debug_mode(text: str) -> str:
     value = text.strip().lower()
     if value not in DEBUG_MODES:
@@ -103,6 +112,13 @@ class CommConfig:
     (``broadcast_object_list``...) send or accept; a larger one raises on every rank
     before its bytes move. Default 1 GiB, or ``COMMLIB_MAX_OBJECT_BYTES``."""
 
+    deterministic: bool | None = None
+    """True: floating-point SUM, AVG, PREMUL_SUM and PRODUCT of ``all_reduce``, ``reduce`` and
+    ``reduce_scatter`` give the left fold in rank order, the same bits on every backend
+    (``commlib.deterministic``, docs/backends.md); False: each backend's own order. None (the
+    default): ``torch.are_deterministic_algorithms_enabled()`` when the group is made.
+    ``COMMLIB_DETERMINISTIC`` (``1`` or ``0``)."""
+
     def __post_init__(self) -> None:
         timeout = self.timeout
         if isinstance(timeout, datetime.timedelta):
@@ -148,6 +164,11 @@ class CommConfig:
             )
         if self.max_object_bytes < 1:
             raise ValueError(f"CommConfig.max_object_bytes: must be >= 1, got {self.max_object_bytes}")
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise TypeError(
+                f"CommConfig.deterministic: expected True, False or None (torch's flag), "
+                f"got {self.deterministic!r}"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> CommConfig:
@@ -162,6 +183,7 @@ class CommConfig:
             "max_object_bytes": read_env_var(
                 "COMMLIB_MAX_OBJECT_BYTES", _positive_int, DEFAULT_MAX_OBJECT_BYTES, environ
             ),
+            "deterministic": read_env_var("COMMLIB_DETERMINISTIC", _switch, None, environ),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

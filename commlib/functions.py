@@ -421,12 +421,15 @@ def new_group(
     group_desc: str | None = None,
     device_id: torch.device | None = None,
     sort_ranks: bool = True,
+    *,
+    deterministic: bool | None = None,
 ) -> IProcessGroup | NonGroupMember:
     """Make a subgroup of the default group from its global ``ranks`` (None: all); every rank calls it.
 
     torch's other arguments: ``backend`` may name the default group's own backend (a subgroup
     always runs on it); ``sort_ranks=False`` keeps the order of ``ranks`` for the new group's
     ranks; ``group_desc`` and ``device_id`` are accepted and not used (a group knows its device).
+    ``deterministic`` (commlib's) sets the new group's deterministic mode; default the default group's.
     ``pg_options`` and ``use_local_synchronization=True`` are refused: commlib's backends take no
     options object, and every rank of the default group takes part in making a group.
 
@@ -447,7 +450,7 @@ def new_group(
             "the default group calls new_group, members and others alike"
         )
     members = range(group.world_size) if ranks is None else ranks
-    return group.new_group(members, timeout=timeout, sort_ranks=sort_ranks)
+    return group.new_group(members, timeout=timeout, sort_ranks=sort_ranks, deterministic=deterministic)
 
 
 def split_group(
@@ -457,6 +460,8 @@ def split_group(
     pg_options: Any = None,
     group_desc: str | None = None,
     backend: str | None = None,
+    *,
+    deterministic: bool | None = None,
 ) -> IProcessGroup | NonGroupMember:
     """``IProcessGroup.split_group`` on ``parent_pg`` (default group if None); ranks are its group ranks.
 
@@ -469,7 +474,7 @@ def split_group(
     _check_group_options(parent, "split_group", backend, pg_options)
     if split_ranks is None:
         raise ValueError(f"{parent._prefix('split_group')}split_ranks is required: disjoint lists of ranks")
-    return parent.split_group(split_ranks, timeout=timeout)
+    return parent.split_group(split_ranks, timeout=timeout, deterministic=deterministic)
 
 
 def new_subgroups(

@@ -29,6 +29,7 @@ from torch.autograd.graph import increment_version
 from commlib import monitored, nan_minmax, objects
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
+from commlib.deterministic import DeterministicReductions, deterministic_mode
 from commlib.diagnosis import Diagnostics, FingerprintExchange, history
 from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
@@ -112,6 +113,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     def __init__(self, env: DistEnv, config: CommConfig | None = None) -> None:
         self._env = env
         self._config = config if config is not None else CommConfig()
+        self._exact = DeterministicReductions(self) if deterministic_mode(self._config) else None
+        """The deterministic mode's reductions (``commlib.deterministic``), or None when it is off."""
         self._closed = False
         self._broken: BaseException | None = None
         # (op, dtype, device, layout) combinations that passed the full checks: the hot path
@@ -164,6 +167,16 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     def config(self) -> CommConfig:
         """The settings the group was created with."""
         return self._config
+
+    @property
+    def deterministic(self) -> bool:
+        """True if floating-point reductions give the left fold in rank order, the same bits on every backend.
+
+        Settled when the group is made (``CommConfig.deterministic``, else
+        ``torch.are_deterministic_algorithms_enabled()`` then); subgroups inherit it. See
+        ``commlib.deterministic`` and docs/backends.md.
+        """
+        return self._exact is not None
 
     @property
     def timeout(self) -> float:
@@ -317,6 +330,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         if self._closed or self._broken is not None:
             self._check_usable("all_reduce")
         self._check_reduction("all_reduce", tensor, op)
+        exact = self._exact
+        if exact is not None and exact.folds(tensor, op):
+            return exact.all_reduce(tensor, op, async_op)
         if tensor.requires_grad:
             tensor = tensor.detach()
         increment_version(tensor)
@@ -354,6 +370,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             ...     prepared.start().wait()
         """
         self._check_reduction("all_reduce", tensor, op)
+        exact = self._exact
+        if exact is not None and exact.folds(tensor, op):
+            return exact.prepare_all_reduce(tensor, op)
         if tensor.requires_grad:
             tensor = tensor.detach()
         plain = op is ReduceOp.SUM and tensor.dtype is not _BOOL
@@ -406,6 +425,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._check_usable(name)
         self._check_reduction(name, tensor, op)
         self._check_rank(name, dst, "dst")
+        exact = self._exact
+        if exact is not None and exact.folds(tensor, op):
+            return exact.reduce(tensor, dst, op, async_op)
         flat = tensor.detach().view(-1)
         if self.rank == dst:
             increment_version(flat)
@@ -531,6 +553,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._check_usable(name)
         self._check_reduction(name, output, op, "output")
         flat_input, inputs = self._split_world(name, input, "input", output)
+        exact = self._exact
+        if exact is not None and exact.folds(output, op):
+            return exact.reduce_scatter(output, flat_input, inputs, op, async_op)
         flat = output.detach().view(-1)
         increment_version(flat)
         self._bytes_issued += output.nbytes * self.world_size
@@ -981,6 +1006,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         *,
         timeout: float | datetime.timedelta | None = None,
         sort_ranks: bool = True,
+        deterministic: bool | None = None,
     ) -> IProcessGroup | NonGroupMember:
         """Make a group of some of this group's ranks; every rank of this group must call it.
 
@@ -993,6 +1019,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             timeout: The new group's timeout (seconds or a timedelta); default this group's.
             sort_ranks: Order the new group's ranks by their rank here (torch's default), or
                 keep the order of ``ranks``.
+            deterministic: The new group's deterministic mode (``IProcessGroup.deterministic``);
+                default this group's.
 
         Returns:
             The new group on its members; on the other ranks ``commlib.GroupMember.NON_GROUP_MEMBER``
@@ -1011,7 +1039,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         members = self._check_members(name, ranks)
         if sort_ranks:
             members.sort()
-        config = self._sub_config(name, timeout)
+        config = self._sub_config(name, timeout, deterministic)
         agree_on_members(self, self._prefix(name), name, [members])
         names = [self._next_subgroup_name()]
         return self._mine(name, self._finish_split(name, [members], config, names))
@@ -1051,10 +1079,14 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             for c in colors
         ]
         names = [self._next_subgroup_name() for _ in groups]
-        return self._mine(name, self._finish_split(name, groups, self._config, names))
+        return self._mine(name, self._finish_split(name, groups, self._sub_config(name, None), names))
 
     def split_group(
-        self, split_ranks: Sequence[Sequence[int]], *, timeout: float | datetime.timedelta | None = None
+        self,
+        split_ranks: Sequence[Sequence[int]],
+        *,
+        timeout: float | datetime.timedelta | None = None,
+        deterministic: bool | None = None,
     ) -> IProcessGroup | NonGroupMember:
         """Split this group into the disjoint groups ``split_ranks`` names, as torch's ``split_group``.
 
@@ -1066,6 +1098,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         Args:
             split_ranks: Disjoint lists of ranks of this group.
             timeout: The new groups' timeout (seconds or a timedelta); default this group's.
+            deterministic: The new groups' deterministic mode; default this group's.
 
         Returns:
             The group holding this rank, or ``commlib.GroupMember.NON_GROUP_MEMBER``.
@@ -1079,10 +1112,14 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             >>> pair = group.split_group([[0, 1], [2, 3]])   # 4 ranks: two groups of two
         """
         name = "split_group"
-        return self._mine(name, self._split_group(name, split_ranks, timeout))
+        return self._mine(name, self._split_group(name, split_ranks, timeout, deterministic))
 
     def _split_group(
-        self, name: str, split_ranks: Sequence[Sequence[int]], timeout: float | datetime.timedelta | None
+        self,
+        name: str,
+        split_ranks: Sequence[Sequence[int]],
+        timeout: float | datetime.timedelta | None,
+        deterministic: bool | None = None,
     ) -> list[IProcessGroup | NonGroupMember]:
         """``split_group``'s work: every group, in order (this rank's, and a placeholder for each other)."""
         self._check_usable(name)
@@ -1100,7 +1137,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
                         "the groups must be disjoint"
                     )
                 seen[r] = i
-        config = self._sub_config(name, timeout)
+        config = self._sub_config(name, timeout, deterministic)
         agree_on_members(self, self._prefix(name), name, groups)
         names = [self._next_subgroup_name() for _ in groups]
         return self._finish_split(name, groups, config, names)
@@ -1157,11 +1194,21 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             global_rank=self._global_ranks[self.rank],
         )
 
-    def _sub_config(self, op: str, timeout: float | datetime.timedelta | None) -> CommConfig:
-        if timeout is None:
+    def _sub_config(
+        self, op: str, timeout: float | datetime.timedelta | None, deterministic: bool | None = None
+    ) -> CommConfig:
+        """A subgroup's settings: this group's, with ``timeout`` where given, and its deterministic mode.
+
+        The mode is ``deterministic`` where given, else this group's as settled when it was made.
+        """
+        changes: dict[str, object] = {} if timeout is None else {"timeout": timeout}
+        mode = self.deterministic if deterministic is None else deterministic
+        if mode != self._config.deterministic:
+            changes["deterministic"] = mode
+        if not changes:
             return self._config
         try:
-            return dataclasses.replace(self._config, timeout=timeout)  # type: ignore[arg-type]
+            return dataclasses.replace(self._config, **changes)  # type: ignore[arg-type]
         except (TypeError, ValueError) as e:
             raise type(e)(f"{self._prefix(op)}{e}") from None
 
@@ -1263,7 +1310,11 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             if diagnostics is not None:
                 diagnostics.close()
         finally:
-            self._close()
+            try:
+                self._close()
+            finally:
+                if self._exact is not None:
+                    self._exact.close()
 
     # -------------------------------------------------------------- issuing
     def _issue(
@@ -1291,6 +1342,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             *args: Arguments of ``start``.
             counts: ``all_to_all`` only: elements received from and sent to each rank.
         """
+        exact = self._exact
+        if exact is not None:
+            exact.before_issue(kind)
         diagnostics = self._diagnostics
         if diagnostics is not None:
             return diagnostics.issue(self, kind, tensor, op, root, async_op, value, start, args, counts)
@@ -1380,6 +1434,19 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
         The default is False: the backend never sees AVG; it sums, and the
         interface divides the result by the world size once.
+        """
+        return False
+
+    def _exact_pair(self, tensor: torch.Tensor) -> bool:
+        """Return True if on two ranks the backend's SUM and PRODUCT of ``tensor`` round each element once.
+
+        Each result element is then ``x0 + x1`` (``x0 * x1``) correctly rounded, or for
+        float16 and bfloat16 computed in float32 and rounded to the dtype (rounding twice
+        is exact there: float32 has more than twice their precision plus two bits), which
+        is the deterministic mode's left fold; its AVG of float32 and float64 must be that
+        sum divided once (a true division). The mode then leaves two-rank reductions
+        (but AVG of float16 and bfloat16) to the backend's own path. The default is False:
+        the mode folds in the interface.
         """
         return False
 

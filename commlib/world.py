@@ -40,6 +40,7 @@ def init_process_group(
     master_port: int | None = None,
     timeout: float | datetime.timedelta | None = None,
     config: CommConfig | None = None,
+    deterministic: bool | None = None,
 ) -> IProcessGroup:
     """Connect this process to the others and make the group the default.
 
@@ -53,7 +54,11 @@ def init_process_group(
         master_port: Rendezvous port; default ``MASTER_PORT``, else 29500.
         timeout: Seconds (or a timedelta) any blocking wait may take; default
             ``COMMLIB_TIMEOUT``, else 300 s.
-        config: Full settings; ``timeout`` overrides its timeout.
+        config: Full settings; ``timeout`` and ``deterministic`` override its own.
+        deterministic: True: floating-point reductions give the left fold in rank order,
+            the same bits on every backend (``IProcessGroup.deterministic``); False: the
+            backend's own order. Default ``COMMLIB_DETERMINISTIC``, else
+            ``torch.are_deterministic_algorithms_enabled()`` now.
 
     Returns:
         The connected group, also returned by ``get_default_group()``.
@@ -80,9 +85,13 @@ def init_process_group(
         name = backend or os.environ.get("COMMLIB_BACKEND", "").strip() or DEFAULT_BACKEND
         env = detect(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
         if config is None:
-            config = CommConfig.from_env(timeout=timeout)
-        elif timeout is not None:
-            config = dataclasses.replace(config, timeout=timeout)  # type: ignore[arg-type]
+            config = CommConfig.from_env(timeout=timeout, deterministic=deterministic)
+        else:
+            overrides = {
+                k: v for k, v in (("timeout", timeout), ("deterministic", deterministic)) if v is not None
+            }
+            if overrides:
+                config = dataclasses.replace(config, **overrides)  # type: ignore[arg-type]
         group = create_process_group(name, env, config)
         _default_group = group
         return group

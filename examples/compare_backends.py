@@ -1,13 +1,22 @@
-"""Run your own step on two commlib backends with the same seeded inputs and compare the outputs.
+"""Run your own step on several commlib backends with the same seeded inputs and compare the outputs.
 
 This is how to check a new (or changed) backend against one you trust. Every
-rank creates both groups in one job, regenerates the same inputs from the seed
-for each, runs ``step(group, inputs)`` on each, and rank 0 prints, per output
-tensor, the largest absolute and relative difference over all ranks (integers
-must match exactly, and so must floats unless they show a difference).
+rank creates a group of each backend in one job, regenerates the same inputs
+from the seed for each, runs ``step(group, inputs)`` on each, and rank 0 prints,
+per output tensor and per backend after the first, the largest absolute and
+relative difference from the first backend over all ranks (integers must match
+exactly, and so must floats unless they show a difference).
+
+``--exact`` makes every group deterministic (``commlib.deterministic``: floating-point
+sums are the left fold in rank order on every backend), then requires every output
+to be the same bits on every backend: it names the first differing element (output,
+index, rank, both values and their bits) and exits 1 if one differs. Without it, sums
+over three or more ranks differ in their last bits between backends, each adding in
+its own order.
 
 Run it under a launcher; with ``mpi`` among the backends that must be mpiexec::
 
+    mpiexec -n 3 python examples/compare_backends.py --backends ring,gloo,mpi --exact
     mpiexec -n 2 python examples/compare_backends.py --backends mpi,gloo
     mpiexec -n 3 python examples/compare_backends.py --backends ring,mpi --step mypkg.steps:train_step
     torchrun --nproc-per-node 2 examples/compare_backends.py --backends gloo,ring
@@ -16,7 +25,7 @@ Run it under a launcher; with ``mpi`` among the backends that must be mpiexec::
 ``step(group, inputs: dict[str, Tensor]) -> dict[str, Tensor]``; ``--inputs``
 names ``make_inputs(rank, world_size, generator) -> dict[str, Tensor]``. The
 defaults are a small data-parallel step (below). From Python, call
-``compare_backends(step, make_inputs, ("mpi", "gloo"))`` on every rank.
+``compare_backends(step, make_inputs, ("ring", "gloo", "mpi"), exact=True)`` on every rank.
 
 Two torch.distributed backends (``gloo`` and ``nccl``) share torch's one
 default group inside a process, so compare them with two runs instead.
@@ -46,7 +55,7 @@ _TORCH_BACKENDS = frozenset({"gloo", "nccl"})
 
 @dataclasses.dataclass
 class TensorDiff:
-    """How one output differs between the two backends (over all ranks)."""
+    """How one output differs between a backend and the first one (over all ranks)."""
 
     name: str
     dtype: torch.dtype
@@ -55,6 +64,10 @@ class TensorDiff:
     max_rel: float
     mismatches: int
     """Elements that differ at all (bitwise; NaN equals NaN)."""
+    backends: tuple[str, str] = ("", "")
+    """(the first backend, the one compared with it)."""
+    first: str | None = None
+    """The first differing element, on the lowest rank that has one: index, rank, both values and bits."""
 
     @property
     def exact(self) -> bool:
@@ -96,7 +109,17 @@ def default_step(group: IProcessGroup, inputs: dict[str, torch.Tensor]) -> dict[
     return {"avg_grad": grad, "new_weight": new_weight, "token_counts": counts, "grad_shard": shard}
 
 
-def _diff(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, int]:
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The elements' bits as integers (every NaN payload compared as stored)."""
+    flat = t.reshape(-1).contiguous()
+    return flat.view(_BITS[flat.element_size()]) if flat.dtype.is_floating_point else flat
+
+
+def _diff(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, int, int]:
+    """Largest absolute and relative difference, elements that differ, and the first one's flat index (-1)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(
             f"output {name!r}: {tuple(a.shape)} {a.dtype} on one backend, "
@@ -105,11 +128,42 @@ def _diff(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, in
     same = (a == b) | (a.isnan() & b.isnan()) if a.dtype.is_floating_point else a == b
     mismatches = int((~same).sum())
     if a.numel() == 0:
-        return 0.0, 0.0, 0
+        return 0.0, 0.0, 0, -1
+    differs = (_bits(a) != _bits(b)).nonzero()
+    first = int(differs[0]) if differs.numel() else -1
     da, db = a.double(), b.double()
     diff = (da - db).abs().nan_to_num(0.0)
     scale = torch.maximum(da.abs(), db.abs()).clamp_min(torch.finfo(torch.float64).tiny)
-    return float(diff.max()), float((diff / scale).max()), mismatches
+    return float(diff.max()), float((diff / scale).max()), mismatches, first
+
+
+def _describe_first(
+    group: IProcessGroup, name: str, a: torch.Tensor, b: torch.Tensor, first: int, backends: tuple[str, str]
+) -> str | None:
+    """The first differing element of the lowest rank that has one, in words; None if none differs."""
+    everyone = torch.empty(group.world_size, dtype=torch.int64)
+    group.all_gather(everyone, torch.tensor([first], dtype=torch.int64))
+    ranks = [r for r, i in enumerate(everyone.tolist()) if i >= 0]
+    if not ranks:
+        return None
+    rank, index = ranks[0], int(everyone[ranks[0]])
+    values = torch.zeros(2, dtype=torch.float64)
+    bits = torch.zeros(2, dtype=torch.int64)
+    if group.rank == rank:
+        values = torch.tensor([float(a.reshape(-1)[index]), float(b.reshape(-1)[index])], dtype=torch.float64)
+        bits = torch.tensor([int(_bits(a)[index]), int(_bits(b)[index])], dtype=torch.int64)
+    group.broadcast(values, src=rank)
+    group.broadcast(bits, src=rank)
+    where = name
+    if a.dim():
+        position = torch.unravel_index(torch.tensor(index), a.shape)
+        where = f"{name}[{', '.join(str(int(i)) for i in position)}]"
+    digits, mask = a.element_size() * 2, (1 << 8 * a.element_size()) - 1
+    (va, vb), (ba, bb) = values.tolist(), bits.tolist()
+    return (
+        f"{where} on rank {rank}: {backends[0]} {va!r} (0x{ba & mask:0{digits}x}), "
+        f"{backends[1]} {vb!r} (0x{bb & mask:0{digits}x})"
+    )
 
 
 def compare_backends(
@@ -119,32 +173,37 @@ def compare_backends(
     *,
     seed: int = 0,
     timeout: float = 120.0,
+    exact: bool = False,
 ) -> list[TensorDiff]:
-    """Run ``step`` on two backends with the same inputs and return the differences (on every rank).
+    """Run ``step`` on several backends with the same inputs and return the differences (on every rank).
 
-    Call it on every rank of a job started by a launcher. The first backend
-    rendezvouses on ``MASTER_PORT``, the second on ``MASTER_PORT + 1``.
+    Call it on every rank of a job started by a launcher. Backend ``i`` (from 0)
+    rendezvouses on ``MASTER_PORT + i``.
 
     Args:
         step: ``step(group, inputs) -> outputs``; must call the same collectives on every rank.
         make_inputs: ``make_inputs(rank, world_size, generator) -> inputs``; the generator is
             seeded with ``seed`` and the rank, and reseeded for each backend.
-        backends: The two backend names.
+        backends: Two or more backend names; each after the first is compared with the first.
         seed: Base seed of the inputs.
         timeout: Seconds any collective may take.
+        exact: Make every group deterministic (``CommConfig.deterministic``), so that its
+            floating-point reductions are the same bits on every backend.
 
     Returns:
-        One ``TensorDiff`` per output tensor, aggregated over all ranks.
+        One ``TensorDiff`` per backend after the first and output tensor, aggregated over
+        all ranks, in that order; ``first`` names the first differing element.
     """
-    if len(backends) != 2:
-        raise ValueError(f"compare_backends: name two backends, got {list(backends)}")
-    if set(backends) <= _TORCH_BACKENDS:
+    backends = list(backends)
+    if len(backends) < 2 or len(set(backends)) != len(backends):
+        raise ValueError(f"compare_backends: name two or more different backends, got {backends}")
+    if len(_TORCH_BACKENDS & set(backends)) > 1:
         raise ValueError(
             "compare_backends: gloo and nccl share torch's default group in one process; "
             "compare them in two runs"
         )
     env = commlib.detect()
-    config = CommConfig(timeout=timeout)
+    config = CommConfig(timeout=timeout, deterministic=True if exact else None)
     outputs: list[dict[str, torch.Tensor]] = []
     groups: list[IProcessGroup] = []
     try:
@@ -156,24 +215,34 @@ def compare_backends(
             inputs = make_inputs(group.rank, group.world_size, gen)
             result = step(group, {k: v.clone() for k, v in inputs.items()})
             outputs.append({k: v.detach().cpu().clone() for k, v in result.items()})
-        first, second = outputs
-        if first.keys() != second.keys():
-            raise ValueError(
-                f"the step returned {sorted(first)} on {backends[0]} but {sorted(second)} on {backends[1]}"
-            )
+        first = outputs[0]
         diffs = []
-        for name in first:
-            max_abs, max_rel, mismatches = _diff(name, first[name], second[name])
-            # Aggregate over ranks through the first group (float64 MAX / SUM).
-            stats = torch.tensor([max_abs, max_rel], dtype=torch.float64)
-            groups[0].all_reduce(stats, ReduceOp.MAX)
-            count = torch.tensor([mismatches, first[name].numel()], dtype=torch.int64)
-            groups[0].all_reduce(count)
-            diffs.append(
-                TensorDiff(
-                    name, first[name].dtype, int(count[1]), float(stats[0]), float(stats[1]), int(count[0])
+        for other, second in zip(backends[1:], outputs[1:], strict=True):
+            if first.keys() != second.keys():
+                raise ValueError(
+                    f"the step returned {sorted(first)} on {backends[0]} but {sorted(second)} on {other}"
                 )
-            )
+            pair = (backends[0], other)
+            for name in first:
+                max_abs, max_rel, mismatches, index = _diff(name, first[name], second[name])
+                # Aggregate over ranks through the first group (float64 MAX / int64 SUM).
+                stats = torch.tensor([max_abs, max_rel], dtype=torch.float64)
+                groups[0].all_reduce(stats, ReduceOp.MAX)
+                count = torch.tensor([mismatches, first[name].numel()], dtype=torch.int64)
+                groups[0].all_reduce(count)
+                where = _describe_first(groups[0], name, first[name], second[name], index, pair)
+                diffs.append(
+                    TensorDiff(
+                        name,
+                        first[name].dtype,
+                        int(count[1]),
+                        float(stats[0]),
+                        float(stats[1]),
+                        int(count[0]),
+                        pair,
+                        where,
+                    )
+                )
         return diffs
     finally:
         for group in groups:
@@ -189,24 +258,39 @@ def _load(spec: str) -> Callable[..., object]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default="mpi,gloo", help="two backend names, comma-separated")
+    parser.add_argument("--backends", default="mpi,gloo", help="two or more backend names, comma-separated")
     parser.add_argument(
         "--step", default=None, help="module:function running one step (default: a small DDP step)"
     )
     parser.add_argument("--inputs", default=None, help="module:function making one rank's inputs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strict", action="store_true", help="exit 1 unless every output is identical")
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="deterministic groups; every output must be the same bits on every backend (exit 1 naming "
+        "the first differing element otherwise)",
+    )
     args = parser.parse_args(argv)
     step = _load(args.step) if args.step else default_step
     make_inputs = _load(args.inputs) if args.inputs else default_inputs
-    backends = [b.strip() for b in args.backends.split(",")]
-    diffs = compare_backends(step, make_inputs, backends, seed=args.seed)  # type: ignore[arg-type]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    diffs = compare_backends(step, make_inputs, backends, seed=args.seed, exact=args.exact)  # type: ignore[arg-type]
     env = commlib.detect()
     if env.rank == 0:
-        print(f"{backends[0]} vs {backends[1]} on {env.world_size} ranks, seed {args.seed}:")
-        for diff in diffs:
-            print(f"  {diff}")
-    return 1 if args.strict and not all(d.exact for d in diffs) else 0
+        mode = " (deterministic)" if args.exact else ""
+        for other in backends[1:]:
+            print(f"{backends[0]} vs {other} on {env.world_size} ranks, seed {args.seed}{mode}:")
+            for diff in diffs:
+                if diff.backends[1] == other:
+                    print(f"  {diff}")
+        differing = [d for d in diffs if not d.exact]
+        if args.exact:
+            if differing:
+                print(f"not the same bits: first difference {differing[0].first}")
+            else:
+                print(f"the same bits on {', '.join(backends)}")
+    return 1 if (args.strict or args.exact) and any(not d.exact for d in diffs) else 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ TABLE_HEADER = [
     "busbw_GB/s",
     "vs_gloo",
     "vs_mpi",
+    "vs_plain",
     "check",
 ]
 CSV_HEADER = [
@@ -46,6 +47,7 @@ CSV_HEADER = [
     "busbw_GBps",
     "ratio_vs_gloo",
     "ratio_vs_mpi",
+    "ratio_vs_plain",
     "correct",
     "threads",
     "buffer",
@@ -91,6 +93,7 @@ def check_output(proc: subprocess.CompletedProcess[str], csv_path: Path, expecte
         assert row["world_size"] == "2"
         assert float(row["median_us"]) > 0 and float(row["algbw_GBps"]) > 0
         assert float(row["busbw_GBps"]) == pytest.approx(float(row["algbw_GBps"]), rel=1e-3)  # 2(n-1)/n = 1
+        assert row["ratio_vs_plain"] == ""
         if row["mode"] == "torch-gloo":
             assert float(row["ratio_vs_gloo"]) == pytest.approx(1.0)
     # One table line per CSV row.
@@ -209,6 +212,49 @@ def test_rows_report_ratios_to_the_references(bench: ModuleType) -> None:
     assert ring["algbw_GBps"] == f"{4096 / 2e-4 / 1e9:.4f}"
     assert ring["correct"] == "ok"
     assert list(ring) == CSV_HEADER
+
+
+def test_deterministic_rows_compare_with_the_same_backends_plain_mode(bench: ModuleType) -> None:
+    def mode(name: str, plain: str = "") -> object:
+        return bench.Mode(name=name, kind="commlib", all_reduce=None, barrier=None, close=None, plain=plain)
+
+    base = [mode("ring"), mode("ring+det", "ring"), mode("ring+buf"), mode("ring+buf+det", "ring+buf")]
+    modes = {m.name: m for m in bench.with_thread_counts(base, [1, 2])}
+    assert modes["ring+buf+det@2t"].plain == "ring+buf"
+    results = [
+        bench.Result(1 << 20, 1 << 18, modes[name], 4, [seconds], True)
+        for name, seconds in (
+            ("ring@1t", 1e-3),
+            ("ring+det@1t", 1.2e-3),
+            ("ring+buf@1t", 8e-4),
+            ("ring+buf+det@1t", 1.2e-3),
+            ("ring@2t", 2e-3),
+            ("ring+det@2t", 5e-3),
+        )
+    ]
+    rows = {r["mode"]: r for r in bench.rows_for_size(results, 4, "float32", 1)}
+    assert rows["ring+det@1t"]["ratio_vs_plain"] == "1.200"
+    assert rows["ring+buf+det@1t"]["ratio_vs_plain"] == "1.500"
+    assert rows["ring+det@2t"]["ratio_vs_plain"] == "2.500"
+    assert rows["ring@1t"]["ratio_vs_plain"] == ""
+    assert bench.table_row(rows["ring+det@1t"]).split()[-2:] == ["1.200", "ok"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_quick_benchmark_in_deterministic_mode(tmp_path: Path) -> None:
+    """Three spawned ranks: every backend beside its deterministic twin, each result checked."""
+    csv_path = tmp_path / "allreduce.csv"
+    cmd = [sys.executable, str(BENCH), "--spawn", "3", "--quick", "--backends", "ring,gloo", "--references"]
+    proc = run_bench([*cmd, "none", "--buffers", "plain", "--deterministic", "--csv", str(csv_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with csv_path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {row["mode"] for row in rows} == {"ring", "ring+det", "gloo", "gloo+det"}
+    for row in rows:
+        assert row["correct"] == "ok" and row["world_size"] == "3", row
+        det = row["mode"].endswith("+det")
+        assert (row["ratio_vs_plain"] != "") == det and (not det or float(row["ratio_vs_plain"]) > 0), row
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error path without CUDA")

@@ -705,6 +705,10 @@ class MPIProcessGroup(IProcessGroup):
             )
         self._progress.submit(work)
 
+    def _exact_pair(self, tensor: torch.Tensor) -> bool:
+        """MPI's SUM and PRODUCT, and the float16 / bfloat16 user ops, combine each pair once."""
+        return True
+
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         plan = self._plan_for(tensor.dtype)
         mpi_op = plan.ops[op]

@@ -273,6 +273,10 @@ class RingProcessGroup(IProcessGroup):
         return buffers.find(flat) if buffers is not None else None
 
     # ------------------------------------------------------------- execution
+    def _exact_pair(self, tensor: torch.Tensor) -> bool:
+        """On two ranks each element is one torch add (multiply); AVG divides the sum after."""
+        return True
+
     def _native_avg(self, tensor: torch.Tensor) -> bool:
         """The ring averages itself: each rank divides its reduced segment before the all-gather."""
         return True

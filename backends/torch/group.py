@@ -429,6 +429,10 @@ class TorchDistProcessGroup(IProcessGroup):
                 pass  # the error is in the work and its future
 
     # ------------------------------------------------------------- collectives
+    def _exact_pair(self, tensor: torch.Tensor) -> bool:
+        """Gloo adds (multiplies) each pair once, float16 via float32; NCCL is not declared."""
+        return self._devices.get(tensor.device.type) == "gloo"
+
     def _native_avg(self, tensor: torch.Tensor) -> bool:
         """NCCL averages natively; Gloo sums and the interface divides."""
         return self._devices.get(tensor.device.type) in _NATIVE_AVG_BACKENDS

@@ -1,0 +1,194 @@
+"""The deterministic mode across backends: the left fold in rank order, bit for bit, on 2 to 4 ranks.
+
+Spawned ring (shared memory and TCP, tiny chunks) and gloo ranks run the bodies of
+``deterministic_bodies`` on a deterministic group of all their ranks; one mpiexec job per
+world size runs them on an mpi, a gloo and a ring group side by side. Every result is
+compared with ``commlib.deterministic.left_fold`` of the same inputs, computed in one
+process, bit for bit, and the digests of the results and of DDP's parameters with each
+other across backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests._launcher import run_ranks
+from tests.conftest import requires_mpi
+from tests.distributed import deterministic_bodies as bodies
+from tests.distributed.conftest import VARIANTS
+from tests.distributed.mpi_bodies import launch
+
+pytestmark = pytest.mark.multiprocess
+
+CHECKS_PER_RANK = len(bodies.DTYPES) * len(bodies.OPS) * len(bodies.SIZES) * 8
+
+
+def _spawned(get_pool: Any, body: Any, world: int, variants: list[str], *args: Any) -> dict[str, list[Any]]:
+    return {v: get_pool(v, world).run(body, *args, timeout=240) for v in variants}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_reductions_are_the_left_fold_on_every_backend(get_pool: Any, world: int) -> None:
+    """Every float dtype x SUM, AVG, PRODUCT, PREMUL_SUM x every form: the fold's bits, on every backend."""
+    variants = [v for v in VARIANTS if v != "ring-tcp" or world < 4]
+    results = _spawned(get_pool, bodies.body_reductions, world, variants)
+    for variant, ranks in results.items():
+        for values in ranks:
+            assert values["failures"] == [], f"{variant}:\n" + "\n".join(values["failures"][:10])
+            assert values["checked"] == CHECKS_PER_RANK
+    first = results[variants[0]]
+    for variant in variants[1:]:
+        assert [r["digest"] for r in results[variant]] == [r["digest"] for r in first], variant
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("variant", ["ring-shm", "gloo"])
+def test_async_folds_run_in_issue_order_among_other_collectives(
+    get_pool: Any, variant: str, world: int
+) -> None:
+    for values in get_pool(variant, world).run(bodies.body_in_flight, timeout=120):
+        assert values["failures"] == [], "\n".join(values["failures"])
+        # 12 async folds and 4 synchronous ones, two collectives each (on two ranks one, but two for
+        # the two AVGs of float16 / bfloat16), 4 broadcasts and 4 MAX in between.
+        assert values["collectives"] == (16 + 2 + 8 if world == 2 else 16 * 2 + 8)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_large_shards_beside_a_users_point_to_point(get_pool: Any, variant: str, world: int) -> None:
+    """Shards past 1 MiB with a user's irecv pending: the exchange never waits behind it."""
+    for values in get_pool(variant, world).run(bodies.body_large, timeout=180):
+        assert values["failures"] == [], "\n".join(values["failures"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("variant", ["ring-shm", "gloo"])
+def test_shapes_and_tensors_that_require_grad(get_pool: Any, variant: str, world: int) -> None:
+    for values in get_pool(variant, world).run(bodies.body_two_dimensional_and_grad, timeout=60):
+        assert values["failures"] == []
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("variant", ["ring-shm", "gloo"])
+def test_collectives_each_call_issues(get_pool: Any, variant: str, world: int) -> None:
+    """Off (the group as made): one backend collective per call. On: two for a fold (one on two ranks)."""
+    for counts in get_pool(variant, world).run(bodies.body_collective_counts, timeout=60):
+        assert counts["deterministic"] == 0
+        assert all(counts[f"off {kind}"] == 1 for kind in ("all_reduce", "reduce", "reduce_scatter"))
+        fold = 2 if world > 2 else 1
+        assert counts["on all_reduce"] == counts["on reduce"] == fold
+        assert counts["on all_reduce_avg_bf16"] == 2  # float32 before the division, also on two ranks
+        assert counts["on reduce_scatter"] == 1
+        assert counts["on all_reduce_int"] == counts["on all_reduce_max"] == 1
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_off_by_default_the_backend_sums_in_its_own_order(get_pool: Any, world: int) -> None:
+    """Nothing changes for a group that did not ask: gloo's own order is not the fold on these inputs."""
+    for values in get_pool("gloo", world).run(bodies.body_off_by_default, timeout=60):
+        assert values["deterministic"] is False and values["config"] is None
+        assert values["collectives"] == 1
+        assert values["equals_fold"] is False
+
+
+@pytest.mark.parametrize("variant", ["ring-shm", "gloo"])
+def test_subgroups_inherit_the_mode_unless_told_otherwise(get_pool: Any, variant: str) -> None:
+    for values in get_pool(variant, 3).run(bodies.body_subgroups_inherit, timeout=60):
+        assert values == {"parent": True, "inherited": True, "told_otherwise": False, "split": True}
+
+
+def _init_with_torch_flag() -> dict[str, Any]:
+    import torch
+
+    import commlib
+
+    torch.use_deterministic_algorithms(True)
+    group = commlib.init_process_group()
+    try:
+        return {"deterministic": group.deterministic, **bodies.body_in_flight(group)}
+    finally:
+        commlib.destroy_process_group()
+
+
+def _init_from_environment(group: Any) -> dict[str, Any]:
+    return {"deterministic": group.deterministic, **bodies.body_in_flight(group)}
+
+
+@pytest.mark.parametrize("backend", ["ring", "gloo"])
+def test_torch_flag_and_variable_turn_it_on(backend: str) -> None:
+    for values in run_ranks(_init_with_torch_flag, 3, backend=backend, init=False, timeout=120):
+        assert values["deterministic"] is True and values["failures"] == []
+    env = {"COMMLIB_DETERMINISTIC": "1"}
+    for values in run_ranks(_init_from_environment, 3, backend=backend, env=env, timeout=120):
+        assert values["deterministic"] is True and values["failures"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+def test_ddp_gives_the_same_parameters_on_every_backend(get_pool: Any, world: int) -> None:
+    """5 steps: bucketed all-reduce, bf16 compression, ZeRO's reduce-scatter; two bucket sizes each."""
+    results = _spawned(get_pool, bodies.body_ddp, world, ["ring-shm", "gloo"])
+    hashes = results["ring-shm"][0]
+    for variant, ranks in results.items():
+        assert all(h == hashes for h in ranks), f"{variant}: the ranks or the backends disagree"
+    assert hashes["buckets"] == hashes["buckets_large"]
+    assert hashes["zero"] == hashes["zero_large"]
+
+
+# --------------------------------------------------------------------- mpi
+@pytest.mark.mpi
+@pytest.mark.launcher
+@requires_mpi
+@pytest.mark.parametrize("world", [3, 4])
+def test_mpi_gloo_and_ring_give_the_same_bits(world: int) -> None:
+    """Under mpiexec: an mpi, a gloo and a ring group in one job, the same reductions and DDP runs."""
+    result = launch(f"{bodies.__name__}:across_backends", world, env={"COMMLIB_TIMEOUT": "60"}, timeout=600)
+    assert result.returncode == 0, result.describe()
+    assert sorted(result.results) == list(range(world)), result.describe()
+    ddp_hashes = set()
+    for rank, values in result.results.items():
+        by_backend = values[f"{bodies.__name__}:across_backends"]
+        assert sorted(by_backend) == ["gloo", "mpi", "ring"]
+        for backend, out in by_backend.items():
+            failures = out["reductions"]["failures"]
+            assert failures == [], f"rank {rank} {backend}:\n" + "\n".join(failures[:10])
+            assert out["reductions"]["checked"] == CHECKS_PER_RANK
+        digests = {out["reductions"]["digest"] for out in by_backend.values()}
+        assert len(digests) == 1, f"rank {rank}: the backends' results differ"
+        ddp_hashes |= {tuple(sorted(out["ddp"].items())) for out in by_backend.values()}
+    assert len(ddp_hashes) == 1, "DDP's parameters differ between ranks or backends"
+    hashes = dict(next(iter(ddp_hashes)))
+    assert hashes["buckets"] == hashes["buckets_large"] and hashes["zero"] == hashes["zero_large"]
+
+
+@pytest.mark.mpi
+@pytest.mark.launcher
+@requires_mpi
+def test_compare_backends_exact_mode(repo_root: Any) -> None:
+    """compare_backends.py --exact: ring, gloo and mpi on 3 ranks agree bit for bit, else it names where."""
+    import sys
+
+    from tests.conftest import mpiexec_command, mpiexec_env, run_job
+
+    script = [
+        sys.executable,
+        str(repo_root / "examples" / "compare_backends.py"),
+        "--backends",
+        "ring,gloo,mpi",
+    ]
+    env = mpiexec_env(OMP_NUM_THREADS="1", COMMLIB_TIMEOUT="30")
+    proc = run_job([*mpiexec_command(3), *script, "--exact"], timeout=180, env=env, cwd=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ring vs gloo on 3 ranks, seed 0 (deterministic):" in proc.stdout
+    assert "ring vs mpi on 3 ranks, seed 0 (deterministic):" in proc.stdout
+    assert proc.stdout.count("identical") == 8, proc.stdout
+    assert "the same bits on ring, gloo, mpi" in proc.stdout
+
+    step = ["--step", f"{bodies.__name__}:perturbed_step"]
+    proc = run_job([*mpiexec_command(3), *script, *step, "--exact"], timeout=180, env=env, cwd=None)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "summed                   float32   float   1 of 1536 elements differ" in proc.stdout
+    assert "not the same bits: first difference summed[2, 3] on rank 1: ring " in proc.stdout
+    assert "gloo 1.0 (0x3f800000)" in proc.stdout or "gloo 2.0 (0x40000000)" in proc.stdout
