@@ -35,7 +35,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from commlib.errors import CommError, CommTimeoutError
 from commlib.procfs import read_process
@@ -170,6 +170,8 @@ class FingerprintBoard:
         self._count = 0
         """Exchanges this rank has posted."""
         self._others = [r for r in range(world_size) if r != rank]
+        self._peers = [[(r, at) for r, at in enumerate(row) if at >= 0] for row in self._sources]
+        """Per parity: the other ranks and where their bytes start."""
         self._mine = b""
         self._closed = False
         self.pure_spin_s = PURE_SPIN_S
@@ -264,15 +266,48 @@ class FingerprintBoard:
             CommTimeoutError: Some rank did not post within ``timeout``; it is named.
             CommError: The board was closed.
         """
-        self.post(mine)
-        words, count = self._words, self._count
-        for flag in self._flags[count & 1]:
-            if words[flag] != count:
-                return self.collect(timeout, label, background)
+        self.swap(mine, timeout, label, background)
+        return self.gather()
+
+    def swap(self, mine: bytes, timeout: float, label: object, background: bool) -> None:
+        """Post ``mine`` and wait until every rank has posted; then read them with ``holds`` or ``gather``.
+
+        Raises:
+            CommTimeoutError: Some rank did not post within ``timeout``; it is named.
+            CommError: The board was closed.
+        """
+        # ``post``, inline: the fingerprint check runs this before every collective.
+        size = len(mine)
+        if self._closed or size > self._capacity:
+            self.post(mine)  # raises
+        self._count = count = self._count + 1
+        parity = count & 1
+        at = self._mine_at[parity]
+        words = self._words
+        self._memory[at : at + size] = mine
         if STORES_NEED_FENCE:
             _fence()
-        memory, size = self._memory, len(mine)
-        return b"".join([mine if at < 0 else memory[at : at + size] for at in self._sources[count & 1]])
+        words[self._mine_flag[parity]] = count
+        self._mine = mine
+        for flag in self._flags[parity]:
+            if words[flag] != count:
+                self._await(timeout, label, background)
+                return
+        if STORES_NEED_FENCE:
+            _fence()
+
+    def holds(self, head: bytes, tails: Sequence[bytes]) -> bool:
+        """True if every other rank's bytes in the exchange just made are ``head + tails[rank]``."""
+        memory, split, size = self._memory, len(head), len(self._mine)
+        for rank, at in self._peers[self._count & 1]:
+            if memory[at : at + split] != head or memory[at + split : at + size] != tails[rank]:
+                return False
+        return True
+
+    def gather(self) -> bytes:
+        """Every rank's bytes of the exchange just made, in rank order."""
+        memory, mine, size = self._memory, self._mine, len(self._mine)
+        return b"".join([mine if at < 0 else memory[at : at + size] for at in self._sources[self._count & 1]])
 
     def post(self, mine: bytes) -> None:
         """Write this rank's bytes for its next exchange (at most ``capacity``).
@@ -309,7 +344,9 @@ class FingerprintBoard:
                     if words[flag] != count:
                         break
                 else:
-                    return self._gather()
+                    if STORES_NEED_FENCE:
+                        _fence()
+                    return self.gather()
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + spin_s
@@ -331,12 +368,19 @@ class FingerprintBoard:
             CommTimeoutError: Some rank did not post within ``timeout``; it is named.
             CommError: The board was closed meanwhile.
         """
+        self._await(timeout, label, background)
+        return self.gather()
+
+    def _await(self, timeout: float, label: object, background: bool) -> None:
+        """``collect`` without reading: return once every rank has posted, or raise."""
         try:
             late = self._wait(timeout, background)
-            if not late:
-                return self._gather()
         except ValueError as e:  # unmapped by close() on another thread
             raise CommError(f"{label() if callable(label) else label}: the group was closed: {e}") from e
+        if not late:
+            if STORES_NEED_FENCE:
+                _fence()
+            return
         if callable(label):
             label = label()
         raise CommTimeoutError(
@@ -374,12 +418,6 @@ class FingerprintBoard:
                 _yield()
         flags = self._flags[count & 1]
         return [rank for rank, flag in zip(self._others, flags, strict=True) if words[flag] != count]
-
-    def _gather(self) -> bytes:
-        if STORES_NEED_FENCE:
-            _fence()
-        memory, mine, size = self._memory, self._mine, len(self._mine)
-        return b"".join([mine if at < 0 else memory[at : at + size] for at in self._sources[self._count & 1]])
 
 
 def _slot_stride(capacity: int) -> int:

@@ -345,11 +345,27 @@ class Diagnostics:
         try:
             group._next_seq()
             if self.exchange is not None:
-                mine, expected = self._fingerprint(seq, call, tensor, counts, site[0])
-                everyone = self._exchange(group, mine, lambda: group._label(kind, tensor), False)
-                if everyone != expected:
-                    label = group._label(kind, tensor)
-                    self._verify(group, everyone, mine, record, counts, label, False, site)
+                board = self._board
+                if board is not None and counts is None:
+                    # ``_fingerprint`` and ``_exchange``, inline: this is every collective's path.
+                    key = (call, site[0]) if site[0] else call
+                    tails = self._tails.get(key) or self._tails_for(call, tensor, site[0])
+                    stamp = _SEQ.pack(seq)
+                    mine = stamp + tails[self._rank]
+                    try:
+                        board.swap(mine, self._timeout, lambda: group._label(kind, tensor), False)
+                    except CommError as e:
+                        group._mark_broken(e)
+                        raise
+                    if not board.holds(stamp, tails):
+                        label = group._label(kind, tensor)
+                        self._verify(group, board.gather(), mine, record, None, label, False, site)
+                else:
+                    mine, expected = self._fingerprint(seq, call, tensor, counts, site[0])
+                    everyone = self._exchange(group, mine, lambda: group._label(kind, tensor), False)
+                    if everyone != expected:
+                        label = group._label(kind, tensor)
+                        self._verify(group, everyone, mine, record, counts, label, False, site)
             work = start(*args)
             if async_op:
                 if tracker is not None:
@@ -598,17 +614,23 @@ class Diagnostics:
         kind, _, _, op, root = call
         if counts is not None:
             return Fingerprint.of(self._rank, seq, kind, tensor, op, root, counts, site).pack(), None
+        tails = self._tails_for(call, tensor, site)
+        stamp = _SEQ.pack(seq)
+        return stamp + tails[self._rank], stamp + stamp.join(tails)
+
+    def _tails_for(self, call: tuple[Any, ...], tensor: torch.Tensor | None, site: int) -> tuple[bytes, ...]:
+        """Every rank's packed fingerprint of ``call`` after the sequence number, packed once per call."""
         key = (call, site) if site else call
         tails = self._tails.get(key)
         if tails is None:
             if len(self._tails) >= _MAX_REMEMBERED:
                 self._tails.clear()
+            kind, _, _, op, root = call
             tails = self._tails[key] = tuple(
                 Fingerprint.of(rank, 0, kind, tensor, op, root, None, site).pack()[_SEQ.size :]
                 for rank in range(self._world)
             )
-        stamp = _SEQ.pack(seq)
-        return stamp + tails[self._rank], stamp + stamp.join(tails)
+        return tails
 
     def _verify(
         self,
