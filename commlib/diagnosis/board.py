@@ -175,6 +175,8 @@ class FingerprintBoard:
         self._mine = b""
         self._closed = False
         self.pure_spin_s = PURE_SPIN_S
+        """Seconds a waiting rank polls back to back before it yields; a backend whose own waits spin
+        longer (MPI's, when every rank has a core) has the check's follow them."""
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -360,7 +362,7 @@ class FingerprintBoard:
         """Wait until every rank has posted the last exchange; return their bytes in rank order.
 
         Polls back to back for ``pure_spin_s``, then yields the core between polls
-        until ``YIELD_S``, then naps (``background``: naps from the start, the
+        until ``YIELD_S`` (or ``pure_spin_s`` if longer), then naps (``background``: naps from the start, the
         launcher thread's caller is computing). ``label`` names the call in the
         error; it may be a function that returns the name.
 
@@ -403,7 +405,8 @@ class FingerprintBoard:
             yield_until = nap_from = start
         else:
             nap, longest = NAP_S, NAP_S
-            yield_until, nap_from = start + self.pure_spin_s, start + YIELD_S
+            yield_until = start + self.pure_spin_s
+            nap_from = start + max(YIELD_S, self.pure_spin_s)
         while True:
             missing = [flag for flag in missing if words[flag] != count]
             if not missing:

@@ -777,6 +777,11 @@ class _Agreement:
             if self.board is not None:
                 self.board.unlink()
         if everyone == 1 and board is not None:
+            # Wait as the backend's own waits do: MPI's spin while every rank has a core, and a
+            # rank that yields instead loses its core for a whole time slice on a busy host.
+            spin = getattr(group, "_pure_spin_s", None)
+            if isinstance(spin, float) and spin > board.pure_spin_s:
+                board.pure_spin_s = spin
             return board
         if board is not None:
             board.close()
