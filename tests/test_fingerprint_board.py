@@ -1,4 +1,4 @@
-"""The fingerprint check's shared-memory board: exchanges between threads and processes, timeouts, files."""
+"""The fingerprint check's shared-memory board: exchanges, timeouts, its file, and the check over it."""
 
 from __future__ import annotations
 
@@ -10,13 +10,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
-from commlib import CommError, CommTimeoutError
+from commlib import CollectiveMismatchError, CommError, CommTimeoutError, Work
 from commlib.diagnosis import board as board_module
+from commlib.diagnosis import diagnostics as diagnostics_module
 from commlib.diagnosis.board import FingerprintBoard, host_identity, reap_stale_boards
+from commlib.diagnosis.deferred import DeferredWork, Launcher
+from commlib.diagnosis.diagnostics import Diagnostics
+from commlib.diagnosis.watchdog import CollectiveTracker
+from tests._fake_groups import FakeGroup, RecordingWork, make_env
 
 CAPACITY = 256
 
@@ -207,3 +214,91 @@ def test_host_identity_names_the_host_and_its_boot() -> None:
     assert hostname == os.uname().nodename
     if os.path.exists("/proc/sys/kernel/random/boot_id"):
         assert len(boot) == 36
+
+
+# --------------------------------------------------- the check over a board, on threaded ranks
+def _checked_pair(tmp_path: Path) -> list[FakeGroup]:
+    """Two fake ranks whose diagnosis swaps fingerprints over one board, each with a launcher thread."""
+    boards = _boards(2, tmp_path)
+    groups = []
+    for rank, board in enumerate(boards):
+        group = FakeGroup(make_env(rank, 2))
+        group._diagnostics = Diagnostics(  # noqa: SLF001 - attached as _start_diagnostics would
+            tracker=CollectiveTracker(),
+            recorder=None,
+            exchange=board,
+            world_size=2,
+            launcher=Launcher(f"test-launcher-{rank}"),
+            rank=rank,
+            timeout=10.0,
+        )
+        groups.append(group)
+    return groups
+
+
+def _on_both(groups: list[FakeGroup], call: Callable[[FakeGroup], object]) -> list[object]:
+    results: list[object] = [None, None]
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = call(groups[rank])
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+def test_async_collectives_whose_peers_are_there_start_on_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ranks post within the poll: the backend's own work comes back, no launcher hop."""
+    monkeypatch.setattr(diagnostics_module, "ASYNC_POLL_S", 10.0)
+    groups = _checked_pair(tmp_path)
+    works = _on_both(groups, lambda g: g.all_reduce(torch.ones(4), async_op=True))
+    assert all(isinstance(work, RecordingWork) for work in works), works
+    assert [g.calls[-1].method for g in groups] == ["all_reduce", "all_reduce"]
+    assert [g._seq for g in groups] == [1, 1]  # noqa: SLF001
+    for group in groups:
+        group.close()
+
+
+def test_an_async_mismatch_fails_the_work_on_every_rank_and_moves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(diagnostics_module, "ASYNC_POLL_S", 10.0)
+    groups = _checked_pair(tmp_path)
+    works = _on_both(groups, lambda g: g.all_reduce(torch.ones(4 if g.rank == 0 else 8), async_op=True))
+    for rank, work in enumerate(works):
+        assert isinstance(work, Work), work
+        with pytest.raises(CollectiveMismatchError) as raised:
+            work.wait()
+        assert str(raised.value).startswith(f"[rank {rank}/2] fake.all_reduce #1 ")
+        assert "rank 0: float32 (4,) [4 elements]; rank 1: float32 (8,) [8 elements]" in str(raised.value)
+    assert [g.calls for g in groups] == [[], []], "no data may move after a mismatch"
+    # The group goes on: the next collective pairs again.
+    works = _on_both(groups, lambda g: g.all_reduce(torch.ones(2), async_op=True))
+    assert all(isinstance(work, RecordingWork) for work in works), works
+    for group in groups:
+        group.close()
+
+
+def test_a_late_rank_hands_the_wait_to_the_launcher_in_order(tmp_path: Path) -> None:
+    """Rank 1 comes late: rank 0's async calls return at once, and start in issue order once it arrives."""
+    groups = _checked_pair(tmp_path)
+    zero, one = groups
+    first = zero.all_reduce(torch.ones(4), async_op=True)
+    second = zero.all_reduce(torch.ones(6), async_op=True)  # queued behind the first
+    assert isinstance(first, DeferredWork) and isinstance(second, DeferredWork)
+    assert zero.calls == []
+    one.all_reduce(torch.ones(4))
+    one.all_reduce(torch.ones(6))
+    first.wait(10)
+    second.wait(10)
+    assert [call.args["tensor"].numel() for call in zero.calls] == [4, 6]
+    for group in groups:
+        group.close()
