@@ -300,9 +300,9 @@ class FingerprintBoard:
 
     def holds(self, head: bytes, tails: Sequence[bytes]) -> bool:
         """True if every other rank's bytes in the exchange just made are ``head + tails[rank]``."""
-        memory, split, size = self._memory, len(head), len(self._mine)
+        memory, size = self._memory, len(self._mine)
         for rank, at in self._peers[self._count & 1]:
-            if memory[at : at + split] != head or memory[at + split : at + size] != tails[rank]:
+            if memory[at : at + size] != head + tails[rank]:
                 return False
         return True
 
