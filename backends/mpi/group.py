@@ -92,6 +92,10 @@ _LAUNCHER_VARS = {
 }
 
 
+_FIRST_TESTS = range(16)
+"""Tests a synchronous wait makes before it reads the clock (on one host a 4 KiB all-reduce of two
+ranks ends within 3-5 tests)."""
+
 _BACKGROUND_SPIN_S = 2e-3
 """Seconds the launcher thread tests a fingerprint exchange between yields before it naps: a
 rank that arrives together with its peers finishes in microseconds, one far ahead sleeps."""
@@ -684,17 +688,22 @@ class MPIProcessGroup(IProcessGroup):
     def _finish_now(self, request: Any, op: str, tensor: torch.Tensor, keep_alive: Any) -> Work:
         """Wait here for a host collective just issued, as ``_start`` does for a synchronous one.
 
-        Returns a finished ``Work``; raises (and keeps the request listed for the
-        exit hook) if it fails or does not finish within the group's timeout.
+        A small collective ends within a few tests: those come first, with no
+        clock and no set-up. Returns a finished ``Work``; raises (and keeps the
+        request listed for the exit hook) if it fails or does not finish within
+        the group's timeout.
         """
-        issued = time.monotonic()
+        test = self._tester(request) if self._messages.waiting else request.Test
         progress = self._progress
         if progress is not None and progress.idle():
             progress = None
         if progress is not None:
             progress.waiter_enter()  # this wait drives the outstanding async work too
         try:
-            test = self._tester(request) if self._messages.waiting else request.Test
+            for _ in _FIRST_TESTS:
+                if test():
+                    return CompletedWork()
+            issued = time.monotonic()
             done = wait_until(test, issued + self._config.timeout, pure_spin_s=self._pure_spin_s)
         except Exception as e:  # noqa: BLE001 - MPI.Exception
             error = self._failure(self._label(op, tensor), e)
