@@ -121,11 +121,22 @@ def test_processes_exchange_in_step_however_they_are_scheduled(tmp_path: Path) -
 
 def test_a_rank_that_never_posts_is_named_at_the_timeout(tmp_path: Path) -> None:
     boards = _boards(3, tmp_path)
-    threading.Thread(target=boards[1], args=(b"x" * 112, 5.0, "rank 1", False), daemon=True).start()
+    other: list[BaseException] = []
+
+    def rank_1() -> None:
+        try:
+            boards[1](b"x" * 112, 0.6, "rank 1", False)
+        except CommTimeoutError as e:
+            other.append(e)
+
+    thread = threading.Thread(target=rank_1)
+    thread.start()
     start = time.monotonic()
     with pytest.raises(CommTimeoutError) as raised:
         boards[0](b"x" * 112, 0.3, lambda: "[rank 0/3] gloo.all_reduce #7", False)
     assert 0.3 <= time.monotonic() - start < 5.0
+    thread.join(10)
+    assert len(other) == 1 and "waiting for rank 2 to reach" in str(other[0]), other
     message = str(raised.value)
     assert message.startswith("[rank 0/3] gloo.all_reduce #7: timed out after 0.3 s in the fingerprint check")
     assert "waiting for rank 2 to reach this collective" in message, message

@@ -298,6 +298,21 @@ class FingerprintBoard:
         if STORES_NEED_FENCE:
             _fence()
 
+    def settle(self, timeout: float, label: object, background: bool = False) -> None:
+        """Wait until every rank has posted the exchange this rank posted last (``post``).
+
+        Raises:
+            CommTimeoutError: Some rank did not post within ``timeout``; it is named.
+            CommError: The board was closed.
+        """
+        words, count = self._words, self._count
+        for flag in self._flags[count & 1]:
+            if words[flag] != count:
+                self._await(timeout, label, background)
+                return
+        if STORES_NEED_FENCE:
+            _fence()
+
     def holds(self, head: bytes, tails: Sequence[bytes]) -> bool:
         """True if every other rank's bytes in the exchange just made are ``head + tails[rank]``."""
         memory, size = self._memory, len(self._mine)

@@ -337,6 +337,21 @@ class Diagnostics:
         if op.__class__ is PremulSum:
             op = op.op  # type: ignore[union-attr]
         call = (kind, None, (), op, root) if tensor is None else (kind, tensor.dtype, tensor.shape, op, root)
+        board = self._board
+        if board is not None and counts is None:
+            # The fingerprint goes on the board first, so that the bookkeeping below overlaps
+            # with the other ranks' (``_fingerprint`` and ``_exchange``, inline: every collective's path).
+            key = (call, site[0]) if site[0] else call
+            tails = self._tails.get(key) or self._tails_for(call, tensor, site[0])
+            stamp = _SEQ.pack(seq)
+            mine = stamp + tails[self._rank]
+            try:
+                board.post(mine)
+            except CommError as e:
+                group._mark_broken(e)
+                raise
+        else:
+            board = None
         record: Record = (seq, *call)  # type: ignore[assignment]
         tracker, recorder = self.tracker, self.recorder
         if tracker is not None:
@@ -345,15 +360,9 @@ class Diagnostics:
         try:
             group._next_seq()
             if self.exchange is not None:
-                board = self._board
-                if board is not None and counts is None:
-                    # ``_fingerprint`` and ``_exchange``, inline: this is every collective's path.
-                    key = (call, site[0]) if site[0] else call
-                    tails = self._tails.get(key) or self._tails_for(call, tensor, site[0])
-                    stamp = _SEQ.pack(seq)
-                    mine = stamp + tails[self._rank]
+                if board is not None:
                     try:
-                        board.swap(mine, self._timeout, lambda: group._label(kind, tensor), False)
+                        board.settle(self._timeout, lambda: group._label(kind, tensor))
                     except CommError as e:
                         group._mark_broken(e)
                         raise
