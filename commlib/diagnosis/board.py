@@ -347,7 +347,8 @@ class FingerprintBoard:
     def poll(self, spin_s: float = 0.0) -> bytes | None:
         """Every rank's bytes of the last posted exchange, in rank order, if all have posted; else None.
 
-        Polls for up to ``spin_s`` seconds (yielding the core between polls) before it gives up.
+        Polls back to back for up to ``spin_s`` seconds before it gives up (keep it to microseconds:
+        the caller's thread holds its core and Python's lock meanwhile).
 
         Raises:
             CommError: The board was closed.
@@ -369,7 +370,6 @@ class FingerprintBoard:
                     deadline = now + spin_s
                 if now >= deadline:
                     return None
-                _yield()
         except ValueError as e:  # unmapped by close() on another thread
             raise CommError(f"the fingerprint board was closed: {e}") from e
 
