@@ -8,9 +8,10 @@ Run::
         --run "collective_bench.py --backends ring --sizes 4K,1M,25M" \\
         --run "allreduce_bench.py --backends ring --references none --sizes 4K,1M,25M"
 
-For each round, each ``--run`` is started from the base checkout, then from the
-new one (``--new``, default this checkout), so that a change in the machine's
-speed falls on both alike; each run writes ``<out>/<script>_<tree>_<round>.csv``
+For each round, each ``--run`` is started from the base checkout and from the
+new one (``--new``, default this checkout), base first in odd rounds and new
+first in even ones, so that a change in the machine's speed (another job
+starting) falls on both alike; each run writes ``<out>/<script>_<tree>_<round>.csv``
 (the benchmark's own ``--csv``). Then, per script, every row of the CSVs (a
 size, operation and mode) gets the median over the rounds of its ``median_us``
 (``p2p_layers.py``: of its ``half_rtt_us``, a row per round of each run;
@@ -85,7 +86,8 @@ def run_all(args: argparse.Namespace) -> int:
         for round_ in range(1, args.rounds + 1):
             for run in args.run:
                 stem = Path(shlex.split(run)[0]).stem
-                for tree_name, tree in zip(TREES, (args.base, args.new), strict=True):
+                pairs = list(zip(TREES, (args.base, args.new), strict=True))
+                for tree_name, tree in pairs if round_ % 2 else pairs[::-1]:
                     command = _command(
                         tree, run, args.launcher, args.out / f"{stem}_{tree_name}_{round_}.csv"
                     )

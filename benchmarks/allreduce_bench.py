@@ -411,13 +411,15 @@ def mpi4py_mode(comm: Any) -> Mode:
     view: dict[str, Any] = {}
 
     def prepare(buf: torch.Tensor) -> None:
-        view["array"] = buf.numpy()  # shares memory; made once per size, not per call
+        # Shares memory; made once per size, not per call. Which tensor it views is told by the
+        # tensor's own pointer: NumPy's (``array.ctypes.data``) takes 0.8 us, a quarter of MPICH's
+        # 4 KiB all-reduce, and would flatter every ratio against this reference.
+        view["array"], view["ptr"] = buf.numpy(), buf.data_ptr()
 
     def all_reduce(buf: torch.Tensor) -> None:
-        array = view["array"]
-        if array.ctypes.data != buf.data_ptr():
-            array = view["array"] = buf.numpy()
-        comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        if view["ptr"] != buf.data_ptr():
+            prepare(buf)
+        comm.Allreduce(MPI.IN_PLACE, view["array"], op=MPI.SUM)
 
     return Mode(
         name="mpi4py",

@@ -43,6 +43,10 @@ class ReduceOp(enum.Enum):
     BXOR = "bxor"
     PREMUL_SUM = "premul_sum"
 
+    __hash__ = object.__hash__
+    """Members are singletons, equal only to themselves: hash them by identity, in C (``Enum`` hashes
+    the name in Python, on every dict or set lookup that a collective's hot path makes)."""
+
     def __str__(self) -> str:
         return self.name
 

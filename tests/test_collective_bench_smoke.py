@@ -180,3 +180,27 @@ def test_p2p_layers_bare_mode_gives_up_on_a_silent_peer_naming_the_wait(monkeypa
         bare.recv()
     with pytest.raises(TimeoutError, match=r"rank 0: the other rank did not take message 1 within 0.05 s"):
         bare.send()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_allreduce_layers_times_every_layer(tmp_path: Path) -> None:
+    """``benchmarks/allreduce_layers.py``: one short round of each layer of the mpi all-reduce."""
+    reason = mpi_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    csv_path = tmp_path / "layers.csv"
+    script = REPO_ROOT / "benchmarks" / "allreduce_layers.py"
+    args = ["--rounds", "2", "--iters", "20", "--csv", str(csv_path)]
+    cmd = [*mpiexec_command(2), sys.executable, str(script), *args]
+    proc = run_job(cmd, timeout=240, env=mpiexec_env(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the check's fingerprints travel over shared memory" in proc.stdout, proc.stdout
+    modes = ["mpi4py", "nonblocking", "backend", "interface", "stall", "check", "board"]
+    printed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert printed == modes, proc.stdout
+    with csv_path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    expected = sorted((mode, str(i)) for mode in modes for i in range(2))
+    assert sorted((r["mode"], r["round"]) for r in rows) == expected
+    assert all(r["size_bytes"] == "4096" and float(r["us"]) > 0 for r in rows), rows

@@ -93,6 +93,10 @@ _LAUNCHER_VARS = {
 }
 
 
+_FIRST_TESTS = range(16)
+"""Tests a synchronous wait makes before it reads the clock (on one host a 4 KiB all-reduce of two
+ranks ends within 3-5 tests)."""
+
 _BACKGROUND_SPIN_S = 2e-3
 """Seconds the launcher thread tests a fingerprint exchange between yields before it naps: a
 rank that arrives together with its peers finishes in microseconds, one far ahead sleeps."""
@@ -105,6 +109,8 @@ Strong references: a group that failed sits in a reference cycle once its caller
 frames are gone, and must not be collected before the hook has looked at it."""
 _exit_hook_registered = False
 _warned: set[str] = set()
+_missed_peer: tuple[str, str] | None = None
+"""This process's prefix and the first timeout that broke one of its groups (the exit hook aborts)."""
 
 
 # -------------------------------------------------------------------- config
@@ -443,9 +449,10 @@ class MPIProcessGroup(IProcessGroup):
     backend_name = "mpi"
     supported_devices = frozenset({"cpu", "cuda"})
     default_debug = "detail"
-    """The fingerprint check is on unless ``COMMLIB_DEBUG=OFF``: on its own communicator it adds
-    about 10 us to a collective (docs/reliability.md), and without it MPI reduces mismatched
-    calls silently."""
+    """The fingerprint check is on unless ``COMMLIB_DEBUG=OFF``: on one host it adds a few
+    microseconds to a collective (its shared-memory board; across hosts one ``Iallgather`` on a
+    communicator of its own; docs/reliability.md), and without it MPI reduces mismatched calls
+    silently."""
 
     def __init__(
         self,
@@ -528,27 +535,34 @@ class MPIProcessGroup(IProcessGroup):
 
     # ------------------------------------------------------------- diagnosis
     def _fingerprint_exchange(self) -> Callable[[bytes, float, object, bool], bytes]:
-        """Swap ``COMMLIB_DEBUG=DETAIL`` fingerprints with one ``Iallgather`` on a communicator of their own.
+        """Swap fingerprints with one ``Iallgather`` on a communicator of their own.
 
-        A second duplicate of the group's communicator carries nothing but the
-        fixed-size fingerprints, one all-gather per collective on every rank, so
-        whatever the ranks pass to the data communicator, this one stays in step
-        (MPI never matches messages across communicators). It costs one small
-        collective (about 10 us on one host), where a round trip through the TCP
-        side channel costs a few hundred and a wake-up of rank 0's hub thread.
+        Used when the ranks do not share a host (on one host the diagnosis's
+        shared-memory board carries them). A second duplicate of the group's
+        communicator carries nothing but the fixed-size fingerprints, one
+        all-gather per collective on every rank, so whatever the ranks pass to the
+        data communicator, this one stays in step (MPI never matches messages
+        across communicators). The receive buffers are made once per size.
         """
         side = self._duplicate(self._comm)
         self._side_comm = side
         MPI = self._MPI
+        world = self.world_size
+        buffers: dict[int, tuple[bytearray, list[Any]]] = {}
+        foreground, background_spin = (self._pure_spin_s, SPIN_S), (0.0, _BACKGROUND_SPIN_S)
 
         def exchange(mine: bytes, timeout: float, label: object, background: bool) -> bytes:
-            everyone = bytearray(len(mine) * self.world_size)
+            held = buffers.get(len(mine))
+            if held is None:
+                everyone = bytearray(len(mine) * world)
+                held = buffers[len(mine)] = (everyone, [everyone, MPI.BYTE])
+            everyone, receive = held
             issued = time.monotonic()
             # On the launcher thread, yield between tests for a moment, then nap: spinning there
             # would take the core (and Python's lock) from the caller's compute.
-            spin = (0.0, _BACKGROUND_SPIN_S) if background else (self._pure_spin_s, SPIN_S)
+            spin = background_spin if background else foreground
             try:
-                request = side.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])
+                request = side.Iallgather([mine, MPI.BYTE], receive)
                 done = wait_until(request.Test, issued + timeout, pure_spin_s=spin[0], spin_s=spin[1])
             except Exception as e:  # noqa: BLE001 - MPI.Exception
                 raise self._mpi_error(f"{label}: fingerprint exchange", e) from e
@@ -556,6 +570,7 @@ class MPIProcessGroup(IProcessGroup):
                 # Still in flight: listed for the exit hook, which aborts the job rather than hang.
                 if not isinstance(label, CollectiveLabel):
                     label = self._label("fingerprint")
+                buffers.pop(len(mine), None)  # MPI still writes into it
                 work = _MPIWork(self, label, request, everyone, issued)
                 self._pending[work._key] = work
                 work._expired(None, timeout)  # raises CommTimeoutError, marks the group broken
@@ -672,6 +687,40 @@ class MPIProcessGroup(IProcessGroup):
             self._progress.submit(work)
         return work
 
+    def _finish_now(self, request: Any, op: str, tensor: torch.Tensor, keep_alive: Any) -> Work:
+        """Wait here for a host collective just issued, as ``_start`` does for a synchronous one.
+
+        A small collective ends within a few tests: those come first, with no
+        clock and no set-up. Returns a finished ``Work``; raises (and keeps the
+        request listed for the exit hook) if it fails or does not finish within
+        the group's timeout.
+        """
+        test = self._tester(request) if self._messages.waiting else request.Test
+        progress = self._progress
+        if progress is not None and progress.idle():
+            progress = None
+        if progress is not None:
+            progress.waiter_enter()  # this wait drives the outstanding async work too
+        try:
+            for _ in _FIRST_TESTS:
+                if test():
+                    return CompletedWork()
+            issued = time.monotonic()
+            done = wait_until(test, issued + self._config.timeout, pure_spin_s=self._pure_spin_s)
+        except Exception as e:  # noqa: BLE001 - MPI.Exception
+            error = self._failure(self._label(op, tensor), e)
+            self._mark_broken(error)
+            raise error from e
+        finally:
+            if progress is not None:
+                progress.waiter_exit()
+        if done:
+            return CompletedWork()
+        work = _MPIWork(self, self._label(op, tensor), request, keep_alive, issued)
+        self._pending[work._key] = work
+        work._expired(None, self.timeout)  # raises CommTimeoutError, marks the group broken
+        return work
+
     def _tester(self, request: Any) -> Callable[[], bool]:
         """``request.Test``, also matching this group's waiting receives when it has any.
 
@@ -710,9 +759,19 @@ class MPIProcessGroup(IProcessGroup):
         return True
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
-        plan = self._plan_for(tensor.dtype)
+        plan = plan_for(self._MPI, tensor.dtype)
         mpi_op = plan.ops[op]
         comm, in_place = self._comm, self._MPI.IN_PLACE
+        if not async_op and not tensor.is_cuda:
+            # The hot path of small synchronous all-reduces: no closure, no pending Work.
+            buf = [self._MPI.memory.fromaddress(tensor.data_ptr(), tensor.nbytes), plan.datatype]
+            try:
+                request = comm.Iallreduce(in_place, buf, mpi_op)
+            except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
+                error = self._failure(self._label("all_reduce", tensor), e)
+                self._mark_broken(error)
+                raise error from e
+            return self._finish_now(request, "all_reduce", tensor, (tensor, buf))
         if tensor.is_cuda and self._staged("all_reduce", tensor, plan, reduce=True):
             pipeline = self._pipeline("all_reduce", tensor)
 
@@ -1181,6 +1240,18 @@ class MPIProcessGroup(IProcessGroup):
         if self._progress is not None:
             self._progress.stop()
 
+    def _mark_broken(self, error: BaseException) -> None:
+        """As the interface's; a timeout also makes this process abort the MPI job when it exits.
+
+        A rank that timed out waiting for a peer (in a collective, or in the
+        fingerprint check before one) cannot know that the peer will ever call
+        ``MPI_Finalize``, which waits for every rank: the exit hook aborts instead.
+        """
+        global _missed_peer
+        super()._mark_broken(error)
+        if isinstance(error, CommTimeoutError) and _missed_peer is None:
+            _missed_peer = (self._prefix("exit"), str(error))
+
     # ------------------------------------------------------------------ errors
     def _failure(self, label: CollectiveLabel | str, error: BaseException) -> CommError:
         """The error a request failed with, for people: a dtype or size mismatch, or an MPI error."""
@@ -1334,6 +1405,16 @@ def _abort_if_unfinished(grace_s: float = 1.0) -> None:
             time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
             MPI.COMM_WORLD.Abort(1)
             return
+    if _missed_peer is not None and _MPI.COMM_WORLD.Get_size() > 1:
+        prefix, error = _missed_peer
+        print(
+            f"{prefix}a collective of this rank timed out waiting for a peer ({error}); MPI_Finalize "
+            "would wait for that peer, so this rank aborts the MPI job (MPI_Abort, exit code 1).",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
+        _MPI.COMM_WORLD.Abort(1)
 
 
 # ---------------------------------------------------------------- factories

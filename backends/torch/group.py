@@ -36,9 +36,10 @@ Gloo a copy on the ranks that do not receive (Gloo's reduce writes there); ``all
 differ by peer is one ``alltoall_base`` over packed buffers; point-to-point
 checks sizes before any data moves (``backends.torch.p2p``).
 
-The fingerprint check (``commlib.diagnosis``) is on by default for ``gloo``: its
-fingerprints travel on a ``ProcessGroupGloo`` of their own, built over the job's
-store when the group's diagnosis starts (``_fingerprint_exchange``).
+The fingerprint check (``commlib.diagnosis``) is on by default for ``gloo``: on one
+host its fingerprints travel over the diagnosis's shared-memory board; across
+hosts on a ``ProcessGroupGloo`` of their own, built over the job's store when the
+group's diagnosis starts (``_fingerprint_exchange``).
 
 Every operation calls the torch backend object itself (``allreduce``,
 ``alltoall_base``, ``send``...) with ranks of this group. Subgroups
@@ -350,8 +351,9 @@ class TorchDistProcessGroup(IProcessGroup):
     backend_name = "gloo"
     default_debug = "detail"
     """Gloo: the fingerprint check is on unless ``COMMLIB_DEBUG=OFF``. Without it Gloo reduces
-    mismatched dtypes, ops and sizes silently or aborts the process; it adds one small all-gather
-    on a Gloo group of its own to each collective (docs/reliability.md). nccl: off."""
+    mismatched dtypes, ops and sizes silently or aborts the process; on one host it adds a few
+    microseconds to each collective, across hosts one small all-gather on a Gloo group of its own
+    (docs/reliability.md). nccl: off."""
 
     def __init__(
         self,
@@ -862,14 +864,15 @@ class TorchDistProcessGroup(IProcessGroup):
 
     # ------------------------------------------------------------- diagnosis
     def _fingerprint_exchange(self) -> Callable[[bytes, float, object, bool], bytes] | None:
-        """Swap ``COMMLIB_DEBUG=DETAIL`` fingerprints with one all-gather on a Gloo group of their own.
+        """Swap fingerprints with one all-gather on a Gloo group of their own.
 
-        The group is built like a subgroup, over a ``PrefixStore`` of the job's
-        store keyed by this group's name, so it needs no port beyond those Gloo
-        already uses, and it carries nothing but the fixed-size fingerprints: one
-        all-gather per collective on every rank, so it stays in step whatever the
-        ranks pass to the data path. Returns None (the side channel is used) if
-        torch's store is not available.
+        Used when the ranks do not share a host (on one host the diagnosis's
+        shared-memory board carries them). The group is built like a subgroup,
+        over a ``PrefixStore`` of the job's store keyed by this group's name, so it
+        needs no port beyond those Gloo already uses, and it carries nothing but
+        the fixed-size fingerprints: one all-gather per collective on every rank,
+        so it stays in step whatever the ranks pass to the data path. Returns None
+        (the side channel is used) if torch's store is not available.
         """
         prefix = self._prefix("diagnostics")
         try:

@@ -8,11 +8,17 @@ there is no ``Diagnostics`` and a collective pays one attribute test.
 Set-up is one broadcast over the backend itself (the data path is in step at
 creation by construction), on every group of more than one rank: rank 0's
 settings, and, if they need the side channel (``commlib.diagnosis.sidechannel``), the
-address and token of the hub rank 0 starts; every rank then joins it.
+address and token of the hub rank 0 starts; every rank then joins it. With the
+fingerprint check on, the broadcast also offers rank 0's shared-memory board
+(``commlib.diagnosis.board``), and one all-reduce tells whether every rank could
+map it: if so fingerprints travel there, else over the backend's own exchange
+(``_fingerprint_exchange``) or the hub.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import secrets
 import struct
@@ -24,6 +30,7 @@ import torch
 
 from commlib.config import CommConfig
 from commlib.diagnosis import history
+from commlib.diagnosis.board import FingerprintBoard, board_capacity, host_identity
 from commlib.diagnosis.call_site import SITE_BYTES, call_site, pack_site, unpack_site
 from commlib.diagnosis.deferred import DeferredWork, Launcher, launch_step
 from commlib.diagnosis.fingerprint import (
@@ -42,7 +49,7 @@ from commlib.env import DistEnv
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from commlib.p2p import P2PRequest
 from commlib.types import PremulSum, ReduceOp
-from commlib.work import CollectiveLabel, Work
+from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["DiagnosedGroup", "Diagnostics", "FingerprintExchange"]
 
@@ -85,19 +92,33 @@ class DiagnosedGroup(Protocol):
     def _check_usable(self, op: str) -> None: ...
     def _mark_broken(self, error: BaseException) -> None: ...
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work: ...
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work: ...
     def _fingerprint_exchange(self) -> FingerprintExchange | None: ...
 
 
-_ADDRESS = struct.Struct("!8s??dq16sH")
+_ADDRESS = struct.Struct("!8s??dq16s16s16sHH")
 """Set-up broadcast: magic, rank 0's DETAIL and call-site flags and stall seconds, hub port (0: no hub),
-token, length of the text that follows (the hub's host, or why rank 0 has no hub)."""
+hub token, digest of rank 0's host identity, board token, the lengths of the two texts that follow:
+the hub's host (or why rank 0 has no hub), and the path of rank 0's board (empty: none)."""
 _ADDRESS_MAGIC = b"CLDGADDR"
-_ADDRESS_WORDS = 48
-"""Size of the set-up broadcast in int64 words (384 bytes)."""
+_ADDRESS_WORDS = 64
+"""Size of the set-up broadcast in int64 words (512 bytes)."""
 _SLOT = HISTORY - 1
 """``seq & _SLOT``: the slot of collective ``seq`` in the group's history."""
 _RANK_FIELD = slice(16, 20)
 """Where a packed fingerprint holds the rank (skipped when comparing two ranks' calls)."""
+_SEQ = struct.Struct("!Q")
+"""A packed fingerprint's first field, the sequence number; the rest depends on the call alone."""
+_MAX_REMEMBERED = 4096
+"""Calls whose packed fingerprints a group keeps (a model with shapes that keep changing starts over)."""
+_NO_SITE = (0, "")
+ASYNC_POLL_S = 2e-5
+"""Seconds an asynchronous collective waits on its caller's thread for the other ranks' fingerprints
+(ranks in step post theirs within microseconds) before it hands the wait to the launcher thread."""
+
+
+def _host_digest() -> bytes:
+    return hashlib.blake2b(host_identity().encode(), digest_size=16).digest()
 
 
 class Diagnostics:
@@ -118,11 +139,18 @@ class Diagnostics:
         watchdog: Watchdog | None = None,
         launcher: Launcher | None = None,
         call_sites: bool = False,
+        rank: int = 0,
+        timeout: float = 300.0,
     ) -> None:
         self.tracker = tracker
         self.recorder = recorder
         self.exchange = exchange
+        self._board = exchange if isinstance(exchange, FingerprintBoard) else None
+        """The exchange when it is a shared-memory board: then an asynchronous collective posts and
+        polls it on the caller's thread, and needs the launcher only when some rank is not there yet."""
         self._world = world_size
+        self._rank = rank
+        self._timeout = timeout
         self._hub = hub
         self._client = client
         self._watchdog = watchdog
@@ -131,6 +159,20 @@ class Diagnostics:
         """Whether fingerprints carry the caller's call site (DETAIL asked for, not a backend's default)."""
         self._last_seq = 0
         """Sequence number given to the last collective (ahead of ``_seq`` while the launcher has work)."""
+        self._tails: dict[tuple[Any, ...], tuple[bytes, ...]] = {}
+        """Per call (collective, dtype, shape, op, root, call site): every rank's packed fingerprint
+        after the sequence number, in rank order."""
+
+    @property
+    def transport(self) -> str:
+        """How fingerprints travel: ``shared memory``, ``backend``, ``side channel`` or ``none``."""
+        if self.exchange is None:
+            return "none"
+        if self._board is not None:
+            return "shared memory"
+        if self._client is not None and self.exchange == self._client.exchange:
+            return "side channel"
+        return "backend"
 
     @property
     def issued(self) -> int:
@@ -148,6 +190,9 @@ class Diagnostics:
         apply to the whole group (a rank whose own differ logs a warning); call
         sites are compared when rank 0 asked for DETAIL itself, not when DETAIL
         is only its backend's default. The flight recorder is each rank's own choice.
+        With the fingerprint check on, the ranks also agree on how fingerprints
+        travel: a shared-memory board when every rank maps rank 0's, else the
+        backend's exchange, else the side channel.
 
         Raises:
             CommError: The fingerprint check is on and its side channel could not be set up.
@@ -183,8 +228,19 @@ class Diagnostics:
                 stall_s,
             )
         if not (detail or stall_s > 0 or recorder):
+            if agreed.hub is not None:
+                agreed.hub.close()
             return None
-        exchange = group._fingerprint_exchange() if detail else None
+        exchange: FingerprintExchange | None = None
+        if detail:
+            try:
+                exchange = agreed.open_board(group)
+                if exchange is None:
+                    exchange = group._fingerprint_exchange()
+            except BaseException:
+                if agreed.hub is not None:
+                    agreed.hub.close()
+                raise
         needs_hub = detail and exchange is None
         client = None
         if stall_s > 0 or needs_hub:
@@ -196,6 +252,10 @@ class Diagnostics:
                         agreed.hub.close()
                     raise
                 logger.warning("%s; stall reports will not name the other ranks", e)
+        elif agreed.hub is not None:
+            # Every rank agreed on this: no rank joins the hub.
+            agreed.hub.close()
+            agreed.hub = None
         if needs_hub:
             assert client is not None
             exchange = client.exchange
@@ -228,12 +288,14 @@ class Diagnostics:
             watchdog=watchdog,
             launcher=launcher,
             call_sites=agreed.call_sites,
+            rank=group.rank,
+            timeout=group.timeout,
         )
         diagnostics._last_seq = group._seq
         return diagnostics
 
     def close(self) -> None:
-        """Stop the launcher and the watchdog, and leave the side channel (rank 0: stop the hub)."""
+        """Stop the launcher and the watchdog, leave the side channel (rank 0: its hub), unmap the board."""
         if self._launcher is not None:
             self._launcher.close()
         if self._watchdog is not None:
@@ -242,6 +304,8 @@ class Diagnostics:
             self._client.close()
         if self._hub is not None:
             self._hub.close()
+        if self._board is not None:
+            self._board.close()
 
     # ------------------------------------------------------------ operations
     def issue(
@@ -259,9 +323,11 @@ class Diagnostics:
     ) -> Work | None:
         """Run one collective under watch: number it, record it, check it (DETAIL), start it, follow it.
 
-        An asynchronous collective under the fingerprint check is checked and
-        started by the launcher thread, in order, so that ``async_op=True`` does not
-        wait for the other ranks; every other collective is checked and started here.
+        An asynchronous collective under the fingerprint check does not wait for
+        the other ranks: on a shared-memory board it posts its fingerprint and, if
+        every rank has posted within a few microseconds, is checked and started
+        here; otherwise the launcher thread waits, checks and starts it, in
+        order. Every other collective is checked and started here.
 
         Args:
             group: The group.
@@ -276,53 +342,55 @@ class Diagnostics:
             counts: ``all_to_all`` only: elements received from and sent to each rank.
         """
         launcher = self._launcher
-        deferred = launcher is not None and async_op and (tensor is None or tensor.device.type == "cpu")
-        if launcher is not None and not deferred and not launcher.idle:
-            bound = group.timeout * 2 + 30.0
-            if not launcher.drain(bound):
-                raise CommTimeoutError(
-                    f"{group._label(kind, tensor)}: the collectives issued before it did not start within "
-                    f"{bound:g} s: the group's launcher thread is stuck"
-                )
-        self._last_seq = seq = self._last_seq + 1
+        if launcher is not None:
+            if async_op and (tensor is None or tensor.is_cpu):
+                return self._issue_async(group, kind, tensor, op, root, value, start, args, counts)
+            if not launcher.idle:
+                self._drain(group, kind, tensor)
+        seq = self._last_seq = self._last_seq + 1
         group._recent[seq & _SLOT] = kind
-        site = call_site() if self.call_sites else (0, "")
+        site = call_site() if self.call_sites else _NO_SITE
         if op.__class__ is PremulSum:
             op = op.op  # type: ignore[union-attr]
-        record: Record = (
-            seq,
-            kind,
-            tensor.dtype if tensor is not None else None,
-            tensor.shape if tensor is not None else (),
-            op,
-            root,
-        )
+        call = (kind, None, (), op, root) if tensor is None else (kind, tensor.dtype, tensor.shape, op, root)
+        board = self._board
+        if board is not None and counts is None:
+            # The fingerprint goes on the board first, so that the bookkeeping below overlaps
+            # with the other ranks' (``_fingerprint`` and ``_exchange``, inline: every collective's path).
+            key = (call, site[0]) if site[0] else call
+            tails = self._tails.get(key) or self._tails_for(call, tensor, site[0])
+            stamp = _SEQ.pack(seq)
+            mine = stamp + tails[self._rank]
+            try:
+                board.post(mine)
+            except CommError as e:
+                group._mark_broken(e)
+                raise
+        else:
+            board = None
+        record: Record = (seq, *call)  # type: ignore[assignment]
         tracker, recorder = self.tracker, self.recorder
-        if deferred:
-            label = CollectiveLabel(
-                group.rank, group.world_size, group.backend, kind, seq, tensor, group=group._named_ranks
-            )
-            work: Work = DeferredWork(label, bound_s=group.timeout * 2 + 30.0)
-            work._set_value(value)  # noqa: SLF001 - what the work's future completes with
-            if tracker is not None:
-                tracker.issued = record
-                tracker.pending.append((record, work))
-            if recorder is not None:
-                recorder.follow(recorder.begin(record), work)
-            assert launcher is not None
-            launcher.submit(
-                launch_step(
-                    work, lambda: self._launch(group, record, tensor, counts, label, site), start, args
-                )
-            )
-            return work
         if tracker is not None:
             tracker.issued = tracker.active = record
         entry = recorder.begin(record) if recorder is not None else None
         try:
             group._next_seq()
             if self.exchange is not None:
-                self._check(group, record, tensor, counts, group._label(kind, tensor), False, site)
+                if board is not None:
+                    try:
+                        board.settle(self._timeout, lambda: group._label(kind, tensor))
+                    except CommError as e:
+                        group._mark_broken(e)
+                        raise
+                    if not board.holds(stamp, tails):
+                        label = group._label(kind, tensor)
+                        self._verify(group, board.gather(), mine, record, None, label, False, site)
+                else:
+                    mine, expected = self._fingerprint(seq, call, tensor, counts, site[0])
+                    everyone = self._exchange(group, mine, lambda: group._label(kind, tensor), False)
+                    if everyone != expected:
+                        label = group._label(kind, tensor)
+                        self._verify(group, everyone, mine, record, counts, label, False, site)
             work = start(*args)
             if async_op:
                 if tracker is not None:
@@ -348,6 +416,121 @@ class Diagnostics:
             recorder.completed(entry)  # type: ignore[union-attr]
         return None
 
+    def _drain(self, group: DiagnosedGroup, kind: str, tensor: torch.Tensor | None) -> None:
+        """Wait until the launcher has started everything queued (a collective issued here comes after it)."""
+        assert self._launcher is not None
+        bound = self._timeout * 2 + 30.0
+        if not self._launcher.drain(bound):
+            raise CommTimeoutError(
+                f"{group._label(kind, tensor)}: the collectives issued before it did not start within "
+                f"{bound:g} s: the group's launcher thread is stuck"
+            )
+
+    def _issue_async(
+        self,
+        group: DiagnosedGroup,
+        kind: str,
+        tensor: torch.Tensor | None,
+        op: ReduceOp | PremulSum | None,
+        root: int,
+        value: object,
+        start: Callable[..., Work],
+        args: tuple[Any, ...],
+        counts: tuple[list[int], list[int]] | None,
+    ) -> Work:
+        """An asynchronous collective under the check: at once if every rank is there, else on the launcher.
+
+        With a shared-memory board and nothing queued, the fingerprint is posted
+        here; if every rank has posted within ``ASYNC_POLL_S``, the collective is
+        checked and started on this thread (a mismatch fails the returned work, as
+        on the launcher). Otherwise a ``DeferredWork`` stands for it until the
+        launcher thread has waited for the other ranks, checked it and started it,
+        in issue order.
+        """
+        launcher = self._launcher
+        assert launcher is not None
+        seq = self._last_seq = self._last_seq + 1
+        group._recent[seq & _SLOT] = kind
+        site = call_site() if self.call_sites else _NO_SITE
+        if op.__class__ is PremulSum:
+            op = op.op  # type: ignore[union-attr]
+        call = (kind, None, (), op, root) if tensor is None else (kind, tensor.dtype, tensor.shape, op, root)
+        record: Record = (seq, *call)  # type: ignore[assignment]
+        tracker, recorder = self.tracker, self.recorder
+        board = self._board
+        posted = board is not None and launcher.idle
+        if posted:
+            assert board is not None
+            group._next_seq()
+            mine, expected = self._fingerprint(seq, call, tensor, counts, site[0])
+            try:
+                board.post(mine)
+                everyone = board.poll(ASYNC_POLL_S)
+            except CommError as e:
+                group._mark_broken(e)
+                raise
+            if everyone is not None:
+                checked = (everyone, mine, expected)
+                return self._start_checked(group, record, tensor, counts, site, checked, value, start, args)
+        label = CollectiveLabel(
+            self._rank, self._world, group.backend, kind, seq, tensor, group=group._named_ranks
+        )
+        deferred = DeferredWork(label, bound_s=self._timeout * 2 + 30.0)
+        deferred._set_value(value)  # noqa: SLF001 - what the work's future completes with
+        if tracker is not None:
+            tracker.issued = record
+            tracker.pending.append((record, deferred))
+        if recorder is not None:
+            recorder.follow(recorder.begin(record), deferred)
+        if posted:
+            check = functools.partial(self._collect, group, record, mine, expected, counts, label, site)
+        else:
+            check = functools.partial(self._launch, group, record, tensor, counts, label, site)
+        launcher.submit(launch_step(deferred, check, start, args))
+        return deferred
+
+    def _start_checked(
+        self,
+        group: DiagnosedGroup,
+        record: Record,
+        tensor: torch.Tensor | None,
+        counts: tuple[list[int], list[int]] | None,
+        site: tuple[int, str],
+        checked: tuple[bytes, bytes, bytes | None],
+        value: object,
+        start: Callable[..., Work],
+        args: tuple[Any, ...],
+    ) -> Work:
+        """Check an asynchronous collective whose fingerprints all arrived, start it, return its work.
+
+        ``checked``: every rank's fingerprints, this rank's, and what they would be if the calls
+        agree. A mismatch (or a failure to start) comes back as a failed work, as from
+        the launcher: ``wait()`` raises it, on every rank.
+        """
+        everyone, mine, expected = checked
+        tracker, recorder = self.tracker, self.recorder
+        entry = recorder.begin(record) if recorder is not None else None
+        try:
+            if everyone != expected:
+                label = group._label(record[1], tensor)
+                self._verify(group, everyone, mine, record, counts, label, False, site)
+            work = start(*args)
+        except CommError as e:
+            if entry is not None:
+                recorder.failed(entry, e)  # type: ignore[union-attr]
+            if tracker is not None:
+                tracker.issued = tracker.completed = record
+            failed = CompletedWork(e, group._label(record[1], tensor))
+            failed._set_value(value)  # noqa: SLF001
+            return failed
+        if tracker is not None:
+            tracker.issued = record
+            tracker.pending.append((record, work))
+        if entry is not None:
+            recorder.follow(entry, work)  # type: ignore[union-attr]
+        work._set_value(value)  # noqa: SLF001 - what the work's future completes with
+        return work
+
     def _launch(
         self,
         group: DiagnosedGroup,
@@ -365,7 +548,32 @@ class Diagnostics:
         group._next_seq()
         if group._closed or group._broken is not None:
             group._check_usable(record[1])
-        self._check(group, record, tensor, counts, label, True, site)
+        mine, expected = self._fingerprint(record[0], record[1:], tensor, counts, site[0])
+        everyone = self._exchange(group, mine, label, True)
+        if everyone != expected:
+            self._verify(group, everyone, mine, record, counts, label, True, site)
+
+    def _collect(
+        self,
+        group: DiagnosedGroup,
+        record: Record,
+        mine: bytes,
+        expected: bytes | None,
+        counts: tuple[list[int], list[int]] | None,
+        label: CollectiveLabel,
+        site: tuple[int, str],
+    ) -> None:
+        """The launcher thread's step for a collective whose fingerprint is on the board: wait, then check."""
+        assert self._board is not None
+        if group._closed or group._broken is not None:
+            group._check_usable(record[1])
+        try:
+            everyone = self._board.collect(self._timeout, label, True)
+        except CommError as e:
+            group._mark_broken(e)
+            raise
+        if everyone != expected:
+            self._verify(group, everyone, mine, record, counts, label, True, site)
 
     def issue_p2p(
         self,
@@ -418,23 +626,58 @@ class Diagnostics:
             recorder.completed(entry)  # type: ignore[union-attr]
         return peer
 
-    def _check(
+    def _fingerprint(
+        self,
+        seq: int,
+        call: tuple[Any, ...],
+        tensor: torch.Tensor | None,
+        counts: tuple[list[int], list[int]] | None,
+        site: int,
+    ) -> tuple[bytes, bytes | None]:
+        """This rank's packed fingerprint, and every rank's as they would be if the calls agree.
+
+        ``call`` is (collective, dtype, shape, op, root). The part of a fingerprint
+        after the sequence number depends on the call alone (and the call site), so
+        it is packed once per call for every rank. An ``all_to_all``'s carries
+        digests of its splits: packed each time, and compared field by field
+        (``expected`` None).
+        """
+        kind, _, _, op, root = call
+        if counts is not None:
+            return Fingerprint.of(self._rank, seq, kind, tensor, op, root, counts, site).pack(), None
+        tails = self._tails_for(call, tensor, site)
+        stamp = _SEQ.pack(seq)
+        return stamp + tails[self._rank], stamp + stamp.join(tails)
+
+    def _tails_for(self, call: tuple[Any, ...], tensor: torch.Tensor | None, site: int) -> tuple[bytes, ...]:
+        """Every rank's packed fingerprint of ``call`` after the sequence number, packed once per call."""
+        key = (call, site) if site else call
+        tails = self._tails.get(key)
+        if tails is None:
+            if len(self._tails) >= _MAX_REMEMBERED:
+                self._tails.clear()
+            kind, _, _, op, root = call
+            tails = self._tails[key] = tuple(
+                Fingerprint.of(rank, 0, kind, tensor, op, root, None, site).pack()[_SEQ.size :]
+                for rank in range(self._world)
+            )
+        return tails
+
+    def _verify(
         self,
         group: DiagnosedGroup,
+        everyone: bytes,
+        mine: bytes,
         record: Record,
-        tensor: torch.Tensor | None,
         counts: tuple[list[int], list[int]] | None,
         label: object,
         background: bool,
-        site: tuple[int, str] = (0, ""),
+        site: tuple[int, str] = _NO_SITE,
     ) -> None:
-        """Exchange fingerprints; raise ``CollectiveMismatchError`` on every rank if they differ.
+        """Raise ``CollectiveMismatchError`` on every rank if the fingerprints differ in more than the rank.
 
         ``site``: the call site's digest and text (``(0, "")`` when call sites are not compared).
         """
-        seq, kind, _, _, op, root = record
-        mine = Fingerprint.of(group.rank, seq, kind, tensor, op, root, counts, site[0]).pack()
-        everyone = self._exchange(group, mine, label, background)
         size = FINGERPRINT.size
         head, tail = mine[: _RANK_FIELD.start], mine[_RANK_FIELD.stop :]
         if all(
@@ -474,13 +717,24 @@ class Diagnostics:
         background: bool,
         size: int = FINGERPRINT.size,
     ) -> bytes:
+        """Swap ``mine`` with every rank's; a failure marks the group broken.
+
+        ``label`` names the call in errors; it may be a function that returns the
+        name (built only if the exchange fails).
+        """
         assert self.exchange is not None
         try:
-            everyone = self.exchange(mine, group.timeout, label, background)
+            if self._board is not None:
+                everyone = self._board(mine, self._timeout, label, background)
+            else:
+                named = label() if callable(label) else label
+                everyone = self.exchange(mine, self._timeout, named, background)
         except CommError as e:
             group._mark_broken(e)
             raise
         if len(everyone) != size * self._world:
+            if callable(label):
+                label = label()
             raise CommError(
                 f"{label}: the fingerprint exchange returned {len(everyone)} bytes, not {size * self._world}"
             )
@@ -488,7 +742,7 @@ class Diagnostics:
 
 
 class _Agreement:
-    """What rank 0 broadcast at set-up: its settings, and where its hub listens."""
+    """What rank 0 broadcast at set-up: its settings, where its hub listens, and its board."""
 
     def __init__(
         self,
@@ -498,6 +752,8 @@ class _Agreement:
         address: tuple[str, int, bytes] | None,
         problem: str,
         call_sites: bool = False,
+        board: FingerprintBoard | None = None,
+        board_offer: tuple[bytes, bytes, str] | None = None,
     ) -> None:
         self.detail = detail
         self.call_sites = detail and call_sites
@@ -507,6 +763,10 @@ class _Agreement:
         self.address = address
         self.problem = problem
         """Why there is no hub, when there is none."""
+        self.board = board
+        """The board rank 0 created (None elsewhere)."""
+        self.board_offer = board_offer
+        """Rank 0's host digest, board token and board path, if it offered one."""
 
     def join(self, group: DiagnosedGroup, *, control: bool) -> SideChannelClient:
         """Connect this rank to the hub.
@@ -529,11 +789,51 @@ class _Agreement:
             prefix=prefix,
         )
 
+    def open_board(self, group: DiagnosedGroup) -> FingerprintBoard | None:
+        """Map rank 0's board here if this rank is on its host; return it if every rank could, else None.
+
+        Every rank calls this when the check is on: with an offer it takes one
+        all-reduce (MIN of "mapped it") over the backend, after which rank 0
+        removes the file's name, whatever the verdict.
+        """
+        if self.board_offer is None:
+            return None
+        host, token, path = self.board_offer
+        board = self.board
+        if group.rank != 0 and host == _host_digest():
+            try:
+                board = FingerprintBoard.open(path, token, group.rank, group.world_size)
+            except (OSError, ValueError) as e:
+                logger.debug("%scannot map rank 0's board %s: %s", group._prefix("diagnostics"), path, e)
+        try:
+            verdict = torch.tensor([1 if board is not None else 0], dtype=torch.int64)
+            shared = verdict.to(group.preferred_device())
+            group._all_reduce(shared, ReduceOp.MIN, False).wait()
+            everyone = int(shared.cpu()[0])
+        except BaseException:
+            if board is not None:
+                board.close()
+            raise
+        finally:
+            if self.board is not None:
+                self.board.unlink()
+        if everyone == 1 and board is not None:
+            # Wait as the backend's own waits do: MPI's spin while every rank has a core, and a
+            # rank that yields instead loses its core for a whole time slice on a busy host.
+            spin = getattr(group, "_pure_spin_s", None)
+            if isinstance(spin, float) and spin > board.pure_spin_s:
+                board.pure_spin_s = spin
+            return board
+        if board is not None:
+            board.close()
+        return None
+
 
 def _agree(group: DiagnosedGroup, detail: bool, call_sites: bool, stall_s: float) -> _Agreement:
-    """Broadcast rank 0's settings and, if they need one, the address of the hub it starts."""
+    """Broadcast rank 0's settings and, if they need them, the addresses of its hub and its board."""
     env = group.env
     hub = None
+    board = None
     words = torch.zeros(_ADDRESS_WORDS, dtype=torch.int64)
     if group.rank == 0:
         token = secrets.token_bytes(16)
@@ -550,40 +850,89 @@ def _agree(group: DiagnosedGroup, detail: bool, call_sites: bool, stall_s: float
                     break
                 except OSError as e:
                     text = f"rank 0 could not listen on {where}: {e}"
-        _pack_address(words, detail, call_sites, stall_s, port, token, text)
+        board_token, board_path = bytes(16), ""
+        if detail:
+            capacity = board_capacity(group.world_size, FINGERPRINT.size, SITE_BYTES, HISTORY_BYTES)
+            try:
+                board, board_token = FingerprintBoard.create(group.world_size, capacity)
+                board_path = board.path
+            except (OSError, ValueError) as e:
+                logger.debug("%sno shared-memory board: %s", group._prefix("diagnostics"), e)
+        try:
+            _pack_address(
+                words, detail, call_sites, stall_s, port, token, text, _host_digest(), board_token, board_path
+            )
+        except ValueError:
+            if board is not None:
+                board.unlink()
+                board.close()
+            board = None
+            _pack_address(words, detail, call_sites, stall_s, port, token, text, bytes(16), bytes(16), "")
     try:
         shared = words.to(group.preferred_device())
         group._broadcast(shared, 0, False).wait()
         words = shared.cpu()
-        detail, call_sites, stall_s, port, token, text = _unpack_address(words)
+        detail, call_sites, stall_s, port, token, text, offer = _unpack_address(words)
     except ValueError as e:
         # Only a backend whose broadcast moves nothing (a test double) gets here: go on with
         # this rank's own settings and no side channel.
         if hub is not None:
             hub.close()
+        if board is not None:
+            board.unlink()
+            board.close()
         garbled = f"the set-up broadcast from rank 0 came back garbled ({e})"
         return _Agreement(detail, stall_s, None, None, garbled, call_sites)
     except BaseException:
         if hub is not None:
             hub.close()
+        if board is not None:
+            board.unlink()
+            board.close()
         raise
     address = (text, port, token) if port else None
-    return _Agreement(detail, stall_s, hub, address, "" if port else text, call_sites)
+    return _Agreement(detail, stall_s, hub, address, "" if port else text, call_sites, board, offer)
 
 
 def _pack_address(
-    words: torch.Tensor, detail: bool, call_sites: bool, stall_s: float, port: int, token: bytes, text: str
+    words: torch.Tensor,
+    detail: bool,
+    call_sites: bool,
+    stall_s: float,
+    port: int,
+    token: bytes,
+    text: str,
+    host: bytes,
+    board_token: bytes,
+    board_path: str,
 ) -> None:
-    raw = text.encode()[: _ADDRESS_WORDS * 8 - _ADDRESS.size]
-    data = _ADDRESS.pack(_ADDRESS_MAGIC, detail, call_sites, stall_s, port, token, len(raw)) + raw
+    path = board_path.encode()
+    room = _ADDRESS_WORDS * 8 - _ADDRESS.size - len(path)
+    if room < 0:
+        raise ValueError(f"the board's path is too long for the set-up broadcast: {board_path}")
+    raw = text.encode()[:room]
+    data = (
+        _ADDRESS.pack(
+            _ADDRESS_MAGIC, detail, call_sites, stall_s, port, token, host, board_token, len(raw), len(path)
+        )
+        + raw
+        + path
+    )
     data += bytes(_ADDRESS_WORDS * 8 - len(data))
     words.copy_(torch.frombuffer(bytearray(data), dtype=torch.int64))
 
 
-def _unpack_address(words: torch.Tensor) -> tuple[bool, bool, float, int, bytes, str]:
+def _unpack_address(
+    words: torch.Tensor,
+) -> tuple[bool, bool, float, int, bytes, str, tuple[bytes, bytes, str] | None]:
     data = words.numpy().tobytes()
-    magic, detail, call_sites, stall_s, port, token, length = _ADDRESS.unpack_from(data)
+    magic, detail, call_sites, stall_s, port, token, host, board_token, length, path_length = (
+        _ADDRESS.unpack_from(data)
+    )
     if magic != _ADDRESS_MAGIC:
         raise ValueError(f"magic {magic!r}")
     text = data[_ADDRESS.size : _ADDRESS.size + length].decode(errors="replace")
-    return detail, call_sites, stall_s, port, token, text
+    at = _ADDRESS.size + length
+    path = data[at : at + path_length].decode(errors="replace")
+    offer = (host, board_token, path) if path else None
+    return detail, call_sites, stall_s, port, token, text, offer

@@ -145,7 +145,56 @@ def desync(group: IProcessGroup, case: str) -> dict[str, Any]:
     elapsed = time.monotonic() - start
     after = torch.ones(8)
     group.all_reduce(after)  # nothing moved on the data path: the group goes on
-    return {"seq": seq, "error": error, "elapsed_s": elapsed, "after": after[0].item()}
+    return {
+        "seq": seq,
+        "error": error,
+        "elapsed_s": elapsed,
+        "after": after[0].item(),
+        "transport": _transport(group),
+    }
+
+
+def _transport(group: IProcessGroup) -> str:
+    """How the group's fingerprints travel (``none`` without the check)."""
+    diagnostics = group._diagnostics  # type: ignore[attr-defined]
+    return "none" if diagnostics is None else diagnostics.transport
+
+
+def desyncs_across_hosts(group: IProcessGroup) -> dict[str, Any]:
+    """Every desync case on a subgroup whose last rank reports another host: no board, the fallback exchange.
+
+    The subgroup's set-up compares host identities; the last rank's is changed
+    while the subgroup forms, as on another machine. Also reports whether the
+    board's file was left behind in ``/dev/shm``.
+    """
+    from commlib.diagnosis import diagnostics as diagnostics_module
+
+    real = diagnostics_module.host_identity
+    if group.rank == group.world_size - 1:
+        diagnostics_module.host_identity = lambda: "another-host/" + real()  # type: ignore[assignment]
+    try:
+        sub = group.new_group(list(range(group.world_size)))
+    finally:
+        diagnostics_module.host_identity = real  # type: ignore[assignment]
+    assert sub is not None
+    try:
+        left = [name for name in os.listdir("/dev/shm") if f"-{os.getpid()}-" in name and "board" in name]
+        return {"transport": _transport(sub), "left": left, **{case: desync(sub, case) for case in DESYNCS}}
+    finally:
+        sub.close()
+
+
+def board_set_up(group: IProcessGroup) -> dict[str, Any]:
+    """How fingerprints travel, whether a board file is left in ``/dev/shm``, and its mapping here."""
+    diagnostics = group._diagnostics  # type: ignore[attr-defined]
+    board = getattr(diagnostics, "_board", None)
+    mapped = []
+    if board is not None:
+        with open("/proc/self/maps") as f:
+            mapped = [line.split(None, 5)[-1].strip() for line in f if "commlib-board-" in line]
+    creator = f"-{os.getpid()}-" if group.rank == 0 else None
+    left = [name for name in os.listdir("/dev/shm") if creator and creator in name and "board" in name]
+    return {"transport": _transport(group), "mapped": mapped, "left": left}
 
 
 def async_under_check(group: IProcessGroup, late_s: float = 1.0) -> dict[str, Any]:

@@ -203,7 +203,31 @@ def test_one_collective_more_between_ddp_steps_is_caught_in_the_next_backward(
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_desync_raises_on_every_rank(pools: dict[str, RankPool], backend: str, case: str) -> None:
     outcome = pools[f"detail-{backend}"].run(bodies.desync, case, timeout=90)
+    assert [value["transport"] for value in outcome] == ["shared memory"] * 2
     _check_desync(case, backend, outcome)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fingerprints_cross_hosts_over_the_fallback(pools: dict[str, RankPool], backend: str) -> None:
+    """A rank on another host: no shared-memory board, and every desync still raises on every rank."""
+    outcome = pools[f"detail-{backend}"].run(bodies.desyncs_across_hosts, timeout=180)
+    fallback = {"gloo": "backend", "ring": "side channel"}[backend]
+    assert [value["transport"] for value in outcome] == [fallback] * 2
+    assert outcome[0]["left"] == [], "rank 0 left its board's file in /dev/shm"
+    for case in bodies.DESYNCS:
+        _check_desync(case, backend, [value[case] for value in outcome])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_board_is_mapped_and_its_file_removed(pools: dict[str, RankPool], backend: str) -> None:
+    """Once the group is up, every rank maps the board and no file is left in /dev/shm."""
+    outcome = pools[f"detail-{backend}"].run(bodies.board_set_up, timeout=90)
+    for value in outcome:
+        assert value["transport"] == "shared memory"
+        assert len(value["mapped"]) == 1 and value["mapped"][0].endswith(" (deleted)"), value["mapped"]
+        assert value["mapped"][0].startswith("/dev/shm/commlib-board-")
+    assert outcome[0]["mapped"] == outcome[1]["mapped"]
+    assert outcome[0]["left"] == []
 
 
 @pytest.mark.parametrize("case", list(bodies.DESYNCS))
@@ -215,6 +239,8 @@ def test_desync_raises_on_every_rank_on_the_backends_defaults(
     outcome = pools[f"defaults-{backend}"].run(bodies.desync_on_defaults, case, timeout=90)
     assert all(value["debug"] is None for value in outcome), "the pool must run without COMMLIB_DEBUG"
     assert all(value["fingerprints"] is (backend == "gloo") for value in outcome)
+    expected = "shared memory" if backend == "gloo" else "none"
+    assert [value["transport"] for value in outcome] == [expected] * 2
     _check_desync(case, backend, outcome, each_call=backend == "gloo")
 
 
@@ -469,6 +495,7 @@ def test_mpi_desyncs_dumps_and_semantics(
     per_rank = [result.results[r] for r in range(2)]
     for case in bodies.DESYNCS:
         _check_desync(case, "mpi", [v[f"{MODULE}:desyncs"][case] for v in per_rank])
+        assert [v[f"{MODULE}:desyncs"][case]["transport"] for v in per_rank] == ["shared memory"] * 2
     _check_extra_collective("mpi", [v[f"{MODULE}:extra_collective_counts"] for v in per_rank])
     _check_extra_collective_in_ddp("mpi", [v[f"{MODULE}:extra_collective_in_ddp"] for v in per_rank])
     seq = per_rank[0][f"{MODULE}:dump_after_mismatch"]["seq"]
@@ -480,6 +507,26 @@ def test_mpi_desyncs_dumps_and_semantics(
         for value in equivalence.values():
             _check_semantics(value, 2)
         assert equivalence["mpi"] == equivalence["gloo"] == equivalence["ring"]
+
+
+@pytest.mark.mpi
+@pytest.mark.launcher
+@requires_mpi
+def test_mpi_fingerprints_over_the_board_and_across_hosts() -> None:
+    """The default check maps the board (file removed); a rank on another host: MPI exchanges, same errors."""
+    names = [f"{MODULE}:{b}" for b in ("board_set_up", "desyncs_across_hosts")]
+    result = launch(names, 2, env=MPI_ENV, timeout=240)
+    assert result.returncode == 0, result.describe()
+    per_rank = [result.results[r] for r in range(2)]
+    for value in (v[f"{MODULE}:board_set_up"] for v in per_rank):
+        assert value["transport"] == "shared memory"
+        assert len(value["mapped"]) == 1 and value["mapped"][0].endswith(" (deleted)"), value["mapped"]
+        assert value["left"] == []
+    across = [v[f"{MODULE}:desyncs_across_hosts"] for v in per_rank]
+    assert [value["transport"] for value in across] == ["backend"] * 2
+    assert across[0]["left"] == []
+    for case in bodies.DESYNCS:
+        _check_desync(case, "mpi", [value[case] for value in across])
 
 
 @pytest.mark.mpi

@@ -419,14 +419,20 @@ def test_interface_training_on_data_parallel_subgroups(job: Job) -> None:
 
 
 # ------------------------------------------------------------------- faults
-def test_missing_rank_times_out_then_aborts_the_job() -> None:
-    result = launch("skip_collective", 2, env=FAST_TIMEOUT, timeout=60)
+@pytest.mark.parametrize("debug", [None, "OFF"])
+def test_missing_rank_times_out_then_aborts_the_job(debug: str | None) -> None:
+    """Waiting in the default fingerprint check (it names the missing rank), or in MPI itself (OFF)."""
+    env = FAST_TIMEOUT if debug is None else {**FAST_TIMEOUT, "COMMLIB_DEBUG": debug}
+    result = launch("skip_collective", 2, env=env, timeout=60)
     assert not result.timed_out, result.describe()
     assert result.returncode != 0
     assert result.elapsed < 30, result.describe()
     err = result.stderr
     assert "CommTimeoutError: [rank 0/2] mpi.all_reduce #" in err, result.describe()
-    assert "no progress for 3 s" in err
+    if debug is None:
+        assert "in the fingerprint check waiting for rank 1 to reach this collective" in err, err
+    else:
+        assert "no progress for 3 s" in err
     assert "aborts the MPI job (MPI_Abort" in err, result.describe()
 
 
