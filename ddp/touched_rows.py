@@ -79,6 +79,7 @@ class TouchedRows:
         """Rows of all the bucket's tables."""
         self._touched = torch.zeros(self.rows, dtype=torch.bool)
         self._flags = torch.zeros(self.rows, dtype=torch.int32)
+        self._exchange_flags = group.prepare_all_reduce(self._flags, ReduceOp.MAX)
         self.touched_rows = 0
         """Rows flagged on some rank in the latest exchange (all of them when it went dense)."""
 
@@ -88,9 +89,7 @@ class TouchedRows:
         for table, bits, start in self._tables:
             torch.any(bits, dim=1, out=touched[start : start + table.shape[0]])
         self._flags.copy_(touched)
-        work = self.group.all_reduce(self._flags, ReduceOp.MAX, async_op=True)
-        assert work is not None  # async_op=True always returns a handle
-        return work.annotate(
+        return self._exchange_flags.start().annotate(
             lambda: f"DDP bucket {self.bucket.index()}: touched-row flags of {self.rows} embedding rows"
         )
 
