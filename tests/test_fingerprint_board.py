@@ -143,6 +143,32 @@ def test_a_rank_that_never_posts_is_named_at_the_timeout(tmp_path: Path) -> None
     assert "COMMLIB_TIMEOUT" in message
 
 
+def test_a_rank_that_closes_its_group_or_exits_is_reported_at_once_not_at_the_timeout(tmp_path: Path) -> None:
+    from commlib import PeerFailureError
+
+    boards = _boards(2, tmp_path)
+    boards[1].close()  # rank 1 closed its group: rank 0 waits for nobody
+    start = time.monotonic()
+    with pytest.raises(PeerFailureError, match=r"rank 1 \(pid \d+\) exited or closed the group while"):
+        boards[0](b"x" * 112, 60.0, "[rank 0/2] gloo.all_reduce #3", False)
+    assert time.monotonic() - start < 5.0  # LIVENESS_S, not the 60 s timeout
+    boards[0].close()
+
+    # A rank whose process is gone (killed: it never closed anything).
+    first, token = FingerprintBoard.create(2, CAPACITY, str(tmp_path))
+    code = (
+        f"import sys; sys.path.insert(0, {os.getcwd()!r});"
+        "from commlib.diagnosis.board import FingerprintBoard;"
+        f"FingerprintBoard.open({first.path!r}, bytes.fromhex({token.hex()!r}), 1, 2);"
+        "import os; os._exit(0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    first.unlink()
+    with pytest.raises(PeerFailureError, match="rank 1 .pid \\d+. exited or closed the group"):
+        first(b"x" * 112, 60.0, "[rank 0/2] gloo.all_reduce #3", False)
+    first.close()
+
+
 def test_poll_waits_only_as_long_as_asked(tmp_path: Path) -> None:
     zero, one = _boards(2, tmp_path)
     zero.post(b"a" * 112)

@@ -15,6 +15,12 @@ are not reordered with older loads, so this is enough. Elsewhere
 loads: Python cannot issue a bare barrier, and a lock's acquire and release are
 the nearest it has.
 
+A rank that waits for a peer's number looks every ``LIVENESS_S`` whether the
+peer's process still runs and still has the group open (each rank writes its
+pid, start time and pid namespace into the board's presence table when it maps
+the board, and marks its entry when it closes the group): a peer that exited or
+closed its group is reported at once as a ``PeerFailureError``, not at the timeout.
+
 Set-up (``Diagnostics.start``): rank 0 creates the file, mode 0600, under a name no
 other process can guess, writes a random token into its header, and hands the
 name, the token and its host's identity (hostname and kernel boot id) to the other
@@ -37,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from commlib.errors import CommError, CommTimeoutError
+from commlib.errors import CommError, CommTimeoutError, PeerFailureError
 from commlib.procfs import read_process
 
 __all__ = [
@@ -59,6 +65,9 @@ _MAGIC = b"CLDGBRD1"
 _HEADER = struct.Struct("=8s16sII")
 """File header: magic, token, world size, slot size (bytes of payload per slot)."""
 _HEADER_BYTES = 64
+_PRESENCE = struct.Struct("=QQQQ")
+"""Per rank, after the header: its pid, its start time (clock ticks since boot), its pid namespace,
+and 1 once it has closed its group (unmapped the board)."""
 _SLOT_HEAD = 8
 """Per slot: the number of the exchange it holds (u64), then its bytes."""
 _LINE = 64
@@ -72,6 +81,8 @@ NAP_S = 1e-4
 """A waiting rank's nap between polls once ``YIELD_S`` has passed."""
 BACKGROUND_NAP_S = (5e-5, 2e-4)
 """The launcher thread's first and longest naps: it waits while the caller computes."""
+LIVENESS_S = 0.02
+"""How often a waiting rank looks whether the ranks it waits for still run."""
 
 _yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 _fence_lock = threading.Lock()
@@ -157,7 +168,8 @@ class FingerprintBoard:
         self._capacity = capacity
         self.path = path
         stride = _slot_stride(capacity)
-        slots = [[_HEADER_BYTES + (2 * r + parity) * stride for r in range(world_size)] for parity in (0, 1)]
+        base = _slots_at(world_size)
+        slots = [[base + (2 * r + parity) * stride for r in range(world_size)] for parity in (0, 1)]
         self._mine_at = [row[rank] + _SLOT_HEAD for row in slots]
         """Per parity: where this rank's bytes go."""
         self._sources = [[-1 if r == rank else at + _SLOT_HEAD for r, at in enumerate(row)] for row in slots]
@@ -174,6 +186,15 @@ class FingerprintBoard:
         """Per parity: the other ranks and where their bytes start."""
         self._mine = b""
         self._closed = False
+        me = read_process(os.getpid())
+        _PRESENCE.pack_into(
+            memory,
+            _HEADER_BYTES + rank * _PRESENCE.size,
+            os.getpid(),
+            me.start if me else 0,
+            _pid_namespace(),
+            0,
+        )
         self.pure_spin_s = PURE_SPIN_S
         """Seconds a waiting rank polls back to back before it yields; a backend whose own waits spin
         longer (MPI's, when every rank has a core) has the check's follow them."""
@@ -182,7 +203,7 @@ class FingerprintBoard:
     @staticmethod
     def size_for(world_size: int, capacity: int) -> int:
         """Bytes of the file for ``world_size`` ranks and ``capacity`` payload bytes per slot."""
-        return _HEADER_BYTES + 2 * world_size * _slot_stride(capacity)
+        return _slots_at(world_size) + 2 * world_size * _slot_stride(capacity)
 
     @classmethod
     def create(
@@ -252,6 +273,7 @@ class FingerprintBoard:
         if self._closed:
             return
         self._closed = True
+        self._words[(_HEADER_BYTES + self._rank * _PRESENCE.size) // 8 + 3] = 1  # closed: peers stop waiting
         self._words.release()
         try:
             self._memory.close()
@@ -391,7 +413,7 @@ class FingerprintBoard:
     def _await(self, timeout: float, label: object, background: bool) -> None:
         """``collect`` without reading: return once every rank has posted, or raise."""
         try:
-            late = self._wait(timeout, background)
+            late, gone = self._wait(timeout, background)
         except ValueError as e:  # unmapped by close() on another thread
             raise CommError(f"{label() if callable(label) else label}: the group was closed: {e}") from e
         if not late:
@@ -400,6 +422,13 @@ class FingerprintBoard:
             return
         if callable(label):
             label = label()
+        if gone:
+            raise PeerFailureError(
+                f"{label}: rank{'s' if len(gone) > 1 else ''} {', '.join(f'{r} (pid {p})' for r, p in gone)} "
+                "exited or closed the group while this rank waited in the fingerprint check for "
+                f"{'their' if len(gone) > 1 else 'its'} exchange #{self._count}; the group is unusable: "
+                "every rank must create a new one"
+            )
         raise CommTimeoutError(
             f"{label}: timed out after {timeout:g} s in the fingerprint check waiting for rank"
             f"{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} to reach this collective (their "
@@ -407,12 +436,15 @@ class FingerprintBoard:
             "have exited. Raise COMMLIB_TIMEOUT if they are just slow"
         )
 
-    def _wait(self, timeout: float, background: bool) -> list[int]:
-        """Poll until every rank has posted the last exchange or ``timeout`` passed; return those late."""
+    def _wait(self, timeout: float, background: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """Poll until every rank has posted the last exchange, ``timeout`` passed, or one it waits for exited.
+
+        Returns the ranks late (none: all posted) and, of those, ``(rank, pid)`` of the ones gone.
+        """
         words, count = self._words, self._count
         missing = [flag for flag in self._flags[count & 1] if words[flag] != count]
         if not missing:
-            return []
+            return [], []
         start = time.monotonic()
         deadline = start + timeout
         if background:
@@ -422,20 +454,57 @@ class FingerprintBoard:
             nap, longest = NAP_S, NAP_S
             yield_until = start + self.pure_spin_s
             nap_from = start + max(YIELD_S, self.pure_spin_s)
+        look_at = start + LIVENESS_S
+        gone: list[tuple[int, int]] = []
         while True:
             missing = [flag for flag in missing if words[flag] != count]
             if not missing:
-                return []
+                return [], []
             now = time.monotonic()
             if now >= deadline:
                 break
+            if now >= look_at:
+                look_at = now + LIVENESS_S
+                gone = self._gone(missing)
+                if gone:
+                    break
             if now > nap_from:
                 time.sleep(nap)
                 nap = min(nap * 2, longest)
             elif now > yield_until:
                 _yield()
         flags = self._flags[count & 1]
-        return [rank for rank, flag in zip(self._others, flags, strict=True) if words[flag] != count]
+        return [rank for rank, flag in zip(self._others, flags, strict=True) if words[flag] != count], gone
+
+    def _gone(self, missing: list[int]) -> list[tuple[int, int]]:
+        """``(rank, pid)`` of the ranks behind the ``missing`` slots that exited or closed the group."""
+        count, flags = self._count, self._flags[self._count & 1]
+        namespace = _pid_namespace()
+        gone = []
+        for rank, flag in zip(self._others, flags, strict=True):
+            if flag not in missing or self._words[flag] == count:
+                continue
+            at = _HEADER_BYTES + rank * _PRESENCE.size
+            pid, started, their_namespace, closed = _PRESENCE.unpack_from(self._memory, at)
+            if closed or (pid and their_namespace == namespace and not _running(pid, started)):
+                gone.append((rank, pid))
+        return gone
+
+
+def _running(pid: int, started: int) -> bool:
+    """True if process ``pid``, started at ``started``, still runs (not a zombie, not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0] not in ("Z", "X") and int(fields[19]) == started
+
+
+def _slots_at(world_size: int) -> int:
+    """Where the slots start: after the header and the presence table, on a cache line."""
+    return -(-(_HEADER_BYTES + world_size * _PRESENCE.size) // _LINE) * _LINE
 
 
 def _slot_stride(capacity: int) -> int:

@@ -110,9 +110,10 @@ def _check_desync(case: str, backend: str, outcome: list[dict[str, Any]], each_c
         seq = value["seq"]
         assert kind == "CollectiveMismatchError", message
         op = FIRST_OP.get(case, ("all_reduce", "all_reduce"))[rank]
-        assert message.startswith(
-            (f"[rank {rank}/2] {backend}.{op} #{seq} (", f"[rank {rank}/2] {backend}.{op} #{seq}: ")
-        ), message
+        head = f"[rank {rank}/2] {backend}.{op} #{seq}"
+        # A subgroup's messages name it (`` in group [0, 1] (global ranks)``); the world's do not.
+        subgroup = f"{head} in group [0, 1] (global ranks)"
+        assert message.startswith((f"{head} (", f"{head}: ", subgroup)), message
         expected = EXPECTED[case] if each_call else RING_EXPECTED.get(case, EXPECTED[case])
         assert expected.format(seq=seq) in message, message
         if each_call:  # the fingerprint check's; the ring's own records name the calls in the text above

@@ -31,10 +31,13 @@ TIMEOUT_S = 30
 ENV = {"COMMLIB_TIMEOUT": str(TIMEOUT_S), "CUDA_VISIBLE_DEVICES": ""}
 
 LOST = {
-    "commlib_ring": "rank 1 (left neighbour) closed the connection",
-    "commlib_gloo": "a peer process closed its connection",
+    "commlib_ring": ("rank 1 (left neighbour) closed the connection",),
+    "commlib_gloo": (
+        "a peer process closed its connection",  # Gloo's connection, in the collective
+        "while this rank waited in the fingerprint check",  # the check's board, before it
+    ),
 }
-"""How each backend tells rank 0 that rank 1's process is gone."""
+"""How each backend tells rank 0 that rank 1's process is gone (gloo: where rank 0 was waiting)."""
 
 CASES = [
     ("ddp", "exit"),
@@ -92,7 +95,7 @@ def test_survivor_raises_commlib_error_and_exits_normally(backend: str, integrat
     else:
         assert value["error_type"] == "PeerFailureError", value
         assert value["error"].startswith(f"[rank 0/2] {inner}.{op} #"), value
-    assert LOST[backend] in value["error"], value
+    assert any(text in value["error"] for text in LOST[backend]), value
     assert value["after_s"] < TIMEOUT_S / 3, value  # measured: 0.01-0.05 s
     unusable = f"GroupClosedError: [rank 0/2] {inner}.barrier: the process group is unusable"
     assert value["next"].startswith(unusable), value

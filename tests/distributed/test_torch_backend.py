@@ -223,18 +223,22 @@ def test_groups_sharing_torchs_default_group_destroy_it_on_the_last_close() -> N
 
 
 # ------------------------------------------------------------------- faults
-def test_dead_peer_raises_peer_failure_fast() -> None:
-    outcomes = run_ranks_outcomes(
-        mpi_bodies.die_after_first, 2, backend="gloo", timeout=60, env={"COMMLIB_TIMEOUT": "30"}
-    )
+@pytest.mark.parametrize("debug", ["off", "default"])
+def test_dead_peer_raises_peer_failure_fast(debug: str) -> None:
+    """Gloo's connection tells with the check off; on the defaults the check's board sees the process gone."""
+    env = {"COMMLIB_TIMEOUT": "30"} | ({"COMMLIB_DEBUG": "OFF"} if debug == "off" else {})
+    outcomes = run_ranks_outcomes(mpi_bodies.die_after_first, 2, backend="gloo", timeout=60, env=env)
     survivor = outcomes[0]
     assert survivor.ok, survivor
     value = survivor.value
     assert value["error_type"] == "PeerFailureError", value
-    assert value["error"].startswith(
-        "[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): a peer process closed"
-    )
-    assert "(peer [127.0.0.1]:" in value["error"]
+    prefix = "[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): "
+    if debug == "off":
+        assert value["error"].startswith(f"{prefix}a peer process closed"), value
+        assert "(peer [127.0.0.1]:" in value["error"]
+    else:
+        assert value["error"].startswith(f"{prefix}rank 1 (pid "), value
+        assert "exited or closed the group while this rank waited" in value["error"], value
     assert value["after_s"] < 5, value  # measured: ~0.02 s
     assert value["next"].startswith(
         "GroupClosedError: [rank 0/2] gloo.all_reduce: the process group is unusable"
@@ -242,20 +246,21 @@ def test_dead_peer_raises_peer_failure_fast() -> None:
     assert outcomes[1].exitcode == 3
 
 
-def test_missing_rank_times_out() -> None:
+@pytest.mark.parametrize("debug", ["off", "default"])
+def test_missing_rank_times_out(debug: str) -> None:
+    """Gloo's timeout with the check off; on the defaults the check names the rank that did not come."""
+    env = {"COMMLIB_TIMEOUT": "2"} | ({"COMMLIB_DEBUG": "OFF"} if debug == "off" else {})
     outcomes = run_ranks_outcomes(
-        mpi_bodies.skip_collective,
-        2,
-        backend="gloo",
-        args=(3.5, True),
-        timeout=60,
-        env={"COMMLIB_TIMEOUT": "2"},
+        mpi_bodies.skip_collective, 2, backend="gloo", args=(3.5, True), timeout=60, env=env
     )
     value = outcomes[0].value
     assert outcomes[0].ok and value["error_type"] == "CommTimeoutError", outcomes[0]
-    assert value["error"].startswith(
-        "[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): did not finish within 2 s"
-    )
+    prefix = "[rank 0/2] gloo.all_reduce #2 (float32, 100 elements): "
+    check = "timed out after 2 s in the fingerprint check"
+    expected = "did not finish within 2 s" if debug == "off" else check
+    assert value["error"].startswith(prefix + expected), value
+    if debug == "default":
+        assert "waiting for rank 1 to reach this collective" in value["error"], value
     assert 1.5 < value["after_s"] < 6, value
     assert value["next"].startswith("GroupClosedError")
 
