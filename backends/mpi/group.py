@@ -65,6 +65,7 @@ from commlib.errors import (
     CommTimeoutError,
     GroupClosedError,
     MessageMismatchError,
+    PeerFailureError,
     RendezvousError,
     RendezvousTimeoutError,
     error_prefix,
@@ -1241,15 +1242,16 @@ class MPIProcessGroup(IProcessGroup):
             self._progress.stop()
 
     def _mark_broken(self, error: BaseException) -> None:
-        """As the interface's; a timeout also makes this process abort the MPI job when it exits.
+        """As the interface's; a missed peer also makes this process abort the MPI job when it exits.
 
         A rank that timed out waiting for a peer (in a collective, or in the
-        fingerprint check before one) cannot know that the peer will ever call
-        ``MPI_Finalize``, which waits for every rank: the exit hook aborts instead.
+        fingerprint check before one), or that saw a peer exit, cannot know that the
+        peer will ever call ``MPI_Finalize``, which waits for every rank: the exit hook
+        aborts instead.
         """
         global _missed_peer
         super()._mark_broken(error)
-        if isinstance(error, CommTimeoutError) and _missed_peer is None:
+        if isinstance(error, CommTimeoutError | PeerFailureError) and _missed_peer is None:
             _missed_peer = (self._prefix("exit"), str(error))
 
     # ------------------------------------------------------------------ errors
@@ -1408,7 +1410,7 @@ def _abort_if_unfinished(grace_s: float = 1.0) -> None:
     if _missed_peer is not None and _MPI.COMM_WORLD.Get_size() > 1:
         prefix, error = _missed_peer
         print(
-            f"{prefix}a collective of this rank timed out waiting for a peer ({error}); MPI_Finalize "
+            f"{prefix}a collective of this rank missed a peer ({error}); MPI_Finalize "
             "would wait for that peer, so this rank aborts the MPI job (MPI_Abort, exit code 1).",
             file=sys.stderr,
             flush=True,

@@ -215,6 +215,8 @@ class PointToPoint:
         self._opening: dict[int, threading.Lock] = {}  # held by the send opening the link to a rank
         self._acceptor: threading.Thread | None = None
         self._closing = False
+        self._flushing = False
+        """``close`` is waiting for the sends in flight: a send that times out now ends as unsent at close."""
         self._unsent = False
         """True once ``close`` gave up waiting for the sends in flight: they fail, saying so."""
         self._scratch: torch.Tensor | None = None
@@ -293,7 +295,7 @@ class PointToPoint:
             posted = True
             verdict = link.await_verdict(msg, out.taking)
         except (CommError, OSError) as e:
-            if self._closing:
+            if self._closing or (self._flushing and isinstance(e, CommTimeoutError)):
                 raise self._closed_during_send(label, dst) from e
             if isinstance(e, CommTimeoutError) and posted:
                 raise CommTimeoutError(
@@ -331,7 +333,7 @@ class PointToPoint:
             send_json(sock, p2p_hello(self._session, self._rank, dst))
             link = open_send_link(sock, SocketReader(sock, name), dst, name, self._shape, f"{label}: ")
         except (CommError, OSError) as e:
-            if self._closing:
+            if self._closing or (self._flushing and isinstance(e, CommTimeoutError)):
                 raise self._closed_during_send(label, dst) from e
             if isinstance(e, CommTimeoutError):
                 raise CommTimeoutError(
@@ -376,7 +378,7 @@ class PointToPoint:
             return sock
 
     def _closed_during_send(self, label: object, dst: int) -> GroupClosedError:
-        if self._unsent:
+        if self._unsent or (self._flushing and not self._closing):  # its own timeout ran out first
             return GroupClosedError(
                 f"{label}: the group was closed before rank {dst} took the message: close waited "
                 f"the group's timeout ({self._timeout:g} s) for it. Rank {dst} posted no matching recv, "
@@ -670,6 +672,7 @@ class PointToPoint:
         """
         deadline = time.monotonic() + self._timeout
         with self._links:
+            self._flushing = True
             send_lanes = list(self._send_lanes.values())
         flushed = all(lane.wait_idle(deadline - time.monotonic()) for lane in send_lanes)
         with self._links:

@@ -475,21 +475,32 @@ def test_a_rank_that_dies_of_an_exception_in_ddp_backward_aborts_the_job() -> No
 
 
 @pytest.mark.skipif(not _is_hydra(), reason="-disable-auto-cleanup is an MPICH (Hydra) flag")
-def test_dead_peer_survivor_times_out_when_the_launcher_keeps_it() -> None:
-    """With the launcher's clean-up off, the survivor's collective times out, then it aborts the job."""
-    result = launch(
-        "die_after_first", 2, env=FAST_TIMEOUT, timeout=60, launcher_args=["-disable-auto-cleanup"]
-    )
+@pytest.mark.parametrize("debug", ["off", "default"])
+def test_dead_peer_survivor_raises_then_aborts_when_the_launcher_keeps_it(debug: str) -> None:
+    """With the launcher's clean-up off, the survivor's collective fails, then it aborts the job.
+
+    With the check off it times out; on the defaults the check's board sees the peer's
+    process gone at once.
+    """
+    env = FAST_TIMEOUT | ({"COMMLIB_DEBUG": "OFF"} if debug == "off" else {})
+    result = launch("die_after_first", 2, env=env, timeout=60, launcher_args=["-disable-auto-cleanup"])
     assert not result.timed_out, result.describe()
     assert result.returncode != 0
     survivor = result.results[0]["die_after_first"]
-    assert survivor["error_type"] == "CommTimeoutError"
-    assert survivor["error"].startswith("[rank 0/2] mpi.all_reduce #")
-    assert 2.5 < survivor["after_s"] < 10
+    assert survivor["error"].startswith("[rank 0/2] mpi.all_reduce #"), survivor
+    if debug == "off":
+        assert survivor["error_type"] == "CommTimeoutError", survivor
+        assert 2.5 < survivor["after_s"] < 10, survivor
+    else:
+        assert survivor["error_type"] == "PeerFailureError", survivor
+        assert "rank 1 (pid " in survivor["error"] and "exited or closed the group" in survivor["error"]
+        assert survivor["after_s"] < 2.5, survivor  # measured: ~0.02 s
     assert survivor["next"].startswith(
         "GroupClosedError: [rank 0/2] mpi.all_reduce: the process group is unusable"
     )
-    assert "aborts the MPI job" in result.stderr
+    assert "aborts the MPI job" in result.stderr, result.describe()
+    if debug == "default":  # the check failed before the collective was issued: none is left in flight
+        assert "a collective of this rank missed a peer" in result.stderr, result.describe()
 
 
 def test_world_size_disagreeing_with_environment() -> None:
