@@ -32,7 +32,16 @@ class CommTimeoutError(CommError, TimeoutError):
 
 
 class PeerFailureError(CommError):
-    """A peer process closed its connection or reported that it failed."""
+    """A peer process closed its connection, exited, or reported that it failed.
+
+    Attributes:
+        exited: Ranks whose processes were seen gone (exited or killed), as the group
+            numbers them; empty when the failure says nothing about the processes.
+    """
+
+    def __init__(self, message: str, *, exited: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.exited = exited
 
 
 class CollectiveMismatchError(CommError, ValueError):

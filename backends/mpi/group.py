@@ -1245,13 +1245,14 @@ class MPIProcessGroup(IProcessGroup):
         """As the interface's; a missed peer also makes this process abort the MPI job when it exits.
 
         A rank that timed out waiting for a peer (in a collective, or in the
-        fingerprint check before one), or that saw a peer exit, cannot know that the
-        peer will ever call ``MPI_Finalize``, which waits for every rank: the exit hook
-        aborts instead.
+        fingerprint check before one), or that saw a peer's process end, cannot know
+        that the peer will ever call ``MPI_Finalize``, which waits for every rank: the
+        exit hook aborts instead. A peer that closed the group will finalize.
         """
         global _missed_peer
         super()._mark_broken(error)
-        if isinstance(error, CommTimeoutError | PeerFailureError) and _missed_peer is None:
+        missed = isinstance(error, CommTimeoutError) or (isinstance(error, PeerFailureError) and error.exited)
+        if missed and _missed_peer is None:
             _missed_peer = (self._prefix("exit"), str(error))
 
     # ------------------------------------------------------------------ errors

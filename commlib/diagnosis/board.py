@@ -423,11 +423,13 @@ class FingerprintBoard:
         if callable(label):
             label = label()
         if gone:
+            what = ", ".join(f"{r} (pid {p}) {'exited' if e else 'closed the group'}" for r, p, e in gone)
+            plural = len(gone) > 1
             raise PeerFailureError(
-                f"{label}: rank{'s' if len(gone) > 1 else ''} {', '.join(f'{r} (pid {p})' for r, p in gone)} "
-                "exited or closed the group while this rank waited in the fingerprint check for "
-                f"{'their' if len(gone) > 1 else 'its'} exchange #{self._count}; the group is unusable: "
-                "every rank must create a new one"
+                f"{label}: rank{'s' if plural else ''} {what} while this rank waited in the fingerprint "
+                f"check for {'their' if plural else 'its'} exchange #{self._count}; the group is unusable: "
+                "every rank must create a new one",
+                exited=tuple(r for r, _, ended in gone if ended),
             )
         raise CommTimeoutError(
             f"{label}: timed out after {timeout:g} s in the fingerprint check waiting for rank"
@@ -436,10 +438,11 @@ class FingerprintBoard:
             "have exited. Raise COMMLIB_TIMEOUT if they are just slow"
         )
 
-    def _wait(self, timeout: float, background: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    def _wait(self, timeout: float, background: bool) -> tuple[list[int], list[tuple[int, int, bool]]]:
         """Poll until every rank has posted the last exchange, ``timeout`` passed, or one it waits for exited.
 
-        Returns the ranks late (none: all posted) and, of those, ``(rank, pid)`` of the ones gone.
+        Returns the ranks late (none: all posted) and, of those, ``(rank, pid, exited)`` of the
+        ones gone (``exited`` False: it closed the group).
         """
         words, count = self._words, self._count
         missing = [flag for flag in self._flags[count & 1] if words[flag] != count]
@@ -455,7 +458,7 @@ class FingerprintBoard:
             yield_until = start + self.pure_spin_s
             nap_from = start + max(YIELD_S, self.pure_spin_s)
         look_at = start + LIVENESS_S
-        gone: list[tuple[int, int]] = []
+        gone: list[tuple[int, int, bool]] = []
         while True:
             missing = [flag for flag in missing if words[flag] != count]
             if not missing:
@@ -476,8 +479,8 @@ class FingerprintBoard:
         flags = self._flags[count & 1]
         return [rank for rank, flag in zip(self._others, flags, strict=True) if words[flag] != count], gone
 
-    def _gone(self, missing: list[int]) -> list[tuple[int, int]]:
-        """``(rank, pid)`` of the ranks behind the ``missing`` slots that exited or closed the group."""
+    def _gone(self, missing: list[int]) -> list[tuple[int, int, bool]]:
+        """``(rank, pid, exited)`` of the ranks behind ``missing`` slots that exited or closed their group."""
         count, flags = self._count, self._flags[self._count & 1]
         namespace = _pid_namespace()
         gone = []
@@ -486,8 +489,9 @@ class FingerprintBoard:
                 continue
             at = _HEADER_BYTES + rank * _PRESENCE.size
             pid, started, their_namespace, closed = _PRESENCE.unpack_from(self._memory, at)
-            if closed or (pid and their_namespace == namespace and not _running(pid, started)):
-                gone.append((rank, pid))
+            exited = not closed and bool(pid) and their_namespace == namespace and not _running(pid, started)
+            if closed or exited:
+                gone.append((rank, pid, exited))
         return gone
 
 

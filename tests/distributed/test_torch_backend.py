@@ -238,7 +238,7 @@ def test_dead_peer_raises_peer_failure_fast(debug: str) -> None:
         assert "(peer [127.0.0.1]:" in value["error"]
     else:
         assert value["error"].startswith(f"{prefix}rank 1 (pid "), value
-        assert "exited or closed the group while this rank waited" in value["error"], value
+        assert "exited while this rank waited" in value["error"], value
     assert value["after_s"] < 5, value  # measured: ~0.02 s
     assert value["next"].startswith(
         "GroupClosedError: [rank 0/2] gloo.all_reduce: the process group is unusable"
