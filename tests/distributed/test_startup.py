@@ -220,7 +220,7 @@ def test_ranks_started_in_two_sessions_are_both_told_to_set_the_job_token(backen
     rank1 = _session(one_rank, _env(port, backend, RANK="1"))
     rank0 = None
     try:
-        rank0 = _session(one_rank, _env(port, backend, timeout="20", RANK="0"))
+        rank0 = _session(one_rank, _env(port, backend, timeout="6", RANK="0"))
         (refused,) = _lines(rank1)
         (leader,) = _lines(rank0)
     finally:
@@ -231,7 +231,7 @@ def test_ranks_started_in_two_sessions_are_both_told_to_set_the_job_token(backen
     fix = "If these ranks are one job, set COMMLIB_JOB_TOKEN to the same value on every rank"
     assert fix in refused["error"], refused
     assert leader["error_type"] == "RendezvousTimeoutError", leader
-    assert leader["error"].startswith(f"[rank 0/2] {backend}.rendezvous: timed out after 20.0 s"), leader
+    assert leader["error"].startswith(f"[rank 0/2] {backend}.rendezvous: timed out after 6.0 s"), leader
     assert "claiming rank 1 of world size 2 (its job: local job started by pid " in leader["error"], leader
     assert "Ranks [1] were claimed only with another job token" in leader["error"], leader
     assert "(started from another terminal or session, or given another COMMLIB_JOB_TOKEN)" in leader["error"]
