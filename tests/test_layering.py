@@ -187,7 +187,9 @@ def _is_package_init(name: str) -> bool:
     ("old", "new", "names"),
     [
         ("backends.ring", "backends.ring.group", ["RingProcessGroup", "RingConfig", "BACKENDS"]),
-        ("backends.mpi", "backends.mpi.group", ["MPIProcessGroup", "MPIConfig", "from_mpi_comm"]),
+        ("backends.mpi", "backends.mpi.group", ["MPIProcessGroup"]),
+        ("backends.mpi", "backends.mpi.config", ["MPIConfig"]),
+        ("backends.mpi", "backends.mpi.factories", ["BACKENDS", "create_mpi_group", "from_mpi_comm"]),
         ("commlib.torch_backend", "commlib.torch_adapter", ["CommlibProcessGroup", "BACKENDS", "register"]),
     ],
 )

@@ -1,6 +1,11 @@
 """The ``mpi`` backend: commlib collectives over mpi4py.
 
-- ``group``: ``MPIProcessGroup`` and its settings.
+- ``group``: ``MPIProcessGroup``.
+- ``config``: ``MPIConfig``, its settings.
+- ``factories``: making groups (``create_mpi_group``, ``from_mpi_comm``).
+- ``work``: the ``Work`` of an MPI request.
+- ``abort``: the exit and uncaught-exception hooks that abort the MPI job rather than hang.
+- ``library``: loading ``mpi4py.MPI`` once per process.
 - ``dtypes``: how each dtype travels through MPI, and which MPI operation reduces it.
 - ``p2p``: point-to-point messages (matching in posting order, the size answer).
 - ``progress``: the thread that advances non-blocking MPI calls, and the bounded wait.
@@ -9,6 +14,8 @@
 Only the names below are public; the modules are the backend's own.
 """
 
-from backends.mpi.group import BACKENDS, MPIConfig, MPIProcessGroup, create_mpi_group, from_mpi_comm
+from backends.mpi.config import MPIConfig
+from backends.mpi.factories import BACKENDS, create_mpi_group, from_mpi_comm
+from backends.mpi.group import MPIProcessGroup
 
 __all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from_mpi_comm"]

@@ -33,38 +33,32 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import datetime
-import functools
 import hashlib
 import itertools
 import os
-import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-import mpi4py  # an ImportError here names mpi4py; the registry turns it into the pip hint
 import torch
 
 from backends.common.cuda_staging import Chunk
-from backends.common.store_rendezvous import scope_in
 from backends.mpi import device_path
-from backends.mpi.cuda import cuda_aware_override
+from backends.mpi.abort import forget_group, note_missed_peer, register_group
+from backends.mpi.config import MPIConfig
 from backends.mpi.dtypes import DtypePlan, code_dtype, dtype_code, plan_for
-from backends.mpi.p2p import DirectPayload, Layout, Mismatch, P2PEngine, Payload, RecvRequest, SendRequest
+from backends.mpi.library import load_mpi
+from backends.mpi.p2p import DirectPayload, Layout, Mismatch, P2PEngine, Payload, RecvRequest
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
+from backends.mpi.work import MPIWork, P2PWork
 from commlib.config import CommConfig
-from commlib.env import DistEnv, read_env_var
+from commlib.env import DistEnv
 from commlib.errors import (
-    BackendUnavailableError,
     CommError,
     CommTimeoutError,
     GroupClosedError,
-    MessageMismatchError,
     PeerFailureError,
     RendezvousError,
     RendezvousTimeoutError,
@@ -75,12 +69,7 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, CompletedWork, Work
 
-__all__ = ["BACKENDS", "MPIConfig", "MPIProcessGroup", "create_mpi_group", "from_mpi_comm"]
-
-_MPI: Any = None
-"""The ``mpi4py.MPI`` module, imported (and MPI initialised) on first use."""
-
-_PROGRESS_MODES = ("thread", "none")
+__all__ = ["MPIProcessGroup"]
 
 _THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
 
@@ -102,334 +91,13 @@ _BACKGROUND_SPIN_S = 2e-3
 """Seconds the launcher thread tests a fingerprint exchange between yields before it naps: a
 rank that arrives together with its peers finishes in microseconds, one far ahead sleeps."""
 
-_lock = threading.Lock()
-_live_groups: dict[int, MPIProcessGroup] = {}
-"""Open groups, and closed ones with collectives still in flight, held for the exit hook.
-
-Strong references: a group that failed sits in a reference cycle once its caller's
-frames are gone, and must not be collected before the hook has looked at it."""
-_exit_hook_registered = False
 _warned: set[str] = set()
-_missed_peer: tuple[str, str] | None = None
-"""This process's prefix and the first timeout that broke one of its groups (the exit hook aborts)."""
-
-
-# -------------------------------------------------------------------- config
-def _progress_mode(text: str) -> str:
-    value = text.strip().lower()
-    if value not in _PROGRESS_MODES:
-        raise ValueError(f"expected one of {', '.join(_PROGRESS_MODES)}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise ValueError("must be >= 0")
-    return value
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MPIConfig:
-    """Settings of the ``mpi`` backend, read from ``COMMLIB_MPI_*`` variables."""
-
-    progress: str = "thread"
-    """How ``async_op=True`` collectives advance while the caller computes: ``thread``
-    (a daemon thread tests them every ``progress_interval_us``) or ``none`` (only inside
-    ``wait()`` / ``is_completed()``). ``COMMLIB_MPI_PROGRESS``; default ``thread``."""
-
-    progress_interval_us: float = 200.0
-    """Microseconds the progress thread sleeps between two polling rounds.
-    ``COMMLIB_MPI_PROGRESS_US``; default 200 (measured in docs/backends.md)."""
-
-    cuda_aware: bool | None = None
-    """Whether the MPI library reads and writes CUDA memory; None detects it
-    (``backends.mpi.cuda.detect_cuda_aware``) when the first CUDA tensor arrives.
-    ``COMMLIB_MPI_CUDA_AWARE`` = 1, 0 or auto."""
-
-    def __post_init__(self) -> None:
-        if self.progress not in _PROGRESS_MODES:
-            raise ValueError(
-                f"MPIConfig.progress: expected one of {', '.join(_PROGRESS_MODES)}, got {self.progress!r}"
-            )
-        if not self.progress_interval_us >= 0:
-            raise ValueError(f"MPIConfig.progress_interval_us: must be >= 0, got {self.progress_interval_us}")
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> MPIConfig:
-        """Build the config from ``COMMLIB_MPI_PROGRESS``, ``_PROGRESS_US`` and ``_CUDA_AWARE``."""
-        return cls(
-            progress=read_env_var("COMMLIB_MPI_PROGRESS", _progress_mode, "thread", environ),
-            progress_interval_us=read_env_var("COMMLIB_MPI_PROGRESS_US", _non_negative, 200.0, environ),
-            cuda_aware=cuda_aware_override(environ),
-        )
-
-
-# ---------------------------------------------------------------- MPI set-up
-def _load_mpi() -> Any:
-    """Import ``mpi4py.MPI`` (initialising MPI with thread level MULTIPLE) once."""
-    global _MPI
-    if _MPI is not None:
-        return _MPI
-    if "mpi4py.MPI" not in sys.modules:
-        # Ask for MULTIPLE: the progress thread calls MPI while the caller may too.
-        mpi4py.rc.thread_level = "multiple"
-    try:
-        from mpi4py import MPI
-    except (ImportError, RuntimeError) as e:
-        raise BackendUnavailableError(
-            f"backend 'mpi': mpi4py is installed but its MPI library could not be loaded ({e}); "
-            "pip install 'commlib[mpi]' (brings MPICH and its mpirun), or run scripts/setup.sh"
-        ) from e
-    _MPI = MPI
-    return MPI
 
 
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-# ---------------------------------------------------------------------- work
-class _MPIWork(Work):
-    """A ``Work`` around one MPI request.
-
-    Whoever sees the request finished settles the work: a waiter, a test from
-    ``is_completed()``, or the progress thread. The progress thread also fails
-    a request that has run past the group's timeout, so a future that nobody
-    waits on still completes (with ``CommTimeoutError``).
-    """
-
-    def __init__(
-        self,
-        group: MPIProcessGroup,
-        label: CollectiveLabel,
-        request: Any,
-        keep_alive: Any,
-        issued: float | None = None,
-        stream: Any = None,
-    ) -> None:
-        super().__init__(label, keep_alive)
-        self._group = group
-        self._key = next(group._keys)
-        """This work's entry in the group's ``_pending`` while its request may be in flight."""
-        self._request = request
-        self._stream = stream
-        """The CUDA stream current when the collective was issued (None for host tensors)."""
-        self._drive_lock = threading.Lock()
-        self._issued = time.monotonic() if issued is None else issued
-        self._abandoned = False
-
-    @property
-    def describe(self) -> str:
-        """``[rank 0/2] mpi.all_reduce #7 (float32, 1024 elements)``."""
-        return str(self._label)
-
-    def _settle(self, error: BaseException | None = None) -> None:
-        if self._done:
-            return
-        if self._stream is None:
-            super()._settle(error)
-        else:
-            # The finishing steps may run on the progress thread: queue their kernels on
-            # the issuing thread's stream, which the copies back have been ordered before.
-            with self._group._device().on_stream(self._stream):
-                super()._settle(error)
-        if self._error is not None and self._breaks_group(self._error):
-            self._group._mark_broken(self._error)
-        if not self._abandoned:
-            self._group._pending.pop(self._key, None)
-
-    def _test_locked(self) -> bool:
-        """Test once (the caller holds the drive lock); settle the work if the request is done.
-
-        A work abandoned at its timeout is settled already, but its request is
-        tested on (the exit hook asks whether it ever finished).
-        """
-        if self._done and not self._abandoned:
-            return True
-        try:
-            flag = self._request.Test()
-        except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-            self._settle(self._group._failure(self._label, e))
-            return True
-        if flag:
-            if self._abandoned:
-                self._group._pending.pop(self._key, None)
-            self._succeeded()
-        return bool(flag)
-
-    def _test(self) -> bool:
-        with self._drive_lock:
-            return self._test_locked()
-
-    def _poll_background(self) -> bool:
-        if self._done:
-            return True  # an abandoned request is left to the exit hook
-        if not self._drive_lock.acquire(blocking=False):
-            return False  # a waiter holds it and drives the request itself
-        try:
-            if self._test_locked():
-                return True
-            if time.monotonic() - self._issued > self._group.timeout:
-                # Unless it can be withdrawn, the request is still in flight: it stays listed
-                # for the exit hook, which aborts the job rather than hang in MPI_Finalize.
-                self._abandoned = not self._withdraw()
-                self._settle(self._timeout_error(self._group.timeout))
-                return True
-            return False
-        finally:
-            self._drive_lock.release()
-
-    def _wait_for_backend(self, timeout: float | None) -> None:
-        """Drive MPI on the calling thread until the request ends (see ``Work.wait``).
-
-        The calling thread tests the request itself (``wait_until``: back-to-back
-        tests, then yielding, then short naps) and gives up at ``timeout``
-        (default: the group's timeout).
-        """
-        limit = self._group.timeout if timeout is None else max(float(timeout), 0.0)
-        deadline = time.monotonic() + limit
-        # Hold the lock for the whole wait: the progress thread leaves this request
-        # alone, and each poll is one bare MPI_Test. A large collective moves one
-        # step per test on each rank, so a slower poll would slow the transfer.
-        progress = self._group._progress
-        with self._drive_lock:
-            if self._done:
-                return
-            if progress is not None:
-                progress.waiter_enter()
-            try:
-                test = self._group._tester(self._request)
-                done = wait_until(test, deadline, pure_spin_s=self._group._pure_spin_s)
-            except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
-                self._settle(self._group._failure(self._label, e))
-            else:
-                if done:
-                    self._succeeded()
-                else:
-                    self._expired(timeout, limit)
-            finally:
-                if progress is not None:
-                    progress.waiter_exit()
-                    if self._done:
-                        progress.discard(self)
-
-    def _test_backend(self) -> None:
-        if not self._drive_lock.acquire(blocking=False):
-            return
-        try:
-            self._test_locked()
-        finally:
-            self._drive_lock.release()
-
-    def _arm_future(self) -> None:
-        self._group._ensure_polled(self)
-
-    def _succeeded(self) -> None:
-        """The request finished: settle the work (a receive records its source first)."""
-        self._settle()
-
-    def _withdraw(self) -> bool:
-        """At the group's timeout: take the request back from MPI if possible; True if nothing remains.
-
-        A collective cannot be withdrawn.
-        """
-        return False
-
-    def _let_go(self) -> bool:
-        """When the group closes or the process exits: True if MPI no longer holds anything of it.
-
-        A collective in flight is held until it finishes.
-        """
-        return False
-
-    @staticmethod
-    def _breaks_group(error: BaseException) -> bool:
-        """Return True if failing with ``error`` leaves the group unusable (every collective failure does)."""
-        return True
-
-    def _timeout_error(self, limit: float) -> CommTimeoutError:
-        return CommTimeoutError(
-            f"{self.describe}: no progress for {limit:g} s; a peer rank is missing, stuck "
-            "or called a different collective. MPI cannot cancel a collective, so the "
-            "group is unusable and this process will abort the MPI job when it exits "
-            "(MPI_Finalize would wait forever). Raise COMMLIB_TIMEOUT if the peers are "
-            "just slow."
-        )
-
-    def _expired(self, timeout: float | None, limit: float) -> None:
-        if timeout is not None:
-            raise CommTimeoutError(
-                f"{self.describe}: Work.wait(timeout={timeout}) expired before the "
-                "collective finished; it is still in flight. Wait again, or look for a "
-                "rank that has not issued the same collective."
-            )
-        # Failed for its caller (a later wait raises the same error); unless withdrawn, the request
-        # stays listed for the exit hook, as one abandoned by the progress thread.
-        self._abandoned = not self._withdraw()
-        error = self._timeout_error(limit)
-        self._settle(error)
-        raise error
-
-
-class _P2PWork(_MPIWork):
-    """The work of a send or receive: its failures leave the group usable.
-
-    A size mismatch consumed the message on both sides; a receive that times
-    out unmatched is withdrawn (it held nothing in MPI); a send that times out
-    stays queued at its peer (MPI cannot withdraw a send) and is said so.
-    """
-
-    _request: SendRequest | RecvRequest
-
-    def _succeeded(self) -> None:
-        request = self._request
-        if isinstance(request, RecvRequest) and request.source is not None:
-            self._set_source(request.source)
-        self._settle()
-
-    def _withdraw(self) -> bool:
-        request = self._request
-        return isinstance(request, RecvRequest) and self._group._messages.cancel(request)
-
-    def _let_go(self) -> bool:
-        request = self._request
-        with self._drive_lock:
-            if isinstance(request, SendRequest) and request.let_go():
-                self._group._pending.pop(self._key, None)
-                return True
-        return False
-
-    @staticmethod
-    def _breaks_group(error: BaseException) -> bool:
-        return not isinstance(error, (CommTimeoutError, MessageMismatchError))
-
-    def _timeout_error(self, limit: float) -> CommTimeoutError:
-        request = self._request
-        hint = "Raise COMMLIB_TIMEOUT if the peer is just slow."
-        if isinstance(request, RecvRequest):
-            if request.cancelled:
-                return CommTimeoutError(
-                    f"{self.describe}: no message arrived within {limit:g} s; did the sender call send "
-                    f"with the same tag ({request.tag})? The receive was withdrawn: the group stays "
-                    f"usable. {hint}"
-                )
-            return CommTimeoutError(
-                f"{self.describe}: the message from rank {request.source} "
-                f"({request.sent[0] if request.sent else '?'} bytes) started "
-                f"but did not finish within {limit:g} s; the sender stopped or died. It stays in flight: "
-                "this process aborts the MPI job when it exits if it never finishes."
-            )
-        return CommTimeoutError(
-            f"{self.describe}: rank {request.peer} did not receive the message within {limit:g} s: no "
-            f"matching recv (tag {request.tag}) was posted there. MPI cannot withdraw a send: the message "
-            f"stays queued for rank {request.peer}, and its next recv with tag {request.tag} from this "
-            "rank receives it first. The group stays usable for collectives and other messages. A "
-            "large message that never leaves this process makes it abort the MPI job when it exits "
-            f"(MPI_Finalize would wait for it). {hint}"
-        )
 
 
 # --------------------------------------------------------------------- group
@@ -463,7 +131,7 @@ class MPIProcessGroup(IProcessGroup):
         comm: Any = None,
         mpi_config: MPIConfig | None = None,
     ) -> None:
-        MPI = _load_mpi()
+        MPI = load_mpi()
         parent = MPI.COMM_WORLD if comm is None else comm
         rank, size = parent.Get_rank(), parent.Get_size()
         _check_env(env, rank, size, parent is MPI.COMM_WORLD)
@@ -472,7 +140,7 @@ class MPIProcessGroup(IProcessGroup):
         super().__init__(env, config)
         self._MPI = MPI
         self._mpi_config = mpi_config if mpi_config is not None else MPIConfig.from_env()
-        self._pending: dict[int, _MPIWork] = {}
+        self._pending: dict[int, MPIWork] = {}
         self._keys = itertools.count()
         self._side_comm: Any = None
         self._thread_level = MPI.Query_thread()
@@ -505,7 +173,7 @@ class MPIProcessGroup(IProcessGroup):
                     "Work.wait() / is_completed(). Initialise MPI with thread level MULTIPLE "
                     "(mpi4py.rc.thread_level = 'multiple') to overlap them with compute.",
                 )
-        _register(self)
+        register_group(self)
 
     # ------------------------------------------------------------------ set-up
     def _duplicate(self, parent: Any) -> Any:
@@ -523,9 +191,9 @@ class MPIProcessGroup(IProcessGroup):
             )
             self._mark_broken(error)
             label = CollectiveLabel(self.rank, self.world_size, self.backend_name, "init", 0)
-            work = _MPIWork(self, label, request, None, issued=started)
+            work = MPIWork(self, label, request, None, issued=started)
             self._pending[work._key] = work
-            _register(self)
+            register_group(self)
             raise error
         return comm
 
@@ -572,7 +240,7 @@ class MPIProcessGroup(IProcessGroup):
                 if not isinstance(label, CollectiveLabel):
                     label = self._label("fingerprint")
                 buffers.pop(len(mine), None)  # MPI still writes into it
-                work = _MPIWork(self, label, request, everyone, issued)
+                work = MPIWork(self, label, request, everyone, issued)
                 self._pending[work._key] = work
                 work._expired(None, timeout)  # raises CommTimeoutError, marks the group broken
             return bytes(everyone)
@@ -629,7 +297,7 @@ class MPIProcessGroup(IProcessGroup):
         async_op: bool,
         *,
         label: CollectiveLabel | None = None,
-        work_type: type[_MPIWork] = _MPIWork,
+        work_type: type[MPIWork] = MPIWork,
     ) -> Work:
         """Issue a request with ``start()``; wait for it here, or return a pending work.
 
@@ -641,7 +309,7 @@ class MPIProcessGroup(IProcessGroup):
             keep_alive: Held until the request has finished.
             async_op: Return a pending work instead of waiting.
             label: Names the operation (default: the collective's, ``_label(op, tensor)``).
-            work_type: ``_P2PWork`` for sends and receives.
+            work_type: ``P2PWork`` for sends and receives.
         """
         issued = time.monotonic()
         # Finishing steps (AVG's division, a scatter into outputs) run on the stream that is
@@ -717,7 +385,7 @@ class MPIProcessGroup(IProcessGroup):
                 progress.waiter_exit()
         if done:
             return CompletedWork()
-        work = _MPIWork(self, self._label(op, tensor), request, keep_alive, issued)
+        work = MPIWork(self, self._label(op, tensor), request, keep_alive, issued)
         self._pending[work._key] = work
         work._expired(None, self.timeout)  # raises CommTimeoutError, marks the group broken
         return work
@@ -739,7 +407,7 @@ class MPIProcessGroup(IProcessGroup):
 
         return drive
 
-    def _ensure_polled(self, work: _MPIWork) -> None:
+    def _ensure_polled(self, work: MPIWork) -> None:
         """Have a thread poll ``work`` even without a waiter (its future must complete)."""
         if self._progress is None:
             if self._thread_level < self._MPI.THREAD_MULTIPLE:
@@ -1071,7 +739,7 @@ class MPIProcessGroup(IProcessGroup):
             (tensor, payload),
             async_op,
             label=label,
-            work_type=_P2PWork,
+            work_type=P2PWork,
         )
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
@@ -1087,7 +755,7 @@ class MPIProcessGroup(IProcessGroup):
             (tensor, payload),
             async_op,
             label=label,
-            work_type=_P2PWork,
+            work_type=P2PWork,
         )
 
     def _check_tag(self, op: str, tag: int) -> None:
@@ -1213,10 +881,10 @@ class MPIProcessGroup(IProcessGroup):
             if not work._test():
                 work._let_go()
         if self._pending:
-            # The communicator still has collectives in flight: keep it (and this
-            # group, in _live_groups) for the exit hook, which aborts the job rather than hang.
+            # The communicator still has collectives in flight: keep it (and this group,
+            # registered with backends.mpi.abort) for the exit hook, which aborts the job rather than hang.
             return
-        _live_groups.pop(id(self), None)
+        forget_group(self)
         if not self._MPI.Is_finalized():
             for comm in (self._comm, self._side_comm, *self._messages.comms):
                 if comm is None:
@@ -1249,11 +917,10 @@ class MPIProcessGroup(IProcessGroup):
         that the peer will ever call ``MPI_Finalize``, which waits for every rank: the
         exit hook aborts instead. A peer that closed the group will finalize.
         """
-        global _missed_peer
         super()._mark_broken(error)
         missed = isinstance(error, CommTimeoutError) or (isinstance(error, PeerFailureError) and error.exited)
-        if missed and _missed_peer is None:
-            _missed_peer = (self._prefix("exit"), str(error))
+        if missed:
+            note_missed_peer(self._prefix("exit"), str(error))
 
     # ------------------------------------------------------------------ errors
     def _failure(self, label: CollectiveLabel | str, error: BaseException) -> CommError:
@@ -1332,168 +999,6 @@ def _check_env(env: DistEnv, rank: int, size: int, is_world: bool) -> None:
         f"{error_prefix(rank, size, 'mpi', 'init')}MPI.COMM_WORLD says rank {rank} of {size}, but "
         f"the environment ({env.launcher}: {source}) says rank {env.rank} of {env.world_size}; {hint}"
     )
-
-
-# ------------------------------------------------------------- exit handling
-def _register(group: MPIProcessGroup) -> None:
-    _live_groups[id(group)] = group
-    _register_exit_hook()
-
-
-def _register_exit_hook() -> None:
-    global _exit_hook_registered
-    with _lock:
-        if not _exit_hook_registered:
-            _exit_hook_registered = True
-            # Registered after mpi4py's import, so it runs before MPI_Finalize.
-            atexit.register(_abort_if_unfinished)
-            sys.excepthook = functools.partial(_abort_on_uncaught, sys.excepthook)
-
-
-def _abort_on_uncaught(
-    previous: Callable[..., Any], kind: type[BaseException], error: BaseException, tb: Any
-) -> None:
-    """``sys.excepthook`` while an MPI group is open: print the traceback, then abort the MPI job.
-
-    A rank that dies of an uncaught exception would otherwise sit in
-    ``MPI_Finalize``, and its peers would wait for its collectives until their
-    timeout, then read that it "has not started" them. ``MPI_Abort`` makes the
-    launcher end every rank at once, as ``python -m mpi4py`` does. An
-    interactive session (which goes on after the traceback) is left alone.
-    """
-    previous(kind, error, tb)
-    if hasattr(sys, "ps1") or sys.flags.interactive:
-        return
-    groups = [g for g in _live_groups.values() if not g._closed]
-    if not groups or _MPI is None or _MPI.Is_finalized() or _MPI.COMM_WORLD.Get_size() == 1:
-        return
-    print(
-        f"{groups[0]._prefix('exit')}this rank is ending on an uncaught {kind.__name__}, so it aborts the "
-        "MPI job (MPI_Abort, exit code 1): the other ranks would wait for its collectives until "
-        "COMMLIB_TIMEOUT. The first error of the job is the traceback above.",
-        file=sys.stderr,
-        flush=True,
-    )
-    for group in groups:
-        group._stop_progress()
-    time.sleep(0.2)  # let the launcher forward the output before MPI_Abort tears the job down
-    _MPI.COMM_WORLD.Abort(1)
-
-
-def _abort_if_unfinished(grace_s: float = 1.0) -> None:
-    """At exit: stop progress threads; abort the MPI job if a collective is still in flight."""
-    groups = list(_live_groups.values())
-    for group in groups:
-        group._stop_progress()
-    if _MPI is None or _MPI.Is_finalized():
-        return
-    deadline = time.monotonic() + grace_s
-    for group in groups:
-        works = list(group._pending.values())
-        for work in works:
-            if wait_until(work._test, deadline) or work._let_go():
-                continue
-            MPI = group._MPI
-            if MPI.Is_finalized():
-                return
-            age = time.monotonic() - work._issued
-            count = sum(len(g._pending) for g in groups)
-            print(
-                f"{work.describe}: still unfinished at exit, {age:.1f} s after it was issued "
-                f"({count} collective(s) in flight in all). MPI_Finalize would wait for it forever, "
-                "so this rank aborts the MPI job (MPI_Abort, exit code 1).",
-                file=sys.stderr,
-                flush=True,
-            )
-            time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
-            MPI.COMM_WORLD.Abort(1)
-            return
-    if _missed_peer is not None and _MPI.COMM_WORLD.Get_size() > 1:
-        prefix, error = _missed_peer
-        print(
-            f"{prefix}a collective of this rank missed a peer ({error}); MPI_Finalize "
-            "would wait for that peer, so this rank aborts the MPI job (MPI_Abort, exit code 1).",
-            file=sys.stderr,
-            flush=True,
-        )
-        time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
-        _MPI.COMM_WORLD.Abort(1)
-
-
-# ---------------------------------------------------------------- factories
-def create_mpi_group(env: DistEnv, config: CommConfig) -> MPIProcessGroup:
-    """Create the ``mpi`` backend over ``MPI.COMM_WORLD``.
-
-    Run under ``mpiexec -n N`` (or ``mpirun``); a plain ``python`` process is
-    an MPI job of one.
-
-    Args:
-        env: The launcher's view (checked against MPI's rank and size).
-        config: Shared settings (timeouts).
-
-    Raises:
-        BackendUnavailableError: mpi4py or its MPI library is missing.
-        RendezvousError: MPI's rank or size disagrees with the environment.
-        RendezvousTimeoutError: Not every rank created the group in time.
-
-    """
-    if env.store is not None:
-        return MPIProcessGroup(env, config, comm=_members_comm(env, config.timeout))
-    return MPIProcessGroup(env, config)
-
-
-def _members_comm(env: DistEnv, timeout: float) -> Any:
-    """``COMM_WORLD``, or a communicator of the members that meet in ``env.store`` (in group-rank order)."""
-    MPI = _load_mpi()
-    world = MPI.COMM_WORLD
-    prefix = error_prefix(env.rank, env.world_size, "mpi", "init")
-    store = env.store
-    base = scope_in(store, "commlib/mpi", env.rank)
-    store.set(f"{base}/member/{env.rank}", str(world.Get_rank()))
-    keys = [f"{base}/member/{r}" for r in range(env.world_size)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as e:  # noqa: BLE001 - torch's stores raise their own types
-        missing = [r for r in range(env.world_size) if not store.check([keys[r]])]
-        raise RendezvousTimeoutError(
-            f"{prefix}group ranks {missing} never arrived in the group's store within {timeout:g} s ({e})"
-        ) from None
-    members = [int(store.get(key)) for key in keys]
-    if members == list(range(world.Get_size())):
-        return world
-    if len(set(members)) != len(members):
-        raise RendezvousError(f"{prefix}two processes of the group share an MPI rank: {members}")
-    everyone = world.Get_group()
-    try:
-        chosen = everyone.Incl(members)
-    finally:
-        everyone.Free()
-    try:
-        return world.Create_group(chosen)
-    finally:
-        chosen.Free()
-
-
-def from_mpi_comm(comm: Any, *, config: CommConfig | None = None) -> MPIProcessGroup:
-    """Wrap an mpi4py communicator (it is duplicated; yours stays untouched).
-
-    Every rank of ``comm`` must call this, like any collective.
-
-    Example::
-
-        >>> from mpi4py import MPI
-        >>> half = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.rank % 2)
-        >>> group = backends.mpi.from_mpi_comm(half)
-    """
-    _load_mpi()
-    env = DistEnv(rank=comm.Get_rank(), world_size=comm.Get_size(), launcher="explicit")
-    group = MPIProcessGroup(env, config if config is not None else CommConfig.from_env(), comm=comm)
-    group._start_diagnostics()
-    return group
-
-
-BACKENDS = {"mpi": create_mpi_group}
-"""Backend name -> factory, read by ``commlib.registry``."""
 
 
 def _layout(layout: Layout) -> MessageLayout:

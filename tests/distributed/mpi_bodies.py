@@ -285,10 +285,10 @@ def mpi_internals(group: IProcessGroup, nbytes: int = 25 << 20, compute_s: float
     collective finishes meanwhile.
     """
     from backends.mpi import device_path
-    from backends.mpi import group as mpi_backend
     from backends.mpi.dtypes import plan_for
+    from backends.mpi.library import load_mpi
 
-    plans = {str(d): plan_for(mpi_backend._load_mpi(), d).native for d in ALL_DTYPES}
+    plans = {str(d): plan_for(load_mpi(), d).native for d in ALL_DTYPES}
     t = torch.arange(10, dtype=torch.float32)
     spec = group._buffer("all_reduce", t, group._plan_for(t.dtype))  # type: ignore[attr-defined]
     zero_copy = _address(spec[0]) == t.data_ptr() and len(spec[0]) == t.nbytes
