@@ -645,7 +645,7 @@ class Diagnostics:
         kind, _, _, op, root = call
         if counts is not None:
             return Fingerprint.of(self._rank, seq, kind, tensor, op, root, counts, site).pack(), None
-        tails = self._tails_for(call, tensor, site)
+        tails = self._tails.get((call, site) if site else call) or self._tails_for(call, tensor, site)
         stamp = _SEQ.pack(seq)
         return stamp + tails[self._rank], stamp + stamp.join(tails)
 
