@@ -30,6 +30,7 @@ class ArgumentChecks:
     backend: str
     supported_dtypes: frozenset[torch.dtype]
     supported_devices: frozenset[str]
+    max_tag: int
     _closed: bool
     _broken: BaseException | None
     _accepted: set[tuple[object, ...]]
@@ -144,6 +145,23 @@ class ArgumentChecks:
                 f"{self._prefix(op)}{arg}={value} is not a rank of this group "
                 f"(valid: 0..{self.world_size - 1})"
             )
+
+    def _check_peer(self, name: str, kind: str, peer: object) -> None:
+        """Raise unless ``peer`` is another rank of this group (or None, for a receive from any)."""
+        if peer is None and kind == "recv":
+            return
+        arg = "dst" if kind == "send" else "src"
+        self._check_rank(name, peer, arg)
+        if peer == self.rank:
+            raise ValueError(
+                f"{self._prefix(name)}{arg}={peer} is this rank; a rank cannot {kind} to itself "
+                "(copy the tensor instead)"
+            )
+
+    def _check_tag(self, name: str, tag: object) -> None:
+        """Raise unless ``tag`` is an int in ``0..max_tag``."""
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self.max_tag:
+            raise ValueError(f"{self._prefix(name)}tag must be an int in 0..{self.max_tag}, got {tag!r}")
 
     def _check_members(self, op: str, ranks: object) -> list[int]:
         if not isinstance(ranks, (list, tuple, range)):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from commlib import subgroups
 from commlib.membership import NonGroupMember, is_non_member
 from commlib.p2p import P2POp
 from commlib.process_group import IProcessGroup, TensorList
@@ -259,7 +260,7 @@ def barrier(
         raise TypeError(f"{g._prefix('barrier')}device_ids must be a list of ints, got {device_ids!r}")
     if timeout is None or async_op:
         return g.barrier(async_op=async_op)
-    seconds = g._sub_config("barrier", timeout).timeout  # checked as any group timeout is
+    seconds = subgroups.sub_config(g, "barrier", timeout).timeout  # checked as any group timeout is
     work = g.barrier(async_op=True)
     assert work is not None
     work.wait(seconds)
@@ -513,7 +514,7 @@ def new_subgroups(
             f"({parent.world_size} ranks)"
         )
     lists = [list(range(start, start + group_size)) for start in range(0, parent.world_size, group_size)]
-    every = parent._split_group(op, lists, timeout)
+    every = subgroups.split_groups(parent, op, lists, timeout)
     mine = every[parent.rank // group_size]
     assert isinstance(mine, IProcessGroup)  # every rank is in one list
     return mine, every
@@ -539,8 +540,8 @@ def new_subgroups_by_enumeration(
     op = "new_subgroups_by_enumeration"
     parent = get_default_group()
     _check_group_options(parent, op, backend, pg_options)
-    every = parent._split_group(op, ranks_per_subgroup_list, timeout)
-    return parent._mine(op, every), every
+    every = subgroups.split_groups(parent, op, ranks_per_subgroup_list, timeout)
+    return subgroups.this_ranks_group(parent, op, every), every
 
 
 def get_backend(group: IProcessGroup | None = None) -> str:

@@ -3,22 +3,22 @@
 Public methods check their arguments once, before any communication, then call
 one backend hook (``_all_reduce``, ``_send``, ``_new_group``...), which returns a
 ``Work``. Every operation is issued by one helper, ``_issue`` (collectives),
-``_issue_p2p`` (asynchronous point-to-point) or ``_run_p2p`` (``send`` and
-``recv``, which need no work: the backend's ``_p2p_now`` runs them to the end),
-which numbers it, hands it to the diagnosis when that is on, and waits for it
-unless the caller asked for ``async_op``.
+``commlib.p2p_front.issue`` (asynchronous point-to-point) or
+``commlib.p2p_front.run`` (``send`` and ``recv``, which need no work: the
+backend's ``_p2p_now`` runs them to the end), which numbers it, hands it to the
+diagnosis when that is on, and waits for it unless the caller asked for
+``async_op``. Beside this module: ``commlib.p2p_front`` (the point-to-point
+front end), ``commlib.subgroups`` (``new_group``, ``split``, ``split_group``)
+and ``commlib.reduction`` (the reductions a backend cannot do itself).
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import datetime
 import functools
-import ipaddress
 import itertools
 import logging
-import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.graph import increment_version
 
-from commlib import monitored, nan_minmax, objects
+from commlib import monitored, objects, p2p_front, reduction, subgroups
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
 from commlib.deterministic import DeterministicReductions, deterministic_mode
@@ -34,11 +34,10 @@ from commlib.diagnosis import Diagnostics, FingerprintExchange, history
 from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
 from commlib.errors import CollectiveMismatchError, CommError, error_prefix
-from commlib.member_agreement import agree_on_members
 from commlib.membership import NonGroupMember
 from commlib.p2p import P2POp, P2PRequest
 from commlib.prepared import PreparedCollective
-from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, bool_op, op_applies
+from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, op_applies
 from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
@@ -76,8 +75,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     counted per peer and tag instead, ``_p2p_label``), ``ReduceOp.AVG`` and
     ``PREMUL_SUM`` for backends that cannot do them natively, MAX and MIN that
     propagate NaN for backends whose own drop it (``_propagates_nan`` False), bool
-    reductions as BAND/BOR, the autograd version bump of every tensor a
-    collective writes, subgroups' global ranks and names, and the diagnosis
+    reductions as BAND/BOR (``commlib.reduction``), the autograd version bump of every
+    tensor a collective writes, subgroups' global ranks and names (``commlib.subgroups``),
+    and the diagnosis
     (stall reports, ``COMMLIB_DEBUG=DETAIL``, the flight recorder; see
     ``commlib.diagnosis``), which whoever creates the group starts with
     ``_start_diagnostics()`` once it is connected.
@@ -338,9 +338,14 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         increment_version(tensor)
         self._bytes_issued += tensor.nbytes
         # A plain sum (DDP's buckets) goes straight to the backend's hook: one frame fewer.
-        plain = op is ReduceOp.SUM and tensor.dtype is not _BOOL
-        start = self._all_reduce if plain else self._start_all_reduce
-        return self._issue("all_reduce", tensor, op, -1, async_op, [tensor], start, tensor, op, async_op)
+        if op is ReduceOp.SUM and tensor.dtype is not _BOOL:
+            return self._issue(
+                "all_reduce", tensor, op, -1, async_op, [tensor], self._all_reduce, tensor, op, async_op
+            )
+        start = reduction.start_all_reduce
+        return self._issue(
+            "all_reduce", tensor, op, -1, async_op, [tensor], start, self, tensor, op, async_op
+        )
 
     def prepare_all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | PremulSum = ReduceOp.SUM
@@ -378,8 +383,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         plain = op is ReduceOp.SUM and tensor.dtype is not _BOOL
         start = self._prepare_all_reduce(tensor, op) if plain else None
         if start is None:
-            hook = self._all_reduce if plain else self._start_all_reduce
-            start = functools.partial(hook, tensor, op, True)
+            if plain:
+                start = functools.partial(self._all_reduce, tensor, op, True)
+            else:
+                start = functools.partial(reduction.start_all_reduce, self, tensor, op, True)
         return PreparedCollective(self, "all_reduce", tensor, op, start)
 
     def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
@@ -389,18 +396,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         counts the call) and returns the same kind of ``Work``.
         """
         return None
-
-    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
-        op, finish = self._prepare_reduction(tensor, op, in_place=True)
-        if finish is _NAN_KEYS:
-            keys = nan_minmax.encode(tensor, op, in_place=True)  # type: ignore[arg-type]
-            work = self._all_reduce(keys, op, async_op)  # type: ignore[arg-type]
-            work.add_finisher(_Decode(keys, tensor))
-            return work
-        work = self._all_reduce(tensor, op, async_op)  # type: ignore[arg-type]
-        if finish is not None:
-            work.add_finisher(finish)
-        return work
 
     def reduce(
         self,
@@ -433,24 +428,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             increment_version(flat)
         self._bytes_issued += tensor.nbytes
         return self._issue(
-            name, tensor, op, dst, async_op, [tensor], self._start_reduce, flat, dst, op, async_op
+            name, tensor, op, dst, async_op, [tensor], reduction.start_reduce, self, flat, dst, op, async_op
         )
-
-    def _start_reduce(self, flat: torch.Tensor, dst: int, op: ReduceOp | PremulSum, async_op: bool) -> Work:
-        root = self.rank == dst
-        op, finish = self._prepare_reduction(flat, op, in_place=root)
-        if finish is _NAN_KEYS:
-            keys = nan_minmax.encode(flat, op, in_place=root)  # type: ignore[arg-type]
-            work = self._reduce(keys, dst, op, async_op)  # type: ignore[arg-type]
-            if root:
-                work.add_finisher(_Decode(keys, flat))
-            return work
-        if isinstance(finish, _Scaled):  # not the root: reduce a scaled copy, leave the tensor alone
-            return self._reduce(finish.tensor, dst, op, async_op)  # type: ignore[arg-type]
-        work = self._reduce(flat, dst, op, async_op)  # type: ignore[arg-type]
-        if finish is not None and root:
-            work.add_finisher(finish)
-        return work
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every other rank.
@@ -566,7 +545,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             -1,
             async_op,
             [output],
-            self._start_reduce_scatter,
+            reduction.start_reduce_scatter,
+            self,
             flat,
             flat_input,
             inputs,
@@ -589,33 +569,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     reduce_scatter_single = reduce_scatter_tensor
     """torch 2.13's name for ``reduce_scatter_tensor``."""
-
-    def _start_reduce_scatter(
-        self,
-        flat: torch.Tensor,
-        flat_input: torch.Tensor | None,
-        inputs: list[torch.Tensor],
-        op: ReduceOp | PremulSum,
-        async_op: bool,
-    ) -> Work:
-        op, finish = self._prepare_reduction(flat, op, in_place=False, inputs=(flat_input, inputs))
-        if finish is _NAN_KEYS:
-            keys_out = nan_minmax.output_keys(flat)
-            keys_in = nan_minmax.encode(self._whole(flat_input, inputs), op, in_place=False)  # type: ignore[arg-type]
-            block = flat.numel()
-            blocks = [keys_in[i * block : (i + 1) * block] for i in range(self.world_size)]
-            work = self._reduce_scatter(keys_out, keys_in, blocks, op, async_op)  # type: ignore[arg-type]
-            work.add_finisher(_Decode(keys_out, flat))
-            return work
-        if isinstance(finish, _Scaled):
-            scaled = finish.tensor
-            block = flat.numel()
-            blocks = [scaled[i * block : (i + 1) * block] for i in range(self.world_size)]
-            return self._reduce_scatter(flat, scaled, blocks, op, async_op)  # type: ignore[arg-type]
-        work = self._reduce_scatter(flat, flat_input, inputs, op, async_op)  # type: ignore[arg-type]
-        if finish is not None:
-            work.add_finisher(finish)
-        return work
 
     def gather(
         self,
@@ -815,7 +768,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._check_usable(name)
         if not isinstance(wait_all_ranks, bool):
             raise TypeError(f"{self._prefix(name)}wait_all_ranks must be a bool, got {wait_all_ranks!r}")
-        seconds = self._sub_config(name, timeout).timeout
+        seconds = subgroups.sub_config(self, name, timeout).timeout
         self._monitored_barriers += 1
         monitored.monitored_barrier(self, seconds, wait_all_ranks, self._monitored_barriers)
 
@@ -865,7 +818,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             CommTimeoutError: No matching receive within the group's timeout.
         """
         self._check_usable("send")
-        self._run_p2p(self._p2p_request("send", "send", tensor, dst, tag))
+        p2p_front.run(self, p2p_front.checked_request(self, "send", "send", tensor, dst, tag))
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive a message from rank ``src`` (None: any rank) into ``tensor``; return the sender's rank.
@@ -881,15 +834,15 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             CommTimeoutError: No message within the group's timeout.
         """
         self._check_usable("recv")
-        return self._run_p2p(self._p2p_request("recv", "recv", tensor, src, tag))
+        return p2p_front.run(self, p2p_front.checked_request(self, "recv", "recv", tensor, src, tag))
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start ``send``; return its ``Work`` (do not touch ``tensor`` until it completes)."""
-        return self._point_to_point("isend", "send", tensor, dst, tag)
+        return p2p_front.point_to_point(self, "isend", "send", tensor, dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         """Start ``recv``; return its ``Work`` (``work.source_rank()`` names the sender once it completed)."""
-        return self._point_to_point("irecv", "recv", tensor, src, tag)
+        return p2p_front.point_to_point(self, "irecv", "recv", tensor, src, tag)
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
         """Start every send and receive of ``p2p_op_list`` at once; return their works, in order.
@@ -901,103 +854,16 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         Raises:
             ValueError: The list is empty, or an op names another group, a bad peer or tag.
         """
-        name = "batch_isend_irecv"
-        self._check_usable(name)
-        if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
-            raise ValueError(
-                f"{self._prefix(name)}expected a non-empty list of commlib.P2POp, got {p2p_op_list!r}"
-            )
-        requests = []
-        for i, p2p in enumerate(p2p_op_list):
-            if not isinstance(p2p, P2POp):
-                raise TypeError(
-                    f"{self._prefix(name)}p2p_op_list[{i}] is {type(p2p).__name__}, not a commlib.P2POp"
-                )
-            if p2p.group is not None and p2p.group is not self:
-                raise ValueError(
-                    f"{self._prefix(name)}p2p_op_list[{i}] belongs to another group ({p2p.group!r}); "
-                    "every op of one batch must belong to the group it is issued on"
-                )
-            peer = self._p2p_peer(name, p2p, f"p2p_op_list[{i}]")
-            requests.append(self._p2p_request(name, p2p.kind, p2p.tensor, peer, p2p.tag))
-        return self._issue_p2p(requests, self._batch_p2p, requests, True)
-
-    def _point_to_point(self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> Work:
-        """Check, record and start one ``isend`` or ``irecv``; return its work."""
-        self._check_usable(name)
-        request = self._p2p_request(name, kind, tensor, peer, tag)
-        (work,) = self._issue_p2p([request], self._start_p2p, request, True)
-        return work
-
-    def _run_p2p(self, request: P2PRequest) -> int:
-        """Run one ``send`` or ``recv`` to its end, followed by the diagnosis; return the peer (source)."""
-        diagnostics = self._diagnostics
-        if diagnostics is None:
-            return self._p2p_now(request)
-        return diagnostics.run_p2p(request, self._p2p_now)
+        return p2p_front.batch_isend_irecv(self, p2p_op_list)
 
     def _start_p2p(self, request: P2PRequest, async_op: bool) -> list[Work]:
         if request.kind == "send":
             return [self._send(request.tensor, request.peer, request.tag, async_op)]  # type: ignore[arg-type]
         return [self._recv(request.tensor, request.peer, request.tag, async_op)]
 
-    def _p2p_request(
-        self, name: str, kind: str, tensor: torch.Tensor, peer: int | None, tag: int
-    ) -> P2PRequest:
-        """Check one send or receive and count it; return what the backend gets."""
-        self._check_tensor(name, tensor, "tensor")
-        env = self._env
-        # The common case costs two comparisons each; anything else gets the full checks.
-        if peer.__class__ is not int or not 0 <= peer < env.world_size or peer == env.rank:
-            self._check_peer(name, kind, peer)
-        if tag.__class__ is not int or not 0 <= tag <= self.max_tag:
-            self._check_tag(name, tag)
-        flat = tensor if tensor.dim() == 1 and not tensor.requires_grad else tensor.detach().view(-1)
-        if kind == "recv":
-            increment_version(flat)
-        key = (kind, peer, tag)
-        seq = self._p2p_counts.get(key, 0) + 1
-        self._p2p_counts[key] = seq
-        return P2PRequest(kind, flat, peer, tag, seq)
-
-    def _check_peer(self, name: str, kind: str, peer: object) -> None:
-        """Raise unless ``peer`` is another rank of this group (or None, for a receive from any)."""
-        if peer is None and kind == "recv":
-            return
-        arg = "dst" if kind == "send" else "src"
-        self._check_rank(name, peer, arg)
-        if peer == self.rank:
-            raise ValueError(
-                f"{self._prefix(name)}{arg}={peer} is this rank; a rank cannot {kind} to itself "
-                "(copy the tensor instead)"
-            )
-
-    def _check_tag(self, name: str, tag: object) -> None:
-        """Raise unless ``tag`` is an int in ``0..max_tag``."""
-        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self.max_tag:
-            raise ValueError(f"{self._prefix(name)}tag must be an int in 0..{self.max_tag}, got {tag!r}")
-
     def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work:
-        """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``.
-
-        No user's send or receive can name that tag, so these never match one. ``tensor`` is
-        the interface's own: flat, on the host, never seen by autograd.
-        """
-        key = (kind, peer, self.max_tag + 1)
-        self._p2p_counts[key] = seq = self._p2p_counts.get(key, 0) + 1
-        request = P2PRequest(kind, tensor, peer, self.max_tag + 1, seq)
-        (work,) = self._issue_p2p([request], self._start_p2p, request, True)
-        return work
-
-    def _p2p_peer(self, name: str, p2p: P2POp, what: str) -> int | None:
-        """The group rank a ``P2POp`` names (``peer`` is global, ``group_peer`` a rank of this group)."""
-        if (p2p.peer is None) == (p2p.group_peer is None):
-            if p2p.kind == "recv" and p2p.peer is None:
-                return None
-            raise ValueError(f"{self._prefix(name)}{what}: give exactly one of peer (global) and group_peer")
-        if p2p.group_peer is not None:
-            return p2p.group_peer
-        return self._group_rank_of(name, p2p.peer, f"{what}.peer")
+        """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``."""
+        return p2p_front.reserved(self, kind, tensor, peer)
 
     # ---------------------------------------------------------------- subgroups
     def new_group(
@@ -1034,15 +900,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
             >>> dp = group.new_group([r for r in range(4) if r % 2 == group.rank % 2])
         """
-        name = "new_group"
-        self._check_usable(name)
-        members = self._check_members(name, ranks)
-        if sort_ranks:
-            members.sort()
-        config = self._sub_config(name, timeout, deterministic)
-        agree_on_members(self, self._prefix(name), name, [members])
-        names = [self._next_subgroup_name()]
-        return self._mine(name, self._finish_split(name, [members], config, names))
+        return subgroups.new_group(
+            self, ranks, timeout=timeout, sort_ranks=sort_ranks, deterministic=deterministic
+        )
 
     def split(self, color: int | None, key: int = 0) -> IProcessGroup | NonGroupMember:
         """Split this group into disjoint groups by ``color``, as MPI's ``Comm_split``; every rank calls it.
@@ -1060,26 +920,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
             >>> tp = group.split(color=group.rank // 2)   # ranks {0, 1} and {2, 3}
         """
-        name = "split"
-        self._check_usable(name)
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int)):
-            raise TypeError(f"{self._prefix(name)}color must be an int or None, got {color!r}")
-        if isinstance(key, bool) or not isinstance(key, int):
-            raise TypeError(f"{self._prefix(name)}key must be an int, got {key!r}")
-        if color is not None and color < 0:
-            color = None
-        device = self.preferred_device()
-        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64, device=device)
-        everyone = torch.empty(2 * self.world_size, dtype=torch.int64, device=device)
-        self.all_gather(everyone, mine)
-        pairs = everyone.view(-1, 2).tolist()
-        colors = sorted({c for c, _ in pairs if c >= 0})
-        groups = [
-            sorted((r for r in range(self.world_size) if pairs[r][0] == c), key=lambda r: (pairs[r][1], r))
-            for c in colors
-        ]
-        names = [self._next_subgroup_name() for _ in groups]
-        return self._mine(name, self._finish_split(name, groups, self._sub_config(name, None), names))
+        return subgroups.split(self, color, key)
 
     def split_group(
         self,
@@ -1111,135 +952,11 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
             >>> pair = group.split_group([[0, 1], [2, 3]])   # 4 ranks: two groups of two
         """
-        name = "split_group"
-        return self._mine(name, self._split_group(name, split_ranks, timeout, deterministic))
-
-    def _split_group(
-        self,
-        name: str,
-        split_ranks: Sequence[Sequence[int]],
-        timeout: float | datetime.timedelta | None,
-        deterministic: bool | None = None,
-    ) -> list[IProcessGroup | NonGroupMember]:
-        """``split_group``'s work: every group, in order (this rank's, and a placeholder for each other)."""
-        self._check_usable(name)
-        if not isinstance(split_ranks, (list, tuple)) or not split_ranks:
-            raise TypeError(
-                f"{self._prefix(name)}split_ranks must be a non-empty list of rank lists, got {split_ranks!r}"
-            )
-        groups = [sorted(self._check_members(name, ranks)) for ranks in split_ranks]
-        seen: dict[int, int] = {}
-        for i, members in enumerate(groups):
-            for r in members:
-                if r in seen:
-                    raise ValueError(
-                        f"{self._prefix(name)}rank {r} is in split_ranks[{seen[r]}] and split_ranks[{i}]; "
-                        "the groups must be disjoint"
-                    )
-                seen[r] = i
-        config = self._sub_config(name, timeout, deterministic)
-        agree_on_members(self, self._prefix(name), name, groups)
-        names = [self._next_subgroup_name() for _ in groups]
-        return self._finish_split(name, groups, config, names)
-
-    def _finish_split(
-        self, op: str, groups: list[list[int]], config: CommConfig, names: list[str]
-    ) -> list[IProcessGroup | NonGroupMember]:
-        """Have the backend make ``groups``; set up this rank's (global ranks, name, diagnosis).
-
-        Returns:
-            One entry per group, in order: this rank's group, and a placeholder for each group
-            it is not in (``GroupMember.NON_GROUP_MEMBER``, naming that group).
-        """
-        child = self._split(groups, config, names)
-        mine = next((i for i, g in enumerate(groups) if self.rank in g), None)
-        every: list[IProcessGroup | NonGroupMember] = [
-            self._placeholder(op, [ranks], [name]) for ranks, name in zip(groups, names, strict=True)
-        ]
-        if child is None:
-            if mine is not None:
-                raise CommError(f"{self._prefix(op)}the {self.backend} backend made no group for a member")
-            return every
-        ranks = groups[mine]  # type: ignore[index]
-        if (child.rank, child.world_size) != (ranks.index(self.rank), len(ranks)):
-            child.close()
-            raise CommError(
-                f"{self._prefix(op)}the {self.backend} backend made a group where this rank is "
-                f"{child.rank}/{child.world_size}, expected {ranks.index(self.rank)}/{len(ranks)}"
-            )
-        child._global_ranks = child._named_ranks = tuple(self._global_ranks[r] for r in ranks)
-        child._group_name = names[mine]  # type: ignore[index]
-        child._start_diagnostics()
-        every[mine] = child  # type: ignore[index]
-        return every
-
-    def _mine(self, op: str, every: list[IProcessGroup | NonGroupMember]) -> IProcessGroup | NonGroupMember:
-        """This rank's group among ``every``, or one placeholder that names all of them."""
-        for group in every:
-            if isinstance(group, IProcessGroup):
-                return group
-        if not every:  # split with every color None
-            return self._placeholder(op, [], [])
-        return NonGroupMember.of_all(every)  # type: ignore[arg-type]
-
-    def _placeholder(self, op: str, groups: list[list[int]], names: list[str]) -> NonGroupMember:
-        """What this rank gets for ``groups`` (ranks of this group, named ``names``), none with it."""
-        return NonGroupMember(
-            op,
-            [[self._global_ranks[r] for r in g] for g in groups],
-            names,
-            rank=self.rank,
-            world_size=self.world_size,
-            backend=self.backend,
-            global_rank=self._global_ranks[self.rank],
-        )
-
-    def _sub_config(
-        self, op: str, timeout: float | datetime.timedelta | None, deterministic: bool | None = None
-    ) -> CommConfig:
-        """A subgroup's settings: this group's, with ``timeout`` where given, and its deterministic mode.
-
-        The mode is ``deterministic`` where given, else this group's as settled when it was made.
-        """
-        changes: dict[str, object] = {} if timeout is None else {"timeout": timeout}
-        mode = self.deterministic if deterministic is None else deterministic
-        if mode != self._config.deterministic:
-            changes["deterministic"] = mode
-        if not changes:
-            return self._config
-        try:
-            return dataclasses.replace(self._config, **changes)  # type: ignore[arg-type]
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{self._prefix(op)}{e}") from None
-
-    def _next_subgroup_name(self) -> str:
-        name = f"{self.group_name}.{self._subgroups_made}"
-        self._subgroups_made += 1
-        return name
+        return subgroups.split_group(self, split_ranks, timeout=timeout, deterministic=deterministic)
 
     def _subgroup_env(self, ranks: Sequence[int]) -> DistEnv:
-        """The ``DistEnv`` of this rank in the subgroup of ``ranks`` (parent ranks, in the new order).
-
-        On one host, local rank and size are the subgroup's own. Across hosts they are
-        unknown here (one process per host is assumed). Unless every rank reached rank 0
-        over loopback (so all run on this host), ``master_addr`` becomes this host's
-        address: the subgroup's rank 0, wherever it runs, serves its own diagnosis side
-        channel there. Explicit ranks say nothing of their hosts, so a non-loopback
-        ``MASTER_ADDR`` counts as "perhaps across hosts".
-        """
-        env = self._env
-        single_host = env.local_world_size >= env.world_size
-        rank = list(ranks).index(self.rank)
-        on_loopback = single_host and _is_loopback(env.master_addr)
-        return dataclasses.replace(
-            env,
-            rank=rank,
-            world_size=len(ranks),
-            local_rank=rank if single_host else 0,
-            local_world_size=len(ranks) if single_host else 1,
-            master_addr=env.master_addr if on_loopback else _host_address(env.master_addr),
-            store=None,  # the parent's store is scoped to the parent
-        )
+        """The ``DistEnv`` of this rank in the subgroup of ``ranks`` (``commlib.subgroups.subgroup_env``)."""
+        return subgroups.subgroup_env(self, ranks)
 
     def get_group_rank(self, global_rank: int) -> int:
         """Return the rank in this group of the member whose root-group rank is ``global_rank``."""
@@ -1356,27 +1073,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             return work
         work.wait()
         return None
-
-    def _issue_p2p(
-        self, requests: list[P2PRequest], start: Callable[[Any, bool], list[Work]], what: Any, async_op: bool
-    ) -> list[Work]:
-        """Issue point-to-point operations (they never advance ``_seq``); return their works.
-
-        ``start(what, async_op)`` starts them; with ``async_op=False`` it may run them to the end first.
-        """
-        diagnostics = self._diagnostics
-        works = (
-            diagnostics.issue_p2p(self, requests, start, what, async_op)
-            if diagnostics is not None
-            else start(what, async_op)
-        )
-        for request, work in zip(requests, works, strict=True):
-            work._set_value([request.tensor])  # noqa: SLF001
-            if request.kind == "recv":
-                work._is_recv = True  # noqa: SLF001
-                if request.peer is not None:
-                    work._source = request.peer  # noqa: SLF001
-        return works
 
     def _parting_history(self) -> str:
         """This rank's count and last collectives, to swap when the ranks' checks found different calls.
@@ -1630,38 +1326,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """One tensor of every block: ``flat`` when the caller gave one, else the blocks joined."""
         return flat if flat is not None else torch.cat(blocks)
 
-    def _prepare_reduction(
-        self,
-        tensor: torch.Tensor,
-        op: ReduceOp | PremulSum,
-        *,
-        in_place: bool,
-        inputs: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None,
-    ) -> tuple[ReduceOp | PremulSum, object]:
-        """Turn ``op`` into what the backend gets, and the step that completes the result.
-
-        Returns ``(op, finish)``: ``finish`` is None, a finisher (AVG's division),
-        ``_NAN_KEYS`` (reduce float MAX/MIN as integer keys), or a ``_Scaled``
-        (PREMUL_SUM: reduce ``finish.tensor``, the scaled input, with SUM).
-        """
-        if tensor.dtype is torch.bool:
-            return bool_op(op), None  # type: ignore[arg-type]
-        if isinstance(op, PremulSum):
-            if self._native_premul_sum(tensor):
-                return op, None
-            factor = op.scalar()
-            source = tensor if inputs is None else self._whole(*inputs)
-            if in_place:
-                source.mul_(factor)
-                return ReduceOp.SUM, None
-            return ReduceOp.SUM, _Scaled(source.mul(factor))
-        if op is ReduceOp.AVG and not self._native_avg(tensor):
-            return ReduceOp.SUM, _Divide(tensor, self.world_size)
-        if (op is ReduceOp.MAX or op is ReduceOp.MIN) and tensor.is_floating_point():
-            if not self._propagates_nan(tensor):
-                return op, _NAN_KEYS
-        return op, None
-
     def _is_rank_block(self, output: torch.Tensor, flat_input: torch.Tensor | None) -> bool:
         """True if ``output`` is block ``rank`` of ``flat_input``: ``reduce_scatter``'s in-place form."""
         if flat_input is None or output.numel() == 0:
@@ -1673,69 +1337,3 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             and output.data_ptr() == flat_input[start:].data_ptr()
             and output.is_contiguous()
         )
-
-
-def _host_address(master_addr: str) -> str:
-    """This host's address as other hosts reach it: the one it reaches ``master_addr`` from, else its name's.
-
-    The first is what the route to rank 0 leaves from (no packet is sent); on a host with
-    several interfaces it is the one on rank 0's network, and it needs no resolver.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(master_addr), 9))
-            address = str(probe.getsockname()[0])
-        if not _is_loopback(address):
-            return address
-    except OSError:
-        pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return master_addr
-
-
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        return addr == "localhost"
-
-
-_NAN_KEYS = object()
-"""``_prepare_reduction``'s mark for "reduce float MAX/MIN as integer keys"."""
-
-
-class _Scaled:
-    """PREMUL_SUM on a scratch copy: the scaled input that the backend sums."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class _Decode:
-    """The second half of a NaN-propagating MAX/MIN: turn the reduced integer keys back into floats."""
-
-    __slots__ = ("_keys", "_tensor")
-
-    def __init__(self, keys: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._keys = keys
-        self._tensor = tensor
-
-    def __call__(self) -> None:
-        nan_minmax.decode_into(self._keys, self._tensor)
-
-
-class _Divide:
-    """The second half of an emulated AVG: divide the summed tensor by the world size, in place."""
-
-    __slots__ = ("_tensor", "_world")
-
-    def __init__(self, tensor: torch.Tensor, world: int) -> None:
-        self._tensor = tensor
-        self._world = world
-
-    def __call__(self) -> None:
-        self._tensor.div_(self._world)

@@ -12,6 +12,7 @@ import torch
 import commlib
 from commlib import CommConfig, ReduceOp
 from commlib.deterministic import fold_rows, left_fold, shard_bounds
+from commlib.subgroups import sub_config
 from tests._fake_groups import FakeGroup, make_env
 
 
@@ -141,9 +142,9 @@ def test_torch_flag_is_read_when_the_group_is_made(torch_deterministic: None) ->
     assert group.deterministic, "the mode is settled when the group is made"
     assert not FakeGroup(make_env(0, 3)).deterministic
     # Its subgroups take the mode it was made with, unless told otherwise.
-    assert group._sub_config("new_group", None).deterministic is True
-    assert group._sub_config("new_group", 5, deterministic=False).deterministic is False
-    assert group._sub_config("new_group", 5).timeout == 5
+    assert sub_config(group, "new_group", None).deterministic is True
+    assert sub_config(group, "new_group", 5, deterministic=False).deterministic is False
+    assert sub_config(group, "new_group", 5).timeout == 5
 
 
 def test_an_explicit_setting_wins_over_torch_flag(torch_deterministic: None) -> None:

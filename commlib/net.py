@@ -1,0 +1,36 @@
+"""This host's network addresses: whether an address is loopback, and the one other hosts reach it at."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+__all__ = ["host_address", "is_loopback"]
+
+
+def host_address(master_addr: str) -> str:
+    """This host's address as other hosts reach it: the one it reaches ``master_addr`` from, else its name's.
+
+    The first is what the route to rank 0 leaves from (no packet is sent); on a host with
+    several interfaces it is the one on rank 0's network, and it needs no resolver.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(master_addr), 9))
+            address = str(probe.getsockname()[0])
+        if not is_loopback(address):
+            return address
+    except OSError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return master_addr
+
+
+def is_loopback(addr: str) -> bool:
+    """True if ``addr`` resolves to a loopback address (an unresolvable one: only ``localhost``)."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return addr == "localhost"
