@@ -727,7 +727,7 @@ class MPIProcessGroup(IProcessGroup):
 
     # --------------------------------------------------------- point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        self._check_tag("send", tag)
+        self._check_tag_fits("send", tag)
         label = self._p2p_label("send", tensor, dst, tag)
         payload = self._payload("send", tensor, str(label), send=True)
         layout = (tensor.nbytes, tensor.numel(), dtype_code(tensor.dtype))
@@ -743,7 +743,7 @@ class MPIProcessGroup(IProcessGroup):
         )
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        self._check_tag("recv", tag)
+        self._check_tag_fits("recv", tag)
         label = self._p2p_label("recv", tensor, src, tag)
         payload = self._payload("recv", tensor, str(label), send=False)
         holds = (tensor.nbytes, tensor.numel(), dtype_code(tensor.dtype))
@@ -758,7 +758,8 @@ class MPIProcessGroup(IProcessGroup):
             work_type=P2PWork,
         )
 
-    def _check_tag(self, op: str, tag: int) -> None:
+    def _check_tag_fits(self, op: str, tag: int) -> None:
+        """Raise if ``tag`` (checked by the interface already) is above this MPI library's ``MPI_TAG_UB``."""
         if tag > self._tag_ub:
             raise ValueError(
                 f"{self._prefix(op)}tag={tag} is larger than this MPI library allows (MPI_TAG_UB = "

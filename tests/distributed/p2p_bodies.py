@@ -240,6 +240,51 @@ def check_dtype_mismatch(backend: str, sender: dict[str, Any], receiver: dict[st
         assert receiver[f"{case}: after"] == [float(index)] * 3, f"{case}: the pair fell out of step"
 
 
+def body_bad_tags(group: IProcessGroup) -> dict[str, Any]:
+    """Tags outside ``0..max_tag`` (negative, the interface's reserved ``max_tag + 1``, a bool) are refused.
+
+    Every route refuses them before anything is sent; then a pair of messages on tag 0 still
+    arrives intact. Returns each refusal's error type and text, and what arrived.
+    """
+    peer = 1 - group.rank if group.rank < 2 else None
+    refused: dict[str, str] = {}
+    if peer is not None:
+        t = torch.ones(4)
+        calls = {
+            "send -1": lambda: group.send(t, peer, tag=-1),
+            "recv reserved": lambda: group.recv(t, peer, tag=group.max_tag + 1),
+            "isend reserved": lambda: group.isend(t, peer, tag=group.max_tag + 1),
+            "irecv -1": lambda: group.irecv(t, peer, tag=-1),
+            "send True": lambda: group.send(t, peer, tag=True),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                refused[name] = "accepted"
+            except (ValueError, CommError) as e:
+                refused[name] = f"{type(e).__name__}: {e}"
+        got = torch.zeros(4)
+        if group.rank == 0:
+            group.send(torch.full((4,), 7.0), peer)
+            group.recv(got, peer)
+        else:
+            group.recv(got, peer)
+            group.send(torch.full((4,), 9.0), peer)
+        return {"refused": refused, "got": got.tolist()}
+    return {"refused": refused, "got": None}
+
+
+def check_bad_tags(backend: str, results: list[dict[str, Any]]) -> None:
+    """What ``body_bad_tags`` must return on ranks 0 and 1 of ``backend``."""
+    for rank, result in enumerate(results[:2]):
+        for name, text in result["refused"].items():
+            op = name.split()[0]
+            assert text.startswith(f"ValueError: [rank {rank}/"), (name, text)
+            assert f"{backend}.{op}: tag must be an int in 0..16777215, got " in text, (name, text)
+        assert len(result["refused"]) == 5, result
+        assert result["got"] == [9.0] * 4 if rank == 0 else [7.0] * 4, result
+
+
 def body_p2p_keeps_collectives_numbered(group: IProcessGroup) -> dict[str, Any]:
     """Ranks make different numbers of sends and receives; their collectives stay numbered alike."""
     n, r = group.world_size, group.rank

@@ -85,6 +85,7 @@ CALLS: dict[int, list[tuple[str, list[Any]]]] = {
         (f"{P2P}:body_large", []),
         (f"{P2P}:body_size_mismatch", []),
         (f"{P2P}:body_dtype_mismatch", []),
+        (f"{P2P}:body_bad_tags", []),
         (f"{FEATURES}:p2p_sizes_sources_order", []),
         (f"{FEATURES}:p2p_timeouts", []),
         # Last: a failure writes the flight recorder's file again, and the test reads this one's.
@@ -241,6 +242,13 @@ def test_p2p_dtype_mismatch_raises_on_both_sides_by_every_route(job: Job) -> Non
     results = job(2)
     name = f"{P2P}:body_dtype_mismatch()"
     p2p_bodies.check_dtype_mismatch("mpi", results[0][name], results[1][name])
+
+
+@pytest.mark.launcher
+def test_tags_outside_the_users_range_are_refused_by_every_route(job: Job) -> None:
+    """Negative, reserved and bool tags: MPI would take -1 as MPI_ANY_TAG and the reserved tag as a user's."""
+    results = job(2)
+    p2p_bodies.check_bad_tags("mpi", [results[r][f"{P2P}:body_bad_tags()"] for r in (0, 1)])
 
 
 @pytest.mark.launcher

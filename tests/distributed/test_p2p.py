@@ -74,6 +74,12 @@ def test_dtype_mismatch_raises_on_both_sides_by_every_route(get_pool, variant: s
     bodies.check_dtype_mismatch(VARIANTS[variant][0], sender, receiver)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tags_outside_the_users_range_are_refused_by_every_route(get_pool, variant: str) -> None:
+    pool = get_pool(variant, 2)
+    bodies.check_bad_tags(VARIANTS[variant][0], pool.run(bodies.body_bad_tags, timeout=120))
+
+
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, RankPool], Path]]:
     """Per variant, 2 ranks with DETAIL, stall reports after 1 s and a flight recorder."""
