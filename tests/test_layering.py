@@ -190,6 +190,12 @@ def _is_package_init(name: str) -> bool:
         ("backends.mpi", "backends.mpi.group", ["MPIProcessGroup"]),
         ("backends.mpi", "backends.mpi.config", ["MPIConfig"]),
         ("backends.mpi", "backends.mpi.factories", ["BACKENDS", "create_mpi_group", "from_mpi_comm"]),
+        ("backends.torch", "backends.torch.group", ["TorchDistProcessGroup"]),
+        (
+            "backends.torch",
+            "backends.torch.factories",
+            ["BACKENDS", "create_gloo_group", "create_nccl_group", "from_torch_group"],
+        ),
         ("commlib.torch_backend", "commlib.torch_adapter", ["CommlibProcessGroup", "BACKENDS", "register"]),
     ],
 )

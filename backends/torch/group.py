@@ -54,27 +54,43 @@ from __future__ import annotations
 
 import datetime
 import gc
-import os
 import queue
-import re
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from backends.common import kernels
-from backends.common.store_rendezvous import join_job_store
+from backends.torch.calls import (
+    AllgatherOptions,
+    AllToAllOptions,
+    ReduceScatterOptions,
+    ScratchPool,
+    async_options,
+    span,
+)
+from backends.torch.default_group import default_store, is_last_owner, release_owner, torch_ranks_of
+from backends.torch.devices import device_map
+from backends.torch.dtypes import CANNOT_REDUCE, MOVES_AS, UPCASTABLE, WIDE, WITHOUT_INT16, parse_upcast
+from backends.torch.errors import is_dtype_rejection, translate
 from backends.torch.p2p import P2PEngine
+from backends.torch.reductions import (
+    BITWISE,
+    NATIVE_AVG_BACKENDS,
+    NCCL_BOOL_OPS,
+    TORCH_OPS,
+    device_combine,
+    fold_in_rank_order,
+)
+from backends.torch.work import TorchWork
 from commlib.config import CommConfig
-from commlib.env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, DistEnv, read_env_var
+from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
     BackendUnavailableError,
     CommError,
-    CommTimeoutError,
-    PeerFailureError,
     RendezvousError,
     RendezvousTimeoutError,
     error_prefix,
@@ -83,248 +99,7 @@ from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, Work
 
-__all__ = [
-    "BACKENDS",
-    "TorchDistProcessGroup",
-    "create_gloo_group",
-    "create_nccl_group",
-    "from_torch_group",
-]
-
-_TORCH_OPS: dict[ReduceOp, Any] = {
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.AVG: dist.ReduceOp.AVG,
-    ReduceOp.BAND: dist.ReduceOp.BAND,
-    ReduceOp.BOR: dist.ReduceOp.BOR,
-    ReduceOp.BXOR: dist.ReduceOp.BXOR,
-}
-"""commlib op -> torch.distributed op (AVG is used natively by NCCL only)."""
-
-_NATIVE_AVG_BACKENDS = frozenset({"nccl"})
-"""torch backends whose AVG we use; the others get SUM, then a division."""
-
-_DEVICE_OF_BACKEND: dict[str, tuple[str, ...]] = {
-    "gloo": ("cpu",),
-    "nccl": ("cuda",),
-    "mpi": ("cpu",),
-    "ucc": ("cpu", "cuda"),
-}
-"""Device types a torch backend named alone (``"gloo"``) serves in commlib."""
-
-_TORCH_DEFAULT_BACKENDS = "cpu:gloo,cuda:nccl"
-"""What ``torch.distributed.init_process_group()`` without a backend runs when CUDA is there."""
-
-_PEER_RE = re.compile(r"\[[^\]/\s]+\]:\d+")
-"""A peer address in Gloo's messages (not the ``[path/file.cc:123]`` source location)."""
-
-_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int16: torch.int32}
-"""What a dtype Gloo cannot reduce is reduced as (integers wrap back on the way down)."""
-
-_UPCASTABLE = frozenset(_WIDE)
-
-_MOVES_AS = {torch.int16: torch.float16}
-"""Dtypes Gloo and NCCL cannot move, and a dtype of the same size they move the bytes of."""
-
-_CANNOT_REDUCE = frozenset({torch.int16})
-"""Dtypes Gloo and NCCL cannot reduce (reduced as their ``_WIDE`` dtype)."""
-
-_WITHOUT_INT16 = frozenset({"gloo", "nccl"})
-"""torch backends that have no int16."""
-
-_BITWISE = {
-    ReduceOp.BAND: torch.bitwise_and,
-    ReduceOp.BOR: torch.bitwise_or,
-    ReduceOp.BXOR: torch.bitwise_xor,
-}
-"""The ops NCCL lacks, and the kernel that folds two ranks' tensors for each."""
-
-_NCCL_BOOL_OPS = {ReduceOp.BAND: ReduceOp.MIN, ReduceOp.BOR: ReduceOp.MAX}
-"""Bitwise ops on bool tensors that NCCL computes natively, over the bytes (0 and 1) as uint8."""
-
-_owner_lock = threading.Lock()
-_owner_count = 0
-"""Open commlib groups over the torch default group that commlib itself created."""
-
-_warned_no_cuda = False
-
-
-def _options(kind: Any, **fields: Any) -> Any:
-    """A torch options struct (``AllreduceOptions``...) for an asynchronous call, with ``fields`` set."""
-    opts = kind()
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = True
-    for name, value in fields.items():
-        setattr(opts, name, value)
-    return opts
-
-
-def _span(views: list[torch.Tensor]) -> torch.Tensor | None:
-    """One flat tensor over ``views`` if they lie end to end in one storage, in order; else None."""
-    first = views[0]
-    end = first.data_ptr()
-    for view in views:
-        if view.data_ptr() != end or view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            return None
-        end += view.numel() * view.element_size()
-    total = sum(v.numel() for v in views)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
-
-
-def _parse_upcast(text: str) -> frozenset[torch.dtype]:
-    names = {
-        "float16": torch.float16,
-        "fp16": torch.float16,
-        "half": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-    }
-    chosen = set()
-    for item in filter(None, (part.strip().lower() for part in text.split(","))):
-        if item not in names:
-            raise ValueError(f"{item!r} is not float16 or bfloat16")
-        chosen.add(names[item])
-    return frozenset(chosen)
-
-
-def _device_map(pg: Any) -> dict[str, str]:
-    """Return ``{device type: torch backend}`` for a torch process group.
-
-    torch names a group created without a backend ``"undefined"``; its backend
-    config (``"cpu:gloo,cuda:nccl"`` with CUDA, else ``"cpu:gloo"``) says what
-    it really runs, so that is read first.
-    """
-    get_config = getattr(dist, "get_backend_config", None)
-    config = ""
-    if get_config is not None:
-        try:
-            config = str(get_config(pg))
-        except (RuntimeError, ValueError):
-            config = ""
-    if not config or config == "undefined":
-        name = str(dist.get_backend(pg))
-        if name == "undefined":
-            name = _TORCH_DEFAULT_BACKENDS if torch.cuda.is_available() else "cpu:gloo"
-        config = name
-    devices = _parse_backend_spec(config)
-    if "cuda" in devices and not torch.cuda.is_available():
-        del devices["cuda"]  # torch lists Gloo for CUDA even where there is no CUDA device
-    return devices
-
-
-def _parse_backend_spec(spec: str) -> dict[str, str]:
-    """``"cpu:gloo,cuda:nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``; ``"gloo"`` -> ``{"cpu": "gloo"}``."""
-    spec = spec.lower()
-    mapping: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        if ":" in part:
-            device, backend = part.split(":", 1)
-            mapping[device.strip()] = backend.strip()
-        else:
-            for device in _DEVICE_OF_BACKEND.get(part, ("cpu",)):
-                mapping[device] = part
-    return mapping
-
-
-class _TorchWork(Work):
-    """A ``Work`` around torch's work handle.
-
-    Waiting: for CPU tensors (Gloo) the calling thread blocks in torch's
-    ``wait``, which Gloo bounds by the group's timeout. For CUDA tensors (NCCL)
-    ``wait()`` makes the current CUDA stream wait for the collective, as torch's
-    DDP does, and returns without blocking the host; the group's timeout is
-    enforced by NCCL's watchdog, not by the host.
-    """
-
-    def __init__(
-        self, group: TorchDistProcessGroup, label: CollectiveLabel, handle: Any, cuda: bool, keep_alive: Any
-    ) -> None:
-        super().__init__(label, keep_alive)
-        self._group = group
-        self._handle = handle
-        self._cuda = cuda
-        self._wait_lock = threading.Lock()
-
-    def _wait_for_backend(self, timeout: float | None) -> None:
-        with self._wait_lock:
-            if self._done:
-                return
-            try:
-                if timeout is None or self._cuda:
-                    # Gloo fails any operation after the group's timeout (torch.distributed's,
-                    # set from CommConfig) and NCCL's watchdog aborts it, so this is bounded.
-                    # For CUDA it is a stream dependency: torch's WorkNCCL.wait(timeout) would
-                    # block the host and abort the communicator when it expires.
-                    self._handle.wait()
-                else:
-                    self._handle.wait(datetime.timedelta(seconds=max(float(timeout), 1e-3)))
-            except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
-                if timeout is not None and not self._cuda and _is_wait_expiry(e):
-                    raise CommTimeoutError(
-                        f"{self._label}: Work.wait(timeout={timeout}) expired before the "
-                        "collective finished; it is still running. Wait again, or look for a rank "
-                        "that has not issued the same collective."
-                    ) from e
-                self._fail(e)
-                return
-            self._settle()
-
-    def _test_backend(self) -> None:
-        if self._handle.is_completed():
-            self._wait_for_backend(None)
-
-    def _arm_future(self) -> None:
-        try:
-            torch_future = self._handle.get_future()
-        except RuntimeError:  # some torch Work kinds (Gloo's reduce_scatter) have no future
-            self._group._wait_in_background(self)
-        else:
-            torch_future.then(self._on_torch_future)
-
-    def _on_torch_future(self, future: torch.futures.Future[Any]) -> None:
-        try:
-            future.wait()
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
-        else:
-            self._settle()
-
-    def _fail(self, cause: BaseException) -> None:
-        error = _translate(self._label, cause, self._group.timeout)
-        error.__cause__ = cause
-        self._group._mark_broken(error)
-        self._settle(error)
-
-
-class _ScratchPool:
-    """Flat buffers for collectives' received data, reused across steps by size and dtype.
-
-    A buffer is taken when a collective starts and given back when it has
-    finished with it, so the pool holds as many of a size as were ever in flight
-    at once (for DDP: one per bucket).
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get((numel, dtype))
-            if free:
-                return free.pop()
-        return torch.empty(numel, dtype=dtype)
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
-
-
-def _is_wait_expiry(error: BaseException) -> bool:
-    """Return True for torch's "the wait(timeout) ran out" error, not a failed collective."""
-    return "Operation timed out" in str(error)
+__all__ = ["TorchDistProcessGroup"]
 
 
 class TorchDistProcessGroup(IProcessGroup):
@@ -375,20 +150,20 @@ class TorchDistProcessGroup(IProcessGroup):
             # NCCL's check would run on the caller's thread and hold up every asynchronous collective.
             self.default_debug = "off"  # type: ignore[misc]
         self._owns_default = owns_default
-        self._devices = devices if devices is not None else _device_map(pg)
+        self._devices = devices if devices is not None else device_map(pg)
         self._backends = backends if backends is not None else dict.fromkeys(self._devices, pg)
         """The torch object each device type's operations call (a torch ProcessGroup serves every device)."""
         # Narrow the class-wide device set to what this torch group serves.
         self.supported_devices = frozenset(self._devices)  # type: ignore[misc]
         no_upcast: frozenset[torch.dtype] = frozenset()
-        self._upcast: set[torch.dtype] = set(read_env_var("COMMLIB_GLOO_UPCAST", _parse_upcast, no_upcast))
+        self._upcast: set[torch.dtype] = set(read_env_var("COMMLIB_GLOO_UPCAST", parse_upcast, no_upcast))
         """Dtypes reduced through a wider copy on CPU: COMMLIB_GLOO_UPCAST's, and those a Gloo refused."""
         self._store = store
         self._torch_ranks = torch_ranks
         self._waiter: threading.Thread | None = None
         self._waiter_lock = threading.Lock()
-        self._waiting: queue.SimpleQueue[_TorchWork | None] = queue.SimpleQueue()
-        self._scratch = _ScratchPool()
+        self._waiting: queue.SimpleQueue[TorchWork | None] = queue.SimpleQueue()
+        self._scratch = ScratchPool()
         self._engine: P2PEngine | None = None
         self._fingerprint_pg: Any = None
         """Gloo group of the fingerprint check (``COMMLIB_DEBUG=DETAIL``), when it is on."""
@@ -408,7 +183,7 @@ class TorchDistProcessGroup(IProcessGroup):
         """Return the torch backend (``gloo``, ``nccl``) that serves ``device``, or None."""
         return self._devices.get(torch.device(device).type)
 
-    def _wait_in_background(self, work: _TorchWork) -> None:
+    def _wait_in_background(self, work: TorchWork) -> None:
         """Have a daemon thread wait on ``work`` (in issue order), so that its future completes."""
         with self._waiter_lock:
             if self._waiter is None:
@@ -437,10 +212,10 @@ class TorchDistProcessGroup(IProcessGroup):
 
     def _native_avg(self, tensor: torch.Tensor) -> bool:
         """NCCL averages natively; Gloo sums and the interface divides."""
-        return self._devices.get(tensor.device.type) in _NATIVE_AVG_BACKENDS
+        return self._devices.get(tensor.device.type) in NATIVE_AVG_BACKENDS
 
     def _needs_upcast(self, tensor: torch.Tensor) -> bool:
-        if tensor.dtype in _CANNOT_REDUCE and self._devices.get(tensor.device.type) in _WITHOUT_INT16:
+        if tensor.dtype in CANNOT_REDUCE and self._devices.get(tensor.device.type) in WITHOUT_INT16:
             return True
         return tensor.device.type == "cpu" and tensor.dtype in self._upcast
 
@@ -452,8 +227,8 @@ class TorchDistProcessGroup(IProcessGroup):
 
     def _movable(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, or a view of its bytes as a dtype Gloo and NCCL move (int16 as float16)."""
-        moved = _MOVES_AS.get(tensor.dtype)
-        if moved is not None and self._devices.get(tensor.device.type) in _WITHOUT_INT16:
+        moved = MOVES_AS.get(tensor.dtype)
+        if moved is not None and self._devices.get(tensor.device.type) in WITHOUT_INT16:
             return tensor.view(moved)
         return tensor
 
@@ -470,29 +245,29 @@ class TorchDistProcessGroup(IProcessGroup):
         try:
             handle = call()
         except Exception as e:  # noqa: BLE001
-            if upcast_retry is not None and tensor is not None and _is_dtype_rejection(e):
+            if upcast_retry is not None and tensor is not None and is_dtype_rejection(e):
                 # This Gloo cannot reduce the dtype; every rank fails the same way before
                 # sending anything, so every rank switches to a wider dtype together.
                 self._upcast.add(tensor.dtype)
                 return upcast_retry()
-            error = _translate(label, e, self.timeout)
+            error = translate(label, e, self.timeout)
             self._mark_broken(error)
             raise error from e
         cuda = tensor is not None and tensor.device.type == "cuda"
-        work = _TorchWork(self, label, handle, cuda, keep_alive)
+        work = TorchWork(self, label, handle, cuda, keep_alive)
         if finish is not None:
             work.add_finisher(finish)
         return work
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         label = self._label("all_reduce", tensor)
-        if op in _BITWISE and self._on_nccl(tensor):
+        if op in BITWISE and self._on_nccl(tensor):
             if not self._nccl_has_bool_op(tensor, op):
                 return self._bitwise_on_nccl(label, tensor, op, root=None)
-            tensor, op = tensor.view(torch.uint8), _NCCL_BOOL_OPS[op]
+            tensor, op = tensor.view(torch.uint8), NCCL_BOOL_OPS[op]
         if self._needs_upcast(tensor):
             return self._all_reduce_upcast(tensor, op, label)
-        opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
+        opts = async_options(dist.AllreduceOptions, reduceOp=TORCH_OPS[op])
         pg = self._torch(tensor)
         return self._launch_torch(
             label,
@@ -500,7 +275,7 @@ class TorchDistProcessGroup(IProcessGroup):
             lambda: pg.allreduce([tensor], opts),
             tensor,
             upcast_retry=(lambda: self._all_reduce_upcast(tensor, op, label))
-            if tensor.dtype in _UPCASTABLE
+            if tensor.dtype in UPCASTABLE
             else None,
         )
 
@@ -510,9 +285,9 @@ class TorchDistProcessGroup(IProcessGroup):
         return self._devices.get("cuda") == "nccl"
 
     def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
-        if (op in _BITWISE and self._on_nccl(tensor)) or self._needs_upcast(tensor):
+        if (op in BITWISE and self._on_nccl(tensor)) or self._needs_upcast(tensor):
             return None  # the general path folds or upcasts
-        opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
+        opts = async_options(dist.AllreduceOptions, reduceOp=TORCH_OPS[op])
         pg, tensors, cuda = self._torch(tensor), [tensor], tensor.device.type == "cuda"
         rank, world, name = self.rank, self.world_size, self._name
 
@@ -522,13 +297,13 @@ class TorchDistProcessGroup(IProcessGroup):
                 handle = pg.allreduce(tensors, opts)
             except Exception:  # noqa: BLE001 - the general path retries wider or translates the error
                 return self._all_reduce(tensor, op, True)
-            return _TorchWork(self, label, handle, cuda, tensor)
+            return TorchWork(self, label, handle, cuda, tensor)
 
         return start
 
     def _all_reduce_upcast(self, tensor: torch.Tensor, op: ReduceOp, label: CollectiveLabel) -> Work:
-        wide = tensor.to(_WIDE[tensor.dtype])
-        opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
+        wide = tensor.to(WIDE[tensor.dtype])
+        opts = async_options(dist.AllreduceOptions, reduceOp=TORCH_OPS[op])
         pg = self._torch(tensor)
         return self._launch_torch(
             label,
@@ -541,17 +316,17 @@ class TorchDistProcessGroup(IProcessGroup):
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
         """Gloo's reduce writes into every rank's tensor: the others reduce a copy."""
         label = self._label("reduce", tensor)
-        if op in _BITWISE and self._on_nccl(tensor):
+        if op in BITWISE and self._on_nccl(tensor):
             if not self._nccl_has_bool_op(tensor, op):
                 return self._bitwise_on_nccl(label, tensor, op, root=dst)
-            tensor, op = tensor.view(torch.uint8), _NCCL_BOOL_OPS[op]
+            tensor, op = tensor.view(torch.uint8), NCCL_BOOL_OPS[op]
         root = self.rank == dst
-        wide = _WIDE[tensor.dtype] if self._needs_upcast(tensor) else None
+        wide = WIDE[tensor.dtype] if self._needs_upcast(tensor) else None
         if wide is not None:
             source = tensor.to(wide)
         else:
             source = tensor if root else tensor.clone()
-        opts = _options(dist.ReduceOptions, reduceOp=_TORCH_OPS[op], rootRank=dst, rootTensor=0)
+        opts = async_options(dist.ReduceOptions, reduceOp=TORCH_OPS[op], rootRank=dst, rootTensor=0)
         pg = self._torch(tensor)
         finish = (lambda: tensor.copy_(source)) if root and source is not tensor else None
         return self._launch_torch(label, source, lambda: pg.reduce([source], opts), (tensor, source), finish)
@@ -559,7 +334,7 @@ class TorchDistProcessGroup(IProcessGroup):
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         label = self._label("broadcast", tensor)
         moved = self._movable(tensor)
-        opts = _options(dist.BroadcastOptions, rootRank=src, rootTensor=0)
+        opts = async_options(dist.BroadcastOptions, rootRank=src, rootTensor=0)
         pg = self._torch(tensor)
         return self._launch_torch(label, tensor, lambda: pg.broadcast([moved], opts), tensor)
 
@@ -577,10 +352,10 @@ class TorchDistProcessGroup(IProcessGroup):
         moved = self._movable(tensor)
         if flat_output is not None:
             out = self._movable(flat_output)
-            call = lambda: pg._allgather_base(out, moved, _options(_AllgatherOptions))  # noqa: E731, SLF001
+            call = lambda: pg._allgather_base(out, moved, async_options(AllgatherOptions))  # noqa: E731, SLF001
         else:
             outs = [self._movable(o) for o in outputs]
-            call = lambda: pg.allgather([outs], [moved], _options(_AllgatherOptions))  # noqa: E731
+            call = lambda: pg.allgather([outs], [moved], async_options(AllgatherOptions))  # noqa: E731
         return self._launch_torch(label, tensor, call, (flat_output, outputs, tensor))
 
     def _gather(
@@ -590,7 +365,7 @@ class TorchDistProcessGroup(IProcessGroup):
         pg = self._torch(tensor)
         outs = [[self._movable(o) for o in outputs]] if outputs is not None else []
         moved = self._movable(tensor)
-        opts = _options(dist.GatherOptions, rootRank=dst)
+        opts = async_options(dist.GatherOptions, rootRank=dst)
         return self._launch_torch(label, tensor, lambda: pg.gather(outs, [moved], opts), (outputs, tensor))
 
     def _scatter(
@@ -600,7 +375,7 @@ class TorchDistProcessGroup(IProcessGroup):
         pg = self._torch(tensor)
         ins = [[self._movable(i) for i in inputs]] if inputs is not None else []
         moved = self._movable(tensor)
-        opts = _options(dist.ScatterOptions, rootRank=src)
+        opts = async_options(dist.ScatterOptions, rootRank=src)
         return self._launch_torch(label, tensor, lambda: pg.scatter([moved], ins, opts), (inputs, tensor))
 
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
@@ -608,7 +383,7 @@ class TorchDistProcessGroup(IProcessGroup):
         label = self._label("all_to_all", inputs[0])
         out_splits = [o.numel() for o in outputs]
         in_splits = [i.numel() for i in inputs]
-        flat_out = _span(outputs)
+        flat_out = span(outputs)
         unpack = None
         if flat_out is None:
             flat_out = outputs[0].new_empty(sum(out_splits))
@@ -618,12 +393,12 @@ class TorchDistProcessGroup(IProcessGroup):
                 for part, out in zip(parts, outputs, strict=True):
                     out.copy_(part)
 
-        flat_in = _span(inputs)
+        flat_in = span(inputs)
         if flat_in is None:
             flat_in = torch.cat(inputs)
         pg = self._torch(flat_in)
         out, src = self._movable(flat_out), self._movable(flat_in)
-        opts = _options(_AllToAllOptions)
+        opts = async_options(AllToAllOptions)
         return self._launch_torch(
             label,
             flat_in,
@@ -641,17 +416,17 @@ class TorchDistProcessGroup(IProcessGroup):
         async_op: bool,
     ) -> Work:
         label = self._label("reduce_scatter", output)
-        if op in _BITWISE and self._on_nccl(output):
+        if op in BITWISE and self._on_nccl(output):
             if not self._nccl_has_bool_op(output, op):
                 return self._reduce_scatter_bitwise_on_nccl(label, output, flat_input, inputs, op)
-            output, op = output.view(torch.uint8), _NCCL_BOOL_OPS[op]
+            output, op = output.view(torch.uint8), NCCL_BOOL_OPS[op]
             flat_input = flat_input.view(torch.uint8) if flat_input is not None else None
             inputs = [block.view(torch.uint8) for block in inputs]
         if self._needs_upcast(output):
             return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
         if self._on_gloo(output) and output.numel():
             return self._reduce_scatter_by_all_to_all(output, flat_input, inputs, op, label)
-        opts = _options(_ReduceScatterOptions, reduceOp=_TORCH_OPS[op])
+        opts = async_options(ReduceScatterOptions, reduceOp=TORCH_OPS[op])
         pg = self._torch(output)
         if flat_input is not None:
             call = lambda: pg._reduce_scatter_base(output, flat_input, opts)  # noqa: E731, SLF001
@@ -663,7 +438,7 @@ class TorchDistProcessGroup(IProcessGroup):
             call,
             (output, flat_input, inputs),
             upcast_retry=(lambda: self._reduce_scatter_upcast(output, flat_input, inputs, op, label))
-            if output.dtype in _UPCASTABLE
+            if output.dtype in UPCASTABLE
             else None,
         )
 
@@ -677,7 +452,7 @@ class TorchDistProcessGroup(IProcessGroup):
 
     def _nccl_has_bool_op(self, tensor: torch.Tensor, op: ReduceOp) -> bool:
         """True if NCCL computes ``op`` on bool ``tensor`` itself: BAND and BOR are MIN and MAX of 0 and 1."""
-        return tensor.dtype is torch.bool and op in _NCCL_BOOL_OPS
+        return tensor.dtype is torch.bool and op in NCCL_BOOL_OPS
 
     def _bitwise_on_nccl(
         self, label: CollectiveLabel, tensor: torch.Tensor, op: ReduceOp, root: int | None
@@ -690,17 +465,17 @@ class TorchDistProcessGroup(IProcessGroup):
         pg = self._torch(tensor)
         flat = tensor.view(-1)
         rows = flat.new_empty((self.world_size, flat.numel()))
-        combine = _device_combine(op)
+        combine = device_combine(op)
 
         def fold_rows() -> None:
             if root is None or self.rank == root:
-                _fold_in_rank_order(combine, torch.Tensor.copy_, rows, flat)
+                fold_in_rank_order(combine, torch.Tensor.copy_, rows, flat)
 
         moved_rows, moved = self._movable(rows.view(-1)), self._movable(flat)
         return self._launch_torch(
             label,
             tensor,
-            lambda: pg._allgather_base(moved_rows, moved, _options(_AllgatherOptions)),  # noqa: SLF001
+            lambda: pg._allgather_base(moved_rows, moved, async_options(AllgatherOptions)),  # noqa: SLF001
             (tensor, rows),
             fold_rows if self.world_size > 1 else None,
         )
@@ -719,13 +494,13 @@ class TorchDistProcessGroup(IProcessGroup):
         received = torch.empty_like(source)
         blocks = received.view(self.world_size, -1)
         splits = [output.numel()] * self.world_size
-        combine = _device_combine(op)
+        combine = device_combine(op)
 
         def fold_blocks() -> None:
-            _fold_in_rank_order(combine, torch.Tensor.copy_, blocks, output.view(-1))
+            fold_in_rank_order(combine, torch.Tensor.copy_, blocks, output.view(-1))
 
         moved_in, moved_out = self._movable(source), self._movable(received)
-        opts = _options(_AllToAllOptions)
+        opts = async_options(AllToAllOptions)
         return self._launch_torch(
             label,
             output,
@@ -744,7 +519,7 @@ class TorchDistProcessGroup(IProcessGroup):
         splits[1 - self.rank] = sent.numel()
         pg = self._torch(sent)
         return pg.alltoall_base(
-            self._movable(received), self._movable(sent), splits, splits, _options(_AllToAllOptions)
+            self._movable(received), self._movable(sent), splits, splits, async_options(AllToAllOptions)
         )
 
     def _exchange_all_gather(
@@ -789,12 +564,12 @@ class TorchDistProcessGroup(IProcessGroup):
             blocks = list(received.chunk(n))
             splits = [output.numel()] * n
             pg = self._torch(source)
-            start = lambda: pg.alltoall_base(received, source, splits, splits, _options(_AllToAllOptions))  # noqa: E731
+            start = lambda: pg.alltoall_base(received, source, splits, splits, async_options(AllToAllOptions))  # noqa: E731
         combine = kernels.combine(op, output.dtype)
 
         def reduce_blocks() -> None:
             try:
-                _fold_in_rank_order(combine, kernels.copy, blocks, output)
+                fold_in_rank_order(combine, kernels.copy, blocks, output)
             finally:
                 self._scratch.give_back(received)
 
@@ -805,7 +580,7 @@ class TorchDistProcessGroup(IProcessGroup):
             (output, source, received),
             finish=reduce_blocks,
             upcast_retry=(lambda: self._reduce_scatter_upcast(output, flat_input, inputs, op, label))
-            if output.dtype in _UPCASTABLE
+            if output.dtype in UPCASTABLE
             else None,
         )
         # Reduce on Gloo's thread when the blocks arrive, not in the waiter's. Not through
@@ -821,10 +596,10 @@ class TorchDistProcessGroup(IProcessGroup):
         op: ReduceOp,
         label: CollectiveLabel,
     ) -> Work:
-        wide = _WIDE[output.dtype]
+        wide = WIDE[output.dtype]
         wide_out = output.to(wide)
         wide_in = self._whole(flat_input, inputs).to(wide)
-        opts = _options(_ReduceScatterOptions, reduceOp=_TORCH_OPS[op])
+        opts = async_options(ReduceScatterOptions, reduceOp=TORCH_OPS[op])
         pg = self._torch(output)
         return self._launch_torch(
             label,
@@ -837,7 +612,7 @@ class TorchDistProcessGroup(IProcessGroup):
     def _barrier(self, async_op: bool) -> Work:
         label = self._label("barrier")
         pg = self._torch(None)
-        return self._launch_torch(label, None, lambda: pg.barrier(_options(dist.BarrierOptions)))
+        return self._launch_torch(label, None, lambda: pg.barrier(async_options(dist.BarrierOptions)))
 
     # ---------------------------------------------------------- point-to-point
     def _p2p_engine(self, op: str) -> P2PEngine:
@@ -850,7 +625,7 @@ class TorchDistProcessGroup(IProcessGroup):
                     f"has none ({self._devices}); create it with backend 'cpu:gloo,cuda:nccl'"
                 )
             engine = self._engine = P2PEngine(
-                cpu, self.timeout, self._mark_broken, _translate, f"commlib-{self._name}-p2p-rank{self.rank}"
+                cpu, self.timeout, self._mark_broken, translate, f"commlib-{self._name}-p2p-rank{self.rank}"
             )
         return engine
 
@@ -876,11 +651,11 @@ class TorchDistProcessGroup(IProcessGroup):
         """
         prefix = self._prefix("diagnostics")
         try:
-            store = self._store if self._store is not None else _default_store(prefix)
+            store = self._store if self._store is not None else default_store(prefix)
         except CommError:
             return None
         if self._torch_ranks is None:
-            self._torch_ranks = _torch_ranks_of(self._pg, self.world_size)
+            self._torch_ranks = torch_ranks_of(self._pg, self.world_size)
         scope = f"commlib/{self._group_name}/fingerprints/{'-'.join(map(str, self._torch_ranks))}/"
         try:
             pg = dist.ProcessGroupGloo(
@@ -911,12 +686,12 @@ class TorchDistProcessGroup(IProcessGroup):
             send = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
             everyone = torch.empty(len(mine) * world, dtype=torch.uint8)
             try:
-                pg._allgather_base(everyone, send, _options(_AllgatherOptions)).wait(  # noqa: SLF001
+                pg._allgather_base(everyone, send, async_options(AllgatherOptions)).wait(  # noqa: SLF001
                     datetime.timedelta(seconds=timeout)
                 )
             except Exception as e:  # noqa: BLE001
                 # Worded as the collective's own failure: a dead or missing peer is what the user must see.
-                raise _translate(where, e, timeout) from e
+                raise translate(where, e, timeout) from e
             return everyone.numpy().tobytes()
 
         return exchange
@@ -928,9 +703,9 @@ class TorchDistProcessGroup(IProcessGroup):
             return None
         prefix = error_prefix(self.rank, self.world_size, self._name, "new_group")
         if self._torch_ranks is None:
-            self._torch_ranks = _torch_ranks_of(self._pg, self.world_size)
+            self._torch_ranks = torch_ranks_of(self._pg, self.world_size)
         torch_ranks = [self._torch_ranks[r] for r in ranks]
-        store = self._store if self._store is not None else _default_store(prefix)
+        store = self._store if self._store is not None else default_store(prefix)
         scope = f"commlib/{name}/{'-'.join(map(str, torch_ranks))}"
         rank, size = ranks.index(self.rank), len(ranks)
         timeout = datetime.timedelta(seconds=config.timeout)
@@ -974,10 +749,8 @@ class TorchDistProcessGroup(IProcessGroup):
         )
 
     def _close(self) -> None:
-        global _owner_count
         if self._engine is not None:
-            with _owner_lock:
-                last_owner = self._owns_default and _owner_count == 1
+            last_owner = self._owns_default and is_last_owner()
             # Gloo's connections may be closed where they go with this group: its own backends, or
             # torch's default group that this close destroys. Others' groups are only waited for.
             self._engine.close(self._prefix("close"), close_connections=self._pg is None or last_owner)
@@ -996,9 +769,7 @@ class TorchDistProcessGroup(IProcessGroup):
         gc.collect()
         if not self._owns_default:
             return
-        with _owner_lock:
-            _owner_count -= 1
-            last = _owner_count == 0
+        last = release_owner()
         if last and dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -1008,303 +779,3 @@ class TorchDistProcessGroup(IProcessGroup):
                     RuntimeWarning,
                     stacklevel=3,
                 )
-
-
-_AllgatherOptions = dist.distributed_c10d.AllgatherOptions
-_AllToAllOptions = dist.distributed_c10d.AllToAllOptions
-_ReduceScatterOptions = dist.distributed_c10d.ReduceScatterOptions
-
-
-def _fold_in_rank_order(
-    combine: kernels.Combine,
-    copy: Callable[[torch.Tensor, torch.Tensor], object],
-    rows: Sequence[torch.Tensor] | torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """``out = rows[0] op rows[1] op ...``: one row per rank, combined in rank order (one row: a copy)."""
-    if len(rows) == 1:
-        copy(out, rows[0])
-        return
-    combine(out, rows[0], rows[1])
-    for row in rows[2:]:
-        combine(out, out, row)
-
-
-def _device_combine(op: ReduceOp) -> kernels.Combine:
-    """``combine(out, a, b)`` for a bitwise ``op`` with torch's kernel, on whatever device the tensors are."""
-    kernel = _BITWISE[op]
-
-    def combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        kernel(a, b, out=out)
-
-    return combine
-
-
-def _torch_ranks_of(pg: Any, size: int) -> list[int]:
-    """The ranks in torch's default group of ``pg``'s members, in ``pg``'s rank order."""
-    if pg is None or pg is dist.GroupMember.WORLD:
-        return list(range(size))
-    return list(dist.get_process_group_ranks(pg))
-
-
-def _default_store(prefix: str) -> Any:
-    """Return torch's default store, where a group commlib did not create finds its subgroups' peers."""
-    try:
-        return dist.distributed_c10d._get_default_store()  # noqa: SLF001 - no public accessor
-    except Exception as e:  # noqa: BLE001
-        raise CommError(f"{prefix}torch.distributed's default store is not available: {e}") from e
-
-
-def _translate(describe: CollectiveLabel | str, error: BaseException, limit: float) -> CommError:
-    """Turn a torch/Gloo/NCCL error into the matching ``CommError`` with our prefix."""
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else type(error).__name__
-    lowered = text.lower()
-    if "timed out" in lowered or "timeout" in lowered or isinstance(error, TimeoutError):
-        return CommTimeoutError(
-            f"{describe}: did not finish within {limit:g} s; a peer rank is missing, stuck or "
-            f"called a different collective. Raise COMMLIB_TIMEOUT if the peers are just slow. "
-            f"(torch.distributed: {first})"
-        )
-    if any(s in lowered for s in ("connection closed", "connection reset", "broken pipe", "pair closure")):
-        peer = _peer_address(text)
-        where = f" (peer {peer})" if peer else ""
-        return PeerFailureError(
-            f"{describe}: a peer process closed its connection{where}; it crashed or exited. "
-            f"Check the other ranks' logs; every rank must create a new group. "
-            f"(torch.distributed: {first})"
-        )
-    shared = next((line.strip() for line in text.splitlines() if "Duplicate GPU detected" in line), None)
-    if shared is not None:
-        return CommError(
-            f"{describe}: NCCL refuses two ranks on one GPU ({shared}). Give each rank a GPU of its "
-            "own (torch.cuda.set_device(local_rank), one rank per GPU), or share the GPU over the "
-            f"ring, gloo or mpi backend. (torch.distributed: {first})"
-        )
-    return CommError(f"{describe}: torch.distributed failed: {first}")
-
-
-def _is_dtype_rejection(error: BaseException) -> bool:
-    text = str(error).lower()
-    return any(s in text for s in ("invalid scalar type", "unsupported dtype", "unsupported data type"))
-
-
-def _peer_address(text: str) -> str | None:
-    """Pull the peer's ``[127.0.0.1]:18838`` out of a Gloo error message."""
-    match = _PEER_RE.search(text)
-    return match.group(0) if match else None
-
-
-# ---------------------------------------------------------------- factories
-def _require_distributed(name: str, env: DistEnv) -> None:
-    if not dist.is_available():
-        raise BackendUnavailableError(
-            f"{error_prefix(env.rank, env.world_size, name, 'init')}this torch build has no "
-            "torch.distributed; install a torch wheel from pytorch.org (pip install commlib)"
-        )
-
-
-def _torch_backend_string(name: str, env: DistEnv) -> str:
-    global _warned_no_cuda
-    if name == "gloo":
-        return "gloo"
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        return "cpu:gloo,cuda:nccl"
-    if not _warned_no_cuda:
-        _warned_no_cuda = True
-        reason = "no CUDA device" if not torch.cuda.is_available() else "this torch has no NCCL"
-        warnings.warn(
-            f"{error_prefix(env.rank, env.world_size, 'nccl', 'init')}{reason}: CPU tensors use "
-            "Gloo and CUDA tensors are not available (this is the gloo backend; "
-            "COMMLIB_BACKEND=gloo names it explicitly)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return "gloo"
-
-
-def _create(name: str, env: DistEnv, config: CommConfig) -> TorchDistProcessGroup:
-    global _owner_count
-    _require_distributed(name, env)
-    prefix = error_prefix(env.rank, env.world_size, name, "init")
-    if env.store is not None:
-        return _create_on_store(name, env, config, prefix)
-    if dist.is_initialized():
-        return _adopt_default(name, env, config, prefix)
-    backend = _torch_backend_string(name, env)
-    # Our own job check first: torch's tcp:// rendezvous lets a rank of any job on this port in.
-    store = join_job_store(env, config.timeout, name)
-    address = f"{env.master_addr}:{env.master_port}"
-    try:
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=config.timeout),
-        )
-    except Exception as e:  # noqa: BLE001
-        text = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
-        detail = (
-            f"torch.distributed's set-up after the rendezvous at {address} as rank {env.rank} of "
-            f"{env.world_size} (launcher: {env.launcher}) failed: {text}"
-        )
-        if "timed out" in str(e).lower() or isinstance(e, TimeoutError):
-            raise RendezvousTimeoutError(
-                f"{prefix}{detail}. Every rank proved this job's token, but not all of them finished "
-                f"connecting within {config.timeout:g} s: did a rank crash right after the rendezvous?"
-            ) from e
-        raise RendezvousError(f"{prefix}{detail}") from e
-    with _owner_lock:
-        _owner_count += 1
-    return TorchDistProcessGroup(
-        env, config, pg=dist.GroupMember.WORLD, name=name, owns_default=True, store=store
-    )
-
-
-def _create_on_store(name: str, env: DistEnv, config: CommConfig, prefix: str) -> TorchDistProcessGroup:
-    """A group of torch backends built over the store the group was given, outside torch's group registry.
-
-    For callers that are themselves setting up a torch.distributed group (commlib
-    registered as a torch backend), which must not re-enter ``init_process_group``.
-    """
-    if name != "gloo":
-        raise BackendUnavailableError(
-            f"{prefix}commlib builds only the gloo backend over a given store; for nccl, initialise "
-            "torch.distributed with backend='nccl' itself"
-        )
-    store = join_job_store(env, config.timeout, name)
-    timeout = datetime.timedelta(seconds=config.timeout)
-    try:
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), env.rank, env.world_size, timeout)
-    except Exception as e:  # noqa: BLE001
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        kind = (
-            RendezvousTimeoutError
-            if "timed out" in text.lower() or "timeout" in text.lower()
-            else RendezvousError
-        )
-        raise kind(f"{prefix}Gloo's set-up over the group's store failed: {text}") from e
-    return TorchDistProcessGroup(
-        env,
-        config,
-        pg=None,
-        name=name,
-        backends={"cpu": gloo},
-        devices={"cpu": "gloo"},
-        store=store,
-        torch_ranks=list(range(env.world_size)),
-    )
-
-
-def _adopt_default(name: str, env: DistEnv, config: CommConfig, prefix: str) -> TorchDistProcessGroup:
-    global _owner_count
-    rank, size = dist.get_rank(), dist.get_world_size()
-    if (rank, size) != (env.rank, env.world_size):
-        raise RendezvousError(
-            f"{prefix}torch.distributed is already initialised as rank {rank} of {size}, but "
-            f"commlib's environment says rank {env.rank} of {env.world_size} (launcher: "
-            f"{env.launcher}); pass a matching rank/world_size, or wrap the torch group with "
-            "backends.torch.from_torch_group()"
-        )
-    pg = dist.GroupMember.WORLD
-    devices = _device_map(pg)
-    if name == "gloo" and "cpu" not in devices:
-        raise BackendUnavailableError(
-            f"{prefix}the torch.distributed default group (backend {dist.get_backend(pg)!r}) has no "
-            "CPU backend, so commlib's gloo backend cannot use it; choose COMMLIB_BACKEND=nccl, or "
-            "initialise torch.distributed with backend='cpu:gloo,cuda:nccl'"
-        )
-    # Adopted: commlib does not destroy it, unless commlib created it for another group.
-    with _owner_lock:
-        owned = _owner_count > 0
-        if owned:
-            _owner_count += 1
-    return TorchDistProcessGroup(env, config, pg=pg, name=name, owns_default=owned)
-
-
-def create_gloo_group(env: DistEnv, config: CommConfig) -> TorchDistProcessGroup:
-    """Create the ``gloo`` backend: CPU tensors through torch.distributed's Gloo.
-
-    Args:
-        env: Rank, world size and rendezvous address.
-        config: Shared settings; ``timeout`` becomes torch.distributed's timeout.
-
-    Raises:
-        RendezvousError: The ranks could not connect, or an already initialised
-            torch.distributed disagrees with ``env``.
-
-    """
-    return _create("gloo", env, config)
-
-
-def create_nccl_group(env: DistEnv, config: CommConfig) -> TorchDistProcessGroup:
-    """Create the ``nccl`` backend: NCCL for CUDA tensors, Gloo for CPU tensors.
-
-    Without a CUDA device (or without NCCL in torch) the group is Gloo only,
-    and a ``RuntimeWarning`` says so once per process.
-
-    Args:
-        env: Rank, world size and rendezvous address.
-        config: Shared settings; ``timeout`` becomes torch.distributed's timeout.
-
-    """
-    return _create("nccl", env, config)
-
-
-def from_torch_group(pg: Any = None, *, config: CommConfig | None = None) -> TorchDistProcessGroup:
-    """Wrap an existing torch.distributed process group as a commlib ``IProcessGroup``.
-
-    The torch group stays owned by the caller: ``close()`` leaves it alone.
-    Every member of ``pg`` must call this (unless ``COMMLIB_STALL_S=0`` and no
-    ``COMMLIB_DEBUG``): it sets up the diagnosis side channel with one broadcast.
-
-    Args:
-        pg: A ``torch.distributed.ProcessGroup``; default: the default group.
-        config: Shared settings (the timeout of ``Work.wait``); default
-            ``CommConfig.from_env()``. The torch group keeps its own timeout.
-
-    Returns:
-        A group named ``nccl`` if the torch group uses NCCL, else ``gloo``.
-
-    Raises:
-        CommError: torch.distributed is not initialised.
-
-    Example::
-
-        >>> torch.distributed.init_process_group("gloo")   # set up by other code
-        >>> group = backends.torch.from_torch_group()
-        >>> group.all_reduce(torch.ones(2))                 # tensor([2., 2.]) on 2 ranks
-
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise CommError(
-            "from_torch_group: torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group() first, or use commlib.init_process_group('gloo')"
-        )
-    pg = dist.GroupMember.WORLD if pg is None else pg
-    rank, size = dist.get_rank(pg), dist.get_world_size(pg)
-    if rank < 0:
-        raise CommError(
-            f"from_torch_group: this process (global rank {dist.get_rank()}) is not a member of the "
-            "given torch process group; only its members can wrap it"
-        )
-    env = DistEnv(
-        rank=rank,
-        world_size=size,
-        local_rank=0,
-        local_world_size=1,
-        master_addr=os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
-        master_port=int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT),
-        launcher="torch.distributed",
-    )
-    name = "nccl" if "nccl" in _device_map(pg).values() else "gloo"
-    group = TorchDistProcessGroup(
-        env, config if config is not None else CommConfig.from_env(), pg=pg, name=name
-    )
-    group._start_diagnostics()
-    return group
-
-
-BACKENDS = {"gloo": create_gloo_group, "nccl": create_nccl_group}
-"""Backend name -> factory, read by ``commlib.registry``."""

@@ -287,13 +287,13 @@ def test_rank_missing_at_rendezvous_times_out() -> None:
 
 
 def test_torch_distributed_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from backends.torch import group as nccl
+    from backends.torch import factories
 
-    monkeypatch.setattr(nccl.dist, "is_available", lambda: False)
+    monkeypatch.setattr(factories.dist, "is_available", lambda: False)
     with pytest.raises(
         commlib.BackendUnavailableError, match=r"\[rank 0/1\] gloo.init: this torch build has no"
     ):
-        nccl.create_gloo_group(DistEnv(rank=0, world_size=1), CommConfig())
+        factories.create_gloo_group(DistEnv(rank=0, world_size=1), CommConfig())
 
 
 # ------------------------------------------------------------- launchers
@@ -344,20 +344,22 @@ def test_nccl_on_cuda_tensors() -> None:
 
 # ------------------------------------------------- in-process unit tests
 def test_error_translation_and_parsing() -> None:
-    from backends.torch.group import _parse_backend_spec, _parse_upcast, _translate
+    from backends.torch.devices import parse_backend_spec
+    from backends.torch.dtypes import parse_upcast
+    from backends.torch.errors import translate
 
     closed = RuntimeError(
         "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18838. "
         "This is typically caused"
     )
-    error = _translate("[rank 0/2] gloo.all_reduce #3", closed, 30)
+    error = translate("[rank 0/2] gloo.all_reduce #3", closed, 30)
     assert isinstance(error, PeerFailureError) and "(peer [127.0.0.1]:18838)" in str(error)
     timeout = RuntimeError(
         "[../unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
     )
-    error = _translate("[rank 1/2] gloo.broadcast #1", timeout, 3)
+    error = translate("[rank 1/2] gloo.broadcast #1", timeout, 3)
     assert isinstance(error, CommTimeoutError) and "did not finish within 3 s" in str(error)
-    assert type(_translate("x", RuntimeError("boom"), 1)) is commlib.CommError
+    assert type(translate("x", RuntimeError("boom"), 1)) is commlib.CommError
     # NCCL 2.28.9's words for two ranks on one GPU (seen with torch 2.11 on an H200).
     shared = RuntimeError(
         "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage (run with "
@@ -365,18 +367,18 @@ def test_error_translation_and_parsing() -> None:
         "invalid usage of NCCL library.\nLast error:\n"
         "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60"
     )
-    message = str(_translate("[rank 0/2] nccl.broadcast #0", shared, 30))
+    message = str(translate("[rank 0/2] nccl.broadcast #0", shared, 30))
     assert message.startswith(
         "[rank 0/2] nccl.broadcast #0: NCCL refuses two ranks on one GPU (Duplicate GPU detected : rank 0 "
         "and rank 1 both on CUDA device 60). Give each rank a GPU of its own"
     ), message
     assert "ring, gloo or mpi backend" in message and "NCCL error in:" in message
-    assert _parse_backend_spec("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
-    assert _parse_backend_spec("gloo") == {"cpu": "gloo"}
-    assert _parse_backend_spec("NCCL") == {"cuda": "nccl"}
-    assert _parse_upcast("bf16, float16") == {torch.bfloat16, torch.float16}
+    assert parse_backend_spec("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert parse_backend_spec("gloo") == {"cpu": "gloo"}
+    assert parse_backend_spec("NCCL") == {"cuda": "nccl"}
+    assert parse_upcast("bf16, float16") == {torch.bfloat16, torch.float16}
     with pytest.raises(ValueError, match="'int8' is not float16 or bfloat16"):
-        _parse_upcast("int8")
+        parse_upcast("int8")
 
 
 def test_reference_checker_catches_wrong_answers() -> None:
@@ -487,15 +489,15 @@ def test_wraps_a_group_created_without_a_backend() -> None:
 )
 def test_device_map_of_every_kind_of_torch_group(monkeypatch, config, name, expected) -> None:
     """What each kind of torch group serves, on a machine without CUDA (this one)."""
-    import backends.torch.group as nccl
+    import backends.torch.devices as devices
 
     if config is None:
-        monkeypatch.delattr(nccl.dist, "get_backend_config", raising=False)
+        monkeypatch.delattr(devices.dist, "get_backend_config", raising=False)
     else:
-        monkeypatch.setattr(nccl.dist, "get_backend_config", lambda pg: config)
-    monkeypatch.setattr(nccl.dist, "get_backend", lambda pg: name)
-    monkeypatch.setattr(nccl.torch.cuda, "is_available", lambda: False)
-    assert nccl._device_map(object()) == expected
+        monkeypatch.setattr(devices.dist, "get_backend_config", lambda pg: config)
+    monkeypatch.setattr(devices.dist, "get_backend", lambda pg: name)
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    assert devices.device_map(object()) == expected
 
 
 @pytest.mark.parametrize(
@@ -510,12 +512,12 @@ def test_device_map_of_every_kind_of_torch_group(monkeypatch, config, name, expe
 )
 def test_device_map_with_cuda(monkeypatch, config, name, expected) -> None:
     """The same groups where CUDA is available (faked): an NCCL-only group takes CUDA tensors only."""
-    import backends.torch.group as nccl
+    import backends.torch.devices as devices
 
     if config is None:
-        monkeypatch.delattr(nccl.dist, "get_backend_config", raising=False)
+        monkeypatch.delattr(devices.dist, "get_backend_config", raising=False)
     else:
-        monkeypatch.setattr(nccl.dist, "get_backend_config", lambda pg: config)
-    monkeypatch.setattr(nccl.dist, "get_backend", lambda pg: name)
-    monkeypatch.setattr(nccl.torch.cuda, "is_available", lambda: True)
-    assert nccl._device_map(object()) == expected
+        monkeypatch.setattr(devices.dist, "get_backend_config", lambda pg: config)
+    monkeypatch.setattr(devices.dist, "get_backend", lambda pg: name)
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
+    assert devices.device_map(object()) == expected
