@@ -282,7 +282,7 @@ def check_bad_tags(backend: str, results: list[dict[str, Any]]) -> None:
             assert text.startswith(f"ValueError: [rank {rank}/"), (name, text)
             assert f"{backend}.{op}: tag must be an int in 0..16777215, got " in text, (name, text)
         assert len(result["refused"]) == 5, result
-        assert result["got"] == [9.0] * 4 if rank == 0 else [7.0] * 4, result
+        assert result["got"] == ([9.0] * 4 if rank == 0 else [7.0] * 4), result
 
 
 def body_p2p_keeps_collectives_numbered(group: IProcessGroup) -> dict[str, Any]:
