@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from commlib.capabilities import CapabilityTable, ReductionPlan
 from commlib.errors import GroupClosedError, ReduceOpTypeError
 from commlib.types import PremulSum, ReduceOp, dtype_name, op_applies
 
@@ -33,7 +34,7 @@ class ArgumentChecks:
     max_tag: int
     _closed: bool
     _broken: BaseException | None
-    _accepted: set[tuple[object, ...]]
+    _accepted: dict[tuple[object, ...], ReductionPlan]
 
     if TYPE_CHECKING:  # IProcessGroup's
 
@@ -42,6 +43,8 @@ class ArgumentChecks:
         def supports(  # noqa: D102
             self, op: ReduceOp | PremulSum, dtype: torch.dtype, device: torch.device | str = "cpu"
         ) -> bool: ...
+
+        def _reduction_table(self) -> CapabilityTable: ...
 
     def _check_usable(self, op: str) -> None:
         if self._closed:
@@ -89,20 +92,27 @@ class ArgumentChecks:
                 "contiguous tensor (x = x.contiguous()) and read the result from it"
             )
 
-    def _check_reduction(self, name: str, tensor: object, op: object, arg: str = "tensor") -> None:
-        """Check a reduction's tensor and op; a kind of tensor seen before costs a set lookup."""
+    def _check_reduction(self, name: str, tensor: object, op: object, arg: str = "tensor") -> ReductionPlan:
+        """Check a reduction's tensor and op; return its plan (a kind seen before: one dict lookup)."""
         kind = None
         if isinstance(tensor, torch.Tensor):
             if op.__class__ is ReduceOp:
                 kind = (op, tensor.dtype, tensor.device, tensor.layout)
             elif isinstance(op, PremulSum):  # keyed apart from the bare ReduceOp.PREMUL_SUM, which is refused
                 kind = (PremulSum, tensor.dtype, tensor.device, tensor.layout)
-            if kind in self._accepted and tensor.is_contiguous():
-                return
+            try:
+                plan = self._accepted[kind]  # type: ignore[index]
+            except KeyError:
+                pass
+            else:
+                if tensor.is_contiguous():
+                    return plan
         self._check_tensor(name, tensor, arg)
         self._check_op(name, op, tensor)  # type: ignore[arg-type]
+        plan = self._reduction_table().plan(op, tensor.dtype, tensor.device.type)  # type: ignore[arg-type, union-attr]
         if kind is not None:
-            self._accepted.add(kind)
+            self._accepted[kind] = plan
+        return plan
 
     def _check_op(self, name: str, op: object, tensor: torch.Tensor) -> None:
         if op is ReduceOp.PREMUL_SUM:
@@ -131,10 +141,11 @@ class ArgumentChecks:
                 f"({tensor.device.type}): {detail}"
             )
         if not self.supports(op, tensor.dtype, tensor.device):
+            reason = self._reduction_table().plan(op, tensor.dtype, tensor.device.type).reason
             raise ValueError(
                 f"{self._prefix(name)}op {op.name} on {dtype_name(tensor.dtype)} "
-                f"({tensor.device.type}): {op.name} is not supported for this dtype and device on this "
-                "backend"
+                f"({tensor.device.type}): "
+                f"{reason or f'{op.name} is not supported for this dtype and device on this backend'}"
             )
 
     def _check_rank(self, op: str, value: object, arg: str) -> None:

@@ -9,9 +9,9 @@ group's ranks in rank order, in float32 for float16 and bfloat16, rounded once. 
 backends only move bytes: each rank receives its shard of every rank's tensor with one
 ``all_to_all``, folds the shards in rank order, and an ``all_gather`` (``gather`` for
 ``reduce``; nothing for ``reduce_scatter``) returns the folded shards. On two ranks a
-backend that declares ``_exact_pair`` (each element one correctly rounded operation) runs
-its own SUM and PRODUCT, which are that fold already. docs/backends.md has the definition
-and the cost.
+backend whose capability table declares ``exact_pair`` (each element one correctly
+rounded operation; ``commlib.capabilities``) runs its own SUM and PRODUCT, which are that
+fold already. docs/backends.md has the definition and the cost.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch.autograd.graph import increment_version
 
+from commlib.capabilities import ReductionPlan
 from commlib.config import CommConfig
 from commlib.errors import CommTimeoutError, GroupClosedError
 from commlib.prepared import PreparedCollective
@@ -145,8 +146,6 @@ class _Group(Protocol):
 
     def _check_usable(self, op: str) -> None: ...
 
-    def _exact_pair(self, tensor: torch.Tensor) -> bool: ...
-
     def _issue(
         self,
         kind: str,
@@ -214,17 +213,18 @@ class DeterministicReductions:
         """Buffers reused by the folds of CPU tensors (one fold runs at a time: see the class docstring)."""
 
     # -------------------------------------------------------------- routing
-    def folds(self, tensor: torch.Tensor, op: ReduceOp | PremulSum) -> bool:
+    def folds(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, plan: ReductionPlan) -> bool:
         """True if this reduction of ``tensor`` (already checked) must be folded here, not by the backend.
 
         False for what is exact in any order (MIN, MAX, integers, bools), on one rank, and on
-        two ranks of a backend whose own reduction is the fold (``_exact_pair``), except AVG of
-        float16 and bfloat16, which divides in float32 before rounding.
+        two ranks of a backend whose own reduction is the fold (``plan.exact_pair``, the group's
+        capability table's answer for ``op``), except AVG of float16 and bfloat16, which
+        divides in float32 before rounding.
         """
         if not tensor.is_floating_point() or _base(op) not in FOLDED_OPS:
             return False
         group = self._group
-        if group.world_size == 2 and group._exact_pair(tensor):  # noqa: SLF001
+        if group.world_size == 2 and plan.exact_pair:
             return op is ReduceOp.AVG and tensor.dtype in _HALF
         return group.world_size > 1
 

@@ -27,6 +27,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from commlib import monitored, objects, p2p_front, reduction, subgroups
+from commlib.capabilities import CapabilityTable, ReductionPlan, Row
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
 from commlib.deterministic import DeterministicReductions, deterministic_mode
@@ -37,14 +38,12 @@ from commlib.errors import CollectiveMismatchError, CommError, error_prefix
 from commlib.membership import NonGroupMember
 from commlib.p2p import P2POp, P2PRequest
 from commlib.prepared import PreparedCollective
-from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp, op_applies
+from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
 
 logger = logging.getLogger("commlib")
-
-_BOOL = torch.bool
 
 _SLOT = HISTORY - 1
 """``seq & _SLOT``: the slot of collective ``seq`` in a group's history."""
@@ -69,12 +68,13 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     ``NotImplementedError`` until a backend implements them; a blocking ``send``
     or ``recv`` calls ``_p2p_now``, which by default starts ``_send`` / ``_recv``
     and waits, and which a backend may run without a ``Work``. Backends may narrow
-    ``supported_dtypes`` and ``supported_devices`` or override ``supports``. What
+    ``supported_dtypes`` and ``supported_devices``, declare what they reduce themselves
+    in ``_reduction_rows`` (``commlib.capabilities``), or override ``supports``. What
     every backend needs is here: argument checks, the sequence number and label
     of each collective (``_seq``, ``_label``; point-to-point operations are
     counted per peer and tag instead, ``_p2p_label``), ``ReduceOp.AVG`` and
     ``PREMUL_SUM`` for backends that cannot do them natively, MAX and MIN that
-    propagate NaN for backends whose own drop it (``_propagates_nan`` False), bool
+    propagate NaN for backends whose own drop it (as their capability table says), bool
     reductions as BAND/BOR (``commlib.reduction``), the autograd version bump of every
     tensor a collective writes, subgroups' global ranks and names (``commlib.subgroups``),
     and the diagnosis
@@ -117,9 +117,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """The deterministic mode's reductions (``commlib.deterministic``), or None when it is off."""
         self._closed = False
         self._broken: BaseException | None = None
-        # (op, dtype, device, layout) combinations that passed the full checks: the hot path
-        # of a training loop reduces the same kinds of tensor every step.
-        self._accepted: set[tuple[object, ...]] = set()
+        # (op, dtype, device, layout) combinations that passed the full checks, with their
+        # plan: the hot path of a training loop reduces the same kinds of tensor every step.
+        self._accepted: dict[tuple[object, ...], ReductionPlan] = {}
+        self._capabilities: CapabilityTable | None = None
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
         self._recent = new_history()
@@ -265,13 +266,49 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
         The op must apply to the dtype (``commlib.types.op_applies``: AVG and
         PREMUL_SUM on floating point only, BAND/BOR/BXOR on integers and bool only).
+        ``reduction_plan`` says how.
+        """
+        return self.reduction_plan(op, dtype, device).supported
+
+    def reduction_plan(
+        self, op: ReduceOp | PremulSum, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> ReductionPlan:
+        """Return how this group reduces ``dtype`` tensors on ``device`` with ``op``.
+
+        The answer of the group's capability table (``commlib.capabilities``): the
+        backend reduces it itself (``Route.NATIVE``), through a wider copy
+        (``UPCAST``), by a gather and a fold (``FOLD``) or a kernel of its own
+        (``KERNEL``); the interface emulates it around the backend's SUM
+        (``SUM_THEN_DIVIDE``, ``SCALE_THEN_SUM``) or MAX/MIN (``NAN_KEYS``); or it is
+        ``REFUSED``, with the reason.
+
+        Example::
+
+            >>> group.reduction_plan(ReduceOp.AVG, torch.float32).route  # on gloo
+            <Route.SUM_THEN_DIVIDE: 'sum then divide'>
         """
         if isinstance(op, PremulSum):
             op = op.op
-        device_type = torch.device(device).type
-        if dtype not in self.supported_dtypes or device_type not in self.supported_devices:
-            return False
-        return op_applies(op, dtype)
+        return self._reduction_table().plan(op, dtype, torch.device(device).type)
+
+    def _reduction_table(self) -> CapabilityTable:
+        """The group's capability table, made from ``_reduction_rows`` on first use."""
+        table = self._capabilities
+        if table is None:
+            table = self._capabilities = CapabilityTable(
+                self._reduction_rows(), self.supported_dtypes, frozenset(self.supported_devices)
+            )
+        return table
+
+    def _reduction_rows(self) -> tuple[Row, ...]:
+        """The backend's declarations of what it reduces, first match first (``commlib.capabilities``).
+
+        The default declares nothing: every op the backend gets is its own, and the
+        interface emulates AVG (SUM, then a division), ``PREMUL_SUM`` (a scaled SUM) and
+        float MAX and MIN (integer keys, so that NaN propagates). No row declares
+        ``exact_pair``, so the deterministic mode folds in the interface.
+        """
+        return ()
 
     @property
     def shares_buffers(self) -> bool:
@@ -329,22 +366,22 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """
         if self._closed or self._broken is not None:
             self._check_usable("all_reduce")
-        self._check_reduction("all_reduce", tensor, op)
+        plan = self._check_reduction("all_reduce", tensor, op)
         exact = self._exact
-        if exact is not None and exact.folds(tensor, op):
+        if exact is not None and exact.folds(tensor, op, plan):
             return exact.all_reduce(tensor, op, async_op)
         if tensor.requires_grad:
             tensor = tensor.detach()
         increment_version(tensor)
         self._bytes_issued += tensor.nbytes
-        # A plain sum (DDP's buckets) goes straight to the backend's hook: one frame fewer.
-        if op is ReduceOp.SUM and tensor.dtype is not _BOOL:
+        # What the backend reduces as given (DDP's sums) goes straight to its hook: one frame fewer.
+        if plan.direct:
             return self._issue(
                 "all_reduce", tensor, op, -1, async_op, [tensor], self._all_reduce, tensor, op, async_op
             )
         start = reduction.start_all_reduce
         return self._issue(
-            "all_reduce", tensor, op, -1, async_op, [tensor], start, self, tensor, op, async_op
+            "all_reduce", tensor, op, -1, async_op, [tensor], start, self, tensor, op, plan, async_op
         )
 
     def prepare_all_reduce(
@@ -374,19 +411,18 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             ...     fill(bucket)
             ...     prepared.start().wait()
         """
-        self._check_reduction("all_reduce", tensor, op)
+        plan = self._check_reduction("all_reduce", tensor, op)
         exact = self._exact
-        if exact is not None and exact.folds(tensor, op):
+        if exact is not None and exact.folds(tensor, op, plan):
             return exact.prepare_all_reduce(tensor, op)
         if tensor.requires_grad:
             tensor = tensor.detach()
-        plain = op is ReduceOp.SUM and tensor.dtype is not _BOOL
-        start = self._prepare_all_reduce(tensor, op) if plain else None
+        start = self._prepare_all_reduce(tensor, op) if op is ReduceOp.SUM and plan.direct else None
         if start is None:
-            if plain:
+            if plan.direct:
                 start = functools.partial(self._all_reduce, tensor, op, True)
             else:
-                start = functools.partial(reduction.start_all_reduce, self, tensor, op, True)
+                start = functools.partial(reduction.start_all_reduce, self, tensor, op, plan, True)
         return PreparedCollective(self, "all_reduce", tensor, op, start)
 
     def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
@@ -418,17 +454,29 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """
         name = "reduce"
         self._check_usable(name)
-        self._check_reduction(name, tensor, op)
+        plan = self._check_reduction(name, tensor, op)
         self._check_rank(name, dst, "dst")
         exact = self._exact
-        if exact is not None and exact.folds(tensor, op):
+        if exact is not None and exact.folds(tensor, op, plan):
             return exact.reduce(tensor, dst, op, async_op)
         flat = tensor.detach().view(-1)
         if self.rank == dst:
             increment_version(flat)
         self._bytes_issued += tensor.nbytes
         return self._issue(
-            name, tensor, op, dst, async_op, [tensor], reduction.start_reduce, self, flat, dst, op, async_op
+            name,
+            tensor,
+            op,
+            dst,
+            async_op,
+            [tensor],
+            reduction.start_reduce,
+            self,
+            flat,
+            dst,
+            op,
+            plan,
+            async_op,
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
@@ -530,10 +578,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """
         name = "reduce_scatter"
         self._check_usable(name)
-        self._check_reduction(name, output, op, "output")
+        plan = self._check_reduction(name, output, op, "output")
         flat_input, inputs = self._split_world(name, input, "input", output)
         exact = self._exact
-        if exact is not None and exact.folds(output, op):
+        if exact is not None and exact.folds(output, op, plan):
             return exact.reduce_scatter(output, flat_input, inputs, op, async_op)
         flat = output.detach().view(-1)
         increment_version(flat)
@@ -551,6 +599,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             flat_input,
             inputs,
             op,
+            plan,
             async_op,
         )
 
@@ -1117,48 +1166,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         return None
 
     # --------------------------------------------------- backend implementation
-    def _propagates_nan(self, tensor: torch.Tensor) -> bool:
-        """Return True if the backend's own MAX and MIN give NaN wherever any rank holds one.
-
-        The default is False: the interface reduces floats as integer keys that
-        order NaN first (``commlib.nan_minmax``), so the backend never sees a float MAX or MIN.
-        """
-        return False
-
-    def _native_avg(self, tensor: torch.Tensor) -> bool:
-        """Return True if the backend averages ``tensor`` itself when given ``ReduceOp.AVG``.
-
-        The default is False: the backend never sees AVG; it sums, and the
-        interface divides the result by the world size once.
-        """
-        return False
-
-    def _exact_pair(self, tensor: torch.Tensor) -> bool:
-        """Return True if on two ranks the backend's SUM and PRODUCT of ``tensor`` round each element once.
-
-        Each result element is then ``x0 + x1`` (``x0 * x1``) correctly rounded, or for
-        float16 and bfloat16 computed in float32 and rounded to the dtype (rounding twice
-        is exact there: float32 has more than twice their precision plus two bits), which
-        is the deterministic mode's left fold; its AVG of float32 and float64 must be that
-        sum divided once (a true division). The mode then leaves two-rank reductions
-        (but AVG of float16 and bfloat16) to the backend's own path. The default is False:
-        the mode folds in the interface.
-        """
-        return False
-
-    def _native_premul_sum(self, tensor: torch.Tensor) -> bool:
-        """Return True if the backend does ``PREMUL_SUM`` itself (it then gets the ``PremulSum`` as op).
-
-        The default is False: the interface multiplies by the factor and the backend sums.
-        """
-        return False
-
     @abc.abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         """Run the all-reduce; arguments are already checked and ``_seq`` counts this call.
 
-        Bool tensors come with BAND, BOR or BXOR only; AVG and PREMUL_SUM only if
-        ``_native_avg`` / ``_native_premul_sum`` say so.
+        Bool tensors come with BAND, BOR or BXOR only; AVG, PREMUL_SUM and float MAX and
+        MIN only if the backend's rows (``_reduction_rows``) declare them.
         """
 
     @abc.abstractmethod

@@ -1,4 +1,8 @@
-"""Reduction emulation: AVG, PREMUL_SUM, bool ops and NaN-propagating MAX/MIN for backends without them."""
+"""Reduction emulation: AVG, PREMUL_SUM, bool ops and NaN-propagating MAX/MIN for backends without them.
+
+What to emulate is the group's ``ReductionPlan`` (``commlib.capabilities``), which the
+argument check returns: these functions read it and call no predicate of the group.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ from typing import Protocol
 import torch
 
 from commlib import nan_minmax
-from commlib.types import PremulSum, ReduceOp, bool_op
+from commlib.capabilities import ReductionPlan, Route
+from commlib.types import PremulSum, ReduceOp
 from commlib.work import Work
 
 __all__ = ["prepare_reduction", "start_all_reduce", "start_reduce", "start_reduce_scatter"]
@@ -19,9 +24,6 @@ class ReducingGroup(Protocol):
     rank: int
     world_size: int
 
-    def _native_premul_sum(self, tensor: torch.Tensor) -> bool: ...
-    def _native_avg(self, tensor: torch.Tensor) -> bool: ...
-    def _propagates_nan(self, tensor: torch.Tensor) -> bool: ...
     def _whole(self, flat: torch.Tensor | None, blocks: list[torch.Tensor]) -> torch.Tensor: ...
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work: ...
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work: ...
@@ -36,10 +38,14 @@ class ReducingGroup(Protocol):
 
 
 def start_all_reduce(
-    group: ReducingGroup, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool
+    group: ReducingGroup,
+    tensor: torch.Tensor,
+    op: ReduceOp | PremulSum,
+    plan: ReductionPlan,
+    async_op: bool,
 ) -> Work:
-    """Start an all-reduce of ``tensor`` with ``op`` as the backend can do it; return its work."""
-    op, finish = prepare_reduction(group, tensor, op, in_place=True)
+    """Start an all-reduce of ``tensor`` with ``op`` as ``plan`` says; return its work."""
+    op, finish = prepare_reduction(group, tensor, op, plan, in_place=True)
     if finish is _NAN_KEYS:
         keys = nan_minmax.encode(tensor, op, in_place=True)  # type: ignore[arg-type]
         work = group._all_reduce(keys, op, async_op)  # type: ignore[arg-type]
@@ -52,11 +58,16 @@ def start_all_reduce(
 
 
 def start_reduce(
-    group: ReducingGroup, flat: torch.Tensor, dst: int, op: ReduceOp | PremulSum, async_op: bool
+    group: ReducingGroup,
+    flat: torch.Tensor,
+    dst: int,
+    op: ReduceOp | PremulSum,
+    plan: ReductionPlan,
+    async_op: bool,
 ) -> Work:
-    """Start a reduce of ``flat`` into rank ``dst`` as the backend can do it; return its work."""
+    """Start a reduce of ``flat`` into rank ``dst`` as ``plan`` says; return its work."""
     root = group.rank == dst
-    op, finish = prepare_reduction(group, flat, op, in_place=root)
+    op, finish = prepare_reduction(group, flat, op, plan, in_place=root)
     if finish is _NAN_KEYS:
         keys = nan_minmax.encode(flat, op, in_place=root)  # type: ignore[arg-type]
         work = group._reduce(keys, dst, op, async_op)  # type: ignore[arg-type]
@@ -77,10 +88,11 @@ def start_reduce_scatter(
     flat_input: torch.Tensor | None,
     inputs: list[torch.Tensor],
     op: ReduceOp | PremulSum,
+    plan: ReductionPlan,
     async_op: bool,
 ) -> Work:
-    """Start a reduce-scatter into ``flat`` as the backend can do it; return its work."""
-    op, finish = prepare_reduction(group, flat, op, in_place=False, inputs=(flat_input, inputs))
+    """Start a reduce-scatter into ``flat`` as ``plan`` says; return its work."""
+    op, finish = prepare_reduction(group, flat, op, plan, in_place=False, inputs=(flat_input, inputs))
     if finish is _NAN_KEYS:
         keys_out = nan_minmax.output_keys(flat)
         keys_in = nan_minmax.encode(group._whole(flat_input, inputs), op, in_place=False)  # type: ignore[arg-type]
@@ -104,6 +116,7 @@ def prepare_reduction(
     group: ReducingGroup,
     tensor: torch.Tensor,
     op: ReduceOp | PremulSum,
+    plan: ReductionPlan,
     *,
     in_place: bool,
     inputs: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None,
@@ -114,23 +127,19 @@ def prepare_reduction(
     ``_NAN_KEYS`` (reduce float MAX/MIN as integer keys), or a ``_Scaled``
     (PREMUL_SUM: reduce ``finish.tensor``, the scaled input, with SUM).
     """
-    if tensor.dtype is torch.bool:
-        return bool_op(op), None  # type: ignore[arg-type]
-    if isinstance(op, PremulSum):
-        if group._native_premul_sum(tensor):
-            return op, None
-        factor = op.scalar()
+    route = plan.route
+    if route is Route.SCALE_THEN_SUM:
+        factor = op.scalar()  # type: ignore[union-attr]
         source = tensor if inputs is None else group._whole(*inputs)
         if in_place:
             source.mul_(factor)
             return ReduceOp.SUM, None
         return ReduceOp.SUM, _Scaled(source.mul(factor))
-    if op is ReduceOp.AVG and not group._native_avg(tensor):
+    if route is Route.SUM_THEN_DIVIDE:
         return ReduceOp.SUM, _Divide(tensor, group.world_size)
-    if (op is ReduceOp.MAX or op is ReduceOp.MIN) and tensor.is_floating_point():
-        if not group._propagates_nan(tensor):
-            return op, _NAN_KEYS
-    return op, None
+    if route is Route.NAN_KEYS:
+        return op, _NAN_KEYS
+    return (op if plan.direct else plan.op), None
 
 
 _NAN_KEYS = object()

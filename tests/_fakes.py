@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from commlib.capabilities import Route, Row
 from commlib.config import CommConfig
 from commlib.env import DistEnv
 from commlib.errors import CollectiveMismatchError, CommTimeoutError
@@ -182,9 +183,9 @@ class FakeProcessGroup(IProcessGroup):
             return kind
         return f"{kind}({tensor.dtype}, {tensor.numel()} elements{extra})"
 
-    def _native_avg(self, tensor: torch.Tensor) -> bool:
+    def _reduction_rows(self) -> tuple[Row, ...]:
         """Average in the hub when ``supports_avg``; else the interface sums, then divides."""
-        return self.supports_avg
+        return (Row(Route.NATIVE, ops=frozenset({ReduceOp.AVG})),) if self.supports_avg else ()
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         def body(seq: int) -> None:

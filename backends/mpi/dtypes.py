@@ -102,7 +102,8 @@ class DtypePlan:
     view: torch.dtype
     """The dtype of the tensor view MPI is given (int16 for bfloat16 and the fallback)."""
     native: bool
-    """True: MPI's predefined ops reduce it. False: a user-defined op does (host memory only)."""
+    """True: MPI's predefined ops reduce it. False: a user-defined op does (host memory only); the
+    group's capability table declares such dtypes ``Route.KERNEL`` (``backends.mpi.capabilities``)."""
     ops: dict[ReduceOp, Any]
     """``ReduceOp`` -> the ``MPI.Op`` that reduces this dtype with it."""
 

@@ -47,12 +47,14 @@ import torch
 from backends.common.cuda_staging import Chunk
 from backends.mpi import device_path
 from backends.mpi.abort import forget_group, note_missed_peer, register_group
+from backends.mpi.capabilities import mpi_rows
 from backends.mpi.config import MPIConfig
 from backends.mpi.dtypes import DtypePlan, code_dtype, dtype_code, plan_for
 from backends.mpi.library import load_mpi
 from backends.mpi.p2p import DirectPayload, Layout, Mismatch, P2PEngine, Payload, RecvRequest
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from backends.mpi.work import MPIWork, P2PWork
+from commlib.capabilities import Row
 from commlib.config import CommConfig
 from commlib.env import DistEnv
 from commlib.errors import (
@@ -423,9 +425,10 @@ class MPIProcessGroup(IProcessGroup):
             )
         self._progress.submit(work)
 
-    def _exact_pair(self, tensor: torch.Tensor) -> bool:
-        """MPI's SUM and PRODUCT, and the float16 / bfloat16 user ops, combine each pair once."""
-        return True
+    def _reduction_rows(self) -> tuple[Row, ...]:
+        """``mpi_rows``: the 16-bit floats whose plan is not native reduce in a kernel of ours."""
+        MPI = self._MPI  # noqa: N806
+        return mpi_rows(d for d in (torch.float16, torch.bfloat16) if not plan_for(MPI, d).native)
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         plan = plan_for(self._MPI, tensor.dtype)

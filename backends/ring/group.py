@@ -57,6 +57,7 @@ import torch
 from backends.common import kernels
 from backends.common.cuda_staging import StagingPipeline
 from backends.common.kernels import Reducer
+from backends.ring.capabilities import RING_ROWS
 from backends.ring.config import RingConfig
 from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, connect_links
@@ -77,6 +78,7 @@ from backends.ring.shared_buffers import SharedBuffers, Span
 from backends.ring.shm import RegionId
 from backends.ring.staging import Staged, View, first_chunks, on_host, publisher, waiter
 from backends.ring.subgroups import Parent, new_subgroup
+from commlib.capabilities import Row
 from commlib.config import CommConfig
 from commlib.diagnosis import history
 from commlib.diagnosis.history import HISTORY_BYTES
@@ -273,17 +275,9 @@ class RingProcessGroup(IProcessGroup):
         return buffers.find(flat) if buffers is not None else None
 
     # ------------------------------------------------------------- execution
-    def _exact_pair(self, tensor: torch.Tensor) -> bool:
-        """On two ranks each element is one torch add (multiply); AVG divides the sum after."""
-        return True
-
-    def _native_avg(self, tensor: torch.Tensor) -> bool:
-        """The ring averages itself: each rank divides its reduced segment before the all-gather."""
-        return True
-
-    def _propagates_nan(self, tensor: torch.Tensor) -> bool:
-        """The ring reduces with ``torch.maximum`` / ``torch.minimum``, which propagate NaN."""
-        return True
+    def _reduction_rows(self) -> tuple[Row, ...]:
+        """``RING_ROWS``: SUM, PRODUCT and AVG exact on two ranks, MAX and MIN propagate NaN."""
+        return RING_ROWS
 
     def _submit(
         self, label: CollectiveLabel, body: Callable[[], Any], async_op: bool, keep_alive: object = None

@@ -72,20 +72,21 @@ from backends.torch.calls import (
     async_options,
     span,
 )
+from backends.torch.capabilities import torch_rows, upcast_row
 from backends.torch.default_group import default_store, is_last_owner, release_owner, torch_ranks_of
 from backends.torch.devices import device_map
-from backends.torch.dtypes import CANNOT_REDUCE, MOVES_AS, UPCASTABLE, WIDE, WITHOUT_INT16, parse_upcast
+from backends.torch.dtypes import MOVES_AS, UPCASTABLE, WIDE, WITHOUT_INT16, parse_upcast
 from backends.torch.errors import is_dtype_rejection, translate
 from backends.torch.p2p import P2PEngine
 from backends.torch.reductions import (
     BITWISE,
-    NATIVE_AVG_BACKENDS,
     NCCL_BOOL_OPS,
     TORCH_OPS,
     device_combine,
     fold_in_rank_order,
 )
 from backends.torch.work import TorchWork
+from commlib.capabilities import ReductionPlan, Route, Row
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import (
@@ -100,6 +101,8 @@ from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, Work
 
 __all__ = ["TorchDistProcessGroup"]
+
+_NATIVE, _FOLD, _UPCAST = Route.NATIVE, Route.FOLD, Route.UPCAST
 
 
 class TorchDistProcessGroup(IProcessGroup):
@@ -156,8 +159,10 @@ class TorchDistProcessGroup(IProcessGroup):
         # Narrow the class-wide device set to what this torch group serves.
         self.supported_devices = frozenset(self._devices)  # type: ignore[misc]
         no_upcast: frozenset[torch.dtype] = frozenset()
-        self._upcast: set[torch.dtype] = set(read_env_var("COMMLIB_GLOO_UPCAST", parse_upcast, no_upcast))
-        """Dtypes reduced through a wider copy on CPU: COMMLIB_GLOO_UPCAST's, and those a Gloo refused."""
+        self._rows = torch_rows(self._devices, read_env_var("COMMLIB_GLOO_UPCAST", parse_upcast, no_upcast))
+        """The capability table's rows: Gloo's and NCCL's per device type, COMMLIB_GLOO_UPCAST's first."""
+        self._plans = self._reduction_table().cache
+        """The table's answers, read by the reduction hooks (a dtype a Gloo refused adds a row)."""
         self._store = store
         self._torch_ranks = torch_ranks
         self._waiter: threading.Thread | None = None
@@ -206,18 +211,17 @@ class TorchDistProcessGroup(IProcessGroup):
                 pass  # the error is in the work and its future
 
     # ------------------------------------------------------------- collectives
-    def _exact_pair(self, tensor: torch.Tensor) -> bool:
-        """Gloo adds (multiplies) each pair once, float16 via float32; NCCL is not declared."""
-        return self._devices.get(tensor.device.type) == "gloo"
+    def _reduction_rows(self) -> tuple[Row, ...]:
+        """``GLOO_ROWS``, ``NCCL_ROWS`` on the device types each serves (``backends.torch.capabilities``)."""
+        return self._rows
 
-    def _native_avg(self, tensor: torch.Tensor) -> bool:
-        """NCCL averages natively; Gloo sums and the interface divides."""
-        return self._devices.get(tensor.device.type) in NATIVE_AVG_BACKENDS
-
-    def _needs_upcast(self, tensor: torch.Tensor) -> bool:
-        if tensor.dtype in CANNOT_REDUCE and self._devices.get(tensor.device.type) in WITHOUT_INT16:
-            return True
-        return tensor.device.type == "cpu" and tensor.dtype in self._upcast
+    def _plan(self, op: ReduceOp, tensor: torch.Tensor) -> ReductionPlan:
+        """The capability table's answer for a reduction hook's ``op`` on ``tensor``."""
+        key = (op, tensor.dtype, tensor.device.type)
+        try:
+            return self._plans[key]
+        except KeyError:
+            return self._reduction_table().plan(*key)
 
     def _torch(self, tensor: torch.Tensor | None) -> Any:
         """The torch backend object for ``tensor``'s device (the CPU one for ``barrier``)."""
@@ -248,7 +252,7 @@ class TorchDistProcessGroup(IProcessGroup):
             if upcast_retry is not None and tensor is not None and is_dtype_rejection(e):
                 # This Gloo cannot reduce the dtype; every rank fails the same way before
                 # sending anything, so every rank switches to a wider dtype together.
-                self._upcast.add(tensor.dtype)
+                self._reduction_table().prefer(upcast_row(tensor.dtype, self._devices.get("cpu") == "gloo"))
                 return upcast_retry()
             error = translate(label, e, self.timeout)
             self._mark_broken(error)
@@ -261,12 +265,17 @@ class TorchDistProcessGroup(IProcessGroup):
 
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         label = self._label("all_reduce", tensor)
-        if op in BITWISE and self._on_nccl(tensor):
-            if not self._nccl_has_bool_op(tensor, op):
+        key = (op, tensor.dtype, tensor.device.type)
+        try:
+            route = self._plans[key].route
+        except KeyError:
+            route = self._reduction_table().plan(*key).route
+        if route is not _NATIVE:
+            if route is _FOLD:
                 return self._bitwise_on_nccl(label, tensor, op, root=None)
-            tensor, op = tensor.view(torch.uint8), NCCL_BOOL_OPS[op]
-        if self._needs_upcast(tensor):
             return self._all_reduce_upcast(tensor, op, label)
+        if op in BITWISE and self._on_nccl(tensor):  # bool BAND, BOR: MIN, MAX of the bytes
+            tensor, op = tensor.view(torch.uint8), NCCL_BOOL_OPS[op]
         opts = async_options(dist.AllreduceOptions, reduceOp=TORCH_OPS[op])
         pg = self._torch(tensor)
         return self._launch_torch(
@@ -285,8 +294,8 @@ class TorchDistProcessGroup(IProcessGroup):
         return self._devices.get("cuda") == "nccl"
 
     def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
-        if (op in BITWISE and self._on_nccl(tensor)) or self._needs_upcast(tensor):
-            return None  # the general path folds or upcasts
+        if self._plan(op, tensor).route is not _NATIVE or (op in BITWISE and self._on_nccl(tensor)):
+            return None  # the general path folds, upcasts or views bools as bytes
         opts = async_options(dist.AllreduceOptions, reduceOp=TORCH_OPS[op])
         pg, tensors, cuda = self._torch(tensor), [tensor], tensor.device.type == "cuda"
         rank, world, name = self.rank, self.world_size, self._name
@@ -316,12 +325,13 @@ class TorchDistProcessGroup(IProcessGroup):
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
         """Gloo's reduce writes into every rank's tensor: the others reduce a copy."""
         label = self._label("reduce", tensor)
-        if op in BITWISE and self._on_nccl(tensor):
-            if not self._nccl_has_bool_op(tensor, op):
-                return self._bitwise_on_nccl(label, tensor, op, root=dst)
+        plan = self._plan(op, tensor)
+        if plan.route is _FOLD:
+            return self._bitwise_on_nccl(label, tensor, op, root=dst)
+        if op in BITWISE and self._on_nccl(tensor):  # bool BAND, BOR: MIN, MAX of the bytes
             tensor, op = tensor.view(torch.uint8), NCCL_BOOL_OPS[op]
         root = self.rank == dst
-        wide = WIDE[tensor.dtype] if self._needs_upcast(tensor) else None
+        wide = plan.wide
         if wide is not None:
             source = tensor.to(wide)
         else:
@@ -416,14 +426,15 @@ class TorchDistProcessGroup(IProcessGroup):
         async_op: bool,
     ) -> Work:
         label = self._label("reduce_scatter", output)
-        if op in BITWISE and self._on_nccl(output):
-            if not self._nccl_has_bool_op(output, op):
-                return self._reduce_scatter_bitwise_on_nccl(label, output, flat_input, inputs, op)
+        route = self._plan(op, output).route
+        if route is _FOLD:
+            return self._reduce_scatter_bitwise_on_nccl(label, output, flat_input, inputs, op)
+        if route is _UPCAST:
+            return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
+        if op in BITWISE and self._on_nccl(output):  # bool BAND, BOR: MIN, MAX of the bytes
             output, op = output.view(torch.uint8), NCCL_BOOL_OPS[op]
             flat_input = flat_input.view(torch.uint8) if flat_input is not None else None
             inputs = [block.view(torch.uint8) for block in inputs]
-        if self._needs_upcast(output):
-            return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
         if self._on_gloo(output) and output.numel():
             return self._reduce_scatter_by_all_to_all(output, flat_input, inputs, op, label)
         opts = async_options(ReduceScatterOptions, reduceOp=TORCH_OPS[op])
@@ -449,10 +460,6 @@ class TorchDistProcessGroup(IProcessGroup):
     def _on_nccl(self, tensor: torch.Tensor) -> bool:
         """True if NCCL serves ``tensor``'s device in this group."""
         return self._devices.get(tensor.device.type) == "nccl"
-
-    def _nccl_has_bool_op(self, tensor: torch.Tensor, op: ReduceOp) -> bool:
-        """True if NCCL computes ``op`` on bool ``tensor`` itself: BAND and BOR are MIN and MAX of 0 and 1."""
-        return tensor.dtype is torch.bool and op in NCCL_BOOL_OPS
 
     def _bitwise_on_nccl(
         self, label: CollectiveLabel, tensor: torch.Tensor, op: ReduceOp, root: int | None

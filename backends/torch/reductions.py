@@ -13,7 +13,6 @@ from commlib.types import ReduceOp
 
 __all__ = [
     "BITWISE",
-    "NATIVE_AVG_BACKENDS",
     "NCCL_BOOL_OPS",
     "TORCH_OPS",
     "device_combine",
@@ -30,10 +29,7 @@ TORCH_OPS: dict[ReduceOp, Any] = {
     ReduceOp.BOR: dist.ReduceOp.BOR,
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
-"""commlib op -> torch.distributed op (AVG is used natively by NCCL only)."""
-
-NATIVE_AVG_BACKENDS = frozenset({"nccl"})
-"""torch backends whose AVG we use; the others get SUM, then a division."""
+"""commlib op -> torch.distributed op (AVG reaches NCCL only: ``backends.torch.capabilities``)."""
 
 BITWISE = {
     ReduceOp.BAND: torch.bitwise_and,

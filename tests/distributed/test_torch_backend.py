@@ -88,7 +88,14 @@ def test_upcast_fallback_for_low_precision(tmp_path: Any) -> None:
 
 def _upcast_body(group: Any) -> tuple[dict[str, Any], list[str]]:
     matrix = mpi_bodies.collectives_matrix(group, (0, 7, 1000), ("float16", "bfloat16"))
-    return matrix, sorted(str(d) for d in group._upcast)
+    from commlib.capabilities import Route
+
+    wide = [
+        d
+        for d in (torch.float16, torch.bfloat16)
+        if group.reduction_plan(ReduceOp.SUM, d).route is Route.UPCAST
+    ]
+    return matrix, sorted(str(d) for d in wide)
 
 
 # ---------------------------------------------------------- nccl flavour
