@@ -5,13 +5,17 @@ A group in deterministic mode (``CommConfig.deterministic``, ``COMMLIB_DETERMINI
 in force when the group is made) computes floating-point SUM, AVG, PREMUL_SUM and PRODUCT
 in ``all_reduce``, ``reduce``, ``reduce_scatter`` (and their tensor and prepared forms) as
 ``left_fold`` defines them: element by element, ``((x0 + x1) + x2) + ... + x(n-1)`` over the
-group's ranks in rank order, in float32 for float16 and bfloat16, rounded once. The
-backends only move bytes: each rank receives its shard of every rank's tensor with one
-``all_to_all``, folds the shards in rank order, and an ``all_gather`` (``gather`` for
-``reduce``; nothing for ``reduce_scatter``) returns the folded shards. On two ranks a
+group's ranks in rank order, in float32 for float16 and bfloat16, rounded once. By
+default the backends only move bytes: each rank receives its shard of every rank's tensor
+with one ``all_to_all``, folds the shards in rank order, and an ``all_gather`` (``gather``
+for ``reduce``; nothing for ``reduce_scatter``) returns the folded shards. On two ranks a
 backend whose capability table declares ``exact_pair`` (each element one correctly
 rounded operation; ``commlib.capabilities``) runs its own SUM and PRODUCT, which are that
-fold already. docs/backends.md has the definition and the cost.
+fold already. A backend may also run an ``all_reduce`` in rank order itself
+(``IProcessGroup._ordered_all_reduce``): the ring does for float32 and float64 CPU tensors,
+passing partial sums down the chain ``0 -> 1 -> ... -> n-1`` and the results on round the
+ring (``backends.ring.ordered``), one collective of about ``2 S`` bytes per link.
+docs/backends.md has the definition and the cost.
 """
 
 from __future__ import annotations
@@ -146,6 +150,10 @@ class _Group(Protocol):
 
     def _check_usable(self, op: str) -> None: ...
 
+    def _ordered_all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | PremulSum
+    ) -> Callable[[bool], Work] | None: ...
+
     def _issue(
         self,
         kind: str,
@@ -194,13 +202,14 @@ class DeterministicReductions:
 
     The group calls ``folds`` for each reduction once its arguments are checked, and
     hands the reductions it folds to ``all_reduce``, ``reduce``, ``reduce_scatter`` or
-    ``prepare_all_reduce``. An all-reduce or a reduce is two collectives with a fold
-    between them; issued with ``async_op=True`` it runs on the group's helper thread
-    (one per group, started on first use), in issue order, and the caller gets a
-    ``Work`` at once. Every other collective of the group waits until the helper has
-    finished what was queued before it (``before_issue``), so that every rank issues the
-    same collectives in the same order. A reduce-scatter is one ``all_to_all`` whose
-    work folds when it completes.
+    ``prepare_all_reduce``. An all-reduce is the backend's own in rank order where it
+    offers one (``_ordered_all_reduce``: one collective, issued like any other); else it,
+    and a reduce, is two collectives with a fold between them; issued with
+    ``async_op=True`` it runs on the group's helper thread (one per group, started on
+    first use), in issue order, and the caller gets a ``Work`` at once. Every other
+    collective of the group waits until the helper has finished what was queued before
+    it (``before_issue``), so that every rank issues the same collectives in the same order.
+    A reduce-scatter is one ``all_to_all`` whose work folds when it completes.
 
     Args:
         group: The group (its backend hooks, numbering and diagnosis through ``_issue``).
@@ -247,6 +256,11 @@ class DeterministicReductions:
     def _start_all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool
     ) -> Work | None:
+        """The backend's own all-reduce in rank order where it offers one, else the two-collective fold."""
+        group = self._group
+        native = group._ordered_all_reduce(tensor, op)  # noqa: SLF001
+        if native is not None:
+            return group._issue("all_reduce", tensor, op, -1, async_op, [tensor], native, async_op)  # noqa: SLF001
         return self._run("all_reduce", tensor, async_op, [tensor], self._fold_all_reduce, tensor.view(-1), op)
 
     def _fold_all_reduce(self, flat: torch.Tensor, op: ReduceOp | PremulSum) -> None:

@@ -69,7 +69,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     or ``recv`` calls ``_p2p_now``, which by default starts ``_send`` / ``_recv``
     and waits, and which a backend may run without a ``Work``. Backends may narrow
     ``supported_dtypes`` and ``supported_devices``, declare what they reduce themselves
-    in ``_reduction_rows`` (``commlib.capabilities``), or override ``supports``. What
+    in ``_reduction_rows`` (``commlib.capabilities``), override ``supports``, or run the
+    deterministic mode's all-reduce themselves (``_ordered_all_reduce``). What
     every backend needs is here: argument checks, the sequence number and label
     of each collective (``_seq``, ``_label``; point-to-point operations are
     counted per peer and tag instead, ``_p2p_label``), ``ReduceOp.AVG`` and
@@ -1166,6 +1167,24 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         return None
 
     # --------------------------------------------------- backend implementation
+    def _ordered_all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | PremulSum
+    ) -> Callable[[bool], Work] | None:
+        """Return a starter of the backend's own deterministic all-reduce of ``tensor``, or None.
+
+        Asked by the deterministic mode (``commlib.deterministic``) for each folded
+        ``all_reduce`` of a checked ``tensor``. ``start(async_op)`` runs where
+        ``_all_reduce`` would (``_seq`` counts the call), leaves
+        ``commlib.deterministic.left_fold`` of the ranks' tensors (``op`` applied as
+        ``left_fold`` applies it, PREMUL_SUM's factor included) in ``tensor`` on every
+        rank, bit for bit, and returns the same kind of ``Work``. The backend's records
+        of the call must differ from its ordinary ``all_reduce``'s, so that a rank
+        outside the mode is reported, not paired with it. Every rank must give the same
+        answer for the same call. The default is None: the mode builds the reduction
+        from ``all_to_all`` and ``all_gather``.
+        """
+        return None
+
     @abc.abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         """Run the all-reduce; arguments are already checked and ``_seq`` counts this call.

@@ -145,9 +145,12 @@ WIRE_COLLECTIVES: tuple[str, ...] = (
     "gather",
     "scatter",
     "all_to_all",
+    "deterministic_all_reduce",
 )
 """Every collective; its index is its code in the ring's records and in the diagnosis fingerprints
-(append only)."""
+(append only). ``deterministic_all_reduce`` names a backend's own all-reduce in rank order
+(``IProcessGroup._ordered_all_reduce``) in its records, so that a rank outside the deterministic
+mode, whose ``all_reduce`` is another algorithm, is reported rather than paired with it."""
 
 _FLOAT_ONLY = frozenset({ReduceOp.AVG, ReduceOp.PREMUL_SUM})
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})

@@ -62,6 +62,7 @@ from backends.ring.config import RingConfig
 from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, connect_links
 from backends.ring.links import RecvLink, SendLink
+from backends.ring.ordered import chain_all_reduce
 from backends.ring.p2p import PointToPoint
 from backends.ring.records import (
     COMMON_BYTES,
@@ -92,7 +93,7 @@ from commlib.errors import (
 )
 from commlib.p2p import P2PRequest
 from commlib.process_group import IProcessGroup
-from commlib.types import ReduceOp
+from commlib.types import PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["RingConfig", "RingProcessGroup", "BACKENDS"]
@@ -632,6 +633,39 @@ class RingProcessGroup(IProcessGroup):
             send.wait_returned()
         if lent is not None and done is not None:
             done(outgoing)
+
+    def _ordered_all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | PremulSum
+    ) -> Callable[[bool], Work] | None:
+        """float32 and float64 CPU tensors: small ones travel with the records, large ones fold down a chain.
+
+        float16 and bfloat16 keep the interface's fold: their partial sums would travel in
+        float32, more bytes than its exchange of shards. CUDA tensors keep it too.
+        """
+        if tensor.dtype not in (torch.float32, torch.float64) or not tensor.is_cpu:
+            return None
+        return functools.partial(self._fold_all_reduce, tensor, op)
+
+    def _fold_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
+        """``_small_all_reduce`` (it combines in rank order) or ``chain_all_reduce``, after the records."""
+        premul = isinstance(op, PremulSum)
+        factor, base = (op.scalar(), ReduceOp.SUM) if premul else (None, op)
+        meta = self._next_meta("deterministic_all_reduce", tensor, ReduceOp.PREMUL_SUM if premul else base)
+        flat = tensor.view(-1)
+
+        def run() -> None:
+            if self._is_small(flat):
+                if factor is not None:
+                    flat.mul_(factor)
+                self._small_all_reduce(meta, flat, base)
+                return
+            send, recv = self._right, self._left
+            assert send is not None and recv is not None
+            self._check_meta(meta)
+            step, slots, lent = self._chunk_numel(flat), int(self._settings["slots"]), self._lendable(flat)
+            chain_all_reduce(send, recv, flat, self.rank, self.world_size, base, factor, step, slots, lent)
+
+        return self._submit(self._label("all_reduce", tensor), run, async_op, tensor)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work:
         meta = self._next_meta("broadcast", tensor, src=src)

@@ -117,6 +117,7 @@ def body_reductions(group: IProcessGroup, seed: int = 1, sizes: Sequence[int] = 
     failures: list[str] = []
     digest = _Digest()
     checked = 0
+    single = 0  # all-reduces that issued one collective: the backend's own (no all_to_all, all_gather)
 
     def check(tag: str, got: torch.Tensor, want: torch.Tensor) -> None:
         nonlocal checked
@@ -126,25 +127,44 @@ def body_reductions(group: IProcessGroup, seed: int = 1, sizes: Sequence[int] = 
         if problem:
             failures.append(f"[rank {rank}/{world}] {det.backend} {tag}: {problem}")
 
+    def issued_one(before: int) -> None:
+        nonlocal single
+        single += det.collective_count - before == 1
+
     for dtype in DTYPES:
+        buffer = det.alloc_buffer(max(sizes), dtype)  # the ring's shared memory: neighbours read it in place
         for op in OPS:
             for numel in sizes:
                 tag = f"{str(dtype)[6:]} {op_name(op)} n={numel}"
                 inputs = [rank_input(seed, r, numel, dtype, op) for r in range(world)]
                 want = fold(inputs, op)
                 t = inputs[rank].clone()
+                before = det.collective_count
                 det.all_reduce(t, op)
+                issued_one(before)
                 check(f"all_reduce {tag}", t, want)
                 t = inputs[rank].clone()
+                before = det.collective_count
                 det.all_reduce(t, op, async_op=True).wait()
+                issued_one(before)
                 check(f"all_reduce async {tag}", t, want)
                 t = inputs[rank].clone()
                 prepared = det.prepare_all_reduce(t, op)
+                before = det.collective_count
                 prepared.start().wait()
+                issued_one(before)
                 check(f"prepared all_reduce {tag}", t, want)
                 t.copy_(inputs[rank])
+                before = det.collective_count
                 prepared.start().get_future().wait()
+                issued_one(before)
                 check(f"prepared all_reduce again {tag}", t, want)
+                t = buffer[:numel]
+                t.copy_(inputs[rank])
+                before = det.collective_count
+                det.all_reduce(t, op, async_op=True).wait()
+                issued_one(before)
+                check(f"all_reduce of a buffer {tag}", t, want)
                 dst = numel % world
                 t = inputs[rank].clone()
                 det.reduce(t, dst, op)
@@ -165,7 +185,7 @@ def body_reductions(group: IProcessGroup, seed: int = 1, sizes: Sequence[int] = 
                 check(f"reduce_scatter in place {tag}", whole[rank * numel : (rank + 1) * numel], mine)
     if group is not det:
         commlib.destroy_process_group(det)
-    return {"failures": failures, "checked": checked, "digest": digest.hexdigest()}
+    return {"failures": failures, "checked": checked, "digest": digest.hexdigest(), "single": single}
 
 
 def body_two_dimensional_and_grad(group: IProcessGroup) -> dict[str, Any]:
@@ -281,7 +301,14 @@ def body_subgroups_inherit(group: IProcessGroup) -> dict[str, Any]:
         "told_otherwise": told.deterministic,  # type: ignore[union-attr]
         "split": split.deterministic,  # type: ignore[union-attr]
     }
-    for g in (inherited, told, split):
+    # Rank 0 alone in the mode: its all-reduce is not the others'; every rank must say so.
+    mixed = det.new_group(list(range(world)), deterministic=det.rank == 0)
+    try:
+        mixed.all_reduce(torch.ones(2000))  # type: ignore[union-attr]
+        out["mixed_modes"] = "no error"
+    except commlib.CollectiveMismatchError as e:
+        out["mixed_modes"] = str(e)
+    for g in (inherited, told, split, mixed):
         commlib.destroy_process_group(g)  # type: ignore[arg-type]
     if group is not det:
         commlib.destroy_process_group(det)
