@@ -45,7 +45,7 @@ installed_ok() {
     # Cheap check (no torch import): the packages are still there.
     "$VENV/bin/python" - <<'PY' 2>/dev/null
 import importlib.util, sys
-mods = ("torch", "numpy", "commlib", "pytest", "pytest_timeout", "mpi4py")
+mods = ("torch", "numpy", "commlib", "pytest", "pytest_timeout", "xdist", "mpi4py")
 sys.exit(0 if all(importlib.util.find_spec(m) is not None for m in mods) else 1)
 PY
 }

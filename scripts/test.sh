@@ -4,6 +4,12 @@
 #   bash scripts/test.sh                       # the whole suite (tests/)
 #   bash scripts/test.sh tests/test_env.py -q  # arguments go to pytest
 #
+# The suite runs in two passes: the tests that stay in one process on COMMLIB_TEST_WORKERS
+# pytest-xdist workers (default 2), then the tests that spawn ranks (markers multiprocess,
+# mpi, launcher, gpu) one at a time, so that ranks never compete with another test's for the
+# cores their deadlines assume. Arguments go to both passes; with -m, -n, or
+# COMMLIB_TEST_WORKERS=0 it is one plain pytest run.
+#
 # COMMLIB_PYTHON=/path/to/python skips setup.sh and runs pytest with that interpreter.
 set -euo pipefail
 
@@ -18,9 +24,40 @@ else
     PY="${COMMLIB_VENV:-$ROOT/.venv}/bin/python"
 fi
 
+SPAWNS="multiprocess or mpi or launcher or gpu"
+WORKERS="${COMMLIB_TEST_WORKERS:-2}"
+[[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "test.sh: COMMLIB_TEST_WORKERS must be a number, got '$WORKERS'" >&2; exit 2; }
+
+two_passes=1
+for arg in "$@"; do
+    case "$arg" in -m | -m* | -n | -n* | --numprocesses*) two_passes=0 ;; esac
+done
+[[ "$WORKERS" -ge 2 ]] || two_passes=0
+"$PY" -c 'import xdist' 2>/dev/null || two_passes=0
+
 set +e
-"$PY" -m pytest "$@"
-rc=$?
+if [[ $two_passes -eq 1 ]]; then
+    echo "test.sh: pass 1: the single-process tests on $WORKERS workers"
+    "$PY" -m pytest -n "$WORKERS" -m "not ($SPAWNS)" "$@"
+    rc_solo=$?
+    echo "test.sh: pass 2: the tests that spawn ranks ($SPAWNS), one at a time"
+    "$PY" -m pytest -m "$SPAWNS" "$@"
+    rc_spawn=$?
+    # Exit code 5 is "collected nothing": fine for one pass when the other ran tests.
+    if [[ $rc_solo -eq 5 && $rc_spawn -eq 5 ]]; then
+        rc=5
+    elif [[ $rc_solo -ne 0 && $rc_solo -ne 5 ]]; then
+        rc=$rc_solo
+    elif [[ $rc_spawn -ne 0 && $rc_spawn -ne 5 ]]; then
+        rc=$rc_spawn
+    else
+        rc=0
+    fi
+    echo "test.sh: pass 1 exit $rc_solo, pass 2 exit $rc_spawn"
+else
+    "$PY" -m pytest "$@"
+    rc=$?
+fi
 set -e
 
 if [[ $rc -eq 5 ]]; then
