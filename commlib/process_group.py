@@ -380,7 +380,12 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             return exact.prepare_all_reduce(tensor, op)
         if tensor.requires_grad:
             tensor = tensor.detach()
-        plain = op is ReduceOp.SUM and tensor.dtype is not _BOOL
+        # Ops that reach the backend as they are (``reduction.prepare_reduction`` leaves them alone):
+        # a sum, an integer MAX or MIN (DDP's touched-row flags). The backend binds them once.
+        plain = tensor.dtype is not _BOOL and (
+            op is ReduceOp.SUM
+            or ((op is ReduceOp.MAX or op is ReduceOp.MIN) and not tensor.is_floating_point())
+        )
         start = self._prepare_all_reduce(tensor, op) if plain else None
         if start is None:
             if plain:
@@ -391,6 +396,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
         """Return a starter for a plain all-reduce of ``tensor`` bound once, or None to call ``_all_reduce``.
+
+        Plain: ``op`` is what the backend's ``_all_reduce`` gets (a sum, an integer MAX or MIN).
 
         The starter runs where ``_all_reduce(tensor, op, True)`` would (``_seq``
         counts the call) and returns the same kind of ``Work``.

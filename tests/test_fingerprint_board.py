@@ -268,6 +268,7 @@ def _checked_pair(tmp_path: Path) -> list[FakeGroup]:
             world_size=2,
             launcher=Launcher(f"test-launcher-{rank}"),
             rank=rank,
+            backend="fake",
             timeout=10.0,
         )
         groups.append(group)
