@@ -418,7 +418,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             return exact.prepare_all_reduce(tensor, op)
         if tensor.requires_grad:
             tensor = tensor.detach()
-        start = self._prepare_all_reduce(tensor, op) if op is ReduceOp.SUM and plan.direct else None
+        # What the backend reduces as given (a sum; an integer MAX or MIN: DDP's touched-row flags)
+        # it binds once.
+        bound = plan.direct and not isinstance(op, PremulSum)
+        start = self._prepare_all_reduce(tensor, op) if bound else None
         if start is None:
             if plan.direct:
                 start = functools.partial(self._all_reduce, tensor, op, True)
@@ -428,6 +431,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
 
     def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
         """Return a starter for a plain all-reduce of ``tensor`` bound once, or None to call ``_all_reduce``.
+
+        Plain: ``op`` is what the backend's ``_all_reduce`` gets (a sum, an integer MAX or MIN).
 
         The starter runs where ``_all_reduce(tensor, op, True)`` would (``_seq``
         counts the call) and returns the same kind of ``Work``.

@@ -268,6 +268,7 @@ def _checked_pair(tmp_path: Path) -> list[FakeGroup]:
             world_size=2,
             launcher=Launcher(f"test-launcher-{rank}"),
             rank=rank,
+            backend="fake",
             timeout=10.0,
         )
         groups.append(group)
@@ -340,3 +341,28 @@ def test_a_late_rank_hands_the_wait_to_the_launcher_in_order(tmp_path: Path) -> 
     assert [call.args["tensor"].numel() for call in zero.calls] == [4, 6]
     for group in groups:
         group.close()
+
+
+def test_a_deferred_work_waits_for_its_launcher_then_follows_the_backend() -> None:
+    """Not started: ``wait(timeout)`` says so and may be retried; then it follows the started work."""
+    launcher = Launcher("test-launcher")
+    release = threading.Event()
+    started = RecordingWork()
+    deferred = DeferredWork("[rank 0/2] fake.all_reduce #1", launcher, bound_s=10.0, value=["v"])
+    launcher.submit(deferred, lambda: release.wait(10), lambda: started, ())
+    assert launcher.queued == 1 and not deferred.started
+    with pytest.raises(CommTimeoutError, match="has not started yet"):
+        deferred.wait(0.05)
+    release.set()
+    deferred.wait(10)
+    assert deferred.started and deferred.is_completed()
+    assert deferred.get_future().wait() == ["v"]
+
+    def refuse() -> Work:
+        raise CommError("refused")
+
+    failing = DeferredWork("[rank 0/2] fake.all_reduce #2", launcher, bound_s=10.0)
+    launcher.submit(failing, lambda: None, refuse, ())
+    with pytest.raises(CommError, match="refused"):
+        failing.wait(10)
+    launcher.close()

@@ -24,6 +24,7 @@ from commlib.types import ReduceOp
 from commlib.work import Work
 from ddp import DistributedDataParallel, Join
 from ddp.observe.timeline import load_timeline
+from tests._fake_groups import FakeGroup, make_env
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed.step_guard_bodies import FailsInBackward
 
@@ -317,6 +318,23 @@ def test_a_prepared_all_reduce_is_an_all_reduce_checked_once() -> None:
         assert r["sum0"] == [1.0] * 4 and r["sum1"] == [3.0] * 4
         assert r["avg0"] == [0.5] * 4 and r["avg1"] == [1.5] * 4  # summed, then divided once
         assert r["closed"] == "GroupClosedError"
+
+
+def test_a_prepared_integer_max_goes_to_the_backend_as_it_is() -> None:
+    """MAX / MIN of integers need no emulation: the backend gets the op itself, as with a sum."""
+    group = FakeGroup(make_env(0, 1))
+    flags = torch.tensor([0, 3, 1], dtype=torch.int32)
+    floats = torch.tensor([0.0, 3.0])
+    group.prepare_all_reduce(flags, ReduceOp.MAX).start().wait()
+    group.prepare_all_reduce(flags, ReduceOp.MIN).start().wait()
+    group.prepare_all_reduce(floats, ReduceOp.MAX).start().wait()  # NaN-propagating: emulated
+    assert [(c.method, c.args["op"]) for c in group.calls[:2]] == [
+        ("all_reduce", ReduceOp.MAX),
+        ("all_reduce", ReduceOp.MIN),
+    ]
+    assert group.calls[2].args["tensor"].dtype != torch.float32, "float MAX is reduced as integer keys"
+    assert flags.tolist() == [0, 3, 1]
+    group.close()
 
 
 def test_preparing_checks_the_buffer_before_any_communication() -> None:

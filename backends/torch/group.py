@@ -301,7 +301,9 @@ class TorchDistProcessGroup(IProcessGroup):
         rank, world, name = self.rank, self.world_size, self._name
 
         def start() -> Work:
-            label = CollectiveLabel(rank, world, name, "all_reduce", self._seq, tensor)
+            label = CollectiveLabel(
+                rank, world, name, "all_reduce", self._seq, tensor, group=self._named_ranks
+            )
             try:
                 handle = pg.allreduce(tensors, opts)
             except Exception:  # noqa: BLE001 - the general path retries wider or translates the error

@@ -346,7 +346,11 @@ class FingerprintBoard:
     def gather(self) -> bytes:
         """Every rank's bytes of the exchange just made, in rank order."""
         memory, mine, size = self._memory, self._mine, len(self._mine)
-        return b"".join([mine if at < 0 else memory[at : at + size] for at in self._sources[self._count & 1]])
+        # A loop, not a comprehension: no call of its own (Python < 3.12) before a collective starts.
+        parts = []
+        for at in self._sources[self._count & 1]:
+            parts.append(mine if at < 0 else memory[at : at + size])
+        return b"".join(parts)
 
     def post(self, mine: bytes) -> None:
         """Write this rank's bytes for its next exchange (at most ``capacity``).

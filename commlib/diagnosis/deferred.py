@@ -28,30 +28,46 @@ __all__ = ["DeferredWork", "Launcher"]
 class DeferredWork(Work):
     """The handle of an asynchronous collective that the launcher has yet to issue.
 
+    It waits for the launcher on the launcher's own condition (``Launcher.wait_started``),
+    which the launcher notifies after each collective it starts, so that a deferred
+    collective costs its caller one object and one queue entry, no event of its own.
+
     Args:
         label: What the collective is, for messages.
+        launcher: The launcher that will start it (``Launcher.submit``).
         bound_s: How long a ``wait()`` without timeout waits for the launcher before
             it reports it stuck (the check itself is bounded by the group's timeout).
+        value: What the work's future completes with.
     """
 
-    def __init__(self, label: CollectiveLabel | str, bound_s: float) -> None:
+    def __init__(
+        self, label: CollectiveLabel | str, launcher: Launcher, bound_s: float, value: Any = None
+    ) -> None:
         super().__init__(label)
-        self._launched = threading.Event()
+        self._value = value
+        self._launcher = launcher
+        self._started = False
+        """The launcher has issued the collective (``_real``) or failed to (the work is settled)."""
         self._real: Work | None = None
         self._bound_s = bound_s
         self._armed = False
         """A future was asked for: the real work must settle without a waiter (``_arm_future``)."""
 
+    @property
+    def started(self) -> bool:
+        """True once the launcher has issued the collective, or failed to."""
+        return self._started
+
     def attach(self, real: Work | None, error: BaseException | None = None) -> None:
         """Called by the launcher: the collective was issued as ``real``, or failed with ``error``."""
         if real is None:
-            self._launched.set()
+            self._started = True
             self._settle(error)
             return
         with self._lock:
             self._real = real
             armed = self._armed
-        self._launched.set()
+        self._started = True
         real.add_observer(self._follow)
         if armed:
             real._arm_future()  # noqa: SLF001 - the future of this work is the real one's
@@ -62,7 +78,7 @@ class DeferredWork(Work):
     def _wait_for_backend(self, timeout: float | None) -> None:
         start = time.monotonic()
         limit = self._bound_s if timeout is None else max(float(timeout), 0.0)
-        if not self._launched.wait(limit):
+        if not self._started and not self._launcher.wait_started(self, limit):
             if timeout is not None:
                 raise CommTimeoutError(
                     f"{self._label}: Work.wait(timeout={timeout}) expired before every rank reached this "
@@ -107,7 +123,10 @@ class DeferredWork(Work):
 
 
 class Launcher:
-    """Runs a group's check-then-issue steps on one thread, in the order submitted.
+    """Checks and starts a group's deferred collectives on one thread, in the order submitted.
+
+    ``queued`` counts the collectives submitted and not yet started or failed (0:
+    idle): ``submit`` adds one, the launcher thread takes one off after each.
 
     Args:
         name: The thread's name.
@@ -115,24 +134,33 @@ class Launcher:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._queued = 0
+        self._queue: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        """Notified after each step: ``drain`` and ``DeferredWork.wait`` wait on it."""
+        self.queued = 0
+        """Collectives submitted and not yet started (or failed); written under ``_lock``."""
         self._thread: threading.Thread | None = None
 
-    @property
-    def idle(self) -> bool:
-        """True when nothing is queued or running."""
-        return self._queued == 0
+    def submit(
+        self, work: DeferredWork, check: Callable[[], None], start: Callable[..., Work], args: tuple[Any, ...]
+    ) -> None:
+        """Queue ``work``'s collective behind everything submitted before.
 
-    def submit(self, step: Callable[[], None]) -> None:
-        """Queue ``step`` behind everything submitted before."""
-        with self._cond:
-            self._queued += 1
+        The launcher thread runs ``check()``, then ``start(*args)``, and attaches
+        the backend's work to ``work`` (or the error either raised).
+        """
+        with self._lock:  # the condition's lock, taken directly
+            self.queued += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-        self._queue.put(step)
+        self._queue.put((work, check, start, args))
+
+    def wait_started(self, work: DeferredWork, timeout: float) -> bool:
+        """Wait until the launcher has started ``work`` (or failed to); False if ``timeout`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: work.started, timeout)
 
     def drain(self, timeout: float) -> bool:
         """Wait until every queued step has run; return False if ``timeout`` passed first.
@@ -143,7 +171,7 @@ class Launcher:
         if threading.current_thread() is self._thread:
             return True
         with self._cond:
-            return self._cond.wait_for(lambda: self._queued == 0, timeout)
+            return self._cond.wait_for(lambda: self.queued == 0, timeout)
 
     def close(self) -> None:
         """Stop the thread once the queued steps have run."""
@@ -157,26 +185,27 @@ class Launcher:
             step = self._queue.get()
             if step is None:
                 return
+            work, check, start, args = step
             try:
-                step()
+                launch(work, check, start, args)
             finally:
                 with self._cond:
-                    self._queued -= 1
+                    self.queued -= 1
                     self._cond.notify_all()
 
 
-def launch_step(
+_Step = tuple[DeferredWork, Callable[[], None], Callable[..., Work], tuple[Any, ...]]
+"""What ``Launcher.submit`` queues: the work, its check, and how to start its collective."""
+
+
+def launch(
     work: DeferredWork, check: Callable[[], None], start: Callable[..., Work], args: tuple[Any, ...]
-) -> Callable[[], None]:
-    """Return the launcher step for one collective: check, then start, then hand the work over."""
-
-    def step() -> None:
-        try:
-            check()
-            real = start(*args)
-        except BaseException as e:  # noqa: BLE001 - becomes the work's error
-            work.attach(None, e)
-            return
-        work.attach(real)
-
-    return step
+) -> None:
+    """The launcher's step for one collective: check, then start, then hand the work over."""
+    try:
+        check()
+        real = start(*args)
+    except BaseException as e:  # noqa: BLE001 - becomes the work's error
+        work.attach(None, e)
+        return
+    work.attach(real)

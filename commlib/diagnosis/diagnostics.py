@@ -32,7 +32,7 @@ from commlib.config import CommConfig
 from commlib.diagnosis import history
 from commlib.diagnosis.board import FingerprintBoard, board_capacity, host_identity
 from commlib.diagnosis.call_site import SITE_BYTES, call_site, pack_site, unpack_site
-from commlib.diagnosis.deferred import DeferredWork, Launcher, launch_step
+from commlib.diagnosis.deferred import DeferredWork, Launcher
 from commlib.diagnosis.fingerprint import (
     FINGERPRINT,
     Fingerprint,
@@ -140,6 +140,7 @@ class Diagnostics:
         launcher: Launcher | None = None,
         call_sites: bool = False,
         rank: int = 0,
+        backend: str = "",
         timeout: float = 300.0,
     ) -> None:
         self.tracker = tracker
@@ -150,6 +151,8 @@ class Diagnostics:
         polls it on the caller's thread, and needs the launcher only when some rank is not there yet."""
         self._world = world_size
         self._rank = rank
+        self._backend = backend
+        """The group's backend name, for the labels of deferred collectives."""
         self._timeout = timeout
         self._hub = hub
         self._client = client
@@ -289,6 +292,7 @@ class Diagnostics:
             launcher=launcher,
             call_sites=agreed.call_sites,
             rank=group.rank,
+            backend=group.backend,
             timeout=group.timeout,
         )
         diagnostics._last_seq = group._seq
@@ -345,7 +349,7 @@ class Diagnostics:
         if launcher is not None:
             if async_op and (tensor is None or tensor.is_cpu):
                 return self._issue_async(group, kind, tensor, op, root, value, start, args, counts)
-            if not launcher.idle:
+            if launcher.queued:
                 self._drain(group, kind, tensor)
         seq = self._last_seq = self._last_seq + 1
         group._recent[seq & _SLOT] = kind
@@ -456,9 +460,8 @@ class Diagnostics:
             op = op.op  # type: ignore[union-attr]
         call = (kind, None, (), op, root) if tensor is None else (kind, tensor.dtype, tensor.shape, op, root)
         record: Record = (seq, *call)  # type: ignore[assignment]
-        tracker, recorder = self.tracker, self.recorder
         board = self._board
-        posted = board is not None and launcher.idle
+        posted = board is not None and not launcher.queued
         if posted:
             assert board is not None
             group._next_seq()
@@ -473,10 +476,10 @@ class Diagnostics:
                 checked = (everyone, mine, expected)
                 return self._start_checked(group, record, tensor, counts, site, checked, value, start, args)
         label = CollectiveLabel(
-            self._rank, self._world, group.backend, kind, seq, tensor, group=group._named_ranks
+            self._rank, self._world, self._backend, kind, seq, tensor, group=group._named_ranks
         )
-        deferred = DeferredWork(label, bound_s=self._timeout * 2 + 30.0)
-        deferred._set_value(value)  # noqa: SLF001 - what the work's future completes with
+        deferred = DeferredWork(label, launcher, self._timeout * 2 + 30.0, value)
+        tracker, recorder = self.tracker, self.recorder
         if tracker is not None:
             tracker.issued = record
             tracker.pending.append((record, deferred))
@@ -486,7 +489,7 @@ class Diagnostics:
             check = functools.partial(self._collect, group, record, mine, expected, counts, label, site)
         else:
             check = functools.partial(self._launch, group, record, tensor, counts, label, site)
-        launcher.submit(launch_step(deferred, check, start, args))
+        launcher.submit(deferred, check, start, args)
         return deferred
 
     def _start_checked(
