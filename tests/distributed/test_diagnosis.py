@@ -336,12 +336,17 @@ def test_stall_in_different_calls_names_each_ranks_call() -> None:
     env = {"COMMLIB_DEBUG": "OFF", "COMMLIB_STALL_S": "1", "COMMLIB_TIMEOUT": "3"}
     outcomes = run_ranks_outcomes(bodies.stall_in_different_calls, 2, backend="gloo", env=env, timeout=90)
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    errors = [o.value["error"] for o in outcomes]
+    # Gloo closes a pair whose operation timed out: a rank whose own deadline comes a little
+    # later sees its peer's connection close first. At least one rank reports its timeout.
+    assert any(e.startswith("CommTimeoutError: ") for e in errors), errors
     for rank, outcome in enumerate(outcomes):
         value = outcome.value
         seq = value["seq"]
         op = ("all_reduce", "broadcast")[rank]
         error = value["error"]
-        assert error.startswith(f"CommTimeoutError: [rank {rank}/2] gloo.{op} #{seq} "), error
+        call = f"[rank {rank}/2] gloo.{op} #{seq} "
+        assert error.startswith((f"CommTimeoutError: {call}", f"PeerFailureError: {call}")), error
         assert value["warnings"], f"rank {rank} logged no stall report before the timeout"
         text = value["warnings"][0]
         assert text.startswith(f"[rank {rank}/2] gloo.{op} #{seq} "), text
