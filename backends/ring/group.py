@@ -1,5 +1,12 @@
 """The ``ring`` backend: ring collectives in pure Python (standard library + torch).
 
+This module holds the group: its links and buffers, the queue and error
+handling every collective runs under, and the records check; each collective's
+hook here builds its record and runs the algorithm on host tensors. The
+algorithms are functions over the two links: the unrooted collectives in
+``backends.ring.algorithms``, the rooted ones and all-to-all in
+``backends.ring.rooted``, the deterministic chain in ``backends.ring.ordered``.
+
 All-reduce is a reduce-scatter followed by an all-gather around the ring, so
 each rank sends ``2 (n - 1) / n`` of the tensor; the tensor streams through
 the ring in chunks (``COMMLIB_RING_CHUNK_BYTES``), so sending, receiving and
@@ -23,7 +30,7 @@ The rooted collectives run down the chain that starts or ends at the root:
 towards ``dst`` (each rank sends its own, then relays the ones before it),
 ``scatter`` passes them away from ``src`` (the farthest rank's first).
 ``all_to_all`` passes each rank's blocks along the ring, each hop keeping the
-block meant for it; on two ranks that is one exchange.
+block meant for it; on two ranks that is one exchange (``backends.ring.rooted``).
 
 Point-to-point runs over links of its own between any two ranks, opened on
 first use (``backends.ring.p2p``), and never touches the ring's links or its
@@ -56,7 +63,14 @@ import torch
 
 from backends.common import kernels
 from backends.common.cuda_staging import StagingPipeline
-from backends.common.kernels import Reducer
+from backends.ring.algorithms import (
+    all_gather_host,
+    all_reduce_host,
+    broadcast_host,
+    reduce_scatter_host,
+    segments,
+    small_all_reduce,
+)
 from backends.ring.capabilities import RING_ROWS
 from backends.ring.config import RingConfig
 from backends.ring.lanes import Lane
@@ -69,15 +83,12 @@ from backends.ring.records import (
     Meta,
     different_calls,
     mismatch,
-    pack_counts,
-    read_carried,
-    read_counts,
-    split_mismatch,
 )
 from backends.ring.rendezvous import RingSockets, rendezvous
+from backends.ring.rooted import all_to_all_host, gather_host, reduce_host, scatter_host
 from backends.ring.shared_buffers import SharedBuffers, Span
 from backends.ring.shm import RegionId
-from backends.ring.staging import Staged, View, first_chunks, on_host, publisher, waiter
+from backends.ring.staging import Staged, first_chunks, on_host, publisher, waiter
 from backends.ring.subgroups import Parent, new_subgroup
 from commlib.capabilities import Row
 from commlib.config import CommConfig
@@ -97,19 +108,6 @@ from commlib.types import PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["RingConfig", "RingProcessGroup", "BACKENDS"]
-
-
-def _segments(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """Split ``flat`` into ``parts`` near-equal contiguous pieces (some empty if it is short)."""
-    n = flat.numel()
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return [flat[bounds[i] : bounds[i + 1]] for i in range(parts)]
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy flat ``src`` into ``dst`` unless they are the same memory."""
-    if dst.data_ptr() != src.data_ptr() or dst.numel() == 0:
-        kernels.copy(dst, src)
 
 
 def _set_source(work: Work, source: int) -> None:
@@ -404,85 +402,6 @@ class RingProcessGroup(IProcessGroup):
         """Elements of ``tensor``'s dtype in one chunk (at least one)."""
         return max(1, self._chunk_bytes // tensor.element_size())
 
-    def _check_meta_carrying(
-        self, meta: Meta, outgoing: torch.Tensor, lent: Span | None, ready: View | None
-    ) -> int:
-        """Check the records; on two ranks they carry the first chunk of ``outgoing``. Return its size.
-
-        ``outgoing`` is what the reduce-scatter's first step sends: the neighbour
-        has checked the records (two ranks: one hop) before it reads the chunk,
-        and one message is saved. ``ready`` is called with the chunk first when
-        the tensor is staged.
-        """
-        first = outgoing[: self._chunk_numel(outgoing)]
-        if self.world_size != 2 or not first.numel():
-            self._check_meta(meta)
-            return 0
-        if ready is not None:
-            ready(first)
-        lend_first = (lent.region, lent.offset(first)) if lent is not None else None
-        self._check_meta(meta, first, hold_last=True, lent=lend_first)
-        return first.numel()
-
-    def _exchange(
-        self,
-        outgoing: torch.Tensor,
-        incoming: torch.Tensor,
-        reduce: Reducer | None,
-        lent: Span | None = None,
-        sent: int = 0,
-        *,
-        ready: View | None = None,
-        done: View | None = None,
-        write_back: bool = False,
-    ) -> int:
-        """One ring step: stream ``outgoing`` to the right while ``incoming`` arrives from the left.
-
-        With ``lent`` (``outgoing`` lies in a shared buffer), the right
-        neighbour reads ``outgoing`` in place instead of receiving a copy. The
-        first ``sent`` elements (one chunk) already went with the metadata record.
-        Staged tensors pass ``ready``, called with each chunk of this rank's data
-        before it is read (a chunk sent, or one the neighbour's is reduced into),
-        and ``done``, called with each incoming chunk once it has arrived. With
-        ``write_back``, each reduced chunk that the left neighbour lent is also
-        written back into its buffer (``RecvLink.recv_reduce_back``).
-
-        Returns:
-            How many chunks were written back.
-        """
-        send, recv = self._right, self._left
-        assert send is not None and recv is not None
-        step = self._chunk_numel(outgoing)
-        n_out, n_in = outgoing.numel(), incoming.numel()
-        written_back = 0
-        for start in range(0, max(n_out, n_in), step):
-            if sent <= start < n_out:
-                chunk = outgoing[start : start + step]
-                if ready is not None:
-                    ready(chunk)
-                if lent is None:
-                    send.send(chunk)
-                else:
-                    send.lend(chunk, lent.region, lent.offset(chunk))
-            if start < n_in:
-                chunk = incoming[start : start + step]
-                if reduce is None:
-                    recv.recv_into(chunk)
-                else:
-                    if ready is not None:
-                        ready(chunk)
-                    if write_back:
-                        written_back += recv.recv_reduce_back(chunk, reduce)
-                    else:
-                        recv.recv_reduce(chunk, reduce)
-                if done is not None:
-                    done(chunk)
-        return written_back
-
-    def _flush(self) -> None:
-        if self._right is not None:
-            self._right.flush()
-
     # ------------------------------------------------------------ collectives
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         meta = self._next_meta("all_reduce", tensor, op)
@@ -497,142 +416,24 @@ class RingProcessGroup(IProcessGroup):
             return first_chunks(tensor, [(r - s) % n for s in range(n)], n, self._chunk_numel(tensor))
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            self._all_reduce_host(hosts[0], op, meta, staged[0])
+            all_reduce_host(
+                self._right,
+                self._left,
+                hosts[0],
+                op,
+                meta,
+                staged[0],
+                self.rank,
+                self.world_size,
+                self._chunk_bytes,
+                self._small_bytes,
+                self._check_meta,
+                self._lendable,
+            )
 
         return self._submit(
             describe, on_host(self.timeout, run, Staged(tensor, fetch_first=first)), async_op, tensor
         )
-
-    def _all_reduce_host(
-        self, flat: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None = None
-    ) -> None:
-        """All-reduce host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
-        if self._is_small(flat):
-            if staged is not None:
-                staged.wait_host()
-            self._small_all_reduce(meta, flat, op)
-        else:
-            self._ring_all_reduce(flat, op, meta, staged)
-
-    def _small_all_reduce(self, meta: Meta, flat: torch.Tensor, op: ReduceOp) -> None:
-        """Every rank's tensor travels with the records; each rank reduces them in rank order."""
-        n = self.world_size
-        combine = kernels.combine(op, flat.dtype)
-        payloads = self._check_meta(meta, flat, hold_last=True)
-        if n == 2 and len(payloads) == 1:  # the neighbour's tensor waits in the link
-            recv = self._left
-            assert recv is not None
-            if self.rank == 0:
-                recv.recv_reduce(flat, lambda mine, theirs: combine(mine, mine, theirs))
-            else:
-                recv.recv_reduce(flat, lambda mine, theirs: combine(mine, theirs, mine))
-        else:
-            result = torch.empty_like(flat)
-            combine(result, payloads[0], payloads[1])
-            for source in range(2, n):
-                combine(result, result, payloads[source])
-            kernels.copy(flat, result)
-        if op is ReduceOp.AVG:
-            kernels.divide(flat, n)
-
-    def _ring_all_reduce(
-        self, flat: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None = None
-    ) -> None:
-        """Reduce-scatter, then all-gather, around the ring.
-
-        With ``staged`` (``flat`` is its host tensor), each chunk is waited for
-        before the reduce-scatter reads it, and each segment is published as
-        soon as it is final: this rank's own once reduced (and averaged), the
-        others chunk by chunk as the all-gather brings them.
-        """
-        n, r = self.world_size, self.rank
-        segs = _segments(flat, n)
-        reduce = kernels.reducer(op, flat.dtype)
-        lent = self._lendable(flat)
-        ready, done = (waiter(staged), publisher(staged)) if staged is not None else (None, None)
-        carried = self._check_meta_carrying(meta, segs[r], lent, ready)
-        if n == 2:
-            self._pair_all_reduce(segs, op, reduce, lent, carried, ready, done)
-            return
-        for s in range(n - 1):
-            self._exchange(
-                segs[(r - s) % n],
-                segs[(r - s - 1) % n],
-                reduce,
-                lent,
-                sent=carried if s == 0 else 0,
-                ready=ready,
-            )
-        if op is ReduceOp.AVG:
-            kernels.divide(segs[(r + 1) % n], n)
-        if done is not None:
-            done(segs[(r + 1) % n])
-        self._flush()
-        # With a lent buffer, the right neighbour reads segment (r - t) of it in reduce-scatter step t;
-        # the all-gather overwrites that segment in its step t, but only with the segment's final
-        # value, which exists only after the neighbour has read and passed it on: no wait is needed.
-        for t in range(n - 1):
-            self._exchange(segs[(r + 1 - t) % n], segs[(r - t) % n], None, lent, done=done)
-        self._flush()
-        if lent is not None:  # done only when nobody reads this rank's buffer any more
-            assert self._right is not None
-            self._right.wait_returned()
-
-    def _pair_all_reduce(
-        self,
-        segs: list[torch.Tensor],
-        op: ReduceOp,
-        reduce: Reducer,
-        lent: Span | None,
-        carried: int,
-        ready: View | None,
-        done: View | None,
-    ) -> None:
-        """Two ranks: each reduces one half; where the neighbour lent its half, the result goes straight back.
-
-        This rank sends (or lends) ``segs[r]`` and reduces the neighbour's
-        ``segs[1 - r]`` into its own. A chunk the neighbour lent from its shared
-        buffer gets the reduced chunk written back there while it is still in
-        cache, so no all-gather pass reads it again. A lent chunk is always
-        written back, so each rank knows without asking: if it lent its half,
-        the neighbour writes the result into it (done once the neighbour's
-        counter has passed every lent chunk); if not, the result comes back
-        through the slots as in the ring.
-        """
-        send, recv = self._right, self._left
-        assert send is not None and recv is not None
-        r = self.rank
-        outgoing, incoming = segs[r], segs[1 - r]
-        if op is ReduceOp.AVG:
-            plain = reduce
-
-            def reduce(dst: torch.Tensor, theirs: torch.Tensor) -> None:
-                plain(dst, theirs)
-                kernels.divide(dst, 2)
-
-        written_back = self._exchange(
-            outgoing, incoming, reduce, lent, sent=carried, ready=ready, write_back=True
-        )
-        chunks_in = -(-incoming.numel() // self._chunk_numel(incoming))
-        if written_back not in (0, chunks_in):
-            raise CommError(
-                f"protocol error from {recv.describe}: {written_back} of the {chunks_in} chunks of its half "
-                "were lent; a rank lends all of a tensor's chunks or none"
-            )
-        if done is not None:
-            done(incoming)
-        self._flush()
-        # Only what did not go back in place travels again: this rank's result if the neighbour's
-        # half came through the slots, the neighbour's result if this rank's half did.
-        back_out = incoming if not written_back else incoming[:0]
-        back_in = outgoing if lent is None else outgoing[:0]  # a lent half was written back
-        if back_out.numel() or back_in.numel():
-            self._exchange(back_out, back_in, None, lent, done=done)
-            self._flush()
-        if lent is not None:  # done only when the neighbour no longer reads, or writes, this rank's buffer
-            send.wait_returned()
-        if lent is not None and done is not None:
-            done(outgoing)
 
     def _ordered_all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | PremulSum
@@ -647,7 +448,7 @@ class RingProcessGroup(IProcessGroup):
         return functools.partial(self._fold_all_reduce, tensor, op)
 
     def _fold_all_reduce(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, async_op: bool) -> Work:
-        """``_small_all_reduce`` (it combines in rank order) or ``chain_all_reduce``, after the records."""
+        """``small_all_reduce`` (it combines in rank order) or ``chain_all_reduce``, after the records."""
         premul = isinstance(op, PremulSum)
         factor, base = (op.scalar(), ReduceOp.SUM) if premul else (None, op)
         meta = self._next_meta("deterministic_all_reduce", tensor, ReduceOp.PREMUL_SUM if premul else base)
@@ -657,7 +458,7 @@ class RingProcessGroup(IProcessGroup):
             if self._is_small(flat):
                 if factor is not None:
                     flat.mul_(factor)
-                self._small_all_reduce(meta, flat, base)
+                small_all_reduce(self._left, meta, flat, base, self.rank, self.world_size, self._check_meta)
                 return
             send, recv = self._right, self._left
             assert send is not None and recv is not None
@@ -675,51 +476,22 @@ class RingProcessGroup(IProcessGroup):
         sender = self.rank == src
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            self._broadcast_host(hosts[0], src, meta, staged[0])
+            broadcast_host(
+                self._right,
+                self._left,
+                hosts[0],
+                src,
+                meta,
+                staged[0],
+                self.rank,
+                self.world_size,
+                self._chunk_bytes,
+                self._small_bytes,
+                self._check_meta,
+            )
 
         body = on_host(self.timeout, run, Staged(tensor, copy_in=sender, copy_out=not sender))
         return self._submit(describe, body, async_op, tensor)
-
-    def _broadcast_host(
-        self, flat: torch.Tensor, src: int, meta: Meta, staged: StagingPipeline | None = None
-    ) -> None:
-        """Broadcast host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
-        if self._is_small(flat):
-            if staged is not None and self.rank == src:
-                staged.wait_host()
-            payloads = self._check_meta(meta, flat if self.rank == src else None)
-            if self.rank != src:
-                kernels.copy(flat, payloads[src])
-        else:
-            self._check_meta(meta)
-            if staged is None:
-                self._chain_broadcast(flat, src)
-            else:
-                self._chain_broadcast(flat, src, ready=waiter(staged), done=publisher(staged))
-
-    def _chain_broadcast(
-        self, flat: torch.Tensor, src: int, *, ready: View | None = None, done: View | None = None
-    ) -> None:
-        """Pass ``flat`` down the chain from ``src``, chunk by chunk.
-
-        Staged tensors pass ``ready`` (the source calls it with each chunk before
-        sending it) and ``done`` (the others call it with each chunk received).
-        """
-        send, recv = self._right, self._left
-        assert send is not None and recv is not None
-        distance = (self.rank - src) % self.world_size
-        step = self._chunk_numel(flat)
-        for start in range(0, flat.numel(), step):
-            chunk = flat[start : start + step]
-            if distance > 0:
-                recv.recv_into(chunk)
-                if done is not None:
-                    done(chunk)
-            elif ready is not None:
-                ready(chunk)
-            if distance < self.world_size - 1:
-                send.send(chunk)
-        self._flush()
 
     def _all_gather(
         self,
@@ -737,47 +509,27 @@ class RingProcessGroup(IProcessGroup):
         ]
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            blocks = _segments(hosts[1], n) if flat_output is not None else hosts[1:]
+            blocks = segments(hosts[1], n) if flat_output is not None else hosts[1:]
             done = None
             if staged[0] is not None:
                 staged[0].wait_host()
                 owners = staged[1:] * n if flat_output is not None else staged[1:]  # each block's pipeline
                 done = [publisher(pipeline) for pipeline in owners]  # type: ignore[arg-type]
-            self._all_gather_host(blocks, hosts[0], meta, done)
+            all_gather_host(
+                self._right,
+                self._left,
+                blocks,
+                hosts[0],
+                meta,
+                done,
+                self.rank,
+                self.world_size,
+                self._chunk_bytes,
+                self._small_bytes,
+                self._check_meta,
+            )
 
         return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, tensor))
-
-    def _all_gather_host(
-        self, blocks: list[torch.Tensor], tensor: torch.Tensor, meta: Meta, done: list[View] | None = None
-    ) -> None:
-        """Gather every rank's ``tensor`` into ``blocks`` (flat host views, one per rank).
-
-        With staged outputs, ``done[k]`` is called with each part of ``blocks[k]`` once it is final.
-        """
-        n, r = self.world_size, self.rank
-        if blocks[r].data_ptr() != tensor.data_ptr() or blocks[r].numel() == 0:
-            kernels.copy(blocks[r].view(-1), tensor.view(-1))
-        if done is not None:
-            done[r](blocks[r])
-        if n == 1:
-            return
-        if self._is_small(tensor):
-            payloads = self._check_meta(meta, tensor, hold_last=True)
-            for source, block in enumerate(blocks):
-                if source == r:
-                    continue
-                if source in payloads:
-                    kernels.copy(block.view(-1), payloads[source].view(-1))
-                else:  # two ranks: the neighbour's tensor waits in the link, read straight into its block
-                    self._left.recv_into(block.view(-1))  # type: ignore[union-attr]
-                if done is not None:
-                    done[source](block)
-            return
-        self._check_meta(meta)
-        for s in range(n - 1):
-            k = (r - s - 1) % n
-            self._exchange(blocks[(r - s) % n], blocks[k], None, done=done[k] if done is not None else None)
-        self._flush()
 
     def _reduce_scatter(
         self,
@@ -800,9 +552,23 @@ class RingProcessGroup(IProcessGroup):
                     work, lent = flat_input, self._lendable(flat_input)
                 else:
                     work, lent = torch.empty(n * output.numel(), dtype=output.dtype), None
-                    for block, source in zip(_segments(work, n), inputs, strict=True):
+                    for block, source in zip(segments(work, n), inputs, strict=True):
                         kernels.copy(block, source)
-                self._reduce_scatter_host(work, hosts[0], op, meta, lent)
+                reduce_scatter_host(
+                    self._right,
+                    self._left,
+                    work,
+                    hosts[0],
+                    op,
+                    meta,
+                    lent,
+                    None,
+                    self.rank,
+                    self.world_size,
+                    self._chunk_bytes,
+                    self._small_bytes,
+                    self._check_meta,
+                )
 
             return self._submit(
                 describe, on_host(self.timeout, run, Staged(output)), async_op, (output, inputs)
@@ -816,7 +582,21 @@ class RingProcessGroup(IProcessGroup):
             return first_chunks(source, [(r - 1 - s) % n for s in range(n)], n, self._chunk_numel(source))
 
         def run_staged(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            self._reduce_scatter_host(hosts[0], hosts[1], op, meta, None, waiter(staged[0]))  # type: ignore[arg-type]
+            reduce_scatter_host(
+                self._right,
+                self._left,
+                hosts[0],
+                hosts[1],
+                op,
+                meta,
+                None,
+                waiter(staged[0]),  # type: ignore[arg-type]
+                self.rank,
+                self.world_size,
+                self._chunk_bytes,
+                self._small_bytes,
+                self._check_meta,
+            )
 
         body = on_host(
             self.timeout,
@@ -825,73 +605,6 @@ class RingProcessGroup(IProcessGroup):
             Staged(output, copy_in=False),
         )
         return self._submit(describe, body, async_op, (output, inputs))
-
-    def _reduce_scatter_host(
-        self,
-        work: torch.Tensor,
-        output: torch.Tensor,
-        op: ReduceOp,
-        meta: Meta,
-        lent: Span | None,
-        ready: View | None = None,
-    ) -> None:
-        """Reduce ``work`` (every rank's blocks, in rank order) and leave block ``rank`` in ``output``.
-
-        ``work`` may be reduced in place. With a staged input, ``ready`` is called
-        with each part of ``work`` before it is read.
-        """
-        n, r = self.world_size, self.rank
-        blocks = _segments(work, n)
-        mine = blocks[r]
-        if n > 1 and self._is_small(work):
-            if ready is not None:
-                ready(work)
-            payloads = self._check_meta(meta, work)
-            combine = kernels.combine(op, work.dtype)
-            mine = torch.empty_like(blocks[r])
-            combine(mine, _segments(payloads[0], n)[r], _segments(payloads[1], n)[r])
-            for source in range(2, n):
-                combine(mine, mine, _segments(payloads[source], n)[r])
-        elif n > 1:
-            self._ring_reduce_scatter(blocks, op, meta, lent, ready)
-        elif ready is not None:
-            ready(work)
-        if op is ReduceOp.AVG and n > 1:
-            kernels.divide(mine, n)
-        if mine.data_ptr() != output.data_ptr():
-            kernels.copy(output, mine)
-
-    def _ring_reduce_scatter(
-        self,
-        blocks: list[torch.Tensor],
-        op: ReduceOp,
-        meta: Meta,
-        lent: Span | None,
-        ready: View | None = None,
-    ) -> None:
-        """Reduce-scatter ``blocks`` (one per rank) in place: block ``rank`` ends up reduced.
-
-        Step ``s`` sends block ``rank - s - 1`` and adds the left neighbour's
-        partial sum into block ``rank - s - 2``: a block is written only before
-        it is sent, so with ``lent`` the neighbour may read it in place. With a
-        staged input, ``ready`` is called with each chunk before it is read.
-        """
-        n, r = self.world_size, self.rank
-        reduce = kernels.reducer(op, blocks[0].dtype)
-        carried = self._check_meta_carrying(meta, blocks[(r - 1) % n], lent, ready)
-        for s in range(n - 1):
-            self._exchange(
-                blocks[(r - s - 1) % n],
-                blocks[(r - s - 2) % n],
-                reduce,
-                lent,
-                sent=carried if s == 0 else 0,
-                ready=ready,
-            )
-        self._flush()
-        if lent is not None:  # done only when nobody reads this rank's buffer any more
-            assert self._right is not None
-            self._right.wait_returned()
 
     # ------------------------------------------------------- rooted collectives
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work:
@@ -903,57 +616,22 @@ class RingProcessGroup(IProcessGroup):
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
             if staged[0] is not None:
                 staged[0].wait_host()
-            self._reduce_host(hosts[0], dst, op, meta)
+            reduce_host(
+                self._right,
+                self._left,
+                hosts[0],
+                dst,
+                op,
+                meta,
+                self.rank,
+                self.world_size,
+                self._chunk_bytes,
+                self._small_bytes,
+                self._check_meta,
+            )
 
         body = on_host(self.timeout, run, Staged(tensor, copy_out=self.rank == dst))
         return self._submit(describe, body, async_op, tensor)
-
-    def _reduce_host(self, flat: torch.Tensor, dst: int, op: ReduceOp, meta: Meta) -> None:
-        """Reduce into ``flat`` on ``dst``; small tensors travel with the records, large ones down a chain."""
-        n = self.world_size
-        if self._is_small(flat):
-            payloads = self._check_meta(meta, flat)
-            if self.rank == dst:
-                combine = kernels.combine(op, flat.dtype)
-                result = torch.empty_like(flat)
-                combine(result, payloads[0], payloads[1])
-                for source in range(2, n):
-                    combine(result, result, payloads[source])
-                kernels.copy(flat, result)
-        else:
-            self._check_meta(meta)
-            self._chain_reduce(flat, dst, op)
-        if op is ReduceOp.AVG and self.rank == dst:
-            kernels.divide(flat, n)
-
-    def _chain_reduce(self, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
-        """Partial results flow down the chain that starts right of ``dst`` and ends at it, chunk by chunk.
-
-        Each rank between adds its own chunk to the partial result into a
-        scratch tensor (its input stays as it was) and passes it on; ``dst``
-        adds the last partial result into its tensor.
-        """
-        send, recv = self._right, self._left
-        assert send is not None and recv is not None
-        n = self.world_size
-        position = (self.rank - dst - 1) % n  # 0 starts the chain, n - 1 is dst
-        step = self._chunk_numel(flat)
-        starts = range(0, flat.numel(), step)
-        if position == 0:
-            for start in starts:
-                send.send(flat[start : start + step])
-        elif position == n - 1:
-            reduce = kernels.reducer(op, flat.dtype)
-            for start in starts:
-                recv.recv_reduce(flat[start : start + step], reduce)
-        else:
-            combine = kernels.combine(op, flat.dtype)
-            partial = torch.empty_like(flat)
-            for start in starts:
-                mine, out = flat[start : start + step], partial[start : start + step]
-                recv.recv_reduce(out, lambda o, theirs, mine=mine: combine(o, theirs, mine))
-                send.send(out)
-        self._flush()
 
     def _gather(
         self, tensor: torch.Tensor, outputs: list[torch.Tensor] | None, dst: int, async_op: bool
@@ -965,46 +643,21 @@ class RingProcessGroup(IProcessGroup):
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
             if staged[0] is not None:
                 staged[0].wait_host()
-            self._gather_host(hosts[0], hosts[1:] if outputs is not None else None, dst, meta)
+            gather_host(
+                self._right,
+                self._left,
+                hosts[0],
+                hosts[1:] if outputs is not None else None,
+                dst,
+                meta,
+                self.rank,
+                self.world_size,
+                self._chunk_bytes,
+                self._small_bytes,
+                self._check_meta,
+            )
 
         return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, tensor))
-
-    def _gather_host(
-        self, flat: torch.Tensor, blocks: list[torch.Tensor] | None, dst: int, meta: Meta
-    ) -> None:
-        """Every rank's ``flat`` into ``blocks`` on ``dst`` (None elsewhere).
-
-        Small tensors travel with the records. Large ones flow down the chain
-        that ends at ``dst``: each rank sends its own block, then passes on
-        those of the ranks before it, so ``dst`` receives the nearest first.
-        """
-        n, r = self.world_size, self.rank
-        if blocks is not None:
-            _copy(blocks[r], flat)
-        if n == 1:
-            return
-        if self._is_small(flat):
-            payloads = self._check_meta(meta, flat)
-            if blocks is not None:
-                for source, block in enumerate(blocks):
-                    if source != r:
-                        kernels.copy(block, payloads[source])
-            return
-        self._check_meta(meta)
-        send, recv = self._right, self._left
-        assert send is not None and recv is not None
-        step = self._chunk_numel(flat)
-        position = (r - dst - 1) % n
-        if blocks is not None:
-            for k in range(1, n):
-                block = blocks[(dst - k) % n]
-                for start in range(0, block.numel(), step):
-                    recv.recv_into(block[start : start + step])
-        else:
-            for start in range(0, flat.numel(), step):
-                send.send(flat[start : start + step])
-            self._relay(flat, position)
-        self._flush()
 
     def _scatter(
         self, tensor: torch.Tensor, inputs: list[torch.Tensor] | None, src: int, async_op: bool
@@ -1017,55 +670,21 @@ class RingProcessGroup(IProcessGroup):
             for pipeline in staged[1:]:
                 if pipeline is not None:
                     pipeline.wait_host()
-            self._scatter_host(hosts[0], hosts[1:] if inputs is not None else None, src, meta)
+            scatter_host(
+                self._right,
+                self._left,
+                hosts[0],
+                hosts[1:] if inputs is not None else None,
+                src,
+                meta,
+                self.rank,
+                self.world_size,
+                self._chunk_bytes,
+                self._small_bytes,
+                self._check_meta,
+            )
 
         return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (inputs, tensor))
-
-    def _scatter_host(
-        self, flat: torch.Tensor, blocks: list[torch.Tensor] | None, src: int, meta: Meta
-    ) -> None:
-        """Block ``rank`` of ``blocks`` (on ``src``; None elsewhere) into every rank's ``flat``.
-
-        Small blocks travel with the records (the source's, joined). Large ones
-        flow down the chain from ``src``, the farthest rank's first: each rank
-        passes on the blocks for the ranks after it and keeps the last.
-        """
-        n, r = self.world_size, self.rank
-        if blocks is not None:
-            _copy(flat, blocks[r])
-        if n == 1:
-            return
-        if self._is_small(flat) and flat.numel() * flat.element_size() * n <= self._small_bytes:
-            payloads = self._check_meta(meta, torch.cat(blocks) if blocks is not None else None)
-            if blocks is None:
-                kernels.copy(flat, _segments(payloads[src], n)[r])
-            return
-        self._check_meta(meta)
-        send, recv = self._right, self._left
-        assert send is not None and recv is not None
-        step = self._chunk_numel(flat)
-        distance = (r - src) % n
-        if blocks is not None:
-            for k in range(n - 1, 0, -1):
-                block = blocks[(src + k) % n]
-                for start in range(0, block.numel(), step):
-                    send.send(block[start : start + step])
-        else:
-            self._relay(flat, n - 1 - distance)
-            for start in range(0, flat.numel(), step):
-                recv.recv_into(flat[start : start + step])
-        self._flush()
-
-    def _relay(self, like: torch.Tensor, count: int) -> None:
-        """Pass ``count`` blocks of ``like``'s size from the left neighbour on to the right one."""
-        if not count:
-            return
-        send, recv = self._right, self._left
-        assert send is not None and recv is not None
-        step = self._chunk_numel(like)
-        for _ in range(count):
-            for start in range(0, like.numel(), step):
-                recv.forward(like[start : start + step], send)
 
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
         n = self.world_size
@@ -1078,98 +697,22 @@ class RingProcessGroup(IProcessGroup):
             for pipeline in staged[:n]:
                 if pipeline is not None:
                     pipeline.wait_host()
-            self._all_to_all_host(hosts[n:], hosts[:n], meta)
+            all_to_all_host(
+                self._right,
+                self._left,
+                hosts[n:],
+                hosts[:n],
+                meta,
+                self.rank,
+                self.world_size,
+                self._chunk_bytes,
+                self._small_bytes,
+                self._check_meta,
+                self._lendable,
+                lambda: self._label("all_to_all"),
+            )
 
         return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, inputs))
-
-    def _all_to_all_host(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], meta: Meta) -> None:
-        """Block ``inputs[j]`` of every rank i into ``outputs[i]`` of rank j, passed along the ring.
-
-        The records carry every rank's split sizes, so every rank checks the
-        whole matrix (a mismatch raises on all). Step ``s`` (1 .. n-1) sends the
-        right neighbour the blocks that rank ``r - s + 1`` has for the ranks
-        after this one; the neighbour keeps the first and passes the rest on
-        in the next step. On two ranks that is one exchange, and a block of up
-        to ``small_bytes`` travels with the record itself.
-        """
-        n, r = self.world_size, self.rank
-        if n == 1:
-            error = split_mismatch([[inputs[0].numel()]], [[outputs[0].numel()]])
-            if error is not None:
-                raise error
-            _copy(outputs[0], inputs[0])
-            return
-        # Two ranks: a small block for the neighbour travels with the record (one message each way).
-        carry = inputs[1 - r] if n == 2 and inputs[1 - r].nbytes <= self._small_bytes else None
-        counts = [t.numel() for t in inputs] + [t.numel() for t in outputs] + [carry is not None]
-        k = len(counts)
-        payloads = self._check_meta(meta, pack_counts(counts, carry).view(meta.dtype))  # type: ignore[arg-type]
-        try:
-            rows = {rank: counts if rank == r else read_counts(p, k, rank) for rank, p in payloads.items()}
-        except ValueError as e:  # only a peer running other code sends a short record
-            raise CommError(f"{self._label('all_to_all')}: {e}") from None
-        sent = [rows[i][:n] for i in range(n)]
-        error = split_mismatch(sent, [rows[j][n : 2 * n] for j in range(n)])
-        if error is not None:
-            raise error
-        _copy(outputs[r], inputs[r])
-        if n == 2:
-            left = 1 - r
-            theirs = outputs[left]
-            if rows[left][2 * n]:  # the neighbour's block came with its record
-                try:
-                    read_carried(payloads[left], k, theirs, left)
-                except ValueError as e:
-                    raise CommError(f"{self._label('all_to_all')}: {e}") from None
-            self._stream(
-                [] if carry is not None else [inputs[left]], [] if rows[left][2 * n] else [theirs], lend=True
-            )
-            self._flush()
-            return
-        carried: list[torch.Tensor] = []
-        for s in range(1, n):
-            origin = (r - s) % n  # whose blocks arrive in this step
-            ahead = [(r + k) % n for k in range(1, n - s)]  # the ranks they are for, after this one
-            outgoing = [inputs[(r + k) % n] for k in range(1, n)] if s == 1 else carried
-            incoming = [outputs[origin]] + [torch.empty(sent[origin][d], dtype=meta.dtype) for d in ahead]
-            self._stream(outgoing, incoming, lend=s == 1)  # the caller's inputs; later steps relay copies
-            self._flush()
-            carried = incoming[1:]
-
-    def _stream(
-        self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor], *, lend: bool = False
-    ) -> None:
-        """Send ``outgoing`` to the right while ``incoming`` arrives from the left, one chunk each in turn.
-
-        With ``lend``, a tensor of ``outgoing`` that lies in a shared buffer is lent: the right
-        neighbour copies its chunks straight out of it (one copy instead of two), and this returns
-        once the neighbour has read them all.
-        """
-        send, recv = self._right, self._left
-        assert send is not None and recv is not None
-        if not outgoing and not incoming:
-            return
-        step = self._chunk_numel(incoming[0] if incoming else outgoing[0])
-        spans = [self._lendable(t) if lend and send.can_lend else None for t in outgoing]
-        out = [
-            (t[i : i + step], span)
-            for t, span in zip(outgoing, spans, strict=True)
-            for i in range(0, t.numel(), step)
-        ]
-        into = [t[i : i + step] for t in incoming for i in range(0, t.numel(), step)]
-        lent = False
-        for k in range(max(len(out), len(into))):
-            if k < len(out):
-                chunk, span = out[k]
-                if span is None:
-                    send.send(chunk)
-                else:
-                    send.lend(chunk, span.region, span.offset(chunk))
-                    lent = True
-            if k < len(into):
-                recv.recv_into(into[k])
-        if lent:
-            send.wait_returned()
 
     # --------------------------------------------------------- point-to-point
     def _p2p_now(self, request: P2PRequest) -> int:
