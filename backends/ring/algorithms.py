@@ -8,15 +8,15 @@ tensor down the chain from the source (``chain_broadcast``). Every ring pass is
 made of ``exchange`` steps: stream one tensor to the right while another
 arrives from the left, chunk by chunk.
 
-Each function takes the links (``send`` to the right neighbour, ``recv`` from
-the left one), the rank, the world size, the chunk size in bytes and, where
-the collective starts by checking the records, ``check`` (the group's records
-check, ``CheckRecords``); ``backends.ring.group`` builds the record and calls
-them on the host tensors.
+Each function takes the ``Ring`` (this rank's two links, ``send`` to the
+right neighbour and ``recv`` from the left one, its rank, the world size, the
+sizes and the group's records check) first; ``backends.ring.group`` builds the
+record and calls them on the host tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
@@ -43,6 +43,7 @@ __all__ = [
     "check_carrying",
     "exchange",
     "pair_all_reduce",
+    "Ring",
     "reduce_scatter_host",
     "ring_all_reduce",
     "ring_reduce_scatter",
@@ -74,6 +75,35 @@ Lendable = Callable[[torch.Tensor], Span | None]
 """Where a tensor lies in one of this rank's shared buffers (to lend it), or None."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ring:
+    """This rank's place in the ring: what every algorithm over the two links works with.
+
+    The group makes it once its links are up; it never changes.
+
+    Attributes:
+        send: The link to the right neighbour (None on one rank).
+        recv: The link from the left neighbour (None on one rank).
+        rank: This rank.
+        world_size: Ranks in the ring.
+        chunk_bytes: The most one message on a link carries.
+        small_bytes: Tensors of up to this many bytes travel with the records instead.
+        slots: Messages a link holds before its sender waits.
+        check: The group's records check.
+        lendable: Where a tensor lies in this rank's shared buffers.
+    """
+
+    send: SendLink | None
+    recv: RecvLink | None
+    rank: int
+    world_size: int
+    chunk_bytes: int
+    small_bytes: int
+    slots: int
+    check: CheckRecords
+    lendable: Lendable
+
+
 def segments(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """Split ``flat`` into ``parts`` near-equal contiguous pieces (some empty if it is short)."""
     n = flat.numel()
@@ -82,12 +112,10 @@ def segments(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
 
 
 def exchange(
-    send: SendLink,
-    recv: RecvLink,
+    ring: Ring,
     outgoing: torch.Tensor,
     incoming: torch.Tensor,
     reduce: Reducer | None,
-    chunk_bytes: int,
     lent: Span | None = None,
     sent: int = 0,
     *,
@@ -109,7 +137,9 @@ def exchange(
     Returns:
         How many chunks were written back.
     """
-    step = max(1, chunk_bytes // outgoing.element_size())
+    send, recv = ring.send, ring.recv
+    assert send is not None and recv is not None
+    step = max(1, ring.chunk_bytes // outgoing.element_size())
     n_out, n_in = outgoing.numel(), incoming.numel()
     written_back = 0
     for start in range(0, max(n_out, n_in), step):
@@ -138,13 +168,7 @@ def exchange(
 
 
 def check_carrying(
-    check: CheckRecords,
-    meta: Meta,
-    outgoing: torch.Tensor,
-    lent: Span | None,
-    ready: View | None,
-    world_size: int,
-    chunk_bytes: int,
+    ring: Ring, meta: Meta, outgoing: torch.Tensor, lent: Span | None, ready: View | None
 ) -> int:
     """Check the records; on two ranks they carry the first chunk of ``outgoing``. Return its size.
 
@@ -153,8 +177,9 @@ def check_carrying(
     and one message is saved. ``ready`` is called with the chunk first when
     the tensor is staged.
     """
-    first = outgoing[: max(1, chunk_bytes // outgoing.element_size())]
-    if world_size != 2 or not first.numel():
+    check = ring.check
+    first = outgoing[: max(1, ring.chunk_bytes // outgoing.element_size())]
+    if ring.world_size != 2 or not first.numel():
         check(meta)
         return 0
     if ready is not None:
@@ -166,45 +191,26 @@ def check_carrying(
 
 # ------------------------------------------------------------------ all-reduce
 def all_reduce_host(
-    send: SendLink | None,
-    recv: RecvLink | None,
-    flat: torch.Tensor,
-    op: ReduceOp,
-    meta: Meta,
-    staged: StagingPipeline | None,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    small_bytes: int,
-    check: CheckRecords,
-    lendable: Lendable,
+    ring: Ring, flat: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None
 ) -> None:
     """All-reduce host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
-    assert send is not None and recv is not None
-    if flat.numel() * flat.element_size() <= small_bytes:
+    if flat.numel() * flat.element_size() <= ring.small_bytes:
         if staged is not None:
             staged.wait_host()
-        small_all_reduce(recv, meta, flat, op, rank, world_size, check)
+        small_all_reduce(ring, meta, flat, op)
     else:
-        ring_all_reduce(send, recv, flat, op, meta, staged, rank, world_size, chunk_bytes, check, lendable)
+        ring_all_reduce(ring, flat, op, meta, staged)
 
 
-def small_all_reduce(
-    recv: RecvLink | None,
-    meta: Meta,
-    flat: torch.Tensor,
-    op: ReduceOp,
-    rank: int,
-    world_size: int,
-    check: CheckRecords,
-) -> None:
+def small_all_reduce(ring: Ring, meta: Meta, flat: torch.Tensor, op: ReduceOp) -> None:
     """Every rank's tensor travels with the records; each rank reduces them in rank order."""
-    n = world_size
+    n = ring.world_size
     combine = kernels.combine(op, flat.dtype)
-    payloads = check(meta, flat, hold_last=True)
+    payloads = ring.check(meta, flat, hold_last=True)
     if n == 2 and len(payloads) == 1:  # the neighbour's tensor waits in the link
+        recv = ring.recv
         assert recv is not None
-        if rank == 0:
+        if ring.rank == 0:
             recv.recv_reduce(flat, lambda mine, theirs: combine(mine, mine, theirs))
         else:
             recv.recv_reduce(flat, lambda mine, theirs: combine(mine, theirs, mine))
@@ -219,17 +225,7 @@ def small_all_reduce(
 
 
 def ring_all_reduce(
-    send: SendLink,
-    recv: RecvLink,
-    flat: torch.Tensor,
-    op: ReduceOp,
-    meta: Meta,
-    staged: StagingPipeline | None,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    check: CheckRecords,
-    lendable: Lendable,
+    ring: Ring, flat: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None
 ) -> None:
     """Reduce-scatter, then all-gather, around the ring.
 
@@ -238,23 +234,22 @@ def ring_all_reduce(
     soon as it is final: this rank's own once reduced (and averaged), the
     others chunk by chunk as the all-gather brings them.
     """
-    n, r = world_size, rank
+    n, r, send = ring.world_size, ring.rank, ring.send
+    assert send is not None
     segs = segments(flat, n)
     reduce = kernels.reducer(op, flat.dtype)
-    lent = lendable(flat)
+    lent = ring.lendable(flat)
     ready, done = (waiter(staged), publisher(staged)) if staged is not None else (None, None)
-    carried = check_carrying(check, meta, segs[r], lent, ready, n, chunk_bytes)
+    carried = check_carrying(ring, meta, segs[r], lent, ready)
     if n == 2:
-        pair_all_reduce(send, recv, segs, op, reduce, lent, carried, ready, done, r, chunk_bytes)
+        pair_all_reduce(ring, segs, op, reduce, lent, carried, ready, done)
         return
     for s in range(n - 1):
         exchange(
-            send,
-            recv,
+            ring,
             segs[(r - s) % n],
             segs[(r - s - 1) % n],
             reduce,
-            chunk_bytes,
             lent,
             sent=carried if s == 0 else 0,
             ready=ready,
@@ -268,15 +263,14 @@ def ring_all_reduce(
     # the all-gather overwrites that segment in its step t, but only with the segment's final
     # value, which exists only after the neighbour has read and passed it on: no wait is needed.
     for t in range(n - 1):
-        exchange(send, recv, segs[(r + 1 - t) % n], segs[(r - t) % n], None, chunk_bytes, lent, done=done)
+        exchange(ring, segs[(r + 1 - t) % n], segs[(r - t) % n], None, lent, done=done)
     send.flush()
     if lent is not None:  # done only when nobody reads this rank's buffer any more
         send.wait_returned()
 
 
 def pair_all_reduce(
-    send: SendLink,
-    recv: RecvLink,
+    ring: Ring,
     segs: list[torch.Tensor],
     op: ReduceOp,
     reduce: Reducer,
@@ -284,8 +278,6 @@ def pair_all_reduce(
     carried: int,
     ready: View | None,
     done: View | None,
-    rank: int,
-    chunk_bytes: int,
 ) -> None:
     """Two ranks: each reduces one half; where the neighbour lent its half, the result goes straight back.
 
@@ -298,7 +290,8 @@ def pair_all_reduce(
     counter has passed every lent chunk); if not, the result comes back
     through the slots as in the ring.
     """
-    r = rank
+    r, send, recv = ring.rank, ring.send, ring.recv
+    assert send is not None and recv is not None
     outgoing, incoming = segs[r], segs[1 - r]
     if op is ReduceOp.AVG:
         plain = reduce
@@ -308,9 +301,9 @@ def pair_all_reduce(
             kernels.divide(dst, 2)
 
     written_back = exchange(
-        send, recv, outgoing, incoming, reduce, chunk_bytes, lent, sent=carried, ready=ready, write_back=True
+        ring, outgoing, incoming, reduce, lent, sent=carried, ready=ready, write_back=True
     )
-    chunks_in = -(-incoming.numel() // max(1, chunk_bytes // incoming.element_size()))
+    chunks_in = -(-incoming.numel() // max(1, ring.chunk_bytes // incoming.element_size()))
     if written_back not in (0, chunks_in):
         raise CommError(
             f"protocol error from {recv.describe}: {written_back} of the {chunks_in} chunks of its half "
@@ -324,7 +317,7 @@ def pair_all_reduce(
     back_out = incoming if not written_back else incoming[:0]
     back_in = outgoing if lent is None else outgoing[:0]  # a lent half was written back
     if back_out.numel() or back_in.numel():
-        exchange(send, recv, back_out, back_in, None, chunk_bytes, lent, done=done)
+        exchange(ring, back_out, back_in, None, lent, done=done)
         send.flush()
     if lent is not None:  # done only when the neighbour no longer reads, or writes, this rank's buffer
         send.wait_returned()
@@ -334,52 +327,28 @@ def pair_all_reduce(
 
 # ------------------------------------------------------------------- broadcast
 def broadcast_host(
-    send: SendLink | None,
-    recv: RecvLink | None,
-    flat: torch.Tensor,
-    src: int,
-    meta: Meta,
-    staged: StagingPipeline | None,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    small_bytes: int,
-    check: CheckRecords,
+    ring: Ring, flat: torch.Tensor, src: int, meta: Meta, staged: StagingPipeline | None
 ) -> None:
     """Broadcast host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
-    if flat.numel() * flat.element_size() <= small_bytes:
+    rank = ring.rank
+    if flat.numel() * flat.element_size() <= ring.small_bytes:
         if staged is not None and rank == src:
             staged.wait_host()
-        payloads = check(meta, flat if rank == src else None)
+        payloads = ring.check(meta, flat if rank == src else None)
         if rank != src:
             kernels.copy(flat, payloads[src])
     else:
-        check(meta)
-        assert send is not None and recv is not None
+        ring.check(meta)
         if staged is None:
-            chain_broadcast(send, recv, flat, src, rank, world_size, chunk_bytes)
+            chain_broadcast(ring, flat, src)
         else:
-            chain_broadcast(
-                send,
-                recv,
-                flat,
-                src,
-                rank,
-                world_size,
-                chunk_bytes,
-                ready=waiter(staged),
-                done=publisher(staged),
-            )
+            chain_broadcast(ring, flat, src, ready=waiter(staged), done=publisher(staged))
 
 
 def chain_broadcast(
-    send: SendLink,
-    recv: RecvLink,
+    ring: Ring,
     flat: torch.Tensor,
     src: int,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
     *,
     ready: View | None = None,
     done: View | None = None,
@@ -389,8 +358,10 @@ def chain_broadcast(
     Staged tensors pass ``ready`` (the source calls it with each chunk before
     sending it) and ``done`` (the others call it with each chunk received).
     """
-    distance = (rank - src) % world_size
-    step = max(1, chunk_bytes // flat.element_size())
+    send, recv, world_size = ring.send, ring.recv, ring.world_size
+    assert send is not None and recv is not None
+    distance = (ring.rank - src) % world_size
+    step = max(1, ring.chunk_bytes // flat.element_size())
     for start in range(0, flat.numel(), step):
         chunk = flat[start : start + step]
         if distance > 0:
@@ -406,30 +377,20 @@ def chain_broadcast(
 
 # ------------------------------------------------------------------ all-gather
 def all_gather_host(
-    send: SendLink | None,
-    recv: RecvLink | None,
-    blocks: list[torch.Tensor],
-    tensor: torch.Tensor,
-    meta: Meta,
-    done: list[View] | None,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    small_bytes: int,
-    check: CheckRecords,
+    ring: Ring, blocks: list[torch.Tensor], tensor: torch.Tensor, meta: Meta, done: list[View] | None
 ) -> None:
     """Gather every rank's ``tensor`` into ``blocks`` (flat host views, one per rank).
 
     With staged outputs, ``done[k]`` is called with each part of ``blocks[k]`` once it is final.
     """
-    n, r = world_size, rank
+    n, r, send, recv, check = ring.world_size, ring.rank, ring.send, ring.recv, ring.check
     if blocks[r].data_ptr() != tensor.data_ptr() or blocks[r].numel() == 0:
         kernels.copy(blocks[r].view(-1), tensor.view(-1))
     if done is not None:
         done[r](blocks[r])
     if n == 1:
         return
-    if tensor.numel() * tensor.element_size() <= small_bytes:
+    if tensor.numel() * tensor.element_size() <= ring.small_bytes:
         payloads = check(meta, tensor, hold_last=True)
         for source, block in enumerate(blocks):
             if source == r:
@@ -445,54 +406,39 @@ def all_gather_host(
     assert send is not None and recv is not None
     for s in range(n - 1):
         k = (r - s - 1) % n
-        exchange(
-            send,
-            recv,
-            blocks[(r - s) % n],
-            blocks[k],
-            None,
-            chunk_bytes,
-            done=done[k] if done is not None else None,
-        )
+        exchange(ring, blocks[(r - s) % n], blocks[k], None, done=done[k] if done is not None else None)
     send.flush()
 
 
 # -------------------------------------------------------------- reduce-scatter
 def reduce_scatter_host(
-    send: SendLink | None,
-    recv: RecvLink | None,
+    ring: Ring,
     work: torch.Tensor,
     output: torch.Tensor,
     op: ReduceOp,
     meta: Meta,
     lent: Span | None,
     ready: View | None,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    small_bytes: int,
-    check: CheckRecords,
 ) -> None:
     """Reduce ``work`` (every rank's blocks, in rank order) and leave block ``rank`` in ``output``.
 
     ``work`` may be reduced in place. With a staged input, ``ready`` is called
     with each part of ``work`` before it is read.
     """
-    n, r = world_size, rank
+    n, r = ring.world_size, ring.rank
     blocks = segments(work, n)
     mine = blocks[r]
-    if n > 1 and work.numel() * work.element_size() <= small_bytes:
+    if n > 1 and work.numel() * work.element_size() <= ring.small_bytes:
         if ready is not None:
             ready(work)
-        payloads = check(meta, work)
+        payloads = ring.check(meta, work)
         combine = kernels.combine(op, work.dtype)
         mine = torch.empty_like(blocks[r])
         combine(mine, segments(payloads[0], n)[r], segments(payloads[1], n)[r])
         for source in range(2, n):
             combine(mine, mine, segments(payloads[source], n)[r])
     elif n > 1:
-        assert send is not None and recv is not None
-        ring_reduce_scatter(send, recv, blocks, op, meta, lent, ready, r, n, chunk_bytes, check)
+        ring_reduce_scatter(ring, blocks, op, meta, lent, ready)
     elif ready is not None:
         ready(work)
     if op is ReduceOp.AVG and n > 1:
@@ -502,17 +448,7 @@ def reduce_scatter_host(
 
 
 def ring_reduce_scatter(
-    send: SendLink,
-    recv: RecvLink,
-    blocks: list[torch.Tensor],
-    op: ReduceOp,
-    meta: Meta,
-    lent: Span | None,
-    ready: View | None,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    check: CheckRecords,
+    ring: Ring, blocks: list[torch.Tensor], op: ReduceOp, meta: Meta, lent: Span | None, ready: View | None
 ) -> None:
     """Reduce-scatter ``blocks`` (one per rank) in place: block ``rank`` ends up reduced.
 
@@ -521,17 +457,16 @@ def ring_reduce_scatter(
     it is sent, so with ``lent`` the neighbour may read it in place. With a
     staged input, ``ready`` is called with each chunk before it is read.
     """
-    n, r = world_size, rank
+    n, r, send = ring.world_size, ring.rank, ring.send
+    assert send is not None
     reduce = kernels.reducer(op, blocks[0].dtype)
-    carried = check_carrying(check, meta, blocks[(r - 1) % n], lent, ready, n, chunk_bytes)
+    carried = check_carrying(ring, meta, blocks[(r - 1) % n], lent, ready)
     for s in range(n - 1):
         exchange(
-            send,
-            recv,
+            ring,
             blocks[(r - s - 1) % n],
             blocks[(r - s - 2) % n],
             reduce,
-            chunk_bytes,
             lent,
             sent=carried if s == 0 else 0,
             ready=ready,

@@ -64,6 +64,7 @@ import torch
 from backends.common import kernels
 from backends.common.cuda_staging import StagingPipeline
 from backends.ring.algorithms import (
+    Ring,
     all_gather_host,
     all_reduce_host,
     broadcast_host,
@@ -185,6 +186,18 @@ class RingProcessGroup(IProcessGroup):
         self._peers = sockets.peers
         self._session = sockets.session
         self._settings = shared
+        self._ring = Ring(
+            self._right,
+            self._left,
+            env.rank,
+            env.world_size,
+            self._chunk_bytes,
+            self._small_bytes,
+            shape.slots,
+            self._check_meta,
+            self._lendable,
+        )
+        """What the algorithms (``backends.ring.algorithms``, ``rooted``, ``ordered``) work with."""
         self._listen_address = sockets.listener.getsockname()[0] if sockets.listener is not None else ""
         self._peer_links = (
             PointToPoint(
@@ -416,20 +429,7 @@ class RingProcessGroup(IProcessGroup):
             return first_chunks(tensor, [(r - s) % n for s in range(n)], n, self._chunk_numel(tensor))
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            all_reduce_host(
-                self._right,
-                self._left,
-                hosts[0],
-                op,
-                meta,
-                staged[0],
-                self.rank,
-                self.world_size,
-                self._chunk_bytes,
-                self._small_bytes,
-                self._check_meta,
-                self._lendable,
-            )
+            all_reduce_host(self._ring, hosts[0], op, meta, staged[0])
 
         return self._submit(
             describe, on_host(self.timeout, run, Staged(tensor, fetch_first=first)), async_op, tensor
@@ -458,13 +458,10 @@ class RingProcessGroup(IProcessGroup):
             if self._is_small(flat):
                 if factor is not None:
                     flat.mul_(factor)
-                small_all_reduce(self._left, meta, flat, base, self.rank, self.world_size, self._check_meta)
+                small_all_reduce(self._ring, meta, flat, base)
                 return
-            send, recv = self._right, self._left
-            assert send is not None and recv is not None
             self._check_meta(meta)
-            step, slots, lent = self._chunk_numel(flat), int(self._settings["slots"]), self._lendable(flat)
-            chain_all_reduce(send, recv, flat, self.rank, self.world_size, base, factor, step, slots, lent)
+            chain_all_reduce(self._ring, flat, base, factor, self._lendable(flat))
 
         return self._submit(self._label("all_reduce", tensor), run, async_op, tensor)
 
@@ -476,19 +473,7 @@ class RingProcessGroup(IProcessGroup):
         sender = self.rank == src
 
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            broadcast_host(
-                self._right,
-                self._left,
-                hosts[0],
-                src,
-                meta,
-                staged[0],
-                self.rank,
-                self.world_size,
-                self._chunk_bytes,
-                self._small_bytes,
-                self._check_meta,
-            )
+            broadcast_host(self._ring, hosts[0], src, meta, staged[0])
 
         body = on_host(self.timeout, run, Staged(tensor, copy_in=sender, copy_out=not sender))
         return self._submit(describe, body, async_op, tensor)
@@ -515,19 +500,7 @@ class RingProcessGroup(IProcessGroup):
                 staged[0].wait_host()
                 owners = staged[1:] * n if flat_output is not None else staged[1:]  # each block's pipeline
                 done = [publisher(pipeline) for pipeline in owners]  # type: ignore[arg-type]
-            all_gather_host(
-                self._right,
-                self._left,
-                blocks,
-                hosts[0],
-                meta,
-                done,
-                self.rank,
-                self.world_size,
-                self._chunk_bytes,
-                self._small_bytes,
-                self._check_meta,
-            )
+            all_gather_host(self._ring, blocks, hosts[0], meta, done)
 
         return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, tensor))
 
@@ -554,21 +527,7 @@ class RingProcessGroup(IProcessGroup):
                     work, lent = torch.empty(n * output.numel(), dtype=output.dtype), None
                     for block, source in zip(segments(work, n), inputs, strict=True):
                         kernels.copy(block, source)
-                reduce_scatter_host(
-                    self._right,
-                    self._left,
-                    work,
-                    hosts[0],
-                    op,
-                    meta,
-                    lent,
-                    None,
-                    self.rank,
-                    self.world_size,
-                    self._chunk_bytes,
-                    self._small_bytes,
-                    self._check_meta,
-                )
+                reduce_scatter_host(self._ring, work, hosts[0], op, meta, lent, None)
 
             return self._submit(
                 describe, on_host(self.timeout, run, Staged(output)), async_op, (output, inputs)
@@ -582,21 +541,8 @@ class RingProcessGroup(IProcessGroup):
             return first_chunks(source, [(r - 1 - s) % n for s in range(n)], n, self._chunk_numel(source))
 
         def run_staged(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            reduce_scatter_host(
-                self._right,
-                self._left,
-                hosts[0],
-                hosts[1],
-                op,
-                meta,
-                None,
-                waiter(staged[0]),  # type: ignore[arg-type]
-                self.rank,
-                self.world_size,
-                self._chunk_bytes,
-                self._small_bytes,
-                self._check_meta,
-            )
+            ready = waiter(staged[0])  # type: ignore[arg-type]
+            reduce_scatter_host(self._ring, hosts[0], hosts[1], op, meta, None, ready)
 
         body = on_host(
             self.timeout,
@@ -616,19 +562,7 @@ class RingProcessGroup(IProcessGroup):
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
             if staged[0] is not None:
                 staged[0].wait_host()
-            reduce_host(
-                self._right,
-                self._left,
-                hosts[0],
-                dst,
-                op,
-                meta,
-                self.rank,
-                self.world_size,
-                self._chunk_bytes,
-                self._small_bytes,
-                self._check_meta,
-            )
+            reduce_host(self._ring, hosts[0], dst, op, meta)
 
         body = on_host(self.timeout, run, Staged(tensor, copy_out=self.rank == dst))
         return self._submit(describe, body, async_op, tensor)
@@ -643,19 +577,7 @@ class RingProcessGroup(IProcessGroup):
         def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
             if staged[0] is not None:
                 staged[0].wait_host()
-            gather_host(
-                self._right,
-                self._left,
-                hosts[0],
-                hosts[1:] if outputs is not None else None,
-                dst,
-                meta,
-                self.rank,
-                self.world_size,
-                self._chunk_bytes,
-                self._small_bytes,
-                self._check_meta,
-            )
+            gather_host(self._ring, hosts[0], hosts[1:] if outputs is not None else None, dst, meta)
 
         return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, tensor))
 
@@ -670,19 +592,7 @@ class RingProcessGroup(IProcessGroup):
             for pipeline in staged[1:]:
                 if pipeline is not None:
                     pipeline.wait_host()
-            scatter_host(
-                self._right,
-                self._left,
-                hosts[0],
-                hosts[1:] if inputs is not None else None,
-                src,
-                meta,
-                self.rank,
-                self.world_size,
-                self._chunk_bytes,
-                self._small_bytes,
-                self._check_meta,
-            )
+            scatter_host(self._ring, hosts[0], hosts[1:] if inputs is not None else None, src, meta)
 
         return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (inputs, tensor))
 
@@ -697,20 +607,7 @@ class RingProcessGroup(IProcessGroup):
             for pipeline in staged[:n]:
                 if pipeline is not None:
                     pipeline.wait_host()
-            all_to_all_host(
-                self._right,
-                self._left,
-                hosts[n:],
-                hosts[:n],
-                meta,
-                self.rank,
-                self.world_size,
-                self._chunk_bytes,
-                self._small_bytes,
-                self._check_meta,
-                self._lendable,
-                lambda: self._label("all_to_all"),
-            )
+            all_to_all_host(self._ring, hosts[n:], hosts[:n], meta, lambda: self._label("all_to_all"))
 
         return self._submit(describe, on_host(self.timeout, run, *specs), async_op, (outputs, inputs))
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from backends.common import kernels
-from backends.ring.links import RecvLink, SendLink
+from backends.ring.algorithms import Ring
 from backends.ring.shared_buffers import Span
 from commlib.types import ReduceOp
 
@@ -34,34 +34,25 @@ __all__ = ["chain_all_reduce"]
 
 
 def chain_all_reduce(
-    send: SendLink,
-    recv: RecvLink,
-    flat: torch.Tensor,
-    rank: int,
-    world_size: int,
-    op: ReduceOp,
-    factor: float | None,
-    step: int,
-    lag: int,
-    lent: Span | None = None,
+    ring: Ring, flat: torch.Tensor, op: ReduceOp, factor: float | None, lent: Span | None = None
 ) -> None:
     """All-reduce host tensor ``flat`` as the left fold in rank order (see the module docstring).
 
+    Chunks are ``ring.chunk_bytes`` long; rank 0 sends ``ring.slots`` of them before it
+    reads the first result (the lag).
+
     Args:
-        send: The link to the right neighbour.
-        recv: The link from the left neighbour.
+        ring: This rank's place in the ring (at least 2 ranks).
         flat: This rank's flat contiguous tensor; it receives the result.
-        rank: This rank.
-        world_size: Ranks in the ring (at least 2).
         op: SUM, AVG or PRODUCT (PREMUL_SUM: SUM with ``factor``).
         factor: PREMUL_SUM's factor: each rank multiplies its chunk by it first, in the tensor's
             dtype (``commlib.deterministic.left_fold``); None otherwise.
-        step: Elements per chunk.
-        lag: Chunks rank 0 sends before it reads the first result (at most the link's slots).
         lent: Where ``flat`` lies in a shared buffer: the right neighbour then reads each chunk
             this rank sends in place (it returns once the neighbour has read them all).
     """
-    n = world_size
+    n, rank, send, recv = ring.world_size, ring.rank, ring.send, ring.recv
+    assert send is not None and recv is not None
+    step, lag = max(1, ring.chunk_bytes // flat.element_size()), ring.slots
     combine = kernels.combine(ReduceOp.PRODUCT if op is ReduceOp.PRODUCT else ReduceOp.SUM, flat.dtype)
 
     def add_mine(mine: torch.Tensor, partial: torch.Tensor) -> None:

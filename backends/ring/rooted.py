@@ -9,10 +9,10 @@ ring, each hop keeping the block meant for it (``stream`` sends and receives
 lists of tensors in turn); on two ranks that is one exchange. Small tensors
 travel with the records.
 
-Each function takes the links (``send`` to the right neighbour, ``recv`` from
-the left one), the rank, the world size, the chunk size in bytes and ``check``
-(the group's records check, ``backends.ring.algorithms.CheckRecords``);
-``backends.ring.group`` builds the record and calls them on the host tensors.
+Each function takes the ``Ring`` (``backends.ring.algorithms.Ring``: this
+rank's two links, its rank, the world size, the sizes and the group's records
+check) first; ``backends.ring.group`` builds the record and calls them on the
+host tensors.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from collections.abc import Callable
 import torch
 
 from backends.common import kernels
-from backends.ring.algorithms import CheckRecords, Lendable, segments
-from backends.ring.links import RecvLink, SendLink
+from backends.ring.algorithms import Ring, segments
 from backends.ring.records import Meta, pack_counts, read_carried, read_counts, split_mismatch
 from commlib.errors import CommError
 from commlib.types import ReduceOp
@@ -47,23 +46,11 @@ def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------- reduce
-def reduce_host(
-    send: SendLink | None,
-    recv: RecvLink | None,
-    flat: torch.Tensor,
-    dst: int,
-    op: ReduceOp,
-    meta: Meta,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    small_bytes: int,
-    check: CheckRecords,
-) -> None:
+def reduce_host(ring: Ring, flat: torch.Tensor, dst: int, op: ReduceOp, meta: Meta) -> None:
     """Reduce into ``flat`` on ``dst``; small tensors travel with the records, large ones down a chain."""
-    n = world_size
-    if flat.numel() * flat.element_size() <= small_bytes:
-        payloads = check(meta, flat)
+    n, rank = ring.world_size, ring.rank
+    if flat.numel() * flat.element_size() <= ring.small_bytes:
+        payloads = ring.check(meta, flat)
         if rank == dst:
             combine = kernels.combine(op, flat.dtype)
             result = torch.empty_like(flat)
@@ -72,32 +59,23 @@ def reduce_host(
                 combine(result, result, payloads[source])
             kernels.copy(flat, result)
     else:
-        check(meta)
-        assert send is not None and recv is not None
-        chain_reduce(send, recv, flat, dst, op, rank, n, chunk_bytes)
+        ring.check(meta)
+        chain_reduce(ring, flat, dst, op)
     if op is ReduceOp.AVG and rank == dst:
         kernels.divide(flat, n)
 
 
-def chain_reduce(
-    send: SendLink,
-    recv: RecvLink,
-    flat: torch.Tensor,
-    dst: int,
-    op: ReduceOp,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-) -> None:
+def chain_reduce(ring: Ring, flat: torch.Tensor, dst: int, op: ReduceOp) -> None:
     """Partial results flow down the chain that starts right of ``dst`` and ends at it, chunk by chunk.
 
     Each rank between adds its own chunk to the partial result into a
     scratch tensor (its input stays as it was) and passes it on; ``dst``
     adds the last partial result into its tensor.
     """
-    n = world_size
-    position = (rank - dst - 1) % n  # 0 starts the chain, n - 1 is dst
-    step = max(1, chunk_bytes // flat.element_size())
+    n, send, recv = ring.world_size, ring.send, ring.recv
+    assert send is not None and recv is not None
+    position = (ring.rank - dst - 1) % n  # 0 starts the chain, n - 1 is dst
+    step = max(1, ring.chunk_bytes // flat.element_size())
     starts = range(0, flat.numel(), step)
     if position == 0:
         for start in starts:
@@ -118,17 +96,7 @@ def chain_reduce(
 
 # ---------------------------------------------------------------------- gather
 def gather_host(
-    send: SendLink | None,
-    recv: RecvLink | None,
-    flat: torch.Tensor,
-    blocks: list[torch.Tensor] | None,
-    dst: int,
-    meta: Meta,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    small_bytes: int,
-    check: CheckRecords,
+    ring: Ring, flat: torch.Tensor, blocks: list[torch.Tensor] | None, dst: int, meta: Meta
 ) -> None:
     """Every rank's ``flat`` into ``blocks`` on ``dst`` (None elsewhere).
 
@@ -136,21 +104,21 @@ def gather_host(
     that ends at ``dst``: each rank sends its own block, then passes on
     those of the ranks before it, so ``dst`` receives the nearest first.
     """
-    n, r = world_size, rank
+    n, r, send, recv = ring.world_size, ring.rank, ring.send, ring.recv
     if blocks is not None:
         copy_unless_same(blocks[r], flat)
     if n == 1:
         return
-    if flat.numel() * flat.element_size() <= small_bytes:
-        payloads = check(meta, flat)
+    if flat.numel() * flat.element_size() <= ring.small_bytes:
+        payloads = ring.check(meta, flat)
         if blocks is not None:
             for source, block in enumerate(blocks):
                 if source != r:
                     kernels.copy(block, payloads[source])
         return
-    check(meta)
+    ring.check(meta)
     assert send is not None and recv is not None
-    step = max(1, chunk_bytes // flat.element_size())
+    step = max(1, ring.chunk_bytes // flat.element_size())
     position = (r - dst - 1) % n
     if blocks is not None:
         for k in range(1, n):
@@ -160,23 +128,13 @@ def gather_host(
     else:
         for start in range(0, flat.numel(), step):
             send.send(flat[start : start + step])
-        relay(send, recv, flat, position, chunk_bytes)
+        relay(ring, flat, position)
     send.flush()
 
 
 # --------------------------------------------------------------------- scatter
 def scatter_host(
-    send: SendLink | None,
-    recv: RecvLink | None,
-    flat: torch.Tensor,
-    blocks: list[torch.Tensor] | None,
-    src: int,
-    meta: Meta,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    small_bytes: int,
-    check: CheckRecords,
+    ring: Ring, flat: torch.Tensor, blocks: list[torch.Tensor] | None, src: int, meta: Meta
 ) -> None:
     """Block ``rank`` of ``blocks`` (on ``src``; None elsewhere) into every rank's ``flat``.
 
@@ -184,20 +142,20 @@ def scatter_host(
     flow down the chain from ``src``, the farthest rank's first: each rank
     passes on the blocks for the ranks after it and keeps the last.
     """
-    n, r = world_size, rank
+    n, r, send, recv = ring.world_size, ring.rank, ring.send, ring.recv
     if blocks is not None:
         copy_unless_same(flat, blocks[r])
     if n == 1:
         return
-    nbytes = flat.numel() * flat.element_size()
+    nbytes, small_bytes = flat.numel() * flat.element_size(), ring.small_bytes
     if nbytes <= small_bytes and nbytes * n <= small_bytes:
-        payloads = check(meta, torch.cat(blocks) if blocks is not None else None)
+        payloads = ring.check(meta, torch.cat(blocks) if blocks is not None else None)
         if blocks is None:
             kernels.copy(flat, segments(payloads[src], n)[r])
         return
-    check(meta)
+    ring.check(meta)
     assert send is not None and recv is not None
-    step = max(1, chunk_bytes // flat.element_size())
+    step = max(1, ring.chunk_bytes // flat.element_size())
     distance = (r - src) % n
     if blocks is not None:
         for k in range(n - 1, 0, -1):
@@ -205,17 +163,19 @@ def scatter_host(
             for start in range(0, block.numel(), step):
                 send.send(block[start : start + step])
     else:
-        relay(send, recv, flat, n - 1 - distance, chunk_bytes)
+        relay(ring, flat, n - 1 - distance)
         for start in range(0, flat.numel(), step):
             recv.recv_into(flat[start : start + step])
     send.flush()
 
 
-def relay(send: SendLink, recv: RecvLink, like: torch.Tensor, count: int, chunk_bytes: int) -> None:
+def relay(ring: Ring, like: torch.Tensor, count: int) -> None:
     """Pass ``count`` blocks of ``like``'s size from the left neighbour on to the right one."""
     if not count:
         return
-    step = max(1, chunk_bytes // like.element_size())
+    send, recv = ring.send, ring.recv
+    assert send is not None and recv is not None
+    step = max(1, ring.chunk_bytes // like.element_size())
     for _ in range(count):
         for start in range(0, like.numel(), step):
             recv.forward(like[start : start + step], send)
@@ -223,17 +183,10 @@ def relay(send: SendLink, recv: RecvLink, like: torch.Tensor, count: int, chunk_
 
 # ------------------------------------------------------------------ all-to-all
 def all_to_all_host(
-    send: SendLink | None,
-    recv: RecvLink | None,
+    ring: Ring,
     outputs: list[torch.Tensor],
     inputs: list[torch.Tensor],
     meta: Meta,
-    rank: int,
-    world_size: int,
-    chunk_bytes: int,
-    small_bytes: int,
-    check: CheckRecords,
-    lendable: Lendable,
     label: Callable[[], object],
 ) -> None:
     """Block ``inputs[j]`` of every rank i into ``outputs[i]`` of rank j, passed along the ring.
@@ -246,7 +199,7 @@ def all_to_all_host(
     to ``small_bytes`` travels with the record itself. ``label()`` names the
     collective in the error a malformed record raises.
     """
-    n, r = world_size, rank
+    n, r, send = ring.world_size, ring.rank, ring.send
     if n == 1:
         error = split_mismatch([[inputs[0].numel()]], [[outputs[0].numel()]])
         if error is not None:
@@ -254,10 +207,10 @@ def all_to_all_host(
         copy_unless_same(outputs[0], inputs[0])
         return
     # Two ranks: a small block for the neighbour travels with the record (one message each way).
-    carry = inputs[1 - r] if n == 2 and inputs[1 - r].nbytes <= small_bytes else None
+    carry = inputs[1 - r] if n == 2 and inputs[1 - r].nbytes <= ring.small_bytes else None
     counts = [t.numel() for t in inputs] + [t.numel() for t in outputs] + [carry is not None]
     k = len(counts)
-    payloads = check(meta, pack_counts(counts, carry).view(meta.dtype))  # type: ignore[arg-type]
+    payloads = ring.check(meta, pack_counts(counts, carry).view(meta.dtype))  # type: ignore[arg-type]
     try:
         rows = {rank: counts if rank == r else read_counts(p, k, rank) for rank, p in payloads.items()}
     except ValueError as e:  # only a peer running other code sends a short record
@@ -267,7 +220,7 @@ def all_to_all_host(
     if error is not None:
         raise error
     copy_unless_same(outputs[r], inputs[r])
-    assert send is not None and recv is not None
+    assert send is not None
     if n == 2:
         left = 1 - r
         theirs = outputs[left]
@@ -277,12 +230,9 @@ def all_to_all_host(
             except ValueError as e:
                 raise CommError(f"{label()}: {e}") from None
         stream(
-            send,
-            recv,
+            ring,
             [] if carry is not None else [inputs[left]],
             [] if rows[left][2 * n] else [theirs],
-            chunk_bytes,
-            lendable,
             lend=True,
         )
         send.flush()
@@ -294,31 +244,26 @@ def all_to_all_host(
         outgoing = [inputs[(r + k) % n] for k in range(1, n)] if s == 1 else carried
         incoming = [outputs[origin]] + [torch.empty(sent[origin][d], dtype=meta.dtype) for d in ahead]
         # The caller's inputs are lent; later steps relay copies.
-        stream(send, recv, outgoing, incoming, chunk_bytes, lendable, lend=s == 1)
+        stream(ring, outgoing, incoming, lend=s == 1)
         send.flush()
         carried = incoming[1:]
 
 
 def stream(
-    send: SendLink,
-    recv: RecvLink,
-    outgoing: list[torch.Tensor],
-    incoming: list[torch.Tensor],
-    chunk_bytes: int,
-    lendable: Lendable,
-    *,
-    lend: bool = False,
+    ring: Ring, outgoing: list[torch.Tensor], incoming: list[torch.Tensor], *, lend: bool = False
 ) -> None:
     """Send ``outgoing`` to the right while ``incoming`` arrives from the left, one chunk each in turn.
 
-    With ``lend``, a tensor of ``outgoing`` that lies in a shared buffer (``lendable``) is lent: the
+    With ``lend``, a tensor of ``outgoing`` that lies in a shared buffer (``ring.lendable``) is lent: the
     right neighbour copies its chunks straight out of it (one copy instead of two), and this returns
     once the neighbour has read them all.
     """
     if not outgoing and not incoming:
         return
-    step = max(1, chunk_bytes // (incoming[0] if incoming else outgoing[0]).element_size())
-    spans = [lendable(t) if lend and send.can_lend else None for t in outgoing]
+    send, recv = ring.send, ring.recv
+    assert send is not None and recv is not None
+    step = max(1, ring.chunk_bytes // (incoming[0] if incoming else outgoing[0]).element_size())
+    spans = [ring.lendable(t) if lend and send.can_lend else None for t in outgoing]
     out = [
         (t[i : i + step], span)
         for t, span in zip(outgoing, spans, strict=True)

@@ -23,6 +23,7 @@ time, pinned memory (``tests/gpu/`` covers those on a device).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -167,6 +168,12 @@ class RecordingLink:
         return bool(written_back)
 
 
+def use_links(group: IProcessGroup, send: Any, recv: Any) -> None:
+    """Make the ring group's collectives run over ``send`` and ``recv`` (wrappers of its links)."""
+    group._right, group._left = send, recv  # type: ignore[attr-defined]
+    group._ring = dataclasses.replace(group._ring, send=send, recv=recv)  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:
     """Stage the group's CUDA tensors through the fakes; yield what they record."""
@@ -204,13 +211,13 @@ def emulated(group: IProcessGroup, *, lag: int = 1) -> Iterator[dict[str, Any]]:
     links = group._right, group._left  # type: ignore[attr-defined]
     previous = cuda_staging.stage
     cuda_staging.stage = pipeline  # type: ignore[assignment]
-    group._right, group._left = (RecordingLink(link, log) for link in links)  # type: ignore[attr-defined]
+    use_links(group, *(RecordingLink(link, log) for link in links))
     try:
         yield {"log": log, "ops": ops, "pool": pool, "timeouts": timeouts, "staged": staged}
     finally:
         cuda_staging.stage = previous
         if group._right is not None:  # type: ignore[attr-defined]  # None once the group is closed
-            group._right, group._left = links  # type: ignore[attr-defined]
+            use_links(group, *links)
 
 
 def _ops_for(group: IProcessGroup, dtype: torch.dtype) -> list[ReduceOp]:
@@ -470,7 +477,7 @@ def peer_dies(group: IProcessGroup, victim: int, numel: int = 40_003, chunks: in
     """``victim`` exits after sending ``chunks`` chunks of the all-reduce; the others fail and abort."""
     with emulated(group, lag=1) as seen:
         if group.rank == victim:
-            group._right = DyingLink(group._right, chunks)  # type: ignore[attr-defined]
+            use_links(group, DyingLink(group._right, chunks), group._left)  # type: ignore[attr-defined]
         start = time.monotonic()
         try:
             group.all_reduce(on_device(torch.ones(numel)))
