@@ -17,7 +17,6 @@ A rule's message is a ``str.format`` template over these fields:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +59,9 @@ FALLBACK = Rule(CommError, "{label}: {kind}: {error}")
 def translate(describe: object, error: BaseException, rules: Sequence[Rule], **context: Any) -> CommError:
     """Return the commlib error for ``error``: the first rule of ``rules`` that matches it, or ``FALLBACK``.
 
-    An error that is already a ``CommError`` keeps its class and attributes; only its message gains
-    the label (``"{label}: {error}"``).
+    An error that is already a ``CommError`` keeps its class as ``commlib.errors`` names it (a
+    backend's own subclass becomes the commlib class it derives from) and its attributes; its
+    message gains the label (``"{label}: {error}"``).
 
     Args:
         describe: The failed operation (a ``CollectiveLabel`` or text), the message's prefix.
@@ -71,8 +71,9 @@ def translate(describe: object, error: BaseException, rules: Sequence[Rule], **c
     """
     label = str(describe)
     if isinstance(error, CommError):
-        kept = copy.copy(error)  # its class and attributes (a PeerFailureError's ``exited``)
-        kept.args = (f"{label}: {error}",)
+        cls = next(c for c in type(error).__mro__ if c.__module__ == CommError.__module__)
+        kept = cls(f"{label}: {error}")
+        kept.__dict__.update(error.__dict__)  # a PeerFailureError's ``exited``
         return kept
     text = str(error).strip()
     lowered = text.lower()

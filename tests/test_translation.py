@@ -9,6 +9,7 @@ from backends.mpi import errors as mpi_errors
 from backends.mpi.dtypes import dtype_code
 from backends.mpi.p2p import Mismatch
 from backends.ring import errors as ring_errors
+from backends.ring.wire import PeerClosed
 from backends.torch import errors as torch_errors
 from commlib.errors import (
     CommError,
@@ -70,6 +71,11 @@ def test_commlib_errors_pass_through_with_the_label() -> None:
     closed = translate("op", GroupClosedError("closed"), rules)
     assert (type(closed), str(closed)) == (GroupClosedError, "op: closed")
     assert str(peer) == "rank 1 exited"  # the original is left alone
+
+
+def test_a_backends_own_subclass_becomes_its_commlib_class() -> None:
+    closed = translate("op", PeerClosed("rank 1 closed", 3, 8), ())
+    assert (type(closed), str(closed), closed.received) == (PeerFailureError, "op: rank 1 closed", 3)
 
 
 # ----------------------------------------------------------------- the ring's table
