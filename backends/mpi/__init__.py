@@ -4,6 +4,7 @@
 - ``config``: ``MPIConfig``, its settings.
 - ``factories``: making groups (``create_mpi_group``, ``from_mpi_comm``).
 - ``work``: the ``Work`` of an MPI request.
+- ``errors``: MPI's failures as commlib's errors (the translation table, message mismatches).
 - ``abort``: the exit and uncaught-exception hooks that abort the MPI job rather than hang.
 - ``library``: loading ``mpi4py.MPI`` once per process.
 - ``dtypes``: how each dtype travels through MPI, and which MPI operation reduces it.

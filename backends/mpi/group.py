@@ -49,9 +49,10 @@ from backends.mpi import device_path
 from backends.mpi.abort import forget_group, note_missed_peer, register_group
 from backends.mpi.capabilities import mpi_rows
 from backends.mpi.config import MPIConfig
-from backends.mpi.dtypes import DtypePlan, code_dtype, dtype_code, plan_for
+from backends.mpi.dtypes import DtypePlan, dtype_code, plan_for
+from backends.mpi.errors import failure
 from backends.mpi.library import load_mpi
-from backends.mpi.p2p import DirectPayload, Layout, Mismatch, P2PEngine, Payload, RecvRequest
+from backends.mpi.p2p import DirectPayload, P2PEngine, Payload, RecvRequest
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 from backends.mpi.work import MPIWork, P2PWork
 from commlib.capabilities import Row
@@ -66,7 +67,6 @@ from commlib.errors import (
     RendezvousTimeoutError,
     error_prefix,
 )
-from commlib.p2p import MessageLayout, message_mismatch
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, CompletedWork, Work
@@ -929,20 +929,10 @@ class MPIProcessGroup(IProcessGroup):
     # ------------------------------------------------------------------ errors
     def _failure(self, label: CollectiveLabel | str, error: BaseException) -> CommError:
         """The error a request failed with, for people: a dtype or size mismatch, or an MPI error."""
-        if isinstance(error, Mismatch):
-            sent, holds = _layout(error.sent), _layout(error.holds)
-            return message_mismatch(label, error.side, error.peer, sent, holds)
-        return self._mpi_error(str(label), error)
+        return failure(label, error, self._MPI)
 
     def _mpi_error(self, describe: str, error: BaseException) -> CommError:
-        MPI = self._MPI
-        if isinstance(error, MPI.Exception):
-            text = error.Get_error_string().strip().replace("\n", "; ")
-            return CommError(
-                f"{describe}: MPI error class {error.Get_error_class()}: {text}. Every rank must call "
-                "the same collectives in the same order, with tensors of the same size and dtype."
-            )
-        return CommError(f"{describe}: {type(error).__name__}: {error}")
+        return failure(describe, error, self._MPI)
 
 
 def _digest(values: list[Any]) -> int:
@@ -1003,9 +993,3 @@ def _check_env(env: DistEnv, rank: int, size: int, is_world: bool) -> None:
         f"{error_prefix(rank, size, 'mpi', 'init')}MPI.COMM_WORLD says rank {rank} of {size}, but "
         f"the environment ({env.launcher}: {source}) says rank {env.rank} of {env.world_size}; {hint}"
     )
-
-
-def _layout(layout: Layout) -> MessageLayout:
-    """A message's ``(bytes, elements, dtype code)`` with the dtype itself."""
-    nbytes, numel, code = layout
-    return nbytes, numel, code_dtype(code)

@@ -10,6 +10,7 @@
 - ``link_setup``, ``links``, ``shm_links``, ``doorbell``, ``shm``, ``shared_buffers``: the links
   (shared-memory slots and doorbells, or TCP) and buffers lent in place.
 - ``wire``: sockets, frames and deadlines.
+- ``errors``: the ring's failures as commlib's errors (the translation table).
 
 Only the names below are public; the modules are the backend's own.
 """

@@ -74,6 +74,7 @@ from backends.ring.algorithms import (
 )
 from backends.ring.capabilities import RING_ROWS
 from backends.ring.config import RingConfig
+from backends.ring.errors import translate_failure
 from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, connect_links
 from backends.ring.links import RecvLink, SendLink
@@ -99,9 +100,7 @@ from commlib.env import DistEnv
 from commlib.errors import (
     CollectiveMismatchError,
     CommError,
-    CommTimeoutError,
     GroupClosedError,
-    PeerFailureError,
 )
 from commlib.p2p import P2PRequest
 from commlib.process_group import IProcessGroup
@@ -309,20 +308,12 @@ class RingProcessGroup(IProcessGroup):
             except CollectiveMismatchError as e:
                 raise type(e)(f"{describe}: {e}") from None  # every rank saw it; links still in step
             except (CommError, OSError) as e:
-                error = self._wrap(describe, e)
+                error = translate_failure(describe, e)
                 self._mark_broken(error)
                 for link in (self._right, self._left):
                     if link is not None:
                         link.abort(f"rank {self.rank} gave up: {error}")
                 raise error from e
-
-    @staticmethod
-    def _wrap(describe: CollectiveLabel | str, e: BaseException) -> CommError:
-        if isinstance(e, CommTimeoutError) or isinstance(e, TimeoutError):
-            return CommTimeoutError(f"{describe}: {e}")
-        if isinstance(e, PeerFailureError):
-            return PeerFailureError(f"{describe}: {e}")
-        return CommError(f"{describe}: {e}")
 
     def _next_meta(
         self,

@@ -634,7 +634,7 @@ class TorchDistProcessGroup(IProcessGroup):
                     f"has none ({self._devices}); create it with backend 'cpu:gloo,cuda:nccl'"
                 )
             engine = self._engine = P2PEngine(
-                cpu, self.timeout, self._mark_broken, translate, f"commlib-{self._name}-p2p-rank{self.rank}"
+                cpu, self.timeout, self._mark_broken, f"commlib-{self._name}-p2p-rank{self.rank}"
             )
         return engine
 

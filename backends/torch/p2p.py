@@ -54,8 +54,10 @@ from typing import Any
 
 import torch
 
-from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageMismatchError
+from backends.torch.errors import P2P_WAIT_RULES
+from commlib.errors import CommError, GroupClosedError, MessageMismatchError
 from commlib.p2p import MessageLayout, message_mismatch
+from commlib.translation import translate
 from commlib.types import WIRE_DTYPES
 from commlib.work import CollectiveLabel, EventWork, Work
 
@@ -129,7 +131,6 @@ class P2PEngine:
         backend: The torch (Gloo) backend object: ``send``, ``recv``, ``recv_anysource``.
         timeout: The group's timeout, named in messages.
         mark_broken: Called with the error after a timeout or a lost peer (Gloo closed the pair).
-        translate: Turns any other torch error into the matching ``CommError``.
         name: Names the lane threads.
     """
 
@@ -138,13 +139,11 @@ class P2PEngine:
         backend: Any,
         timeout: float,
         mark_broken: Callable[[BaseException], None],
-        translate: Callable[[object, BaseException, float], CommError],
         name: str,
     ) -> None:
         self._backend = backend
         self._timeout = timeout
         self._mark_broken = mark_broken
-        self._translate = translate
         self._lanes = _Lanes(name)
         self._lock = threading.Lock()
         self._open: dict[EventWork, tuple[str, int | None]] = {}
@@ -321,11 +320,4 @@ class P2PEngine:
         try:
             handle.wait()
         except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
-            text = str(e)
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise CommTimeoutError(
-                    f"{label}: {missing} within {self._timeout:g} s; Gloo closed its connection to that "
-                    "rank, so this group is unusable: every rank must create a new one. (torch.distributed: "
-                    f"{text.strip().splitlines()[0] if text.strip() else type(e).__name__})"
-                ) from e
-            raise self._translate(label, e, self._timeout) from e
+            raise translate(label, e, P2P_WAIT_RULES, limit=self._timeout, missing=missing) from e
