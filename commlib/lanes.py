@@ -208,9 +208,19 @@ class Lane:
                 self._queue.put(None)
         if thread is None:
             return True
-        if thread.ident != threading.get_ident():
-            thread.join(self.bound_s if timeout is None else max(0.0, timeout))
-        return not thread.is_alive()
+        limit = self.bound_s if timeout is None else max(0.0, timeout)
+        if thread.ident == threading.get_ident() or limit == 0:
+            return not thread.is_alive()
+        thread.join(limit)
+        if thread.is_alive():
+            _log.warning(
+                "commlib-%s: the lane's thread did not finish what was queued within %g s of close; "
+                "it is left running (a daemon thread)",
+                self._name,
+                limit,
+            )
+            return False
+        return True
 
 
 class Lanes:

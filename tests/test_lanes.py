@@ -161,3 +161,14 @@ def test_keyed_lanes_drop_idle_lanes() -> None:
         lanes.post(key, lambda: None)
         assert lanes.wait_idle(10, lambda k, key=key: k == key) == []
     assert len(lanes._lanes) <= 64
+
+
+def test_close_waits_at_most_its_timeout_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    lane = Lane("test", bound_s=30)
+    gate = threading.Event()
+    held = lane.submit("held", lambda: gate.wait(10), True)
+    assert not lane.close(0.05)
+    assert "commlib-test: the lane's thread did not finish what was queued within 0.05 s" in caplog.text
+    gate.set()
+    held.wait()
+    assert lane.close(10)
