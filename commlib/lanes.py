@@ -23,7 +23,8 @@ once idle.
 
 Users: the ring's collectives and its point-to-point lanes per peer and direction
 (``backends.ring``), Gloo's point-to-point lanes per peer and tag and the waiter
-of works without a torch future (``backends.torch``), and a deterministic group's
+of works without a torch future (``backends.torch``), the bounded connect to
+torch's store (``backends.common.store_rendezvous``), and a deterministic group's
 helper (``commlib.deterministic``).
 """
 
