@@ -20,7 +20,6 @@ docs/backends.md has the definition and the cost.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -29,10 +28,11 @@ from torch.autograd.graph import increment_version
 
 from commlib.capabilities import ReductionPlan
 from commlib.config import CommConfig
-from commlib.errors import CommTimeoutError, GroupClosedError
+from commlib.errors import CommTimeoutError
+from commlib.lanes import Lane
 from commlib.prepared import PreparedCollective
 from commlib.types import PremulSum, ReduceOp, dtype_name
-from commlib.work import CompletedWork, EventWork, Work
+from commlib.work import CompletedWork, Work
 
 __all__ = [
     "DeterministicReductions",
@@ -217,7 +217,7 @@ class DeterministicReductions:
 
     def __init__(self, group: _Group) -> None:
         self._group = group
-        self._helper = _Helper("deterministic", bound_s=group.timeout * 3 + 30.0)
+        self._helper = Lane("deterministic", bound_s=group.timeout * 3 + 30.0)
         self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         """Buffers reused by the folds of CPU tensors (one fold runs at a time: see the class docstring)."""
 
@@ -436,7 +436,7 @@ class DeterministicReductions:
             done = CompletedWork(label=self._describe(kind, tensor))
             done._set_value(value)  # noqa: SLF001
             return done
-        work = helper.submit(self._describe(kind, tensor), lambda: body(*args), keep_alive=tensor)
+        work = helper.submit(self._describe(kind, tensor), lambda: body(*args), True, tensor)
         if not async_op:
             work.wait()
             return None
@@ -474,7 +474,7 @@ class DeterministicReductions:
 
     def close(self) -> None:
         """Stop the helper (what is queued still runs, and fails on the closed group) and drop the buffers."""
-        self._helper.close()
+        self._helper.close(0)
         self._scratch.clear()
 
 
@@ -513,76 +513,3 @@ class _PreparedFold(PreparedCollective):
         work = self._reductions._start_all_reduce(self._tensor, self._op, True)  # noqa: SLF001
         assert work is not None  # async: a handle
         return work
-
-
-class _Helper:
-    """One thread that runs a group's two-collective folds in issue order (started on first use).
-
-    Args:
-        name: Names the thread (``commlib-<name>``).
-        bound_s: How long a wait for it may take before it is reported stuck.
-    """
-
-    def __init__(self, name: str, bound_s: float) -> None:
-        self._name = name
-        self.bound_s = bound_s
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._queue: list[tuple[EventWork, Callable[[], None]]] = []
-        self._inflight = 0
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    @property
-    def busy(self) -> bool:
-        """True while anything is queued or running."""
-        return self._inflight != 0
-
-    def on_own_thread(self) -> bool:
-        """True on the helper's thread."""
-        thread = self._thread
-        return thread is not None and threading.get_ident() == thread.ident
-
-    def submit(self, label: str, body: Callable[[], None], keep_alive: object = None) -> EventWork:
-        """Queue ``body``; return the work the helper settles once it has run."""
-        work = EventWork(label, bound_s=self.bound_s, keep_alive=keep_alive)
-        with self._lock:
-            if self._closed:
-                raise GroupClosedError(f"{label}: the process group was closed")
-            self._inflight += 1
-            self._queue.append((work, body))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"commlib-{self._name}", daemon=True)
-                self._thread.start()
-            else:
-                self._idle.notify_all()
-        return work
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closed:
-                    self._idle.wait()
-                if not self._queue:
-                    return
-                work, body = self._queue.pop(0)
-            error: BaseException | None = None
-            try:
-                body()
-            except BaseException as e:  # noqa: BLE001 - handed to the work
-                error = e
-            work._settle(error)  # noqa: SLF001 - the helper completes its work
-            with self._lock:
-                self._inflight -= 1
-                self._idle.notify_all()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds until nothing is queued or running; True if so."""
-        with self._lock:
-            return self._idle.wait_for(lambda: self._inflight == 0, timeout=max(0.0, timeout))
-
-    def close(self) -> None:
-        """Let the queued folds run (they fail on the closed group), then end the thread."""
-        with self._lock:
-            self._closed = True
-            self._idle.notify_all()

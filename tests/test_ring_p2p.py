@@ -12,7 +12,6 @@ import json
 import secrets
 import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,12 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape
 from backends.ring.p2p import PointToPoint
 from backends.ring.rendezvous import Peer, host_id, open_listener, p2p_hello, p2p_hello_source
 from commlib import CommTimeoutError, GroupClosedError, MessageMismatchError, MessageSizeError
-from tests._listeners import wait_until
 
 SESSION = secrets.token_bytes(32)
 
@@ -314,66 +311,3 @@ def test_close_wakes_a_waiting_recv(pair: Pair) -> None:
     pair.ends[1].close()
     with pytest.raises(GroupClosedError):
         waiting.result(timeout=30)
-
-
-# -------------------------------------------------------------------- lanes
-def test_a_lane_runs_inline_when_idle_and_in_order_behind_queued_work() -> None:
-    lane = Lane("test", bound_s=30)
-    order: list[str] = []
-    gate = threading.Event()
-    inline = lane.submit(
-        "inline", lambda: threading.current_thread().name, False, on_value=lambda w, v: order.append(v)
-    )
-    assert order == [threading.current_thread().name]
-    assert lane.idle
-    first = lane.submit("first", lambda: (gate.wait(10), order.append("first")), True)
-    second = lane.submit("second", lambda: order.append("second"), False)  # queued behind: not inline
-    assert not lane.idle
-    gate.set()
-    first.wait()
-    second.wait()
-    assert order[1:] == ["first", "second"] and inline.is_completed()
-    lane.close()
-
-
-def test_a_lane_call_returns_the_value_inline_or_behind_queued_work_and_raises_its_error() -> None:
-    lane = Lane("test", bound_s=30)
-    here = threading.current_thread().name
-    assert lane.call("inline", lambda a, b: (a + b, threading.current_thread().name), 2, 3) == (5, here)
-    gate = threading.Event()
-    order: list[str] = []
-    lane.submit("first", lambda: (gate.wait(10), order.append("first")), True)
-    with concurrent.futures.ThreadPoolExecutor(1) as caller:
-        queued = caller.submit(
-            lane.call, "queued", lambda: (order.append("call"), threading.current_thread().name)
-        )
-        wait_until(lambda: not lane.idle and lane._inflight == 2, 10, "the call to queue behind the first op")
-        gate.set()
-        _, thread = queued.result(timeout=10)
-    assert order == ["first", "call"] and thread.startswith("commlib-ring-test") and lane.idle
-
-    def fail() -> None:
-        raise ValueError("boom")
-
-    with pytest.raises(ValueError, match="boom"):
-        lane.call("failing", fail)
-    lane.submit("busy", lambda: gate.wait(10), True)  # the gate is open: finishes at once
-    with pytest.raises(ValueError, match="boom"):
-        lane.call("failing behind", fail)
-    lane.close()
-
-
-def test_a_lane_hands_errors_and_values_to_the_work() -> None:
-    lane = Lane("test", bound_s=30)
-    values: list[Any] = []
-
-    def fail() -> None:
-        raise ValueError("boom")
-
-    work = lane.submit("failing", fail, True)
-    with pytest.raises(ValueError, match="boom"):
-        work.wait()
-    work = lane.submit("value", lambda: 7, True, on_value=lambda w, v: values.append(v))
-    work.wait()
-    assert values == [7]
-    lane.close()

@@ -56,7 +56,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from typing import Any, NoReturn
 
@@ -75,6 +74,7 @@ from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_s
 from backends.common.native_sockets import connections_to, shut_down_new_connections
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
+from commlib.lanes import Lane
 
 __all__ = ["join_job_store", "scope_in"]
 
@@ -89,7 +89,7 @@ _CONNECT_GRACE_S = 2.0  # torch's client may overrun its connect timeout by a re
 _ANSWER_BYTES = 64 * 1024  # an answer is a few hundred bytes
 _store_generation = 0  # groups created through torchrun's agent store so far (every rank counts alike)
 _EXIT_WAIT_S = 10.0  # at exit, how long connect attempts still running may take to end
-_left_behind: list[threading.Thread] = []  # connect attempts given up on
+_left_behind: list[Lane] = []  # connect attempts given up on
 
 
 def _wait_for_left_behind() -> None:
@@ -103,7 +103,7 @@ def _wait_for_left_behind() -> None:
     """
     deadline = time.monotonic() + _EXIT_WAIT_S
     for helper in _left_behind:
-        helper.join(max(0.0, deadline - time.monotonic()))
+        helper.wait_idle(deadline - time.monotonic())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,18 +268,17 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
         except Exception as e:  # noqa: BLE001 - reported below
             result["error"] = e
 
-    helper = threading.Thread(target=attempt, name=f"commlib-store-connect-rank{env.rank}", daemon=True)
+    helper = Lane(f"store-connect-rank{env.rank}", bound_s=seconds + _CONNECT_GRACE_S, linger=False)
     before = connections_to(env.master_port)
-    helper.start()
-    helper.join(seconds + _CONNECT_GRACE_S)
+    helper.post(attempt)
+    helper.wait_idle(seconds + _CONNECT_GRACE_S)
     if "store" in result:
         return result["store"]
-    if helper.is_alive():
+    if helper.busy:
         # End its wait now: a thread still inside torch's client when the interpreter exits aborts it.
         for _ in range(10):
             shut_down_new_connections(env.master_port, before)
-            helper.join(0.2)
-            if not helper.is_alive():
+            if helper.wait_idle(0.2):
                 break
         else:
             if not _left_behind:

@@ -2,7 +2,6 @@
 
 - ``group``: ``RingProcessGroup``, the collectives and their execution; ``config``: ``RingConfig``.
 - ``records``: the record each collective sends round the ring first, and what a mismatch says.
-- ``lanes``: operations in the order issued, inline when nothing is queued.
 - ``staging``: CUDA tensors through pinned host memory.
 - ``p2p``: point-to-point links between any two ranks, opened on first use.
 - ``subgroups``: a subgroup's own ring.

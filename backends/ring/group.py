@@ -75,7 +75,6 @@ from backends.ring.algorithms import (
 from backends.ring.capabilities import RING_ROWS
 from backends.ring.config import RingConfig
 from backends.ring.errors import translate_failure
-from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, connect_links
 from backends.ring.links import RecvLink, SendLink
 from backends.ring.ordered import chain_all_reduce
@@ -102,6 +101,7 @@ from commlib.errors import (
     CommError,
     GroupClosedError,
 )
+from commlib.lanes import Lane
 from commlib.p2p import P2PRequest
 from commlib.process_group import IProcessGroup
 from commlib.types import PremulSum, ReduceOp
@@ -176,7 +176,7 @@ class RingProcessGroup(IProcessGroup):
         self._run_lock = threading.Lock()
         # Every step of a collective waits at most the group's timeout; the bound only
         # catches a progress thread that stopped.
-        self._lane = Lane("progress", bound_s=self.timeout * 2 + 30.0)
+        self._lane = Lane("ring-progress", bound_s=self.timeout * 2 + 30.0)
         self._buffers = (
             SharedBuffers(self._right.retire)  # type: ignore[attr-defined]
             if self._right is not None and self._right.can_lend

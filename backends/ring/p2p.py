@@ -41,7 +41,7 @@ Messages:
   fraction of a millisecond apart once idle).
 
 Progress: sends to one peer run in order on one lane, receives from one source
-on another (``backends.ring.lanes``), so a send waiting for its receiver never
+on another (``commlib.lanes``), so a send waiting for its receiver never
 holds up a receive, and two ranks may ``isend`` and ``irecv`` to each other at
 once. A blocking call runs on its caller's thread when its lane is idle, so
 sends from several threads to one peer (or receives from one source) take turns
@@ -69,7 +69,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from backends.ring.lanes import Lane
 from backends.ring.link_setup import LinkShape, finish_recv_link, offer_recv_link, open_send_link
 from backends.ring.links import RecvLink, SendLink
 from backends.ring.lobby import Lobby, Visitor
@@ -82,6 +81,7 @@ from commlib.errors import (
     MessageMismatchError,
     PeerFailureError,
 )
+from commlib.lanes import Lane
 from commlib.p2p import MessageLayout, P2PRequest, message_mismatch
 from commlib.types import WIRE_DTYPES
 
@@ -227,7 +227,7 @@ class PointToPoint:
         lane = self._send_lanes.get(dst)
         if lane is None:
             with self._links:
-                lane = self._send_lanes.setdefault(dst, Lane(f"send-{dst}", self._timeout * 3 + 30.0))
+                lane = self._send_lanes.setdefault(dst, Lane(f"ring-send-{dst}", self._timeout * 3 + 30.0))
         return lane
 
     def recv_lane(self, src: int | None) -> Lane:
@@ -235,7 +235,7 @@ class PointToPoint:
         lane = self._recv_lanes.get(src)
         if lane is None:
             with self._links:
-                name = f"recv-{src if src is not None else 'any'}"
+                name = f"ring-recv-{src if src is not None else 'any'}"
                 lane = self._recv_lanes.setdefault(src, Lane(name, self._timeout * 3 + 30.0))
         return lane
 

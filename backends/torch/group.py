@@ -53,9 +53,8 @@ its parent's connections, so closing the parent leaves it working.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
-import queue
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +95,7 @@ from commlib.errors import (
     RendezvousTimeoutError,
     error_prefix,
 )
+from commlib.lanes import Lane
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, Work
@@ -165,9 +165,8 @@ class TorchDistProcessGroup(IProcessGroup):
         """The table's answers, read by the reduction hooks (a dtype a Gloo refused adds a row)."""
         self._store = store
         self._torch_ranks = torch_ranks
-        self._waiter: threading.Thread | None = None
-        self._waiter_lock = threading.Lock()
-        self._waiting: queue.SimpleQueue[TorchWork | None] = queue.SimpleQueue()
+        self._waiter = Lane(f"{name}-waiter-rank{self.rank}", bound_s=self.timeout * 3 + 30.0, linger=False)
+        """Waits on the works without a torch future, in issue order; its thread ends when it drains."""
         self._scratch = ScratchPool()
         self._engine: P2PEngine | None = None
         self._fingerprint_pg: Any = None
@@ -189,26 +188,8 @@ class TorchDistProcessGroup(IProcessGroup):
         return self._devices.get(torch.device(device).type)
 
     def _wait_in_background(self, work: TorchWork) -> None:
-        """Have a daemon thread wait on ``work`` (in issue order), so that its future completes."""
-        with self._waiter_lock:
-            if self._waiter is None:
-                self._waiter = threading.Thread(
-                    target=self._background_waits,
-                    name=f"commlib-{self._name}-waiter-rank{self.rank}",
-                    daemon=True,
-                )
-                self._waiter.start()
-        self._waiting.put(work)
-
-    def _background_waits(self) -> None:
-        while True:
-            work = self._waiting.get()
-            if work is None:
-                return
-            try:
-                work.wait()
-            except CommError:
-                pass  # the error is in the work and its future
+        """Have the waiter lane's thread wait on ``work`` (in issue order), so that its future completes."""
+        self._waiter.post(functools.partial(_wait_quietly, work))
 
     # ------------------------------------------------------------- collectives
     def _reduction_rows(self) -> tuple[Row, ...]:
@@ -634,7 +615,7 @@ class TorchDistProcessGroup(IProcessGroup):
                     f"has none ({self._devices}); create it with backend 'cpu:gloo,cuda:nccl'"
                 )
             engine = self._engine = P2PEngine(
-                cpu, self.timeout, self._mark_broken, f"commlib-{self._name}-p2p-rank{self.rank}"
+                cpu, self.timeout, self._mark_broken, f"{self._name}-p2p-rank{self.rank}"
             )
         return engine
 
@@ -763,8 +744,6 @@ class TorchDistProcessGroup(IProcessGroup):
             # Gloo's connections may be closed where they go with this group: its own backends, or
             # torch's default group that this close destroys. Others' groups are only waited for.
             self._engine.close(self._prefix("close"), close_connections=self._pg is None or last_owner)
-        if self._waiter is not None:
-            self._waiting.put(None)
         # Drop the torch group: a closed group must not keep its store (and rank 0's
         # listening port) alive after torch.distributed itself is torn down.
         self._pg = None
@@ -788,3 +767,11 @@ class TorchDistProcessGroup(IProcessGroup):
                     RuntimeWarning,
                     stacklevel=3,
                 )
+
+
+def _wait_quietly(work: TorchWork) -> None:
+    """Wait on ``work`` for its future; a failure stays in the work and its future."""
+    try:
+        work.wait()
+    except CommError:
+        pass

@@ -16,8 +16,8 @@ A dtype or size mismatch therefore raises ``MessageMismatchError``
 leaves the pair in step: the group goes on. A receive from any rank posts its
 header receive on any source; the header names the sender.
 
-Order: one lane (a thread that lives while it has work) runs the operations of
-each (send or recv, peer, tag) one after the other. Gloo completes a send only
+Order: one lane (``commlib.lanes``: a thread that lives while it has work) runs
+the operations of each (send or recv, peer, tag) one after the other. Gloo completes a send only
 once the peer has posted the matching receive, so a second header from one
 sender can only be matched after its first data: messages between one pair
 with one tag arrive in the order sent. Different lanes run at once, so sends
@@ -44,11 +44,9 @@ CUDA tensors travel through host memory over Gloo (the group's CPU backend).
 
 from __future__ import annotations
 
-import collections
 import datetime
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +54,7 @@ import torch
 
 from backends.torch.errors import P2P_WAIT_RULES
 from commlib.errors import CommError, GroupClosedError, MessageMismatchError
+from commlib.lanes import Lanes
 from commlib.p2p import MessageLayout, message_mismatch
 from commlib.translation import translate
 from commlib.types import WIRE_DTYPES
@@ -83,47 +82,6 @@ def _layout(nbytes: int, numel: int, code: int) -> MessageLayout:
     return nbytes, numel, _DTYPES.get(code)
 
 
-class _Lanes:
-    """Runs steps one after the other per key, different keys at once, each lane on a thread of its own."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._lock = threading.Lock()
-        self._ended = threading.Condition(self._lock)
-        self._queues: dict[Any, collections.deque[Callable[[], None]]] = {}
-
-    def submit(self, key: Any, step: Callable[[], None]) -> None:
-        with self._lock:
-            queue = self._queues.get(key)
-            if queue is not None:  # its thread is running: it takes the step in turn
-                queue.append(step)
-                return
-            self._queues[key] = collections.deque([step])
-        threading.Thread(target=self._run, args=(key,), name=f"{self._name}-{key}", daemon=True).start()
-
-    def wait_until_ended(self, keep: Callable[[Any], bool], timeout: float | None) -> list[Any]:
-        """Wait until no lane whose key ``keep`` accepts is running, up to ``timeout``; return those left."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while True:
-                left = [key for key in self._queues if keep(key)]
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if not left or (remaining is not None and remaining <= 0):
-                    return left
-                self._ended.wait(remaining)
-
-    def _run(self, key: Any) -> None:
-        while True:
-            with self._lock:
-                queue = self._queues[key]
-                if not queue:
-                    del self._queues[key]
-                    self._ended.notify_all()
-                    return
-                step = queue.popleft()
-            step()
-
-
 class P2PEngine:
     """Sends and receives of one group over its CPU torch backend.
 
@@ -131,7 +89,7 @@ class P2PEngine:
         backend: The torch (Gloo) backend object: ``send``, ``recv``, ``recv_anysource``.
         timeout: The group's timeout, named in messages.
         mark_broken: Called with the error after a timeout or a lost peer (Gloo closed the pair).
-        name: Names the lane threads.
+        name: Names the lane threads (``commlib-<name>-<key>``).
     """
 
     def __init__(
@@ -144,7 +102,7 @@ class P2PEngine:
         self._backend = backend
         self._timeout = timeout
         self._mark_broken = mark_broken
-        self._lanes = _Lanes(name)
+        self._lanes = Lanes(name, bound_s=3 * timeout + 30.0)
         self._lock = threading.Lock()
         self._open: dict[EventWork, tuple[str, int | None]] = {}
         """The works not finished yet: ``send`` or ``recv``, and the peer (None: any rank)."""
@@ -153,13 +111,13 @@ class P2PEngine:
     def send(self, tensor: torch.Tensor, dst: int, tag: int, label: CollectiveLabel) -> Work:
         """Start a send of flat ``tensor``; the work completes once the receiver has the data."""
         work = self._open_work(label, tensor, "send", dst)
-        self._lanes.submit(("send", dst, tag), lambda: self._run(work, self._send, tensor, dst, tag))
+        self._lanes.post(("send", dst, tag), lambda: self._run(work, self._send, tensor, dst, tag))
         return work
 
     def recv(self, tensor: torch.Tensor, src: int | None, tag: int, label: CollectiveLabel) -> Work:
         """Start a receive into flat ``tensor`` from ``src`` (None: any rank)."""
         work = self._open_work(label, tensor, "recv", src)
-        self._lanes.submit(("recv", src, tag), lambda: self._run(work, self._recv, tensor, src, tag))
+        self._lanes.post(("recv", src, tag), lambda: self._run(work, self._recv, tensor, src, tag))
         return work
 
     def close(self, prefix: str, close_connections: bool) -> None:
@@ -175,9 +133,9 @@ class P2PEngine:
             close_connections: The Gloo backend is this group's alone, and goes with it.
         """
         if close_connections:
-            self._lanes.wait_until_ended(lambda key: key[0] == "send", self._timeout)
+            self._lanes.wait_idle(self._timeout, lambda key: key[0] == "send")
         else:
-            self._lanes.wait_until_ended(lambda key: True, self._timeout)
+            self._lanes.wait_idle(self._timeout)
         with self._lock:
             works, self._open = self._open, {}
             self._closed = True
@@ -187,8 +145,8 @@ class P2PEngine:
             work._settle(GroupClosedError(f"{work.label}: {self._unfinished(kind, peer)}"))  # noqa: SLF001
         if close_connections:
             self._close_connections()
-            self._lanes.wait_until_ended(lambda key: key[1] is not None, _EXIT_GRACE_S)
-        left = self._lanes.wait_until_ended(lambda key: True, 0)
+            self._lanes.wait_idle(_EXIT_GRACE_S, lambda key: key[1] is not None)
+        left = self._lanes.busy_keys()
         if left:
             _log.warning(
                 "%s%s still waiting in Gloo, which ends %s within %g s; closing waits for %s, as a Gloo "
@@ -202,7 +160,7 @@ class P2PEngine:
                 self._timeout,
                 "them" if len(left) > 1 else "it",
             )
-            self._lanes.wait_until_ended(lambda key: True, self._timeout + _EXIT_GRACE_S)
+            self._lanes.wait_idle(self._timeout + _EXIT_GRACE_S)
 
     def _unfinished(self, kind: str, peer: int | None) -> str:
         if kind == "send":

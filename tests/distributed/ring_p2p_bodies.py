@@ -95,7 +95,7 @@ def body_subgroup_links(group: IProcessGroup) -> tuple[str, str, list[float]]:
 
 def _on_close_flush(flushing: Any) -> None:
     """Set ``flushing`` when this process's ring group starts waiting for its sends in flight at close."""
-    from backends.ring.lanes import Lane
+    from commlib.lanes import Lane
 
     wait_idle = Lane.wait_idle
 

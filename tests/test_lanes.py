@@ -1,0 +1,174 @@
+"""Tests of ``commlib.lanes``: order, the inline fast path, works, threads, close, keyed lanes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any
+
+import pytest
+
+from commlib import GroupClosedError
+from commlib.lanes import Lane, Lanes
+from tests._listeners import wait_until
+
+
+def test_a_lane_runs_inline_when_idle_and_in_order_behind_queued_work() -> None:
+    lane = Lane("test", bound_s=30)
+    order: list[str] = []
+    gate = threading.Event()
+    inline = lane.submit(
+        "inline", lambda: threading.current_thread().name, False, on_value=lambda w, v: order.append(v)
+    )
+    assert order == [threading.current_thread().name]
+    assert lane.idle
+    first = lane.submit("first", lambda: (gate.wait(10), order.append("first")), True)
+    second = lane.submit("second", lambda: order.append("second"), False)  # queued behind: not inline
+    assert not lane.idle
+    gate.set()
+    first.wait()
+    second.wait()
+    assert order[1:] == ["first", "second"] and inline.is_completed()
+    lane.close()
+
+
+def test_a_lane_call_returns_the_value_inline_or_behind_queued_work_and_raises_its_error() -> None:
+    lane = Lane("test", bound_s=30)
+    here = threading.current_thread().name
+    assert lane.call("inline", lambda a, b: (a + b, threading.current_thread().name), 2, 3) == (5, here)
+    gate = threading.Event()
+    order: list[str] = []
+    lane.submit("first", lambda: (gate.wait(10), order.append("first")), True)
+    with concurrent.futures.ThreadPoolExecutor(1) as caller:
+        queued = caller.submit(
+            lane.call, "queued", lambda: (order.append("call"), threading.current_thread().name)
+        )
+        wait_until(lambda: not lane.idle and lane._inflight == 2, 10, "the call to queue behind the first op")
+        gate.set()
+        _, thread = queued.result(timeout=10)
+    assert order == ["first", "call"] and thread.startswith("commlib-test") and lane.idle
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        lane.call("failing", fail)
+    lane.submit("busy", lambda: gate.wait(10), True)  # the gate is open: finishes at once
+    with pytest.raises(ValueError, match="boom"):
+        lane.call("failing behind", fail)
+    lane.close()
+
+
+def test_a_lane_hands_errors_and_values_to_the_work() -> None:
+    lane = Lane("test", bound_s=30)
+    values: list[Any] = []
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    work = lane.submit("failing", fail, True)
+    with pytest.raises(ValueError, match="boom"):
+        work.wait()
+    work = lane.submit("value", lambda: 7, True, on_value=lambda w, v: values.append(v))
+    work.wait()
+    assert values == [7]
+    lane.close()
+
+
+def test_a_lane_thread_starts_on_first_queued_op_and_knows_itself() -> None:
+    lane = Lane("test", bound_s=30)
+    assert not lane.on_own_thread() and lane.idle and not lane.busy
+    lane.submit("inline", lambda: None, False)
+    assert lane._thread is None  # inline ops start no thread
+    mine = lane.call("queued", lambda: None)  # idle: inline too
+    assert mine is None and lane._thread is None
+    values: list[Any] = []
+    lane.submit("own", lambda: lane.on_own_thread(), True, on_value=lambda w, v: values.append(v)).wait()
+    assert values == [True] and not lane.on_own_thread()
+    assert lane.close(10) and lane._thread is not None and not lane._thread.is_alive()
+
+
+def test_a_closed_lane_runs_what_was_queued_and_refuses_more() -> None:
+    lane = Lane("test", bound_s=30)
+    gate = threading.Event()
+    order: list[str] = []
+    first = lane.submit("first", lambda: (gate.wait(10), order.append("first")), True)
+    second = lane.submit("second", lambda: order.append("second"), True)
+    assert not lane.close(0)  # not waited for: the thread is still in ``first``
+    with pytest.raises(GroupClosedError, match="third: the process group was closed"):
+        lane.submit("third", lambda: None, True)
+    with pytest.raises(GroupClosedError):
+        lane.post(lambda: None)
+    gate.set()
+    first.wait()
+    second.wait()
+    assert order == ["first", "second"]
+    assert lane.close(10)
+
+
+def test_a_lane_that_does_not_linger_ends_its_thread_when_drained_and_starts_another() -> None:
+    lane = Lane("test", bound_s=30, linger=False)
+    names: list[str] = []
+    threads: list[threading.Thread] = []
+    lane.post(lambda: threads.append(threading.current_thread()))
+    assert lane.wait_idle(10)
+    wait_until(lambda: not threads[0].is_alive(), 10, "the drained lane's thread to end")
+    lane.post(lambda: names.append(threading.current_thread().name))
+    lane.post(lambda: names.append(threading.current_thread().name))
+    assert lane.wait_idle(10) and names == ["commlib-test", "commlib-test"]
+    assert lane.close(10)
+
+
+def test_a_failing_posted_step_is_logged_and_the_lane_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    lane = Lane("test", bound_s=30)
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    order: list[int] = []
+    lane.post(fail)
+    lane.post(lambda: order.append(1))
+    assert lane.wait_idle(10) and order == [1]
+    assert "commlib-test: a queued step failed" in caplog.text and "boom" in caplog.text
+    assert lane.close(10)
+
+
+def test_wait_idle_times_out_while_busy() -> None:
+    lane = Lane("test", bound_s=30)
+    gate = threading.Event()
+    lane.submit("held", lambda: gate.wait(10), True)
+    assert not lane.wait_idle(0.05) and lane.busy
+    gate.set()
+    assert lane.wait_idle(10) and lane.close(10)
+
+
+def test_keyed_lanes_run_each_key_in_order_and_keys_at_once() -> None:
+    lanes = Lanes("test", bound_s=30)
+    gate = threading.Event()
+    order: list[str] = []
+    lanes.post("a", lambda: (gate.wait(10), order.append("a1")))
+    lanes.post("a", lambda: order.append("a2"))
+    lanes.post("b", lambda: order.append("b"))  # not behind key a
+    assert lanes.wait_idle(10, lambda key: key == "b") == [] and order == ["b"]  # key a still waits
+    assert lanes.busy_keys() == ["a"] and lanes.wait_idle(0.05, lambda key: key == "a") == ["a"]
+    gate.set()
+    assert lanes.wait_idle(10) == [] and order == ["b", "a1", "a2"]
+
+
+def test_keyed_lanes_drop_idle_lanes() -> None:
+    lanes = Lanes("test", bound_s=30)
+    for key in range(200):
+        lanes.post(key, lambda: None)
+        assert lanes.wait_idle(10, lambda k, key=key: k == key) == []
+    assert len(lanes._lanes) <= 64
+
+
+def test_close_waits_at_most_its_timeout_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    lane = Lane("test", bound_s=30)
+    gate = threading.Event()
+    held = lane.submit("held", lambda: gate.wait(10), True)
+    assert not lane.close(0.05)
+    assert "commlib-test: the lane's thread did not finish what was queued within 0.05 s" in caplog.text
+    gate.set()
+    held.wait()
+    assert lane.close(10)
