@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -139,6 +140,9 @@ class CapabilityTable:
         self._rows = tuple(rows)
         self._dtypes = dtypes
         self._devices = devices
+        self._lock = threading.Lock()
+        """Held to resolve and store an answer, and to change the rows: no answer from old rows
+        is stored after ``prefer``."""
         self.cache: dict[tuple[object, torch.dtype, str], ReductionPlan] = {}
         """Answers so far, by (``ReduceOp``, or ``PremulSum`` the class, dtype, device type); read
         it directly on a hot path and call ``plan`` on a miss."""
@@ -149,16 +153,23 @@ class CapabilityTable:
         return self._rows
 
     def prefer(self, *rows: Row) -> None:
-        """Put ``rows`` ahead of the others (a route found at run time); forget the cached answers."""
-        self._rows = rows + self._rows
-        self.cache.clear()
+        """Put ``rows`` ahead of the others (a route found at run time); forget the cached answers.
+
+        Rows already first stay as they are (every rank of a group finds the same route, and a
+        retry may find it again).
+        """
+        with self._lock:
+            if self._rows[: len(rows)] != rows:
+                self._rows = rows + self._rows
+            self.cache.clear()
 
     def plan(self, op: ReduceOp | PremulSum, dtype: torch.dtype, device_type: str) -> ReductionPlan:
         """Return how ``op`` reduces ``dtype`` tensors on ``device_type`` (cached)."""
         key = (PremulSum if isinstance(op, PremulSum) else op, dtype, device_type)
         plan = self.cache.get(key)
         if plan is None:
-            plan = self.cache[key] = self._resolve(key[0], dtype, device_type)  # type: ignore[arg-type]
+            with self._lock:
+                plan = self.cache[key] = self._resolve(key[0], dtype, device_type)  # type: ignore[arg-type]
         return plan
 
     def _resolve(self, op: ReduceOp | type[PremulSum], dtype: torch.dtype, device_type: str) -> ReductionPlan:

@@ -111,6 +111,24 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     caller's current stream, and ``Work.wait()`` orders the current stream after them, by
     itself (NCCL): callers then need no communication stream of their own."""
 
+    _RETIRED_HOOKS: ClassVar[tuple[str, ...]] = (
+        "_native_avg",
+        "_propagates_nan",
+        "_exact_pair",
+        "_native_premul_sum",
+    )
+    """Backend hooks the capability table replaced: a backend defining one would lose it silently."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        retired = [name for name in cls._RETIRED_HOOKS if name in cls.__dict__]
+        if retired:
+            raise TypeError(
+                f"{cls.__qualname__} defines {', '.join(retired)}: backends declare what they reduce "
+                "themselves as rows of their capability table instead; return them from "
+                "_reduction_rows (commlib.capabilities, docs/backends.md)"
+            )
+
     def __init__(self, env: DistEnv, config: CommConfig | None = None) -> None:
         self._env = env
         self._config = config if config is not None else CommConfig()
@@ -301,6 +319,14 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             )
         return table
 
+    def _prefer_reduction_rows(self, *rows: Row) -> None:
+        """Route what ``rows`` cover their way from now on (a route found at run time).
+
+        The table and the plans the argument checks cached (``_accepted``) forget their answers.
+        """
+        self._reduction_table().prefer(*rows)
+        self._accepted.clear()
+
     def _reduction_rows(self) -> tuple[Row, ...]:
         """The backend's declarations of what it reduces, first match first (``commlib.capabilities``).
 
@@ -432,7 +458,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     def _prepare_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], Work] | None:
         """Return a starter for a plain all-reduce of ``tensor`` bound once, or None to call ``_all_reduce``.
 
-        Plain: ``op`` is what the backend's ``_all_reduce`` gets (a sum, an integer MAX or MIN).
+        Plain: the group's capability table routes ``op`` on this tensor to the backend as it
+        is (``ReductionPlan.direct``: a sum, an integer MAX or MIN, and whatever else the
+        backend declares native, such as NCCL's AVG); never a ``PremulSum``.
 
         The starter runs where ``_all_reduce(tensor, op, True)`` would (``_seq``
         counts the call) and returns the same kind of ``Work``.

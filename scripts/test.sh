@@ -7,8 +7,9 @@
 # The suite runs in two passes: the tests that stay in one process on COMMLIB_TEST_WORKERS
 # pytest-xdist workers (default 2), then the tests that spawn ranks (markers multiprocess,
 # mpi, launcher, gpu) one at a time, so that ranks never compete with another test's for the
-# cores their deadlines assume. Arguments go to both passes; with -m, -n, or
-# COMMLIB_TEST_WORKERS=0 it is one plain pytest run.
+# cores their deadlines assume. Arguments go to both passes; with -m, -n,
+# COMMLIB_TEST_WORKERS=0, or an interpreter without pytest-xdist it is one plain pytest run.
+# Pass 2 is skipped when pass 1 was interrupted, or failed under -x / --maxfail.
 #
 # COMMLIB_PYTHON=/path/to/python skips setup.sh and runs pytest with that interpreter.
 set -euo pipefail
@@ -29,8 +30,12 @@ WORKERS="${COMMLIB_TEST_WORKERS:-2}"
 [[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "test.sh: COMMLIB_TEST_WORKERS must be a number, got '$WORKERS'" >&2; exit 2; }
 
 two_passes=1
+stop_early=0
 for arg in "$@"; do
-    case "$arg" in -m | -m* | -n | -n* | --numprocesses*) two_passes=0 ;; esac
+    case "$arg" in
+        -m | -m* | -n | -n* | --numprocesses*) two_passes=0 ;;
+        -x | --exitfirst | --maxfail*) stop_early=1 ;;
+    esac
 done
 [[ "$WORKERS" -ge 2 ]] || two_passes=0
 "$PY" -c 'import xdist' 2>/dev/null || two_passes=0
@@ -40,6 +45,10 @@ if [[ $two_passes -eq 1 ]]; then
     echo "test.sh: pass 1: the single-process tests on $WORKERS workers"
     "$PY" -m pytest -n "$WORKERS" -m "not ($SPAWNS)" "$@"
     rc_solo=$?
+    if [[ $rc_solo -eq 2 || ( $stop_early -eq 1 && $rc_solo -ne 0 && $rc_solo -ne 5 ) ]]; then
+        echo "test.sh: pass 1 exit $rc_solo: pass 2 skipped" >&2
+        exit "$rc_solo"
+    fi
     echo "test.sh: pass 2: the tests that spawn ranks ($SPAWNS), one at a time"
     "$PY" -m pytest -m "$SPAWNS" "$@"
     rc_spawn=$?

@@ -23,6 +23,7 @@ SEED_COLUMNS = [
 IMPLEMENTATIONS = {"none", "naive", "flat", "per-param", "bucketed", "auto"}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_quick_study_writes_csvs_table_and_plot(tmp_path):
     out = tmp_path / "study"

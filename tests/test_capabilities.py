@@ -91,6 +91,11 @@ def test_gloo_upcast_rows_take_sum_and_product_of_cpu_floats_only() -> None:
     assert t.plan(R.SUM, torch.float16, "cpu").route is Route.NATIVE
     t.prefer(upcast_row(torch.float16, True))  # a Gloo refused float16 at run time
     assert t.plan(R.SUM, torch.float16, "cpu").route is Route.UPCAST
+    rows = t.rows
+    t.prefer(upcast_row(torch.float16, True))  # found again (a retry): the rows stay as they are
+    assert t.rows == rows
+    t.prefer(upcast_row(torch.float16, True, "cuda"))  # a refusal on another device type: its own row
+    assert t.plan(R.SUM, torch.float16, "cuda").route is Route.UPCAST and len(t.rows) == len(rows) + 1
 
 
 def test_nccl_folds_the_bitwise_ops_it_lacks_and_averages_itself() -> None:
@@ -126,3 +131,17 @@ def test_a_group_answers_from_its_table_and_its_checks_return_the_plan() -> None
     plan = group._check_reduction("all_reduce", t, R.AVG)
     assert plan is group.reduction_plan(R.AVG, torch.float32) and plan.route is Route.SUM_THEN_DIVIDE
     assert group._check_reduction("all_reduce", t, R.AVG) is plan  # cached
+
+
+def test_a_route_preferred_at_run_time_reaches_the_plans_the_checks_cached() -> None:
+    group = FakeGroup(make_env(0, 2))
+    t = torch.ones(3, dtype=torch.float16)
+    assert group._check_reduction("all_reduce", t, R.SUM).route is Route.NATIVE
+    group._prefer_reduction_rows(upcast_row(torch.float16, True))
+    assert group._check_reduction("all_reduce", t, R.SUM).route is Route.UPCAST
+
+
+@pytest.mark.parametrize("hook", ["_native_avg", "_propagates_nan", "_exact_pair", "_native_premul_sum"])
+def test_a_backend_defining_a_retired_hook_is_told_to_declare_rows(hook: str) -> None:
+    with pytest.raises(TypeError, match=f"defines {hook}: .* _reduction_rows"):
+        type("OldBackend", (FakeGroup,), {hook: lambda self, tensor: True})

@@ -90,6 +90,7 @@ def _process_rank(path: str, token: bytes, rank: int, world: int, rounds: int, o
     out.put((rank, wrong))  # type: ignore[attr-defined]
 
 
+@pytest.mark.multiprocess
 def test_processes_exchange_in_step_however_they_are_scheduled(tmp_path: Path) -> None:
     """Three processes (this one and two forks), 2000 exchanges with random pauses: none torn or stale."""
     world, rounds = 3, 2000

@@ -346,6 +346,7 @@ except RendezvousTimeoutError as e:
 """
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_gave_up_behind_idle_connections_exits_with_its_own_status() -> None:
     """Its connect attempt is still inside torch's client when it exits: that used to abort the process."""
     out = subprocess.run(

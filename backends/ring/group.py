@@ -53,6 +53,7 @@ waits for the copies back; the host never waits for the caller's stream.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -156,10 +157,10 @@ class RingProcessGroup(IProcessGroup):
             self._ring_config.shm_dir,
             self._ring_config.spin_us * 1e-6,
         )
-        self._right: SendLink | None
-        self._left: RecvLink | None
+        right: SendLink | None
+        left: RecvLink | None
         try:
-            self._right, self._left = connect_links(
+            right, left = connect_links(
                 sockets,
                 env.rank,
                 env.world_size,
@@ -178,16 +179,16 @@ class RingProcessGroup(IProcessGroup):
         # catches a progress thread that stopped.
         self._lane = Lane("ring-progress", bound_s=self.timeout * 2 + 30.0)
         self._buffers = (
-            SharedBuffers(self._right.retire)  # type: ignore[attr-defined]
-            if self._right is not None and self._right.can_lend
+            SharedBuffers(right.retire)  # type: ignore[attr-defined]
+            if right is not None and right.can_lend
             else None
         )
         self._peers = sockets.peers
         self._session = sockets.session
         self._settings = shared
         self._ring = Ring(
-            self._right,
-            self._left,
+            right,
+            left,
             env.rank,
             env.world_size,
             self._chunk_bytes,
@@ -196,7 +197,8 @@ class RingProcessGroup(IProcessGroup):
             self._check_meta,
             self._lendable,
         )
-        """What the algorithms (``backends.ring.algorithms``, ``rooted``, ``ordered``) work with."""
+        """The links and what the algorithms (``backends.ring.algorithms``, ``rooted``, ``ordered``)
+        work with; its links are None once the group is closed."""
         self._listen_address = sockets.listener.getsockname()[0] if sockets.listener is not None else ""
         self._peer_links = (
             PointToPoint(
@@ -214,6 +216,16 @@ class RingProcessGroup(IProcessGroup):
         )
 
     # ----------------------------------------------------------- introspection
+    @property
+    def _right(self) -> SendLink | None:
+        """The link to the right neighbour (None on one rank, or once closed)."""
+        return self._ring.send
+
+    @property
+    def _left(self) -> RecvLink | None:
+        """The link from the left neighbour (None on one rank, or once closed)."""
+        return self._ring.recv
+
     @property
     def transports(self) -> tuple[str, str]:
         """Transport of the (send, receive) links: ``shm`` or ``tcp`` (``none`` at world size 1)."""
@@ -359,7 +371,8 @@ class RingProcessGroup(IProcessGroup):
             The payloads that travelled with the records and were read, by
             source rank (this rank's own included).
         """
-        send, recv = self._right, self._left
+        ring = self._ring
+        send, recv = ring.send, ring.recv
         assert send is not None and recv is not None
         record = mine.pack(payload)
         common = record[:COMMON_BYTES]
@@ -673,7 +686,7 @@ class RingProcessGroup(IProcessGroup):
                 link.shutdown()
             for link in links:
                 link.close(linger)
-            self._right = self._left = None
+            self._ring = dataclasses.replace(self._ring, send=None, recv=None)
 
 
 def _create(env: DistEnv, config: CommConfig) -> IProcessGroup:

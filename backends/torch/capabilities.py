@@ -36,13 +36,16 @@ NCCL_ROWS: tuple[Row, ...] = (
 _ROWS: Mapping[str, tuple[Row, ...]] = {"gloo": GLOO_ROWS, "nccl": NCCL_ROWS}
 
 
-def upcast_row(dtype: torch.dtype, exact_pair: bool) -> Row:
-    """The row that reduces CPU ``dtype`` tensors through ``WIDE[dtype]`` (``COMMLIB_GLOO_UPCAST``)."""
+def upcast_row(dtype: torch.dtype, exact_pair: bool, device_type: str = "cpu") -> Row:
+    """The row that reduces ``dtype`` tensors of ``device_type`` through ``WIDE[dtype]``.
+
+    ``COMMLIB_GLOO_UPCAST`` declares it; so does a Gloo build that refuses the dtype at run time.
+    """
     return Row(
         Route.UPCAST,
         ops=UPCAST_OPS,
         dtypes=frozenset({dtype}),
-        devices=frozenset({"cpu"}),
+        devices=frozenset({device_type}),
         wide=WIDE[dtype],
         exact_pair=exact_pair,
     )

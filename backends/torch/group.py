@@ -233,7 +233,8 @@ class TorchDistProcessGroup(IProcessGroup):
             if upcast_retry is not None and tensor is not None and is_dtype_rejection(e):
                 # This Gloo cannot reduce the dtype; every rank fails the same way before
                 # sending anything, so every rank switches to a wider dtype together.
-                self._reduction_table().prefer(upcast_row(tensor.dtype, self._devices.get("cpu") == "gloo"))
+                exact = self._devices.get("cpu") == "gloo"
+                self._prefer_reduction_rows(upcast_row(tensor.dtype, exact, tensor.device.type))
                 return upcast_retry()
             error = translate(label, e, self.timeout)
             self._mark_broken(error)

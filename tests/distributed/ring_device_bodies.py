@@ -170,7 +170,6 @@ class RecordingLink:
 
 def use_links(group: IProcessGroup, send: Any, recv: Any) -> None:
     """Make the ring group's collectives run over ``send`` and ``recv`` (wrappers of its links)."""
-    group._right, group._left = send, recv  # type: ignore[attr-defined]
     group._ring = dataclasses.replace(group._ring, send=send, recv=recv)  # type: ignore[attr-defined]
 
 
