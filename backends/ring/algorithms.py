@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
@@ -28,7 +27,6 @@ from backends.common.kernels import Reducer
 from backends.ring.links import RecvLink, SendLink
 from backends.ring.records import Meta
 from backends.ring.shared_buffers import Span
-from backends.ring.shm import RegionId
 from backends.ring.staging import View, publisher, waiter
 from commlib.errors import CommError
 from commlib.types import ReduceOp
@@ -52,23 +50,10 @@ __all__ = [
 ]
 
 
-class CheckRecords(Protocol):
-    """The group's records check (``RingProcessGroup._check_meta``)."""
-
-    def __call__(
-        self,
-        mine: Meta,
-        payload: torch.Tensor | None = None,
-        *,
-        hold_last: bool = False,
-        lent: tuple[RegionId, int] | None = None,
-    ) -> dict[int, torch.Tensor]:
-        """Pass every rank's record (and small ``payload``) round the ring; raise on all if they disagree.
-
-        Returns:
-            The payloads that travelled with the records and were read, by source rank.
-        """
-        ...
+CheckRecords = Callable[..., dict[int, torch.Tensor]]
+"""The group's records check, ``RingProcessGroup._check_meta(mine, payload=None, *, hold_last=False,
+lent=None)``: it passes every rank's record (and small payload) round the ring, raises on every
+rank if they disagree, and returns the payloads that travelled with the records, by source rank."""
 
 
 Lendable = Callable[[torch.Tensor], Span | None]
