@@ -426,10 +426,12 @@ class DeterministicReductions:
         """Run a two-collective fold: here if the caller waits and nothing is queued (or on CUDA), else later.
 
         CUDA tensors always run here: their collectives and the fold are ordered on
-        the streams, so the host does not wait for the data (on ``nccl``).
+        the streams, so the host does not wait for the data (on ``nccl``). So does a
+        synchronous fold issued on the helper's own thread (a callback of a fold's work):
+        queued, it would wait for the step that waits for it.
         """
         helper = self._helper
-        if (not async_op and not helper.busy) or tensor.device.type != "cpu":
+        if (not async_op and (not helper.busy or helper.on_own_thread())) or tensor.device.type != "cpu":
             body(*args)
             if not async_op:
                 return None

@@ -6,20 +6,26 @@ what is queued on it one after the other, on a thread started on first use:
 - ``submit(label, body, async_op)`` returns a ``Work`` settled with the body's
   error (``on_value`` hands its value over first). A synchronous operation
   (``async_op=False``) runs on the caller's thread when nothing is queued (no
-  thread hop on the hot path: the ``Work`` comes back completed), and behind
-  the queued ones otherwise; an asynchronous one always queues, and its
-  ``EventWork`` reports the lane's thread stuck after ``bound_s``.
+  thread hop on the hot path: the ``Work`` comes back completed) or when the
+  caller is the lane's own thread (a work's callback), and behind the queued
+  ones otherwise; an asynchronous one always queues, and its ``EventWork``
+  reports the lane's thread stuck after ``bound_s``. A lane is busy until the
+  work of what it ran is settled (its finishers, future callbacks and
+  observers have run), so whatever those issue is ordered before what anyone
+  issues once the lane is idle.
 - ``call(label, fn, *args)`` runs ``fn`` to its end and returns its value.
 - ``post(step)`` queues a step that settles whatever it owns itself (no ``Work``).
 - ``idle`` / ``busy``, ``on_own_thread()``, ``wait_idle(timeout)``: nothing
   queued or running; ``close(timeout)`` runs what is queued, then ends the thread,
-  waiting at most ``timeout`` (the lane's ``bound_s`` unless given).
+  waiting at most ``timeout`` (the lane's ``bound_s`` unless given); after it,
+  whatever would queue raises ``GroupClosedError`` (a synchronous operation on an
+  idle lane still runs inline: its owner refuses it first).
 
 A lingering lane (the default) keeps its thread until ``close``; with
 ``linger=False`` the thread ends whenever the lane drains and the next queued
 operation starts a new one (for lanes made per key, that come and go). ``Lanes``
-is a keyed collection of such lanes: one per key, made on first use, dropped
-once idle.
+is a keyed collection of such lanes: one per key, made on first use; idle ones
+are dropped when a new key comes and 64 are held.
 
 Users: the ring's collectives and its point-to-point lanes per peer and direction
 (``backends.ring``), Gloo's point-to-point lanes per peer and tag and the waiter
@@ -108,7 +114,9 @@ class Lane:
             GroupClosedError: The lane was closed (and the operation would queue).
         """
         with self._lock:
-            inline = not async_op and self._inflight == 0
+            # Inline when idle, or on the lane's own thread (a callback of a work it settles):
+            # queued there, the operation would wait for the very step that waits for it.
+            inline = not async_op and (self._inflight == 0 or self._thread is threading.current_thread())
             if not inline:
                 event_work = EventWork(label, bound_s=self.bound_s, keep_alive=keep_alive)
                 self._enqueue(label, (event_work, body, on_value))
@@ -136,7 +144,7 @@ class Lane:
 
         On the caller's thread when the lane is idle (no work is made), as ``submit`` does.
         """
-        if self._inflight == 0:
+        if self._inflight == 0 or self._thread is threading.current_thread():
             return fn(*args)
         values: list[Any] = []
         body = functools.partial(fn, *args)
@@ -148,13 +156,12 @@ class Lane:
         """Queue ``item`` and start the thread if there is none (the caller holds ``_lock``)."""
         if self._closed:
             raise GroupClosedError(f"{label}: the process group was closed")
+        if self._thread is None:
+            thread = threading.Thread(target=self._loop, name=f"commlib-{self._name}", daemon=True)
+            thread.start()  # if it cannot start, nothing is counted or queued
+            self._thread = thread
         self._inflight += 1
         self._queue.put(item)
-        if self._thread is None:
-            thread = self._thread = threading.Thread(
-                target=self._loop, name=f"commlib-{self._name}", daemon=True
-            )
-            thread.start()
 
     def _loop(self) -> None:
         while True:
@@ -169,17 +176,20 @@ class Lane:
                     on_value(work, value)
             except BaseException as e:  # noqa: BLE001 - handed to the work
                 error = e
-            with self._lock:
+            try:
+                if work is not None:
+                    work._settle(error)  # noqa: SLF001 - the lane's thread completes its work
+                elif error is not None:
+                    _log.error("commlib-%s: a queued step failed", self._name, exc_info=error)
+            except BaseException:  # noqa: BLE001 - a failing callback must not stop the lane
+                _log.exception("commlib-%s: settling a finished operation failed", self._name)
+            with self._lock:  # idle only now: what the settled work's callbacks issued is queued
                 self._inflight -= 1
                 drained = self._inflight == 0
                 if drained:
                     self._drained.notify_all()
                     if not self._linger:
                         self._thread = None  # the next queued operation starts a new thread
-            if work is not None:
-                work._settle(error)  # noqa: SLF001 - the lane's thread completes its work
-            elif error is not None:
-                _log.error("commlib-%s: a queued step failed", self._name, exc_info=error)
             if drained and not self._linger:
                 return
 

@@ -11,6 +11,7 @@ calls ``_settle()`` exactly once in effect (later calls are ignored).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ from commlib.errors import CommError, CommTimeoutError, in_group
 from commlib.types import dtype_name
 
 __all__ = ["CollectiveLabel", "CompletedWork", "EventWork", "Work"]
+
+_log = logging.getLogger(__name__)
 
 
 class CollectiveLabel:
@@ -323,7 +326,10 @@ class Work:
             self._complete_future(future)
         if observers:
             for observer in observers:
-                observer(self)
+                try:
+                    observer(self)
+                except Exception:  # noqa: BLE001 - an observer (diagnosis, statistics) must not stop the settling
+                    _log.exception("%s: an observer of the finished work failed", self._label)
 
     def _finishing_failed(self, cause: BaseException) -> CommError:
         error = CommError(f"{self._label}: finishing the result failed: {type(cause).__name__}: {cause}")

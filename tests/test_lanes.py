@@ -53,9 +53,14 @@ def test_a_lane_call_returns_the_value_inline_or_behind_queued_work_and_raises_i
 
     with pytest.raises(ValueError, match="boom"):
         lane.call("failing", fail)
-    lane.submit("busy", lambda: gate.wait(10), True)  # the gate is open: finishes at once
-    with pytest.raises(ValueError, match="boom"):
-        lane.call("failing behind", fail)
+    held = threading.Event()
+    lane.submit("busy", lambda: held.wait(10), True)
+    with concurrent.futures.ThreadPoolExecutor(1) as caller:
+        behind = caller.submit(lane.call, "failing behind", fail)
+        wait_until(lambda: lane._inflight == 2, 10, "the failing call to queue behind the busy op")
+        held.set()
+        with pytest.raises(ValueError, match="boom"):
+            behind.result(timeout=10)
     lane.close()
 
 
@@ -172,3 +177,62 @@ def test_close_waits_at_most_its_timeout_and_says_so(caplog: pytest.LogCaptureFi
     gate.set()
     held.wait()
     assert lane.close(10)
+
+
+def test_a_lane_is_busy_until_its_work_is_settled_and_a_callback_may_issue_on_it() -> None:
+    """What a finished work's callbacks issue is ordered before what is issued once the lane is idle."""
+    lane = Lane("test", bound_s=30)
+    order: list[str] = []
+    in_callback, release, started = threading.Event(), threading.Event(), threading.Event()
+    work = lane.submit("first", lambda: (started.wait(10), order.append("first")), True)
+
+    def callback(_: Any) -> None:
+        in_callback.set()
+        release.wait(10)
+        lane.submit("from the callback", lambda: order.append("callback, queued"), True)
+        # A synchronous op on the lane's own thread runs there, not behind the step that waits for it.
+        lane.submit("sync in the callback", lambda: order.append("callback, inline"), False)
+
+    work.get_future().then(callback)  # before the op ends: the callback runs on the lane's thread
+    started.set()
+    assert in_callback.wait(10)
+    assert not lane.wait_idle(0.05), "idle while the work's callback still runs"
+    release.set()
+    assert lane.wait_idle(10)
+    assert order == ["first", "callback, inline", "callback, queued"]
+    lane.close()
+
+
+def test_a_failing_callback_is_logged_and_the_lane_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    lane = Lane("test", bound_s=30)
+    gate = threading.Event()
+    first = lane.submit("first", lambda: gate.wait(10), True)
+
+    def explode(_: Any) -> None:
+        raise RuntimeError("observer failed")
+
+    first.add_observer(explode)
+    second = lane.submit("second", lambda: 5, True)
+    gate.set()
+    first.wait(timeout=10)  # settled although its observer failed
+    second.wait(timeout=10)  # and the lane went on
+    assert first.is_completed() and second.is_completed() and lane.wait_idle(10)
+    assert "an observer of the finished work failed" in caplog.text
+    lane.close()
+
+
+def test_a_thread_that_cannot_start_leaves_the_lane_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    lane = Lane("test", bound_s=30, linger=False)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start"):
+            lane.post(lambda: None)
+    assert lane.idle and lane._thread is None
+    ran = threading.Event()
+    lane.post(ran.set)
+    assert ran.wait(10) and lane.wait_idle(10)
+    assert lane.close()

@@ -64,7 +64,7 @@ Lendable = Callable[[torch.Tensor], Span | None]
 class Ring:
     """This rank's place in the ring: what every algorithm over the two links works with.
 
-    The group makes it once its links are up; it never changes.
+    The group makes it once its links are up, and replaces it with one without links when it closes.
 
     Attributes:
         send: The link to the right neighbour (None on one rank).
