@@ -96,17 +96,14 @@ def _abort_on_uncaught(
     groups = [g for g in _live_groups.values() if not g._closed]
     if not groups or mpi is None or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
         return
-    print(
+    for group in groups:
+        group._stop_progress()
+    _abort_job(
+        mpi,
         f"{groups[0]._prefix('exit')}this rank is ending on an uncaught {kind.__name__}, so it aborts the "
         "MPI job (MPI_Abort, exit code 1): the other ranks would wait for its collectives until "
         "COMMLIB_TIMEOUT. The first error of the job is the traceback above.",
-        file=sys.stderr,
-        flush=True,
     )
-    for group in groups:
-        group._stop_progress()
-    time.sleep(0.2)  # let the launcher forward the output before MPI_Abort tears the job down
-    mpi.COMM_WORLD.Abort(1)
 
 
 def _abort_if_unfinished(grace_s: float = 1.0) -> None:
@@ -128,24 +125,25 @@ def _abort_if_unfinished(grace_s: float = 1.0) -> None:
                 return
             age = time.monotonic() - work._issued
             count = sum(len(g._pending) for g in groups)
-            print(
+            _abort_job(
+                MPI,
                 f"{work.describe}: still unfinished at exit, {age:.1f} s after it was issued "
                 f"({count} collective(s) in flight in all). MPI_Finalize would wait for it forever, "
                 "so this rank aborts the MPI job (MPI_Abort, exit code 1).",
-                file=sys.stderr,
-                flush=True,
             )
-            time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
-            MPI.COMM_WORLD.Abort(1)
             return
     if _missed_peer is not None and mpi.COMM_WORLD.Get_size() > 1:
         prefix, error = _missed_peer
-        print(
+        _abort_job(
+            mpi,
             f"{prefix}a collective of this rank missed a peer ({error}); MPI_Finalize "
             "would wait for that peer, so this rank aborts the MPI job (MPI_Abort, exit code 1).",
-            file=sys.stderr,
-            flush=True,
         )
-        time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
-        mpi.COMM_WORLD.Abort(1)
+
+
+def _abort_job(mpi: Any, message: str) -> None:
+    """Say why on stderr, then end the whole MPI job (``MPI_Abort``, exit code 1)."""
+    print(message, file=sys.stderr, flush=True)
+    time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
+    mpi.COMM_WORLD.Abort(1)
 
