@@ -31,6 +31,7 @@ from commlib.config import CommConfig
 from commlib.errors import CommTimeoutError
 from commlib.lanes import Lane
 from commlib.prepared import PreparedCollective
+from commlib.reduction import ReducingGroup
 from commlib.types import PremulSum, ReduceOp, dtype_name
 from commlib.work import CompletedWork, Work
 
@@ -135,11 +136,9 @@ def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 
 
 # --------------------------------------------------------------------- the group
-class _Group(Protocol):
-    """What the deterministic reductions use of their ``IProcessGroup``."""
+class _Group(ReducingGroup, Protocol):
+    """What the deterministic reductions use of their ``IProcessGroup``, beyond the reduction hooks."""
 
-    rank: int
-    world_size: int
     backend: str
     timeout: float
     _closed: bool
@@ -166,19 +165,6 @@ class _Group(Protocol):
         *args: Any,
         counts: tuple[list[int], list[int]] | None = None,
     ) -> Work | None: ...
-
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work: ...
-
-    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, async_op: bool) -> Work: ...
-
-    def _reduce_scatter(
-        self,
-        output: torch.Tensor,
-        flat_input: torch.Tensor | None,
-        inputs: list[torch.Tensor],
-        op: ReduceOp,
-        async_op: bool,
-    ) -> Work: ...
 
     def _all_to_all(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool

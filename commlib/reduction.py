@@ -19,7 +19,10 @@ __all__ = ["prepare_reduction", "start_all_reduce", "start_reduce", "start_reduc
 
 
 class ReducingGroup(Protocol):
-    """What the emulation uses of its group (``IProcessGroup`` has it)."""
+    """A group's reduction hooks, what the emulation uses of it (``IProcessGroup`` has them).
+
+    ``commlib.deterministic`` extends it with the rest of what its folds use.
+    """
 
     rank: int
     world_size: int
