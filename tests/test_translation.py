@@ -192,3 +192,20 @@ def test_mpi_mismatch_names_both_layouts() -> None:
     error = mpi_errors.failure("op", Mismatch("recv", 1, 7, sent, holds), _FakeMPI)
     assert isinstance(error, MessageSizeError) and isinstance(error, MessageMismatchError)
     assert str(error).startswith("op: ") and "rank 1" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "first"),
+    [
+        (RuntimeError("Socket Timeout\nsecond line"), "RendezvousTimeoutError", "Socket Timeout"),
+        (RuntimeError("connect() timed out."), "RendezvousTimeoutError", "connect() timed out."),
+        (RuntimeError("Connection refused\nwhile waiting: timeout"), "RendezvousError", "Connection refused"),
+        (RuntimeError(""), "RendezvousError", "RuntimeError"),
+    ],
+)
+def test_a_torch_set_up_failure_is_a_rendezvous_error_named_by_its_first_line(
+    error: BaseException, kind: str, first: str
+) -> None:
+    made = torch_errors.setup_failure(error, lambda text: f"[rank 0/2] gloo.new_group: failed ({text})")
+    assert type(made).__name__ == kind
+    assert str(made) == f"[rank 0/2] gloo.new_group: failed ({first})"

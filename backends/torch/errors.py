@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
-from commlib.errors import CommError, CommTimeoutError, PeerFailureError
+from commlib.errors import (
+    CommError,
+    CommTimeoutError,
+    PeerFailureError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from commlib.translation import Rule
 from commlib.translation import translate as translate_by
 
-__all__ = ["P2P_WAIT_RULES", "RULES", "is_dtype_rejection", "is_wait_expiry", "translate"]
+__all__ = ["P2P_WAIT_RULES", "RULES", "is_dtype_rejection", "is_wait_expiry", "setup_failure", "translate"]
 
 _PEER_RE = re.compile(r"\[[^\]/\s]+\]:\d+")
 """A peer address in Gloo's messages (not the ``[path/file.cc:123]`` source location)."""
@@ -64,6 +71,17 @@ P2P_WAIT_RULES = (
 def translate(describe: object, error: BaseException, limit: float) -> CommError:
     """Turn a torch/Gloo/NCCL error into the matching ``CommError`` with our prefix (``RULES``)."""
     return translate_by(describe, error, RULES, limit=limit)
+
+
+def setup_failure(error: BaseException, message: Callable[[str], str]) -> RendezvousError:
+    """A torch group's set-up that failed: ``message(the error's first line)``.
+
+    It is a ``RendezvousTimeoutError`` when that line says it timed out, else a ``RendezvousError``.
+    """
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    kind = RendezvousTimeoutError if any(s in first.lower() for s in _TIMEOUT) else RendezvousError
+    return kind(message(first))
 
 
 def is_dtype_rejection(error: BaseException) -> bool:

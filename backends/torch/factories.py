@@ -13,6 +13,7 @@ import torch.distributed as dist
 from backends.common.store_rendezvous import join_job_store
 from backends.torch.default_group import add_owner, join_owners
 from backends.torch.devices import device_map
+from backends.torch.errors import setup_failure
 from backends.torch.group import TorchDistProcessGroup
 from commlib.config import CommConfig
 from commlib.env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, DistEnv
@@ -109,13 +110,9 @@ def _create_on_store(name: str, env: DistEnv, config: CommConfig, prefix: str) -
     try:
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), env.rank, env.world_size, timeout)
     except Exception as e:  # noqa: BLE001
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        kind = (
-            RendezvousTimeoutError
-            if "timed out" in text.lower() or "timeout" in text.lower()
-            else RendezvousError
-        )
-        raise kind(f"{prefix}Gloo's set-up over the group's store failed: {text}") from e
+        raise setup_failure(
+            e, lambda text: f"{prefix}Gloo's set-up over the group's store failed: {text}"
+        ) from e
     return TorchDistProcessGroup(
         env,
         config,

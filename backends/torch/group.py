@@ -75,7 +75,7 @@ from backends.torch.capabilities import torch_rows, upcast_row
 from backends.torch.default_group import default_store, is_last_owner, release_owner, torch_ranks_of
 from backends.torch.devices import device_map
 from backends.torch.dtypes import MOVES_AS, UPCASTABLE, WIDE, WITHOUT_INT16, parse_upcast
-from backends.torch.errors import is_dtype_rejection, translate
+from backends.torch.errors import is_dtype_rejection, setup_failure, translate
 from backends.torch.p2p import P2PEngine
 from backends.torch.reductions import (
     BITWISE,
@@ -92,7 +92,6 @@ from commlib.errors import (
     BackendUnavailableError,
     CommError,
     RendezvousError,
-    RendezvousTimeoutError,
     error_prefix,
 )
 from commlib.lanes import Lane
@@ -717,16 +716,11 @@ class TorchDistProcessGroup(IProcessGroup):
         except CommError:
             raise
         except Exception as e:  # noqa: BLE001
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            kind = (
-                RendezvousTimeoutError
-                if "timeout" in text.lower() or "timed out" in text.lower()
-                else RendezvousError
-            )
-            raise kind(
-                f"{prefix}the members {list(ranks)} did not all connect within {config.timeout:g} s "
-                f"({text}); every rank of the parent group must call new_group / split in the same order "
-                "with the same ranks"
+            raise setup_failure(
+                e,
+                lambda text: f"{prefix}the members {list(ranks)} did not all connect within "
+                f"{config.timeout:g} s ({text}); every rank of the parent group must call new_group / split "
+                "in the same order with the same ranks",
             ) from e
         return TorchDistProcessGroup(
             self._subgroup_env(ranks),
