@@ -367,3 +367,21 @@ def test_a_deferred_work_waits_for_its_launcher_then_follows_the_backend() -> No
     with pytest.raises(CommError, match="refused"):
         failing.wait(10)
     launcher.close()
+
+
+def test_a_launcher_whose_thread_cannot_start_counts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = Launcher("test-launcher")
+    work = DeferredWork("[rank 0/2] fake.all_reduce #1", launcher, bound_s=10.0)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start"):
+            launcher.submit(work, lambda: None, RecordingWork, ())
+    assert launcher.queued == 0 and launcher.drain(0)
+    launcher.submit(work, lambda: None, RecordingWork, ())
+    work.wait(10)
+    assert work.started and launcher.drain(10)
+    launcher.close()

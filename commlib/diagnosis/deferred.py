@@ -151,10 +151,11 @@ class Launcher:
         the backend's work to ``work`` (or the error either raised).
         """
         with self._lock:  # the condition's lock, taken directly
-            self.queued += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                thread.start()  # if it cannot start, nothing is counted
+                self._thread = thread
+            self.queued += 1
         self._queue.put((work, check, start, args))
 
     def wait_started(self, work: DeferredWork, timeout: float) -> bool:
