@@ -176,15 +176,15 @@ def check_carrying(
 
 # ------------------------------------------------------------------ all-reduce
 def all_reduce_host(
-    ring: Ring, flat: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None
+    ring: Ring, tensor: torch.Tensor, op: ReduceOp, meta: Meta, staged: StagingPipeline | None
 ) -> None:
-    """All-reduce host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
-    if flat.numel() * flat.element_size() <= ring.small_bytes:
+    """All-reduce ``tensor`` (a flat host tensor); ``staged``: the pipeline whose host tensor it is."""
+    if tensor.numel() * tensor.element_size() <= ring.small_bytes:
         if staged is not None:
             staged.wait_host()
-        small_all_reduce(ring, meta, flat, op)
+        small_all_reduce(ring, meta, tensor, op)
     else:
-        ring_all_reduce(ring, flat, op, meta, staged)
+        ring_all_reduce(ring, tensor, op, meta, staged)
 
 
 def small_all_reduce(ring: Ring, meta: Meta, flat: torch.Tensor, op: ReduceOp) -> None:
@@ -312,22 +312,22 @@ def pair_all_reduce(
 
 # ------------------------------------------------------------------- broadcast
 def broadcast_host(
-    ring: Ring, flat: torch.Tensor, src: int, meta: Meta, staged: StagingPipeline | None
+    ring: Ring, tensor: torch.Tensor, src: int, meta: Meta, staged: StagingPipeline | None
 ) -> None:
-    """Broadcast host tensor ``flat``; ``staged``: the pipeline whose host tensor it is."""
+    """Broadcast ``tensor`` (a flat host tensor); ``staged``: the pipeline whose host tensor it is."""
     rank = ring.rank
-    if flat.numel() * flat.element_size() <= ring.small_bytes:
+    if tensor.numel() * tensor.element_size() <= ring.small_bytes:
         if staged is not None and rank == src:
             staged.wait_host()
-        payloads = ring.check(meta, flat if rank == src else None)
+        payloads = ring.check(meta, tensor if rank == src else None)
         if rank != src:
-            kernels.copy(flat, payloads[src])
+            kernels.copy(tensor, payloads[src])
     else:
         ring.check(meta)
         if staged is None:
-            chain_broadcast(ring, flat, src)
+            chain_broadcast(ring, tensor, src)
         else:
-            chain_broadcast(ring, flat, src, ready=waiter(staged), done=publisher(staged))
+            chain_broadcast(ring, tensor, src, ready=waiter(staged), done=publisher(staged))
 
 
 def chain_broadcast(

@@ -90,7 +90,7 @@ from backends.ring.rendezvous import RingSockets, rendezvous
 from backends.ring.rooted import all_to_all_host, gather_host, reduce_host, scatter_host
 from backends.ring.shared_buffers import SharedBuffers, Span
 from backends.ring.shm import RegionId
-from backends.ring.staging import Staged, first_chunks, on_host, publisher, waiter
+from backends.ring.staging import Staged, first_chunks, on_host, on_host_single, publisher, waiter
 from backends.ring.subgroups import Parent, new_subgroup
 from commlib.capabilities import Row
 from commlib.config import CommConfig
@@ -305,10 +305,7 @@ class RingProcessGroup(IProcessGroup):
     def _submit(
         self, label: CollectiveLabel, body: Callable[[], Any], async_op: bool, keep_alive: object = None
     ) -> Work:
-        def run() -> None:
-            self._execute(label, body)
-
-        return self._lane.submit(label, run, async_op, keep_alive)
+        return self._lane.submit(label, functools.partial(self._execute, label, body), async_op, keep_alive)
 
     def _execute(self, describe: CollectiveLabel | str, body: Callable[[], Any]) -> None:
         with self._run_lock:
@@ -432,12 +429,9 @@ class RingProcessGroup(IProcessGroup):
             n, r = self.world_size, self.rank
             return first_chunks(tensor, [(r - s) % n for s in range(n)], n, self._chunk_numel(tensor))
 
-        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            all_reduce_host(self._ring, hosts[0], op, meta, staged[0])
-
-        return self._submit(
-            describe, on_host(self.timeout, run, Staged(tensor, fetch_first=first)), async_op, tensor
-        )
+        run = functools.partial(all_reduce_host, self._ring, op=op, meta=meta)
+        body = on_host_single(self.timeout, run, Staged(tensor, fetch_first=first))
+        return self._submit(describe, body, async_op, tensor)
 
     def _ordered_all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | PremulSum
@@ -476,10 +470,8 @@ class RingProcessGroup(IProcessGroup):
             return CompletedWork(label=describe)
         sender = self.rank == src
 
-        def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> None:
-            broadcast_host(self._ring, hosts[0], src, meta, staged[0])
-
-        body = on_host(self.timeout, run, Staged(tensor, copy_in=sender, copy_out=not sender))
+        run = functools.partial(broadcast_host, self._ring, src=src, meta=meta)
+        body = on_host_single(self.timeout, run, Staged(tensor, copy_in=sender, copy_out=not sender))
         return self._submit(describe, body, async_op, tensor)
 
     def _all_gather(

@@ -20,7 +20,7 @@ import torch
 from backends.common import cuda_staging
 from backends.common.cuda_staging import StagingPipeline
 
-__all__ = ["HostRun", "Staged", "View", "first_chunks", "on_host", "publisher", "waiter"]
+__all__ = ["HostRun", "Staged", "View", "first_chunks", "on_host", "on_host_single", "publisher", "waiter"]
 
 View = Callable[[torch.Tensor], None]
 """Called with a view of a staged host tensor (wait for it, or publish it)."""
@@ -70,6 +70,17 @@ def on_host(timeout: float, run: HostRun, *specs: Staged) -> Callable[[], Any]:
             return run(hosts, pipelines)
 
     return body
+
+
+def on_host_single(timeout: float, run: Callable[..., Any], spec: Staged) -> Callable[[], Any]:
+    """``on_host`` for one tensor: the body calls ``run(host, staged=pipeline)`` (None on the host).
+
+    A CPU tensor's body is ``run`` itself, bound to the tensor: the lane calls
+    the algorithm with no frame between.
+    """
+    if spec.tensor.is_cpu:
+        return functools.partial(run, _flat(spec.tensor), staged=None)
+    return on_host(timeout, lambda hosts, staged: run(hosts[0], staged=staged[0]), spec)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

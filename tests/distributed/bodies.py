@@ -9,7 +9,9 @@ is given in one call, so a test matrix pays one round trip per collective.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -526,3 +528,41 @@ ALL_BODIES = {
     "gather_scatter": body_gather_scatter,
     "all_to_all": body_all_to_all,
 }
+
+
+def body_ring_plumbing_frames(group: IProcessGroup) -> list[list[str]]:
+    """The frames between the ring's ``_all_reduce`` / ``_broadcast`` hook and its algorithm.
+
+    The algorithm is swapped for a wrapper that records its callers up to the
+    hook (then runs the real one, so the ranks stay in step), for a small
+    tensor (it travels with the records) and a large one (chunked round the ring).
+    """
+    import backends.ring.group as ring_group
+
+    chains: list[list[str]] = []
+
+    def recording(algorithm: Any, hook: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            frame, names = sys._getframe(1), []
+            while frame is not None and frame.f_code.co_name != hook:
+                names.append(frame.f_code.co_qualname)
+                frame = frame.f_back
+            assert frame is not None, f"{algorithm.__name__} did not run under {hook}"
+            chains.append(names)
+            algorithm(*args, **kwargs)
+
+        return wrapper
+
+    originals = ring_group.all_reduce_host, ring_group.broadcast_host
+    ring_group.all_reduce_host = recording(originals[0], "_all_reduce")
+    ring_group.broadcast_host = recording(originals[1], "_broadcast")
+    try:
+        for numel in (4, 1 << 16):
+            t = torch.full((numel,), float(group.rank + 1))
+            group.all_reduce(t)
+            assert torch.all(t == sum(range(1, group.world_size + 1))), "all_reduce: wrong data"
+            group.broadcast(t, src=0)
+            assert torch.all(t == sum(range(1, group.world_size + 1))), "broadcast: wrong data"
+    finally:
+        ring_group.all_reduce_host, ring_group.broadcast_host = originals
+    return chains

@@ -51,3 +51,12 @@ def test_max_min_propagate_nan_as_torch_maximum(get_pool, variant: str, world_si
 def test_in_place_collectives_bump_the_autograd_version(get_pool, variant: str, world_size: int) -> None:
     digests = get_pool(variant, world_size).run(bodies.body_in_place_bumps_version, timeout=60)
     assert all(d == digests[0] for d in digests)
+
+
+@pytest.mark.parametrize("variant", ["ring-shm", "ring-tcp"])
+def test_a_ring_collective_reaches_its_algorithm_in_three_plumbing_frames(get_pool, variant: str) -> None:
+    """From the hook: ``_submit``, the lane's ``submit``, and ``_execute`` (it turns failures into errors)."""
+    for chains in get_pool(variant, 2).run(bodies.body_ring_plumbing_frames, timeout=60):
+        assert len(chains) == 4
+        for chain in chains:
+            assert chain == ["RingProcessGroup._execute", "Lane.submit", "RingProcessGroup._submit"], chain
