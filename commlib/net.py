@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-__all__ = ["host_address", "is_loopback"]
+__all__ = ["host_address", "is_loopback", "resolves_to_loopback"]
 
 
 def host_address(master_addr: str) -> str:
@@ -30,7 +30,17 @@ def host_address(master_addr: str) -> str:
 
 def is_loopback(addr: str) -> bool:
     """True if ``addr`` resolves to a loopback address (an unresolvable one: only ``localhost``)."""
+    loopback = _resolves_to_loopback(addr)
+    return addr == "localhost" if loopback is None else loopback
+
+
+def resolves_to_loopback(addr: str) -> bool:
+    """True only if ``addr`` resolves, and to a loopback address: the strict test that trust decisions use."""
+    return _resolves_to_loopback(addr) is True
+
+
+def _resolves_to_loopback(addr: str) -> bool | None:
     try:
         return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
     except (OSError, ValueError):
-        return addr == "localhost"
+        return None

@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import json
 import os
 import socket
@@ -53,6 +52,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from commlib.env import DistEnv, launcher_pid
+from commlib.net import resolves_to_loopback
 from commlib.procfs import read_process
 
 __all__ = ["JobToken", "job_token", "uses_torchrun_agent_store", "TOKEN_VAR"]
@@ -134,13 +134,6 @@ def verify_with(key: bytes, proof: object, *parts: Any) -> bool:
     return isinstance(proof, str) and hmac.compare_digest(sign_with(key, *parts), proof)
 
 
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def _job_starter(env: DistEnv) -> tuple[int, int | None]:
     """The pid of the process that started this rank's job, and another pid a peer may name instead.
 
@@ -200,7 +193,7 @@ def job_token(
     ]
     if ids:
         return JobToken(key=_derive_key("launcher", "\0".join(ids)), identity=f"{' '.join(ids)}, {where}")
-    if local_parent and _is_loopback(env.master_addr):
+    if local_parent and resolves_to_loopback(env.master_addr):
         return _local_token(env, where)
     return JobToken(
         key=_derive_key("anonymous", ""),

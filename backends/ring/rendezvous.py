@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import ipaddress
 import logging
 import os
 import secrets
@@ -68,6 +67,7 @@ from backends.ring.lobby import Lobby, Visitor
 from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
 from commlib.errors import CommError, RendezvousError, RendezvousTimeoutError, error_prefix
+from commlib.net import resolves_to_loopback
 
 __all__ = [
     "EarlyLink",
@@ -165,13 +165,6 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 @dataclasses.dataclass(frozen=True)
 class _Context(RendezvousContext):
     """What every step of one rendezvous needs: the common context, and rank 0's address."""
@@ -200,7 +193,7 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
             peers=[Peer(0, host_id(), "", 0, os.getpid())], settings=settings, right=None, left=None
         )
     deadline = time.monotonic() + timeout
-    loopback = _is_loopback(env.master_addr)
+    loopback = resolves_to_loopback(env.master_addr)
     try:
         master_ip = socket.gethostbyname(env.master_addr)
     except OSError as e:
