@@ -10,7 +10,14 @@ from collections.abc import Mapping
 
 from commlib.env import read_env_var
 
-__all__ = ["CommConfig", "DEBUG_MODES", "DEFAULT_MAX_OBJECT_BYTES", "DEFAULT_STALL_S", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "CommConfig",
+    "DEBUG_MODES",
+    "DEFAULT_MAX_OBJECT_BYTES",
+    "DEFAULT_STALL_S",
+    "DEFAULT_TIMEOUT_S",
+    "non_negative_float",
+]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default for every blocking wait, in seconds (``COMMLIB_TIMEOUT`` overrides it)."""
@@ -34,7 +41,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _non_negative_float(text: str) -> float:
+def non_negative_float(text: str) -> float:
+    """Parse a setting that must be a finite number >= 0 (for ``read_env_var``)."""
     value = float(text)
     if not value >= 0 or not math.isfinite(value):
         raise ValueError("must be a finite number >= 0")
@@ -177,7 +185,7 @@ class CommConfig:
         values: dict[str, object] = {
             "timeout": read_env_var("COMMLIB_TIMEOUT", _positive_float, DEFAULT_TIMEOUT_S, environ),
             "debug": read_env_var("COMMLIB_DEBUG", _debug_mode, None, environ),
-            "stall_s": read_env_var("COMMLIB_STALL_S", _non_negative_float, DEFAULT_STALL_S, environ),
+            "stall_s": read_env_var("COMMLIB_STALL_S", non_negative_float, DEFAULT_STALL_S, environ),
             "flight_recorder": read_env_var("COMMLIB_FLIGHT_RECORDER", _non_negative_int, 0, environ),
             "dump_dir": environ.get("COMMLIB_DUMP_DIR", "").strip() or None,
             "max_object_bytes": read_env_var(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from backends.mpi.cuda import cuda_aware_override
+from commlib.config import non_negative_float
 from commlib.env import read_env_var
 
 __all__ = ["MPIConfig"]
@@ -16,13 +18,6 @@ def _progress_mode(text: str) -> str:
     value = text.strip().lower()
     if value not in _PROGRESS_MODES:
         raise ValueError(f"expected one of {', '.join(_PROGRESS_MODES)}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise ValueError("must be >= 0")
     return value
 
 
@@ -49,14 +44,17 @@ class MPIConfig:
             raise ValueError(
                 f"MPIConfig.progress: expected one of {', '.join(_PROGRESS_MODES)}, got {self.progress!r}"
             )
-        if not self.progress_interval_us >= 0:
-            raise ValueError(f"MPIConfig.progress_interval_us: must be >= 0, got {self.progress_interval_us}")
+        if not 0 <= self.progress_interval_us < math.inf:
+            raise ValueError(
+                "MPIConfig.progress_interval_us: must be a finite number >= 0, "
+                f"got {self.progress_interval_us}"
+            )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> MPIConfig:
         """Build the config from ``COMMLIB_MPI_PROGRESS``, ``_PROGRESS_US`` and ``_CUDA_AWARE``."""
         return cls(
             progress=read_env_var("COMMLIB_MPI_PROGRESS", _progress_mode, "thread", environ),
-            progress_interval_us=read_env_var("COMMLIB_MPI_PROGRESS_US", _non_negative, 200.0, environ),
+            progress_interval_us=read_env_var("COMMLIB_MPI_PROGRESS_US", non_negative_float, 200.0, environ),
             cuda_aware=cuda_aware_override(environ),
         )

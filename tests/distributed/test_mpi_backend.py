@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -568,8 +569,11 @@ def test_mpi_config_from_env() -> None:
     assert (config.progress, config.progress_interval_us, config.cuda_aware) == ("none", 50.0, True)
     with pytest.warns(RuntimeWarning, match="COMMLIB_MPI_PROGRESS: unexpected value 'fast'"):
         assert MPIConfig.from_env({"COMMLIB_MPI_PROGRESS": "fast"}).progress == "thread"
-    with pytest.raises(ValueError, match="MPIConfig.progress_interval_us: must be >= 0"):
-        MPIConfig(progress_interval_us=-1)
+    for bad in (-1, math.inf, math.nan):
+        with pytest.raises(ValueError, match="MPIConfig.progress_interval_us: must be a finite number >= 0"):
+            MPIConfig(progress_interval_us=bad)
+    with pytest.warns(RuntimeWarning, match="COMMLIB_MPI_PROGRESS_US: .*must be a finite number >= 0"):
+        assert MPIConfig.from_env({"COMMLIB_MPI_PROGRESS_US": "inf"}).progress_interval_us == 200.0
 
 
 class _FakePollable:
