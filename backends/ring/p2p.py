@@ -39,6 +39,9 @@ Messages:
 - A receive from any source takes the first message, with its tag, from a
   source that has no receive of its own queued; it polls the links (a
   fraction of a millisecond apart once idle).
+- The verdict's decision, its codes and the errors of a refusal, and the
+  set-aside queue's rule are ``backends.common.p2p_protocol``'s; the links
+  carry them.
 
 Progress: sends to one peer run in order on one lane, receives from one source
 on another (``commlib.lanes``), so a send waiting for its receiver never
