@@ -8,7 +8,8 @@ A send and its receive meet in three steps, whatever carries them:
   the layout of the receive's own tensor: ``TAKEN`` when the dtype and the
   size in bytes agree (``fits``), ``REFUSED`` when not, ``SET_ASIDE`` when the
   message has another tag and is kept for a later receive (a transport that
-  matches tags itself never sees one);
+  matches tags itself never sees one). A transport may carry the receive's
+  layout alone, as ``LAYOUT``: the sender then decides with ``fits`` alike;
 - **data**: the tensor's bytes, written into the receive's tensor only when
   taken. A transport that may not send data unasked sends it after
   ``TAKEN``; one that sends it at once has the receiver drain it otherwise.
