@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from backends.common.p2p_protocol import CODES
 from commlib.types import ReduceOp
 
-__all__ = ["DtypePlan", "code_dtype", "dtype_code", "plan_for"]
+__all__ = ["DtypePlan", "dtype_code", "plan_for"]
 
 _OP_NAMES: dict[str, str] = {
     "SUM": "SUM",
@@ -74,20 +75,6 @@ _MPI_TYPES: dict[torch.dtype, str] = {
 }
 """torch dtype -> predefined (or extension) MPI datatype, when the library has it."""
 
-_CODES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-"""dtype codes on the wire (a receiver tells a sender what its buffer holds): the index here."""
-
 _SIXTEEN_BIT_FLOATS = frozenset({torch.float16, torch.bfloat16})
 _NO_NUMPY = frozenset({torch.bfloat16})
 """dtypes NumPy cannot hold: handed to MPI as an int16 view of the same bytes."""
@@ -125,13 +112,8 @@ def plan_for(MPI: Any, dtype: torch.dtype) -> DtypePlan:  # noqa: N803 - the mpi
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    """The wire code of ``dtype`` (-1 for one outside the contract)."""
-    return _CODES.index(dtype) if dtype in _CODES else -1
-
-
-def code_dtype(code: int) -> torch.dtype | None:
-    """The dtype of wire code ``code``, or None for an unknown code."""
-    return _CODES[code] if 0 <= code < len(_CODES) else None
+    """The code of ``dtype`` in point-to-point headers (-1 for one outside the contract)."""
+    return CODES.get(dtype, -1)
 
 
 def _make_plan(MPI: Any, dtype: torch.dtype) -> DtypePlan:  # noqa: N803

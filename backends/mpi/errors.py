@@ -10,10 +10,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from backends.mpi.dtypes import code_dtype
-from backends.mpi.p2p import Layout, Mismatch
+from backends.common.p2p_protocol import Mismatch
 from commlib.errors import CommError
-from commlib.p2p import MessageLayout, message_mismatch
 from commlib.translation import FALLBACK, Rule, translate
 
 __all__ = ["failure", "rules"]
@@ -45,11 +43,5 @@ def rules(MPI: Any) -> tuple[Rule, ...]:  # noqa: N803 - the mpi4py module's own
 def failure(describe: object, error: BaseException, MPI: Any) -> CommError:  # noqa: N803
     """The error an MPI call or request failed with, for people: a dtype or size mismatch, or an MPI error."""
     if isinstance(error, Mismatch):
-        return message_mismatch(describe, error.side, error.peer, _layout(error.sent), _layout(error.holds))
+        return error.error(describe)
     return translate(describe, error, rules(MPI))
-
-
-def _layout(layout: Layout) -> MessageLayout:
-    """A message's ``(bytes, elements, dtype code)`` with the dtype itself."""
-    nbytes, numel, code = layout
-    return nbytes, numel, code_dtype(code)

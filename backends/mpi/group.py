@@ -45,11 +45,12 @@ from typing import Any
 import torch
 
 from backends.common.cuda_staging import Chunk
+from backends.common.p2p_protocol import layout_of
 from backends.mpi import device_path
 from backends.mpi.abort import forget_group, note_missed_peer, register_group
 from backends.mpi.capabilities import mpi_rows
 from backends.mpi.config import MPIConfig
-from backends.mpi.dtypes import DtypePlan, dtype_code, plan_for
+from backends.mpi.dtypes import DtypePlan, plan_for
 from backends.mpi.errors import failure
 from backends.mpi.library import load_mpi
 from backends.mpi.p2p import DirectPayload, P2PEngine, Payload, RecvRequest
@@ -733,7 +734,7 @@ class MPIProcessGroup(IProcessGroup):
         self._check_tag_fits("send", tag)
         label = self._p2p_label("send", tensor, dst, tag)
         payload = self._payload("send", tensor, str(label), send=True)
-        layout = (tensor.nbytes, tensor.numel(), dtype_code(tensor.dtype))
+        layout = layout_of(tensor)
         return self._start(
             "send",
             tensor,
@@ -749,7 +750,7 @@ class MPIProcessGroup(IProcessGroup):
         self._check_tag_fits("recv", tag)
         label = self._p2p_label("recv", tensor, src, tag)
         payload = self._payload("recv", tensor, str(label), send=False)
-        holds = (tensor.nbytes, tensor.numel(), dtype_code(tensor.dtype))
+        holds = layout_of(tensor)
         return self._start(
             "recv",
             tensor,

@@ -1,10 +1,12 @@
-"""Point-to-point messages over MPI: receives matched in the order they were posted, and a verdict.
+"""Point-to-point messages over MPI: ``backends.common.p2p_protocol`` driven by MPI's requests.
 
-Each group keeps two communicators of its own for point-to-point traffic,
-duplicates of its collective one (so no message ever matches a collective's):
+The protocol (the header, the verdict and its errors, matching in posting
+order) is the common one; this module carries it over MPI. Each group keeps
+two communicators of its own for point-to-point traffic, duplicates of its
+collective one (so no message ever matches a collective's):
 
-- **data**: the sender ``Isend``s a 24-byte header (the message's bytes,
-  elements and dtype code: three int64), then the tensor's bytes, both to
+- **data**: the sender ``Isend``s a 24-byte header (its ``Layout`` as
+  ``LAYOUT``: bytes, elements and dtype code), then the tensor's bytes, both to
   ``(peer, tag)``; MPI keeps them in that order.
 - **verdict**: the receiver answers every message it matches with what its
   buffer holds (bytes, elements, dtype code). The sender posts the receive for
@@ -18,8 +20,8 @@ byte of the data lands: a message of another dtype or size is drained
 (received into an empty buffer, which MPI truncates) and the receiver's tensor
 is left untouched. The data is received from the header's source with its
 tag, so it is that header's. Matching keeps MPI's order: the group's unmatched
-receives are probed in the order they were posted, and a header found is
-handed to the **earliest** posted receive that accepts it (same tag; same
+receives (``PostedReceives``) are probed in the order they were posted, and a
+header found is handed to the **earliest** posted receive that accepts it (same tag; same
 source, or any source), which is exactly the receive MPI itself would have
 matched it with. Messages between one pair with one tag therefore arrive in
 the order they were sent.
@@ -38,10 +40,11 @@ the same peer and tag still pair with their own answers.
 from __future__ import annotations
 
 import collections
-import struct
 import threading
 import time
 from typing import Any, Protocol
+
+from backends.common.p2p_protocol import LAYOUT, Layout, Mismatch, PostedReceives, fits
 
 __all__ = [
     "DirectPayload",
@@ -53,9 +56,6 @@ __all__ = [
     "SendRequest",
     "fits",
 ]
-
-_LAYOUT = struct.Struct("<qqq")
-"""Bytes, elements and dtype code: the sender's header, and the receiver's answer about its buffer."""
 
 
 class Payload(Protocol):
@@ -97,31 +97,6 @@ class DirectPayload:
         """Nothing to do."""
 
 
-Layout = tuple[int, int, int]
-"""``(bytes, elements, dtype code)`` of a message or a receive's buffer."""
-
-
-def fits(sent: Layout, holds: Layout) -> bool:
-    """Whether a message fits a receive's buffer: the same bytes and dtype (both sides decide alike)."""
-    return sent[0] == holds[0] and sent[2] == holds[2]
-
-
-class Mismatch(Exception):  # noqa: N818 - a fact reported to the group, which raises its own error
-    """A message's dtype or size differs from the receiver's buffer: both sides fail with these numbers."""
-
-    def __init__(self, side: str, peer: int, tag: int, sent: Layout, holds: Layout) -> None:
-        super().__init__(f"{side} with rank {peer}, tag {tag}: {sent} sent, {holds} expected")
-        self.side = side
-        """``send`` or ``recv``: which end reports it."""
-        self.peer = peer
-        """The other side: the destination of a send, the source of a receive."""
-        self.tag = tag
-        self.sent = sent
-        """The sender's message."""
-        self.holds = holds
-        """The receiver's buffer."""
-
-
 class SendRequest:
     """One send: the header's and the data's ``Isend`` and the answer's receive, with a request's ``Test``."""
 
@@ -131,8 +106,8 @@ class SendRequest:
         self.layout = layout
         self._engine = engine
         self._payload = payload
-        self._header = _LAYOUT.pack(*layout)
-        self._answer = bytearray(_LAYOUT.size)
+        self._header = LAYOUT.pack(*layout)
+        self._answer = bytearray(LAYOUT.size)
         self._verdict = engine._verdict_comm.Irecv([self._answer, engine._MPI.BYTE], source=peer, tag=tag)
         self._sent_header: Any = None
         self._data: Any = None
@@ -198,7 +173,7 @@ class SendRequest:
         if not (self._data_done and self._verdict_done):
             return False
         self._done = True
-        holds = _LAYOUT.unpack(self._answer)
+        holds = LAYOUT.unpack(self._answer)
         if not fits(self.layout, holds):
             raise Mismatch("send", self.peer, self.tag, self.layout, holds)
         self._payload.finish()
@@ -225,7 +200,7 @@ class RecvRequest:
         self.cancelled = False
         self._engine = engine
         self._payload = payload
-        self._reply = _LAYOUT.pack(*holds)
+        self._reply = LAYOUT.pack(*holds)
         self._fits = False
         self._requests: list[Any] | None = None
         """The data receive (or drain) and the answer's send, once matched."""
@@ -236,10 +211,6 @@ class RecvRequest:
         """True once a message was handed to this receive."""
         return self._requests is not None
 
-    def accepts(self, source: int, tag: int) -> bool:
-        """Return True if a message from ``source`` with ``tag`` may match this receive."""
-        return tag == self.tag and (self.wanted is None or self.wanted == source)
-
     def _match(self, header: Any, source: int) -> None:
         """Take the message whose ``header`` was probed (by the engine, under its lock): receive or drain it.
 
@@ -248,9 +219,9 @@ class RecvRequest:
         """
         engine = self._engine
         MPI = engine._MPI
-        layout = bytearray(_LAYOUT.size)
+        layout = bytearray(LAYOUT.size)
         header.Recv([layout, MPI.BYTE])
-        self.source, self.sent = source, _LAYOUT.unpack(layout)
+        self.source, self.sent = source, LAYOUT.unpack(layout)
         self._fits = fits(self.sent, self.holds)
         # A message that does not fit is drained into no memory (MPI truncates; the message is consumed).
         buffer = self._payload.buffer() if self._fits else [bytearray(0), MPI.BYTE]
@@ -312,7 +283,7 @@ class P2PEngine:
         self._data_comm = data_comm
         self._verdict_comm = verdict_comm
         self._lock = threading.Lock()
-        self._unmatched: list[RecvRequest] = []
+        self._posted: PostedReceives[RecvRequest] = PostedReceives()
         """Receives not yet matched, in the order they were posted."""
         self._unposted: dict[tuple[int, int], collections.deque[SendRequest]] = {}
         """Sends whose data is not posted yet, per (peer, tag), in the order they were issued."""
@@ -321,7 +292,7 @@ class P2PEngine:
     @property
     def waiting(self) -> bool:
         """True if some receive waits to be matched (a lock-free read, for hot paths)."""
-        return bool(self._unmatched)
+        return bool(self._posted.pending)
 
     @property
     def comms(self) -> tuple[Any, Any]:
@@ -348,34 +319,34 @@ class P2PEngine:
         """
         request = RecvRequest(self, payload, holds, source, tag)
         with self._lock:
-            self._unmatched.append(request)
+            self._posted.post(request)
         self.match()
         return request
 
     def cancel(self, request: RecvRequest) -> bool:
         """Withdraw ``request`` if it is still unmatched (it holds no MPI state then); return True if so."""
         with self._lock:
-            if request.matched or request not in self._unmatched:
+            if request.matched or not self._posted.withdraw(request):
                 return False
-            self._unmatched.remove(request)
             request.cancelled = True
             return True
 
     def cancel_all(self) -> list[RecvRequest]:
         """Withdraw every unmatched receive (the group is closing); return them."""
         with self._lock:
-            withdrawn, self._unmatched = self._unmatched, []
+            withdrawn = self._posted.withdraw_all()
         for request in withdrawn:
             request.cancelled = True
         return withdrawn
 
     def match(self) -> None:
         """Probe for the unmatched receives in posting order; hand each message to its earliest taker."""
-        if not self._unmatched:
+        posted = self._posted
+        if not posted.pending:
             return
         MPI, status = self._MPI, self._status
         with self._lock:
-            pending, index = self._unmatched, 0
+            pending, index = posted.pending, 0
             while index < len(pending):
                 request = pending[index]
                 source = MPI.ANY_SOURCE if request.wanted is None else request.wanted
@@ -384,10 +355,8 @@ class P2PEngine:
                     index += 1
                     continue
                 found = status.Get_source()
-                taker = next(i for i in range(index + 1) if pending[i].accepts(found, request.tag))
-                pending.pop(taker)._match(message, found)
-                if taker < index:
-                    index -= 1  # the request probed shifted left; probe it again
+                taker, index = posted.take(index, found)
+                taker._match(message, found)
 
     def _post_sends(self, peer: int, tag: int) -> None:
         with self._lock:

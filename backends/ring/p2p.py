@@ -39,6 +39,9 @@ Messages:
 - A receive from any source takes the first message, with its tag, from a
   source that has no receive of its own queued; it polls the links (a
   fraction of a millisecond apart once idle).
+- The verdict's decision, its codes and the errors of a refusal, and the
+  set-aside queue's rule are ``backends.common.p2p_protocol``'s; the links
+  carry them.
 
 Progress: sends to one peer run in order on one lane, receives from one source
 on another (``commlib.lanes``), so a send waiting for its receiver never
@@ -69,6 +72,17 @@ from typing import Any, NamedTuple
 
 import torch
 
+from backends.common.p2p_protocol import (
+    CODES,
+    SET_ASIDE,
+    TAKEN,
+    check_answer,
+    fits,
+    layout_of,
+    mismatch,
+    take_aside,
+    verdict,
+)
 from backends.ring.link_setup import LinkShape, finish_recv_link, offer_recv_link, open_send_link
 from backends.ring.links import RecvLink, SendLink
 from backends.ring.lobby import Lobby, Visitor
@@ -82,18 +96,14 @@ from commlib.errors import (
     PeerFailureError,
 )
 from commlib.lanes import Lane
-from commlib.p2p import MessageLayout, P2PRequest, message_mismatch
-from commlib.types import WIRE_DTYPES
+from commlib.p2p import P2PRequest
 
-__all__ = ["PointToPoint", "TAKEN", "REFUSED", "SET_ASIDE"]
+__all__ = ["PointToPoint"]
 
 logger = logging.getLogger("commlib")
 
-TAKEN, REFUSED, SET_ASIDE = 0, 1, 2
-"""The receiver's verdicts on a message (REFUSED: its dtype or size is not the receive's)."""
-
 _MAGIC = b"p2p1"
-_HEADER = struct.Struct("!4sQqQQQB")  # magic, message number, tag, bytes, elements, piece bytes, dtype code
+_HEADER = struct.Struct("!4sQqQQQb")  # magic, message number, tag, bytes, elements, piece bytes, dtype code
 _HELLO_BYTES = 64 * 1024
 _ACCEPT_PERIOD_S = 1.0  # the acceptor looks at its stop flag at least this often
 _ANY_SLEEP_MAX_S = 1e-3  # longest nap of a receive from any source between looks at the links
@@ -108,7 +118,7 @@ class _Header(NamedTuple):
     numel: int
     piece: int
     dtype: int
-    """The sender's dtype (``WIRE_DTYPES`` index)."""
+    """The sender's dtype code (``p2p_protocol.CODES``)."""
 
 
 def _read_header(link: RecvLink) -> tuple[Any, ...]:
@@ -122,25 +132,17 @@ def _read_header(link: RecvLink) -> tuple[Any, ...]:
     return fields
 
 
-_CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
+class _Label(tuple):
+    """A request's label, made only when a message needs it (a blocking call that succeeds needs none).
 
+    ``_Label((label_of, request))``: a tuple, so making one runs no Python code.
+    """
 
-class _Label:
-    """A request's label, made only when a message needs it (a blocking call that succeeds needs none)."""
-
-    __slots__ = ("_label_of", "_request")
-
-    def __init__(self, label_of: Callable[[P2PRequest], object], request: P2PRequest) -> None:
-        self._label_of = label_of
-        self._request = request
+    __slots__ = ()
 
     def __str__(self) -> str:
-        return str(self._label_of(self._request))
-
-
-def _layout(nbytes: int, numel: int, dtype: int) -> MessageLayout:
-    """A header's or verdict's ``(bytes, elements, dtype code)`` with the dtype itself."""
-    return nbytes, numel, WIRE_DTYPES[dtype] if dtype < len(WIRE_DTYPES) else None
+        label_of, request = self
+        return str(label_of(request))
 
 
 @dataclasses.dataclass
@@ -156,6 +158,7 @@ class _Outgoing:
 
 @dataclasses.dataclass
 class _Aside:
+    tag: int
     header: _Header
     data: torch.Tensor
 
@@ -248,7 +251,7 @@ class PointToPoint:
             The peer: a send's destination, a receive's source.
         """
         kind, data, peer, tag, _ = request
-        label = _Label(label_of, request)
+        label = _Label((label_of, request))
         if kind == "send":
             self.send_lane(peer).call(label, self.send, data, peer, tag, label)  # type: ignore[arg-type]
             return peer  # type: ignore[return-value]
@@ -275,13 +278,13 @@ class PointToPoint:
                 f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
                 "the other ranks still works"
             )
-        link, numel, nbytes = out.link, data.numel(), data.nbytes
+        link = out.link
+        nbytes, numel, dtype = mine = layout_of(data)
         # Four pieces or more, each between a slot's share and a whole slot: copies overlap, and a
         # long message costs few hand-offs.
         piece = self._small_piece if nbytes <= self._small_piece else self._piece_of(nbytes)
         msg = out.next_msg
         out.next_msg = msg + 1
-        dtype = _CODES.get(data.dtype, 255)
         fields = (_MAGIC, msg, tag, nbytes, numel, piece, dtype)
         posted = False
         try:
@@ -293,7 +296,7 @@ class PointToPoint:
                 for start in range(piece, nbytes, piece):
                     link.send(data[start : start + piece])
             posted = True
-            verdict = link.await_verdict(msg, out.taking)
+            answer = link.await_verdict(msg, out.taking)
         except (CommError, OSError) as e:
             if self._closing or (self._flushing and isinstance(e, CommTimeoutError)):
                 raise self._closed_during_send(label, dst) from e
@@ -309,8 +312,8 @@ class PointToPoint:
                     f"The link to rank {dst} is closed; the other ranks are still reachable"
                 ) from e
             raise PeerFailureError(f"{label}: sending to rank {dst} failed: {e}") from e
-        if verdict[0] == REFUSED:
-            raise message_mismatch(label, "send", dst, _layout(nbytes, numel, dtype), _layout(*verdict[1:]))
+        if answer[0] != TAKEN:
+            check_answer(answer, label, dst, mine)
 
     def _piece_of(self, nbytes: int) -> int:
         return min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
@@ -410,12 +413,12 @@ class PointToPoint:
         """
         if self._acceptor is None:
             self._start_acceptor()
-        mine = (data.nbytes, data.numel(), _CODES.get(data.dtype, 255))
+        mine = (data.nbytes, data.numel(), CODES.get(data.dtype, -1))
         if src is None:
             return self._recv_any(data, tag, mine, label)
         incoming = self._incoming_from(src, label)
         with incoming.lock:
-            aside = self._aside(incoming, tag) if incoming.aside else None
+            aside = take_aside(incoming.aside, tag) if incoming.aside else None
             if aside is None:
                 self._take(incoming, src, data, tag, mine, label, wait=True)
             else:
@@ -441,21 +444,14 @@ class PointToPoint:
             return self._incoming[src]
 
     @staticmethod
-    def _aside(incoming: _Incoming, tag: int) -> _Aside | None:
-        for i, aside in enumerate(incoming.aside):
-            if aside.header.tag == tag:
-                return incoming.aside.pop(i)
-        return None
-
-    @staticmethod
     def _deliver(
         aside: _Aside, src: int, data: torch.Tensor, mine: tuple[int, int, int], label: object
     ) -> None:
         header = aside.header
-        if header.nbytes != mine[0] or header.dtype != mine[2]:
+        sent = (header.nbytes, header.numel, header.dtype)
+        if not fits(sent, mine):
             # It came before a recv with its tag and was kept aside: its sender was not told.
-            sent = _layout(header.nbytes, header.numel, header.dtype)
-            raise message_mismatch(label, "recv", src, sent, _layout(*mine), peer_told=False)
+            raise mismatch(label, "recv", src, sent, mine, peer_told=False)
         if mine[0]:
             data.view(torch.uint8).copy_(aside.data)
 
@@ -492,22 +488,22 @@ class PointToPoint:
             except (CommError, OSError) as e:
                 raise self._broken(incoming, src, label, e) from e
             try:
-                if their_tag == tag and nbytes == mine[0] and dtype == mine[2] and nbytes <= piece:
+                sent = (nbytes, numel, dtype)
+                answer = verdict(their_tag, sent, tag, mine)
+                if answer == TAKEN and nbytes <= piece:
                     link.take_into(msg, (TAKEN, *mine), data)  # the message is one piece: most are
                     return True
                 header = _Header(msg, their_tag, nbytes, numel, piece, dtype)
-                if header.tag != tag:
-                    link.post_verdict(header.msg, (SET_ASIDE, header.nbytes, header.numel, header.dtype))
-                    kept = torch.empty(header.nbytes, dtype=torch.uint8)
+                if answer == SET_ASIDE:
+                    link.post_verdict(msg, (SET_ASIDE, *sent))
+                    kept = torch.empty(nbytes, dtype=torch.uint8)
                     self._read_body(link, header, kept)
-                    incoming.aside.append(_Aside(header, kept))
+                    incoming.aside.append(_Aside(their_tag, header, kept))
                     continue
-                if header.nbytes != mine[0] or header.dtype != mine[2]:
-                    link.post_verdict(header.msg, (REFUSED, *mine))
+                link.post_verdict(msg, (answer, *mine))
+                if answer != TAKEN:
                     self._read_body(link, header, None)
-                    sent = _layout(header.nbytes, header.numel, header.dtype)
-                    raise message_mismatch(label, "recv", src, sent, _layout(*mine))
-                link.post_verdict(header.msg, (TAKEN, *mine))
+                    raise mismatch(label, "recv", src, sent, mine)
                 self._read_body(link, header, data)
                 return True
             except MessageMismatchError:
@@ -555,7 +551,7 @@ class PointToPoint:
                 if not incoming.lock.acquire(blocking=False):
                     continue
                 try:
-                    aside = self._aside(incoming, tag)
+                    aside = take_aside(incoming.aside, tag)
                     if aside is not None:
                         self._deliver(aside, src, data, mine, label)
                         return src

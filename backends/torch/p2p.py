@@ -7,9 +7,13 @@ tag ``T`` is three messages on the pair (torch tags ``3T``, ``3T+1``, ``3T+2``;
 commlib tags stop at ``max_tag``, so these fit Gloo's 31 bits):
 
 - header, sender -> receiver: int64 ``(MAGIC, bytes, elements, dtype code)``;
-- verdict, receiver -> sender: int64 ``(ACCEPT or REFUSE, bytes, elements,
-  dtype code)`` of the receive's tensor: ACCEPT when dtype and bytes agree;
-- data, sender -> receiver: the tensor's bytes, only after ACCEPT (none if empty).
+- verdict, receiver -> sender: int64 ``(TAKEN or REFUSED, bytes, elements,
+  dtype code)`` of the receive's tensor: TAKEN when dtype and bytes agree;
+- data, sender -> receiver: the tensor's bytes, only after TAKEN (none if empty).
+
+The protocol itself (the header's layout, the verdict, the errors of a
+mismatch) is ``backends.common.p2p_protocol``'s; Gloo's tagged send and receive
+carry it, and this module's lanes drive it.
 
 A dtype or size mismatch therefore raises ``MessageMismatchError``
 (``MessageSizeError`` when the sizes differ) on both sides, naming both, and
@@ -52,19 +56,22 @@ from typing import Any
 
 import torch
 
+from backends.common.p2p_protocol import (
+    MAGIC,
+    TAKEN,
+    check_answer,
+    check_header,
+    layout_of,
+    mismatch,
+    verdict,
+)
 from backends.torch.errors import P2P_WAIT_RULES
 from commlib.errors import CommError, GroupClosedError, MessageMismatchError
 from commlib.lanes import Lanes
-from commlib.p2p import MessageLayout, message_mismatch
 from commlib.translation import translate
-from commlib.types import WIRE_DTYPES
 from commlib.work import CollectiveLabel, EventWork, Work
 
 __all__ = ["P2PEngine"]
-
-MAGIC = 0x434C5032  # "CLP2"
-ACCEPT = 1
-REFUSE = 2
 
 CLOSING_TAG = 3 * ((1 << 24) + 1) + 2
 """The torch tag of ``close``'s own receive: above all that operations use (``3 * (max_tag + 1) + 2``)."""
@@ -73,13 +80,6 @@ _EXIT_GRACE_S = 5.0
 """How long ``close`` waits for the lanes to leave Gloo once the connections are closed."""
 
 _log = logging.getLogger(__name__)
-
-_CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
-_DTYPES = {code: dtype for dtype, code in _CODES.items()}
-
-
-def _layout(nbytes: int, numel: int, code: int) -> MessageLayout:
-    return nbytes, numel, _DTYPES.get(code)
 
 
 class P2PEngine:
@@ -223,59 +223,68 @@ class P2PEngine:
             self._mark_broken(error)
 
     def _send(self, work: EventWork, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        label = work.label
+        label, backend = work.label, self._backend
         data = tensor.view(torch.uint8)
         if data.device.type != "cpu":
             data = data.cpu()
-        mine = (data.numel(), tensor.numel(), _CODES.get(tensor.dtype, -1))
-        header = torch.tensor([MAGIC, *mine], dtype=torch.int64)
-        self._wait(self._backend.send([header], dst, 3 * tag), label, f"rank {dst} posted no matching recv")
-        verdict = torch.empty(4, dtype=torch.int64)
-        self._wait(self._backend.recv([verdict], dst, 3 * tag + 1), label, f"rank {dst} did not answer")
-        answer, *theirs = verdict.tolist()
-        if answer == REFUSE:
-            raise message_mismatch(label, "send", dst, _layout(*mine), _layout(*theirs))
-        if answer != ACCEPT:
-            raise CommError(f"{label}: rank {dst} answered the header with garbage ({verdict.tolist()})")
-        if mine[0]:
-            self._wait(self._backend.send([data], dst, 3 * tag + 2), label, f"rank {dst} took no data")
-
-    def _recv(self, work: EventWork, tensor: torch.Tensor, src: int | None, tag: int) -> None:
-        label = work.label
-        header = torch.empty(4, dtype=torch.int64)
-        source = "any rank" if src is None else f"rank {src}"
-        if src is None:
-            handle = self._backend.recv_anysource([header], 3 * tag)
-            self._wait(handle, label, f"no message from {source}")
-            src = int(handle._source_rank())  # noqa: SLF001 - torch's name for it
-        else:
-            self._wait(self._backend.recv([header], src, 3 * tag), label, f"no message from {source}")
-        magic, *theirs = header.tolist()
-        if magic != MAGIC:
-            raise CommError(
-                f"{label}: rank {src} sent a header commlib does not know ({header.tolist()}); another "
-                "program uses this group's tags"
-            )
-        mine = (tensor.numel() * tensor.element_size(), tensor.numel(), _CODES.get(tensor.dtype, -1))
-        accept = theirs[0] == mine[0] and theirs[2] == mine[2]
-        verdict = torch.tensor([ACCEPT if accept else REFUSE, *mine], dtype=torch.int64)
-        self._wait(self._backend.send([verdict], src, 3 * tag + 1), label, f"rank {src} took no answer")
-        work._set_source(src)  # noqa: SLF001
-        if not accept:
-            raise message_mismatch(label, "recv", src, _layout(*theirs), _layout(*mine))
+        mine = layout_of(tensor)
+        handle = backend.send([torch.tensor([MAGIC, *mine], dtype=torch.int64)], dst, 3 * tag)
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+            raise self._failed(label, e, f"rank {dst} posted no matching recv") from e
+        answer = torch.empty(4, dtype=torch.int64)
+        handle = backend.recv([answer], dst, 3 * tag + 1)
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(label, e, f"rank {dst} did not answer") from e
+        check_answer(answer.tolist(), label, dst, mine)
         if not mine[0]:
             return
-        data = tensor.view(torch.uint8)
-        host = data if data.device.type == "cpu" else torch.empty(mine[0], dtype=torch.uint8)
-        self._wait(
-            self._backend.recv([host], src, 3 * tag + 2), label, f"the data from rank {src} never came"
+        handle = backend.send([data], dst, 3 * tag + 2)
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(label, e, f"rank {dst} took no data") from e
+
+    def _recv(self, work: EventWork, tensor: torch.Tensor, src: int | None, tag: int) -> None:
+        label, backend = work.label, self._backend
+        header = torch.empty(4, dtype=torch.int64)
+        handle = (
+            backend.recv_anysource([header], 3 * tag) if src is None else backend.recv([header], src, 3 * tag)
         )
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+            source = "any rank" if src is None else f"rank {src}"
+            raise self._failed(label, e, f"no message from {source}") from e
+        if src is None:
+            src = int(handle._source_rank())  # noqa: SLF001 - torch's name for it
+        sent = check_header(header.tolist(), label, src)
+        holds = layout_of(tensor)
+        answer = verdict(tag, sent, tag, holds)
+        handle = backend.send([torch.tensor([answer, *holds], dtype=torch.int64)], src, 3 * tag + 1)
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(label, e, f"rank {src} took no answer") from e
+        work._set_source(src)  # noqa: SLF001
+        if answer != TAKEN:
+            raise mismatch(label, "recv", src, sent, holds)
+        if not holds[0]:
+            return
+        data = tensor.view(torch.uint8)
+        host = data if data.device.type == "cpu" else torch.empty(holds[0], dtype=torch.uint8)
+        handle = backend.recv([host], src, 3 * tag + 2)
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(label, e, f"the data from rank {src} never came") from e
         if host is not data:
             data.copy_(host)
             torch.cuda.current_stream(data.device).synchronize()
 
-    def _wait(self, handle: Any, label: object, missing: str) -> None:
-        try:
-            handle.wait()
-        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
-            raise translate(label, e, P2P_WAIT_RULES, limit=self._timeout, missing=missing) from e
+    def _failed(self, label: object, error: Exception, missing: str) -> CommError:
+        """A failed wait of a message, for people: what never came (``missing``), or Gloo's failure."""
+        return translate(label, error, P2P_WAIT_RULES, limit=self._timeout, missing=missing)
