@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.graph import increment_version
 
-from commlib import monitored, objects, p2p_front, reduction, subgroups
+from commlib import monitored, p2p_front, reduction, subgroups
 from commlib.capabilities import CapabilityTable, ReductionPlan, Row
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
@@ -36,6 +36,7 @@ from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
 from commlib.errors import CollectiveMismatchError, CommError, error_prefix
 from commlib.membership import NonGroupMember
+from commlib.objects import ObjectCollectives
 from commlib.p2p import P2POp, P2PRequest
 from commlib.prepared import PreparedCollective
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp
@@ -52,7 +53,7 @@ _root_groups = itertools.count()
 """Root groups created in this process: names them (``gloo#0``) alike on every rank."""
 
 
-class IProcessGroup(ArgumentChecks, abc.ABC):
+class IProcessGroup(ArgumentChecks, ObjectCollectives, abc.ABC):
     """A group of ranks that run collectives together.
 
     Every collective is in place on torch tensors and must be called by every
@@ -854,33 +855,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         seconds = subgroups.sub_config(self, name, timeout).timeout
         self._monitored_barriers += 1
         monitored.monitored_barrier(self, seconds, wait_all_ranks, self._monitored_barriers)
-
-    # ----------------------------------------------------------------- objects
-    def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
-        """Replace ``object_list``'s entries on every rank with ``src``'s (pickled; see ``commlib.objects``).
-
-        Args:
-            object_list: On ``src``, the objects to send; elsewhere, a list of the same length to fill.
-            src: Rank whose objects are sent.
-        """
-        objects.broadcast_object_list(self, object_list, src)
-
-    def all_gather_object(self, object_list: list[Any], obj: Any) -> None:
-        """Fill ``object_list`` (``world_size`` entries) with every rank's ``obj``, in rank order."""
-        objects.all_gather_object(self, object_list, obj)
-
-    def gather_object(self, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0) -> None:
-        """Collect every rank's ``obj`` into ``object_gather_list`` (``world_size`` entries) on ``dst``."""
-        objects.gather_object(self, obj, object_gather_list, dst)
-
-    def scatter_object_list(
-        self,
-        scatter_object_output_list: list[Any],
-        scatter_object_input_list: list[Any] | None = None,
-        src: int = 0,
-    ) -> None:
-        """Put entry ``i`` of ``src``'s input list into ``scatter_object_output_list[0]`` on rank ``i``."""
-        objects.scatter_object_list(self, scatter_object_output_list, scatter_object_input_list, src)
 
     # ---------------------------------------------------------- point-to-point
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
