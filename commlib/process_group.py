@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.graph import increment_version
 
-from commlib import monitored, p2p_front, reduction, subgroups
+from commlib import monitored, reduction, subgroups
 from commlib.capabilities import CapabilityTable, ReductionPlan, Row
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
@@ -37,7 +37,7 @@ from commlib.env import DistEnv
 from commlib.errors import CollectiveMismatchError, CommError, error_prefix
 from commlib.membership import NonGroupMember
 from commlib.objects import ObjectCollectives
-from commlib.p2p import P2POp, P2PRequest
+from commlib.p2p_front import PointToPoint
 from commlib.prepared import PreparedCollective
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, Work
@@ -53,7 +53,7 @@ _root_groups = itertools.count()
 """Root groups created in this process: names them (``gloo#0``) alike on every rank."""
 
 
-class IProcessGroup(ArgumentChecks, ObjectCollectives, abc.ABC):
+class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, abc.ABC):
     """A group of ranks that run collectives together.
 
     Every collective is in place on torch tensors and must be called by every
@@ -151,8 +151,7 @@ class IProcessGroup(ArgumentChecks, ObjectCollectives, abc.ABC):
         """Whether the ranks were found calling different collectives (``_parting_history``)."""
         self._monitored_barriers = 0
         """``monitored_barrier`` calls on this group so far (their messages carry the number)."""
-        self._p2p_counts: dict[tuple[str, int | None, int], int] = {}
-        """Point-to-point operations issued so far, per (``send``/``recv``, peer, tag)."""
+        self._init_point_to_point()
         self._diagnostics: Diagnostics | None = None
         """Stall watchdog, fingerprint check and flight recorder, when any is on."""
         self._bytes_issued = 0
@@ -856,72 +855,6 @@ class IProcessGroup(ArgumentChecks, ObjectCollectives, abc.ABC):
         self._monitored_barriers += 1
         monitored.monitored_barrier(self, seconds, wait_all_ranks, self._monitored_barriers)
 
-    # ---------------------------------------------------------- point-to-point
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send ``tensor`` to rank ``dst``; return once it can be reused.
-
-        The matching ``recv`` must name this rank (or any rank) and ``tag`` and
-        pass a tensor of as many bytes. Messages from one rank to another with
-        one tag arrive in the order sent.
-
-        Args:
-            tensor: Contiguous tensor to send.
-            dst: The receiving rank (not this one).
-            tag: Matches the receive (``0..max_tag``).
-
-        Raises:
-            CommError: The receiver's tensor has a different size (raised on both
-                sides), or the peer failed.
-            CommTimeoutError: No matching receive within the group's timeout.
-        """
-        self._check_usable("send")
-        p2p_front.run(self, p2p_front.checked_request(self, "send", "send", tensor, dst, tag))
-
-    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
-        """Receive a message from rank ``src`` (None: any rank) into ``tensor``; return the sender's rank.
-
-        Args:
-            tensor: Contiguous tensor with as many bytes as the message.
-            src: The sending rank, or None for whichever sends first.
-            tag: Matches the send.
-
-        Raises:
-            CommError: The message has a different size than ``tensor`` (raised on
-                both sides), or the peer failed.
-            CommTimeoutError: No message within the group's timeout.
-        """
-        self._check_usable("recv")
-        return p2p_front.run(self, p2p_front.checked_request(self, "recv", "recv", tensor, src, tag))
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        """Start ``send``; return its ``Work`` (do not touch ``tensor`` until it completes)."""
-        return p2p_front.point_to_point(self, "isend", "send", tensor, dst, tag)
-
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        """Start ``recv``; return its ``Work`` (``work.source_rank()`` names the sender once it completed)."""
-        return p2p_front.point_to_point(self, "irecv", "recv", tensor, src, tag)
-
-    def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
-        """Start every send and receive of ``p2p_op_list`` at once; return their works, in order.
-
-        Sends and receives in one batch never wait for each other, so two ranks may
-        send to each other in one batch each. Every op must belong to this group
-        (``P2POp(..., group=group)``, or ``group.isend`` / ``group.irecv`` as ``op``).
-
-        Raises:
-            ValueError: The list is empty, or an op names another group, a bad peer or tag.
-        """
-        return p2p_front.batch_isend_irecv(self, p2p_op_list)
-
-    def _start_p2p(self, request: P2PRequest, async_op: bool) -> list[Work]:
-        if request.kind == "send":
-            return [self._send(request.tensor, request.peer, request.tag, async_op)]  # type: ignore[arg-type]
-        return [self._recv(request.tensor, request.peer, request.tag, async_op)]
-
-    def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work:
-        """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``."""
-        return p2p_front.reserved(self, kind, tensor, peer)
-
     # ---------------------------------------------------------------- subgroups
     def new_group(
         self,
@@ -1264,46 +1197,6 @@ class IProcessGroup(ArgumentChecks, ObjectCollectives, abc.ABC):
         """
         raise self._not_implemented("all_to_all")
 
-    def _p2p_now(self, request: P2PRequest) -> int:
-        """Run one send or receive on this thread, to its end; return the peer (a receive's source).
-
-        The default starts it with ``_send`` / ``_recv`` (``async_op=False``) and
-        waits for its work; a backend that can run it without a work overrides it.
-        """
-        (work,) = self._start_p2p(request, False)
-        work.wait()
-        if request.peer is not None:
-            return request.peer
-        work._is_recv = True  # noqa: SLF001
-        return work.source_rank()
-
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        """Start a send of flat ``tensor`` to ``dst`` (never this rank).
-
-        The work fails on both sides if the receiver's tensor has a different
-        size, and with ``CommTimeoutError`` naming peer and tag if no receive
-        comes within the group's timeout. It must not advance ``_seq``.
-        """
-        raise self._not_implemented("send")
-
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        """Start a receive into flat ``tensor`` from ``src`` (None: any rank; ``work._set_source(r)``)."""
-        raise self._not_implemented("recv")
-
-    def _batch_p2p(self, requests: list[P2PRequest], async_op: bool) -> list[Work]:
-        """Start every request at once, in order; return their works.
-
-        The default calls ``_send`` / ``_recv`` with ``async_op=True`` for each. A
-        backend overrides it only if those could block each other (two ranks
-        sending to each other in one batch must not deadlock).
-        """
-        return [
-            self._send(r.tensor, r.peer, r.tag, True)  # type: ignore[arg-type]
-            if r.kind == "send"
-            else self._recv(r.tensor, r.peer, r.tag, True)
-            for r in requests
-        ]
-
     def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
         """Make the group of ``ranks`` (ranks of this group, in the new group's rank order).
 
@@ -1335,21 +1228,6 @@ class IProcessGroup(ArgumentChecks, ObjectCollectives, abc.ABC):
         """Name the current collective (sequence number ``_seq``) for messages."""
         return CollectiveLabel(
             self.rank, self.world_size, self.backend, op, self._seq, tensor, group=self._named_ranks
-        )
-
-    def _request_label(self, request: P2PRequest) -> CollectiveLabel:
-        """Name a checked send or receive for messages (``_p2p_label``, from what the request holds)."""
-        kind, tensor, peer, tag, seq = request
-        env = self._env
-        return CollectiveLabel(
-            env.rank, env.world_size, self.backend_name, kind, seq, tensor, peer, tag, self._named_ranks
-        )
-
-    def _p2p_label(self, op: str, tensor: torch.Tensor | None, peer: int | None, tag: int) -> CollectiveLabel:
-        """Name the latest ``send`` / ``recv`` with ``peer`` and ``tag`` for messages."""
-        seq = self._p2p_counts.get((op, peer, tag), 0)
-        return CollectiveLabel(
-            self.rank, self.world_size, self.backend, op, seq, tensor, peer, tag, self._named_ranks
         )
 
     def _not_implemented(self, op: str) -> NotImplementedError:
