@@ -17,7 +17,6 @@ from __future__ import annotations
 import abc
 import datetime
 import functools
-import itertools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -35,10 +34,10 @@ from commlib.diagnosis import Diagnostics, FingerprintExchange, history
 from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
 from commlib.errors import CollectiveMismatchError, CommError, error_prefix
-from commlib.membership import NonGroupMember
 from commlib.objects import ObjectCollectives
 from commlib.p2p_front import PointToPoint
 from commlib.prepared import PreparedCollective
+from commlib.subgroups import Subgroups
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, Work
 
@@ -49,11 +48,9 @@ logger = logging.getLogger("commlib")
 _SLOT = HISTORY - 1
 """``seq & _SLOT``: the slot of collective ``seq`` in a group's history."""
 
-_root_groups = itertools.count()
-"""Root groups created in this process: names them (``gloo#0``) alike on every rank."""
 
 
-class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, abc.ABC):
+class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, Subgroups, abc.ABC):
     """A group of ranks that run collectives together.
 
     Every collective is in place on torch tensors and must be called by every
@@ -155,12 +152,7 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, abc.ABC):
         self._diagnostics: Diagnostics | None = None
         """Stall watchdog, fingerprint check and flight recorder, when any is on."""
         self._bytes_issued = 0
-        self._global_ranks: tuple[int, ...] = tuple(range(env.world_size))
-        self._named_ranks: tuple[int, ...] | None = None
-        """A subgroup's global ranks, which its messages name; None for a root group."""
-        self._group_name = f"#{next(_root_groups)}"
-        self._subgroups_made = 0
-        """``new_group`` / ``split`` calls on this group: numbers the groups they make."""
+        self._init_subgroups()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -202,17 +194,6 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, abc.ABC):
     def timeout(self) -> float:
         """Seconds a blocking wait may take before it raises ``CommTimeoutError``."""
         return self._config.timeout
-
-    @property
-    def global_ranks(self) -> tuple[int, ...]:
-        """The members' ranks in the root group (the one with no parent), in this group's rank order."""
-        return self._global_ranks
-
-    @property
-    def group_name(self) -> str:
-        """The group's name, alike on every member: ``gloo#0`` (a root group), ``gloo#0.2`` (a subgroup)."""
-        name = self._group_name
-        return f"{self.backend}{name}" if name.startswith("#") else name
 
     @property
     def collective_count(self) -> int:
@@ -855,119 +836,6 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, abc.ABC):
         self._monitored_barriers += 1
         monitored.monitored_barrier(self, seconds, wait_all_ranks, self._monitored_barriers)
 
-    # ---------------------------------------------------------------- subgroups
-    def new_group(
-        self,
-        ranks: Sequence[int],
-        *,
-        timeout: float | datetime.timedelta | None = None,
-        sort_ranks: bool = True,
-        deterministic: bool | None = None,
-    ) -> IProcessGroup | NonGroupMember:
-        """Make a group of some of this group's ranks; every rank of this group must call it.
-
-        Call it on every rank, in the same order relative to other ``new_group``
-        and ``split`` calls, with the same ``ranks``. The new group's ranks follow
-        the sorted order of ``ranks``, as torch's (``sort_ranks=False``: their order as given).
-
-        Args:
-            ranks: Ranks of this group that join.
-            timeout: The new group's timeout (seconds or a timedelta); default this group's.
-            sort_ranks: Order the new group's ranks by their rank here (torch's default), or
-                keep the order of ``ranks``.
-            deterministic: The new group's deterministic mode (``IProcessGroup.deterministic``);
-                default this group's.
-
-        Returns:
-            The new group on its members; on the other ranks ``commlib.GroupMember.NON_GROUP_MEMBER``
-            (a placeholder naming the group, on which every operation raises ``NotGroupMemberError``).
-
-        Raises:
-            TypeError: A rank is not an int.
-            ValueError: ``ranks`` is empty, holds a rank twice, or one out of range.
-
-        Example::
-
-            >>> dp = group.new_group([r for r in range(4) if r % 2 == group.rank % 2])
-        """
-        return subgroups.new_group(
-            self, ranks, timeout=timeout, sort_ranks=sort_ranks, deterministic=deterministic
-        )
-
-    def split(self, color: int | None, key: int = 0) -> IProcessGroup | NonGroupMember:
-        """Split this group into disjoint groups by ``color``, as MPI's ``Comm_split``; every rank calls it.
-
-        Ranks that pass the same ``color`` form one group, ordered by ``(key, rank)``.
-
-        Args:
-            color: A non-negative int; None (or a negative int) joins no group.
-            key: Orders the ranks within their group.
-
-        Returns:
-            This rank's group; for ``color=None``, ``commlib.GroupMember.NON_GROUP_MEMBER``.
-
-        Example::
-
-            >>> tp = group.split(color=group.rank // 2)   # ranks {0, 1} and {2, 3}
-        """
-        return subgroups.split(self, color, key)
-
-    def split_group(
-        self,
-        split_ranks: Sequence[Sequence[int]],
-        *,
-        timeout: float | datetime.timedelta | None = None,
-        deterministic: bool | None = None,
-    ) -> IProcessGroup | NonGroupMember:
-        """Split this group into the disjoint groups ``split_ranks`` names, as torch's ``split_group``.
-
-        Every rank of this group calls it with the same lists (ranks of this
-        group); a rank in none of them gets ``commlib.GroupMember.NON_GROUP_MEMBER``
-        (torch's gives None, which commlib reads as the default group). One call
-        makes every group, each ordered by rank.
-
-        Args:
-            split_ranks: Disjoint lists of ranks of this group.
-            timeout: The new groups' timeout (seconds or a timedelta); default this group's.
-            deterministic: The new groups' deterministic mode; default this group's.
-
-        Returns:
-            The group holding this rank, or ``commlib.GroupMember.NON_GROUP_MEMBER``.
-
-        Raises:
-            TypeError: ``split_ranks`` is not a list of lists of ints.
-            ValueError: A list is empty, or a rank is out of range or in two lists.
-
-        Example::
-
-            >>> pair = group.split_group([[0, 1], [2, 3]])   # 4 ranks: two groups of two
-        """
-        return subgroups.split_group(self, split_ranks, timeout=timeout, deterministic=deterministic)
-
-    def _subgroup_env(self, ranks: Sequence[int]) -> DistEnv:
-        """The ``DistEnv`` of this rank in the subgroup of ``ranks`` (``commlib.subgroups.subgroup_env``)."""
-        return subgroups.subgroup_env(self, ranks)
-
-    def get_group_rank(self, global_rank: int) -> int:
-        """Return the rank in this group of the member whose root-group rank is ``global_rank``."""
-        return self._group_rank_of("get_group_rank", global_rank, "global_rank")
-
-    def get_global_rank(self, group_rank: int) -> int:
-        """Return the root-group rank of this group's rank ``group_rank``."""
-        self._check_rank("get_global_rank", group_rank, "group_rank")
-        return self._global_ranks[group_rank]
-
-    def _group_rank_of(self, op: str, global_rank: object, arg: str) -> int:
-        if isinstance(global_rank, bool) or not isinstance(global_rank, int):
-            raise TypeError(f"{self._prefix(op)}{arg} must be an int rank, got {global_rank!r}")
-        try:
-            return self._global_ranks.index(global_rank)
-        except ValueError:
-            raise ValueError(
-                f"{self._prefix(op)}{arg}={global_rank} is not a member of this group "
-                f"(its global ranks: {list(self._global_ranks)})"
-            ) from None
-
     # -------------------------------------------------------------------- close
     def _barrier_before_close(self, op: str) -> CollectiveMismatchError | None:
         """Run a barrier before ``op`` closes the group; return the error if the ranks' counts differ.
@@ -1196,29 +1064,6 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, abc.ABC):
         Both lists hold ``world_size`` flat views; sizes may differ from peer to peer.
         """
         raise self._not_implemented("all_to_all")
-
-    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
-        """Make the group of ``ranks`` (ranks of this group, in the new group's rank order).
-
-        Every rank of this group calls it; members return the connected group
-        (built with ``_subgroup_env(ranks)`` and ``config``), others None. ``name``
-        is the same on every member and unique in the job (for rendezvous keys).
-        The interface sets up the result's global ranks and diagnosis.
-        """
-        raise self._not_implemented("new_group")
-
-    def _split(self, groups: list[list[int]], config: CommConfig, names: list[str]) -> IProcessGroup | None:
-        """Make every group of ``groups`` (disjoint, each in rank order); return this rank's, or None.
-
-        The default calls ``_new_group`` once per group, in order, on every rank.
-        A backend with a native split (MPI's ``Comm_split``) overrides it.
-        """
-        mine = None
-        for ranks, name in zip(groups, names, strict=True):
-            child = self._new_group(ranks, config, name)
-            if child is not None:
-                mine = child
-        return mine
 
     # ------------------------------------------------------------------ helpers
     def _prefix(self, op: str) -> str:
