@@ -17,8 +17,6 @@ from __future__ import annotations
 import abc
 import datetime
 import functools
-import logging
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -30,10 +28,10 @@ from commlib.capabilities import CapabilityTable, ReductionPlan, Row
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
 from commlib.deterministic import DeterministicReductions, deterministic_mode
-from commlib.diagnosis import Diagnostics, FingerprintExchange, history
 from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
-from commlib.errors import CollectiveMismatchError, CommError, error_prefix
+from commlib.errors import error_prefix
+from commlib.lifecycle import Lifecycle
 from commlib.objects import ObjectCollectives
 from commlib.p2p_front import PointToPoint
 from commlib.prepared import PreparedCollective
@@ -43,14 +41,11 @@ from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
 
-logger = logging.getLogger("commlib")
-
 _SLOT = HISTORY - 1
 """``seq & _SLOT``: the slot of collective ``seq`` in a group's history."""
 
 
-
-class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, Subgroups, abc.ABC):
+class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, Subgroups, abc.ABC):
     """A group of ranks that run collectives together.
 
     Every collective is in place on torch tensors and must be called by every
@@ -132,8 +127,7 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, Subgroups, 
         self._config = config if config is not None else CommConfig()
         self._exact = DeterministicReductions(self) if deterministic_mode(self._config) else None
         """The deterministic mode's reductions (``commlib.deterministic``), or None when it is off."""
-        self._closed = False
-        self._broken: BaseException | None = None
+        self._init_lifecycle()
         # (op, dtype, device, layout) combinations that passed the full checks, with their
         # plan: the hot path of a training loop reduces the same kinds of tensor every step.
         self._accepted: dict[tuple[object, ...], ReductionPlan] = {}
@@ -142,15 +136,9 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, Subgroups, 
         """Collectives issued on this group so far; the current one's sequence number."""
         self._recent = new_history()
         """The kinds of the last collectives, at ``seq & _SLOT`` (``commlib.diagnosis.history``)."""
-        self._closing_with = ""
-        """The call a collective of the interface's own belongs to (``destroy_process_group``), else empty."""
-        self._calls_parted = False
-        """Whether the ranks were found calling different collectives (``_parting_history``)."""
         self._monitored_barriers = 0
         """``monitored_barrier`` calls on this group so far (their messages carry the number)."""
         self._init_point_to_point()
-        self._diagnostics: Diagnostics | None = None
-        """Stall watchdog, fingerprint check and flight recorder, when any is on."""
         self._bytes_issued = 0
         self._init_subgroups()
 
@@ -836,61 +824,6 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, Subgroups, 
         self._monitored_barriers += 1
         monitored.monitored_barrier(self, seconds, wait_all_ranks, self._monitored_barriers)
 
-    # -------------------------------------------------------------------- close
-    def _barrier_before_close(self, op: str) -> CollectiveMismatchError | None:
-        """Run a barrier before ``op`` closes the group; return the error if the ranks' counts differ.
-
-        A rank that issued a collective more than the others (or fewer) is still in it when
-        the others reach this barrier, so the ranks' checks pair the barrier with it and every
-        rank raises (``commlib.diagnosis.history``). Skipped on one rank, on a group that is
-        closed or broken, once the ranks were found calling different collectives (the error
-        was raised on every rank then), and while an exception is being handled (the rank is
-        failing: its peers learn it from the closed connection). Any other failure of the
-        barrier is logged, and the group closes anyway.
-
-        Returns:
-            The ``CollectiveMismatchError`` to raise once the group is closed, or None.
-        """
-        if self.world_size == 1 or self._closed or self._broken is not None or self._calls_parted:
-            return None  # (after different calls, a peer that raised may have closed already)
-        if sys.exc_info()[1] is not None:
-            return None
-        self._closing_with = op
-        try:
-            self.barrier()
-        except CollectiveMismatchError as e:
-            found = str(e).split(": ", 1)[-1]
-            return CollectiveMismatchError(
-                f"{self._prefix(op)}the barrier it runs first, to compare the ranks' collective counts, "
-                f"found them different (this rank issued {self.collective_count}, the barrier included): "
-                f"{found}"
-            )
-        except CommError as e:
-            logger.info("%sthe ranks' collective counts were not compared: %s", self._prefix(op), e)
-        finally:
-            self._closing_with = ""
-        return None
-
-    def close(self) -> None:
-        """Release connections and buffers; later collectives raise ``GroupClosedError``.
-
-        Calling it again does nothing. Subgroups made from this group stay usable
-        where the backend allows it (see docs/backends.md).
-        """
-        if self._closed:
-            return
-        self._closed = True
-        diagnostics, self._diagnostics = self._diagnostics, None
-        try:
-            if diagnostics is not None:
-                diagnostics.close()
-        finally:
-            try:
-                self._close()
-            finally:
-                if self._exact is not None:
-                    self._exact.close()
-
     # -------------------------------------------------------------- issuing
     def _issue(
         self,
@@ -932,47 +865,10 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, Subgroups, 
         work.wait()
         return None
 
-    def _parting_history(self) -> str:
-        """This rank's count and last collectives, to swap when the ranks' checks found different calls.
-
-        The backend's check (the ring's records) or the fingerprint check calls it on every rank,
-        at the same point; from then on ``destroy_process_group`` runs no barrier of its own.
-        """
-        self._calls_parted = True
-        return history.describe(self)
-
     def _next_seq(self) -> int:
         """Advance ``_seq`` for the collective being issued now (the diagnosis's issuing thread calls it)."""
         self._seq += 1
         return self._seq
-
-    # ------------------------------------------------------------- diagnosis
-    def _start_diagnostics(self) -> None:
-        """Start stall reports, the fingerprint check and the flight recorder, as ``config`` asks.
-
-        Called once the backend is connected, by whoever created the group
-        (``commlib.create_process_group``, ``from_torch_group``, ``from_mpi_comm``,
-        ``new_group``); every rank must call it, as it sets up the side channel
-        with one broadcast. A group that was never started runs without
-        diagnosis. If it fails, the group is closed.
-
-        Raises:
-            CommError: ``COMMLIB_DEBUG=DETAIL`` asks for the side channel and it could not be set up.
-        """
-        if self._diagnostics is not None or self._closed:
-            return
-        try:
-            self._diagnostics = Diagnostics.start(self)
-        except BaseException:
-            self.close()
-            raise
-
-    def _fingerprint_exchange(self) -> FingerprintExchange | None:
-        """Return a cheaper way than the side channel to swap fingerprints, or None to use the side channel.
-
-        It must not share state with the backend's data path: it is what checks that path.
-        """
-        return None
 
     # --------------------------------------------------- backend implementation
     def _ordered_all_reduce(
@@ -1077,11 +973,6 @@ class IProcessGroup(ArgumentChecks, PointToPoint, ObjectCollectives, Subgroups, 
 
     def _not_implemented(self, op: str) -> NotImplementedError:
         return NotImplementedError(f"{self._prefix(op)}the {self.backend} backend does not implement {op}")
-
-    def _mark_broken(self, error: BaseException) -> None:
-        """Record that the group cannot be used any more (a peer died, a wait timed out)."""
-        if self._broken is None:
-            self._broken = error
 
     @staticmethod
     def _whole(flat: torch.Tensor | None, blocks: list[torch.Tensor]) -> torch.Tensor:
