@@ -24,7 +24,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from commlib import monitored, reduction, subgroups
-from commlib.capabilities import CapabilityTable, ReductionPlan, Row
+from commlib.capabilities import ReductionPlan, Row
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
 from commlib.deterministic import DeterministicReductions, deterministic_mode
@@ -128,10 +128,7 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         self._exact = DeterministicReductions(self) if deterministic_mode(self._config) else None
         """The deterministic mode's reductions (``commlib.deterministic``), or None when it is off."""
         self._init_lifecycle()
-        # (op, dtype, device, layout) combinations that passed the full checks, with their
-        # plan: the hot path of a training loop reduces the same kinds of tensor every step.
-        self._accepted: dict[tuple[object, ...], ReductionPlan] = {}
-        self._capabilities: CapabilityTable | None = None
+        self._init_checks()
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
         self._recent = new_history()
@@ -278,23 +275,6 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         if isinstance(op, PremulSum):
             op = op.op
         return self._reduction_table().plan(op, dtype, torch.device(device).type)
-
-    def _reduction_table(self) -> CapabilityTable:
-        """The group's capability table, made from ``_reduction_rows`` on first use."""
-        table = self._capabilities
-        if table is None:
-            table = self._capabilities = CapabilityTable(
-                self._reduction_rows(), self.supported_dtypes, frozenset(self.supported_devices)
-            )
-        return table
-
-    def _prefer_reduction_rows(self, *rows: Row) -> None:
-        """Route what ``rows`` cover their way from now on (a route found at run time).
-
-        The table and the plans the argument checks cached (``_accepted``) forget their answers.
-        """
-        self._reduction_table().prefer(*rows)
-        self._accepted.clear()
 
     def _reduction_rows(self) -> tuple[Row, ...]:
         """The backend's declarations of what it reduces, first match first (``commlib.capabilities``).
