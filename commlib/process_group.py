@@ -1,15 +1,14 @@
 """``IProcessGroup``: the collective interface every backend implements.
 
-Public methods check their arguments once, before any communication, then call
-one backend hook (``_all_reduce``, ``_send``, ``_new_group``...), which returns a
-``Work``. Every operation is issued by one helper, ``_issue`` (collectives),
-``commlib.p2p_front.issue`` (asynchronous point-to-point) or
-``commlib.p2p_front.run`` (``send`` and ``recv``, which need no work: the
-backend's ``_p2p_now`` runs them to the end), which numbers it, hands it to the
-diagnosis when that is on, and waits for it unless the caller asked for
-``async_op``. Beside this module: ``commlib.p2p_front`` (the point-to-point
-front end), ``commlib.subgroups`` (``new_group``, ``split``, ``split_group``)
-and ``commlib.reduction`` (the reductions a backend cannot do itself).
+Each public method checks its arguments once, before any communication, then calls
+one backend hook (``_all_reduce``, ``_broadcast``...), which returns a ``Work``.
+``_issue`` numbers every collective, hands it to the diagnosis when that is on, and
+waits for it unless the caller asked for ``async_op``. The rest lives beside this
+module, in bases of ``IProcessGroup``: ``commlib.checks`` (the argument checks),
+``commlib.lifecycle`` (diagnosis start-up, breaking, closing), ``commlib.p2p_front``
+(point-to-point), ``commlib.objects`` (object collectives) and ``commlib.subgroups``
+(``new_group``, ``split``, ``split_group``); ``commlib.reduction`` does the reductions
+a backend cannot do itself.
 """
 
 from __future__ import annotations
@@ -54,27 +53,21 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
     returns ``None`` once the result is in the tensor. Ranks (``src``, ``dst``,
     ``peer``) are ranks of this group.
 
-    Subclasses set ``backend_name`` and implement ``_all_reduce``,
-    ``_broadcast``, ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and
-    ``_close``; the hooks of the other operations (``_reduce``, ``_gather``,
-    ``_scatter``, ``_all_to_all``, ``_send``, ``_recv``, ``_new_group``) raise
-    ``NotImplementedError`` until a backend implements them; a blocking ``send``
-    or ``recv`` calls ``_p2p_now``, which by default starts ``_send`` / ``_recv``
-    and waits, and which a backend may run without a ``Work``. Backends may narrow
-    ``supported_dtypes`` and ``supported_devices``, declare what they reduce themselves
-    in ``_reduction_rows`` (``commlib.capabilities``), override ``supports``, or run the
-    deterministic mode's all-reduce themselves (``_ordered_all_reduce``). What
-    every backend needs is here: argument checks, the sequence number and label
-    of each collective (``_seq``, ``_label``; point-to-point operations are
-    counted per peer and tag instead, ``_p2p_label``), ``ReduceOp.AVG`` and
-    ``PREMUL_SUM`` for backends that cannot do them natively, MAX and MIN that
-    propagate NaN for backends whose own drop it (as their capability table says), bool
-    reductions as BAND/BOR (``commlib.reduction``), the autograd version bump of every
-    tensor a collective writes, subgroups' global ranks and names (``commlib.subgroups``),
-    and the diagnosis
-    (stall reports, ``COMMLIB_DEBUG=DETAIL``, the flight recorder; see
-    ``commlib.diagnosis``), which whoever creates the group starts with
-    ``_start_diagnostics()`` once it is connected.
+    Subclasses set ``backend_name`` and implement ``_all_reduce``, ``_broadcast``,
+    ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and ``_close``. The hooks of the
+    other operations (``_reduce``, ``_gather``, ``_scatter``, ``_all_to_all``; ``_send``,
+    ``_recv``, ``_p2p_now`` in ``commlib.p2p_front``; ``_new_group``, ``_split`` in
+    ``commlib.subgroups``) raise ``NotImplementedError`` until a backend implements
+    them. Backends may narrow ``supported_dtypes`` and ``supported_devices``, declare
+    what they reduce themselves in ``_reduction_rows`` (``commlib.capabilities``),
+    override ``supports``, or run the deterministic mode's all-reduce themselves
+    (``_ordered_all_reduce``). The interface gives every backend the argument checks,
+    the sequence number and label of each collective (``_seq``, ``_label``), what its
+    capability table says it cannot reduce itself (AVG, ``PREMUL_SUM``, MAX and MIN that
+    propagate NaN, bool reductions as BAND/BOR: ``commlib.reduction``), the autograd
+    version bump of every tensor a collective writes, and the diagnosis (stall reports,
+    ``COMMLIB_DEBUG=DETAIL``, the flight recorder; ``commlib.diagnosis``), which whoever
+    creates the group starts with ``_start_diagnostics()`` once it is connected.
 
     Args:
         env: Rank, world size and rendezvous address of this process.
@@ -127,16 +120,17 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         self._config = config if config is not None else CommConfig()
         self._exact = DeterministicReductions(self) if deterministic_mode(self._config) else None
         """The deterministic mode's reductions (``commlib.deterministic``), or None when it is off."""
-        self._init_lifecycle()
-        self._init_checks()
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
         self._recent = new_history()
         """The kinds of the last collectives, at ``seq & _SLOT`` (``commlib.diagnosis.history``)."""
         self._monitored_barriers = 0
         """``monitored_barrier`` calls on this group so far (their messages carry the number)."""
-        self._init_point_to_point()
         self._bytes_issued = 0
+        # The bases' state, each written by its base alone.
+        self._init_checks()
+        self._init_lifecycle()
+        self._init_point_to_point()
         self._init_subgroups()
 
     # ------------------------------------------------------------------ identity
@@ -446,20 +440,9 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         if self.rank == dst:
             increment_version(flat)
         self._bytes_issued += tensor.nbytes
+        start = reduction.start_reduce
         return self._issue(
-            name,
-            tensor,
-            op,
-            dst,
-            async_op,
-            [tensor],
-            reduction.start_reduce,
-            self,
-            flat,
-            dst,
-            op,
-            plan,
-            async_op,
+            name, tensor, op, dst, async_op, [tensor], start, self, flat, dst, op, plan, async_op
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
@@ -510,17 +493,7 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         self._bytes_issued += tensor.nbytes
         flat = tensor.detach().view(-1)
         return self._issue(
-            name,
-            tensor,
-            None,
-            -1,
-            async_op,
-            output,
-            self._all_gather,
-            flat_output,
-            outputs,
-            flat,
-            async_op,
+            name, tensor, None, -1, async_op, output, self._all_gather, flat_output, outputs, flat, async_op
         )
 
     def all_gather_into_tensor(
@@ -569,21 +542,10 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         flat = output.detach().view(-1)
         increment_version(flat)
         self._bytes_issued += output.nbytes * self.world_size
+        start = reduction.start_reduce_scatter
+        value = [output]
         return self._issue(
-            name,
-            output,
-            op,
-            -1,
-            async_op,
-            [output],
-            reduction.start_reduce_scatter,
-            self,
-            flat,
-            flat_input,
-            inputs,
-            op,
-            plan,
-            async_op,
+            name, output, op, -1, async_op, value, start, self, flat, flat_input, inputs, op, plan, async_op
         )
 
     def reduce_scatter_tensor(
@@ -748,18 +710,9 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         increment_version(output.detach())
         self._bytes_issued += input.nbytes
         counts = ([t.numel() for t in outputs], [t.numel() for t in inputs])
+        start = self._all_to_all
         return self._issue(
-            "all_to_all",
-            input,
-            None,
-            -1,
-            async_op,
-            output,
-            self._all_to_all,
-            outputs,
-            inputs,
-            async_op,
-            counts=counts,
+            "all_to_all", input, None, -1, async_op, output, start, outputs, inputs, async_op, counts=counts
         )
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
