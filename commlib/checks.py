@@ -3,7 +3,9 @@
 Each check raises ``TypeError`` or ``ValueError`` (``GroupClosedError`` for a
 closed or broken group) with the ``[rank R/N] backend.op:`` prefix, naming the
 argument and what to do. ``ArgumentChecks`` is a base of ``IProcessGroup``; it
-reads the group's rank, world size, backend and supported dtypes and devices.
+reads the group's rank, world size, backend and supported dtypes and devices, and
+holds the capability table the reduction checks consult (``_reduction_table``,
+made from the backend's ``_reduction_rows``) with the plans they cached.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from commlib.capabilities import CapabilityTable, ReductionPlan
+from commlib.capabilities import CapabilityTable, ReductionPlan, Row
 from commlib.errors import GroupClosedError, ReduceOpTypeError
 from commlib.types import PremulSum, ReduceOp, dtype_name, op_applies
 
@@ -34,7 +36,6 @@ class ArgumentChecks:
     max_tag: int
     _closed: bool
     _broken: BaseException | None
-    _accepted: dict[tuple[object, ...], ReductionPlan]
 
     if TYPE_CHECKING:  # IProcessGroup's
 
@@ -44,7 +45,30 @@ class ArgumentChecks:
             self, op: ReduceOp | PremulSum, dtype: torch.dtype, device: torch.device | str = "cpu"
         ) -> bool: ...
 
-        def _reduction_table(self) -> CapabilityTable: ...
+        def _reduction_rows(self) -> tuple[Row, ...]: ...
+
+    def _init_checks(self) -> None:
+        self._accepted: dict[tuple[object, ...], ReductionPlan] = {}
+        """(op, dtype, device, layout) combinations that passed the full checks, with their plan:
+        the hot path of a training loop reduces the same kinds of tensor every step."""
+        self._capabilities: CapabilityTable | None = None
+
+    def _reduction_table(self) -> CapabilityTable:
+        """The group's capability table, made from ``_reduction_rows`` on first use."""
+        table = self._capabilities
+        if table is None:
+            table = self._capabilities = CapabilityTable(
+                self._reduction_rows(), self.supported_dtypes, frozenset(self.supported_devices)
+            )
+        return table
+
+    def _prefer_reduction_rows(self, *rows: Row) -> None:
+        """Route what ``rows`` cover their way from now on (a route found at run time).
+
+        The table and the plans the checks cached (``_accepted``) forget their answers.
+        """
+        self._reduction_table().prefer(*rows)
+        self._accepted.clear()
 
     def _check_usable(self, op: str) -> None:
         if self._closed:

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from commlib.config import CommConfig
 from commlib.work import Work
 
-__all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
+__all__ = ["ObjectCollectives"]
 
 _LENGTH = struct.Struct("!q")
 """The length before each pickled object inside a padded block."""
@@ -37,171 +37,166 @@ _FAILURE_CHARS = 2000
 """At most this much of a pickling error's text travels to the other ranks."""
 
 
-class ObjectGroup(Protocol):
-    """The tensor collectives the object collectives run on (``IProcessGroup`` has them)."""
+class ObjectCollectives:
+    """The object collectives of ``IProcessGroup``, a base of it: run on its tensor collectives."""
 
     rank: int
     world_size: int
     config: CommConfig
 
-    def preferred_device(self) -> torch.device: ...  # noqa: D102
-    def _prefix(self, op: str) -> str: ...
-    def _check_rank(self, op: str, value: object, arg: str) -> None: ...
-    def all_gather(self, output: Any, tensor: torch.Tensor, *, async_op: bool = False) -> Work | None: ...  # noqa: D102
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None: ...  # noqa: D102
-    def gather(  # noqa: D102
-        self, tensor: torch.Tensor, gather_list: Any = None, dst: int = 0, *, async_op: bool = False
-    ) -> Work | None: ...
-    def scatter(  # noqa: D102
-        self, tensor: torch.Tensor, scatter_list: Any = None, src: int = 0, *, async_op: bool = False
-    ) -> Work | None: ...
+    if TYPE_CHECKING:  # IProcessGroup's
 
+        def preferred_device(self) -> torch.device: ...  # noqa: D102
+        def _prefix(self, op: str) -> str: ...
+        def _check_rank(self, op: str, value: object, arg: str) -> None: ...
+        def all_gather(self, output: Any, tensor: torch.Tensor, *, async_op: bool = False) -> Work | None: ...  # noqa: D102
+        def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None: ...  # noqa: D102
+        def gather(  # noqa: D102
+            self, tensor: torch.Tensor, gather_list: Any = None, dst: int = 0, *, async_op: bool = False
+        ) -> Work | None: ...
+        def scatter(  # noqa: D102
+            self, tensor: torch.Tensor, scatter_list: Any = None, src: int = 0, *, async_op: bool = False
+        ) -> Work | None: ...
 
-def broadcast_object_list(group: ObjectGroup, object_list: list[Any], src: int = 0) -> None:
-    """Replace ``object_list``'s entries on every rank with those of rank ``src``.
+    def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
+        """Replace ``object_list``'s entries on every rank with ``src``'s (pickled; see ``commlib.objects``).
 
-    Args:
-        group: The group.
-        object_list: On ``src``, the objects to send; elsewhere, a list of as many entries, overwritten.
-        src: The sending rank.
+        Args:
+            object_list: On ``src``, the objects to send; elsewhere, a list of as many entries, overwritten.
+            src: Rank whose objects are sent.
 
-    Raises:
-        ValueError: (on every rank) a list's length differs from ``src``'s, or the pickled
-            objects exceed some rank's ``COMMLIB_MAX_OBJECT_BYTES``.
-        TypeError: (on every rank) an object of ``src`` does not pickle.
-    """
-    op = "broadcast_object_list"
-    group._check_rank(op, src, "src")
-    _check_list(group, op, object_list, "object_list")
-    payload, failure = b"", None
-    if group.rank == src:
-        pickles, failure = _dumps_each(object_list, "object_list")
-        payload = struct.pack(f"!{len(pickles)}q", *map(len, pickles)) + b"".join(pickles)
-    rows = _agree(group, op, len(payload), len(object_list), 0, failure)
-    size, count = rows[src][0], rows[src][1]
-    wrong = [r for r, row in enumerate(rows) if row[1] != count]
-    if wrong:
-        raise ValueError(
-            f"{group._prefix(op)}rank {src} sends {count} objects, but the object_list of rank(s) "
-            f"{', '.join(map(str, wrong))} has {', '.join(str(rows[r][1]) for r in wrong)} entries; "
-            "pass a list of the same length on every rank"
-        )
-    _over_limit(group, op, rows, [(src, r) for r in range(group.world_size)])
-    buffer = _tensor(group, payload if group.rank == src else size)
-    group.broadcast(buffer, src)
-    if group.rank != src:
-        data = _bytes(buffer)
-        sizes = struct.unpack_from(f"!{count}q", data)
-        offset = 8 * count
-        for i, length in enumerate(sizes):
-            object_list[i] = pickle.loads(data[offset : offset + length])
-            offset += length
+        Raises:
+            ValueError: (on every rank) a list's length differs from ``src``'s, or the pickled
+                objects exceed some rank's ``COMMLIB_MAX_OBJECT_BYTES``.
+            TypeError: (on every rank) an object of ``src`` does not pickle.
+        """
+        op = "broadcast_object_list"
+        self._check_rank(op, src, "src")
+        _check_list(self, op, object_list, "object_list")
+        payload, failure = b"", None
+        if self.rank == src:
+            pickles, failure = _dumps_each(object_list, "object_list")
+            payload = struct.pack(f"!{len(pickles)}q", *map(len, pickles)) + b"".join(pickles)
+        rows = _agree(self, op, len(payload), len(object_list), 0, failure)
+        size, count = rows[src][0], rows[src][1]
+        wrong = [r for r, row in enumerate(rows) if row[1] != count]
+        if wrong:
+            raise ValueError(
+                f"{self._prefix(op)}rank {src} sends {count} objects, but the object_list of rank(s) "
+                f"{', '.join(map(str, wrong))} has {', '.join(str(rows[r][1]) for r in wrong)} entries; "
+                "pass a list of the same length on every rank"
+            )
+        _over_limit(self, op, rows, [(src, r) for r in range(self.world_size)])
+        buffer = _tensor(self, payload if self.rank == src else size)
+        self.broadcast(buffer, src)
+        if self.rank != src:
+            data = _bytes(buffer)
+            sizes = struct.unpack_from(f"!{count}q", data)
+            offset = 8 * count
+            for i, length in enumerate(sizes):
+                object_list[i] = pickle.loads(data[offset : offset + length])
+                offset += length
 
+    def all_gather_object(self, object_list: list[Any], obj: Any) -> None:
+        """Fill ``object_list`` (``world_size`` entries) with every rank's ``obj``, in rank order.
 
-def all_gather_object(group: ObjectGroup, object_list: list[Any], obj: Any) -> None:
-    """Fill ``object_list`` (``world_size`` entries) with every rank's ``obj``, in rank order.
-
-    Raises:
-        ValueError: (on every rank) some ``object_list`` does not have ``world_size`` entries,
-            or an object exceeds some rank's ``COMMLIB_MAX_OBJECT_BYTES``.
-        TypeError: (on every rank) some rank's ``obj`` does not pickle.
-    """
-    op = "all_gather_object"
-    world = group.world_size
-    _check_list(group, op, object_list, "object_list")
-    data, failure = _dumps(obj, "obj")
-    rows = _agree(group, op, len(data), len(object_list), world, failure)
-    _wrong_length(group, op, rows, world, "object_list", range(world))
-    _over_limit(group, op, rows, [(s, r) for s in range(world) for r in range(world)])
-    width = max(row[0] for row in rows)
-    gathered = _tensor(group, width * world)
-    group.all_gather(gathered, _tensor(group, data, width))
-    whole = _bytes(gathered)
-    for r, row in enumerate(rows):
-        object_list[r] = pickle.loads(whole[r * width : r * width + row[0]])
-
-
-def gather_object(
-    group: ObjectGroup, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0
-) -> None:
-    """Collect every rank's ``obj`` into ``object_gather_list`` (``world_size`` entries) on rank ``dst``.
-
-    Raises:
-        ValueError: (on every rank) ``dst``'s list does not have ``world_size`` entries, a
-            non-root rank passes a list, or an object exceeds ``dst``'s ``COMMLIB_MAX_OBJECT_BYTES``.
-        TypeError: (on every rank) some rank's ``obj`` does not pickle.
-    """
-    op = "gather_object"
-    world = group.world_size
-    group._check_rank(op, dst, "dst")
-    if object_gather_list is not None:
-        _check_list(group, op, object_gather_list, "object_gather_list")
-    data, failure = _dumps(obj, "obj")
-    length = -1 if object_gather_list is None else len(object_gather_list)
-    rows = _agree(group, op, len(data), length, world if group.rank == dst else -1, failure)
-    _wrong_length(group, op, rows, world, "object_gather_list", [dst])
-    extra = [r for r, row in enumerate(rows) if r != dst and row[1] > 0]
-    if extra:
-        raise ValueError(
-            f"{group._prefix(op)}rank(s) {', '.join(map(str, extra))} pass an object_gather_list, but only "
-            "the "
-            f"destination (dst={dst}) receives; pass None elsewhere"
-        )
-    _over_limit(group, op, rows, [(s, dst) for s in range(world)])
-    width = max(row[0] for row in rows)
-    blocks = [_tensor(group, width) for _ in range(world)] if group.rank == dst else None
-    group.gather(_tensor(group, data, width), blocks, dst)
-    if blocks is not None and object_gather_list is not None:
+        Raises:
+            ValueError: (on every rank) some ``object_list`` does not have ``world_size`` entries,
+                or an object exceeds some rank's ``COMMLIB_MAX_OBJECT_BYTES``.
+            TypeError: (on every rank) some rank's ``obj`` does not pickle.
+        """
+        op = "all_gather_object"
+        world = self.world_size
+        _check_list(self, op, object_list, "object_list")
+        data, failure = _dumps(obj, "obj")
+        rows = _agree(self, op, len(data), len(object_list), world, failure)
+        _wrong_length(self, op, rows, world, "object_list", range(world))
+        _over_limit(self, op, rows, [(s, r) for s in range(world) for r in range(world)])
+        width = max(row[0] for row in rows)
+        gathered = _tensor(self, width * world)
+        self.all_gather(gathered, _tensor(self, data, width))
+        whole = _bytes(gathered)
         for r, row in enumerate(rows):
-            object_gather_list[r] = pickle.loads(_bytes(blocks[r])[: row[0]])
+            object_list[r] = pickle.loads(whole[r * width : r * width + row[0]])
 
+    def gather_object(self, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0) -> None:
+        """Collect every rank's ``obj`` into ``object_gather_list`` (``world_size`` entries) on ``dst``.
 
-def scatter_object_list(
-    group: ObjectGroup,
-    scatter_object_output_list: list[Any],
-    scatter_object_input_list: list[Any] | None = None,
-    src: int = 0,
-) -> None:
-    """Put entry ``i`` of ``src``'s input list into ``scatter_object_output_list[0]`` on rank ``i``.
+        Raises:
+            ValueError: (on every rank) ``dst``'s list does not have ``world_size`` entries, a
+                non-root rank passes a list, or an object exceeds ``dst``'s ``COMMLIB_MAX_OBJECT_BYTES``.
+            TypeError: (on every rank) some rank's ``obj`` does not pickle.
+        """
+        op = "gather_object"
+        world = self.world_size
+        self._check_rank(op, dst, "dst")
+        if object_gather_list is not None:
+            _check_list(self, op, object_gather_list, "object_gather_list")
+        data, failure = _dumps(obj, "obj")
+        length = -1 if object_gather_list is None else len(object_gather_list)
+        rows = _agree(self, op, len(data), length, world if self.rank == dst else -1, failure)
+        _wrong_length(self, op, rows, world, "object_gather_list", [dst])
+        extra = [r for r, row in enumerate(rows) if r != dst and row[1] > 0]
+        if extra:
+            raise ValueError(
+                f"{self._prefix(op)}rank(s) {', '.join(map(str, extra))} pass an object_gather_list, "
+                f"but only the destination (dst={dst}) receives; pass None elsewhere"
+            )
+        _over_limit(self, op, rows, [(s, dst) for s in range(world)])
+        width = max(row[0] for row in rows)
+        blocks = [_tensor(self, width) for _ in range(world)] if self.rank == dst else None
+        self.gather(_tensor(self, data, width), blocks, dst)
+        if blocks is not None and object_gather_list is not None:
+            for r, row in enumerate(rows):
+                object_gather_list[r] = pickle.loads(_bytes(blocks[r])[: row[0]])
 
-    Raises:
-        ValueError: (on every rank) ``src``'s input list does not have ``world_size`` entries,
-            some output list is empty, or an object exceeds its receiver's ``COMMLIB_MAX_OBJECT_BYTES``.
-        TypeError: (on every rank) an object of ``src`` does not pickle.
-    """
-    op = "scatter_object_list"
-    world = group.world_size
-    group._check_rank(op, src, "src")
-    _check_list(group, op, scatter_object_output_list, "scatter_object_output_list")
-    pieces: list[bytes] = []
-    failure = None
-    if group.rank == src:
-        if scatter_object_input_list is not None:
-            _check_list(group, op, scatter_object_input_list, "scatter_object_input_list")
-            pieces, failure = _dumps_each(scatter_object_input_list, "scatter_object_input_list")
-    width = max(map(len, pieces), default=0) + _LENGTH.size
-    count = len(pieces) if group.rank == src else world
-    rows = _agree(group, op, width, count, world if scatter_object_output_list else -1, failure)
-    _wrong_length(group, op, rows, world, "scatter_object_input_list", [src])
-    empty = [r for r, row in enumerate(rows) if row[3] < 0]
-    if empty:
-        raise ValueError(
-            f"{group._prefix(op)}the scatter_object_output_list of rank(s) {', '.join(map(str, empty))} "
-            "is empty; "
-            "pass a list with one entry to receive into"
-        )
-    width = rows[src][0]
-    _over_limit(group, op, rows, [(src, r) for r in range(world)], width - _LENGTH.size)
-    blocks = [_tensor(group, _LENGTH.pack(len(p)) + p, width) for p in pieces] if group.rank == src else None
-    mine = _tensor(group, width)
-    group.scatter(mine, blocks, src)
-    data = _bytes(mine)
-    (length,) = _LENGTH.unpack_from(data)
-    scatter_object_output_list[0] = pickle.loads(data[_LENGTH.size : _LENGTH.size + length])
+    def scatter_object_list(
+        self,
+        scatter_object_output_list: list[Any],
+        scatter_object_input_list: list[Any] | None = None,
+        src: int = 0,
+    ) -> None:
+        """Put entry ``i`` of ``src``'s input list into ``scatter_object_output_list[0]`` on rank ``i``.
+
+        Raises:
+            ValueError: (on every rank) ``src``'s input list does not have ``world_size`` entries,
+                some output list is empty, or an object exceeds its receiver's ``COMMLIB_MAX_OBJECT_BYTES``.
+            TypeError: (on every rank) an object of ``src`` does not pickle.
+        """
+        op = "scatter_object_list"
+        world = self.world_size
+        self._check_rank(op, src, "src")
+        _check_list(self, op, scatter_object_output_list, "scatter_object_output_list")
+        pieces: list[bytes] = []
+        failure = None
+        if self.rank == src:
+            if scatter_object_input_list is not None:
+                _check_list(self, op, scatter_object_input_list, "scatter_object_input_list")
+                pieces, failure = _dumps_each(scatter_object_input_list, "scatter_object_input_list")
+        width = max(map(len, pieces), default=0) + _LENGTH.size
+        count = len(pieces) if self.rank == src else world
+        rows = _agree(self, op, width, count, world if scatter_object_output_list else -1, failure)
+        _wrong_length(self, op, rows, world, "scatter_object_input_list", [src])
+        empty = [r for r, row in enumerate(rows) if row[3] < 0]
+        if empty:
+            raise ValueError(
+                f"{self._prefix(op)}the scatter_object_output_list of rank(s) {', '.join(map(str, empty))} "
+                "is empty; pass a list with one entry to receive into"
+            )
+        width = rows[src][0]
+        _over_limit(self, op, rows, [(src, r) for r in range(world)], width - _LENGTH.size)
+        blocks = None
+        if self.rank == src:
+            blocks = [_tensor(self, _LENGTH.pack(len(p)) + p, width) for p in pieces]
+        mine = _tensor(self, width)
+        self.scatter(mine, blocks, src)
+        data = _bytes(mine)
+        (length,) = _LENGTH.unpack_from(data)
+        scatter_object_output_list[0] = pickle.loads(data[_LENGTH.size : _LENGTH.size + length])
 
 
 # ------------------------------------------------------------------ helpers
-def _check_list(group: ObjectGroup, op: str, value: object, arg: str) -> None:
+def _check_list(group: ObjectCollectives, op: str, value: object, arg: str) -> None:
     if not isinstance(value, list):
         raise TypeError(f"{group._prefix(op)}{arg} must be a list, got {type(value).__name__}")
 
@@ -235,7 +230,7 @@ def _dumps_each(objects: list[Any], what: str) -> tuple[list[bytes], _Failure | 
 
 
 def _agree(
-    group: ObjectGroup, op: str, size: int, length: int, expected: int, failure: _Failure | None = None
+    group: ObjectCollectives, op: str, size: int, length: int, expected: int, failure: _Failure | None = None
 ) -> list[list[int]]:
     """All-gather every rank's (size it sends, list length, its limit, list length it should have).
 
@@ -256,7 +251,7 @@ def _agree(
 
 
 def _raise_pickling_failures(
-    group: ObjectGroup, op: str, rows: list[list[int]], text: bytes, failure: _Failure | None
+    group: ObjectCollectives, op: str, rows: list[list[int]], text: bytes, failure: _Failure | None
 ) -> None:
     """All-gather the pickling errors' texts and raise them, on every rank alike."""
     width = max(row[4] for row in rows)
@@ -275,7 +270,7 @@ def _raise_pickling_failures(
 
 
 def _wrong_length(
-    group: ObjectGroup, op: str, rows: list[list[int]], world: int, arg: str, ranks: Any
+    group: ObjectCollectives, op: str, rows: list[list[int]], world: int, arg: str, ranks: Any
 ) -> None:
     wrong = [r for r in ranks if rows[r][1] != world]
     if wrong:
@@ -284,7 +279,11 @@ def _wrong_length(
 
 
 def _over_limit(
-    group: ObjectGroup, op: str, rows: list[list[int]], flows: list[tuple[int, int]], size: int | None = None
+    group: ObjectCollectives,
+    op: str,
+    rows: list[list[int]],
+    flows: list[tuple[int, int]],
+    size: int | None = None,
 ) -> None:
     """Raise on every rank if what ``src`` sends to ``dst`` (for each pair) exceeds either's limit."""
     for src, dst in flows:
@@ -299,7 +298,7 @@ def _over_limit(
                 )
 
 
-def _tensor(group: ObjectGroup, data: bytes | int, width: int | None = None) -> torch.Tensor:
+def _tensor(group: ObjectCollectives, data: bytes | int, width: int | None = None) -> torch.Tensor:
     """A uint8 tensor on the group's control device: ``data`` padded to ``width``, or ``data`` zero bytes."""
     device = group.preferred_device()
     if isinstance(data, int):

@@ -1,15 +1,14 @@
 """``IProcessGroup``: the collective interface every backend implements.
 
-Public methods check their arguments once, before any communication, then call
-one backend hook (``_all_reduce``, ``_send``, ``_new_group``...), which returns a
-``Work``. Every operation is issued by one helper, ``_issue`` (collectives),
-``commlib.p2p_front.issue`` (asynchronous point-to-point) or
-``commlib.p2p_front.run`` (``send`` and ``recv``, which need no work: the
-backend's ``_p2p_now`` runs them to the end), which numbers it, hands it to the
-diagnosis when that is on, and waits for it unless the caller asked for
-``async_op``. Beside this module: ``commlib.p2p_front`` (the point-to-point
-front end), ``commlib.subgroups`` (``new_group``, ``split``, ``split_group``)
-and ``commlib.reduction`` (the reductions a backend cannot do itself).
+Each public method checks its arguments once, before any communication, then calls
+one backend hook (``_all_reduce``, ``_broadcast``...), which returns a ``Work``.
+``_issue`` numbers every collective, hands it to the diagnosis when that is on, and
+waits for it unless the caller asked for ``async_op``. The rest lives beside this
+module, in bases of ``IProcessGroup``: ``commlib.checks`` (the argument checks),
+``commlib.lifecycle`` (diagnosis start-up, breaking, closing), ``commlib.p2p_front``
+(point-to-point), ``commlib.objects`` (object collectives) and ``commlib.subgroups``
+(``new_group``, ``split``, ``split_group``); ``commlib.reduction`` does the reductions
+a backend cannot do itself.
 """
 
 from __future__ import annotations
@@ -17,42 +16,35 @@ from __future__ import annotations
 import abc
 import datetime
 import functools
-import itertools
-import logging
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch.autograd.graph import increment_version
 
-from commlib import monitored, objects, p2p_front, reduction, subgroups
-from commlib.capabilities import CapabilityTable, ReductionPlan, Row
+from commlib import monitored, reduction, subgroups
+from commlib.capabilities import ReductionPlan, Row
 from commlib.checks import ArgumentChecks, TensorList
 from commlib.config import CommConfig
 from commlib.deterministic import DeterministicReductions, deterministic_mode
-from commlib.diagnosis import Diagnostics, FingerprintExchange, history
 from commlib.diagnosis.history import HISTORY, new_history
 from commlib.env import DistEnv
-from commlib.errors import CollectiveMismatchError, CommError, error_prefix
-from commlib.membership import NonGroupMember
-from commlib.p2p import P2POp, P2PRequest
+from commlib.errors import error_prefix
+from commlib.lifecycle import Lifecycle
+from commlib.objects import ObjectCollectives
+from commlib.p2p_front import PointToPoint
 from commlib.prepared import PreparedCollective
+from commlib.subgroups import Subgroups
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, Work
 
 __all__ = ["IProcessGroup", "TensorList"]
 
-logger = logging.getLogger("commlib")
-
 _SLOT = HISTORY - 1
 """``seq & _SLOT``: the slot of collective ``seq`` in a group's history."""
 
-_root_groups = itertools.count()
-"""Root groups created in this process: names them (``gloo#0``) alike on every rank."""
 
-
-class IProcessGroup(ArgumentChecks, abc.ABC):
+class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, Subgroups, abc.ABC):
     """A group of ranks that run collectives together.
 
     Every collective is in place on torch tensors and must be called by every
@@ -61,27 +53,21 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     returns ``None`` once the result is in the tensor. Ranks (``src``, ``dst``,
     ``peer``) are ranks of this group.
 
-    Subclasses set ``backend_name`` and implement ``_all_reduce``,
-    ``_broadcast``, ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and
-    ``_close``; the hooks of the other operations (``_reduce``, ``_gather``,
-    ``_scatter``, ``_all_to_all``, ``_send``, ``_recv``, ``_new_group``) raise
-    ``NotImplementedError`` until a backend implements them; a blocking ``send``
-    or ``recv`` calls ``_p2p_now``, which by default starts ``_send`` / ``_recv``
-    and waits, and which a backend may run without a ``Work``. Backends may narrow
-    ``supported_dtypes`` and ``supported_devices``, declare what they reduce themselves
-    in ``_reduction_rows`` (``commlib.capabilities``), override ``supports``, or run the
-    deterministic mode's all-reduce themselves (``_ordered_all_reduce``). What
-    every backend needs is here: argument checks, the sequence number and label
-    of each collective (``_seq``, ``_label``; point-to-point operations are
-    counted per peer and tag instead, ``_p2p_label``), ``ReduceOp.AVG`` and
-    ``PREMUL_SUM`` for backends that cannot do them natively, MAX and MIN that
-    propagate NaN for backends whose own drop it (as their capability table says), bool
-    reductions as BAND/BOR (``commlib.reduction``), the autograd version bump of every
-    tensor a collective writes, subgroups' global ranks and names (``commlib.subgroups``),
-    and the diagnosis
-    (stall reports, ``COMMLIB_DEBUG=DETAIL``, the flight recorder; see
-    ``commlib.diagnosis``), which whoever creates the group starts with
-    ``_start_diagnostics()`` once it is connected.
+    Subclasses set ``backend_name`` and implement ``_all_reduce``, ``_broadcast``,
+    ``_all_gather``, ``_reduce_scatter``, ``_barrier`` and ``_close``. The hooks of the
+    other operations (``_reduce``, ``_gather``, ``_scatter``, ``_all_to_all``; ``_send``,
+    ``_recv``, ``_p2p_now`` in ``commlib.p2p_front``; ``_new_group``, ``_split`` in
+    ``commlib.subgroups``) raise ``NotImplementedError`` until a backend implements
+    them. Backends may narrow ``supported_dtypes`` and ``supported_devices``, declare
+    what they reduce themselves in ``_reduction_rows`` (``commlib.capabilities``),
+    override ``supports``, or run the deterministic mode's all-reduce themselves
+    (``_ordered_all_reduce``). The interface gives every backend the argument checks,
+    the sequence number and label of each collective (``_seq``, ``_label``), what its
+    capability table says it cannot reduce itself (AVG, ``PREMUL_SUM``, MAX and MIN that
+    propagate NaN, bool reductions as BAND/BOR: ``commlib.reduction``), the autograd
+    version bump of every tensor a collective writes, and the diagnosis (stall reports,
+    ``COMMLIB_DEBUG=DETAIL``, the flight recorder; ``commlib.diagnosis``), which whoever
+    creates the group starts with ``_start_diagnostics()`` once it is connected.
 
     Args:
         env: Rank, world size and rendezvous address of this process.
@@ -134,33 +120,18 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._config = config if config is not None else CommConfig()
         self._exact = DeterministicReductions(self) if deterministic_mode(self._config) else None
         """The deterministic mode's reductions (``commlib.deterministic``), or None when it is off."""
-        self._closed = False
-        self._broken: BaseException | None = None
-        # (op, dtype, device, layout) combinations that passed the full checks, with their
-        # plan: the hot path of a training loop reduces the same kinds of tensor every step.
-        self._accepted: dict[tuple[object, ...], ReductionPlan] = {}
-        self._capabilities: CapabilityTable | None = None
         self._seq = 0
         """Collectives issued on this group so far; the current one's sequence number."""
         self._recent = new_history()
         """The kinds of the last collectives, at ``seq & _SLOT`` (``commlib.diagnosis.history``)."""
-        self._closing_with = ""
-        """The call a collective of the interface's own belongs to (``destroy_process_group``), else empty."""
-        self._calls_parted = False
-        """Whether the ranks were found calling different collectives (``_parting_history``)."""
         self._monitored_barriers = 0
         """``monitored_barrier`` calls on this group so far (their messages carry the number)."""
-        self._p2p_counts: dict[tuple[str, int | None, int], int] = {}
-        """Point-to-point operations issued so far, per (``send``/``recv``, peer, tag)."""
-        self._diagnostics: Diagnostics | None = None
-        """Stall watchdog, fingerprint check and flight recorder, when any is on."""
         self._bytes_issued = 0
-        self._global_ranks: tuple[int, ...] = tuple(range(env.world_size))
-        self._named_ranks: tuple[int, ...] | None = None
-        """A subgroup's global ranks, which its messages name; None for a root group."""
-        self._group_name = f"#{next(_root_groups)}"
-        self._subgroups_made = 0
-        """``new_group`` / ``split`` calls on this group: numbers the groups they make."""
+        # The bases' state, each written by its base alone.
+        self._init_checks()
+        self._init_lifecycle()
+        self._init_point_to_point()
+        self._init_subgroups()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -202,17 +173,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
     def timeout(self) -> float:
         """Seconds a blocking wait may take before it raises ``CommTimeoutError``."""
         return self._config.timeout
-
-    @property
-    def global_ranks(self) -> tuple[int, ...]:
-        """The members' ranks in the root group (the one with no parent), in this group's rank order."""
-        return self._global_ranks
-
-    @property
-    def group_name(self) -> str:
-        """The group's name, alike on every member: ``gloo#0`` (a root group), ``gloo#0.2`` (a subgroup)."""
-        name = self._group_name
-        return f"{self.backend}{name}" if name.startswith("#") else name
 
     @property
     def collective_count(self) -> int:
@@ -309,23 +269,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         if isinstance(op, PremulSum):
             op = op.op
         return self._reduction_table().plan(op, dtype, torch.device(device).type)
-
-    def _reduction_table(self) -> CapabilityTable:
-        """The group's capability table, made from ``_reduction_rows`` on first use."""
-        table = self._capabilities
-        if table is None:
-            table = self._capabilities = CapabilityTable(
-                self._reduction_rows(), self.supported_dtypes, frozenset(self.supported_devices)
-            )
-        return table
-
-    def _prefer_reduction_rows(self, *rows: Row) -> None:
-        """Route what ``rows`` cover their way from now on (a route found at run time).
-
-        The table and the plans the argument checks cached (``_accepted``) forget their answers.
-        """
-        self._reduction_table().prefer(*rows)
-        self._accepted.clear()
 
     def _reduction_rows(self) -> tuple[Row, ...]:
         """The backend's declarations of what it reduces, first match first (``commlib.capabilities``).
@@ -497,20 +440,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         if self.rank == dst:
             increment_version(flat)
         self._bytes_issued += tensor.nbytes
+        start = reduction.start_reduce
         return self._issue(
-            name,
-            tensor,
-            op,
-            dst,
-            async_op,
-            [tensor],
-            reduction.start_reduce,
-            self,
-            flat,
-            dst,
-            op,
-            plan,
-            async_op,
+            name, tensor, op, dst, async_op, [tensor], start, self, flat, dst, op, plan, async_op
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
@@ -561,17 +493,7 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._bytes_issued += tensor.nbytes
         flat = tensor.detach().view(-1)
         return self._issue(
-            name,
-            tensor,
-            None,
-            -1,
-            async_op,
-            output,
-            self._all_gather,
-            flat_output,
-            outputs,
-            flat,
-            async_op,
+            name, tensor, None, -1, async_op, output, self._all_gather, flat_output, outputs, flat, async_op
         )
 
     def all_gather_into_tensor(
@@ -620,21 +542,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         flat = output.detach().view(-1)
         increment_version(flat)
         self._bytes_issued += output.nbytes * self.world_size
+        start = reduction.start_reduce_scatter
+        value = [output]
         return self._issue(
-            name,
-            output,
-            op,
-            -1,
-            async_op,
-            [output],
-            reduction.start_reduce_scatter,
-            self,
-            flat,
-            flat_input,
-            inputs,
-            op,
-            plan,
-            async_op,
+            name, output, op, -1, async_op, value, start, self, flat, flat_input, inputs, op, plan, async_op
         )
 
     def reduce_scatter_tensor(
@@ -799,18 +710,9 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         increment_version(output.detach())
         self._bytes_issued += input.nbytes
         counts = ([t.numel() for t in outputs], [t.numel() for t in inputs])
+        start = self._all_to_all
         return self._issue(
-            "all_to_all",
-            input,
-            None,
-            -1,
-            async_op,
-            output,
-            self._all_to_all,
-            outputs,
-            inputs,
-            async_op,
-            counts=counts,
+            "all_to_all", input, None, -1, async_op, output, start, outputs, inputs, async_op, counts=counts
         )
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
@@ -855,267 +757,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         self._monitored_barriers += 1
         monitored.monitored_barrier(self, seconds, wait_all_ranks, self._monitored_barriers)
 
-    # ----------------------------------------------------------------- objects
-    def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
-        """Replace ``object_list``'s entries on every rank with ``src``'s (pickled; see ``commlib.objects``).
-
-        Args:
-            object_list: On ``src``, the objects to send; elsewhere, a list of the same length to fill.
-            src: Rank whose objects are sent.
-        """
-        objects.broadcast_object_list(self, object_list, src)
-
-    def all_gather_object(self, object_list: list[Any], obj: Any) -> None:
-        """Fill ``object_list`` (``world_size`` entries) with every rank's ``obj``, in rank order."""
-        objects.all_gather_object(self, object_list, obj)
-
-    def gather_object(self, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0) -> None:
-        """Collect every rank's ``obj`` into ``object_gather_list`` (``world_size`` entries) on ``dst``."""
-        objects.gather_object(self, obj, object_gather_list, dst)
-
-    def scatter_object_list(
-        self,
-        scatter_object_output_list: list[Any],
-        scatter_object_input_list: list[Any] | None = None,
-        src: int = 0,
-    ) -> None:
-        """Put entry ``i`` of ``src``'s input list into ``scatter_object_output_list[0]`` on rank ``i``."""
-        objects.scatter_object_list(self, scatter_object_output_list, scatter_object_input_list, src)
-
-    # ---------------------------------------------------------- point-to-point
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send ``tensor`` to rank ``dst``; return once it can be reused.
-
-        The matching ``recv`` must name this rank (or any rank) and ``tag`` and
-        pass a tensor of as many bytes. Messages from one rank to another with
-        one tag arrive in the order sent.
-
-        Args:
-            tensor: Contiguous tensor to send.
-            dst: The receiving rank (not this one).
-            tag: Matches the receive (``0..max_tag``).
-
-        Raises:
-            CommError: The receiver's tensor has a different size (raised on both
-                sides), or the peer failed.
-            CommTimeoutError: No matching receive within the group's timeout.
-        """
-        self._check_usable("send")
-        p2p_front.run(self, p2p_front.checked_request(self, "send", "send", tensor, dst, tag))
-
-    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
-        """Receive a message from rank ``src`` (None: any rank) into ``tensor``; return the sender's rank.
-
-        Args:
-            tensor: Contiguous tensor with as many bytes as the message.
-            src: The sending rank, or None for whichever sends first.
-            tag: Matches the send.
-
-        Raises:
-            CommError: The message has a different size than ``tensor`` (raised on
-                both sides), or the peer failed.
-            CommTimeoutError: No message within the group's timeout.
-        """
-        self._check_usable("recv")
-        return p2p_front.run(self, p2p_front.checked_request(self, "recv", "recv", tensor, src, tag))
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        """Start ``send``; return its ``Work`` (do not touch ``tensor`` until it completes)."""
-        return p2p_front.point_to_point(self, "isend", "send", tensor, dst, tag)
-
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        """Start ``recv``; return its ``Work`` (``work.source_rank()`` names the sender once it completed)."""
-        return p2p_front.point_to_point(self, "irecv", "recv", tensor, src, tag)
-
-    def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
-        """Start every send and receive of ``p2p_op_list`` at once; return their works, in order.
-
-        Sends and receives in one batch never wait for each other, so two ranks may
-        send to each other in one batch each. Every op must belong to this group
-        (``P2POp(..., group=group)``, or ``group.isend`` / ``group.irecv`` as ``op``).
-
-        Raises:
-            ValueError: The list is empty, or an op names another group, a bad peer or tag.
-        """
-        return p2p_front.batch_isend_irecv(self, p2p_op_list)
-
-    def _start_p2p(self, request: P2PRequest, async_op: bool) -> list[Work]:
-        if request.kind == "send":
-            return [self._send(request.tensor, request.peer, request.tag, async_op)]  # type: ignore[arg-type]
-        return [self._recv(request.tensor, request.peer, request.tag, async_op)]
-
-    def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work:
-        """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``."""
-        return p2p_front.reserved(self, kind, tensor, peer)
-
-    # ---------------------------------------------------------------- subgroups
-    def new_group(
-        self,
-        ranks: Sequence[int],
-        *,
-        timeout: float | datetime.timedelta | None = None,
-        sort_ranks: bool = True,
-        deterministic: bool | None = None,
-    ) -> IProcessGroup | NonGroupMember:
-        """Make a group of some of this group's ranks; every rank of this group must call it.
-
-        Call it on every rank, in the same order relative to other ``new_group``
-        and ``split`` calls, with the same ``ranks``. The new group's ranks follow
-        the sorted order of ``ranks``, as torch's (``sort_ranks=False``: their order as given).
-
-        Args:
-            ranks: Ranks of this group that join.
-            timeout: The new group's timeout (seconds or a timedelta); default this group's.
-            sort_ranks: Order the new group's ranks by their rank here (torch's default), or
-                keep the order of ``ranks``.
-            deterministic: The new group's deterministic mode (``IProcessGroup.deterministic``);
-                default this group's.
-
-        Returns:
-            The new group on its members; on the other ranks ``commlib.GroupMember.NON_GROUP_MEMBER``
-            (a placeholder naming the group, on which every operation raises ``NotGroupMemberError``).
-
-        Raises:
-            TypeError: A rank is not an int.
-            ValueError: ``ranks`` is empty, holds a rank twice, or one out of range.
-
-        Example::
-
-            >>> dp = group.new_group([r for r in range(4) if r % 2 == group.rank % 2])
-        """
-        return subgroups.new_group(
-            self, ranks, timeout=timeout, sort_ranks=sort_ranks, deterministic=deterministic
-        )
-
-    def split(self, color: int | None, key: int = 0) -> IProcessGroup | NonGroupMember:
-        """Split this group into disjoint groups by ``color``, as MPI's ``Comm_split``; every rank calls it.
-
-        Ranks that pass the same ``color`` form one group, ordered by ``(key, rank)``.
-
-        Args:
-            color: A non-negative int; None (or a negative int) joins no group.
-            key: Orders the ranks within their group.
-
-        Returns:
-            This rank's group; for ``color=None``, ``commlib.GroupMember.NON_GROUP_MEMBER``.
-
-        Example::
-
-            >>> tp = group.split(color=group.rank // 2)   # ranks {0, 1} and {2, 3}
-        """
-        return subgroups.split(self, color, key)
-
-    def split_group(
-        self,
-        split_ranks: Sequence[Sequence[int]],
-        *,
-        timeout: float | datetime.timedelta | None = None,
-        deterministic: bool | None = None,
-    ) -> IProcessGroup | NonGroupMember:
-        """Split this group into the disjoint groups ``split_ranks`` names, as torch's ``split_group``.
-
-        Every rank of this group calls it with the same lists (ranks of this
-        group); a rank in none of them gets ``commlib.GroupMember.NON_GROUP_MEMBER``
-        (torch's gives None, which commlib reads as the default group). One call
-        makes every group, each ordered by rank.
-
-        Args:
-            split_ranks: Disjoint lists of ranks of this group.
-            timeout: The new groups' timeout (seconds or a timedelta); default this group's.
-            deterministic: The new groups' deterministic mode; default this group's.
-
-        Returns:
-            The group holding this rank, or ``commlib.GroupMember.NON_GROUP_MEMBER``.
-
-        Raises:
-            TypeError: ``split_ranks`` is not a list of lists of ints.
-            ValueError: A list is empty, or a rank is out of range or in two lists.
-
-        Example::
-
-            >>> pair = group.split_group([[0, 1], [2, 3]])   # 4 ranks: two groups of two
-        """
-        return subgroups.split_group(self, split_ranks, timeout=timeout, deterministic=deterministic)
-
-    def _subgroup_env(self, ranks: Sequence[int]) -> DistEnv:
-        """The ``DistEnv`` of this rank in the subgroup of ``ranks`` (``commlib.subgroups.subgroup_env``)."""
-        return subgroups.subgroup_env(self, ranks)
-
-    def get_group_rank(self, global_rank: int) -> int:
-        """Return the rank in this group of the member whose root-group rank is ``global_rank``."""
-        return self._group_rank_of("get_group_rank", global_rank, "global_rank")
-
-    def get_global_rank(self, group_rank: int) -> int:
-        """Return the root-group rank of this group's rank ``group_rank``."""
-        self._check_rank("get_global_rank", group_rank, "group_rank")
-        return self._global_ranks[group_rank]
-
-    def _group_rank_of(self, op: str, global_rank: object, arg: str) -> int:
-        if isinstance(global_rank, bool) or not isinstance(global_rank, int):
-            raise TypeError(f"{self._prefix(op)}{arg} must be an int rank, got {global_rank!r}")
-        try:
-            return self._global_ranks.index(global_rank)
-        except ValueError:
-            raise ValueError(
-                f"{self._prefix(op)}{arg}={global_rank} is not a member of this group "
-                f"(its global ranks: {list(self._global_ranks)})"
-            ) from None
-
-    # -------------------------------------------------------------------- close
-    def _barrier_before_close(self, op: str) -> CollectiveMismatchError | None:
-        """Run a barrier before ``op`` closes the group; return the error if the ranks' counts differ.
-
-        A rank that issued a collective more than the others (or fewer) is still in it when
-        the others reach this barrier, so the ranks' checks pair the barrier with it and every
-        rank raises (``commlib.diagnosis.history``). Skipped on one rank, on a group that is
-        closed or broken, once the ranks were found calling different collectives (the error
-        was raised on every rank then), and while an exception is being handled (the rank is
-        failing: its peers learn it from the closed connection). Any other failure of the
-        barrier is logged, and the group closes anyway.
-
-        Returns:
-            The ``CollectiveMismatchError`` to raise once the group is closed, or None.
-        """
-        if self.world_size == 1 or self._closed or self._broken is not None or self._calls_parted:
-            return None  # (after different calls, a peer that raised may have closed already)
-        if sys.exc_info()[1] is not None:
-            return None
-        self._closing_with = op
-        try:
-            self.barrier()
-        except CollectiveMismatchError as e:
-            found = str(e).split(": ", 1)[-1]
-            return CollectiveMismatchError(
-                f"{self._prefix(op)}the barrier it runs first, to compare the ranks' collective counts, "
-                f"found them different (this rank issued {self.collective_count}, the barrier included): "
-                f"{found}"
-            )
-        except CommError as e:
-            logger.info("%sthe ranks' collective counts were not compared: %s", self._prefix(op), e)
-        finally:
-            self._closing_with = ""
-        return None
-
-    def close(self) -> None:
-        """Release connections and buffers; later collectives raise ``GroupClosedError``.
-
-        Calling it again does nothing. Subgroups made from this group stay usable
-        where the backend allows it (see docs/backends.md).
-        """
-        if self._closed:
-            return
-        self._closed = True
-        diagnostics, self._diagnostics = self._diagnostics, None
-        try:
-            if diagnostics is not None:
-                diagnostics.close()
-        finally:
-            try:
-                self._close()
-            finally:
-                if self._exact is not None:
-                    self._exact.close()
-
     # -------------------------------------------------------------- issuing
     def _issue(
         self,
@@ -1157,47 +798,10 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         work.wait()
         return None
 
-    def _parting_history(self) -> str:
-        """This rank's count and last collectives, to swap when the ranks' checks found different calls.
-
-        The backend's check (the ring's records) or the fingerprint check calls it on every rank,
-        at the same point; from then on ``destroy_process_group`` runs no barrier of its own.
-        """
-        self._calls_parted = True
-        return history.describe(self)
-
     def _next_seq(self) -> int:
         """Advance ``_seq`` for the collective being issued now (the diagnosis's issuing thread calls it)."""
         self._seq += 1
         return self._seq
-
-    # ------------------------------------------------------------- diagnosis
-    def _start_diagnostics(self) -> None:
-        """Start stall reports, the fingerprint check and the flight recorder, as ``config`` asks.
-
-        Called once the backend is connected, by whoever created the group
-        (``commlib.create_process_group``, ``from_torch_group``, ``from_mpi_comm``,
-        ``new_group``); every rank must call it, as it sets up the side channel
-        with one broadcast. A group that was never started runs without
-        diagnosis. If it fails, the group is closed.
-
-        Raises:
-            CommError: ``COMMLIB_DEBUG=DETAIL`` asks for the side channel and it could not be set up.
-        """
-        if self._diagnostics is not None or self._closed:
-            return
-        try:
-            self._diagnostics = Diagnostics.start(self)
-        except BaseException:
-            self.close()
-            raise
-
-    def _fingerprint_exchange(self) -> FingerprintExchange | None:
-        """Return a cheaper way than the side channel to swap fingerprints, or None to use the side channel.
-
-        It must not share state with the backend's data path: it is what checks that path.
-        """
-        return None
 
     # --------------------------------------------------- backend implementation
     def _ordered_all_reduce(
@@ -1290,69 +894,6 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
         """
         raise self._not_implemented("all_to_all")
 
-    def _p2p_now(self, request: P2PRequest) -> int:
-        """Run one send or receive on this thread, to its end; return the peer (a receive's source).
-
-        The default starts it with ``_send`` / ``_recv`` (``async_op=False``) and
-        waits for its work; a backend that can run it without a work overrides it.
-        """
-        (work,) = self._start_p2p(request, False)
-        work.wait()
-        if request.peer is not None:
-            return request.peer
-        work._is_recv = True  # noqa: SLF001
-        return work.source_rank()
-
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        """Start a send of flat ``tensor`` to ``dst`` (never this rank).
-
-        The work fails on both sides if the receiver's tensor has a different
-        size, and with ``CommTimeoutError`` naming peer and tag if no receive
-        comes within the group's timeout. It must not advance ``_seq``.
-        """
-        raise self._not_implemented("send")
-
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        """Start a receive into flat ``tensor`` from ``src`` (None: any rank; ``work._set_source(r)``)."""
-        raise self._not_implemented("recv")
-
-    def _batch_p2p(self, requests: list[P2PRequest], async_op: bool) -> list[Work]:
-        """Start every request at once, in order; return their works.
-
-        The default calls ``_send`` / ``_recv`` with ``async_op=True`` for each. A
-        backend overrides it only if those could block each other (two ranks
-        sending to each other in one batch must not deadlock).
-        """
-        return [
-            self._send(r.tensor, r.peer, r.tag, True)  # type: ignore[arg-type]
-            if r.kind == "send"
-            else self._recv(r.tensor, r.peer, r.tag, True)
-            for r in requests
-        ]
-
-    def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
-        """Make the group of ``ranks`` (ranks of this group, in the new group's rank order).
-
-        Every rank of this group calls it; members return the connected group
-        (built with ``_subgroup_env(ranks)`` and ``config``), others None. ``name``
-        is the same on every member and unique in the job (for rendezvous keys).
-        The interface sets up the result's global ranks and diagnosis.
-        """
-        raise self._not_implemented("new_group")
-
-    def _split(self, groups: list[list[int]], config: CommConfig, names: list[str]) -> IProcessGroup | None:
-        """Make every group of ``groups`` (disjoint, each in rank order); return this rank's, or None.
-
-        The default calls ``_new_group`` once per group, in order, on every rank.
-        A backend with a native split (MPI's ``Comm_split``) overrides it.
-        """
-        mine = None
-        for ranks, name in zip(groups, names, strict=True):
-            child = self._new_group(ranks, config, name)
-            if child is not None:
-                mine = child
-        return mine
-
     # ------------------------------------------------------------------ helpers
     def _prefix(self, op: str) -> str:
         return error_prefix(self.rank, self.world_size, self.backend, op)
@@ -1363,28 +904,8 @@ class IProcessGroup(ArgumentChecks, abc.ABC):
             self.rank, self.world_size, self.backend, op, self._seq, tensor, group=self._named_ranks
         )
 
-    def _request_label(self, request: P2PRequest) -> CollectiveLabel:
-        """Name a checked send or receive for messages (``_p2p_label``, from what the request holds)."""
-        kind, tensor, peer, tag, seq = request
-        env = self._env
-        return CollectiveLabel(
-            env.rank, env.world_size, self.backend_name, kind, seq, tensor, peer, tag, self._named_ranks
-        )
-
-    def _p2p_label(self, op: str, tensor: torch.Tensor | None, peer: int | None, tag: int) -> CollectiveLabel:
-        """Name the latest ``send`` / ``recv`` with ``peer`` and ``tag`` for messages."""
-        seq = self._p2p_counts.get((op, peer, tag), 0)
-        return CollectiveLabel(
-            self.rank, self.world_size, self.backend, op, seq, tensor, peer, tag, self._named_ranks
-        )
-
     def _not_implemented(self, op: str) -> NotImplementedError:
         return NotImplementedError(f"{self._prefix(op)}the {self.backend} backend does not implement {op}")
-
-    def _mark_broken(self, error: BaseException) -> None:
-        """Record that the group cannot be used any more (a peer died, a wait timed out)."""
-        if self._broken is None:
-            self._broken = error
 
     @staticmethod
     def _whole(flat: torch.Tensor | None, blocks: list[torch.Tensor]) -> torch.Tensor:
