@@ -2,7 +2,7 @@
 
 - Rank and size come from ``MPI.COMM_WORLD``; the launcher's variables (as read
   into ``DistEnv``) must agree, or creating the group fails with a message that
-  says how to start the job (``mpiexec -n N python ...``).
+  says how to start the job (``backends.mpi.launcher_check``).
 - CPU tensors go to MPI as views of their memory (no copy). CUDA tensors go
   as CuPy arrays over their memory (no copy) when the MPI library is
   CUDA-aware, after the stream that produced them has finished; otherwise
@@ -15,15 +15,16 @@
   ``Iscatter``, ``Ialltoallv``, ``Ibarrier``). A synchronous call waits on it at
   once; ``async_op=True`` hands the request to a progress thread that tests it
   every ``COMMLIB_MPI_PROGRESS_US`` microseconds, so it advances while the
-  caller computes. Every wait ends at the timeout with ``CommTimeoutError``; a
-  collective that never finishes cannot be cancelled in MPI, so a process that
-  exits with one outstanding aborts the MPI job (``MPI_Abort``) instead of
-  hanging in ``MPI_Finalize``.
+  caller computes (``backends.mpi.waiting``). Every wait ends at the timeout with
+  ``CommTimeoutError``; a collective that never finishes cannot be cancelled in
+  MPI, so a process that exits with one outstanding aborts the MPI job
+  (``MPI_Abort``) instead of hanging in ``MPI_Finalize`` (``backends.mpi.abort``).
 - Point-to-point messages go through ``backends.mpi.p2p`` on two more
   duplicates of the communicator (messages, and the receivers' size answers);
   their failures (a size mismatch, a timeout) leave the group usable.
 - Subgroups are MPI communicators (``Create_group``, ``Split``) wrapped in a
-  group of their own, made after a bounded agreement on the parent.
+  group of their own, made after a bounded agreement on the parent
+  (``backends.mpi.subgroups``).
 - A group given a store (``DistEnv.store``: torch.distributed creating a group
   of some ranks) learns its members' ``COMM_WORLD`` ranks through the store, and
   only they create its communicator (``Create_group``).
@@ -55,7 +56,7 @@ from backends.mpi.library import load_mpi
 from backends.mpi.p2p import DirectPayload, P2PEngine, Payload, RecvRequest
 from backends.mpi.progress import ProgressThread, wait_until
 from backends.mpi.subgroups import check_agreement, digest, members_comm, split_comm
-from backends.mpi.waiting import progress_thread, pure_spin_s, wait_here
+from backends.mpi.waiting import progress_thread, spin_for_host, wait_here
 from backends.mpi.work import MPIWork, P2PWork
 from commlib.capabilities import Row
 from commlib.config import CommConfig
@@ -127,7 +128,7 @@ class MPIProcessGroup(IProcessGroup):
         # Point-to-point traffic on communicators of its own: never matched with a collective's.
         self._messages = P2PEngine(MPI, self._duplicate(self._comm), self._duplicate(self._comm))
         self._tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
-        self._pure_spin_s = pure_spin_s(self._comm, MPI)
+        self._pure_spin_s = spin_for_host(self._comm, MPI)
         self._progress = progress_thread(
             self._mpi_config, self._thread_level, MPI, rank, self._prefix("init")
         )

@@ -20,7 +20,7 @@ from backends.mpi.config import MPIConfig
 from backends.mpi.p2p import P2PEngine
 from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
 
-__all__ = ["progress_thread", "pure_spin_s", "tester", "wait_here"]
+__all__ = ["progress_thread", "spin_for_host", "tester", "wait_here"]
 
 _FIRST_TESTS = range(16)
 """Tests a synchronous wait makes before it reads the clock (on one host a 4 KiB all-reduce of two
@@ -93,7 +93,7 @@ def wait_here(
             progress.waiter_exit()
 
 
-def pure_spin_s(comm: Any, MPI: Any) -> float:  # noqa: N803 - the mpi4py module's own name
+def spin_for_host(comm: Any, MPI: Any) -> float:  # noqa: N803 - the mpi4py module's own name
     """Seconds a waiter tests back to back: like MPI while every rank on this host has a core.
 
     With more ranks than cores on this host, it yields between tests so that the
