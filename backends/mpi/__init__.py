@@ -1,6 +1,6 @@
 """The ``mpi`` backend: commlib collectives over mpi4py.
 
-- ``group``: ``MPIProcessGroup``.
+- ``group``: ``MPIProcessGroup`` (set-up, the collectives, their staging).
 - ``config``: ``MPIConfig``, its settings.
 - ``factories``: making groups (``create_mpi_group``, ``from_mpi_comm``).
 - ``work``: the ``Work`` of an MPI request.
@@ -10,6 +10,11 @@
 - ``dtypes``: how each dtype travels through MPI, and which MPI operation reduces it.
 - ``p2p``: point-to-point messages (matching in posting order, the size answer).
 - ``progress``: the thread that advances non-blocking MPI calls, and the bounded wait.
+- ``waiting``: the group's waits on its requests, and the making of its progress thread.
+- ``layout``: where lists of tensors lie (one flat buffer for MPI, offsets, overlaps).
+- ``subgroups``: the agreement on the members, ``Create_group`` and ``Split``.
+- ``fingerprints``: the fingerprint check across hosts, on a communicator of its own.
+- ``launcher_check``: the launcher's rank and size against ``COMM_WORLD``'s.
 - ``cuda``, ``device_path``: CUDA tensors (is the library CUDA-aware; CuPy views or pinned staging).
 
 Only the names below are public; the modules are the backend's own.

@@ -1,4 +1,4 @@
-"""Abort the MPI job rather than hang: the live groups, the exit hook and the uncaught-exception hook.
+"""Abort the MPI job rather than hang: the live groups, what a closing one lets go, and the exit hooks.
 
 ``MPI_Finalize`` waits for every rank and for every request in flight. A
 process that exits with a collective unfinished, after a collective that
@@ -19,7 +19,7 @@ from backends.mpi.library import loaded_mpi
 from backends.mpi.progress import wait_until
 from backends.mpi.work import MPIWork
 
-__all__ = ["LiveGroup", "forget_group", "note_missed_peer", "register_group"]
+__all__ = ["LiveGroup", "forget_group", "note_missed_peer", "register_group", "release_group"]
 
 
 class LiveGroup(Protocol):
@@ -54,6 +54,33 @@ def register_group(group: LiveGroup) -> None:
 def forget_group(group: LiveGroup) -> None:
     """Stop holding ``group``: it closed with nothing in flight."""
     _live_groups.pop(id(group), None)
+
+
+def release_group(group: LiveGroup, comms: tuple[Any, ...]) -> None:
+    """At ``close()``: let go of what MPI no longer holds; then forget ``group`` and free ``comms``.
+
+    A group with collectives still in flight keeps its communicators and stays
+    held for the exit hook, which aborts the job rather than hang.
+
+    Args:
+        group: The closing group.
+        comms: Its communicators (None for one it never made).
+    """
+    for work in list(group._pending.values()):
+        # A send abandoned at its timeout may have been received since, or its data have left.
+        if not work._test():
+            work._let_go()
+    if group._pending:
+        return
+    forget_group(group)
+    if not group._MPI.Is_finalized():
+        for comm in comms:
+            if comm is None:
+                continue
+            try:
+                comm.Free()
+            except Exception:  # noqa: BLE001 - closing must not raise
+                pass
 
 
 def note_missed_peer(prefix: str, error: str) -> None:
@@ -146,4 +173,3 @@ def _abort_job(mpi: Any, message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     time.sleep(0.2)  # let the launcher forward the message before MPI_Abort tears the job down
     mpi.COMM_WORLD.Abort(1)
-

@@ -2,7 +2,7 @@
 
 - Rank and size come from ``MPI.COMM_WORLD``; the launcher's variables (as read
   into ``DistEnv``) must agree, or creating the group fails with a message that
-  says how to start the job (``mpiexec -n N python ...``).
+  says how to start the job (``backends.mpi.launcher_check``).
 - CPU tensors go to MPI as views of their memory (no copy). CUDA tensors go
   as CuPy arrays over their memory (no copy) when the MPI library is
   CUDA-aware, after the stream that produced them has finished; otherwise
@@ -15,15 +15,16 @@
   ``Iscatter``, ``Ialltoallv``, ``Ibarrier``). A synchronous call waits on it at
   once; ``async_op=True`` hands the request to a progress thread that tests it
   every ``COMMLIB_MPI_PROGRESS_US`` microseconds, so it advances while the
-  caller computes. Every wait ends at the timeout with ``CommTimeoutError``; a
-  collective that never finishes cannot be cancelled in MPI, so a process that
-  exits with one outstanding aborts the MPI job (``MPI_Abort``) instead of
-  hanging in ``MPI_Finalize``.
+  caller computes (``backends.mpi.waiting``). Every wait ends at the timeout with
+  ``CommTimeoutError``; a collective that never finishes cannot be cancelled in
+  MPI, so a process that exits with one outstanding aborts the MPI job
+  (``MPI_Abort``) instead of hanging in ``MPI_Finalize`` (``backends.mpi.abort``).
 - Point-to-point messages go through ``backends.mpi.p2p`` on two more
   duplicates of the communicator (messages, and the receivers' size answers);
   their failures (a size mismatch, a timeout) leave the group usable.
 - Subgroups are MPI communicators (``Create_group``, ``Split``) wrapped in a
-  group of their own, made after a bounded agreement on the parent.
+  group of their own, made after a bounded agreement on the parent
+  (``backends.mpi.subgroups``).
 - A group given a store (``DistEnv.store``: torch.distributed creating a group
   of some ranks) learns its members' ``COMM_WORLD`` ranks through the store, and
   only they create its communicator (``Create_group``).
@@ -34,11 +35,8 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
-import os
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,14 +45,19 @@ import torch
 from backends.common.cuda_staging import Chunk
 from backends.common.p2p_protocol import layout_of
 from backends.mpi import device_path
-from backends.mpi.abort import forget_group, note_missed_peer, register_group
+from backends.mpi.abort import note_missed_peer, register_group, release_group
 from backends.mpi.capabilities import mpi_rows
 from backends.mpi.config import MPIConfig
 from backends.mpi.dtypes import DtypePlan, plan_for
 from backends.mpi.errors import failure
+from backends.mpi.fingerprints import fingerprint_exchange
+from backends.mpi.launcher_check import check_launcher_agrees
+from backends.mpi.layout import displacements, overlaps, receive_span, send_span
 from backends.mpi.library import load_mpi
 from backends.mpi.p2p import DirectPayload, P2PEngine, Payload, RecvRequest
-from backends.mpi.progress import PURE_SPIN_S, SPIN_S, ProgressThread, wait_until
+from backends.mpi.progress import ProgressThread, wait_until
+from backends.mpi.subgroups import check_agreement, digest, members_comm, split_comm
+from backends.mpi.waiting import progress_thread, spin_for_host, wait_here
 from backends.mpi.work import MPIWork, P2PWork
 from commlib.capabilities import Row
 from commlib.config import CommConfig
@@ -66,41 +69,12 @@ from commlib.errors import (
     PeerFailureError,
     RendezvousError,
     RendezvousTimeoutError,
-    error_prefix,
 )
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, CompletedWork, Work
 
 __all__ = ["MPIProcessGroup"]
-
-_THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
-
-_LAUNCHER_VARS = {
-    "torchrun": "RANK/WORLD_SIZE",
-    "openmpi": "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE",
-    "pmix": "PMIX_RANK/PMIX_SIZE",
-    "mpich": "PMI_RANK/PMI_SIZE",
-    "slurm": "SLURM_PROCID/SLURM_NTASKS",
-    "explicit": "the rank/world_size arguments",
-}
-
-
-_FIRST_TESTS = range(16)
-"""Tests a synchronous wait makes before it reads the clock (on one host a 4 KiB all-reduce of two
-ranks ends within 3-5 tests)."""
-
-_BACKGROUND_SPIN_S = 2e-3
-"""Seconds the launcher thread tests a fingerprint exchange between yields before it naps: a
-rank that arrives together with its peers finishes in microseconds, one far ahead sleeps."""
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 # --------------------------------------------------------------------- group
@@ -137,7 +111,7 @@ class MPIProcessGroup(IProcessGroup):
         MPI = load_mpi()
         parent = MPI.COMM_WORLD if comm is None else comm
         rank, size = parent.Get_rank(), parent.Get_size()
-        _check_env(env, rank, size, parent is MPI.COMM_WORLD)
+        check_launcher_agrees(env, rank, size, parent is MPI.COMM_WORLD)
         if (env.rank, env.world_size) != (rank, size):
             env = dataclasses.replace(env, rank=rank, world_size=size, local_rank=0, local_world_size=1)
         super().__init__(env, config)
@@ -150,32 +124,15 @@ class MPIProcessGroup(IProcessGroup):
         # Without thread level MULTIPLE only the calling thread may test requests.
         self._works_testable_from_any_thread = self._thread_level >= MPI.THREAD_MULTIPLE
         self._progress: ProgressThread | None = None
+        """Drives async requests (``backends.mpi.waiting``): made here, or for a future."""
         self._comm = self._duplicate(parent)
         # Point-to-point traffic on communicators of its own: never matched with a collective's.
         self._messages = P2PEngine(MPI, self._duplicate(self._comm), self._duplicate(self._comm))
         self._tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
-        # Spin like MPI while every rank has a core; with more ranks than cores on this
-        # host, yield between tests so that the rank we wait for can run.
-        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self._ranks_here = local.Get_size()
-        local.Free()
-        self._oversubscribed = self._ranks_here > (os.cpu_count() or 1)
-        self._pure_spin_s = PURE_SPIN_S if self._oversubscribed else SPIN_S
-        if self._mpi_config.progress == "thread":
-            if self._thread_level >= MPI.THREAD_MULTIPLE:
-                self._progress = ProgressThread(
-                    self._mpi_config.progress_interval_us * 1e-6,
-                    f"commlib-mpi-progress-rank{rank}",
-                )
-            else:
-                level = _THREAD_LEVELS.get(self._thread_level, str(self._thread_level))
-                _warn_once(
-                    "thread-level",
-                    f"{self._prefix('init')}MPI was initialised with thread level {level}, not "
-                    "MULTIPLE, so no progress thread runs: async collectives advance only inside "
-                    "Work.wait() / is_completed(). Initialise MPI with thread level MULTIPLE "
-                    "(mpi4py.rc.thread_level = 'multiple') to overlap them with compute.",
-                )
+        self._pure_spin_s = spin_for_host(self._comm, MPI)
+        self._progress = progress_thread(
+            self._mpi_config, self._thread_level, MPI, rank, self._prefix("init")
+        )
         register_group(self)
 
     # ------------------------------------------------------------------ set-up
@@ -207,48 +164,24 @@ class MPIProcessGroup(IProcessGroup):
 
     # ------------------------------------------------------------- diagnosis
     def _fingerprint_exchange(self) -> Callable[[bytes, float, object, bool], bytes]:
-        """Swap fingerprints with one ``Iallgather`` on a communicator of their own.
+        """Swap fingerprints across hosts with one ``Iallgather`` on a duplicate of their own."""
+        self._side_comm = self._duplicate(self._comm)
+        return fingerprint_exchange(
+            self._MPI, self._side_comm, self.world_size, self._pure_spin_s, self._failure, self._abandon
+        )
 
-        Used when the ranks do not share a host (on one host the diagnosis's
-        shared-memory board carries them). A second duplicate of the group's
-        communicator carries nothing but the fixed-size fingerprints, one
-        all-gather per collective on every rank, so whatever the ranks pass to the
-        data communicator, this one stays in step (MPI never matches messages
-        across communicators). The receive buffers are made once per size.
+    def _abandon(self, label: object, request: Any, keep_alive: Any, issued: float, timeout: float) -> Work:
+        """List a request still in flight at ``timeout`` for the exit hook, then raise ``CommTimeoutError``.
+
+        The exit hook aborts the MPI job rather than hang in ``MPI_Finalize``; the
+        timeout also marks the group broken.
         """
-        side = self._duplicate(self._comm)
-        self._side_comm = side
-        MPI = self._MPI
-        world = self.world_size
-        buffers: dict[int, tuple[bytearray, list[Any]]] = {}
-        foreground, background_spin = (self._pure_spin_s, SPIN_S), (0.0, _BACKGROUND_SPIN_S)
-
-        def exchange(mine: bytes, timeout: float, label: object, background: bool) -> bytes:
-            held = buffers.get(len(mine))
-            if held is None:
-                everyone = bytearray(len(mine) * world)
-                held = buffers[len(mine)] = (everyone, [everyone, MPI.BYTE])
-            everyone, receive = held
-            issued = time.monotonic()
-            # On the launcher thread, yield between tests for a moment, then nap: spinning there
-            # would take the core (and Python's lock) from the caller's compute.
-            spin = background_spin if background else foreground
-            try:
-                request = side.Iallgather([mine, MPI.BYTE], receive)
-                done = wait_until(request.Test, issued + timeout, pure_spin_s=spin[0], spin_s=spin[1])
-            except Exception as e:  # noqa: BLE001 - MPI.Exception
-                raise self._mpi_error(f"{label}: fingerprint exchange", e) from e
-            if not done:
-                # Still in flight: listed for the exit hook, which aborts the job rather than hang.
-                if not isinstance(label, CollectiveLabel):
-                    label = self._label("fingerprint")
-                buffers.pop(len(mine), None)  # MPI still writes into it
-                work = MPIWork(self, label, request, everyone, issued)
-                self._pending[work._key] = work
-                work._expired(None, timeout)  # raises CommTimeoutError, marks the group broken
-            return bytes(everyone)
-
-        return exchange
+        if not isinstance(label, CollectiveLabel):
+            label = self._label("fingerprint")  # a check outside a collective (the fingerprint exchange's)
+        work = MPIWork(self, label, request, keep_alive, issued)
+        self._pending[work._key] = work
+        work._expired(None, timeout)
+        return work
 
     @property
     def progress(self) -> str:
@@ -327,20 +260,14 @@ class MPIProcessGroup(IProcessGroup):
             raise error from e
         if not async_op:
             # Synchronous: wait here, and build a pending Work only if the wait fails.
-            progress = self._progress if self._progress is not None and not self._progress.idle() else None
-            if progress is not None:
-                progress.waiter_enter()  # this wait drives the outstanding async work too
             try:
-                test = self._tester(request)
-                done = wait_until(test, issued + self.timeout, pure_spin_s=self._pure_spin_s)
+                progress, spin = self._progress, self._pure_spin_s
+                done = wait_here(request, self._messages, progress, self.timeout, spin, issued)
             except Exception as e:  # noqa: BLE001 - MPI.Exception
                 error = self._failure(label or self._label(op, tensor), e)
                 if work_type._breaks_group(error):
                     self._mark_broken(error)
                 raise error from e
-            finally:
-                if progress is not None:
-                    progress.waiter_exit()
             if done:
                 completed = CompletedWork() if label is None else CompletedWork(label=label)
                 if isinstance(request, RecvRequest) and request.source is not None:
@@ -359,71 +286,15 @@ class MPIProcessGroup(IProcessGroup):
             self._progress.submit(work)
         return work
 
-    def _finish_now(self, request: Any, op: str, tensor: torch.Tensor, keep_alive: Any) -> Work:
-        """Wait here for a host collective just issued, as ``_start`` does for a synchronous one.
-
-        A small collective ends within a few tests: those come first, with no
-        clock and no set-up. Returns a finished ``Work``; raises (and keeps the
-        request listed for the exit hook) if it fails or does not finish within
-        the group's timeout.
-        """
-        test = self._tester(request) if self._messages.waiting else request.Test
-        progress = self._progress
-        if progress is not None and progress.idle():
-            progress = None
-        if progress is not None:
-            progress.waiter_enter()  # this wait drives the outstanding async work too
-        try:
-            for _ in _FIRST_TESTS:
-                if test():
-                    return CompletedWork()
-            issued = time.monotonic()
-            done = wait_until(test, issued + self._config.timeout, pure_spin_s=self._pure_spin_s)
-        except Exception as e:  # noqa: BLE001 - MPI.Exception
-            error = self._failure(self._label(op, tensor), e)
-            self._mark_broken(error)
-            raise error from e
-        finally:
-            if progress is not None:
-                progress.waiter_exit()
-        if done:
-            return CompletedWork()
-        work = MPIWork(self, self._label(op, tensor), request, keep_alive, issued)
-        self._pending[work._key] = work
-        work._expired(None, self.timeout)  # raises CommTimeoutError, marks the group broken
-        return work
-
-    def _tester(self, request: Any) -> Callable[[], bool]:
-        """``request.Test``, also matching this group's waiting receives when it has any.
-
-        A sender waits until its receiver has matched the message (the size
-        verdict), and a receive is matched only while someone tests: whoever
-        waits drives the matching, as the progress thread would when nobody waits.
-        """
-        if not self._messages.waiting:
-            return request.Test  # type: ignore[no-any-return]
-        match, test = self._messages.match, request.Test
-
-        def drive() -> bool:
-            match()
-            return bool(test())
-
-        return drive
-
     def _ensure_polled(self, work: MPIWork) -> None:
         """Have a thread poll ``work`` even without a waiter (its future must complete)."""
         if self._progress is None:
-            if self._thread_level < self._MPI.THREAD_MULTIPLE:
-                _warn_once(
-                    "future-without-progress",
-                    f"{self._prefix('get_future')}MPI runs without thread level MULTIPLE, so no "
-                    "thread can drive requests in the background: a future completes only when "
-                    "Work.wait() or Work.is_completed() is called on its work",
-                )
-                return
-            self._progress = ProgressThread(
-                self._mpi_config.progress_interval_us * 1e-6, f"commlib-mpi-progress-rank{self.rank}"
+            prefix = self._prefix("get_future")
+            self._progress = progress_thread(
+                self._mpi_config, self._thread_level, self._MPI, self.rank, prefix, asked=True
             )
+            if self._progress is None:
+                return
         self._progress.submit(work)
 
     def _reduction_rows(self) -> tuple[Row, ...]:
@@ -440,11 +311,17 @@ class MPIProcessGroup(IProcessGroup):
             buf = [self._MPI.memory.fromaddress(tensor.data_ptr(), tensor.nbytes), plan.datatype]
             try:
                 request = comm.Iallreduce(in_place, buf, mpi_op)
+                timeout, spin = self._config.timeout, self._pure_spin_s
+                done = wait_here(request, self._messages, self._progress, timeout, spin)
             except Exception as e:  # noqa: BLE001 - MPI.Exception and buffer errors
                 error = self._failure(self._label("all_reduce", tensor), e)
                 self._mark_broken(error)
                 raise error from e
-            return self._finish_now(request, "all_reduce", tensor, (tensor, buf))
+            if done:
+                return CompletedWork()
+            # Its wait began after the first tests, ``timeout`` seconds ago.
+            issued, label = time.monotonic() - self.timeout, self._label("all_reduce", tensor)
+            return self._abandon(label, request, (tensor, buf), issued, self.timeout)
         if tensor.is_cuda and self._staged("all_reduce", tensor, plan, reduce=True):
             pipeline = self._pipeline("all_reduce", tensor)
 
@@ -521,7 +398,7 @@ class MPIProcessGroup(IProcessGroup):
             and tensor.data_ptr() == outputs[self.rank].data_ptr()
             and (scatter_out is None)
         )
-        if not in_place and _overlaps(tensor, flat_output):
+        if not in_place and overlaps(tensor, flat_output):
             tensor = tensor.clone()
         recv = self._buffer("all_gather", flat_output, plan)
         send: Any = self._MPI.IN_PLACE if in_place else self._buffer("all_gather", tensor, plan)
@@ -565,7 +442,7 @@ class MPIProcessGroup(IProcessGroup):
             )
         target = output
         copy_out: Callable[[], None] | None = None
-        if _overlaps(output, source):
+        if overlaps(output, source):
             target = torch.empty_like(output)
 
             def copy_out() -> None:
@@ -606,7 +483,7 @@ class MPIProcessGroup(IProcessGroup):
     ) -> Work:
         plan = self._plan_for(tensor.dtype)
         comm = self._comm
-        flat_output, copy_out = self._receive_span(outputs) if outputs is not None else (None, None)
+        flat_output, copy_out = receive_span(outputs) if outputs is not None else (None, None)
         if tensor.is_cuda and self._staged("gather", tensor, plan, reduce=False):
             staged_in = [self._pipeline("gather", tensor, copy_out=False)]
             staged_out = (
@@ -633,7 +510,7 @@ class MPIProcessGroup(IProcessGroup):
             if copy_out is None and tensor.numel() and tensor.data_ptr() == block.data_ptr():
                 send = self._MPI.IN_PLACE  # the root's block already holds its data
             else:
-                source = tensor.clone() if _overlaps(tensor, flat_output) else tensor
+                source = tensor.clone() if overlaps(tensor, flat_output) else tensor
                 send = self._buffer("gather", source, plan)
             recv = self._buffer("gather", flat_output, plan)
         return self._start(
@@ -650,7 +527,7 @@ class MPIProcessGroup(IProcessGroup):
     ) -> Work:
         plan = self._plan_for(tensor.dtype)
         comm = self._comm
-        flat_input = self._send_span(inputs) if inputs is not None else None
+        flat_input = send_span(inputs) if inputs is not None else None
         if tensor.is_cuda and self._staged("scatter", tensor, plan, reduce=False):
             staged_in = (
                 [self._pipeline("scatter", flat_input, copy_out=False)] if flat_input is not None else []
@@ -675,7 +552,7 @@ class MPIProcessGroup(IProcessGroup):
             block = flat_input[src * tensor.numel() : (src + 1) * tensor.numel()]
             if tensor.numel() and tensor.data_ptr() == block.data_ptr():
                 recv = self._MPI.IN_PLACE  # the root's block is its own result already
-            elif _overlaps(tensor, flat_input):
+            elif overlaps(tensor, flat_input):
                 flat_input = flat_input.clone()
             send = self._buffer("scatter", flat_input, plan)
         return self._start(
@@ -691,14 +568,14 @@ class MPIProcessGroup(IProcessGroup):
         tensor = inputs[self.rank]
         plan = self._plan_for(tensor.dtype)
         comm = self._comm
-        flat_input = self._send_span(inputs)
-        flat_output, copy_out = self._receive_span(outputs)
-        if copy_out is None and _overlaps(flat_input, flat_output):
+        flat_input = send_span(inputs)
+        flat_output, copy_out = receive_span(outputs)
+        if copy_out is None and overlaps(flat_input, flat_output):
             flat_input = flat_input.clone()
         send_counts = [t.numel() for t in inputs]
         recv_counts = [t.numel() for t in outputs]
-        send_layout = (send_counts, _displacements(send_counts))
-        recv_layout = (recv_counts, _displacements(recv_counts))
+        send_layout = (send_counts, displacements(send_counts))
+        recv_layout = (recv_counts, displacements(recv_counts))
         if flat_output.is_cuda and self._staged("all_to_all", flat_output, plan, reduce=False):
             staged_in = [self._pipeline("all_to_all", flat_input, copy_out=False)]
             staged_out = self._pipeline("all_to_all", flat_output, copy_in=False)
@@ -786,39 +663,17 @@ class MPIProcessGroup(IProcessGroup):
 
     # ---------------------------------------------------------------- subgroups
     def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> MPIProcessGroup | None:
-        """``Comm.Create_group`` over ``ranks``, in their order; every rank of this group calls it.
-
-        ``Create_group`` blocks and only the members take part, so the ranks
-        first agree on the members, within the timeout (``_agree``).
-        """
+        """``Comm.Create_group`` over ``ranks``, in their order, once every rank agrees on them (bounded)."""
         self._agree("new_group", [ranks])
         if self.rank not in ranks:
             return None
-        everyone = self._comm.Get_group()
-        try:
-            chosen = everyone.Incl(ranks)
-        finally:
-            everyone.Free()
-        try:
-            comm = self._comm.Create_group(chosen)
-        finally:
-            chosen.Free()
-        return self._wrap(comm, ranks, config)
+        return self._wrap(members_comm(self._comm, ranks), ranks, config)
 
     def _split(self, groups: list[list[int]], config: CommConfig, names: list[str]) -> MPIProcessGroup | None:
-        """One ``Comm.Split``: color = the index of the group holding this rank, key = its place there.
-
-        ``Comm.Split`` blocks, so the ranks first agree on the groups, within the timeout (``_agree``).
-        """
+        """One ``Comm.Split`` into ``groups``, once every rank agrees on them (bounded)."""
         self._agree("split", groups)
-        color, key = self._MPI.UNDEFINED, 0
-        for index, ranks in enumerate(groups):
-            if self.rank in ranks:
-                color, key = index, ranks.index(self.rank)
-        comm = self._comm.Split(color, key)
-        if comm == self._MPI.COMM_NULL:
-            return None
-        return self._wrap(comm, groups[color], config)
+        split = split_comm(self._comm, self._MPI, groups, self.rank)
+        return None if split is None else self._wrap(*split, config)
 
     def _wrap(self, comm: Any, ranks: list[int], config: CommConfig) -> MPIProcessGroup:
         """A group over a duplicate of ``comm`` (freed here), with this group's backend settings."""
@@ -828,22 +683,13 @@ class MPIProcessGroup(IProcessGroup):
             comm.Free()
 
     def _agree(self, op: str, groups: list[list[int]]) -> None:
-        """Check, with one all-gather bounded by the timeout, that every rank is here with the same groups.
-
-        MPI's communicator constructors block without a deadline; after this
-        every rank is about to call the same one, so it returns promptly.
+        """Check that every rank is here with the same groups (``backends.mpi.subgroups``).
 
         Raises:
             CommError: Some ranks passed other groups (named).
             CommTimeoutError: A rank did not arrive within the timeout.
         """
-        digests = self._all_gather_ints(op, [len(groups), _digest(groups)])
-        different = [rank for rank, digest in enumerate(digests) if digest != digests[self.rank]]
-        if different:
-            raise CommError(
-                f"{self._prefix(op)}ranks {different} asked for other groups than this rank ({groups}); "
-                f"every rank of the group must call {op} with the same arguments, in the same order of calls"
-            )
+        check_agreement(self._prefix(op), op, groups, self._all_gather_ints(op, digest(groups)), self.rank)
 
     def _all_gather_ints(self, op: str, values: list[int]) -> list[tuple[int, ...]]:
         """All-gather a few int64 from every rank (bounded by the timeout); return every rank's."""
@@ -854,50 +700,13 @@ class MPIProcessGroup(IProcessGroup):
         self._start(op, None, lambda: self._comm.Iallgather(send, recv), None, (mine, everyone), False)
         return [tuple(row) for row in everyone.view(self.world_size, -1).tolist()]
 
-    # --------------------------------------------------------------- helpers
-    def _send_span(self, views: list[torch.Tensor]) -> torch.Tensor:
-        """One flat tensor holding ``views`` back to back: theirs if they already lie so, else a copy."""
-        span = _tiled(views)
-        return span if span is not None else torch.cat(views)
-
-    def _receive_span(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """One flat tensor to receive ``views`` into, and the step that copies it out (None if theirs)."""
-        span = _tiled(views)
-        if span is not None:
-            return span, None
-        scratch = views[0].new_empty(sum(v.numel() for v in views))
-
-        def copy_out() -> None:
-            offset = 0
-            for view in views:
-                view.copy_(scratch[offset : offset + view.numel()])
-                offset += view.numel()
-
-        return scratch, copy_out
-
     def _barrier(self, async_op: bool) -> Work:
         return self._start("barrier", None, self._comm.Ibarrier, None, None, async_op)
 
     def _close(self) -> None:
         self._stop_progress()
         self._withdraw_receives()
-        for work in list(self._pending.values()):
-            # A send abandoned at its timeout may have been received since, or its data have left.
-            if not work._test():
-                work._let_go()
-        if self._pending:
-            # The communicator still has collectives in flight: keep it (and this group,
-            # registered with backends.mpi.abort) for the exit hook, which aborts the job rather than hang.
-            return
-        forget_group(self)
-        if not self._MPI.Is_finalized():
-            for comm in (self._comm, self._side_comm, *self._messages.comms):
-                if comm is None:
-                    continue
-                try:
-                    comm.Free()
-                except Exception:  # noqa: BLE001 - closing must not raise
-                    pass
+        release_group(self, (self._comm, self._side_comm, *self._messages.comms))
 
     def _withdraw_receives(self) -> None:
         """Fail the receives still waiting for a message (they hold nothing in MPI)."""
@@ -931,66 +740,3 @@ class MPIProcessGroup(IProcessGroup):
     def _failure(self, label: CollectiveLabel | str, error: BaseException) -> CommError:
         """The error a request failed with, for people: a dtype or size mismatch, or an MPI error."""
         return failure(label, error, self._MPI)
-
-    def _mpi_error(self, describe: str, error: BaseException) -> CommError:
-        return failure(describe, error, self._MPI)
-
-
-def _digest(values: list[Any]) -> int:
-    """A 56-bit digest of a list of ints or of lists of ints (the same on every rank for the same list)."""
-    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=7).digest(), "little")
-
-
-def _tiled(views: list[torch.Tensor]) -> torch.Tensor | None:
-    """Return a flat tensor over ``views`` if they lie back to back, in order, in one storage; else None.
-
-    ``all_to_all_single`` and a flat gather output arrive as such views, and go to MPI without a copy.
-    """
-    filled = [view for view in views if view.numel()]
-    if not filled:
-        return views[0][:0]
-    first = filled[0]
-    storage, expected = first.untyped_storage().data_ptr(), first.data_ptr()
-    for view in filled:
-        if view.untyped_storage().data_ptr() != storage or view.data_ptr() != expected:
-            return None
-        expected += view.numel() * view.element_size()
-    return first.as_strided((sum(view.numel() for view in filled),), (1,))
-
-
-def _displacements(counts: list[int]) -> list[int]:
-    """Offsets of blocks of ``counts`` elements laid back to back."""
-    return list(itertools.accumulate(counts, initial=0))[:-1]
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _check_env(env: DistEnv, rank: int, size: int, is_world: bool) -> None:
-    """Raise if the launcher's variables disagree with what MPI says."""
-    if not is_world or env.launcher in ("single", "torch.distributed"):
-        return
-    if (env.rank, env.world_size) == (rank, size):
-        return
-    source = _LAUNCHER_VARS.get(env.launcher, f"the {env.launcher} variables")
-    if size == 1:
-        hint = (
-            f"this process is an MPI singleton: it was not started by mpiexec. Start the job with "
-            f"'mpiexec -n {env.world_size} python ...' (the mpi backend cannot use ranks spawned by "
-            "torchrun or multiprocessing), or choose another backend"
-        )
-    elif size != env.world_size:
-        hint = (
-            f"mpiexec started {size} processes: start it with '-n {env.world_size}', or unset the "
-            "stale variables"
-        )
-    else:
-        hint = "the variables were not set by this MPI job: unset them, or pass matching arguments"
-    raise RendezvousError(
-        f"{error_prefix(rank, size, 'mpi', 'init')}MPI.COMM_WORLD says rank {rank} of {size}, but "
-        f"the environment ({env.launcher}: {source}) says rank {env.rank} of {env.world_size}; {hint}"
-    )

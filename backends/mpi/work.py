@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from backends.mpi import device_path
 from backends.mpi.p2p import P2PEngine, RecvRequest, SendRequest
 from backends.mpi.progress import ProgressThread, wait_until
+from backends.mpi.waiting import tester
 from commlib.errors import CommError, CommTimeoutError, MessageMismatchError
 from commlib.work import CollectiveLabel, Work
 
@@ -35,8 +35,6 @@ class WorkOwner(Protocol):
     def _mark_broken(self, error: BaseException) -> None: ...
 
     def _failure(self, label: CollectiveLabel | str, error: BaseException) -> CommError: ...
-
-    def _tester(self, request: Any) -> Callable[[], bool]: ...
 
     def _ensure_polled(self, work: MPIWork) -> None: ...
 
@@ -150,7 +148,7 @@ class MPIWork(Work):
             if progress is not None:
                 progress.waiter_enter()
             try:
-                test = self._group._tester(self._request)
+                test = tester(self._request, self._group._messages)
                 done = wait_until(test, deadline, pure_spin_s=self._group._pure_spin_s)
             except Exception as e:  # noqa: BLE001 - MPI.Exception and friends
                 self._settle(self._group._failure(self._label, e))

@@ -24,22 +24,23 @@ this per dtype).
 Gloo's own reduce-scatter is an all-reduce of the whole input; here it is an
 all-to-all of the blocks and a reduction of the received ones on Gloo's
 thread. On two ranks, all-gather and reduce-scatter are one exchange of blocks
-straight into place.
+straight into place (``backends.torch.block_collectives``).
 
 What Gloo and NCCL lack is built here: int16 moves as float16 (the same bytes)
 and reduces as int32 (then wraps back). NCCL has no BAND, BOR or BXOR: on bool
 tensors BAND and BOR are NCCL's MIN and MAX over the bytes; otherwise every rank
 all-gathers the tensors and folds them in rank order (``n`` times the bytes of
 an all-reduce: for masks and flags), and ``reduce_scatter`` sends the blocks
-with one all-to-all and folds the received ones. For Gloo: ``reduce`` hands
-Gloo a copy on the ranks that do not receive (Gloo's reduce writes there); ``all_to_all`` with sizes that
-differ by peer is one ``alltoall_base`` over packed buffers; point-to-point
-checks sizes before any data moves (``backends.torch.p2p``).
+with one all-to-all and folds the received ones (``backends.torch.block_collectives``).
+For Gloo: ``reduce`` hands Gloo a copy on the ranks that do not receive (Gloo's
+reduce writes there); ``all_to_all`` with sizes that differ by peer is one
+``alltoall_base`` over packed buffers; point-to-point checks sizes before any
+data moves (``backends.torch.p2p``).
 
 The fingerprint check (``commlib.diagnosis``) is on by default for ``gloo``: on one
 host its fingerprints travel over the diagnosis's shared-memory board; across
 hosts on a ``ProcessGroupGloo`` of their own, built over the job's store when the
-group's diagnosis starts (``_fingerprint_exchange``).
+group's diagnosis starts (``backends.torch.fingerprints``).
 
 Every operation calls the torch backend object itself (``allreduce``,
 ``alltoall_base``, ``send``...) with ranks of this group. Subgroups
@@ -62,7 +63,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.common import kernels
+from backends.torch.block_collectives import (
+    bitwise_by_all_gather,
+    bitwise_reduce_scatter,
+    exchange_all_gather,
+    reduce_scatter_by_all_to_all,
+)
 from backends.torch.calls import (
     AllgatherOptions,
     AllToAllOptions,
@@ -76,24 +82,14 @@ from backends.torch.default_group import default_store, is_last_owner, release_o
 from backends.torch.devices import device_map
 from backends.torch.dtypes import MOVES_AS, UPCASTABLE, WIDE, WITHOUT_INT16, parse_upcast
 from backends.torch.errors import is_dtype_rejection, setup_failure, translate
+from backends.torch.fingerprints import fingerprint_exchange, fingerprint_group
 from backends.torch.p2p import P2PEngine
-from backends.torch.reductions import (
-    BITWISE,
-    NCCL_BOOL_OPS,
-    TORCH_OPS,
-    device_combine,
-    fold_in_rank_order,
-)
+from backends.torch.reductions import BITWISE, NCCL_BOOL_OPS, TORCH_OPS
 from backends.torch.work import TorchWork
 from commlib.capabilities import ReductionPlan, Route, Row
 from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
-from commlib.errors import (
-    BackendUnavailableError,
-    CommError,
-    RendezvousError,
-    error_prefix,
-)
+from commlib.errors import BackendUnavailableError, CommError, error_prefix
 from commlib.lanes import Lane
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
@@ -339,9 +335,10 @@ class TorchDistProcessGroup(IProcessGroup):
         async_op: bool,
     ) -> Work:
         label = self._label("all_gather", tensor)
-        if flat_output is not None and self._pairwise(tensor):
-            return self._exchange_all_gather(flat_output, tensor, label)
         pg = self._torch(tensor)
+        if flat_output is not None and self._pairwise(tensor):
+            pair = exchange_all_gather(pg, flat_output, tensor, self.rank, self._movable)
+            return self._launch_torch(label, tensor, *pair)
         moved = self._movable(tensor)
         if flat_output is not None:
             out = self._movable(flat_output)
@@ -411,7 +408,11 @@ class TorchDistProcessGroup(IProcessGroup):
         label = self._label("reduce_scatter", output)
         route = self._plan(op, output).route
         if route is _FOLD:
-            return self._reduce_scatter_bitwise_on_nccl(label, output, flat_input, inputs, op)
+            source = self._whole(flat_input, inputs)
+            pg, world = self._torch(output), self.world_size
+            return self._launch_torch(
+                label, output, *bitwise_reduce_scatter(pg, output, source, op, world, self._movable)
+            )
         if route is _UPCAST:
             return self._reduce_scatter_upcast(output, flat_input, inputs, op, label)
         if op in BITWISE and self._on_nccl(output):  # bool BAND, BOR: MIN, MAX of the bytes
@@ -447,84 +448,15 @@ class TorchDistProcessGroup(IProcessGroup):
     def _bitwise_on_nccl(
         self, label: CollectiveLabel, tensor: torch.Tensor, op: ReduceOp, root: int | None
     ) -> Work:
-        """``all_reduce`` (``root`` None) or ``reduce`` to ``root`` with an op NCCL lacks.
-
-        Every rank gathers every rank's tensor and folds them in rank order; on
-        ``reduce`` only the root writes its tensor.
-        """
-        pg = self._torch(tensor)
-        flat = tensor.view(-1)
-        rows = flat.new_empty((self.world_size, flat.numel()))
-        combine = device_combine(op)
-
-        def fold_rows() -> None:
-            if root is None or self.rank == root:
-                fold_in_rank_order(combine, torch.Tensor.copy_, rows, flat)
-
-        moved_rows, moved = self._movable(rows.view(-1)), self._movable(flat)
+        """``all_reduce`` (``root`` None) or ``reduce`` with an op NCCL lacks: gather, then fold here."""
+        pg, rank, world = self._torch(tensor), self.rank, self.world_size
         return self._launch_torch(
-            label,
-            tensor,
-            lambda: pg._allgather_base(moved_rows, moved, async_options(AllgatherOptions)),  # noqa: SLF001
-            (tensor, rows),
-            fold_rows if self.world_size > 1 else None,
-        )
-
-    def _reduce_scatter_bitwise_on_nccl(
-        self,
-        label: CollectiveLabel,
-        output: torch.Tensor,
-        flat_input: torch.Tensor | None,
-        inputs: list[torch.Tensor],
-        op: ReduceOp,
-    ) -> Work:
-        """``reduce_scatter`` with an op NCCL lacks: an all-to-all of the blocks, then a fold of them."""
-        pg = self._torch(output)
-        source = self._whole(flat_input, inputs)
-        received = torch.empty_like(source)
-        blocks = received.view(self.world_size, -1)
-        splits = [output.numel()] * self.world_size
-        combine = device_combine(op)
-
-        def fold_blocks() -> None:
-            fold_in_rank_order(combine, torch.Tensor.copy_, blocks, output.view(-1))
-
-        moved_in, moved_out = self._movable(source), self._movable(received)
-        opts = async_options(AllToAllOptions)
-        return self._launch_torch(
-            label,
-            output,
-            lambda: pg.alltoall_base(moved_out, moved_in, splits, splits, opts),
-            (output, source, received),
-            fold_blocks,
+            label, tensor, *bitwise_by_all_gather(pg, tensor, op, root, rank, world, self._movable)
         )
 
     def _pairwise(self, tensor: torch.Tensor) -> bool:
         """Two ranks on Gloo: a block-moving collective is one exchange, run as an all-to-all."""
         return self.world_size == 2 and tensor.numel() > 0 and self._on_gloo(tensor)
-
-    def _exchange(self, received: torch.Tensor, sent: torch.Tensor) -> Any:
-        """Start the two-rank exchange: ``sent`` goes to the other rank, whose block lands in ``received``."""
-        splits = [0, 0]
-        splits[1 - self.rank] = sent.numel()
-        pg = self._torch(sent)
-        return pg.alltoall_base(
-            self._movable(received), self._movable(sent), splits, splits, async_options(AllToAllOptions)
-        )
-
-    def _exchange_all_gather(
-        self, flat_output: torch.Tensor, tensor: torch.Tensor, label: CollectiveLabel
-    ) -> Work:
-        """Gloo, two ranks: each sends its block to the other, straight into place.
-
-        Gloo's all-gather took 14 ms for 25 MiB on two ranks, this 7 ms.
-        """
-        b = tensor.numel()
-        mine = flat_output[self.rank * b : (self.rank + 1) * b]
-        if mine.data_ptr() != tensor.data_ptr():
-            mine.copy_(tensor.view(-1))
-        theirs = flat_output[(1 - self.rank) * b : (2 - self.rank) * b]
-        return self._launch_torch(label, tensor, lambda: self._exchange(theirs, mine), (flat_output, tensor))
 
     def _reduce_scatter_by_all_to_all(
         self,
@@ -534,41 +466,15 @@ class TorchDistProcessGroup(IProcessGroup):
         op: ReduceOp,
         label: CollectiveLabel,
     ) -> Work:
-        """Gloo: an all-to-all of the blocks, then each rank reduces the blocks it received.
-
-        Gloo's own reduce-scatter is an all-reduce inside; this moves each byte
-        once, (n-1)/n of the input per rank, and took 13 ms against Gloo's 28 ms
-        (and 19 ms for its all-reduce) for 25 MiB on two ranks. Two ranks
-        exchange just the block the other reduces. The blocks are reduced in
-        rank order, on Gloo's thread as soon as they have arrived.
-        """
-        n, r = self.world_size, self.rank
+        """Gloo: an all-to-all of the blocks, reduced as they arrive (``block_collectives``)."""
         source = self._whole(flat_input, inputs)
-        if self._pairwise(output):
-            b = output.numel()
-            received = self._scratch.take(b, source.dtype)
-            blocks = [source[:b], received] if r == 0 else [received, source[b:]]
-            start: Callable[[], Any] = lambda: self._exchange(received, source[(1 - r) * b : (2 - r) * b])  # noqa: E731
-        else:
-            received = self._scratch.take(source.numel(), source.dtype)
-            blocks = list(received.chunk(n))
-            splits = [output.numel()] * n
-            pg = self._torch(source)
-            start = lambda: pg.alltoall_base(received, source, splits, splits, async_options(AllToAllOptions))  # noqa: E731
-        combine = kernels.combine(op, output.dtype)
-
-        def reduce_blocks() -> None:
-            try:
-                fold_in_rank_order(combine, kernels.copy, blocks, output)
-            finally:
-                self._scratch.give_back(received)
-
+        pg, rank, world, pairwise = self._torch(source), self.rank, self.world_size, self._pairwise(output)
         work = self._launch_torch(
             label,
             output,
-            start,
-            (output, source, received),
-            finish=reduce_blocks,
+            *reduce_scatter_by_all_to_all(
+                pg, output, source, op, rank, world, pairwise, self._scratch, self._movable
+            ),
             upcast_retry=(lambda: self._reduce_scatter_upcast(output, flat_input, inputs, op, label))
             if output.dtype in UPCASTABLE
             else None,
@@ -629,15 +535,9 @@ class TorchDistProcessGroup(IProcessGroup):
 
     # ------------------------------------------------------------- diagnosis
     def _fingerprint_exchange(self) -> Callable[[bytes, float, object, bool], bytes] | None:
-        """Swap fingerprints with one all-gather on a Gloo group of their own.
+        """Swap fingerprints across hosts on a Gloo group of their own (``backends.torch.fingerprints``).
 
-        Used when the ranks do not share a host (on one host the diagnosis's
-        shared-memory board carries them). The group is built like a subgroup,
-        over a ``PrefixStore`` of the job's store keyed by this group's name, so it
-        needs no port beyond those Gloo already uses, and it carries nothing but
-        the fixed-size fingerprints: one all-gather per collective on every rank,
-        so it stays in step whatever the ranks pass to the data path. Returns None
-        (the side channel is used) if torch's store is not available.
+        Returns None (the side channel is used) if torch's store is not available.
         """
         prefix = self._prefix("diagnostics")
         try:
@@ -647,44 +547,9 @@ class TorchDistProcessGroup(IProcessGroup):
         if self._torch_ranks is None:
             self._torch_ranks = torch_ranks_of(self._pg, self.world_size)
         scope = f"commlib/{self._group_name}/fingerprints/{'-'.join(map(str, self._torch_ranks))}/"
-        try:
-            pg = dist.ProcessGroupGloo(
-                dist.PrefixStore(scope, store),
-                self.rank,
-                self.world_size,
-                datetime.timedelta(seconds=self.timeout),
-            )
-        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
-            raise RendezvousError(
-                f"{prefix}the fingerprint check's Gloo group did not form within {self.timeout:g} s "
-                f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); every rank "
-                "must create the group with the same COMMLIB_DEBUG"
-            ) from e
-        # Held here alone, not by the exchange below: ``close`` must destroy it (which joins its
-        # worker threads). Left to the interpreter's exit, a worker still finishing the last
-        # all-gather would drop that work's tensors when Python can no longer take them back, and
-        # the process aborts after a clean run ("terminate called without an active exception").
-        self._fingerprint_pg = pg
-        del pg
-        world = self.world_size
-
-        def exchange(mine: bytes, timeout: float, label: object, background: bool) -> bytes:
-            where = label if isinstance(label, CollectiveLabel) else str(label)
-            pg = self._fingerprint_pg
-            if pg is None:
-                raise CommError(f"{where}: the group is closed; create a new one")
-            send = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-            everyone = torch.empty(len(mine) * world, dtype=torch.uint8)
-            try:
-                pg._allgather_base(everyone, send, async_options(AllgatherOptions)).wait(  # noqa: SLF001
-                    datetime.timedelta(seconds=timeout)
-                )
-            except Exception as e:  # noqa: BLE001
-                # Worded as the collective's own failure: a dead or missing peer is what the user must see.
-                raise translate(where, e, timeout) from e
-            return everyone.numpy().tobytes()
-
-        return exchange
+        rank, world = self.rank, self.world_size
+        self._fingerprint_pg = fingerprint_group(store, scope, rank, world, self.timeout, prefix)
+        return fingerprint_exchange(lambda: self._fingerprint_pg, self.world_size)
 
     # ---------------------------------------------------------------- subgroups
     def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:
