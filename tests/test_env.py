@@ -290,9 +290,12 @@ def test_explicit_arguments_do_not_derive_a_port() -> None:
     assert detect(master_port=2222, environ=MPICH).master_port == 2222
 
 
+# One write of a whole line per rank: mpiexec forwards each rank's output as it reads it, so a line
+# written in pieces can interleave with the other rank's.
 _PRINT_ENV = (
-    "import commlib; e = commlib.detect(); "
-    "print('DETECT', e.launcher, e.rank, e.world_size, e.local_rank, e.local_world_size, e.master_port)"
+    "import commlib, os; e = commlib.detect(); fields = ('DETECT', e.launcher, e.rank, e.world_size, "
+    "e.local_rank, e.local_world_size, e.master_port); "
+    "os.write(1, (' '.join(map(str, fields)) + chr(10)).encode())"
 )
 
 
