@@ -65,6 +65,29 @@ def test_messages_of_one_pair_and_tag_go_to_receives_in_posting_order() -> None:
     assert got == receives
 
 
+def test_a_message_read_off_its_link_goes_to_the_earliest_receive_that_accepts_it() -> None:
+    other_tag, any_, mine = Recv(None, 4, "t4"), Recv(None, 5, "any"), Recv(1, 5, "from 1")
+    posted = _posted(other_tag, mine, any_)
+    assert posted.match(1, 5) is mine
+    assert posted.match(2, 5) is any_
+    assert posted.match(2, 5) is None, "no receive takes it: it goes aside"
+    assert posted.pending == [other_tag]
+
+
+def test_uncovered_receives_are_the_earliest_takers_of_each_source() -> None:
+    any5, from1, from1_again, any5_again = (
+        Recv(None, 5, "a"),
+        Recv(1, 5, "b"),
+        Recv(1, 5, "c"),
+        Recv(None, 5, "d"),
+    )
+    first, second, other_tag = Recv(1, 6, "e"), Recv(2, 6, "f"), Recv(1, 6, "g")
+    posted = _posted(any5, from1, from1_again, any5_again, first, second, other_tag)
+    assert posted.uncovered() == [any5, first, second], "an earlier any-source or same-source receive covers"
+    posted.withdraw(any5)
+    assert posted.uncovered() == [from1, any5_again, first, second]
+
+
 def test_withdraw_removes_only_an_unmatched_receive() -> None:
     a, b = Recv(0, 1, "a"), Recv(0, 1, "b")
     posted = _posted(a, b)
@@ -83,6 +106,18 @@ def test_take_aside_returns_the_oldest_message_with_the_tag() -> None:
     assert p.take_aside(queue, 3) is None
     assert p.take_aside(queue, 1) == Kept(1, 2)
     assert queue == [Kept(2, 1)]
+
+
+def test_take_aside_from_one_source() -> None:
+    @dataclasses.dataclass
+    class Kept:
+        tag: int
+        source: int
+
+    queue = [Kept(1, 0), Kept(1, 2), Kept(1, 0)]
+    assert p.take_aside(queue, 1, source=2) == Kept(1, 2)
+    assert p.take_aside(queue, 1, source=3) is None
+    assert queue == [Kept(1, 0), Kept(1, 0)]
 
 
 def test_layouts_and_codes() -> None:

@@ -8,6 +8,7 @@ because a send waits for its receive.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import secrets
 import socket
@@ -211,6 +212,32 @@ def test_a_recv_from_any_source_names_the_sender(pair: Pair) -> None:
     got = pair.recv(1, x, tag=5, src=None)
     _done(pair.send(0, torch.full((4,), 9.0), tag=5))
     assert got.result(timeout=30) == 0 and x.tolist() == [9.0] * 4
+
+
+def test_a_message_goes_to_the_earliest_posted_receive_that_accepts_it(pair: Pair) -> None:
+    end = pair.ends[1]
+    into = [torch.zeros(2) for _ in range(4)]
+    # Any source then rank 0, both tag 5; rank 0 then any source, tag 6; posted in this order.
+    posted = [end.post(into[0], None, 5, "a"), end.post(into[1], 0, 5, "b")]
+    posted += [end.post(into[2], 0, 6, "c"), end.post(into[3], None, 6, "d")]
+    finished = [pair.pool.submit(end.finish, receive) for receive in reversed(posted)]
+    for k, tag in enumerate((5, 5, 6, 6)):
+        pair.ends[0].send(torch.full((2,), float(k)), 1, tag, "send")
+    assert _done(*finished) == [0, 0, 0, 0]
+    assert [x[0].item() for x in into] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_receive_reading_its_link_hands_another_receives_message_over(pair: Pair) -> None:
+    end = pair.ends[1]
+    mine, theirs = torch.zeros(3), torch.zeros(3)
+    # On its source's lane, as the group runs it: a receive from any source leaves that link to it.
+    reading = end.recv_lane(0).submit("recv", functools.partial(end.recv, mine, 0, 1, "tag 1"), True)
+    waiting = pair.pool.submit(end.recv, theirs, None, 2, "from any rank, tag 2")
+    _done(pair.send(0, torch.full((3,), 2.0), tag=2))  # read by the receive of tag 1, for the other
+    assert waiting.result(timeout=30) == 0 and theirs.tolist() == [2.0] * 3
+    _done(pair.send(0, torch.full((3,), 1.0), tag=1))
+    reading.wait(timeout=30)
+    assert mine.tolist() == [1.0] * 3
 
 
 def test_a_send_nobody_receives_times_out_naming_peer_and_tag_and_the_link_stays_usable() -> None:

@@ -22,8 +22,9 @@ Receives are matched to arrived messages in the order they were posted
 (``PostedReceives``): a message goes to the earliest posted receive that
 accepts it (same tag; same source, or any source), which keeps messages
 between one pair with one tag in the order sent, any-source receives included.
-A message that came before any receive with its tag waits aside
-(``take_aside``) for the first later one.
+An engine that reads messages as they come, rather than probing for one
+receive, hands each to ``match``, the same rule. A message that came before
+any receive that accepts it waits aside (``take_aside``) for the first later one.
 
 A backend supplies only a tagged byte transport, and drives these from its
 own engine (lanes, a progress thread, an acceptor).
@@ -215,6 +216,42 @@ class PostedReceives(Generic[R]):
                 return receive, index - 1 if i < index else index
         raise AssertionError("the probed receive accepts its own message")  # pragma: no cover
 
+    def match(self, source: int, tag: int) -> R | None:
+        """Remove and return the earliest posted receive that accepts a message from ``source`` with ``tag``.
+
+        For an engine whose readers find messages rather than probe for a receive: None when no
+        receive takes the message (it goes aside, ``take_aside``).
+        """
+        pending = self.pending
+        for i, receive in enumerate(pending):
+            if receive.tag == tag and (receive.wanted is None or receive.wanted == source):
+                del pending[i]
+                return receive
+        return None
+
+    def uncovered(self) -> list[R]:
+        """The receives no earlier one covers (has their tag and accepts all their sources), oldest first.
+
+        Only these can be the earliest posted receive that accepts the next message. A
+        transport that matches by itself, and gives a message to a receive from its source
+        before one from any source, matches by this rule when it is handed only these, in order.
+        """
+        anys: set[int] = set()
+        sources: set[tuple[int, int]] = set()
+        found = []
+        for receive in self.pending:
+            tag, wanted = receive.tag, receive.wanted
+            if tag in anys:
+                continue
+            if wanted is None:
+                anys.add(tag)
+            elif (wanted, tag) in sources:
+                continue
+            else:
+                sources.add((wanted, tag))
+            found.append(receive)
+        return found
+
     def withdraw(self, receive: R) -> bool:
         """Remove ``receive`` if still unmatched; return True if so."""
         try:
@@ -230,17 +267,21 @@ class PostedReceives(Generic[R]):
 
 
 class Aside(Protocol):
-    """A message kept aside: its tag (and whatever the transport keeps of it)."""
+    """A message kept aside: its tag, its source (read to match one source), and whatever else is kept."""
 
     tag: int
+    source: int
 
 
 A = TypeVar("A", bound=Aside)
 
 
-def take_aside(queue: list[A], tag: int) -> A | None:
-    """Remove and return the oldest message of ``queue`` with ``tag`` (None if there is none)."""
+def take_aside(queue: list[A], tag: int, source: int | None = None) -> A | None:
+    """Remove and return the oldest message of ``queue`` with ``tag`` (None if there is none).
+
+    ``source``: only a message from that source (None: from any source).
+    """
     for i, aside in enumerate(queue):
-        if aside.tag == tag:
+        if aside.tag == tag and (source is None or aside.source == source):
             return queue.pop(i)
     return None

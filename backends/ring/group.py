@@ -632,15 +632,20 @@ class RingProcessGroup(IProcessGroup):
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
         p2p = self._peer_links_for("recv")
         label = self._p2p_label("recv", tensor, src, tag)
-        if tensor.is_cpu:  # the links write it in place
-            body: Callable[[], Any] = functools.partial(p2p.recv, tensor, src, tag, label)
-        else:
+        receive = p2p.post(tensor, src, tag, label)  # matched in the order issued, whenever it runs
+        try:
+            if tensor.is_cpu:  # the links write it in place
+                body: Callable[[], Any] = functools.partial(p2p.finish, receive)
+            else:
 
-            def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
-                return p2p.recv(hosts[0], src, tag, label)
+                def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
+                    return p2p.finish(receive, hosts[0])
 
-            body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
-        return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)
+                body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
+            return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)
+        except BaseException:
+            p2p.withdraw(receive)  # it never runs, or ran and failed
+            raise
 
     # --------------------------------------------------------------- subgroups
     def _new_group(self, ranks: list[int], config: CommConfig, name: str) -> IProcessGroup | None:

@@ -31,14 +31,17 @@ Messages:
   whole message and reads the verdict then, so a dtype or size mismatch raises
   on both sides, before any byte lands in the receive's tensor, and the
   success path costs no round trip beyond the receiver's own progress.
-- Receives from one source run in the order issued; each takes the next
-  message with its tag, so messages between one pair with one tag arrive in
-  order. A message with another tag that comes first is copied aside for a
-  later receive with that tag; its send completes then (as MPI's eager sends
-  do), and a dtype or size mismatch found later raises on the receiver only.
-- A receive from any source takes the first message, with its tag, from a
-  source that has no receive of its own queued; it polls the links (a
-  fraction of a millisecond apart once idle).
+- Matching is the protocol's (``PostedReceives``): a receive is posted when
+  issued, and each message goes to the earliest posted receive that accepts it
+  (its tag; its source, or any source), whoever reads it off its link, so
+  messages between one pair with one tag arrive in order, receives from any
+  source included. A link is read by the receive from its source that runs on
+  that source's lane (receives from one source run in the order issued), or,
+  when that lane is idle, by a receive from any source, which looks at such
+  links a fraction of a millisecond apart once idle, and wakes at once when
+  another reader lands its message. A message no receive takes yet is copied
+  aside for a later one; its send completes then (as MPI's eager sends do), and
+  a dtype or size mismatch found later raises on the receiver only.
 - The verdict's decision, its codes and the errors of a refusal, and the
   set-aside queue's rule are ``backends.common.p2p_protocol``'s; the links
   carry them.
@@ -74,14 +77,16 @@ import torch
 
 from backends.common.p2p_protocol import (
     CODES,
+    REFUSED,
     SET_ASIDE,
     TAKEN,
+    Layout,
+    PostedReceives,
     check_answer,
     fits,
     layout_of,
     mismatch,
     take_aside,
-    verdict,
 )
 from backends.ring.link_setup import LinkShape, finish_recv_link, offer_recv_link, open_send_link
 from backends.ring.links import RecvLink, SendLink
@@ -92,7 +97,6 @@ from commlib.errors import (
     CommError,
     CommTimeoutError,
     GroupClosedError,
-    MessageMismatchError,
     PeerFailureError,
 )
 from commlib.lanes import Lane
@@ -158,6 +162,9 @@ class _Outgoing:
 
 @dataclasses.dataclass
 class _Aside:
+    """A message read off its link and kept: for a later receive, or for a staged one not running yet."""
+
+    source: int
     tag: int
     header: _Header
     data: torch.Tensor
@@ -167,8 +174,35 @@ class _Aside:
 class _Incoming:
     link: RecvLink
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    aside: list[_Aside] = dataclasses.field(default_factory=list)
+    """Held by the one reading the link: its source's receive, or a receive from any source."""
     failed: BaseException | None = None
+
+
+class _Receive:
+    """An issued receive: what matching reads (``wanted``, ``tag``), and where its message lands.
+
+    Whoever reads its message off a link lands it: writes the tensor (or ``kept``, or
+    ``error``), then ``source``, last; its owner waits for ``source``.
+    """
+
+    __slots__ = ("data", "error", "kept", "label", "mine", "source", "tag", "wanted")
+
+    def __init__(
+        self, wanted: int | None, tag: int, data: torch.Tensor | None, mine: Layout, label: object
+    ) -> None:
+        self.wanted = wanted
+        """The source asked for (None: any)."""
+        self.tag = tag
+        self.data = data
+        """The flat host tensor the message lands in (None: a staged receive's, given when it runs)."""
+        self.mine = mine
+        """The layout the receive holds (``p2p_protocol.layout_of``)."""
+        self.label = label
+        self.kept: _Aside | None = None
+        """Its message, kept to be copied in when the receive runs (and checked then if set aside)."""
+        self.error: BaseException | None = None
+        self.source: int | None = None
+        """The message's source, once landed (or failed): set last."""
 
 
 class PointToPoint:
@@ -223,6 +257,14 @@ class PointToPoint:
         self._unsent = False
         """True once ``close`` gave up waiting for the sends in flight: they fail, saying so."""
         self._scratch: torch.Tensor | None = None
+        self._matching = threading.Lock()
+        """Guards the matching: ``_posted``, ``_aside``, and which receive a message goes to."""
+        self._matched = threading.Condition(self._matching)
+        """Notified when a message lands in a receive other than its reader."""
+        self._posted: PostedReceives[_Receive] = PostedReceives()
+        """The receives issued and not matched yet, in the order issued."""
+        self._aside: list[_Aside] = []
+        """Messages no receive took yet, oldest first."""
 
     # --------------------------------------------------------------- lanes
     def send_lane(self, dst: int) -> Lane:
@@ -253,9 +295,16 @@ class PointToPoint:
         kind, data, peer, tag, _ = request
         label = _Label((label_of, request))
         if kind == "send":
-            self.send_lane(peer).call(label, self.send, data, peer, tag, label)  # type: ignore[arg-type]
+            lane = self._send_lanes.get(peer) or self.send_lane(peer)  # type: ignore[arg-type]
+            lane.call(label, self.send, data, peer, tag, label)
             return peer  # type: ignore[return-value]
-        return self.recv_lane(peer).call(label, self.recv, data, peer, tag, label)  # type: ignore[arg-type]
+        lane = self._recv_lanes.get(peer) or self.recv_lane(peer)
+        receive = self.post(data, peer, tag, label)
+        try:
+            return lane.call(label, self.finish, receive)
+        except GroupClosedError:
+            self.withdraw(receive)
+            raise
 
     # ---------------------------------------------------------------- send
     def send(self, data: torch.Tensor, dst: int, tag: int, label: object) -> None:
@@ -399,37 +448,80 @@ class PointToPoint:
             pass
 
     # ---------------------------------------------------------------- recv
+    def post(self, data: torch.Tensor, src: int | None, tag: int, label: object) -> _Receive:
+        """Issue a receive of ``tag`` from ``src`` (None: any source) into ``data``; ``finish`` runs it.
+
+        From now on the receive is matched in the order issued (``PostedReceives``): a message
+        goes to the earliest issued receive that accepts it, whoever reads it off its link. A
+        message set aside before (no receive took it) is taken now. ``data``: a flat host tensor,
+        or a device tensor whose host staging ``finish`` gets.
+        """
+        mine = (data.nbytes, data.numel(), CODES.get(data.dtype, -1))  # layout_of, inline: the hot path
+        receive = _Receive(src, tag, data if data.is_cpu else None, mine, label)
+        with self._matching:
+            kept = take_aside(self._aside, tag, src) if self._aside else None
+            if kept is None:
+                self._posted.post(receive)
+            else:
+                receive.kept, receive.source = kept, kept.source
+        return receive
+
+    def withdraw(self, receive: _Receive) -> None:
+        """Forget an issued receive that will not run (its lane refused it)."""
+        with self._matching:
+            self._posted.withdraw(receive)
+
     def recv(self, data: torch.Tensor, src: int | None, tag: int, label: object) -> int:
         """Receive the next message with ``tag`` from ``src`` (None: any source) into host tensor ``data``.
+
+        ``post`` and ``finish`` in one.
+
+        Returns:
+            The source rank.
+        """
+        return self.finish(self.post(data, src, tag, label))
+
+    def finish(self, receive: _Receive, host: torch.Tensor | None = None) -> int:
+        """Wait until an issued receive has its message; ``host``: a staged receive's host tensor.
 
         Returns:
             The source rank.
 
         Raises:
-            MessageMismatchError: The message has another dtype or size than ``data``
-                (``MessageSizeError``); it is dropped, ``data`` is untouched, and its sender is told.
+            MessageMismatchError: The message has another dtype or size than the receive's tensor
+                (``MessageSizeError``); it is dropped, the tensor is untouched, and its sender is
+                told (unless it was set aside before the receive was issued).
             CommTimeoutError: No such message came within the timeout.
-            PeerFailureError: The link from ``src`` failed (now or earlier).
+            PeerFailureError: The link from the source failed (now or earlier).
         """
         if self._acceptor is None:
             self._start_acceptor()
-        mine = (data.nbytes, data.numel(), CODES.get(data.dtype, -1))
+        if host is not None:
+            with self._matching:
+                if receive.data is None:
+                    receive.data = host
+        src = receive.source
         if src is None:
-            return self._recv_any(data, tag, mine, label)
-        incoming = self._incoming_from(src, label)
-        with incoming.lock:
-            aside = take_aside(incoming.aside, tag) if incoming.aside else None
-            if aside is None:
-                self._take(incoming, src, data, tag, mine, label, wait=True)
-            else:
-                self._deliver(aside, src, data, mine, label)
-        return src
+            try:
+                if receive.wanted is None:
+                    self._recv_any(receive)
+                else:
+                    incoming = self._incoming.get(receive.wanted) or self._incoming_from(receive)
+                    with incoming.lock:
+                        self._take(incoming, receive.wanted, receive, wait=True)
+            except BaseException:
+                self.withdraw(receive)
+                raise
+            src = receive.source
+        if receive.kept is not None:
+            self._deliver(receive.kept, receive)
+        elif receive.error is not None:
+            raise receive.error
+        return src  # type: ignore[return-value]
 
-    def _incoming_from(self, src: int, label: object) -> _Incoming:
-        """The link from ``src``, waiting for ``src`` to open it (its first send does)."""
-        incoming = self._incoming.get(src)
-        if incoming is not None:
-            return incoming
+    def _incoming_from(self, receive: _Receive) -> _Incoming:
+        """The link from the receive's source, waiting for the source to open it (its first send does)."""
+        src, label = receive.wanted, receive.label
         deadline = time.monotonic() + self._timeout
         with self._links:
             while src not in self._incoming:
@@ -441,76 +533,104 @@ class PointToPoint:
                         "sent to this rank, or is stuck"
                     )
                 self._links.wait(left)
-            return self._incoming[src]
+            return self._incoming[src]  # type: ignore[index]
 
     @staticmethod
-    def _deliver(
-        aside: _Aside, src: int, data: torch.Tensor, mine: tuple[int, int, int], label: object
-    ) -> None:
+    def _deliver(aside: _Aside, receive: _Receive) -> None:
         header = aside.header
-        sent = (header.nbytes, header.numel, header.dtype)
+        sent, mine = (header.nbytes, header.numel, header.dtype), receive.mine
         if not fits(sent, mine):
             # It came before a recv with its tag and was kept aside: its sender was not told.
-            raise mismatch(label, "recv", src, sent, mine, peer_told=False)
+            raise mismatch(receive.label, "recv", aside.source, sent, mine, peer_told=False)
         if mine[0]:
-            data.view(torch.uint8).copy_(aside.data)
+            receive.data.view(torch.uint8).copy_(aside.data)  # type: ignore[union-attr]
 
-    def _take(
-        self,
-        incoming: _Incoming,
-        src: int,
-        data: torch.Tensor,
-        tag: int,
-        mine: tuple[int, int, int],
-        label: object,
-        *,
-        wait: bool,
-    ) -> bool:
-        """Read messages from ``src`` until one has ``tag`` (others go aside).
+    def _take(self, incoming: _Incoming, src: int, reader: _Receive, *, wait: bool) -> None:
+        """Read messages from ``src``, each for the receive it goes to, until ``reader`` has one.
 
-        Returns:
-            False if no message waits and ``wait`` is off.
+        Each message goes to the earliest issued receive that accepts it (``match``), which
+        may be another than ``reader``, or aside when none does. The caller holds the link's
+        lock. ``wait`` off: stop when no message waits.
         """
+        label = reader.label
         if incoming.failed is not None:
             raise PeerFailureError(
                 f"{label}: the link from rank {src} failed earlier ({incoming.failed}); point-to-point "
                 "with the other ranks still works"
             )
         link = incoming.link
-        while wait or link.ready():
+        while reader.source is None and (wait or link.ready()):
             try:
-                _, msg, their_tag, nbytes, numel, piece, dtype = _read_header(link)
+                fields = link.recv_record(_HEADER)
             except CommTimeoutError as e:
                 raise CommTimeoutError(
                     f"{label}: no message from rank {src} within {self._timeout:g} s: rank {src} never sent "
                     f"it, or is stuck ({e})"
                 ) from None
             except (CommError, OSError) as e:
-                raise self._broken(incoming, src, label, e) from e
+                raise self._broken(incoming, src, reader, e) from e
+            taker = None
             try:
-                sent = (nbytes, numel, dtype)
-                answer = verdict(their_tag, sent, tag, mine)
-                if answer == TAKEN and nbytes <= piece:
-                    link.take_into(msg, (TAKEN, *mine), data)  # the message is one piece: most are
-                    return True
+                if fields[0] != _MAGIC or fields[5] <= 0:
+                    raise CommError(
+                        f"protocol error from {link.describe}: not a point-to-point message header"
+                    )
+                _, msg, their_tag, nbytes, numel, piece, dtype = fields
+                with self._matching:
+                    taker = self._posted.match(src, their_tag)
+                    into = None if taker is None else taker.data
+                if taker is not None:
+                    mine = taker.mine
+                    if nbytes == mine[0] and dtype == mine[2] and nbytes <= piece and into is not None:
+                        link.take_into(msg, (TAKEN, *mine), into)  # the message is one piece: most are
+                        if taker is reader:
+                            reader.source = src
+                        else:
+                            self._landed(taker, src)
+                        continue
                 header = _Header(msg, their_tag, nbytes, numel, piece, dtype)
-                if answer == SET_ASIDE:
-                    link.post_verdict(msg, (SET_ASIDE, *sent))
-                    kept = torch.empty(nbytes, dtype=torch.uint8)
-                    self._read_body(link, header, kept)
-                    incoming.aside.append(_Aside(their_tag, header, kept))
-                    continue
-                link.post_verdict(msg, (answer, *mine))
-                if answer != TAKEN:
-                    self._read_body(link, header, None)
-                    raise mismatch(label, "recv", src, sent, mine)
-                self._read_body(link, header, data)
-                return True
-            except MessageMismatchError:
-                raise
+                self._land(link, src, header, taker)
             except (CommError, OSError) as e:
-                raise self._broken(incoming, src, label, e) from e
-        return False
+                raise self._broken(incoming, src, reader, e, taker) from e
+
+    def _land(self, link: RecvLink, src: int, header: _Header, taker: _Receive | None) -> None:
+        """Land a message not landed at once (many pieces, refused, staged, or aside) in ``taker``."""
+        sent = (header.nbytes, header.numel, header.dtype)
+        if taker is None:
+            link.post_verdict(header.msg, (SET_ASIDE, *sent))
+            kept = torch.empty(header.nbytes, dtype=torch.uint8)
+            self._read_body(link, header, kept)
+            self._set_aside(_Aside(src, header.tag, header, kept))
+            return
+        mine = taker.mine
+        answer = TAKEN if fits(sent, mine) else REFUSED
+        link.post_verdict(header.msg, (answer, *mine))
+        if answer != TAKEN:
+            self._read_body(link, header, None)
+            taker.error = mismatch(taker.label, "recv", src, sent, mine)
+        elif taker.data is None:  # a staged receive not running yet: its host tensor comes then
+            kept = torch.empty(header.nbytes, dtype=torch.uint8)
+            self._read_body(link, header, kept)
+            taker.kept = _Aside(src, header.tag, header, kept)
+        else:
+            self._read_body(link, header, taker.data)
+        self._landed(taker, src)
+
+    def _landed(self, receive: _Receive, src: int) -> None:
+        """``receive`` has its message (or its error): wake its owner."""
+        with self._matched:
+            receive.source = src
+            self._matched.notify_all()
+
+    def _set_aside(self, aside: _Aside) -> None:
+        """Keep a message no receive took, for a later one; or give it to one issued while it was read."""
+        with self._matching:
+            taker = self._posted.match(aside.source, aside.tag)
+            if taker is None:
+                self._aside.append(aside)
+                return
+            taker.kept = aside
+        self._landed(taker, aside.source)
 
     def _read_body(self, link: RecvLink, header: _Header, into: torch.Tensor | None) -> None:
         """Read the message's pieces (the first came with the header) into ``into``, or drop them."""
@@ -532,14 +652,29 @@ class PointToPoint:
             self._scratch = torch.empty(max(size, self._piece), dtype=torch.uint8)
         return self._scratch[:size]
 
-    def _broken(self, incoming: _Incoming, src: int, label: object, e: BaseException) -> CommError:
+    def _broken(
+        self, incoming: _Incoming, src: int, reader: _Receive, e: BaseException, taker: _Receive | None = None
+    ) -> CommError:
+        """The link from ``src`` failed under ``reader``: its error; ``taker``, if another, fails alike."""
+        if not self._closing:
+            incoming.failed = e
+        if taker is not None and taker is not reader and taker.source is None:
+            taker.error = self._failure(taker.label, src, e)
+            self._landed(taker, src)
+        return self._failure(reader.label, src, e)
+
+    def _failure(self, label: object, src: int, e: BaseException) -> CommError:
         if self._closing:
             return GroupClosedError(f"{label}: the group was closed during the recv")
-        incoming.failed = e
         return PeerFailureError(f"{label}: receiving from rank {src} failed: {e}")
 
-    def _recv_any(self, data: torch.Tensor, tag: int, mine: tuple[int, int, int], label: object) -> int:
-        """Poll every source whose own receive lane is idle for a message with ``tag``."""
+    def _recv_any(self, receive: _Receive) -> None:
+        """Read every source whose own receive lane is idle until a message lands in ``receive``.
+
+        A busy lane's receive reads its link itself, and hands over the messages that go to
+        ``receive``; a message landed by another reader wakes this one at once.
+        """
+        label = receive.label
         deadline = time.monotonic() + self._timeout
         nap = 0.0
         while True:
@@ -547,24 +682,22 @@ class PointToPoint:
             for src, incoming in list(self._incoming.items()):
                 lane = self._recv_lanes.get(src)
                 if lane is not None and not lane.idle:
-                    continue  # a receive from that source came first
-                if not incoming.lock.acquire(blocking=False):
+                    continue  # its receive reads the link
+                if incoming.failed is not None or not incoming.lock.acquire(blocking=False):
                     continue
                 try:
-                    aside = take_aside(incoming.aside, tag)
-                    if aside is not None:
-                        self._deliver(aside, src, data, mine, label)
-                        return src
-                    if incoming.failed is None and self._take(
-                        incoming, src, data, tag, mine, label, wait=False
-                    ):
-                        return src
+                    self._take(incoming, src, receive, wait=False)
                 finally:
                     incoming.lock.release()
-            if time.monotonic() >= deadline:
-                raise CommTimeoutError(f"{label}: no message from any rank within {self._timeout:g} s")
-            nap = min(_ANY_SLEEP_MAX_S, nap * 2 or 1e-5)
-            time.sleep(nap)
+                if receive.source is not None:
+                    return
+            with self._matched:
+                if receive.source is not None:
+                    return
+                if time.monotonic() >= deadline and self._posted.withdraw(receive):
+                    raise CommTimeoutError(f"{label}: no message from any rank within {self._timeout:g} s")
+                nap = min(_ANY_SLEEP_MAX_S, nap * 2 or 1e-5)
+                self._matched.wait(nap)
 
     # ------------------------------------------------------------ acceptor
     def _start_acceptor(self) -> None:

@@ -20,6 +20,17 @@ A dtype or size mismatch therefore raises ``MessageMismatchError``
 leaves the pair in step: the group goes on. A receive from any rank posts its
 header receive on any source; the header names the sender.
 
+Matching: a message goes to the earliest issued receive that accepts it (its
+tag; its source, or any source), the protocol's rule (``PostedReceives``). Gloo
+matches headers itself, and gives one to a receive posted from its source before
+one posted from any source, whichever came first. So Gloo gets the header
+receives of the uncovered receives only (``PostedReceives.uncovered``: no
+receive issued before has the tag and accepts all their sources), in the order
+issued; the others reach Gloo when the receives covering them have their
+headers. Of the receives Gloo holds, at most one from a source and one from any
+source accept a message, and the one from its source, when held, was issued
+first: Gloo's choice is the protocol's.
+
 Order: one lane (``commlib.lanes``: a thread that lives while it has work) runs
 the operations of each (send or recv, peer, tag) one after the other. Gloo completes a send only
 once the peer has posted the matching receive, so a second header from one
@@ -59,6 +70,7 @@ import torch
 from backends.common.p2p_protocol import (
     MAGIC,
     TAKEN,
+    PostedReceives,
     check_answer,
     check_header,
     layout_of,
@@ -66,7 +78,7 @@ from backends.common.p2p_protocol import (
     verdict,
 )
 from backends.torch.errors import P2P_WAIT_RULES
-from commlib.errors import CommError, GroupClosedError, MessageMismatchError
+from commlib.errors import CommError, CommTimeoutError, GroupClosedError, MessageMismatchError
 from commlib.lanes import Lanes
 from commlib.translation import translate
 from commlib.work import CollectiveLabel, EventWork, Work
@@ -80,6 +92,22 @@ _EXIT_GRACE_S = 5.0
 """How long ``close`` waits for the lanes to leave Gloo once the connections are closed."""
 
 _log = logging.getLogger(__name__)
+
+
+class _Receive:
+    """An issued receive: what matching reads (``wanted``, ``tag``), and Gloo's receive of its header."""
+
+    __slots__ = ("failure", "handle", "header", "tag", "wanted")
+
+    def __init__(self, wanted: int | None, tag: int) -> None:
+        self.wanted = wanted
+        """The source asked for (None: any)."""
+        self.tag = tag
+        self.header = torch.empty(4, dtype=torch.int64)
+        self.handle: Any = None
+        """Gloo's receive of the header, once posted (``P2PEngine._post_headers``)."""
+        self.failure: Exception | None = None
+        """Why posting it failed."""
 
 
 class P2PEngine:
@@ -107,6 +135,10 @@ class P2PEngine:
         self._open: dict[EventWork, tuple[str, int | None]] = {}
         """The works not finished yet: ``send`` or ``recv``, and the peer (None: any rank)."""
         self._closed = False
+        self._posted: PostedReceives[_Receive] = PostedReceives()
+        """The receives whose header has not come yet, in the order issued (under ``_lock``)."""
+        self._headers_posted = threading.Condition(self._lock)
+        """Notified when header receives are handed to Gloo, and at close."""
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, label: CollectiveLabel) -> Work:
         """Start a send of flat ``tensor``; the work completes once the receiver has the data."""
@@ -117,8 +149,30 @@ class P2PEngine:
     def recv(self, tensor: torch.Tensor, src: int | None, tag: int, label: CollectiveLabel) -> Work:
         """Start a receive into flat ``tensor`` from ``src`` (None: any rank)."""
         work = self._open_work(label, tensor, "recv", src)
-        self._lanes.post(("recv", src, tag), lambda: self._run(work, self._recv, tensor, src, tag))
+        receive = _Receive(src, tag)
+        with self._lock:
+            self._posted.post(receive)
+            self._post_headers()
+        self._lanes.post(("recv", src, tag), lambda: self._run(work, self._recv, tensor, receive))
         return work
+
+    def _post_headers(self) -> None:
+        """Hand Gloo the header receives of the uncovered receives, in the order issued (holding ``_lock``).
+
+        Gloo gives a message to a receive from its source before one from any source, so
+        given only these it matches as ``PostedReceives`` does (see the module's docstring).
+        """
+        backend = self._backend
+        for receive in self._posted.uncovered():
+            if receive.handle is None and receive.failure is None:
+                try:
+                    if receive.wanted is None:
+                        receive.handle = backend.recv_anysource([receive.header], 3 * receive.tag)
+                    else:
+                        receive.handle = backend.recv([receive.header], receive.wanted, 3 * receive.tag)
+                except Exception as e:  # noqa: BLE001 - raised by the receive's own step
+                    receive.failure = e
+        self._headers_posted.notify_all()
 
     def close(self, prefix: str, close_connections: bool) -> None:
         """Finish or fail every operation in flight within the timeout, and leave no lane inside Gloo.
@@ -139,6 +193,7 @@ class P2PEngine:
         with self._lock:
             works, self._open = self._open, {}
             self._closed = True
+            self._headers_posted.notify_all()
         if not works:
             return
         for work, (kind, peer) in works.items():
@@ -248,19 +303,23 @@ class P2PEngine:
         except Exception as e:  # noqa: BLE001
             raise self._failed(label, e, f"rank {dst} took no data") from e
 
-    def _recv(self, work: EventWork, tensor: torch.Tensor, src: int | None, tag: int) -> None:
-        label, backend = work.label, self._backend
-        header = torch.empty(4, dtype=torch.int64)
-        handle = (
-            backend.recv_anysource([header], 3 * tag) if src is None else backend.recv([header], src, 3 * tag)
-        )
+    def _recv(self, work: EventWork, tensor: torch.Tensor, receive: _Receive) -> None:
+        label, backend, src, tag = work.label, self._backend, receive.wanted, receive.tag
         try:
+            handle = self._header_receive(receive, label)
             handle.wait()
+        except CommError:
+            raise
         except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
             source = "any rank" if src is None else f"rank {src}"
             raise self._failed(label, e, f"no message from {source}") from e
+        finally:
+            with self._lock:  # matched (or failed): the receives it covered get their header receives
+                self._posted.withdraw(receive)
+                self._post_headers()
         if src is None:
             src = int(handle._source_rank())  # noqa: SLF001 - torch's name for it
+        header = receive.header
         sent = check_header(header.tolist(), label, src)
         holds = layout_of(tensor)
         answer = verdict(tag, sent, tag, holds)
@@ -284,6 +343,24 @@ class P2PEngine:
         if host is not data:
             data.copy_(host)
             torch.cuda.current_stream(data.device).synchronize()
+
+    def _header_receive(self, receive: _Receive, label: object) -> Any:
+        """Gloo's receive of the header, once the receives issued before that cover this one are matched."""
+        with self._lock:
+            self._headers_posted.wait_for(
+                lambda: receive.handle is not None or receive.failure is not None or self._closed,
+                timeout=self._timeout,
+            )
+            if receive.failure is not None:
+                raise receive.failure
+            if receive.handle is None:
+                if self._closed:
+                    raise GroupClosedError(f"{label}: {self._unfinished('recv', receive.wanted)}")
+                raise CommTimeoutError(
+                    f"{label}: no message within {self._timeout:g} s: a recv issued before it, with tag "
+                    f"{receive.tag}, that takes the same messages still waits"
+                )
+            return receive.handle
 
     def _failed(self, label: object, error: Exception, missing: str) -> CommError:
         """A failed wait of a message, for people: what never came (``missing``), or Gloo's failure."""

@@ -122,6 +122,40 @@ def body_many_in_order(group: IProcessGroup, count: int = 200) -> dict[str, Any]
     return {"order_7": got[7] == list(range(count)), "order_8": got[8] == list(range(count))}
 
 
+def body_earliest_posted_receive_wins(group: IProcessGroup) -> dict[str, Any]:
+    """Rank 1 posts two receives that both accept rank 0's next message; the one posted first gets it.
+
+    Both orders: a receive from any rank, then one from rank 0 (tag 0); then one from rank 0,
+    then one from any rank (tag 1). Rank 0 sends two distinct tensors once both are posted.
+    """
+    r = group.rank
+    if group.world_size < 2:
+        return {}
+    sent = [message(0, 1, tag, index, 6, torch.int64) for tag in (0, 1) for index in (0, 1)]
+    if r != 1:  # the barriers are the whole group's
+        group.barrier()
+        if r == 0:
+            for k, tensor in enumerate(sent):
+                group.send(tensor, 1, tag=k // 2)
+        group.barrier()
+        return {}
+    got = [torch.zeros(6, dtype=torch.int64) for _ in sent]
+    works = [
+        group.irecv(got[0], None, tag=0),
+        group.irecv(got[1], 0, tag=0),
+        group.irecv(got[2], 0, tag=1),
+        group.irecv(got[3], None, tag=1),
+    ]
+    group.barrier()  # every receive is posted before rank 0 sends
+    for work in works:
+        work.wait()
+    group.barrier()
+    return {
+        "first_to_first_posted": [torch.equal(got[k], sent[k]) for k in range(4)],
+        "sources": [work.source_rank() for work in works],
+    }
+
+
 def body_large(group: IProcessGroup, mib: int = 100, device: str = "cpu") -> dict[str, Any]:
     """100 MiB from rank 0 to rank 1 and back, exact (float32, a pattern both sides compute)."""
     r = group.rank

@@ -69,6 +69,7 @@ _P2P = [
     (f"{P2P}:body_skipping_pairs", []),
     (f"{P2P}:body_many_in_order", []),
     (f"{P2P}:body_p2p_keeps_collectives_numbered", []),
+    (f"{P2P}:body_earliest_posted_receive_wins", []),
 ]
 _SUBGROUPS = [(f"{SUBGROUPS}:body_overlapping_groups", []), (f"{SUBGROUPS}:body_split", [])]
 _NON_MEMBERS = (f"{SUBGROUPS}:body_non_members_are_refused", [])
@@ -324,6 +325,8 @@ def test_interface_p2p(job: Job, nprocs: int) -> None:
     assert values[1][f"{P2P}:body_many_in_order()"] == {"order_7": True, "order_8": True}
     numbered = [values[rank][f"{P2P}:body_p2p_keeps_collectives_numbered()"] for rank in range(nprocs)]
     assert all(v == {"advanced": 1, "sum": float(nprocs)} for v in numbered), numbered
+    earliest = values[1][f"{P2P}:body_earliest_posted_receive_wins()"]
+    assert earliest == {"first_to_first_posted": [True] * 4, "sources": [0] * 4}, earliest
 
 
 @pytest.mark.launcher

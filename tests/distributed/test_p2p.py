@@ -39,6 +39,13 @@ def test_ring_exchange_pairs_and_order(get_pool, variant: str, world_size: int) 
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_message_goes_to_the_earliest_posted_receive_that_accepts_it(get_pool, variant: str) -> None:
+    """Any source then rank 0, and rank 0 then any source: the first message lands in the first posted."""
+    _, receiver = get_pool(variant, 2).run(bodies.body_earliest_posted_receive_wins, timeout=120)
+    assert receiver == {"first_to_first_posted": [True] * 4, "sources": [0] * 4}, receiver
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_100_mib_and_size_mismatch(get_pool, variant: str) -> None:
     pool = get_pool(variant, 2)
     sender, receiver = pool.run(bodies.body_large, timeout=240)
