@@ -8,6 +8,7 @@ from typing import Any
 from backends.common.store_rendezvous import scope_in
 from backends.mpi.group import MPIProcessGroup
 from backends.mpi.library import load_mpi
+from backends.mpi.subgroups import members_comm
 from commlib.config import CommConfig
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
@@ -57,15 +58,7 @@ def _members_comm(env: DistEnv, timeout: float) -> Any:
         return world
     if len(set(members)) != len(members):
         raise RendezvousError(f"{prefix}two processes of the group share an MPI rank: {members}")
-    everyone = world.Get_group()
-    try:
-        chosen = everyone.Incl(members)
-    finally:
-        everyone.Free()
-    try:
-        return world.Create_group(chosen)
-    finally:
-        chosen.Free()
+    return members_comm(world, members)
 
 
 def from_mpi_comm(comm: Any, *, config: CommConfig | None = None) -> MPIProcessGroup:
