@@ -287,7 +287,7 @@ def _frame(obj: Any) -> bytes:
 
 
 def test_strangers_and_replayed_hellos_are_dropped_while_ranks_get_through(pair: Pair) -> None:
-    pair.ends[1]._start_acceptor()  # noqa: SLF001 - serve the listener before any recv
+    pair.ends[1]._peer_links.start_acceptor()  # noqa: SLF001 - serve the listener before any recv
     silent = _connect(pair, 1)  # says nothing at all
     garbage = _connect(pair, 1)
     garbage.sendall(b"GET / HTTP/1.0\r\n\r\n")
@@ -303,7 +303,7 @@ def test_strangers_and_replayed_hellos_are_dropped_while_ranks_get_through(pair:
     first, second = _connect(pair, 1), _connect(pair, 1)
     first.sendall(_frame(hello))
     deadline = time.monotonic() + 10
-    while hello["nonce"] not in pair.ends[1]._nonces and time.monotonic() < deadline:  # noqa: SLF001
+    while hello["nonce"] not in pair.ends[1]._peer_links._nonces and time.monotonic() < deadline:  # noqa: SLF001
         time.sleep(0.01)
     second.sendall(_frame(hello))
     second.settimeout(5)
@@ -325,7 +325,7 @@ def test_p2p_hellos_verify_only_for_their_own_session_source_and_destination() -
 def test_close_wakes_a_send_waiting_for_its_link(pair: Pair) -> None:
     waiting = pair.send(0, torch.ones(1))  # rank 1 never receives: the link's set-up waits for it
     deadline = time.monotonic() + 10
-    while not pair.ends[0]._connecting and time.monotonic() < deadline:  # noqa: SLF001
+    while not pair.ends[0]._peer_links._connecting and time.monotonic() < deadline:  # noqa: SLF001
         time.sleep(0.01)
     pair.ends[0].close()
     with pytest.raises(GroupClosedError):

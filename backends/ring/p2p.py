@@ -1,21 +1,8 @@
-"""Point-to-point messages between any two ranks of a ring group, over links opened on first use.
+"""Point-to-point messages between any two ranks of a ring group: the protocol over tagged links.
 
-Links:
-
-- Each direction between two ranks is a one-way link of its own, built as the
-  ring's are (``backends.ring.link_setup``: shared memory on one host, TCP
-  across hosts). Its sender opens it the first time it sends to that peer: it
-  connects to the peer's data listener (whose address every rank learnt at the
-  rendezvous) and sends a hello signed with the group's session key, which
-  only ranks holding the job token have; a nonce makes each hello good for one
-  link. Two ranks that send to each other at once open two links, so there is
-  nothing to settle between them.
-- The receiver's acceptor thread serves its listener from its first receive
-  on, reading every connection frame by frame at once
-  (``backends.ring.lobby``): a link's set-up is three frames from its sender
-  (hello, proposal, confirmation) and one answer, each with a deadline and a
-  size limit, so a stranger, or a peer that stalls, costs only its own
-  connection.
+The links (one each way between two ranks, opened by the first send, served by
+an acceptor) are ``backends.ring.p2p_links``'s; this module drives
+``backends.common.p2p_protocol`` over them.
 
 Messages:
 
@@ -65,7 +52,6 @@ other ranks go on.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import socket
 import struct
 import threading
@@ -88,11 +74,10 @@ from backends.common.p2p_protocol import (
     mismatch,
     take_aside,
 )
-from backends.ring.link_setup import LinkShape, finish_recv_link, offer_recv_link, open_send_link
-from backends.ring.links import RecvLink, SendLink
-from backends.ring.lobby import Lobby, Visitor
-from backends.ring.rendezvous import EarlyLink, Peer, p2p_hello, p2p_hello_source
-from backends.ring.wire import SocketReader, connect_with_retry, send_json, tune_socket
+from backends.ring.link_setup import LinkShape
+from backends.ring.links import RecvLink
+from backends.ring.p2p_links import Incoming, Outgoing, PeerLinks
+from backends.ring.rendezvous import EarlyLink, Peer
 from commlib.errors import (
     CommError,
     CommTimeoutError,
@@ -104,12 +89,8 @@ from commlib.p2p import P2PRequest
 
 __all__ = ["PointToPoint"]
 
-logger = logging.getLogger("commlib")
-
 _MAGIC = b"p2p1"
 _HEADER = struct.Struct("!4sQqQQQb")  # magic, message number, tag, bytes, elements, piece bytes, dtype code
-_HELLO_BYTES = 64 * 1024
-_ACCEPT_PERIOD_S = 1.0  # the acceptor looks at its stop flag at least this often
 _ANY_SLEEP_MAX_S = 1e-3  # longest nap of a receive from any source between looks at the links
 
 
@@ -150,17 +131,6 @@ class _Label(tuple):
 
 
 @dataclasses.dataclass
-class _Outgoing:
-    link: SendLink
-    taking: str
-    """What a send waits for, in a timeout's message."""
-    next_msg: int = 1
-    failed: BaseException | None = None
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    """Held by the send on the link: sends from several threads take turns."""
-
-
-@dataclasses.dataclass
 class _Aside:
     """A message read off its link and kept: for a later receive, or for a staged one not running yet."""
 
@@ -168,14 +138,6 @@ class _Aside:
     tag: int
     header: _Header
     data: torch.Tensor
-
-
-@dataclasses.dataclass
-class _Incoming:
-    link: RecvLink
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    """Held by the one reading the link: its source's receive, or a receive from any source."""
-    failed: BaseException | None = None
 
 
 class _Receive:
@@ -206,7 +168,7 @@ class _Receive:
 
 
 class PointToPoint:
-    """The point-to-point side of one ring group: its links, lanes and acceptor.
+    """The point-to-point side of one ring group: its lanes and the protocol over its links.
 
     Args:
         rank: This rank in the group.
@@ -232,30 +194,27 @@ class PointToPoint:
         early: list[EarlyLink],
     ) -> None:
         self._rank = rank
-        self._peers = peers
-        self._listener = listener
-        self._session = session
-        self._shape = shape
         self._timeout = timeout
-        self._prefix = prefix
-        self._early = list(early)
+        self._peer_links = PeerLinks(
+            rank=rank,
+            peers=peers,
+            listener=listener,
+            session=session,
+            shape=shape,
+            timeout=timeout,
+            prefix=prefix,
+            early=early,
+        )
         self._piece = max(4096, shape.chunk_bytes // max(1, shape.slots) // 64 * 64)  # the smallest
         self._chunk_bytes = shape.chunk_bytes
         self._small_piece = self._piece_of(0)  # the piece of every message no larger than it
-        self._outgoing: dict[int, _Outgoing] = {}
-        self._incoming: dict[int, _Incoming] = {}
-        self._links = threading.Condition()  # guards both dicts, the lanes and the acceptor
+        self._outgoing = self._peer_links.outgoing
+        """The link to each peer (``PeerLinks`` writes it; read here without a call)."""
+        self._incoming = self._peer_links.incoming
+        """The link from each peer (``PeerLinks`` writes it; read here without a call)."""
+        self._lanes = threading.Lock()  # guards the creation of lanes
         self._send_lanes: dict[int, Lane] = {}
         self._recv_lanes: dict[int | None, Lane] = {}
-        self._nonces: set[str] = {e.nonce for e in early}
-        self._connecting: set[socket.socket] = set()  # links being set up by a send
-        self._opening: dict[int, threading.Lock] = {}  # held by the send opening the link to a rank
-        self._acceptor: threading.Thread | None = None
-        self._closing = False
-        self._flushing = False
-        """``close`` is waiting for the sends in flight: a send that times out now ends as unsent at close."""
-        self._unsent = False
-        """True once ``close`` gave up waiting for the sends in flight: they fail, saying so."""
         self._scratch: torch.Tensor | None = None
         self._matching = threading.Lock()
         """Guards the matching: ``_posted``, ``_aside``, and which receive a message goes to."""
@@ -271,7 +230,7 @@ class PointToPoint:
         """The lane every send to ``dst`` runs on, in order."""
         lane = self._send_lanes.get(dst)
         if lane is None:
-            with self._links:
+            with self._lanes:
                 lane = self._send_lanes.setdefault(dst, Lane(f"ring-send-{dst}", self._timeout * 3 + 30.0))
         return lane
 
@@ -279,7 +238,7 @@ class PointToPoint:
         """The lane every receive from ``src`` (None: any source) runs on, in order."""
         lane = self._recv_lanes.get(src)
         if lane is None:
-            with self._links:
+            with self._lanes:
                 name = f"ring-recv-{src if src is not None else 'any'}"
                 lane = self._recv_lanes.setdefault(src, Lane(name, self._timeout * 3 + 30.0))
         return lane
@@ -317,11 +276,11 @@ class PointToPoint:
             CommTimeoutError: ``dst`` did not take the message within the timeout.
             PeerFailureError: The link to ``dst`` failed (now or earlier).
         """
-        out = self._outgoing.get(dst) or self._outgoing_to(dst, label)
+        out = self._outgoing.get(dst) or self._peer_links.outgoing_to(dst, label)
         with out.lock:
             self._send_on(out, data, dst, tag, label)
 
-    def _send_on(self, out: _Outgoing, data: torch.Tensor, dst: int, tag: int, label: object) -> None:
+    def _send_on(self, out: Outgoing, data: torch.Tensor, dst: int, tag: int, label: object) -> None:
         if out.failed is not None:
             raise PeerFailureError(
                 f"{label}: the link to rank {dst} failed earlier ({out.failed}); point-to-point with "
@@ -347,8 +306,9 @@ class PointToPoint:
             posted = True
             answer = link.await_verdict(msg, out.taking)
         except (CommError, OSError) as e:
-            if self._closing or (self._flushing and isinstance(e, CommTimeoutError)):
-                raise self._closed_during_send(label, dst) from e
+            links = self._peer_links
+            if links.closing or (links.flushing and isinstance(e, CommTimeoutError)):
+                raise links.closed_during_send(label, dst) from e
             if isinstance(e, CommTimeoutError) and posted:
                 raise CommTimeoutError(
                     f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it "
@@ -367,78 +327,7 @@ class PointToPoint:
     def _piece_of(self, nbytes: int) -> int:
         return min(self._chunk_bytes, max(self._piece, nbytes // 4 // 64 * 64))
 
-    def _outgoing_to(self, dst: int, label: object) -> _Outgoing:
-        """The link to ``dst`` when ``send`` found none: opened now, by one thread, the others waiting."""
-        with self._links:
-            opening = self._opening.setdefault(dst, threading.Lock())
-        with opening:
-            return self._outgoing.get(dst) or self._open_link(dst, label)
-
-    def _open_link(self, dst: int, label: object) -> _Outgoing:
-        self._check_open(label)
-        peer, name = self._peers[dst], f"rank {dst}"
-        deadline = time.monotonic() + self._timeout
-        sock = self._connect(peer, name, deadline, label)
-        link: SendLink | None = None
-        try:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            send_json(sock, p2p_hello(self._session, self._rank, dst))
-            link = open_send_link(sock, SocketReader(sock, name), dst, name, self._shape, f"{label}: ")
-        except (CommError, OSError) as e:
-            if self._closing or (self._flushing and isinstance(e, CommTimeoutError)):
-                raise self._closed_during_send(label, dst) from e
-            if isinstance(e, CommTimeoutError):
-                raise CommTimeoutError(
-                    f"{label}: rank {dst} did not receive the message within {self._timeout:g} s: it posted "
-                    f"no recv from this rank (its first opens the link), or is stuck ({e})"
-                ) from None
-            if isinstance(e, CommError) and str(e).startswith(str(label)):
-                raise
-            raise PeerFailureError(f"{label}: opening the link to rank {dst} failed: {e}") from e
-        finally:
-            with self._links:
-                self._connecting.discard(sock)
-            if link is None:
-                sock.close()
-        sock.settimeout(self._timeout)
-        out = _Outgoing(link, f"rank {dst} to take the message")
-        with self._links:
-            if self._closing:
-                link.shutdown()
-                link.close(0)
-                raise self._closed_during_send(label, dst)
-            self._outgoing[dst] = out
-        return out
-
-    def _connect(self, peer: Peer, name: str, deadline: float, label: object) -> socket.socket:
-        """Connect to ``peer``'s listener, retrying until ``deadline``; ``close`` cuts the wait short."""
-        while True:
-            self._check_open(label)
-            try:
-                sock = connect_with_retry(peer.addr, peer.port, min(deadline, time.monotonic() + 1.0), name)
-            except (TimeoutError, OSError) as e:
-                if time.monotonic() < deadline and isinstance(e, TimeoutError):
-                    continue
-                raise CommTimeoutError(
-                    f"{label}: cannot connect to {name} at {peer.addr}:{peer.port}: {e}"
-                ) from None
-            with self._links:
-                if self._closing:
-                    sock.close()
-                    raise self._closed_during_send(label, peer.rank)
-                self._connecting.add(sock)  # close() shuts it, waking the set-up's waits
-            return sock
-
-    def _closed_during_send(self, label: object, dst: int) -> GroupClosedError:
-        if self._unsent or (self._flushing and not self._closing):  # its own timeout ran out first
-            return GroupClosedError(
-                f"{label}: the group was closed before rank {dst} took the message: close waited "
-                f"the group's timeout ({self._timeout:g} s) for it. Rank {dst} posted no matching recv, "
-                "or is stuck"
-            )
-        return GroupClosedError(f"{label}: the group was closed during the send")
-
-    def _fail(self, out: _Outgoing, reason: str) -> None:
+    def _fail(self, out: Outgoing, reason: str) -> None:
         """End a link whose message was cut off: the receiver learns it, later sends raise."""
         out.failed = CommError(reason)
         out.link.abort(reason)
@@ -494,8 +383,8 @@ class PointToPoint:
             CommTimeoutError: No such message came within the timeout.
             PeerFailureError: The link from the source failed (now or earlier).
         """
-        if self._acceptor is None:
-            self._start_acceptor()
+        if self._peer_links.acceptor is None:
+            self._peer_links.start_acceptor()
         if host is not None:
             with self._matching:
                 if receive.data is None:
@@ -506,7 +395,9 @@ class PointToPoint:
                 if receive.wanted is None:
                     self._recv_any(receive)
                 else:
-                    incoming = self._incoming.get(receive.wanted) or self._incoming_from(receive)
+                    incoming = self._incoming.get(receive.wanted) or self._peer_links.incoming_from(
+                        receive.wanted, receive.label
+                    )
                     with incoming.lock:
                         self._take(incoming, receive.wanted, receive, wait=True)
             except BaseException:
@@ -519,22 +410,6 @@ class PointToPoint:
             raise receive.error
         return src  # type: ignore[return-value]
 
-    def _incoming_from(self, receive: _Receive) -> _Incoming:
-        """The link from the receive's source, waiting for the source to open it (its first send does)."""
-        src, label = receive.wanted, receive.label
-        deadline = time.monotonic() + self._timeout
-        with self._links:
-            while src not in self._incoming:
-                self._check_open(label)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommTimeoutError(
-                        f"{label}: no message from rank {src} within {self._timeout:g} s: rank {src} never "
-                        "sent to this rank, or is stuck"
-                    )
-                self._links.wait(left)
-            return self._incoming[src]  # type: ignore[index]
-
     @staticmethod
     def _deliver(aside: _Aside, receive: _Receive) -> None:
         header = aside.header
@@ -545,7 +420,7 @@ class PointToPoint:
         if mine[0]:
             receive.data.view(torch.uint8).copy_(aside.data)  # type: ignore[union-attr]
 
-    def _take(self, incoming: _Incoming, src: int, reader: _Receive, *, wait: bool) -> None:
+    def _take(self, incoming: Incoming, src: int, reader: _Receive, *, wait: bool) -> None:
         """Read messages from ``src``, each for the receive it goes to, until ``reader`` has one.
 
         Each message goes to the earliest issued receive that accepts it (``match``), which
@@ -653,10 +528,10 @@ class PointToPoint:
         return self._scratch[:size]
 
     def _broken(
-        self, incoming: _Incoming, src: int, reader: _Receive, e: BaseException, taker: _Receive | None = None
+        self, incoming: Incoming, src: int, reader: _Receive, e: BaseException, taker: _Receive | None = None
     ) -> CommError:
         """The link from ``src`` failed under ``reader``: its error; ``taker``, if another, fails alike."""
-        if not self._closing:
+        if not self._peer_links.closing:
             incoming.failed = e
         if taker is not None and taker is not reader and taker.source is None:
             taker.error = self._failure(taker.label, src, e)
@@ -664,7 +539,7 @@ class PointToPoint:
         return self._failure(reader.label, src, e)
 
     def _failure(self, label: object, src: int, e: BaseException) -> CommError:
-        if self._closing:
+        if self._peer_links.closing:
             return GroupClosedError(f"{label}: the group was closed during the recv")
         return PeerFailureError(f"{label}: receiving from rank {src} failed: {e}")
 
@@ -678,7 +553,7 @@ class PointToPoint:
         deadline = time.monotonic() + self._timeout
         nap = 0.0
         while True:
-            self._check_open(label)
+            self._peer_links.check_open(label)
             for src, incoming in list(self._incoming.items()):
                 lane = self._recv_lanes.get(src)
                 if lane is not None and not lane.idle:
@@ -699,98 +574,10 @@ class PointToPoint:
                 nap = min(_ANY_SLEEP_MAX_S, nap * 2 or 1e-5)
                 self._matched.wait(nap)
 
-    # ------------------------------------------------------------ acceptor
-    def _start_acceptor(self) -> None:
-        if self._acceptor is not None:
-            return
-        with self._links:
-            if self._acceptor is None and not self._closing:
-                self._acceptor = threading.Thread(
-                    target=self._accept_loop, name=f"commlib-ring-accept-{self._rank}", daemon=True
-                )
-                self._acceptor.start()
-
-    def _accept_loop(self) -> None:
-        """Serve the listener: every connection is read frame by frame in one lobby, none blocks the others.
-
-        A link's set-up takes three frames from its sender (signed hello,
-        proposal, confirmation) and one answer (the offer); each frame has the
-        lobby's deadline, so a peer that stalls, or a stranger, costs only its
-        own connection.
-        """
-        lobby = Lobby(self._listener, f"{self._prefix('p2p')}data listener", _HELLO_BYTES)
-        try:
-            early, self._early = self._early, []
-            for link in early:
-                visitor = lobby.adopt(link.sock, f"rank {link.source}", "hello", link.leftover)
-                visitor.data["source"] = link.source
-            while not self._closing:
-                arrival = lobby.next_frame(time.monotonic() + _ACCEPT_PERIOD_S)
-                if arrival is not None and not self._closing:
-                    self._on_frame(lobby, *arrival)
-        except Exception:  # noqa: BLE001 - the acceptor must never take the process down
-            if not self._closing:
-                logger.exception("%sthe point-to-point acceptor stopped", self._prefix("p2p"))
-        finally:
-            lobby.close()
-
-    def _on_frame(self, lobby: Lobby, visitor: Visitor, frame: Any) -> None:
-        """One step of a link's set-up (see ``_accept_loop``)."""
-        prefix = self._prefix("p2p")
-        if visitor.state == "new":
-            claim = p2p_hello_source(self._session, frame, self._rank)
-            if claim is None or claim[1] in self._nonces or not 0 <= claim[0] < len(self._peers):
-                lobby.drop(visitor, f"not a point-to-point link of this group (it sent {frame!r:.80})")
-                return
-            self._nonces.add(claim[1])
-            visitor.state, visitor.data["source"] = "hello", claim[0]
-        elif visitor.state == "hello":
-            source = visitor.data["source"]
-            try:
-                offer = offer_recv_link(frame, self._shape, f"rank {source}", prefix)
-            except CommError as e:
-                lobby.drop(visitor, str(e))
-                return
-            visitor.on_drop = offer.discard
-            visitor.data.update(offer=offer, proposal=frame)
-            if lobby.reply(visitor, offer.message):
-                visitor.state = "offered"
-        elif visitor.state == "offered":
-            source, offer = visitor.data["source"], visitor.data["offer"]
-            leftover = visitor.leftover()
-            sock = lobby.keep(visitor)
-            name = f"rank {source}"
-            try:
-                tune_socket(sock)
-                sock.settimeout(self._timeout)
-                reader = SocketReader(sock, name, initial=leftover)
-                link = finish_recv_link(
-                    sock, reader, source, name, offer, visitor.data["proposal"], frame, self._shape, prefix
-                )
-            except (CommError, OSError) as e:
-                logger.debug("%slink from rank %d not set up: %s", prefix, source, e)
-                sock.close()
-                return
-            with self._links:
-                if self._closing or source in self._incoming:
-                    logger.debug("%sa second link from rank %d was refused", prefix, source)
-                    link.close(0)
-                    return
-                self._incoming[source] = _Incoming(link)
-                self._links.notify_all()
-
-    # --------------------------------------------------------------- close
-    def _check_open(self, label: object) -> None:
-        if self._closing:
-            raise GroupClosedError(f"{label}: the process group was closed")
-
     @property
     def links(self) -> tuple[dict[int, str], dict[int, str]]:
         """Transport of each open link: (to each peer, from each peer)."""
-        return (
-            {dst: out.link.transport for dst, out in self._outgoing.items()},
-            {src: inc.link.transport for src, inc in self._incoming.items()},
-        )
+        return self._peer_links.transports
 
     def close(self) -> None:
         """Finish the sends issued (within the timeout), then wake every waiting operation and close.
@@ -800,40 +587,13 @@ class PointToPoint:
         still waiting fail at once. Then the lanes and the acceptor stop and the links close.
         """
         deadline = time.monotonic() + self._timeout
-        with self._links:
-            self._flushing = True
+        self._peer_links.flush()
+        with self._lanes:
             send_lanes = list(self._send_lanes.values())
         flushed = all(lane.wait_idle(deadline - time.monotonic()) for lane in send_lanes)
-        with self._links:
-            self._closing = True
-            self._unsent = not flushed
-            self._links.notify_all()
+        self._peer_links.stop(unsent=not flushed)
+        with self._lanes:
             lanes = list(self._send_lanes.values()) + list(self._recv_lanes.values())
-            links: list[SendLink | RecvLink] = [o.link for o in self._outgoing.values()]
-            links += [i.link for i in self._incoming.values()]
-            connecting = list(self._connecting)
-        for sock in connecting:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for link in links:
-            try:
-                link.sock.shutdown(socket.SHUT_RDWR)  # a lane waiting on it wakes with an error
-            except OSError:
-                pass
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor
-        except OSError:
-            pass
-        acceptor = self._acceptor
-        if acceptor is not None:
-            acceptor.join(timeout=_ACCEPT_PERIOD_S + 5.0)
         for lane in lanes:
             lane.close()
-        for link in links:
-            link.shutdown()
-            link.close(0)
-        for early in self._early:
-            early.sock.close()
-        self._listener.close()
+        self._peer_links.close()
