@@ -194,7 +194,10 @@ class PostedReceives(Generic[R]):
 
     def __init__(self) -> None:
         self.pending: list[R] = []
-        """Unmatched receives, oldest first (the engine reads; only these methods write)."""
+        """Unmatched receives, oldest first. The engine reads it; only these methods write it, except
+        that an engine may append a receive itself (``post``), and remove the first when the
+        message it found goes to it (the earliest posted receive accepts it): the common case,
+        without a call."""
 
     def post(self, receive: R) -> None:
         """Add a receive, after every one posted before."""

@@ -350,7 +350,7 @@ class PointToPoint:
         with self._matching:
             kept = take_aside(self._aside, tag, src) if self._aside else None
             if kept is None:
-                self._posted.post(receive)
+                self._posted.pending.append(receive)  # PostedReceives.post, inline: the hot path
             else:
                 receive.kept, receive.source = kept, kept.source
         return receive
@@ -452,7 +452,12 @@ class PointToPoint:
                     )
                 _, msg, their_tag, nbytes, numel, piece, dtype = fields
                 with self._matching:
-                    taker = self._posted.match(src, their_tag)
+                    pending = self._posted.pending
+                    if pending and pending[0] is reader and reader.tag == their_tag:
+                        del pending[0]  # the earliest issued receive is this one, and takes it: most are
+                        taker = reader
+                    else:
+                        taker = self._posted.match(src, their_tag)
                     into = None if taker is None else taker.data
                 if taker is not None:
                     mine = taker.mine
@@ -464,12 +469,17 @@ class PointToPoint:
                             self._landed(taker, src)
                         continue
                 header = _Header(msg, their_tag, nbytes, numel, piece, dtype)
-                self._land(link, src, header, taker)
+                self._land(link, src, header, taker, reader)
             except (CommError, OSError) as e:
                 raise self._broken(incoming, src, reader, e, taker) from e
 
-    def _land(self, link: RecvLink, src: int, header: _Header, taker: _Receive | None) -> None:
-        """Land a message not landed at once (many pieces, refused, staged, or aside) in ``taker``."""
+    def _land(
+        self, link: RecvLink, src: int, header: _Header, taker: _Receive | None, reader: _Receive
+    ) -> None:
+        """Land a message not landed at once (many pieces, refused, staged, or aside) in ``taker``.
+
+        ``reader``: the receive whose thread reads the link; it needs no waking.
+        """
         sent = (header.nbytes, header.numel, header.dtype)
         if taker is None:
             link.post_verdict(header.msg, (SET_ASIDE, *sent))
@@ -489,7 +499,10 @@ class PointToPoint:
             taker.kept = _Aside(src, header.tag, header, kept)
         else:
             self._read_body(link, header, taker.data)
-        self._landed(taker, src)
+        if taker is reader:
+            reader.source = src
+        else:
+            self._landed(taker, src)
 
     def _landed(self, receive: _Receive, src: int) -> None:
         """``receive`` has its message (or its error): wake its owner."""
