@@ -57,7 +57,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -104,17 +104,6 @@ class _Header(NamedTuple):
     piece: int
     dtype: int
     """The sender's dtype code (``p2p_protocol.CODES``)."""
-
-
-def _read_header(link: RecvLink) -> tuple[Any, ...]:
-    """Receive the next header's fields from ``link``: magic, then those of ``_Header``.
-
-    A plain tuple: a message taken at once (most are) never needs the named one.
-    """
-    fields = link.recv_record(_HEADER)
-    if fields[0] != _MAGIC or fields[5] <= 0:
-        raise CommError(f"protocol error from {link.describe}: not a point-to-point message header")
-    return fields
 
 
 class _Label(tuple):
