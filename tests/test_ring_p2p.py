@@ -240,6 +240,28 @@ def test_a_receive_reading_its_link_hands_another_receives_message_over(pair: Pa
     assert mine.tolist() == [1.0] * 3
 
 
+def test_a_receive_another_reader_landed_returns_while_that_reader_still_waits() -> None:
+    pair = Pair(timeout=5.0)
+    try:
+        end = pair.ends[1]
+        _done(pair.send(0, torch.ones(1), tag=9), pair.recv(1, torch.empty(1), tag=9))  # opens the link
+        first, second = torch.zeros(1), torch.zeros(1)
+        earlier = end.post(first, 0, 0, "earlier")  # posted first: the first message is its
+        later = end.post(second, 0, 0, "later")
+        reading = pair.pool.submit(end.finish, later)  # holds the link, reading for itself
+        deadline = time.monotonic() + 10
+        while not end._incoming[0].lock.locked() and time.monotonic() < deadline:  # noqa: SLF001
+            time.sleep(0.001)
+        landed = pair.pool.submit(end.finish, earlier)
+        _done(pair.send(0, torch.tensor([1.0]), tag=0))  # read by ``later``'s reader, for ``earlier``
+        assert landed.result(timeout=30) == 0 and first.item() == 1.0
+        # The next message follows only the first's receive, as a reply would: ``later`` waits for it.
+        _done(pair.send(0, torch.tensor([2.0]), tag=0), reading)
+        assert second.item() == 2.0
+    finally:
+        pair.close()
+
+
 def test_a_send_nobody_receives_times_out_naming_peer_and_tag_and_the_link_stays_usable() -> None:
     pair = Pair(timeout=0.5)
     try:
