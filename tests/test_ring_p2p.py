@@ -299,6 +299,32 @@ def test_a_recv_nobody_sends_to_times_out_naming_peer_and_tag() -> None:
         pair.close()
 
 
+def test_a_receive_that_fails_is_withdrawn_before_it_lets_go_of_its_link() -> None:
+    # Once the link is free, a receive from any rank may read the next message and hand it to the
+    # earliest posted receive that accepts it: one that failed must not be posted by then, or the
+    # message lands in a receive nobody waits for.
+    pair = Pair(timeout=0.3)
+    try:
+        end = pair.ends[1]
+        _done(pair.send(0, torch.ones(1), tag=9), pair.recv(1, torch.empty(1), tag=9))  # opens the link
+        holding: list[bool] = []
+        withdraw = end.withdraw
+
+        def recording(receive: Any) -> None:
+            holding.append(end._incoming[0].lock.locked())  # noqa: SLF001
+            withdraw(receive)
+
+        end.withdraw = recording  # type: ignore[method-assign]
+        with pytest.raises(CommTimeoutError, match="no message from rank 0 within"):
+            pair.recv(1, torch.empty(1), tag=2).result(timeout=30)
+        assert holding[:1] == [True], holding
+        late = torch.empty(1)
+        _done(pair.send(0, torch.tensor([5.0]), tag=2), pair.recv(1, late, tag=2))
+        assert late.item() == 5.0
+    finally:
+        pair.close()
+
+
 def _connect(pair: Pair, rank: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", pair.peers[rank].port), timeout=5)
 

@@ -432,6 +432,9 @@ class PointToPoint:
         try:
             if receive.source is None:
                 self._take(incoming, src, receive, wait=True)
+        except BaseException:
+            self.withdraw(receive)  # before the link is free: its next reader must not hand it a message
+            raise
         finally:
             lock.release()
 
