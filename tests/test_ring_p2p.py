@@ -240,6 +240,28 @@ def test_a_receive_reading_its_link_hands_another_receives_message_over(pair: Pa
     assert mine.tolist() == [1.0] * 3
 
 
+def test_a_receive_another_reader_landed_returns_while_that_reader_still_waits() -> None:
+    pair = Pair(timeout=5.0)
+    try:
+        end = pair.ends[1]
+        _done(pair.send(0, torch.ones(1), tag=9), pair.recv(1, torch.empty(1), tag=9))  # opens the link
+        first, second = torch.zeros(1), torch.zeros(1)
+        earlier = end.post(first, 0, 0, "earlier")  # posted first: the first message is its
+        later = end.post(second, 0, 0, "later")
+        reading = pair.pool.submit(end.finish, later)  # holds the link, reading for itself
+        deadline = time.monotonic() + 10
+        while not end._incoming[0].lock.locked() and time.monotonic() < deadline:  # noqa: SLF001
+            time.sleep(0.001)
+        landed = pair.pool.submit(end.finish, earlier)
+        _done(pair.send(0, torch.tensor([1.0]), tag=0))  # read by ``later``'s reader, for ``earlier``
+        assert landed.result(timeout=30) == 0 and first.item() == 1.0
+        # The next message follows only the first's receive, as a reply would: ``later`` waits for it.
+        _done(pair.send(0, torch.tensor([2.0]), tag=0), reading)
+        assert second.item() == 2.0
+    finally:
+        pair.close()
+
+
 def test_a_send_nobody_receives_times_out_naming_peer_and_tag_and_the_link_stays_usable() -> None:
     pair = Pair(timeout=0.5)
     try:
@@ -273,6 +295,32 @@ def test_a_recv_nobody_sends_to_times_out_naming_peer_and_tag() -> None:
             match=r"\[rank 1/2\] ring\.recv from rank 0 tag 2: no message from rank 0 within",
         ):
             pair.recv(1, torch.empty(1), tag=2).result(timeout=30)
+    finally:
+        pair.close()
+
+
+def test_a_receive_that_fails_is_withdrawn_before_it_lets_go_of_its_link() -> None:
+    # Once the link is free, a receive from any rank may read the next message and hand it to the
+    # earliest posted receive that accepts it: one that failed must not be posted by then, or the
+    # message lands in a receive nobody waits for.
+    pair = Pair(timeout=0.3)
+    try:
+        end = pair.ends[1]
+        _done(pair.send(0, torch.ones(1), tag=9), pair.recv(1, torch.empty(1), tag=9))  # opens the link
+        holding: list[bool] = []
+        withdraw = end.withdraw
+
+        def recording(receive: Any) -> None:
+            holding.append(end._incoming[0].lock.locked())  # noqa: SLF001
+            withdraw(receive)
+
+        end.withdraw = recording  # type: ignore[method-assign]
+        with pytest.raises(CommTimeoutError, match="no message from rank 0 within"):
+            pair.recv(1, torch.empty(1), tag=2).result(timeout=30)
+        assert holding[:1] == [True], holding
+        late = torch.empty(1)
+        _done(pair.send(0, torch.tensor([5.0]), tag=2), pair.recv(1, late, tag=2))
+        assert late.item() == 5.0
     finally:
         pair.close()
 

@@ -384,11 +384,7 @@ class PointToPoint:
                 if receive.wanted is None:
                     self._recv_any(receive)
                 else:
-                    incoming = self._incoming.get(receive.wanted) or self._peer_links.incoming_from(
-                        receive.wanted, receive.label
-                    )
-                    with incoming.lock:
-                        self._take(incoming, receive.wanted, receive, wait=True)
+                    self._recv_from(receive, receive.wanted)
             except BaseException:
                 self.withdraw(receive)
                 raise
@@ -398,6 +394,38 @@ class PointToPoint:
         elif receive.error is not None:
             raise receive.error
         return src  # type: ignore[return-value]
+
+    def _recv_from(self, receive: _Receive, src: int) -> None:
+        """Read the link from ``src`` until a message lands in ``receive``.
+
+        Another receive may hold the link, reading for itself: it hands over the message that
+        goes to this one, so this one waits for the link only while it has none.
+        """
+        incoming = self._incoming.get(src) or self._peer_links.incoming_from(src, receive.label)
+        lock = incoming.lock
+        if not lock.acquire(blocking=False):
+            deadline = time.monotonic() + self._timeout
+            nap = 1e-5
+            while not lock.acquire(timeout=nap):
+                if receive.source is not None:
+                    return
+                if time.monotonic() >= deadline:
+                    with self._matching:
+                        if self._posted.withdraw(receive):
+                            raise CommTimeoutError(
+                                f"{receive.label}: no message from rank {src} within {self._timeout:g} s: "
+                                f"rank {src} never sent it, or is stuck (another receive from rank {src} "
+                                "held the link)"
+                            )
+                nap = min(_ANY_SLEEP_MAX_S, nap * 2)
+        try:
+            if receive.source is None:
+                self._take(incoming, src, receive, wait=True)
+        except BaseException:
+            self.withdraw(receive)  # before the link is free: its next reader must not hand it a message
+            raise
+        finally:
+            lock.release()
 
     @staticmethod
     def _deliver(aside: _Aside, receive: _Receive) -> None:
