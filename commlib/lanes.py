@@ -103,17 +103,22 @@ class Lane:
         async_op: bool,
         keep_alive: object = None,
         on_value: Callable[[Work, Any], None] | None = None,
+        on_issue: Callable[[], None] | None = None,
     ) -> Work:
         """Run ``body`` after everything issued before it on this lane; return its ``Work``.
 
         ``on_value(work, value)`` hands the body's return value to the work
         before it is settled (or, inline, before it is returned). Inline, the
-        body's error is raised here.
+        body's error is raised here. ``on_issue()`` runs as the operation takes
+        its place on the lane (under the lane's lock), so what it records is in
+        the lane's order.
 
         Raises:
             GroupClosedError: The lane was closed (and the operation would queue).
         """
         with self._lock:
+            if on_issue is not None:
+                on_issue()
             # Inline when idle, or on the lane's own thread (a callback of a work it settles):
             # queued there, the operation would wait for the very step that waits for it.
             inline = not async_op and (self._inflight == 0 or self._thread is threading.current_thread())
@@ -139,16 +144,27 @@ class Lane:
         with self._lock:
             self._enqueue(f"commlib-{self._name}", (None, step, None))
 
-    def call(self, label: CollectiveLabel | str, fn: Callable[..., Any], *args: Any) -> Any:
+    def call(
+        self,
+        label: CollectiveLabel | str,
+        fn: Callable[..., Any],
+        *args: Any,
+        issue: Callable[..., None] | None = None,
+    ) -> Any:
         """Run ``fn(*args)`` to its end and return its value, after everything issued before it.
 
         On the caller's thread when the lane is idle (no work is made), as ``submit`` does.
+        ``issue(*args)`` runs first when it runs here, else as it is queued (``submit``'s
+        ``on_issue``): nothing queued on the lane was issued after it.
         """
         if self._inflight == 0 or self._thread is threading.current_thread():
+            if issue is not None:
+                issue(*args)
             return fn(*args)
         values: list[Any] = []
         body = functools.partial(fn, *args)
-        work = self.submit(label, body, True, None, lambda _, value: values.append(value))
+        on_issue = functools.partial(issue, *args) if issue is not None else None
+        work = self.submit(label, body, True, None, lambda _, value: values.append(value), on_issue)
         work.wait()
         return values[0]
 

@@ -262,6 +262,33 @@ def test_a_receive_another_reader_landed_returns_while_that_reader_still_waits()
         pair.close()
 
 
+def test_receives_from_one_source_are_issued_in_the_order_their_lane_runs_them() -> None:
+    """A receive is issued as it takes its place on its lane, so none waits behind a later one.
+
+    Issued first and queued second, ``a`` would get the first message while its work waited for
+    ``b``, which waits for a second message that follows ``a`` (as a reply would): a timeout.
+    """
+    pair = Pair(timeout=5.0)
+    try:
+        end = pair.ends[1]
+        _done(pair.send(0, torch.ones(1), tag=9), pair.recv(1, torch.empty(1), tag=9))  # opens the link
+        lane = end.recv_lane(0)
+        a, b = torch.zeros(1), torch.zeros(1)
+        works = {}
+        for name, into in (("b", b), ("a", a)):  # b takes its place on the lane first
+            receive = end.receive(into, 0, 0, name)
+            issue = functools.partial(end.post_receive, receive)
+            works[name] = lane.submit(name, functools.partial(end.finish, receive), True, None, None, issue)
+        _done(pair.send(0, torch.tensor([1.0]), tag=0))
+        works["b"].wait(timeout=30)
+        assert b.item() == 1.0 and a.item() == 0.0
+        _done(pair.send(0, torch.tensor([2.0]), tag=0))  # sent only once the first receive is done
+        works["a"].wait(timeout=30)
+        assert a.item() == 2.0
+    finally:
+        pair.close()
+
+
 def test_a_send_nobody_receives_times_out_naming_peer_and_tag_and_the_link_stays_usable() -> None:
     pair = Pair(timeout=0.5)
     try:

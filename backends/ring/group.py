@@ -632,7 +632,7 @@ class RingProcessGroup(IProcessGroup):
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
         p2p = self._peer_links_for("recv")
         label = self._p2p_label("recv", tensor, src, tag)
-        receive = p2p.post(tensor, src, tag, label)  # matched in the order issued, whenever it runs
+        receive = p2p.receive(tensor, src, tag, label)  # issued as it takes its place on the lane
         try:
             if tensor.is_cpu:  # the links write it in place
                 body: Callable[[], Any] = functools.partial(p2p.finish, receive)
@@ -642,7 +642,8 @@ class RingProcessGroup(IProcessGroup):
                     return p2p.finish(receive, hosts[0])
 
                 body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
-            return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source)
+            issue = functools.partial(p2p.post_receive, receive)
+            return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source, issue)
         except BaseException:
             p2p.withdraw(receive)  # it never runs, or ran and failed
             raise

@@ -247,9 +247,10 @@ class PointToPoint:
             lane.call(label, self.send, data, peer, tag, label)
             return peer  # type: ignore[return-value]
         lane = self._recv_lanes.get(peer) or self.recv_lane(peer)
-        receive = self.post(data, peer, tag, label)
+        mine = (data.nbytes, data.numel(), CODES.get(data.dtype, -1))  # layout_of, inline: the hot path
+        receive = _Receive(peer, tag, data, mine, label)
         try:
-            return lane.call(label, self.finish, receive)
+            return lane.call(label, self.finish, receive, issue=self.post_receive)
         except GroupClosedError:
             self.withdraw(receive)
             raise
@@ -329,20 +330,33 @@ class PointToPoint:
     def post(self, data: torch.Tensor, src: int | None, tag: int, label: object) -> _Receive:
         """Issue a receive of ``tag`` from ``src`` (None: any source) into ``data``; ``finish`` runs it.
 
-        From now on the receive is matched in the order issued (``PostedReceives``): a message
-        goes to the earliest issued receive that accepts it, whoever reads it off its link. A
-        message set aside before (no receive took it) is taken now. ``data``: a flat host tensor,
-        or a device tensor whose host staging ``finish`` gets.
+        ``receive`` then ``post_receive``. ``data``: a flat host tensor, or a device tensor
+        whose host staging ``finish`` gets.
         """
-        mine = (data.nbytes, data.numel(), CODES.get(data.dtype, -1))  # layout_of, inline: the hot path
-        receive = _Receive(src, tag, data if data.is_cpu else None, mine, label)
+        receive = self.receive(data, src, tag, label)
+        self.post_receive(receive)
+        return receive
+
+    @staticmethod
+    def receive(data: torch.Tensor, src: int | None, tag: int, label: object) -> _Receive:
+        """A receive of ``tag`` from ``src`` (None: any source) into ``data``, not issued yet."""
+        mine = (data.nbytes, data.numel(), CODES.get(data.dtype, -1))
+        return _Receive(src, tag, data if data.is_cpu else None, mine, label)
+
+    def post_receive(self, receive: _Receive) -> None:
+        """Issue ``receive``: from now on it is matched in the order issued (``PostedReceives``).
+
+        A message goes to the earliest issued receive that accepts it, whoever reads it off its
+        link; a message set aside before (no receive took it) is taken now. A receive that runs
+        on a lane is issued as it takes its place there (``Lane.submit``'s ``on_issue``), so
+        receives from one source are issued in the order their lane runs them.
+        """
         with self._matching:
-            kept = take_aside(self._aside, tag, src) if self._aside else None
+            kept = take_aside(self._aside, receive.tag, receive.wanted) if self._aside else None
             if kept is None:
                 self._posted.pending.append(receive)  # PostedReceives.post, inline: the hot path
             else:
                 receive.kept, receive.source = kept, kept.source
-        return receive
 
     def withdraw(self, receive: _Receive) -> None:
         """Forget an issued receive that will not run (its lane refused it)."""
