@@ -22,6 +22,7 @@ import torch
 
 from backends.ring.link_setup import LinkShape
 from backends.ring.p2p import PointToPoint
+from backends.ring.p2p_links import PeerLinks
 from backends.ring.rendezvous import Peer, host_id, open_listener, p2p_hello, p2p_hello_source
 from commlib import CommTimeoutError, GroupClosedError, MessageMismatchError, MessageSizeError
 
@@ -38,13 +39,18 @@ class Pair:
         self.ends = [
             PointToPoint(
                 rank=r,
-                peers=self.peers,
-                listener=listeners[r],
-                session=SESSION,
+                links=PeerLinks(
+                    rank=r,
+                    peers=self.peers,
+                    listener=listeners[r],
+                    session=SESSION,
+                    shape=shape,
+                    timeout=timeout,
+                    prefix=lambda op, r=r: f"[rank {r}/2] ring.{op}: ",
+                    early=[],
+                ),
                 shape=shape,
                 timeout=timeout,
-                prefix=lambda op, r=r: f"[rank {r}/2] ring.{op}: ",
-                early=[],
             )
             for r in range(2)
         ]

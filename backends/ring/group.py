@@ -80,6 +80,7 @@ from backends.ring.link_setup import LinkShape, connect_links
 from backends.ring.links import RecvLink, SendLink
 from backends.ring.ordered import chain_all_reduce
 from backends.ring.p2p import PointToPoint
+from backends.ring.p2p_links import PeerLinks
 from backends.ring.records import (
     COMMON_BYTES,
     Meta,
@@ -203,13 +204,18 @@ class RingProcessGroup(IProcessGroup):
         self._peer_links = (
             PointToPoint(
                 rank=env.rank,
-                peers=sockets.peers,
-                listener=sockets.listener,
-                session=sockets.session,
+                links=PeerLinks(
+                    rank=env.rank,
+                    peers=sockets.peers,
+                    listener=sockets.listener,
+                    session=sockets.session,
+                    shape=shape,
+                    timeout=self.timeout,
+                    prefix=self._prefix,
+                    early=sockets.early,
+                ),
                 shape=shape,
                 timeout=self.timeout,
-                prefix=self._prefix,
-                early=sockets.early,
             )
             if sockets.listener is not None
             else None

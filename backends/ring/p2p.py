@@ -77,7 +77,6 @@ from backends.common.p2p_protocol import (
 from backends.ring.link_setup import LinkShape
 from backends.ring.links import RecvLink
 from backends.ring.p2p_links import Incoming, Outgoing, PeerLinks
-from backends.ring.rendezvous import EarlyLink, Peer
 from commlib.errors import (
     CommError,
     CommTimeoutError,
@@ -161,39 +160,15 @@ class PointToPoint:
 
     Args:
         rank: This rank in the group.
-        peers: Every rank's data listener, by rank.
-        listener: This rank's data listener (owned from now on).
-        session: The group's session key, which signs link hellos.
-        shape: Chunk size, slots and transport wish of every link.
+        links: The group's point-to-point links (owned from now on: ``close`` closes them).
+        shape: Chunk size and slots of every link (its messages' pieces follow them).
         timeout: Seconds any one wait may take.
-        prefix: Returns the ``[rank R/N] ring.<op>: `` prefix of messages.
-        early: Hellos that reached the listener during the ring's own set-up.
     """
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        peers: list[Peer],
-        listener: socket.socket,
-        session: bytes,
-        shape: LinkShape,
-        timeout: float,
-        prefix: Callable[[str], str],
-        early: list[EarlyLink],
-    ) -> None:
+    def __init__(self, *, rank: int, links: PeerLinks, shape: LinkShape, timeout: float) -> None:
         self._rank = rank
         self._timeout = timeout
-        self._peer_links = PeerLinks(
-            rank=rank,
-            peers=peers,
-            listener=listener,
-            session=session,
-            shape=shape,
-            timeout=timeout,
-            prefix=prefix,
-            early=early,
-        )
+        self._peer_links = links
         self._piece = max(4096, shape.chunk_bytes // max(1, shape.slots) // 64 * 64)  # the smallest
         self._chunk_bytes = shape.chunk_bytes
         self._small_piece = self._piece_of(0)  # the piece of every message no larger than it
