@@ -283,25 +283,13 @@ class P2PEngine:
         if data.device.type != "cpu":
             data = data.cpu()
         mine = layout_of(tensor)
-        handle = backend.send([torch.tensor([MAGIC, *mine], dtype=torch.int64)], dst, 3 * tag)
-        try:
-            handle.wait()
-        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
-            raise self._failed(label, e, f"rank {dst} posted no matching recv") from e
+        header = torch.tensor([MAGIC, *mine], dtype=torch.int64)
+        self._wait(backend.send([header], dst, 3 * tag), label, f"rank {dst} posted no matching recv")
         answer = torch.empty(4, dtype=torch.int64)
-        handle = backend.recv([answer], dst, 3 * tag + 1)
-        try:
-            handle.wait()
-        except Exception as e:  # noqa: BLE001
-            raise self._failed(label, e, f"rank {dst} did not answer") from e
+        self._wait(backend.recv([answer], dst, 3 * tag + 1), label, f"rank {dst} did not answer")
         check_answer(answer.tolist(), label, dst, mine)
-        if not mine[0]:
-            return
-        handle = backend.send([data], dst, 3 * tag + 2)
-        try:
-            handle.wait()
-        except Exception as e:  # noqa: BLE001
-            raise self._failed(label, e, f"rank {dst} took no data") from e
+        if mine[0]:
+            self._wait(backend.send([data], dst, 3 * tag + 2), label, f"rank {dst} took no data")
 
     def _recv(self, work: EventWork, tensor: torch.Tensor, receive: _Receive) -> None:
         label, backend, src, tag = work.label, self._backend, receive.wanted, receive.tag
@@ -323,11 +311,8 @@ class P2PEngine:
         sent = check_header(header.tolist(), label, src)
         holds = layout_of(tensor)
         answer = verdict(tag, sent, tag, holds)
-        handle = backend.send([torch.tensor([answer, *holds], dtype=torch.int64)], src, 3 * tag + 1)
-        try:
-            handle.wait()
-        except Exception as e:  # noqa: BLE001
-            raise self._failed(label, e, f"rank {src} took no answer") from e
+        reply = torch.tensor([answer, *holds], dtype=torch.int64)
+        self._wait(backend.send([reply], src, 3 * tag + 1), label, f"rank {src} took no answer")
         work._set_source(src)  # noqa: SLF001
         if answer != TAKEN:
             raise mismatch(label, "recv", src, sent, holds)
@@ -335,11 +320,7 @@ class P2PEngine:
             return
         data = tensor.view(torch.uint8)
         host = data if data.device.type == "cpu" else torch.empty(holds[0], dtype=torch.uint8)
-        handle = backend.recv([host], src, 3 * tag + 2)
-        try:
-            handle.wait()
-        except Exception as e:  # noqa: BLE001
-            raise self._failed(label, e, f"the data from rank {src} never came") from e
+        self._wait(backend.recv([host], src, 3 * tag + 2), label, f"the data from rank {src} never came")
         if host is not data:
             data.copy_(host)
             torch.cuda.current_stream(data.device).synchronize()
@@ -361,6 +342,13 @@ class P2PEngine:
                     f"{receive.tag}, that takes the same messages still waits"
                 )
             return receive.handle
+
+    def _wait(self, handle: Any, label: object, missing: str) -> None:
+        """Wait for Gloo's ``handle``; a failure raises ``_failed``'s error."""
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+            raise self._failed(label, e, missing) from e
 
     def _failed(self, label: object, error: Exception, missing: str) -> CommError:
         """A failed wait of a message, for people: what never came (``missing``), or Gloo's failure."""
