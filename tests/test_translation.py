@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backends.common.p2p_protocol import CODES, Mismatch
 from backends.mpi import errors as mpi_errors
-from backends.mpi.dtypes import dtype_code
-from backends.mpi.p2p import Mismatch
 from backends.ring import errors as ring_errors
 from backends.ring.wire import PeerClosed
 from backends.torch import errors as torch_errors
@@ -188,7 +187,7 @@ def test_mpi_exception_names_class_and_string() -> None:
 
 
 def test_mpi_mismatch_names_both_layouts() -> None:
-    sent, holds = (40, 10, dtype_code(torch.float32)), (80, 20, dtype_code(torch.float32))
+    sent, holds = (40, 10, CODES[torch.float32]), (80, 20, CODES[torch.float32])
     error = mpi_errors.failure("op", Mismatch("recv", 1, 7, sent, holds), _FakeMPI)
     assert isinstance(error, MessageSizeError) and isinstance(error, MessageMismatchError)
     assert str(error).startswith("op: ") and "rank 1" in str(error)

@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 
-from backends.common.p2p_protocol import CODES
 from commlib.types import ReduceOp
 
-__all__ = ["DtypePlan", "dtype_code", "plan_for"]
+__all__ = ["DtypePlan", "plan_for"]
 
 _OP_NAMES: dict[str, str] = {
     "SUM": "SUM",
@@ -109,11 +108,6 @@ def plan_for(MPI: Any, dtype: torch.dtype) -> DtypePlan:  # noqa: N803 - the mpi
         if plan is None:
             plan = _plans[dtype] = _make_plan(MPI, dtype)
         return plan
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """The code of ``dtype`` in point-to-point headers (-1 for one outside the contract)."""
-    return CODES.get(dtype, -1)
 
 
 def _make_plan(MPI: Any, dtype: torch.dtype) -> DtypePlan:  # noqa: N803
