@@ -103,7 +103,7 @@ def verdict(sent_tag: int, sent: Layout, tag: int, holds: Layout) -> int:
     """The receiver's verdict on a message of ``sent`` with ``sent_tag``, for a receive on ``tag``."""
     if sent_tag != tag:
         return SET_ASIDE
-    return TAKEN if sent[0] == holds[0] and sent[2] == holds[2] else REFUSED
+    return TAKEN if fits(sent, holds) else REFUSED
 
 
 def check_header(words: Any, label: object, source: int) -> Layout:
