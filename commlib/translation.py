@@ -23,7 +23,7 @@ from typing import Any
 
 from commlib.errors import CommError
 
-__all__ = ["FALLBACK", "Rule", "translate"]
+__all__ = ["FALLBACK", "Rule", "first_line", "translate"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def translate(describe: object, error: BaseException, rules: Sequence[Rule], **c
     text = str(error).strip()
     lowered = text.lower()
     rule = next((rule for rule in rules if rule.matches(error, lowered)), FALLBACK)
-    first = text.splitlines()[0] if text else type(error).__name__
+    first = first_line(error)
     line = next(
         (ln.strip() for ln in text.splitlines() if any(s.lower() in ln.lower() for s in rule.contains)), first
     )
@@ -87,3 +87,9 @@ def translate(describe: object, error: BaseException, rules: Sequence[Rule], **c
     if rule.fields is not None:
         fields.update(rule.fields(error, text))
     return rule.raises(rule.message.format(**fields))
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, or its type's name when the message is empty."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -75,6 +75,7 @@ from backends.common.native_sockets import connections_to, shut_down_new_connect
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
 from commlib.lanes import Lane
+from commlib.translation import first_line
 
 __all__ = ["join_job_store", "scope_in"]
 
@@ -195,7 +196,7 @@ def _open_store(ctx: _Context) -> Any:
             multi_tenant=True,
         )
     except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError and RuntimeError here
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = first_line(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
             in_use = (
                 f"{ctx.prefix}cannot listen on {ctx.master}: Address already in use. Another job (or a "

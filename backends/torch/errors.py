@@ -13,7 +13,7 @@ from commlib.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from commlib.translation import Rule
+from commlib.translation import Rule, first_line
 from commlib.translation import translate as translate_by
 
 __all__ = ["P2P_WAIT_RULES", "RULES", "is_dtype_rejection", "is_wait_expiry", "setup_failure", "translate"]
@@ -78,8 +78,7 @@ def setup_failure(error: BaseException, message: Callable[[str], str]) -> Rendez
 
     It is a ``RendezvousTimeoutError`` when that line says it timed out, else a ``RendezvousError``.
     """
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else type(error).__name__
+    first = first_line(error)
     kind = RendezvousTimeoutError if any(s in first.lower() for s in _TIMEOUT) else RendezvousError
     return kind(message(first))
 

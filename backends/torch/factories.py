@@ -24,6 +24,7 @@ from commlib.errors import (
     RendezvousTimeoutError,
     error_prefix,
 )
+from commlib.translation import first_line
 
 __all__ = ["BACKENDS", "create_gloo_group", "create_nccl_group", "from_torch_group"]
 
@@ -77,7 +78,7 @@ def _create(name: str, env: DistEnv, config: CommConfig) -> TorchDistProcessGrou
             timeout=datetime.timedelta(seconds=config.timeout),
         )
     except Exception as e:  # noqa: BLE001
-        text = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+        text = first_line(e).rstrip(".")
         detail = (
             f"torch.distributed's set-up after the rendezvous at {address} as rank {env.rank} of "
             f"{env.world_size} (launcher: {env.launcher}) failed: {text}"

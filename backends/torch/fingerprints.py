@@ -20,6 +20,7 @@ import torch.distributed as dist
 from backends.torch.calls import AllgatherOptions, async_options
 from backends.torch.errors import translate
 from commlib.errors import CommError, RendezvousError
+from commlib.translation import first_line
 from commlib.work import CollectiveLabel
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def fingerprint_group(store: Any, scope: str, rank: int, world: int, timeout: fl
     except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
         raise RendezvousError(
             f"{prefix}the fingerprint check's Gloo group did not form within {timeout:g} s "
-            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); every rank "
+            f"({first_line(e)}); every rank "
             "must create the group with the same COMMLIB_DEBUG"
         ) from e
 
