@@ -315,8 +315,7 @@ class PointToPoint:
     @staticmethod
     def receive(data: torch.Tensor, src: int | None, tag: int, label: object) -> _Receive:
         """A receive of ``tag`` from ``src`` (None: any source) into ``data``, not issued yet."""
-        mine = (data.nbytes, data.numel(), CODES.get(data.dtype, -1))
-        return _Receive(src, tag, data if data.is_cpu else None, mine, label)
+        return _Receive(src, tag, data if data.is_cpu else None, layout_of(data), label)
 
     def post_receive(self, receive: _Receive) -> None:
         """Issue ``receive``: from now on it is matched in the order issued (``PostedReceives``).
