@@ -33,7 +33,8 @@ without sending it:
    (also when it failed). A rank of this job's next group that reaches the
    store while it still serves this group (rank 0 has not yet destroyed it)
    reads the notice and connects again until rank 0 listens anew, instead of
-   answering a challenge that nobody reads any more.
+   answering a challenge that nobody reads any more. After the notice, the old
+   server closing under it (before it answers) is no failure either.
 
 A second process started as rank 0 finds the port taken; it answers the
 challenge there as rank 0, so that both learn at once that ``RANK=0`` is
@@ -229,7 +230,12 @@ def _ask_holder_if_rank0(ctx: _Context, in_use: str) -> None:
 
 def _connect(ctx: _Context) -> Any:
     where = "torchrun's store" if ctx.agent_store else "rank 0"
-    return connect_store(ctx.env, ctx.prefix, ctx.timeout, ctx.seconds_left(), where)
+    try:
+        return connect_store(ctx.env, ctx.prefix, ctx.timeout, ctx.seconds_left(), where)
+    except RendezvousTimeoutError:
+        raise
+    except RendezvousError as e:
+        raise _StoreGone(str(e)) from e
 
 
 def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, where: str) -> Any:
@@ -356,6 +362,10 @@ _REOPEN_PAUSE_S = (0.01, 0.2)
 
 class _ChallengeClosed(RendezvousError):
     """The store still holds an earlier group's rendezvous, already over: connect again."""
+
+
+class _StoreGone(RendezvousError):
+    """The store's server went away before this rank answered: it failed the connection, or dropped it."""
 
 
 class _Leader:
@@ -505,17 +515,23 @@ def _follow(ctx: _Context) -> tuple[Any, str]:
     """Connect to rank 0's store and answer its challenge.
 
     While the store holds the end of rank 0's previous check (its server lives until rank 0
-    destroys that group), connect again, until the deadline.
+    destroys that group), connect again, until the deadline. Once that end has been seen, a
+    connection dropped before this rank answered is that server going away: connect again too.
     """
     pause = _REOPEN_PAUSE_S[0]
+    earlier: _ChallengeClosed | None = None  # the end of rank 0's previous check, once seen
     while True:
-        store = _connect(ctx)
         try:
+            store = _connect(ctx)
             return store, _answer_in(ctx, store)
         except _ChallengeClosed as e:
-            if ctx.seconds_left() <= pause:
-                raise RendezvousTimeoutError(str(e)) from None
-        del store  # let go of the earlier group's server
+            earlier = e
+        except _StoreGone:
+            if earlier is None:
+                raise
+        if ctx.seconds_left() <= pause:
+            raise RendezvousTimeoutError(str(earlier)) from None
+        store = None  # let go of the earlier group's server
         time.sleep(pause)
         pause = min(2 * pause, _REOPEN_PAUSE_S[1])
 
@@ -550,7 +566,7 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
                 f"{prefix}rank 0 never published its challenge at {ctx.master} within {ctx.timeout:.1f} s: "
                 "what listens there is not this job's rank 0 (a store of another program?)"
             ) from None
-        raise RendezvousError(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
+        raise _StoreGone(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
     challenge = _decode(raw)
     if isinstance(challenge, dict) and challenge.get("closed") is True:
         raise _ChallengeClosed(

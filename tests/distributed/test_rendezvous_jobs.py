@@ -251,11 +251,13 @@ def test_a_group_start_reaps_the_files_of_ranks_killed_inside_link_set_up(tmp_pa
 
 
 # ------------------------------------------------------------ a group after another
-def _next_group_meets_the_end_of_the_last(fifo: str) -> float:
+def _next_group_meets_the_end_of_the_last(fifo: str, drop: bool) -> float:
     """Rank 1 starts the next gloo group while rank 0 still serves the last group's store.
 
     Rank 0 destroys its group only once rank 1 has read the end of that group's check and
     paused to connect again (its pause writes to ``fifo``); then both make the next group.
+    ``drop``: the first read of the challenge after that pause fails as it does when the last
+    group's server closes under it (torch's "Failed to recv, got 0 bytes").
     """
     import select
     import types
@@ -279,6 +281,16 @@ def _next_group_meets_the_end_of_the_last(fifo: str) -> float:
             time.sleep(seconds)
 
         store_rendezvous.time = types.SimpleNamespace(sleep=pause, monotonic=time.monotonic)  # type: ignore[assignment]
+        if drop:
+            real_get = store_rendezvous._get
+
+            def get_dropped_once(store: Any, key: str, wait: Any) -> bytes:
+                if told and len(told) == 1 and key.endswith("/challenge"):
+                    told.append(True)
+                    raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes.")
+                return real_get(store, key, wait)
+
+            store_rendezvous._get = get_dropped_once  # type: ignore[assignment]
     else:
         fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer of its own: never an end-of-file
         try:
@@ -295,16 +307,19 @@ def _next_group_meets_the_end_of_the_last(fifo: str) -> float:
     return t.item()
 
 
-def test_a_rank_that_reaches_the_last_groups_store_waits_for_the_next(tmp_path: Path) -> None:
+@pytest.mark.parametrize("drop", [False, True], ids=["ends-before-a-read", "ends-mid-read"])
+def test_a_rank_that_reaches_the_last_groups_store_waits_for_the_next(tmp_path: Path, drop: bool) -> None:
     """Re-creating a group: a rank faster than rank 0 finds its old store, and must not answer it.
 
     Without rank 0 closing its check, rank 1 answered the old challenge, waited for a verdict
-    nobody would give, and failed when the old store closed, while rank 0 timed out.
+    nobody would give, and failed when the old store closed, while rank 0 timed out. Once rank 1
+    has seen that end, the old server closing while rank 1 reads it is not rank 0 leaving: rank 1
+    connects again (before, it failed with "rank 0 dropped the rendezvous", and rank 0 timed out).
     """
     fifo = tmp_path / "paused"
     os.mkfifo(fifo)
     outcomes = run_ranks_outcomes(
-        _next_group_meets_the_end_of_the_last, 2, backend=None, init=False, args=(str(fifo),), timeout=90
+        _next_group_meets_the_end_of_the_last, 2, backend=None, init=False, args=(str(fifo), drop), timeout=90
     )
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     assert [o.value for o in outcomes] == [3.0, 3.0]
