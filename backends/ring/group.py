@@ -647,7 +647,15 @@ class RingProcessGroup(IProcessGroup):
                 def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
                     return p2p.finish(receive, hosts[0])
 
-                body = on_host(self.timeout, run, Staged(tensor, copy_in=False))
+                staged_run = on_host(self.timeout, run, Staged(tensor, copy_in=False))
+
+                def body() -> int:
+                    try:
+                        return staged_run()
+                    except BaseException:
+                        p2p.withdraw(receive)  # its staging failed on the lane, after it was issued
+                        raise
+
             issue = functools.partial(p2p.post_receive, receive)
             return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source, issue)
         except BaseException:

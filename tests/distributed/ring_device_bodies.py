@@ -366,6 +366,45 @@ def staged_new_ops(group: IProcessGroup) -> dict[str, Any]:
     return result
 
 
+def staged_recv_whose_staging_fails(group: IProcessGroup, async_op: bool) -> dict[str, Any]:
+    """Rank 1's receive into a CUDA tensor fails to stage; its next receive, on the host, gets the message.
+
+    The failed receive was issued (posted) before its staging failed on the lane: it must not
+    stay posted, where it would take rank 0's message and the host receive would time out.
+    """
+
+    class NoPinnedMemory:
+        def __enter__(self) -> torch.Tensor:
+            raise RuntimeError("CUDA error: out of memory (pinned host buffer)")
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    result: dict[str, Any] = {}
+    if group.rank == 1:
+        previous = cuda_staging.stage
+        cuda_staging.stage = lambda *args, **kwargs: NoPinnedMemory()  # type: ignore[assignment]
+        try:
+            work = group.irecv(on_device(torch.zeros(5)), src=0, tag=7) if async_op else None
+            if work is not None:
+                work.wait()
+            else:
+                group.recv(on_device(torch.zeros(5)), src=0, tag=7)
+        except Exception as e:  # noqa: BLE001 - what the caller sees
+            result["failed"] = f"{type(e).__name__}: {e}"
+        finally:
+            cuda_staging.stage = previous
+    group.barrier()  # rank 0 sends only once the staged receive has failed
+    if group.rank == 0:
+        group.send(torch.arange(5.0) + 1, dst=1, tag=7)
+    elif group.rank == 1:
+        got = torch.zeros(5)
+        group.recv(got, src=0, tag=7)
+        result["got"] = got.tolist()
+    group.barrier()
+    return result
+
+
 # ------------------------------------------------------------- the pipeline
 def staged_order(
     group: IProcessGroup, collective: str, async_op: bool, numel: int = 40_003

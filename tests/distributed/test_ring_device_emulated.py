@@ -74,6 +74,14 @@ def test_new_operations_are_staged_and_exact(get_pool, variant: str, world_size:
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_a_receive_whose_staging_fails_does_not_take_the_next_message(get_pool, async_op: bool) -> None:
+    """Its staging fails after it was issued: it is withdrawn, and the next receive gets the message."""
+    results = get_pool("ring-shm", 2).run(bodies.staged_recv_whose_staging_fails, async_op, timeout=120)
+    assert results[1]["failed"].endswith("CUDA error: out of memory (pinned host buffer)"), results[1]
+    assert results[1]["got"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_reduce_is_staged_chunk_by_chunk(get_pool, world_size: int, async_op: bool) -> None:
     results = get_pool("ring-shm", world_size).run(bodies.staged_order, "all_reduce", async_op, timeout=120)
