@@ -173,6 +173,39 @@ def test_a_store_left_from_an_earlier_group_of_this_process_does_not_confuse_the
     assert stores[1].get("k") == b"v"
 
 
+def test_a_store_that_drops_a_rank_before_any_notice_fails_it_at_once_as_a_rendezvous_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the notice that rank 0's earlier check is over, a dropped connection is rank 0 gone.
+
+    The rank fails at once (it does not connect again until its deadline), with the error a caller
+    of the rendezvous knows: a ``RendezvousError``, not the private class that marks the drop.
+    """
+    import torch
+
+    from backends.common import store_rendezvous
+
+    port = free_port()
+    server = TCPStore(
+        "127.0.0.1", port, 2, True, datetime.timedelta(seconds=20), wait_for_workers=False, multi_tenant=True
+    )
+    reads: list[str] = []
+
+    def dropped(store: Any, key: str, wait: Any) -> bytes:
+        reads.append(key)
+        raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes.")
+
+    monkeypatch.setattr(store_rendezvous, "_get", dropped)
+    started = time.monotonic()
+    with pytest.raises(RendezvousError) as failed:
+        join_job_store(_env(1, port), 20.0, "gloo")
+    assert type(failed.value) is RendezvousError
+    assert "rank 0 dropped the rendezvous" in str(failed.value)
+    assert reads == [f"{BASE}/challenge"]  # read once: not connected again
+    assert time.monotonic() - started < 10
+    del server
+
+
 def _impostor_answer(port: int) -> dict[str, Any]:
     """Answer rank 0's challenge as rank 1 of another job would (a proof under another token); return
     rank 0's verdict."""

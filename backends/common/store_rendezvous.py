@@ -230,12 +230,7 @@ def _ask_holder_if_rank0(ctx: _Context, in_use: str) -> None:
 
 def _connect(ctx: _Context) -> Any:
     where = "torchrun's store" if ctx.agent_store else "rank 0"
-    try:
-        return connect_store(ctx.env, ctx.prefix, ctx.timeout, ctx.seconds_left(), where)
-    except RendezvousTimeoutError:
-        raise
-    except RendezvousError as e:
-        raise _StoreGone(str(e)) from e
+    return connect_store(ctx.env, ctx.prefix, ctx.timeout, ctx.seconds_left(), where)
 
 
 def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, where: str) -> Any:
@@ -522,18 +517,28 @@ def _follow(ctx: _Context) -> tuple[Any, str]:
     earlier: _ChallengeClosed | None = None  # the end of rank 0's previous check, once seen
     while True:
         try:
-            store = _connect(ctx)
+            store = _reach(ctx)
             return store, _answer_in(ctx, store)
         except _ChallengeClosed as e:
             earlier = e
-        except _StoreGone:
-            if earlier is None:
-                raise
+        except _StoreGone as gone:
+            if earlier is None:  # rank 0 is gone: the error a caller sees is a RendezvousError
+                raise RendezvousError(str(gone)) from gone.__cause__
         if ctx.seconds_left() <= pause:
             raise RendezvousTimeoutError(str(earlier)) from None
         store = None  # let go of the earlier group's server
         time.sleep(pause)
         pause = min(2 * pause, _REOPEN_PAUSE_S[1])
+
+
+def _reach(ctx: _Context) -> Any:
+    """``_connect`` for a rank > 0: a connection that fails at once (not a timeout) is ``_StoreGone``."""
+    try:
+        return _connect(ctx)
+    except RendezvousTimeoutError:
+        raise
+    except RendezvousError as e:
+        raise _StoreGone(str(e)) from e.__cause__
 
 
 def _answer_in(ctx: _Context, store: Any) -> str:
