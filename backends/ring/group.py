@@ -639,24 +639,24 @@ class RingProcessGroup(IProcessGroup):
         p2p = self._peer_links_for("recv")
         label = self._p2p_label("recv", tensor, src, tag)
         receive = p2p.receive(tensor, src, tag, label)  # issued as it takes its place on the lane
+        if tensor.is_cpu:  # the links write it in place
+            body: Callable[[], Any] = functools.partial(p2p.finish, receive)
+        else:
+
+            def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
+                return p2p.finish(receive, hosts[0])
+
+            staged_run = on_host(self.timeout, run, Staged(tensor, copy_in=False))
+
+            def body() -> int:
+                try:
+                    return staged_run()
+                except BaseException:
+                    p2p.withdraw(receive)  # its staging failed on the lane, after it was issued
+                    raise
+
+        issue = functools.partial(p2p.post_receive, receive)
         try:
-            if tensor.is_cpu:  # the links write it in place
-                body: Callable[[], Any] = functools.partial(p2p.finish, receive)
-            else:
-
-                def run(hosts: list[torch.Tensor], staged: list[StagingPipeline | None]) -> int:
-                    return p2p.finish(receive, hosts[0])
-
-                staged_run = on_host(self.timeout, run, Staged(tensor, copy_in=False))
-
-                def body() -> int:
-                    try:
-                        return staged_run()
-                    except BaseException:
-                        p2p.withdraw(receive)  # its staging failed on the lane, after it was issued
-                        raise
-
-            issue = functools.partial(p2p.post_receive, receive)
             return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source, issue)
         except BaseException:
             p2p.withdraw(receive)  # it never runs, or ran and failed
