@@ -95,25 +95,24 @@ def test_withdraw_removes_only_an_unmatched_receive() -> None:
     assert posted.withdraw_all() == [b] and posted.pending == []
 
 
-def test_take_aside_returns_the_oldest_message_with_the_tag() -> None:
-    @dataclasses.dataclass
-    class Kept:
-        tag: int
-        n: int
+@dataclasses.dataclass
+class Kept:
+    """A message set aside (``p2p_protocol.Aside``): its tag, its source, and which one it is."""
 
-    queue = [Kept(1, 0), Kept(2, 1), Kept(1, 2)]
-    assert p.take_aside(queue, 1) == Kept(1, 0)
+    tag: int
+    source: int
+    n: int = 0
+
+
+def test_take_aside_returns_the_oldest_message_with_the_tag() -> None:
+    queue = [Kept(1, 0, n=0), Kept(2, 0, n=1), Kept(1, 0, n=2)]
+    assert p.take_aside(queue, 1) == Kept(1, 0, n=0)
     assert p.take_aside(queue, 3) is None
-    assert p.take_aside(queue, 1) == Kept(1, 2)
-    assert queue == [Kept(2, 1)]
+    assert p.take_aside(queue, 1) == Kept(1, 0, n=2)
+    assert queue == [Kept(2, 0, n=1)]
 
 
 def test_take_aside_from_one_source() -> None:
-    @dataclasses.dataclass
-    class Kept:
-        tag: int
-        source: int
-
     queue = [Kept(1, 0), Kept(1, 2), Kept(1, 0)]
     assert p.take_aside(queue, 1, source=2) == Kept(1, 2)
     assert p.take_aside(queue, 1, source=3) is None
