@@ -50,7 +50,8 @@ class ArgumentChecks:
     def _init_checks(self) -> None:
         self._accepted: dict[tuple[object, ...], ReductionPlan] = {}
         """(op, dtype, device, layout) combinations that passed the full checks, with their plan:
-        the hot path of a training loop reduces the same kinds of tensor every step."""
+        the hot path of a training loop reduces the same kinds of tensor every step (``all_reduce``
+        reads it inline, with the same key)."""
         self._capabilities: CapabilityTable | None = None
 
     def _reduction_table(self) -> CapabilityTable:

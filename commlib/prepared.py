@@ -22,7 +22,7 @@ from commlib.work import Work
 __all__ = ["PreparedCollective"]
 
 
-def _bump_versions() -> Callable[[tuple[torch.Tensor, ...]], None]:
+def _version_bump() -> Callable[[tuple[torch.Tensor, ...]], None]:
     """The C entry point of the autograd version bump where it takes a tuple, else the public one."""
     bump = getattr(torch._C, "_increment_version", None)  # noqa: SLF001
     try:
@@ -32,7 +32,8 @@ def _bump_versions() -> Callable[[tuple[torch.Tensor, ...]], None]:
     return bump  # type: ignore[return-value]
 
 
-_bump = _bump_versions()
+bump_versions = _version_bump()
+"""``increment_version`` of a tuple of tensors, without its Python frame (every collective's path)."""
 
 
 class _IssuingGroup(Protocol):
@@ -97,7 +98,7 @@ class PreparedCollective:
         group = self._group
         if group._closed or group._broken is not None:  # noqa: SLF001
             group._check_usable(self._kind)  # noqa: SLF001
-        _bump(self._tensors)
+        bump_versions(self._tensors)
         group._bytes_issued += self._nbytes  # noqa: SLF001
         work = group._issue(self._kind, self._tensor, self._op, -1, True, [self._tensor], self._start)  # noqa: SLF001
         assert work is not None  # async: a handle

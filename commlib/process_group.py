@@ -33,7 +33,7 @@ from commlib.errors import error_prefix
 from commlib.lifecycle import Lifecycle
 from commlib.objects import ObjectCollectives
 from commlib.p2p_front import PointToPoint
-from commlib.prepared import PreparedCollective
+from commlib.prepared import PreparedCollective, bump_versions
 from commlib.subgroups import Subgroups
 from commlib.types import SUPPORTED_DTYPES, PremulSum, ReduceOp
 from commlib.work import CollectiveLabel, Work
@@ -336,13 +336,18 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         """
         if self._closed or self._broken is not None:
             self._check_usable("all_reduce")
-        plan = self._check_reduction("all_reduce", tensor, op)
+        # A plain contiguous tensor of a kind checked before: ``_check_reduction``'s cached plan, read here.
+        plan = None
+        if op.__class__ is ReduceOp and tensor.__class__ is torch.Tensor and tensor.is_contiguous():
+            plan = self._accepted.get((op, tensor.dtype, tensor.device, tensor.layout))
+        if plan is None:
+            plan = self._check_reduction("all_reduce", tensor, op)
         exact = self._exact
         if exact is not None and exact.folds(tensor, op, plan):
             return exact.all_reduce(tensor, op, async_op)
         if tensor.requires_grad:
             tensor = tensor.detach()
-        increment_version(tensor)
+        bump_versions((tensor,))
         self._bytes_issued += tensor.nbytes
         # What the backend reduces as given (DDP's sums) goes straight to its hook: one frame fewer.
         if plan.direct:

@@ -182,6 +182,37 @@ def test_poll_waits_only_as_long_as_asked(tmp_path: Path) -> None:
     assert one.poll() == b"a" * 112 + b"b" * 112
 
 
+def test_agrees_compares_each_peer_with_its_expected_bytes_and_names_a_late_one(tmp_path: Path) -> None:
+    boards = _boards(3, tmp_path)
+    head, tails = b"#7:", (b"zero", b"one!", b"two!")
+    labels: list[tuple[object, ...]] = []
+
+    def label(*args: object) -> str:
+        labels.append(args)
+        return "[rank 0/3] mpi.all_reduce #7"
+
+    for rank, board in enumerate(boards):
+        board.post(head + tails[rank])
+    assert all(board.agrees(head, tails, 5.0, label, "all_reduce", None) for board in boards)
+    assert labels == []  # the name is built only for a failure
+
+    # Rank 2 makes another call this time, so it expects other bytes of every rank: all see the difference.
+    head, theirs = b"#8:", (b"ZERO", b"ONE!", b"TWO!")
+    expected = (tails, tails, theirs)
+    for rank, board in enumerate(boards):
+        board.post(head + expected[rank][rank])
+    assert [board.agrees(head, expected[r], 5.0, label) for r, board in enumerate(boards)] == [False] * 3
+
+    # Rank 2 does not post: rank 0 waits its timeout and names it, with the label built from the args.
+    boards[0].post(b"#9:" + tails[0])
+    boards[1].post(b"#9:" + tails[1])
+    with pytest.raises(CommTimeoutError, match=r"^\[rank 0/3\] mpi.all_reduce #7: timed out .* rank 2 to"):
+        boards[0].agrees(b"#9:", tails, 0.2, label, "all_reduce", "t")
+    assert labels == [("all_reduce", "t")]
+    for board in boards:
+        board.close()
+
+
 def test_a_closed_board_refuses_to_exchange(tmp_path: Path) -> None:
     zero, one = _boards(2, tmp_path)
     zero.close()

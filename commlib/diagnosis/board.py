@@ -81,6 +81,10 @@ NAP_S = 1e-4
 """A waiting rank's nap between polls once ``YIELD_S`` has passed."""
 BACKGROUND_NAP_S = (5e-5, 2e-4)
 """The launcher thread's first and longest naps: it waits while the caller computes."""
+QUICK_POLLS = 256
+"""Polls of a missing peer's number back to back, without a clock, before ``agrees`` waits the long way
+(about 10 us: ranks in step post within a few)."""
+_QUICK_POLLS = range(QUICK_POLLS)
 LIVENESS_S = 0.02
 """How often a waiting rank looks whether the ranks it waits for still run."""
 
@@ -294,7 +298,7 @@ class FingerprintBoard:
         return self.gather()
 
     def swap(self, mine: bytes, timeout: float, label: object, background: bool) -> None:
-        """Post ``mine`` and wait until every rank has posted; then read them with ``holds`` or ``gather``.
+        """Post ``mine`` and wait until every rank has posted; then read them with ``gather``.
 
         Raises:
             CommTimeoutError: Some rank did not post within ``timeout``; it is named.
@@ -320,25 +324,33 @@ class FingerprintBoard:
         if STORES_NEED_FENCE:
             _fence()
 
-    def settle(self, timeout: float, label: object, background: bool = False) -> None:
-        """Wait until every rank has posted the exchange this rank posted last (``post``).
+    def agrees(
+        self, head: bytes, tails: Sequence[bytes], timeout: float, label: object, *args: object
+    ) -> bool:
+        """Wait for every rank's post of this rank's last exchange; True if each is ``head + tails[rank]``.
+
+        ``label`` names the call in errors: the name, or a function that returns it when
+        called with ``args`` (called only on a failure: every collective's check runs this).
 
         Raises:
             CommTimeoutError: Some rank did not post within ``timeout``; it is named.
             CommError: The board was closed.
         """
         words, count = self._words, self._count
-        for flag in self._flags[count & 1]:
+        parity = count & 1
+        for flag in self._flags[parity]:
             if words[flag] != count:
-                self._await(timeout, label, background)
-                return
-        if STORES_NEED_FENCE:
-            _fence()
-
-    def holds(self, head: bytes, tails: Sequence[bytes]) -> bool:
-        """True if every other rank's bytes in the exchange just made are ``head + tails[rank]``."""
+                for _ in _QUICK_POLLS:  # a rank a moment behind is seen sooner than by ``_await``'s loop
+                    if words[flag] == count:
+                        break
+                else:
+                    self._await(timeout, (lambda: label(*args)) if callable(label) else label, False)
+                    break
+        else:
+            if STORES_NEED_FENCE:
+                _fence()
         memory, size = self._memory, len(self._mine)
-        for rank, at in self._peers[self._count & 1]:
+        for rank, at in self._peers[parity]:
             if memory[at : at + size] != head + tails[rank]:
                 return False
         return True

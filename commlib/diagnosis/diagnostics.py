@@ -382,11 +382,11 @@ class Diagnostics:
             if self.exchange is not None:
                 if board is not None:
                     try:
-                        board.settle(self._timeout, lambda: group._label(kind, tensor))
+                        agreed = board.agrees(stamp, tails, self._timeout, group._label, kind, tensor)
                     except CommError as e:
                         group._mark_broken(e)
                         raise
-                    if not board.holds(stamp, tails):
+                    if not agreed:
                         label = group._label(kind, tensor)
                         self._verify(group, board.gather(), mine, record, None, label, False, site)
                 else:
