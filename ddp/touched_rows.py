@@ -35,25 +35,11 @@ from ddp.devices import comm_device, control_tensor, to_host
 
 __all__ = ["TouchedRows", "embedding_tables", "row_sparse_tables"]
 
-_BITS = (torch.int64, torch.int32, torch.int16, torch.uint8)
-"""Integer dtypes a row is tested through, widest first (a non-zero bit anywhere makes it touched)."""
-
 
 def _row_view(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``flat`` (one parameter's gradient) as a 2-D table: one row per index of the first dimension."""
     rows = shape[0] if len(shape) else 1
     return flat.view(rows, flat.numel() // rows if rows else 0)
-
-
-def _as_bits(table: torch.Tensor) -> torch.Tensor:
-    """``table`` reinterpreted as the widest integer dtype that fits its rows and alignment."""
-    row_bytes = table.shape[1] * table.element_size()
-    offset_bytes = table.storage_offset() * table.element_size()
-    for bits in _BITS:
-        size = bits.itemsize
-        if row_bytes % size == 0 and offset_bytes % size == 0:
-            return table.view(bits)
-    raise AssertionError("uint8 divides every row")  # pragma: no cover
 
 
 class TouchedRows:
@@ -73,10 +59,13 @@ class TouchedRows:
         for param, offset in zip(bucket.params, bucket.offsets, strict=True):
             table = _row_view(data[offset : offset + param.numel()], param.shape)
             if table.numel():
-                self._tables.append((table, _as_bits(table), start))
+                # A row's bytes: its largest is non-zero exactly when some bit of the row is set
+                # (one vectorised max, several times faster than ``torch.any`` over any width).
+                self._tables.append((table, table.view(torch.uint8), start))
                 start += table.shape[0]
         self.rows = start
         """Rows of all the bucket's tables."""
+        self._largest_byte = torch.zeros(self.rows, dtype=torch.uint8)
         self._touched = torch.zeros(self.rows, dtype=torch.bool)
         self._flags = torch.zeros(self.rows, dtype=torch.int32)
         self._exchange_flags = group.prepare_all_reduce(self._flags, ReduceOp.MAX)
@@ -85,10 +74,10 @@ class TouchedRows:
 
     def launch(self) -> Work:
         """Flag this rank's touched rows and start the all-reduce (``MAX``) of the flags."""
-        touched = self._touched
-        for table, bits, start in self._tables:
-            torch.any(bits, dim=1, out=touched[start : start + table.shape[0]])
-        self._flags.copy_(touched)
+        largest = self._largest_byte
+        for table, row_bytes, start in self._tables:
+            torch.amax(row_bytes, dim=1, out=largest[start : start + table.shape[0]])
+        self._flags.copy_(torch.ne(largest, 0, out=self._touched))
         return self._exchange_flags.start().annotate(
             lambda: f"DDP bucket {self.bucket.index()}: touched-row flags of {self.rows} embedding rows"
         )

@@ -397,13 +397,17 @@ def test_embedding_rows_touched_only_on_three_ranks():
 )
 def test_touched_rows_give_the_dense_bits_whatever_the_row_width(dtype, width, bits):
     # -0.0 alone in a row counts as touched: -0.0 + 0.0 is +0.0, which the dense sum leaves too.
+    # So does a subnormal whose only set bit is in its lowest byte (twice the smallest: halving
+    # for the average, which happens before the rows are flagged, leaves the smallest).
     def body(group):
-        table = nn.Embedding(7, width).to(dtype)
+        table = nn.Embedding(10, width).to(dtype)
         manager = GradientBucketManager([table.weight], group, row_sparse=[0])
-        grad = torch.zeros(7, width, dtype=dtype)
+        grad = torch.zeros(10, width, dtype=dtype)
         grad[1 + group.rank] = torch.arange(width, dtype=dtype) + group.rank + 1
         if group.rank == 0:
             grad[5, -1] = -0.0
+        else:
+            grad.view(bits)[6, 0] = 2
         table.weight.grad = grad.clone()
         manager.reduce_all_async()
         manager.finish_grad_sync()
@@ -418,8 +422,9 @@ def test_touched_rows_give_the_dense_bits_whatever_the_row_width(dtype, width, b
 
     for got, want, touched in run_threads(body, 2):
         assert torch.equal(got, want)
-        assert touched == 3  # rows 1 and 2, and the -0.0 row
+        assert touched == 4  # rows 1 and 2, the -0.0 row and the subnormal's
         assert float(got.view(dtype)[5, -1]) == 0.0 and not torch.signbit(got.view(dtype)[5, -1])
+        assert float(got.view(dtype)[6, 0]) > 0.0  # the smallest subnormal: the average of it and zero
 
 
 def test_row_sparse_gradients_get_buckets_of_their_own():
