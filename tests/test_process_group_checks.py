@@ -168,6 +168,22 @@ def test_non_contiguous_is_a_value_error(group: FakeGroup) -> None:
     )
 
 
+def test_an_all_reduce_kind_accepted_before_still_fully_checks_the_rest(group: FakeGroup) -> None:
+    # all_reduce reads the plan of a float32 CPU SUM it accepted before without the checks' frame:
+    # what differs in contiguity, op or class must still meet every check.
+    group.all_reduce(torch.zeros(4, 6))
+    group.calls.clear()
+    transposed, flat = torch.zeros(4, 6).t(), torch.zeros(4)
+    check_refused(group, lambda: group.all_reduce(transposed), ValueError, "all_reduce", "not contiguous")
+    check_refused(group, lambda: group.all_reduce(flat, "sum"), TypeError, "all_reduce", "op must be")
+    band = ReduceOp.BAND
+    check_refused(group, lambda: group.all_reduce(flat, band), ReduceOpTypeError, "all_reduce", "BAND")
+    check_refused(group, lambda: group.all_reduce([flat]), TypeError, "all_reduce", "tensor")
+    parameter = torch.nn.Parameter(torch.ones(3))
+    group.all_reduce(parameter)  # a subclass takes the full checks, and passes them
+    assert len(group.calls) == 1
+
+
 def test_strided_slice_is_not_contiguous(group: FakeGroup) -> None:
     t = torch.arange(10.0)[::2]
     check_refused(group, lambda: group.broadcast(t, 1), ValueError, "broadcast", "shape (5,), stride (2,)")

@@ -152,10 +152,12 @@ class FingerprintBoard:
     """One rank's view of a shared-memory board; ``board(mine, timeout, label, background)`` exchanges.
 
     Build it with ``FingerprintBoard.create`` (rank 0) or ``FingerprintBoard.open``.
-    An exchange is also ``post(mine)`` then ``collect(...)``; ``poll()`` tells without
-    waiting whether every rank has posted. Every rank posts the same number of bytes
-    in a given exchange (the caller's protocol guarantees it: fingerprints, then,
-    after a mismatch, call sites or all_to_all splits, alike on every rank).
+    An exchange is also ``post(mine)`` then ``collect(...)``, or ``agrees(...)``, which
+    compares every rank's bytes with what this rank expects (the check's path before each
+    collective); ``poll()`` tells without waiting whether every rank has posted. Every
+    rank posts the same number of bytes in a given exchange (the caller's protocol
+    guarantees it: fingerprints, then, after a mismatch, call sites or all_to_all
+    splits, alike on every rank).
 
     Args:
         memory: The mapped file.
