@@ -14,7 +14,7 @@ import secrets
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -24,7 +24,7 @@ from backends.ring.link_setup import LinkShape
 from backends.ring.p2p import PointToPoint
 from backends.ring.p2p_links import PeerLinks
 from backends.ring.rendezvous import Peer, host_id, open_listener, p2p_hello, p2p_hello_source
-from commlib import CommTimeoutError, GroupClosedError, MessageMismatchError, MessageSizeError
+from commlib import CommError, CommTimeoutError, GroupClosedError, MessageMismatchError, MessageSizeError
 
 SESSION = secrets.token_bytes(32)
 
@@ -419,3 +419,53 @@ def test_close_wakes_a_waiting_recv(pair: Pair) -> None:
     pair.ends[1].close()
     with pytest.raises(GroupClosedError):
         waiting.result(timeout=30)
+
+
+class _FailingLink:
+    """A link whose next header read fails, after ``meanwhile`` ran (another reader's work)."""
+
+    def __init__(self, link: Any, meanwhile: Callable[[], None]) -> None:
+        self._link, self._meanwhile = link, meanwhile
+
+    def ready(self) -> bool:
+        return True
+
+    def recv_record(self, record: Any) -> Any:
+        self._meanwhile()
+        raise CommError("the link broke (end of file)")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._link, name)
+
+
+def test_a_receive_from_any_source_whose_link_fails_keeps_a_message_another_reader_landed() -> None:
+    # A receive from any source reads one link while another source's reader matches it and lands
+    # its message; then the first link breaks. The receive returns that message: raising would lose
+    # a message its sender was told was taken. A link that breaks before anyone matched it fails it.
+    pair = Pair(timeout=5.0)
+    try:
+        end = pair.ends[1]
+        _done(pair.send(0, torch.ones(1), tag=9), pair.recv(1, torch.empty(1), tag=9))  # opens the link
+        incoming = end._incoming[0]  # noqa: SLF001
+        into = torch.zeros(2)
+        receive = end.post(into, None, 3, "[rank 1/2] ring.recv from any rank tag 3")
+
+        def another_reader_lands_it() -> None:  # as the reader of a third rank's link would
+            with end._matching:  # noqa: SLF001
+                assert end._posted.match(2, 3) is receive  # noqa: SLF001
+            into.copy_(torch.tensor([4.0, 5.0]))
+            end._landed(receive, 2)  # noqa: SLF001
+
+        incoming.link = _FailingLink(incoming.link, another_reader_lands_it)
+        assert end.finish(receive) == 2 and into.tolist() == [4.0, 5.0]
+        assert incoming.failed is not None  # the link stays failed for the receives that read it
+
+        incoming.failed = None
+        incoming.link = _FailingLink(incoming.link._link, lambda: None)  # noqa: SLF001
+        lone = end.post(torch.zeros(1), None, 4, "[rank 1/2] ring.recv from any rank tag 4")
+        with pytest.raises(CommError, match="the link broke"):
+            end.finish(lone)
+        with end._matching:  # noqa: SLF001
+            assert not end._posted.withdraw(lone)  # noqa: SLF001 - withdrawn with its error
+    finally:
+        pair.close()

@@ -430,7 +430,9 @@ class PointToPoint:
 
         Each message goes to the earliest issued receive that accepts it (``match``), which
         may be another than ``reader``, or aside when none does. The caller holds the link's
-        lock. ``wait`` off: stop when no message waits.
+        lock. ``wait`` off: stop when no message waits. When the link fails, ``reader`` fails
+        with it, unless it is a receive from any source that another link's reader has already
+        matched: it returns then, and that reader lands the message (``_landing_elsewhere``).
         """
         label = reader.label
         if incoming.failed is not None:
@@ -448,7 +450,10 @@ class PointToPoint:
                     f"it, or is stuck ({e})"
                 ) from None
             except (CommError, OSError) as e:
-                raise self._broken(incoming, src, reader, e) from e
+                error = self._broken(incoming, src, reader, e)
+                if self._landing_elsewhere(reader):
+                    return
+                raise error from e
             taker = None
             try:
                 if fields[0] != _MAGIC or fields[5] <= 0:
@@ -476,7 +481,21 @@ class PointToPoint:
                 header = _Header(msg, their_tag, nbytes, numel, piece, dtype)
                 self._land(link, src, header, taker, reader)
             except (CommError, OSError) as e:
-                raise self._broken(incoming, src, reader, e, taker) from e
+                error = self._broken(incoming, src, reader, e, taker)
+                if taker is not reader and self._landing_elsewhere(reader):
+                    return
+                raise error from e
+
+    def _landing_elsewhere(self, reader: _Receive) -> bool:
+        """After the link under it failed: True if another link's reader matched ``reader``.
+
+        Only a receive from any source can be matched elsewhere; its message lands from
+        there. Otherwise ``reader`` is withdrawn, so that none can match it once it failed.
+        """
+        if reader.wanted is not None:
+            return False
+        with self._matching:
+            return reader.source is not None or not self._posted.withdraw(reader)
 
     def _land(
         self, link: RecvLink, src: int, header: _Header, taker: _Receive | None, reader: _Receive
