@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import subprocess
 import sys
 
@@ -65,7 +66,10 @@ def test_quick_study_writes_csvs_table_and_plot(tmp_path):
         models = {r["backend"]: r for r in csv.DictReader(f)}
     assert set(models) == {"ring", "gloo"}
     for m in models.values():
-        assert float(m["o_us"]) > 0 and float(m["w_GBps"]) > 0 and float(m["auto_mb"]) > 0
+        # The fitted per-call overhead is >= 0: a negative intercept, which the quick study's few
+        # noisy samples can give, is clamped to 0 (``fit_cost_model``); the bandwidth must be fitted.
+        assert math.isfinite(float(m["o_us"])) and float(m["o_us"]) >= 0
+        assert float(m["w_GBps"]) > 0 and float(m["auto_mb"]) > 0
         assert m["auto_within_5pct"] in ("True", "False")
     assert (out / "bucket_study.png").read_bytes()[:4] == b"\x89PNG"
     assert "auto/best" in proc.stdout and "implementation" in proc.stdout
