@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -608,44 +609,24 @@ class MPIProcessGroup(IProcessGroup):
 
     # --------------------------------------------------------- point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        self._check_tag_fits("send", tag)
-        label = self._p2p_label("send", tensor, dst, tag)
-        payload = self._payload("send", tensor, str(label), send=True)
-        layout = layout_of(tensor)
-        return self._start(
-            "send",
-            tensor,
-            lambda: self._messages.send(payload, layout, dst, tag),
-            None,
-            (tensor, payload),
-            async_op,
-            label=label,
-            work_type=P2PWork,
-        )
+        return self._p2p("send", tensor, dst, tag, async_op)
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        self._check_tag_fits("recv", tag)
-        label = self._p2p_label("recv", tensor, src, tag)
-        payload = self._payload("recv", tensor, str(label), send=False)
-        holds = layout_of(tensor)
-        return self._start(
-            "recv",
-            tensor,
-            lambda: self._messages.recv(payload, holds, src, tag),
-            None,
-            (tensor, payload),
-            async_op,
-            label=label,
-            work_type=P2PWork,
-        )
+        return self._p2p("recv", tensor, src, tag, async_op)
 
-    def _check_tag_fits(self, op: str, tag: int) -> None:
-        """Raise if ``tag`` (checked by the interface already) is above this MPI library's ``MPI_TAG_UB``."""
-        if tag > self._tag_ub:
+    def _p2p(self, op: str, tensor: torch.Tensor, peer: int | None, tag: int, async_op: bool) -> Work:
+        """Start a send to, or a receive from, ``peer`` (None: any rank) through ``backends.mpi.p2p``."""
+        if tag > self._tag_ub:  # the interface checked it against commlib's bound already
             raise ValueError(
                 f"{self._prefix(op)}tag={tag} is larger than this MPI library allows (MPI_TAG_UB = "
                 f"{self._tag_ub}); use a tag in 0..{self._tag_ub}"
             )
+        label = self._p2p_label(op, tensor, peer, tag)
+        payload = self._payload(op, tensor, str(label), send=op == "send")
+        post = self._messages.send if op == "send" else self._messages.recv
+        start = functools.partial(post, payload, layout_of(tensor), peer, tag)
+        keep = (tensor, payload)
+        return self._start(op, tensor, start, None, keep, async_op, label=label, work_type=P2PWork)
 
     def _payload(self, op: str, tensor: torch.Tensor, describe: str, *, send: bool) -> Payload:
         """The message's bytes as MPI gets them: the tensor's memory, or a staging pipeline for it."""
