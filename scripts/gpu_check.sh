@@ -25,7 +25,8 @@
 #   tests      gpu-tests, then cpu-tests
 #   bench      gpu_ddp_bench.py (NCCL at world size 1; 2 ranks sharing the GPU over gloo and ring),
 #              allreduce_bench.py --device cuda on 2 ranks (ring, gloo, mpi; 1, 25, 100 MiB)
-#   cores      allreduce_bench.py on host tensors: ring and gloo at 4, 8 and 16 ranks
+#   cores      allreduce_bench.py on host tensors at 4, 8 and 16 ranks (4 KiB, 1, 25, 100 MiB): ring and
+#              gloo, and mpi under mpiexec where MPI is there
 #   all        every stage above (the default)
 # Within a stage each step may use at most an equal share of what is left of the budget.
 #
@@ -347,8 +348,13 @@ if kind == "ddp":
         parts.append(f"torch-ddp step {step['torch-ddp']:.1f} ms")
 else:
     for r in rows:
-        if r["mode"] in ("ring", "mpi", "gloo", "torch-gloo") and r["busbw_GBps"]:
-            text = f"{r['world_size']} ranks {r['size'].replace(' ', '')} {r['mode']} {float(r['busbw_GBps']):.2f} GB/s"
+        if r["mode"] not in ("ring", "mpi", "gloo", "torch-gloo", "mpi4py") or not r["busbw_GBps"]:
+            continue
+        where = f"{r['world_size']} ranks {r['size'].replace(' ', '')} {r['mode']}"
+        if int(r["size_bytes"]) <= 65536:  # small messages: the latency is the figure
+            parts.append(f"{where} {float(r['median_us']):.1f} us")
+        else:
+            text = f"{where} {float(r['busbw_GBps']):.2f} GB/s"
             if r.get("busbw_vs_host"):
                 text += f" ({float(r['busbw_vs_host']):.2f}x host"
                 text += f", {float(r['copy_hidden']):.0%} of copies hidden)" if r.get("copy_hidden") else ")"
@@ -385,12 +391,20 @@ stage_bench() {
 }
 
 stage_cores() {
-    local n left=3
+    # Host tensors at 4, 8 and 16 ranks: the 4 KiB latency and the bus bandwidth at 1, 25 and 100 MiB,
+    # MPICH beside the ring and Gloo where MPI is there (mpiexec starts the ranks).
+    local n csv figures left=3
+    local bench=(benchmarks/allreduce_bench.py --sizes 4K,1M,25M,100M)
     for n in 4 8 16; do
-        run "allreduce_cpu_$n" $left "$PY" benchmarks/allreduce_bench.py --spawn "$n" --backends ring,gloo \
-            --sizes 1M,25M,100M --csv "$OUT_DIR/allreduce_cpu_$n.csv"
-        record_step "allreduce_bench cpu, $n ranks" "allreduce_cpu_$n" \
-            "$(csv_figures allreduce "$OUT_DIR/allreduce_cpu_$n.csv")"
+        csv="$OUT_DIR/allreduce_cpu_$n.csv"
+        if [[ $MPI_OK == 1 ]]; then
+            run "allreduce_cpu_$n" $left "$MPIEXEC" -n "$n" "$PY" "${bench[@]}" --backends ring,gloo,mpi --csv "$csv"
+            figures=""
+        else
+            run "allreduce_cpu_$n" $left "$PY" "${bench[@]}" --spawn "$n" --backends ring,gloo --csv "$csv"
+            figures="mpi not measured (no MPI); "
+        fi
+        record_step "allreduce_bench cpu, $n ranks" "allreduce_cpu_$n" "$figures$(csv_figures allreduce "$csv")"
         left=$((left - 1))
     done
 }

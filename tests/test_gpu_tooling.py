@@ -151,8 +151,10 @@ case "$1" in
         case "$1" in
             */gpu_ddp_bench.py) printf '%s\n' "mode,median_ms,vs_torch_ddp,hooks_ms,py_calls_per_param" \
                 "torch-ddp,100.0,1.0,," "ddp-nccl,101.5,1.015,2.5,3.0" > "$csv" ;;
-            */allreduce_bench.py) printf '%s\n' "size,world_size,mode,busbw_GBps,busbw_vs_host,copy_hidden" \
-                "25 MiB,2,ring,9.5,0.85,0.7" "25 MiB,2,torch-gloo,4.25,," > "$csv" ;;
+            */allreduce_bench.py) printf '%s\n' \
+                "size_bytes,size,world_size,mode,median_us,busbw_GBps,busbw_vs_host,copy_hidden" \
+                "4096,4 KiB,2,mpi,12.25,0.33,," "26214400,25 MiB,2,ring,5519.0,9.5,0.85,0.7" \
+                "26214400,25 MiB,2,torch-gloo,12337.0,4.25,," > "$csv" ;;
         esac
         echo "measured"; exit 0 ;;
 esac
@@ -300,7 +302,7 @@ def test_offline_bench_and_cores_name_a_missing_cupy_and_mpi_and_skip_mpi(tmp_pa
         f"benchmarks/allreduce_bench.py --device cuda --sizes 1M,25M,100M --csv {out_dir}/allreduce_cuda.csv "
         "--spawn 2 --backends ring,gloo",
         *(
-            f"benchmarks/allreduce_bench.py --spawn {n} --backends ring,gloo --sizes 1M,25M,100M "
+            f"benchmarks/allreduce_bench.py --sizes 4K,1M,25M,100M --spawn {n} --backends ring,gloo "
             f"--csv {out_dir}/allreduce_cpu_{n}.csv"
             for n in (4, 8, 16)
         ),
@@ -318,25 +320,33 @@ def test_offline_bench_and_cores_name_a_missing_cupy_and_mpi_and_skip_mpi(tmp_pa
     # The figures are read from each benchmark's CSV.
     ddp = "ddp-nccl/torch-ddp 1.015, hooks 2.50 ms/step, 3.0 py calls/param; torch-ddp step 100.0 ms"
     assert figures["gpu_ddp_bench nccl, world 1"] == ddp
-    bandwidth = (
-        "2 ranks 25MiB ring 9.50 GB/s (0.85x host, 70% of copies hidden); 2 ranks 25MiB torch-gloo 4.25 GB/s"
+    # The bus bandwidth of a large message, the latency of a small one (4 KiB in the cores stage).
+    measured = (
+        "2 ranks 4KiB mpi 12.2 us; 2 ranks 25MiB ring 9.50 GB/s (0.85x host, 70% of copies hidden); "
+        "2 ranks 25MiB torch-gloo 4.25 GB/s"
     )
-    assert figures["allreduce_bench --device cuda"] == "mpi not measured (no MPI); " + bandwidth
+    assert figures["allreduce_bench --device cuda"] == "mpi not measured (no MPI); " + measured
+    assert figures["allreduce_bench cpu, 16 ranks"] == "mpi not measured (no MPI); " + measured
     assert figures["environment"].startswith("cupy-cuda12x is not installed in ")
 
 
-def test_offline_with_mpi_runs_the_cuda_allreduce_under_mpiexec(tmp_path: Path) -> None:
+def test_offline_with_mpi_runs_the_allreduces_with_mpi_under_mpiexec(tmp_path: Path) -> None:
     paths = offline_machine(tmp_path, cupy=("cupy-cuda12x",), mpi=True)
-    proc = run_offline(paths, ["--stage", "bench", "--budget", "300"], cuda="12.4")
+    proc = run_offline(paths, ["--stage", "bench", "--stage", "cores", "--budget", "300"], cuda="12.4")
     assert_offline(paths, proc)
     mpi_runs = [c for c in calls_of(paths) if c.startswith("mpiexec ")]
-    python = paths["bin"] / "python"
+    python, out = paths["bin"] / "python", paths["out"]
     assert mpi_runs == [
         f"mpiexec -n 2 {python} benchmarks/allreduce_bench.py --device cuda --sizes 1M,25M,100M "
-        f"--csv {paths['out']}/allreduce_cuda.csv --backends ring,gloo,mpi"
+        f"--csv {out}/allreduce_cuda.csv --backends ring,gloo,mpi",
+        *(
+            f"mpiexec -n {n} {python} benchmarks/allreduce_bench.py --sizes 4K,1M,25M,100M "
+            f"--backends ring,gloo,mpi --csv {out}/allreduce_cpu_{n}.csv"
+            for n in (4, 8, 16)
+        ),
     ], proc.stdout
     assert "CuPy wanted: cupy-cuda12x (found: cupy-cuda12x 14.2.0)" in proc.stdout
-    assert "stage bench (budget 300 s)" in proc.stdout
+    assert "stage bench (budget 300 s)" in proc.stdout and "stage cores (budget 300 s)" in proc.stdout
     assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
 
 
