@@ -292,7 +292,7 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
             "MASTER_PORT to a port of this job's own"
         )
     error = result.get("error")
-    text = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else "?"
+    text = first_line(error) if error is not None else "the connection ended without an error"
     if "timed out" in text.lower() or isinstance(error, TimeoutError):
         raise RendezvousTimeoutError(
             f"{prefix}cannot reach {where} at {master} after {timeout:.1f} s. Is rank 0 running, "
