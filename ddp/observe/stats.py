@@ -17,8 +17,9 @@ class BucketTiming:
     """When one bucket of one step became ready, was launched and was seen done.
 
     Times are seconds since the step's ``start`` (the first gradient of the backward).
-    ``done_s`` is when completion was first observed (polled at each gradient hook and
-    at the end-of-backward wait), so it is an upper bound of the true completion time.
+    ``done_s`` is when completion was first observed (polled each time a bucket becomes
+    ready, and in the end-of-backward wait; the hooks' fast path does not poll), so it is
+    an upper bound of the true completion time (and ``comm_time_s`` and ``overlap`` upper bounds).
     """
 
     index: int
