@@ -341,13 +341,9 @@ class FingerprintBoard:
         words, count = self._words, self._count
         parity = count & 1
         for flag in self._flags[parity]:
-            if words[flag] != count:
-                for _ in _QUICK_POLLS:  # a rank a moment behind is seen sooner than by ``_await``'s loop
-                    if words[flag] == count:
-                        break
-                else:
-                    self._await(timeout, (lambda: label(*args)) if callable(label) else label, False)
-                    break
+            if words[flag] != count and not self._posts_soon(flag, count):
+                self._await(timeout, (lambda: label(*args)) if callable(label) else label, False)
+                break
         else:
             if STORES_NEED_FENCE:
                 _fence()
@@ -356,6 +352,18 @@ class FingerprintBoard:
             if memory[at : at + size] != head + tails[rank]:
                 return False
         return True
+
+    def _posts_soon(self, flag: int, count: int) -> bool:
+        """True if the rank behind ``flag`` posts ``count`` within ``QUICK_POLLS`` clockless polls.
+
+        A rank a moment behind is seen sooner so than by ``_await``'s loop, which reads the
+        clock and naps between polls.
+        """
+        words = self._words
+        for _ in _QUICK_POLLS:
+            if words[flag] == count:
+                return True
+        return False
 
     def gather(self) -> bytes:
         """Every rank's bytes of the exchange just made, in rank order."""
