@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 import types
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -529,6 +529,10 @@ class GradientBucketManager:
     def restore_views(self) -> None:
         """Backward starts: point every ``.grad`` that is None at its bucket view, zeroed.
 
+        With reduce-scattered buckets, the buffers still holding the last result
+        are first made to sum to it over the ranks where gradients will add onto
+        them (``ReduceScatterBuckets.before_accumulating``).
+
         Only in buckets whose gradients land in their views (``ddp.devices.lands_in_views``:
         CUDA). Autograd then adds each gradient into its view in place, so the
         hooks copy nothing (torch's ``gradient_as_bucket_view=True``). A bucket
@@ -536,6 +540,9 @@ class GradientBucketManager:
         gets no gradient holds zeros rather than None, unless no rank used it in
         the accumulation window (``find_unused_parameters``: ``release_grads``).
         """
+        shards = self._sync.shards
+        if shards is not None:
+            shards.before_accumulating(self._buckets)
         restored = self._restored
         count = 0
         for bucket, members, lands in zip(self._buckets, self._plan, self._lands, strict=True):
@@ -714,13 +721,19 @@ class GradientBucketManager:
         before backward (a gradient the user kept, zeroed or not, as one process
         would); a view ``restore_views`` put in place of None does not count.
         """
-        window, ready, restored = self._in_window, self._ready, self._restored
-        flags = [
-            1 if window[i] or ready[i] == _ARRIVED or (p.grad is not None and not restored[i]) else 0
-            for i, p in enumerate(self._params)
-        ]
-        out.copy_(torch.tensor(flags, dtype=out.dtype))
+        flags = torch.ones(len(self._params), dtype=out.dtype)
+        flags[self.without_gradient(range(len(self._params)))] = 0
+        out.copy_(flags)
         return out
+
+    def without_gradient(self, indices: Iterable[int]) -> list[int]:
+        """Those of ``indices`` with no gradient in this window, by ``local_grad_flags``' rule."""
+        window, ready, restored, params = self._in_window, self._ready, self._restored, self._params
+        return [
+            i
+            for i in indices
+            if not (window[i] or ready[i] == _ARRIVED or (params[i].grad is not None and not restored[i]))
+        ]
 
     def release_grads(self, indices: Sequence[int]) -> None:
         """Set ``.grad`` back to None for ``indices`` (parameters that got no gradient on any rank)."""

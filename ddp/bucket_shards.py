@@ -24,6 +24,13 @@ they hold this rank's local contribution, scaled. They are not freed because
 the bucket buffer is at once the reduce-scatter's input and the place the next
 backward's gradients land (``.grad`` stays a view into it), so freeing it would
 save nothing over a step and cost an allocation in every backward.
+
+A backward that accumulates onto such a buffer (no ``zero_grad`` in between: a
+second synchronised backward, or ``no_sync`` micro-batches after one) first
+multiplies the own shard by the world size and zeroes the rest
+(``before_accumulating``): summed over the ranks, the buffers then hold the
+result everywhere, as the all-reduced buffers of ``gradient_sync="allreduce"``
+would, so the next reduction gives the same accumulated average.
 """
 
 from __future__ import annotations
@@ -98,6 +105,8 @@ class ReduceScatterBuckets:
 
     def __init__(self, group: IProcessGroup) -> None:
         self.group = group
+        self._sharded: weakref.WeakSet[GradientBucket] = weakref.WeakSet()
+        """Buckets whose buffers hold a reduce-scatter's result (exact in the own shard only)."""
 
     def shard_numel(self, bucket: GradientBucket) -> int:
         """Elements of one rank's shard of ``bucket`` (its padded buffer over ``world_size``)."""
@@ -112,7 +121,29 @@ class ReduceScatterBuckets:
         """Start the reduce-scatter of ``data`` (the bucket's padded flat buffer) into its shard."""
         work = self.group.reduce_scatter(data[self.shard_of(bucket)], data, op, async_op=True)
         assert work is not None  # async_op=True always returns a handle
+        self._sharded.add(bucket)
         return work
+
+    def before_accumulating(self, buckets: Sequence[GradientBucket]) -> None:
+        """A backward starts: where gradients will add onto a result, make the ranks' buffers sum to it.
+
+        The own shard is multiplied by the world size and the rest zeroed, in
+        every bucket whose buffer holds a result and some ``.grad`` is still
+        its view (a ``.grad`` that is None gets its view overwritten or zeroed).
+        Local: no communication.
+        """
+        sharded = self._sharded
+        for bucket in buckets:
+            if bucket not in sharded:
+                continue
+            sharded.discard(bucket)
+            if not any(p.grad is view for p, view in zip(bucket.params, bucket.views, strict=True)):
+                continue
+            data, shard = bucket.grad_data, self.shard_of(bucket)
+            with torch.no_grad():
+                data[shard].mul_(self.group.world_size)
+                data[: shard.start].zero_()
+                data[shard.stop :].zero_()
 
     def gather(self, buckets: Sequence[GradientBucket]) -> None:
         """All-gather every rank's reduced block of ``buckets`` (collective): all gradients become exact.
@@ -130,6 +161,7 @@ class ReduceScatterBuckets:
             assert work is not None
             work.wait()
         for bucket in buckets:
+            self._sharded.discard(bucket)
             if bucket.staged and bucket.numel:
                 bucket.grad_data.copy_(bucket.comm_data)
 

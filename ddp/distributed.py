@@ -27,7 +27,7 @@ from ddp.bucket_shards import ShardedGradientLayout, check_reduce_scatter_suppor
 from ddp.bucket_sync import CommHook
 from ddp.config import DEFAULT_BUCKET_SIZE_MB, DDPConfig
 from ddp.cost_model import CommCostModel
-from ddp.devices import check_reducible
+from ddp.devices import check_reducible, control_tensor, to_host
 from ddp.errors import ParametersChangedError
 from ddp.grad_sync import GradSync
 from ddp.graph import on_backward_start, used_parameters
@@ -38,7 +38,7 @@ from ddp.observe.timeline import TimelineWriter, timeline_path_from_env
 from ddp.param_gathers import ParamGathers, wait_before_forward
 from ddp.replicas import broadcast_module_states, verify_same_model
 from ddp.step_guard import StepGuard
-from ddp.touched_rows import row_sparse_tables
+from ddp.touched_rows import check_dense_tables, row_sparse_tables
 
 __all__ = ["DistributedDataParallel", "resolve_group"]
 
@@ -161,6 +161,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         params = [p for _, p in trainable]
         check_reducible(group, params, config, self._prefix("init"))
+        check_dense_tables(module, self._prefix("init"))
         if config.check_models:
             verify_same_model(group, module, settings=[config.cross_rank_settings()])
         states: list[torch.Tensor] = list(module.parameters())
@@ -279,13 +280,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             dump_on_error(e)
             raise
         sync_buffers = self._will_sync_buffers()
-        src = 0
+        src, average_over = 0, None
         if self._join_config.enable:
             Join.notify_join_context(self)
             group = self.process_group
             r = join_round(group, training=True, sync_grads=sync_grads, sync_buffers=sync_buffers)
             reweight = not self._divide_by_initial_world_size and 0 < r.training < group.world_size
-            sync.average_over, src = (r.training if reweight else None), r.src
+            src, average_over = r.src, (r.training if reweight else None)
+        sync.average_over = average_over  # every forward: a Join's re-weighting ends with the Join
         if sync_buffers:
             self._sync_buffers(src)
         self._require_forward_param_sync = sync_grads
@@ -447,9 +449,12 @@ class _DDPJoinHook(JoinHook):
             sync.finish()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank takes the parameters and buffers of the lowest of the ranks that joined last."""
+        """Every rank takes the parameters, buffers and step counts of the lowest rank that joined last."""
         ddp = self._ddp
+        guard = ddp._sync.guard  # noqa: SLF001
+        counts = control_tensor(ddp.process_group, guard.counts(), torch.int64)
         states: list[torch.Tensor] = list(ddp.module.parameters())
         if ddp.config.broadcast_buffers:
             states += list(ddp.module.buffers())
-        adopt_last_joiners_states(ddp.process_group, states, is_last_joiner)
+        adopt_last_joiners_states(ddp.process_group, [*states, counts], is_last_joiner)
+        guard.realign(to_host(counts).tolist())

@@ -111,6 +111,8 @@ class GradSync:
         n = len(manager.names)
         self._expected: list[int] | None = None
         """Gradients each parameter gets in one backward, once learnt (``static_graph``); None: one each."""
+        self._never: list[int] | None = None
+        """The parameters the learnt graph gives no gradient (``static_graph``); None: not learnt."""
         self._learning = config.static_graph
         self._counts = [0] * n
         self._first_order: list[int] = []  # while learning: parameters in the order of their first gradient
@@ -264,10 +266,9 @@ class GradSync:
             and not manager.record_arrival_times
             and (self._expected is None or max(self._expected, default=0) <= 1)
         )
-        if self._expected is not None:  # the learnt graph gives these no gradient
-            for index, expected in enumerate(self._expected):
-                if not expected:
-                    manager.mark_ready(index, arrived=False)
+        if self._never is not None:  # the learnt graph gives these no gradient
+            for index in self._never:
+                manager.mark_ready(index, arrived=False)
         elif used is not None and self._config.find_unused_parameters and not self._learning:
             for index in range(len(self._counts)):
                 if index not in used:
@@ -403,6 +404,9 @@ class GradSync:
             assert flags is not None  # async_op=True always returns a handle
             self._used_flags.start(flags)
             self._extra_collectives += 1
+        never: list[int] = []  # parameters whose ``.grad`` goes back to None, as on one process
+        if self._never and not config.find_unused_parameters:  # (else the used-parameter flags decide)
+            never = manager.without_gradient(self._never)
         budget = timeout or group.timeout
         start = time.perf_counter()
         try:
@@ -420,9 +424,9 @@ class GradSync:
             flags.wait(budget)
         exposed = time.perf_counter() - start
         if flags is not None:
-            nobody = [i for i, count in enumerate(self._used_flags.result()) if not count]
-            if nobody:
-                manager.release_grads(nobody)
+            never = [i for i, count in enumerate(self._used_flags.result()) if not count]
+        if never:
+            manager.release_grads(never)
         manager.end_window()
         self._maybe_rebuild()
         auto = self._auto
@@ -439,11 +443,11 @@ class GradSync:
         """
         self._learning = False
         self._expected = list(self._counts)
+        self._never = [index for index, expected in enumerate(self._expected) if not expected]
         for index in self._first_order:
             self.manager.mark_ready(index, arrived=True)
-        for index, expected in enumerate(self._expected):
-            if not expected:
-                self.manager.mark_ready(index, arrived=False)
+        for index in self._never:
+            self.manager.mark_ready(index, arrived=False)
 
     def _maybe_rebuild(self) -> None:
         """After the first synchronised backward: adopt rank 0's arrival order as the bucket layout.

@@ -19,12 +19,15 @@ another rank's bucket collective when the ranks are out of step.
 
 What is counted:
 
-- Forwards in training mode with grad enabled, when they start (a forward that
-  raises counts too). An evaluation on one rank alone (``model.eval()`` or
-  ``torch.no_grad()``) does not put it out of step.
-- Backwards inside ``no_sync()`` launch nothing and are not compared; the
-  forwards they follow are counted alike on every rank, so gradient accumulation
-  keeps the ranks in step.
+- Forwards in training mode with grad enabled whose backward synchronises (not
+  inside ``no_sync()``), when they start (a forward that raises counts too). An
+  evaluation on one rank alone (``model.eval()`` or ``torch.no_grad()``) does not
+  put it out of step.
+- Backwards inside ``no_sync()`` launch nothing and are not compared, nor are their
+  forwards: as with torch's DDP, the ranks may accumulate different numbers of
+  micro-batches before the backward that synchronises.
+- When a ``Join`` ends, every rank takes the counts of the ranks that joined last
+  (``realign``): the others shadowed backwards but ran no forwards of their own.
 
 Parameters are checked at each forward with grad enabled whose backward
 synchronises (not inside ``no_sync()``: a micro-batch of gradient accumulation
@@ -180,7 +183,7 @@ class StepGuard:
             owner = module.get_submodule(prefix) if prefix else module
             self._watch.append((owner._parameters, key, p, p.dtype, p.device))  # noqa: SLF001
         self.forwards = 0
-        """Forwards in training mode with grad enabled so far."""
+        """Forwards in training mode with grad enabled, outside ``no_sync()``, so far."""
         self.synced_backwards = 0
         """Synchronised backwards so far (those that reached DDP's gradient hooks)."""
         self.changes: tuple[ParameterChange, ...] = ()
@@ -197,25 +200,23 @@ class StepGuard:
 
     # ---------------------------------------------------------------- forward
     def on_forward(self, training: bool, *, synchronises: bool = True) -> None:
-        """Count a training forward; check the parameters if its backward synchronises (no communication).
+        """Count a training forward and check the parameters, if its backward synchronises (no communication).
 
         Args:
             training: The module is in training mode.
             synchronises: The backward of this forward synchronises gradients
-                (not inside ``no_sync()``). The check is skipped otherwise: the
-                next forward that synchronises does it, before any communication.
+                (not inside ``no_sync()``). Otherwise nothing is done: the next
+                forward that synchronises checks, before any communication.
 
         Raises:
             ParametersChangedError: On this rank alone, where its gradient hooks
                 are gone (see the module docstring); any other change is reported
                 through the next synchronised backward's agreement instead.
         """
-        if not torch.is_grad_enabled():
+        if not synchronises or not torch.is_grad_enabled():
             return
         if training:
             self.forwards += 1
-        if not synchronises:
-            return
         changes = self._scan()
         if not changes:
             self.changes = ()
@@ -263,6 +264,18 @@ class StepGuard:
             ranks=(g.rank,),
             parameters=tuple(c.name for c in changes[:_MAX_NAMES]),
         )
+
+    def realign(self, counts: Sequence[int]) -> None:
+        """Take ``counts``, the ``counts()`` of a rank that joined last, when a ``Join`` ends.
+
+        A rank that joined early shadowed the others' backwards but ran none of
+        their forwards; from here on every rank counts from the same point.
+        """
+        self.forwards, self.synced_backwards = (int(c) for c in counts)
+
+    def counts(self) -> list[int]:
+        """``[forwards, synced_backwards]``, as ``realign`` takes them."""
+        return [self.forwards, self.synced_backwards]
 
     # --------------------------------------------------------------- backward
     def begin_backward(self, *, synced: bool, communicates: bool, joined: bool = False) -> None:

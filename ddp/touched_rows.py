@@ -33,7 +33,7 @@ from ddp.bucket import GradientBucket
 from ddp.config import DDPConfig
 from ddp.devices import comm_device, control_tensor, to_host
 
-__all__ = ["TouchedRows", "embedding_tables", "row_sparse_tables"]
+__all__ = ["TouchedRows", "check_dense_tables", "embedding_tables", "row_sparse_tables"]
 
 
 def _row_view(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -119,6 +119,28 @@ class TouchedRows:
         assert work is not None  # async_op=True always returns a handle
         work.annotate(lambda: f"DDP bucket {self.bucket.index()}: {self.touched_rows} touched embedding rows")
         work.wait(max(deadline - time.perf_counter(), 1e-3))
+
+
+def check_dense_tables(module: torch.nn.Module, prefix: str) -> None:
+    """Raise ``ValueError`` for a trainable embedding with ``sparse=True`` (no communication).
+
+    Its gradient is a sparse tensor, which cannot land in a bucket's flat buffer;
+    the dense gradient with ``embedding_rows`` exchanges only the touched rows.
+    """
+    sparse = [
+        (name, type(m).__name__)
+        for name, m in module.named_modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+    ]
+    if sparse:
+        shown = ", ".join(f"{kind} {name or '(the module)'!r}" for name, kind in sparse[:4])
+        raise ValueError(
+            f"{prefix}{shown}{' and more' if len(sparse) > 4 else ''} has sparse=True: DDP reduces "
+            "gradients in dense buckets and cannot take a sparse gradient. Fix: build the embedding with "
+            "sparse=False (the default); DDP then exchanges only the rows some rank touched "
+            "(embedding_rows='auto' on CPU), and use an optimizer for dense gradients (Adam or AdamW "
+            "instead of SparseAdam)"
+        )
 
 
 def embedding_tables(module: torch.nn.Module, params: list[torch.Tensor]) -> list[int]:

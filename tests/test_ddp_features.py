@@ -438,6 +438,16 @@ def test_row_sparse_gradients_get_buckets_of_their_own():
         GradientBucketManager(params, solo(), row_sparse=[3])
 
 
+def test_a_sparse_embedding_is_refused_at_wrapping_before_any_communication():
+    group = solo()
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"\[rank 0/1\] ddp.init: Embedding '0' has sparse=True") as caught:
+        DistributedDataParallel(model, group)
+    assert "build the embedding with sparse=False" in str(caught.value) and not group.issued
+    model[0].weight.requires_grad_(False)  # a frozen table has no gradient to reduce
+    DistributedDataParallel(model, group)
+
+
 def test_embedding_rows_setting_is_checked_and_tied_tables_stay_dense():
     with pytest.raises(
         ValueError, match="embedding_rows: expected one of 'auto', 'touched', 'all', got 'sparse'"

@@ -132,3 +132,38 @@ def test_gradient_with_respect_to_inputs_alone_is_not_a_backward():
 
     for gx, before, collectives in run_threads(body, 2):
         assert before is None and collectives == 1 and len(gx) == 2
+
+
+class _WithUnusedBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.parametrize("option", ["static_graph", "find_unused_parameters"])
+def test_a_parameter_the_graph_never_uses_keeps_grad_none_and_the_optimizer_skips_it(option):
+    def body(group):
+        with _LOCK:
+            torch.manual_seed(0)
+            model = _WithUnusedBranch()
+        before = [p.detach().clone() for p in model.unused.parameters()]
+        ddp = DistributedDataParallel(model, group, **{option: True})
+        opt = torch.optim.AdamW(ddp.parameters(), lr=0.1, weight_decay=0.1)
+        grads = []
+        for step in range(3):  # the first backward learns the static graph; the next ones use it
+            opt.zero_grad(set_to_none=True)
+            ddp(torch.full((2, 3), float(step + group.rank))).sum().backward()
+            grads.append([p.grad is None for p in model.unused.parameters()])
+            opt.step()
+        pairs = zip(model.unused.parameters(), before, strict=True)
+        moved = [bool((p.detach() != b).any()) for p, b in pairs]
+        return grads, moved, model.used.weight.grad.tolist()
+
+    for grads, moved, used in run_threads(body, 2):
+        # As on one process (and torch's DDP): .grad stays None, AdamW's weight decay leaves the weights.
+        assert grads == [[True, True]] * 3 and moved == [False, False]
+        # The used weight's gradient, the last step: the ranks' batch column sums (4 and 6), averaged.
+        assert used == [[5.0, 5.0, 5.0]] * 2

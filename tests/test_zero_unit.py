@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -288,6 +289,57 @@ def test_reduce_scatter_mode_follows_auto_bucket_resizing_with_a_wider_reduce_dt
         assert follows
         assert max((a - b).abs().max().item() for a, b in zip(params, reference, strict=True)) <= 1e-6
     assert all(torch.equal(a, b) for a, b in zip(sharded[0][0], sharded[1][0], strict=True))
+
+
+def _accumulate_over_synced_backwards(group: FakeProcessGroup, gradient_sync: str) -> list[float]:
+    """Backwards with no zero_grad between them; each rank's own shards against the float64 sum so far."""
+    import copy
+
+    world, rank = group.world_size, group.rank
+    base = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    ref = copy.deepcopy(base).double()
+    ddp = DistributedDataParallel(base, group, bucket_size_mb=0.0001, gradient_sync=gradient_sync)
+    manager = ddp.bucket_manager
+    errors = []
+    # synced, synced twice through one graph, a no_sync micro-batch, synced, then zero_grad and synced
+    plan = [("sync", 1), ("sync", 2), ("no_sync", 1), ("sync", 1), ("zero", 1)]
+    for step, (mode, backwards) in enumerate(plan):
+        x = torch.randn(world * 2, 5, generator=torch.Generator().manual_seed(step))
+        if mode == "zero":
+            ddp.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+        with ddp.no_sync() if mode == "no_sync" else contextlib.nullcontext():
+            loss = ddp(x[2 * rank : 2 * rank + 2]).pow(2).sum()
+            for k in range(backwards):
+                loss.backward(retain_graph=k + 1 < backwards)
+        for _ in range(backwards):
+            (ref(x.double()).pow(2).sum() / world).backward()
+        if mode == "no_sync":
+            continue
+        pairs = zip(base.parameters(), ref.parameters(), strict=True)
+        expected = {id(p): q.grad.reshape(-1) for p, q in pairs}
+        worst = 0.0
+        for bucket in manager.buckets:
+            flat = torch.zeros(bucket.padded_numel, dtype=torch.float64)
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                start = view.data_ptr() - bucket.grad_data.data_ptr()
+                flat[start // view.element_size() :][: p.numel()] = expected[id(p)]
+            shard = slice(rank * bucket.padded_numel // world, (rank + 1) * bucket.padded_numel // world)
+            worst = max(worst, float((bucket.grad_data[shard].double() - flat[shard]).abs().max()))
+        errors.append(worst)
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_mode_accumulates_over_synchronised_backwards_as_allreduce_does(world):
+    """Gradients added onto a reduce-scattered buffer: the own shard still holds the accumulated average."""
+    for gradient_sync in ("allreduce", "reduce_scatter"):
+        for errors in run_threads(_accumulate_over_synced_backwards, world, gradient_sync):
+            assert len(errors) == 4 and max(errors) < 1e-5, (gradient_sync, errors)
 
 
 # ------------------------------------------- the parameter all-gathers' time

@@ -45,27 +45,42 @@ def join_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 4, generator=gen), torch.randn(4, 3, generator=gen)
 
 
-def join_reference(initial: nn.Module, counts: list[int], divide_by_world: bool) -> list[torch.Tensor]:
+BETWEEN_EPOCHS = 100
+"""Batch index of the step every rank takes outside the ``Join``, between two epochs."""
+
+
+def join_reference(
+    initial: nn.Module, counts: list[int], divide_by_world: bool, epochs: int = 1
+) -> list[torch.Tensor]:
     """One process, float64: step ``t`` sums the gradients of the ranks with more than ``t`` batches.
 
-    Divided by the world size (torch's default weighting) or by the ranks that had a batch.
+    Divided by the world size (torch's default weighting) or by the ranks that had a
+    batch. Between two epochs every rank takes one step outside the ``Join``, its
+    gradients divided by the world size.
     """
     ref = _float64_copy(initial)
     world = len(counts)
-    for step in range(max(counts)):
-        ranks = [r for r in range(world) if counts[r] > step]
-        total = [torch.zeros_like(p) for p in ref.parameters()]
-        for r in ranks:
-            ref.zero_grad(set_to_none=True)
-            x, y = join_batch(r, step)
-            nn.functional.mse_loss(ref(x.double()), y.double()).backward()
-            for acc, p in zip(total, ref.parameters(), strict=True):
-                acc += p.grad
-        divisor = world if divide_by_world else len(ranks)
-        with torch.no_grad():
-            for p, g in zip(ref.parameters(), total, strict=True):
-                p -= LR * g / divisor
+    for epoch in range(epochs):
+        if epoch:
+            _reference_step(ref, [(r, BETWEEN_EPOCHS + epoch) for r in range(world)], world)
+        for step in range(max(counts)):
+            ranks = [r for r in range(world) if counts[r] > step]
+            _reference_step(ref, [(r, step) for r in ranks], world if divide_by_world else len(ranks))
     return [p.detach() for p in ref.parameters()]
+
+
+def _reference_step(ref: nn.Module, batches: list[tuple[int, int]], divisor: int) -> None:
+    """One SGD step on the sum of the gradients of ``(rank, step)``'s batches, divided by ``divisor``."""
+    total = [torch.zeros_like(p) for p in ref.parameters()]
+    for rank, step in batches:
+        ref.zero_grad(set_to_none=True)
+        x, y = join_batch(rank, step)
+        nn.functional.mse_loss(ref(x.double()), y.double()).backward()
+        for acc, p in zip(total, ref.parameters(), strict=True):
+            acc += p.grad
+    with torch.no_grad():
+        for p, g in zip(ref.parameters(), total, strict=True):
+            p -= LR * g / divisor
 
 
 def _float64_copy(module: nn.Module) -> nn.Module:
@@ -76,29 +91,39 @@ def _float64_copy(module: nn.Module) -> nn.Module:
     return ref
 
 
-def _train_under_join(group: IProcessGroup, counts: list[int], **join_kwargs: Any) -> tuple[Any, ...]:
+def _train_under_join(
+    group: IProcessGroup, counts: list[int], epochs: int = 1, **join_kwargs: Any
+) -> tuple[Any, ...]:
+    """``epochs`` of uneven batches, each under a ``Join``, with one even step between two epochs."""
     model = join_model(group.rank)
     ddp = DistributedDataParallel(model, group, bucket_size_mb=0)
     initial = _float64_copy(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+
+    def train_step(step: int) -> None:
+        opt.zero_grad(set_to_none=True)
+        x, y = join_batch(group.rank, step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
     steps = 0
-    with Join([ddp], **join_kwargs):
-        for step in range(counts[group.rank]):
-            opt.zero_grad(set_to_none=True)
-            x, y = join_batch(group.rank, step)
-            nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
-            steps += 1
+    for epoch in range(epochs):
+        if epoch:  # training goes on in step after a Join, divided by the world size again
+            train_step(BETWEEN_EPOCHS + epoch)
+        with Join([ddp], **join_kwargs):
+            for step in range(counts[group.rank]):
+                train_step(step)
+                steps += 1
     return model, initial, steps
 
 
 def case_join(group: IProcessGroup, counts: list[int]) -> dict[str, Any]:
-    """Uneven batches under ``Join``: both weightings against the closed form; early termination."""
+    """Two epochs of uneven batches under ``Join``: both weightings against the closed form; early end."""
     out: dict[str, Any] = {}
     for divide in (True, False):
-        model, initial, steps = _train_under_join(group, counts, divide_by_initial_world_size=divide)
-        assert steps == counts[group.rank]
-        ref = join_reference(initial, counts, divide)
+        model, initial, steps = _train_under_join(group, counts, 2, divide_by_initial_world_size=divide)
+        assert steps == 2 * counts[group.rank]
+        ref = join_reference(initial, counts, divide, epochs=2)
         err = max(
             float((p.detach().double() - r).abs().max()) for p, r in zip(model.parameters(), ref, strict=True)
         )
