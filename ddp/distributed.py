@@ -322,10 +322,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: backwards inside communicate nothing.
+        """Accumulate gradients locally: the backwards of forwards run inside communicate nothing.
 
-        The first backward after the block reduces everything accumulated (parameters
-        used in any of the accumulated steps included).
+        As with torch's DDP, the forward decides: a backward outside the block of a
+        forward inside it accumulates too. The first backward of a forward after the
+        block reduces everything accumulated (parameters used in any of the
+        accumulated steps included).
 
         Example::
 

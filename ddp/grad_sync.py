@@ -125,7 +125,9 @@ class GradSync:
         manager.record_arrival_times = auto is not None
         self._subscribers: list[Callable[[StepStats], None]] = []
         self.sync_enabled = True
-        """False inside ``no_sync()``: backwards accumulate and communicate nothing."""
+        """False inside ``no_sync()``: the backwards of forwards run inside communicate nothing."""
+        self._syncs_next = True
+        """Whether the next backward synchronises: ``sync_enabled`` at the latest forward with grad on."""
         self.average_over: int | None = None
         """Divide the next backward's average by this many ranks (``Join``); None: the world size."""
         self.active = False
@@ -190,12 +192,14 @@ class GradSync:
 
     # ---------------------------------------------------------------- forward
     def before_forward(self) -> None:
-        """A forward starts: finish a backward that never reached its end (it raised), then report it.
+        """A forward starts: note whether its backward synchronises; end a backward that raised, report it.
 
         Raises:
             AbandonedBackwardError: The previous backward raised before its end.
         """
         self._end_queued = False  # left set only by a backward that raised
+        if torch.is_grad_enabled():  # torch's rule: no_sync() applies to the backward of a forward inside it
+            self._syncs_next = self.sync_enabled
         if self.active:
             self.abandon()
 
@@ -241,7 +245,7 @@ class GradSync:
         manager = self.manager
         self.active = True
         self.joined = joined
-        self.synced = synced = joined or self.sync_enabled
+        self.synced = synced = joined or self._syncs_next
         self.backwards += 1
         self._hook_s = 0.0
         self._problems.clear()

@@ -345,3 +345,27 @@ def test_preparing_checks_the_buffer_before_any_communication() -> None:
         group.prepare_all_reduce(torch.zeros(4), ReduceOp.BAND)
     assert group.issued == []
     group.close()
+
+
+def test_no_sync_applies_to_the_backward_of_a_forward_run_inside_it_as_in_torch() -> None:
+    def body(group: FakeProcessGroup) -> list[Any]:
+        ddp = DistributedDataParallel(_net(), group, bucket_size_mb=0)
+        x = torch.full((2, 4), float(group.rank + 1))
+        issued = []
+        with ddp.no_sync():
+            out = ddp(x)
+        start = len(group.issued)
+        out.sum().backward()  # outside the block, of a forward inside it: local
+        issued.append(len(group.issued) - start)
+        local = ddp.module.c.bias.grad.clone()
+        out = ddp(x)
+        start = len(group.issued)
+        with ddp.no_sync():
+            out.sum().backward()  # inside the block, of a forward outside it: synchronised
+        issued.append(len(group.issued) - start)
+        return [issued, local.tolist(), ddp.module.c.bias.grad.tolist()]
+
+    (issued0, local0, synced0), (issued1, local1, synced1) = run_threads(body, 2)
+    assert issued0[0] == issued1[0] == 0 and issued0[1] == issued1[1] > 0
+    # d(sum)/d(bias) is the batch size: 2 locally, then the average of (2 + 2) and (2 + 2).
+    assert local0 == local1 == [2.0, 2.0] and synced0 == synced1 == [4.0, 4.0]
