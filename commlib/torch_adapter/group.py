@@ -9,11 +9,22 @@ commlib call plus a few microseconds. Others return the commlib work wrapped
 (``commlib.torch_adapter.work``). commlib validates every call before any
 communication, and its errors (``[rank R/N] ring.all_reduce: ...``) reach the
 caller unchanged.
+
+Two things torch's Gloo accepts that commlib's own API refuses are bridged here.
+A tensor that is not contiguous (a transposed or sliced view, ``channels_last``)
+is read through a contiguous copy; one the operation writes runs on a
+contiguous copy that is copied back before the call returns, ``wait()``
+returns or the future completes (``_stage``). Contiguous tensors pay one
+``is_contiguous()`` each. A complex tensor in ``reduce`` and the reduce-scatters
+is reduced as ``torch.view_as_real`` (SUM, AVG and PREMUL_SUM act on the real
+and imaginary parts apart; ``_as_real``); torch's front end already does so
+for ``all_reduce``, ``all_gather``, ``broadcast`` and ``all_to_all``.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commlib.errors import ReduceOpTypeError
 from commlib.process_group import IProcessGroup
 from commlib.torch_adapter.work import PendingWork, done
-from commlib.types import PremulSum, ReduceOp, premul_sum
+from commlib.types import PremulSum, ReduceOp, dtype_name, premul_sum
 from commlib.work import Work
 
 __all__ = ["CommlibProcessGroup", "reduce_op"]
@@ -68,6 +80,46 @@ def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
             f"{op}: commlib takes one tensor per call (one device per process), got {len(tensors)}"
         )
     return tensors[0]
+
+
+_Staged = list[tuple[torch.Tensor, torch.Tensor]]
+"""(the caller's tensor, the contiguous copy commlib writes): copied back when the operation completes."""
+
+
+def _stage(tensor: torch.Tensor, staged: _Staged) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` (which is not contiguous) for commlib to write; noted in ``staged``.
+
+    The copy holds ``tensor``'s values (an in-place operation reads them). A tensor whose
+    elements share memory (an ``expand()``ed view) is returned as it is: no result can be
+    copied back into it, and commlib refuses it before any data moves, naming the operation.
+    """
+    if torch._debug_has_internal_overlap(tensor) == 1:  # 1: overlaps for certain
+        return tensor
+    dense = tensor.contiguous()
+    staged.append((tensor, dense))
+    return dense
+
+
+def _copy_back(staged: _Staged) -> None:
+    """Copy each staged result into the caller's tensor."""
+    for tensor, dense in staged:
+        tensor.copy_(dense)
+
+
+def _finish(work: Work, staged: _Staged) -> Work:
+    """``work``, made to copy the staged results back when it succeeds, before ``wait()`` returns."""
+    work.add_finisher(functools.partial(_copy_back, staged))
+    return work
+
+
+def _outputs(tensors: Sequence[torch.Tensor], staged: _Staged) -> list[torch.Tensor]:
+    """The tensors an operation writes, each non-contiguous one staged."""
+    return [t if t.is_contiguous() else _stage(t, staged) for t in tensors]
+
+
+def _inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors an operation only reads, contiguous."""
+    return [t.contiguous() for t in tensors]
 
 
 class _Coalesced(Work):
@@ -174,68 +226,136 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return f"CommlibProcessGroup({self._name}, rank {self._group.rank} of {self._group.world_size})"
 
     # ------------------------------------------------------------------ helpers
-    def _run(self, opts: Any, value: Any, call: Callable[..., Work | None], *args: Any) -> dist._Work:
-        """Run ``call``; inline when torch waits at once (``opts.asyncOp`` False), else as a pending work."""
+    def _run(
+        self,
+        opts: Any,
+        value: Any,
+        call: Callable[..., Work | None],
+        *args: Any,
+        staged: _Staged | None = None,
+    ) -> dist._Work:
+        """Run ``call``; inline when torch waits at once (``opts.asyncOp`` False), else as a pending work.
+
+        ``staged``: contiguous copies ``call`` writes (``_stage``), copied back into the caller's
+        tensors once the operation completes, before the result is visible.
+        """
         if not opts.asyncOp:
             call(*args)
+            if staged:
+                _copy_back(staged)
             return done(value)
         work = call(*args, async_op=True)
-        return PendingWork(work, value)  # type: ignore[arg-type]
+        return PendingWork(_finish(work, staged) if staged else work, value)  # type: ignore[arg-type]
 
-    def _each(self, opts: Any, value: Any, calls: list[Callable[[bool], Work | None]], op: str) -> dist._Work:
-        """Run several commlib calls as one torch work (the ``*_coalesced`` operations)."""
+    def _each(
+        self,
+        opts: Any,
+        value: Any,
+        calls: list[Callable[[bool], Work | None]],
+        op: str,
+        staged: _Staged | None = None,
+    ) -> dist._Work:
+        """Run several commlib calls as one torch work (the ``*_coalesced`` operations); see ``_run``."""
         if not opts.asyncOp:
             for call in calls:
                 call(False)
+            if staged:
+                _copy_back(staged)
             return done(value)
         works = [call(True) for call in calls]
-        return PendingWork(_Coalesced(works, f"{self._name}.{op} of {len(works)}"), value)  # type: ignore[arg-type]
+        work = _Coalesced(works, f"{self._name}.{op} of {len(works)}")  # type: ignore[arg-type]
+        return PendingWork(_finish(work, staged) if staged else work, value)
+
+    def _as_real(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, name: str) -> torch.Tensor:
+        """A complex ``tensor`` as ``torch.view_as_real``, for a reduction that acts on each part apart.
+
+        Raises:
+            ReduceOpTypeError: ``op`` is not SUM, AVG or PREMUL_SUM, which are the ones that do.
+        """
+        if op is ReduceOp.SUM or op is ReduceOp.AVG or type(op) is PremulSum:
+            return torch.view_as_real(tensor)
+        raise ReduceOpTypeError(
+            f"{self._group._prefix(name)}op {op.name} on {dtype_name(tensor.dtype)}: a complex tensor "  # noqa: SLF001
+            "reduces with SUM, AVG or PREMUL_SUM only (they act on the real and imaginary parts "
+            f"apart); for {op.name}, reduce torch.view_as_real(x) or x.abs() instead"
+        )
 
     # -------------------------------------------------------------- collectives
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
         """``dist.all_reduce``: commlib's ``all_reduce``."""
         opts = opts if opts is not None else dist.AllreduceOptions()
         tensor = tensors[0] if len(tensors) == 1 else _one(tensors, "all_reduce")
-        if not opts.asyncOp:  # the hot path: every synchronous dist.all_reduce
-            self._group.all_reduce(tensor, reduce_op(opts.reduceOp))
-            return done(tensors)
-        return PendingWork(self._group.all_reduce(tensor, reduce_op(opts.reduceOp), async_op=True), tensors)  # type: ignore[arg-type]
+        if tensor.is_contiguous():
+            if not opts.asyncOp:  # the hot path: every synchronous dist.all_reduce
+                self._group.all_reduce(tensor, reduce_op(opts.reduceOp))
+                return done(tensors)
+            work = self._group.all_reduce(tensor, reduce_op(opts.reduceOp), async_op=True)
+            return PendingWork(work, tensors)  # type: ignore[arg-type]
+        staged: _Staged = []
+        dense = _stage(tensor, staged)
+        return self._run(
+            opts, tensors, self._group.all_reduce, dense, reduce_op(opts.reduceOp), staged=staged
+        )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
         """``all_reduce`` of each tensor, as one work."""
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         op = reduce_op(opts.reduceOp)
-        calls = [lambda a, t=t: self._group.all_reduce(t, op, async_op=a) for t in tensors]
-        return self._each(opts, tensors, calls, "all_reduce_coalesced")
+        staged: _Staged = []
+        calls = [lambda a, t=t: self._group.all_reduce(t, op, async_op=a) for t in _outputs(tensors, staged)]
+        return self._each(opts, tensors, calls, "all_reduce_coalesced", staged)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
         """``dist.broadcast``: commlib's ``broadcast``."""
         opts = opts if opts is not None else dist.BroadcastOptions()
         tensor = _one(tensors, "broadcast")
-        return self._run(opts, tensors, self._group.broadcast, tensor, opts.rootRank)
+        staged: _Staged = []
+        if not tensor.is_contiguous():
+            tensor = _stage(tensor, staged)
+        return self._run(opts, tensors, self._group.broadcast, tensor, opts.rootRank, staged=staged)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
-        """``dist.reduce``: commlib's ``reduce``."""
+        """``dist.reduce``: commlib's ``reduce`` (a complex tensor as real, see ``_as_real``)."""
         opts = opts if opts is not None else dist.ReduceOptions()
         tensor = _one(tensors, "reduce")
-        return self._run(opts, tensors, self._group.reduce, tensor, opts.rootRank, reduce_op(opts.reduceOp))
+        op = reduce_op(opts.reduceOp)
+        if tensor.dtype.is_complex:
+            tensor = self._as_real(tensor, op, "reduce")
+        staged: _Staged = []
+        if not tensor.is_contiguous():
+            tensor = _stage(tensor, staged)
+        return self._run(opts, tensors, self._group.reduce, tensor, opts.rootRank, op, staged=staged)
 
     def allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist._Work:
-        """``dist.all_gather`` into a list: commlib's ``all_gather``."""
+        """``dist.all_gather`` into a list: commlib's ``all_gather``; the future holds the list."""
         opts = opts if opts is not None else dist.AllgatherOptions()
-        tensor = _one(input_tensors, "all_gather")
-        outputs = _one(output_tensors, "all_gather")  # type: ignore[arg-type]
-        return self._run(opts, output_tensors, self._group.all_gather, list(outputs), tensor)
+        tensor = _one(input_tensors, "all_gather").contiguous()
+        outputs = list(_one(output_tensors, "all_gather"))  # type: ignore[arg-type]
+        staged: _Staged = []
+        return self._run(
+            opts, outputs, self._group.all_gather, _outputs(outputs, staged), tensor, staged=staged
+        )
 
     def all_gather_single(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, opts: Any = None
     ) -> dist._Work:
-        """``dist.all_gather_into_tensor``: commlib's ``all_gather_into_tensor``."""
+        """``dist.all_gather_into_tensor``: commlib's ``all_gather_into_tensor``.
+
+        The future holds what Gloo's does: the output's blocks, one per rank (``output.chunk(n)``).
+        """
         opts = opts if opts is not None else dist.AllgatherOptions()
+        staged: _Staged = []
+        output = output_tensor if output_tensor.is_contiguous() else _stage(output_tensor, staged)
+        n = self._group.world_size
         return self._run(
-            opts, [output_tensor], self._group.all_gather_into_tensor, output_tensor, input_tensor
+            opts,
+            lambda: list(output_tensor.chunk(n)),
+            self._group.all_gather_into_tensor,
+            output,
+            input_tensor.contiguous(),
+            staged=staged,
         )
 
     _allgather_base = all_gather_single
@@ -259,33 +379,52 @@ class CommlibProcessGroup(dist.ProcessGroup):
                 f"list per rank ({n}), each with one tensor per input ({k}): output_tensor_lists[r][i] "
                 "receives rank r's input i"
             )
+        staged: _Staged = []
+        rows = [_outputs(row, staged) for row in output_lists]
+        inputs = _inputs(input_list)
         calls = [
-            lambda a, i=i: self._group.all_gather([row[i] for row in output_lists], input_list[i], async_op=a)
+            lambda a, i=i: self._group.all_gather([row[i] for row in rows], inputs[i], async_op=a)
             for i in range(k)
         ]
-        return self._each(opts, output_lists, calls, "all_gather_coalesced")
+        return self._each(opts, output_lists, calls, "all_gather_coalesced", staged)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist._Work:
-        """``all_gather_into_tensor`` of each pair, as one work (FSDP2's all-gather)."""
+        """``all_gather_into_tensor`` of each pair, as one work (FSDP2's all-gather).
+
+        The future holds what Gloo's does: by rank, each output's block from that rank
+        (``value[r][i]`` is ``outputs[i].chunk(n)[r]``), as ``all_gather_coalesced`` lays them out.
+        """
         opts = opts if opts is not None else dist.AllgatherOptions()
+        staged: _Staged = []
         calls = [
             lambda a, o=o, i=i: self._group.all_gather_into_tensor(o, i, async_op=a)
-            for o, i in zip(outputs, inputs, strict=True)
+            for o, i in zip(_outputs(outputs, staged), _inputs(inputs), strict=True)
         ]
-        return self._each(opts, outputs, calls, "all_gather_into_tensor_coalesced")
+        n = self._group.world_size
+        return self._each(
+            opts,
+            lambda: [list(row) for row in zip(*(o.chunk(n) for o in outputs), strict=True)],
+            calls,
+            "all_gather_into_tensor_coalesced",
+            staged,
+        )
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist._Work:
-        """``dist.gather``: commlib's ``gather``."""
+        """``dist.gather``: commlib's ``gather``; the future holds the gather list (empty off the root)."""
         opts = opts if opts is not None else dist.GatherOptions()
-        tensor = _one(input_tensors, "gather")
+        tensor = _one(input_tensors, "gather").contiguous()
         gather_list = list(output_tensors[0]) if output_tensors else None
-        return self._run(opts, output_tensors, self._group.gather, tensor, gather_list, opts.rootRank)
+        staged: _Staged = []
+        dense = _outputs(gather_list, staged) if gather_list is not None else None
+        return self._run(
+            opts, gather_list or [], self._group.gather, tensor, dense, opts.rootRank, staged=staged
+        )
 
     def scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
@@ -293,32 +432,40 @@ class CommlibProcessGroup(dist.ProcessGroup):
         """``dist.scatter``: commlib's ``scatter``."""
         opts = opts if opts is not None else dist.ScatterOptions()
         tensor = _one(output_tensors, "scatter")
-        scatter_list = list(input_tensors[0]) if input_tensors else None
-        return self._run(opts, output_tensors, self._group.scatter, tensor, scatter_list, opts.rootRank)
+        scatter_list = _inputs(input_tensors[0]) if input_tensors else None
+        staged: _Staged = []
+        if not tensor.is_contiguous():
+            tensor = _stage(tensor, staged)
+        return self._run(
+            opts, output_tensors, self._group.scatter, tensor, scatter_list, opts.rootRank, staged=staged
+        )
 
     def reduce_scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> dist._Work:
-        """``dist.reduce_scatter`` from a list: commlib's ``reduce_scatter``."""
+        """``dist.reduce_scatter`` from a list: commlib's ``reduce_scatter`` (complex as real)."""
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         output = _one(output_tensors, "reduce_scatter")
-        inputs = _one(input_tensors, "reduce_scatter")  # type: ignore[arg-type]
-        return self._run(
-            opts, output_tensors, self._group.reduce_scatter, output, list(inputs), reduce_op(opts.reduceOp)
-        )
+        inputs = _inputs(_one(input_tensors, "reduce_scatter"))  # type: ignore[arg-type]
+        op = reduce_op(opts.reduceOp)
+        if output.dtype.is_complex:
+            output = self._as_real(output, op, "reduce_scatter")
+            inputs = [torch.view_as_real(t) if t.dtype.is_complex else t for t in inputs]
+        staged: _Staged = []
+        if not output.is_contiguous():
+            output = _stage(output, staged)
+        return self._run(opts, output_tensors, self._group.reduce_scatter, output, inputs, op, staged=staged)
 
     def reduce_scatter_single(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, opts: Any = None
     ) -> dist._Work:
-        """``dist.reduce_scatter_tensor``: commlib's ``reduce_scatter_tensor``."""
+        """``dist.reduce_scatter_tensor``: commlib's ``reduce_scatter_tensor`` (complex as real)."""
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = reduce_op(opts.reduceOp)
+        staged: _Staged = []
+        output, tensor = self._scatter_pair(output_tensor, input_tensor, op, staged)
         return self._run(
-            opts,
-            [output_tensor],
-            self._group.reduce_scatter_tensor,
-            output_tensor,
-            input_tensor,
-            reduce_op(opts.reduceOp),
+            opts, [output_tensor], self._group.reduce_scatter_tensor, output, tensor, op, staged=staged
         )
 
     _reduce_scatter_base = reduce_scatter_single
@@ -329,21 +476,37 @@ class CommlibProcessGroup(dist.ProcessGroup):
         """``reduce_scatter_tensor`` of each pair, as one work."""
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = reduce_op(opts.reduceOp)
+        staged: _Staged = []
+        pairs = [self._scatter_pair(o, i, op, staged) for o, i in zip(outputs, inputs, strict=True)]
         calls = [
-            lambda a, o=o, i=i: self._group.reduce_scatter_tensor(o, i, op, async_op=a)
-            for o, i in zip(outputs, inputs, strict=True)
+            lambda a, o=o, i=i: self._group.reduce_scatter_tensor(o, i, op, async_op=a) for o, i in pairs
         ]
-        return self._each(opts, outputs, calls, "reduce_scatter_tensor_coalesced")
+        return self._each(opts, outputs, calls, "reduce_scatter_tensor_coalesced", staged)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _scatter_pair(
+        self, output: torch.Tensor, tensor: torch.Tensor, op: ReduceOp | PremulSum, staged: _Staged
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``reduce_scatter_tensor``'s output and input as commlib takes them: real, contiguous."""
+        if output.dtype.is_complex:
+            output = self._as_real(output, op, "reduce_scatter_tensor")
+            tensor = torch.view_as_real(tensor) if tensor.dtype.is_complex else tensor
+        return (output if output.is_contiguous() else _stage(output, staged)), tensor.contiguous()
 
     def alltoall(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist._Work:
         """``dist.all_to_all``: commlib's ``all_to_all``."""
         opts = opts if opts is not None else dist.AllToAllOptions()
+        staged: _Staged = []
         return self._run(
-            opts, output_tensors, self._group.all_to_all, list(output_tensors), list(input_tensors)
+            opts,
+            output_tensors,
+            self._group.all_to_all,
+            _outputs(output_tensors, staged),
+            _inputs(input_tensors),
+            staged=staged,
         )
 
     def all_to_all_single(
@@ -354,16 +517,21 @@ class CommlibProcessGroup(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> dist._Work:
-        """``dist.all_to_all_single``: commlib's ``all_to_all_single`` (no splits: equal parts)."""
+        """``dist.all_to_all_single``: commlib's ``all_to_all_single`` (no splits: equal parts).
+
+        A non-contiguous ``input`` is refused, as Gloo refuses it; the output may be any layout.
+        """
         opts = opts if opts is not None else dist.AllToAllOptions()
+        staged: _Staged = []
         return self._run(
             opts,
             [output],
             self._group.all_to_all_single,
-            output,
+            output if output.is_contiguous() else _stage(output, staged),
             input,
             list(output_split_sizes) or None,
             list(input_split_sizes) or None,
+            staged=staged,
         )
 
     alltoall_base = all_to_all_single
@@ -374,6 +542,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return self._run(opts, [], self._group.barrier)
 
     # ---------------------------------------------------------- point to point
+    # Their tensors must be contiguous, as on Gloo: commlib refuses others, saying how to fix.
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist._Work:
         """``dist.send`` / ``isend``: commlib's ``isend`` (torch waits on the work)."""
         tensor = _one(tensors, "send")

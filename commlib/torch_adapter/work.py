@@ -4,7 +4,8 @@ torch reads a work in two ways. Python call sites (``dist.all_reduce``...)
 call its Python methods. C++ callers (DDP's reducer, the functional
 collectives DTensor and FSDP2 use) go through torch's trampoline, which calls
 ``wait`` and ``get_future`` and expects the future to hold a tensor or a list
-of tensors: ``value`` is what torch's own backends give for the same operation.
+of tensors: ``value`` is what torch's Gloo gives for the same operation (also
+what ``result()`` returns), or a function that makes it when first asked for.
 
 The futures a pending work hands out are completed on a small pool of threads
 of their own, never on the backend's progress thread: torch's hooks (PowerSGD)
@@ -68,6 +69,11 @@ def _value_or_raise(source: torch.futures.Future[Any]) -> Any:
     return value
 
 
+def _made(value: Any) -> Any:
+    """The work's value: ``value`` itself, or what it makes when it is a function (see ``done``)."""
+    return value() if callable(value) else value
+
+
 def _seconds(timeout: datetime.timedelta | None) -> float | None:
     """Torch's ``wait(timeout)`` in seconds; None for torch's "no timeout" (zero or negative)."""
     if timeout is None:
@@ -106,8 +112,12 @@ class DoneWork(dist._Work):
     def get_future(self) -> torch.futures.Future[Any]:
         """Return a completed future holding torch's value for the operation."""
         future: torch.futures.Future[Any] = torch.futures.Future()
-        future.set_result(self._value)
+        future.set_result(_made(self._value))
         return future
+
+    def result(self) -> Any:
+        """Return torch's value for the operation: its output tensors (torch's ``Work.result()``)."""
+        return _made(self._value)
 
     def _source_rank(self) -> int:
         return self._source
@@ -118,7 +128,12 @@ class DoneWork(dist._Work):
 
 
 def done(value: Any) -> DoneWork:
-    """A finished work whose future holds ``value``."""
+    """A finished work whose future holds ``value``.
+
+    ``value`` may be a function instead, called when the value is first asked for: a value
+    that costs a tensor operation to build (``all_gather_into_tensor``'s blocks) then costs
+    nothing on the calls whose future nobody reads.
+    """
     work = DoneWork()
     work._value = value
     return work
@@ -133,7 +148,8 @@ class PendingWork(dist._Work):
 
     Args:
         work: The commlib work.
-        value: What ``get_future()`` completes with.
+        value: What ``get_future()`` completes with and ``result()`` returns, or a function
+            that makes it (see ``done``).
     """
 
     def __init__(self, work: Work, value: Any) -> None:
@@ -169,7 +185,7 @@ class PendingWork(dist._Work):
         if self._future is None:
             source: torch.futures.Future[Any] = torch.futures.Future()
             self._future = source.then(_value_or_raise)
-            value = self._value
+            value = _made(self._value)
 
             def complete(ours: torch.futures.Future[Any]) -> None:
                 error = self._work.exception()
@@ -179,6 +195,22 @@ class PendingWork(dist._Work):
             # even if nobody waits (an MPI library without a progress thread).
             self._work.get_future().add_done_callback(lambda ours: _COMPLETERS.submit(complete, ours))
         return self._future
+
+    def result(self) -> Any:
+        """Return torch's value for the operation (its output tensors) once it has completed.
+
+        Raises:
+            RuntimeError: The operation has not completed yet: call ``wait()`` first, as with
+                torch's own backends.
+            CommError: The operation failed (the error ``wait()`` raises).
+        """
+        if not self._work.is_completed():
+            raise RuntimeError(
+                f"{self._work.label}: Work.result() was called before the operation completed; "
+                "call wait() first"
+            )
+        self._work.wait()  # raises commlib's error if the operation failed
+        return _made(self._value)
 
     def _source_rank(self) -> int:
         return self._work.source_rank()

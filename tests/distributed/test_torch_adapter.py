@@ -23,7 +23,7 @@ from commlib import BackendUnavailableError, PremulSum, ReduceOp
 from commlib.torch_adapter import BACKENDS, registration
 from commlib.torch_adapter.group import reduce_op
 from commlib.torch_adapter.work import PendingWork, done
-from commlib.work import CompletedWork
+from commlib.work import CompletedWork, Work
 from tests._launcher import RankPool, run_ranks
 from tests.conftest import REPO_ROOT, requires_mpi
 from tests.distributed import torch_adapter_bodies as bodies
@@ -119,6 +119,14 @@ def test_work_handles_carry_what_torch_expects() -> None:
         failed.wait()
     with pytest.raises(RuntimeError, match=r"ring\.all_reduce: broken"):
         failed.get_future().wait()
+    # result(): torch's output tensors, as Gloo's works return them; a value may be made when asked for
+    assert finished.result()[0] is t and pending.result()[0] is t
+    assert done(lambda: [t, t]).result() == [t, t]
+    assert PendingWork(CompletedWork(), lambda: [t]).get_future().wait()[0] is t
+    with pytest.raises(RuntimeError, match=r"ring\.all_reduce: broken"):
+        failed.result()
+    with pytest.raises(RuntimeError, match=r"^running: Work\.result\(\) was called before .* call wait"):
+        PendingWork(Work("running"), [t]).result()
 
 
 # ------------------------------------------------------------------ two ranks
@@ -182,6 +190,36 @@ def test_all_gather_coalesced(pool: RankPool, backend: str) -> None:
             f"[rank {rank}/2] {inner}.all_gather_coalesced: output_tensor_lists holds 3 lists of [2, 2, 2] "
             "tensors; it needs one list per rank (2), each with one tensor per input (3): "
             "output_tensor_lists[r][i] receives rank r's input i"
+        )
+
+
+@BACKENDS_2
+def test_non_contiguous_and_channels_last_tensors(pool: RankPool, backend: str) -> None:
+    """Every collective takes them, as Gloo does (the body checks the values); Gloo's refusals stay."""
+    inner = backend.removeprefix("commlib_")
+    for rank, value in enumerate(_on(pool, "layouts", backend)):
+        refused = value["refused"]
+        prefix = f"[rank {rank}/2] {inner}"
+        assert refused["all_to_all_single"].startswith(
+            f"{prefix}.all_to_all_single: 'input' is not contiguous (shape (4, 3), stride (1, 4))"
+        ), refused
+        assert refused["expanded"].startswith(
+            f"{prefix}.all_reduce: 'tensor' is not contiguous (shape (3,), stride (0,))"
+        ), refused
+        if rank == 0:
+            assert refused["send"].startswith(f"{prefix}.isend: 'tensor' is not contiguous"), refused
+        assert len(refused) == 3 - rank
+
+
+@BACKENDS_2
+def test_complex_reductions_and_work_values_match_gloo(pool: RankPool, backend: str) -> None:
+    """Complex reduce / reduce_scatter(_tensor) with SUM, AVG, PREMUL_SUM; futures and result() as Gloo's."""
+    inner = backend.removeprefix("commlib_")
+    for rank, value in enumerate(_on(pool, "complex_and_futures", backend)):
+        assert value["complex_max"] == (
+            f"[rank {rank}/2] {inner}.reduce: op MAX on complex64: a complex tensor reduces with SUM, AVG "
+            "or PREMUL_SUM only (they act on the real and imaginary parts apart); for MAX, reduce "
+            "torch.view_as_real(x) or x.abs() instead"
         )
 
 

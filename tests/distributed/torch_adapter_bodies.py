@@ -584,6 +584,140 @@ def all_gather_coalesced(backend: str) -> dict[str, Any]:
     return out
 
 
+def layouts(backend: str) -> dict[str, Any]:
+    """Transposed, sliced and channels_last tensors in every collective, sync and async, against closed forms.
+
+    The adapter runs each on a contiguous copy and copies the result back before the call, ``wait()``
+    or the future completes. What Gloo refuses stays refused: a non-contiguous ``all_to_all_single``
+    input or ``send`` tensor; so is an ``expand()``ed output. Returns the refusals' messages.
+    """
+    _init(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    base = torch.arange(6.0).reshape(2, 3)
+    mine = base + 10 * r  # rank q holds base + 10 q
+    total = n * base + 10 * (n * (n - 1) // 2)  # their sum
+    every = torch.cat([base + 10 * q for q in range(n)])  # their concatenation, (2n, 3)
+    refused: dict[str, str] = {}
+    try:
+        t = mine.t().contiguous().t()  # (2, 3), stride (1, 2)
+        dist.all_reduce(t)
+        assert torch.equal(t, total), t
+        # async: the result is back in x before the future's callback and wait() see it
+        x = (torch.arange(24.0).reshape(1, 2, 3, 4) + r).to(memory_format=torch.channels_last)
+        work = dist.all_reduce(x, async_op=True)
+        seen = work.get_future().then(lambda f: f.value()[0].sum().item())
+        assert work.wait() is True
+        expected = n * torch.arange(24.0).reshape(1, 2, 3, 4) + n * (n - 1) // 2
+        assert torch.equal(x, expected) and x.is_contiguous(memory_format=torch.channels_last)
+        assert seen.wait() == expected.sum().item()
+        t = mine.t().contiguous().t()
+        dist.broadcast(t, src=n - 1)
+        assert torch.equal(t, base + 10 * (n - 1)), t
+        # all_gather along dim 1, in place: into column views of one tensor, from this rank's view
+        wide = torch.zeros(2, 3 * n)
+        columns = list(wide.chunk(n, dim=1))
+        columns[r].copy_(mine)
+        dist.all_gather(columns, columns[r])
+        assert torch.equal(wide, torch.cat([base + 10 * q for q in range(n)], dim=1)), wide
+        flat = torch.zeros(3, 2 * n).t()
+        dist.all_gather_into_tensor(flat, mine.t().contiguous().t(), async_op=True).wait()
+        assert torch.equal(flat, every), flat
+        part = torch.zeros(3, 2).t()
+        dist.reduce_scatter_tensor(part, (every * (r + 1)).t().contiguous().t())
+        assert torch.equal(part, (base + 10 * r) * (n * (n + 1) // 2)), part
+        part = torch.zeros(3, 2).t()
+        dist.reduce_scatter(part, [(base + 10 * q).t().contiguous().t() for q in range(n)])
+        assert torch.equal(part, mine * n), part
+        gathered = [torch.zeros(3, 2).t() for _ in range(n)] if r == 0 else None
+        dist.gather(mine.t().contiguous().t(), gathered, dst=0)
+        if gathered is not None:
+            assert torch.equal(torch.cat(gathered), every), gathered
+        got = torch.zeros(3, 2).t()
+        dist.scatter(got, [(base + 10 * q).t().contiguous().t() for q in range(n)] if r == 0 else None, src=0)
+        assert torch.equal(got, mine), got
+        outs = [torch.zeros(3, 2).t() for _ in range(n)]
+        dist.all_to_all(outs, [(base + 10 * r + q).t().contiguous().t() for q in range(n)])
+        assert all(torch.equal(o, base + 10 * q + r) for q, o in enumerate(outs)), outs
+        received = torch.zeros(3, 2 * n).t()
+        dist.all_to_all_single(received, torch.cat([base + 10 * r + q for q in range(n)]))
+        assert torch.equal(received, torch.cat([base + 10 * q + r for q in range(n)])), received
+        a, b = mine.t().contiguous().t(), torch.full((3,), float(r))
+        with dist._coalescing_manager(async_ops=True) as manager:
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+        manager.wait()
+        assert torch.equal(a, total) and b.tolist() == [float(n * (n - 1) // 2)] * 3, (a, b)
+        strided = every.t().contiguous().t()
+        for name, call in (
+            ("all_to_all_single", lambda: dist.all_to_all_single(torch.zeros(2 * n, 3), strided)),
+            ("expanded", lambda: dist.all_reduce(torch.ones(1).expand(3))),
+            ("send", lambda: dist.send(mine.t(), dst=1) if r == 0 else None),
+        ):
+            try:
+                call()
+            except ValueError as e:
+                refused[name] = str(e)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"refused": refused}
+
+
+def complex_and_futures(backend: str) -> dict[str, Any]:
+    """Complex ``reduce`` and reduce-scatters (SUM, AVG, PREMUL_SUM); futures and ``result()`` as Gloo's.
+
+    Returns the message of a complex MAX, which is refused.
+    """
+    _init(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    v = torch.tensor([1 + 2j, -3j], dtype=torch.complex64)  # rank q contributes (q + 1) v
+    total = n * (n + 1) / 2
+    try:
+        for name, op, k in (
+            ("sum", dist.ReduceOp.SUM, total),
+            ("avg", dist.ReduceOp.AVG, total / n),
+            ("premul_sum", dist._make_nccl_premul_sum(0.5), total / 2),
+        ):
+            t = v * (r + 1)
+            dist.reduce(t, dst=0, op=op)
+            if r == 0:
+                assert torch.equal(t, v * k), (name, t)
+            part = torch.zeros(2, dtype=torch.complex64)
+            dist.reduce_scatter_tensor(part, (v * (r + 1)).repeat(n), op=op)
+            assert torch.equal(part, v * k), (name, part)
+            spaced = torch.zeros(4, dtype=torch.complex64)  # its [::2] is not contiguous
+            dist.reduce_scatter(spaced[::2], [v * (r + 1) * (q + 1) for q in range(n)], op=op)
+            assert torch.equal(spaced[::2], v * k * (r + 1)) and not spaced[1::2].any(), (name, spaced)
+        try:
+            dist.reduce(v.clone(), dst=0, op=dist.ReduceOp.MAX)
+            complex_max = ""
+        except TypeError as e:
+            complex_max = str(e)
+        # the futures hold Gloo's values: all_gather's output list, gather's (empty off dst),
+        # all_gather_into_tensor's per-rank blocks; result() returns the same
+        outs = [torch.empty(2) for _ in range(n)]
+        work = dist.all_gather(outs, torch.full((2,), float(r)), async_op=True)
+        last = work.get_future().then(lambda f: f.value()[-1].sum().item())
+        assert work.wait() is True and last.wait() == 2.0 * (n - 1)
+        assert len(work.result()) == n and all(a is b for a, b in zip(work.result(), outs, strict=True))
+        gathered = [torch.empty(1) for _ in range(n)] if r == 0 else None
+        work = dist.gather(torch.full((1,), float(r)), gathered, dst=0, async_op=True)
+        value = work.get_future().wait()
+        assert [t.item() for t in value] == ([float(q) for q in range(n)] if r == 0 else []), value
+        flat = torch.empty(2 * n)
+        work = dist.all_gather_into_tensor(flat, torch.full((2,), float(r)), async_op=True)
+        blocks = work.get_future().wait()
+        assert [b.tolist() for b in blocks] == [[float(q)] * 2 for q in range(n)], blocks
+        assert blocks[0].data_ptr() == flat.data_ptr() and len(work.result()) == n
+        t = torch.full((2,), float(r + 1))
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        assert work.result()[0] is t and t.tolist() == [total] * 2
+    finally:
+        dist.destroy_process_group()
+    return {"complex_max": complex_max}
+
+
 def on_torch(group: Any, bodies: str, backend: str, *args: Any) -> dict[str, Any]:
     """Run each of ``bodies`` (names joined by ``+``) as ``body(backend, *args)``; return ``{name: value}``.
 
