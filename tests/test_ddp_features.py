@@ -16,6 +16,7 @@ from ddp import (
     Join,
     PowerSGDState,
     allreduce_hook,
+    powerSGD_hook,
 )
 from tests._emulated_device import DeviceOnlyGroup, EmulatedTensor
 from tests._fakes import FakeHub, FakeProcessGroup, run_threads
@@ -232,6 +233,43 @@ def test_powersgd_trains_within_twice_the_uncompressed_loss():
         assert psgd["final"] <= 2 * plain["final"], (plain, psgd)
         assert psgd["bytes_sent"] < 0.6 * plain["bytes_sent"] and psgd["compression"] > 2
     assert results[0]["powersgd"]["digest"] == results[1]["powersgd"]["digest"]
+
+
+class _BackwardsOrder(nn.Module):
+    """Two square layers run in the opposite order to their registration: DDP re-lays its bucket out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.b(x)))
+
+
+def _powersgd_from_the_first_step(group, rebuild: bool) -> list[list[float]]:
+    model = _BackwardsOrder().double()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    ddp = DistributedDataParallel(model, group, rebuild_buckets=rebuild)
+    state = PowerSGDState(group, matrix_approximation_rank=1, start_powerSGD_iter=0, min_compression_rate=1.0)
+    ddp.register_comm_hook(state, powerSGD_hook)
+    grads = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(10 * step + group.rank)
+        x = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+        ddp.zero_grad(set_to_none=True)
+        ddp(x).pow(2).sum().backward()
+        grads.append([v for p in model.parameters() for v in p.grad.reshape(-1).tolist()])
+    return grads
+
+
+def test_powersgd_memory_follows_each_matrix_when_ddp_lays_its_buckets_out_again():
+    # The rebuild after the first backward reorders the bucket; each matrix keeps its error and Q.
+    rebuilt = run_threads(_powersgd_from_the_first_step, 2, True)
+    kept = run_threads(_powersgd_from_the_first_step, 2, False)
+    assert rebuilt == kept
 
 
 def test_hook_registration_errors():

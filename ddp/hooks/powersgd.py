@@ -26,6 +26,7 @@ compression is linear once ``P^`` is fixed.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -114,8 +115,10 @@ class PowerSGDState:
         self.iter = 0
         self.numel_before = 0
         self.numel_after = 0
-        self._q: dict[int, torch.Tensor] = {}
-        self._error: dict[int, torch.Tensor] = {}
+        self._q: dict[str, torch.Tensor] = {}
+        self._error: dict[str, torch.Tensor] = {}
+        """Each matrix's last ``Q`` and error, by its parameter's name: DDP lays its buckets out
+        again (in arrival order, or re-sized), so a bucket's position does not name a matrix."""
 
     def __repr__(self) -> str:
         return (
@@ -129,8 +132,8 @@ class PowerSGDState:
         """Elements before over elements after, for the compressed matrices so far (1.0 before any)."""
         return self.numel_before / self.numel_after if self.numel_after else 1.0
 
-    def _initial_q(self, key: int, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.random_seed * 1_000_003 + key)
+    def _initial_q(self, seed: int, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.random_seed * 1_000_003 + seed)
         q = torch.randn(m, r, generator=generator, dtype=torch.float64).to(like.dtype)
         out = torch.empty(m, r, dtype=like.dtype, device=like.device)
         out.copy_(q)
@@ -138,12 +141,16 @@ class PowerSGDState:
 
 
 class _Matrix:
-    """One gradient matrix of a bucket, and its P and Q: views into the flat factor buffers."""
+    """One gradient matrix of a bucket, and its P and Q: views into the flat factor buffers.
 
-    __slots__ = ("key", "m", "p", "q")
+    ``key`` is its parameter's name (the same on every rank), ``seed`` a number drawn from it.
+    """
 
-    def __init__(self, key: int, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    __slots__ = ("key", "m", "p", "q", "seed")
+
+    def __init__(self, key: str, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
         self.key = key
+        self.seed = zlib.crc32(key.encode())
         self.m = m
         self.p = p
         self.q = q
@@ -179,7 +186,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch.futures
             mat.m.add_(error)
         q = state._q.get(mat.key) if state.warm_start else None
         if q is None or q.shape != mat.q.shape:
-            seed = mat.key if state.warm_start else mat.key + 7919 * state.iter
+            seed = mat.seed if state.warm_start else mat.seed + 7919 * state.iter
             q = state._initial_q(seed, mat.q.shape[0], mat.q.shape[1], mat.m)
         mat.q.copy_(q)
         torch.matmul(mat.m, mat.q, out=mat.p)
@@ -217,11 +224,11 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch.futures
 
 def _split(
     state: PowerSGDState, bucket: GradientBucket
-) -> tuple[list[torch.Tensor], list[tuple[int, torch.Tensor, int]]]:
+) -> tuple[list[torch.Tensor], list[tuple[str, torch.Tensor, int]]]:
     """The bucket's gradients sent as they are, and ``(key, n x m view, rank)`` of those compressed."""
     dense: list[torch.Tensor] = []
     shapes: list[tuple[int, torch.Tensor, int]] = []
-    for slot, grad in enumerate(bucket.gradients()):
+    for name, grad in zip(bucket.names, bucket.gradients(), strict=True):
         if grad.dim() < 2 or grad.numel() == 0:
             dense.append(grad)
             continue
@@ -231,12 +238,12 @@ def _split(
         if n * m < state.min_compression_rate * (n + m) * r:
             dense.append(grad)
         else:
-            shapes.append((bucket.index() * 1_000_003 + slot, grad.reshape(n, m), r))
+            shapes.append((name, grad.reshape(n, m), r))
     return dense, shapes
 
 
 def _factors(
-    shapes: list[tuple[int, torch.Tensor, int]], like: torch.Tensor
+    shapes: list[tuple[str, torch.Tensor, int]], like: torch.Tensor
 ) -> tuple[list[_Matrix], torch.Tensor, torch.Tensor]:
     """Flat P and Q buffers for the matrices (one all-reduce each), and each matrix's views into them."""
     p_flat = torch.empty(sum(m.shape[0] * r for _, m, r in shapes), dtype=like.dtype, device=like.device)
