@@ -5,7 +5,9 @@ A group in deterministic mode (``CommConfig.deterministic``, ``COMMLIB_DETERMINI
 in force when the group is made) computes floating-point SUM, AVG, PREMUL_SUM and PRODUCT
 in ``all_reduce``, ``reduce``, ``reduce_scatter`` (and their tensor and prepared forms) as
 ``left_fold`` defines them: element by element, ``((x0 + x1) + x2) + ... + x(n-1)`` over the
-group's ranks in rank order, in float32 for float16 and bfloat16, rounded once. By
+group's ranks in rank order, in float32 for float16 and bfloat16, rounded once. Floating-point
+MIN and MAX fold too: their values are the same in any order, but not the sign of a zero or of
+a NaN, which the fold fixes (``fold_rows``). By
 default the backends only move bytes: each rank receives its shard of every rank's tensor
 with one ``all_to_all``, folds the shards in rank order, and an ``all_gather`` (``gather``
 for ``reduce``; nothing for ``reduce_scatter``) returns the folded shards. On two ranks a
@@ -44,9 +46,14 @@ __all__ = [
     "shard_bounds",
 ]
 
-FOLDED_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM, ReduceOp.PRODUCT})
-"""The floating-point reductions the mode computes as a left fold; MIN, MAX, integer and bitwise
+FOLDED_OPS = frozenset(
+    {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX}
+)
+"""The floating-point reductions the mode computes as a left fold; integer and bitwise
 reductions are exact on every backend already and take the backend's own path."""
+
+_EXTREMA = {ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}
+"""MIN and MAX: exact values in any order, but the backends' signs of zeros and NaNs differ."""
 
 _HALF = (torch.float16, torch.bfloat16)
 _MULTIPLIES = (ReduceOp.PRODUCT,)
@@ -73,8 +80,15 @@ def fold_rows(out: torch.Tensor, rows: Sequence[torch.Tensor], op: ReduceOp | Pr
     ``len(rows)`` in that dtype (a true division, never a multiplication by the
     reciprocal). The result is rounded once to ``out``'s dtype (round to nearest even).
     ``out`` may be one of ``rows`` only if it is ``rows[0]`` or ``rows[1]``.
+
+    MIN and MAX (``torch.minimum``, ``torch.maximum``) are exact in ``out``'s dtype, and
+    their results are made the same whatever the order: a zero is -0.0 if every row's is
+    (MAX) or any row's is (MIN), else +0.0, and a NaN is the dtype's canonical quiet NaN.
     """
     base = _base(op)
+    if base in _EXTREMA:
+        _fold_extrema(out, rows, base)
+        return
     multiply = base in _MULTIPLIES
     if out.dtype in _HALF:
         acc = rows[0].to(torch.float32)
@@ -99,6 +113,25 @@ def fold_rows(out: torch.Tensor, rows: Sequence[torch.Tensor], op: ReduceOp | Pr
         out.copy_(acc)
 
 
+def _fold_extrema(out: torch.Tensor, rows: Sequence[torch.Tensor], base: ReduceOp) -> None:
+    """``fold_rows`` for MIN and MAX: the values, then the signs of zeros and NaNs made canonical."""
+    negative = torch.signbit(rows[0])
+    for row in rows[1:]:  # the sign of a zero result: every row's (MAX) or any row's (MIN)
+        (negative.logical_and_ if base is ReduceOp.MAX else negative.logical_or_)(torch.signbit(row))
+    pick = _EXTREMA[base]
+    if len(rows) == 1:
+        if out.data_ptr() != rows[0].data_ptr():
+            out.copy_(rows[0])
+    else:
+        pick(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        pick(out, row, out=out)
+    zero = out == 0
+    out.masked_fill_(zero & negative, -0.0)
+    out.masked_fill_(zero & ~negative, 0.0)
+    out.masked_fill_(torch.isnan(out), float("nan"))
+
+
 def left_fold(tensors: Sequence[torch.Tensor], op: ReduceOp | PremulSum = ReduceOp.SUM) -> torch.Tensor:
     """Return what a deterministic reduction gives for ``tensors`` (rank ``i``'s at index ``i``).
 
@@ -108,7 +141,7 @@ def left_fold(tensors: Sequence[torch.Tensor], op: ReduceOp | PremulSum = Reduce
 
     Args:
         tensors: One floating-point tensor per rank, all of one shape and dtype.
-        op: SUM, AVG, PRODUCT or ``commlib.premul_sum(factor)``.
+        op: SUM, AVG, PRODUCT, MIN, MAX or ``commlib.premul_sum(factor)``.
 
     Example::
 
@@ -211,15 +244,17 @@ class DeterministicReductions:
     def folds(self, tensor: torch.Tensor, op: ReduceOp | PremulSum, plan: ReductionPlan) -> bool:
         """True if this reduction of ``tensor`` (already checked) must be folded here, not by the backend.
 
-        False for what is exact in any order (MIN, MAX, integers, bools), on one rank, and on
-        two ranks of a backend whose own reduction is the fold (``plan.exact_pair``, the group's
+        False for what is exact in any order (integers, bools), on one rank, and on two ranks
+        of a backend whose own reduction is the fold (``plan.exact_pair``, the group's
         capability table's answer for ``op``), except AVG of float16 and bfloat16, which
-        divides in float32 before rounding.
+        divides in float32 before rounding, and MIN and MAX, whose signs of zeros and NaNs
+        only the fold makes the same.
         """
-        if not tensor.is_floating_point() or _base(op) not in FOLDED_OPS:
+        base = _base(op)
+        if not tensor.is_floating_point() or base not in FOLDED_OPS:
             return False
         group = self._group
-        if group.world_size == 2 and plan.exact_pair:
+        if group.world_size == 2 and plan.exact_pair and base not in _EXTREMA:
             return op is ReduceOp.AVG and tensor.dtype in _HALF
         return group.world_size > 1
 
@@ -244,7 +279,7 @@ class DeterministicReductions:
     ) -> Work | None:
         """The backend's own all-reduce in rank order where it offers one, else the two-collective fold."""
         group = self._group
-        native = group._ordered_all_reduce(tensor, op)  # noqa: SLF001
+        native = None if _base(op) in _EXTREMA else group._ordered_all_reduce(tensor, op)  # noqa: SLF001
         if native is not None:
             return group._issue("all_reduce", tensor, op, -1, async_op, [tensor], native, async_op)  # noqa: SLF001
         return self._run("all_reduce", tensor, async_op, [tensor], self._fold_all_reduce, tensor.view(-1), op)

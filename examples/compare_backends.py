@@ -9,8 +9,9 @@ exactly, and so must floats unless they show a difference).
 
 ``--exact`` makes every group deterministic (``commlib.deterministic``: floating-point
 sums are the left fold in rank order on every backend), then requires every output
-to be the same bits on every backend: it names the first differing element (output,
-index, rank, both values and their bits) and exits 1 if one differs. Without it, sums
+to be the same bits on every backend (a NaN matches any NaN: its sign and payload are
+not promised): it names the first differing element (output, index, rank, both values
+and their bits) and exits 1 if one differs. Without it, sums
 over three or more ranks differ in their last bits between backends, each adding in
 its own order.
 
@@ -125,11 +126,15 @@ def _diff(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, in
             f"output {name!r}: {tuple(a.shape)} {a.dtype} on one backend, "
             f"{tuple(b.shape)} {b.dtype} on the other"
         )
-    same = (a == b) | (a.isnan() & b.isnan()) if a.dtype.is_floating_point else a == b
+    # Bit for bit (so -0.0 differs from +0.0), but a NaN equals any NaN: NaN's sign and payload
+    # are not part of the deterministic mode's promise.
+    same = _bits(a) == _bits(b)
+    if a.dtype.is_floating_point:
+        same |= a.reshape(-1).isnan() & b.reshape(-1).isnan()
     mismatches = int((~same).sum())
     if a.numel() == 0:
         return 0.0, 0.0, 0, -1
-    differs = (_bits(a) != _bits(b)).nonzero()
+    differs = (~same).nonzero()
     first = int(differs[0]) if differs.numel() else -1
     da, db = a.double(), b.double()
     diff = (da - db).abs().nan_to_num(0.0)

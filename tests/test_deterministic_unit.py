@@ -79,9 +79,36 @@ def test_product_folds_in_float32_for_half_types() -> None:
     assert left_fold(xs, ReduceOp.PRODUCT).item() == float(want)
 
 
-def test_min_max_and_integers_are_not_folded() -> None:
+def test_bitwise_reductions_are_not_folded() -> None:
     with pytest.raises(ValueError, match="not one of the folded reductions"):
-        left_fold([torch.ones(2)] * 2, ReduceOp.MAX)
+        left_fold([torch.ones(2)] * 2, ReduceOp.BAND)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_min_and_max_fold_to_one_sign_for_zeros_and_nans(dtype: torch.dtype) -> None:
+    nan = float("nan")
+    ranks = [
+        [-0.0, -0.0, 0.0, -nan, 1.0, -2.0],
+        [0.0, -0.0, 0.0, 3.0, -0.0, nan],
+        [-0.0, -0.0, 0.0, 1.0, 2.0, -1.0],
+    ]
+    xs = [torch.tensor(r, dtype=dtype) for r in ranks]
+    same_size_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    canonical_nan = torch.tensor([nan], dtype=dtype).view(same_size_int)
+    for op, want in (
+        (ReduceOp.MAX, [0.0, -0.0, 0.0, nan, 2.0, nan]),  # -0.0 only where every rank's zero is -0.0
+        (ReduceOp.MIN, [-0.0, -0.0, 0.0, nan, -0.0, nan]),  # -0.0 where any rank's zero is
+    ):
+        got = left_fold(xs, op)
+        expected = torch.tensor(want, dtype=dtype)
+        assert torch.equal(torch.signbit(got), torch.signbit(expected)), (op, got)
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got[~got.isnan()], expected[~expected.isnan()])
+        as_int = got.view(same_size_int)
+        assert bool((as_int[got.isnan()] == canonical_nan).all())  # the dtype's canonical quiet NaN
+    # The order of the ranks does not change a bit.
+    for op in (ReduceOp.MIN, ReduceOp.MAX):
+        assert torch.equal(left_fold(xs, op).view(torch.uint8), left_fold(xs[::-1], op).view(torch.uint8))
 
 
 def test_fold_rows_writes_into_a_view() -> None:
@@ -195,8 +222,7 @@ def test_folded_reductions_move_bytes_with_all_to_all_and_all_gather() -> None:
 @pytest.mark.parametrize(
     ("tensor", "op"),
     [
-        (torch.ones(10), ReduceOp.MAX),
-        (torch.ones(10), ReduceOp.MIN),
+        (torch.ones(10, dtype=torch.int64), ReduceOp.MAX),
         (torch.ones(10, dtype=torch.int64), ReduceOp.SUM),
         (torch.ones(10, dtype=torch.int32), ReduceOp.BXOR),
         (torch.ones(10, dtype=torch.bool), ReduceOp.SUM),
@@ -204,6 +230,11 @@ def test_folded_reductions_move_bytes_with_all_to_all_and_all_gather() -> None:
 )
 def test_exact_reductions_keep_the_backends_path(tensor: torch.Tensor, op: ReduceOp) -> None:
     assert _calls(True, 3, tensor, op) == ["all_reduce"]
+
+
+@pytest.mark.parametrize("op", [ReduceOp.MIN, ReduceOp.MAX])
+def test_floating_min_and_max_fold_even_where_the_backends_pair_is_exact(op: ReduceOp) -> None:
+    assert _calls(True, 3, torch.ones(10), op) == ["all_to_all", "all_gather"]
 
 
 def test_mode_off_leaves_the_backends_path() -> None:

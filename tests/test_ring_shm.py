@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -487,6 +488,23 @@ def test_kernels_match_torch_bit_for_bit(dtype: torch.dtype, numel: int) -> None
         divided = a.clone()
         kernels.divide(divided, 3)
         assert torch.equal(divided, a / 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernels_give_nan_for_inf_minus_inf_and_warn_nothing_even_when_warnings_are_errors(
+    dtype: torch.dtype,
+) -> None:
+    numel = 2 * kernels.PIECE  # past the small pieces: numpy's loops
+    a, b = torch.ones(numel, dtype=dtype), torch.ones(numel, dtype=dtype)
+    a[3], b[3], a[4], b[4] = float("inf"), -float("inf"), float("inf"), 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as python -W error or pytest's filterwarnings = error
+        summed, product = a.clone(), a.clone()
+        kernels.reducer(ReduceOp.SUM, dtype)(summed, b)
+        kernels.reducer(ReduceOp.PRODUCT, dtype)(product, b)
+        kernels.divide(product, 3)
+    assert torch.equal(summed.isnan(), torch.add(a, b).isnan()) and bool(summed[3].isnan())
+    assert bool(product[4].isnan()) and float(product[3]) == -float("inf")
 
 
 @pytest.mark.parametrize("numel", [16, 65535, 3 * kernels.PIECE])

@@ -125,7 +125,8 @@ def combine(op: ReduceOp, dtype: torch.dtype) -> Combine:
             if out.numel() < PIECE:
                 func(a, b, out=out)
             else:
-                ufunc(a.numpy(), b.numpy(), out=out.numpy())
+                with np.errstate(all="ignore"):  # inf - inf is NaN, as in torch, not a warning
+                    ufunc(a.numpy(), b.numpy(), out=out.numpy())
 
         return numpy_combine
 
@@ -156,7 +157,8 @@ def divide(t: torch.Tensor, divisor: int) -> None:
         t.div_(divisor)
     elif t.dtype in _NUMPY_DTYPES:
         array = t.numpy()
-        np.true_divide(array, divisor, out=array)
+        with np.errstate(all="ignore"):
+            np.true_divide(array, divisor, out=array)
     else:
         for piece in t.split(PIECE):
             piece.div_(divisor)

@@ -21,6 +21,7 @@ from torch import nn
 
 import commlib
 from commlib import CommConfig, IProcessGroup, ReduceOp, create_process_group
+from commlib.deterministic import left_fold
 from commlib.types import PremulSum
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -401,7 +402,7 @@ def across_backends(group: IProcessGroup, sizes: Sequence[int] = SIZES, ddp: boo
         g = make()
         try:
             assert g.deterministic
-            out[name] = {"reductions": body_reductions(g, sizes=sizes)}
+            out[name] = {"reductions": body_reductions(g, sizes=sizes), "extrema": body_extrema(g)}
             if ddp:
                 out[name]["ddp"] = body_ddp(g)
         finally:
@@ -454,3 +455,47 @@ def body_large(group: IProcessGroup, numel: int = (5 << 20) // 4 + 3) -> dict[st
     if group is not det:
         commlib.destroy_process_group(det)
     return {"failures": failures}
+
+
+def extrema_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros and NaNs of both signs, placed per rank so that the ranks' signs disagree, among values."""
+    g = torch.Generator().manual_seed(97 + 13 * rank + numel)
+    x = torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+    pick = torch.randint(0, 5, (numel,), generator=g)
+    x[pick == 0] = 0.0
+    x[pick == 1] = -0.0
+    x[pick == 2] = -float("nan") if rank % 2 else float("nan")
+    return x
+
+
+def body_extrema(group: IProcessGroup) -> dict[str, Any]:
+    """MIN and MAX with zeros and NaNs of both signs: the fold's bits in every reducing form."""
+    det = deterministic_group(group)
+    world, rank = det.world_size, det.rank
+    failures: list[str] = []
+    digest = hashlib.sha256()
+    for dtype in DTYPES:
+        for numel in (7, 40_003):  # the small-message paths and the chunked ones
+            for op in (ReduceOp.MIN, ReduceOp.MAX):
+                inputs = [extrema_input(r, numel, dtype) for r in range(world)]
+                want = left_fold(inputs, op)
+                t = inputs[rank].clone()
+                det.all_reduce(t, op)
+                r = inputs[rank].clone()
+                det.reduce(r, world - 1, op)
+                shard = torch.empty(numel // world, dtype=dtype)
+                blocks = [x[: shard.numel() * world] for x in inputs]
+                det.reduce_scatter_tensor(shard, blocks[rank].clone(), op)
+                got = [("all_reduce", t, want)]
+                if rank == world - 1:
+                    got.append(("reduce", r, want))
+                lo = rank * shard.numel()
+                got.append(("reduce_scatter", shard, left_fold(blocks, op)[lo : lo + shard.numel()]))
+                for form, value, expected in got:
+                    problem = first_difference(value, expected)
+                    if problem:
+                        failures.append(f"[rank {rank}] {form} {op.name} {dtype} x{numel}: {problem}")
+                digest.update(bits(t).numpy().tobytes())
+    if det is not group:
+        commlib.destroy_process_group(det)
+    return {"failures": failures, "digest": digest.hexdigest()}

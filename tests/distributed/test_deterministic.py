@@ -99,7 +99,8 @@ def test_collectives_each_call_issues(get_pool: Any, variant: str, world: int) -
         assert counts["on all_reduce"] == (1 if variant == "ring-shm" else fold)  # the ring's own fold
         assert counts["on all_reduce_avg_bf16"] == 2  # float32 before the division, also on two ranks
         assert counts["on reduce_scatter"] == 1
-        assert counts["on all_reduce_int"] == counts["on all_reduce_max"] == 1
+        assert counts["on all_reduce_int"] == 1
+        assert counts["on all_reduce_max"] == 2  # folded, also on two ranks: the signs of zeros and NaNs
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -178,8 +179,11 @@ def test_mpi_gloo_and_ring_give_the_same_bits(world: int) -> None:
             failures = out["reductions"]["failures"]
             assert failures == [], f"rank {rank} {backend}:\n" + "\n".join(failures[:10])
             assert out["reductions"]["checked"] == CHECKS_PER_RANK
-        digests = {out["reductions"]["digest"] for out in by_backend.values()}
-        assert len(digests) == 1, f"rank {rank}: the backends' results differ"
+            extrema = out["extrema"]["failures"]
+            assert extrema == [], f"rank {rank} {backend}:\n" + "\n".join(extrema[:10])
+        for part in ("reductions", "extrema"):
+            digests = {out[part]["digest"] for out in by_backend.values()}
+            assert len(digests) == 1, f"rank {rank}: the backends' {part} differ"
         ddp_hashes |= {tuple(sorted(out["ddp"].items())) for out in by_backend.values()}
     assert len(ddp_hashes) == 1, "DDP's parameters differ between ranks or backends"
     hashes = dict(next(iter(ddp_hashes)))
@@ -215,3 +219,13 @@ def test_compare_backends_exact_mode(repo_root: Any) -> None:
     assert "summed                   float32   float   1 of 1536 elements differ" in proc.stdout
     assert "not the same bits: first difference summed[2, 3] on rank 1: ring " in proc.stdout
     assert "gloo 1.0 (0x3f800000)" in proc.stdout or "gloo 2.0 (0x40000000)" in proc.stdout
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_min_and_max_give_the_folds_signs_of_zeros_and_nans(get_pool: Any, world: int) -> None:
+    """Zeros and NaNs of both signs across ranks: the backends' own MIN/MAX disagree on the signs."""
+    results = {v: get_pool(v, world).run(bodies.body_extrema, timeout=120) for v in ("ring-shm", "gloo")}
+    for variant, ranks in results.items():
+        for values in ranks:
+            assert values["failures"] == [], f"{variant}:\n" + "\n".join(values["failures"][:10])
+    assert [r["digest"] for r in results["ring-shm"]] == [r["digest"] for r in results["gloo"]]
