@@ -232,6 +232,17 @@ def _default_port(launcher: str, environ: Mapping[str, str], local_world_size: i
     return DEFAULT_MASTER_PORT
 
 
+def _launcher_sizes(
+    started_by: str, environ: Mapping[str, str], local_world_size: int, world_size: int
+) -> tuple[int, int]:
+    """``(local world size, world size)`` as the launcher set them, else the ones given."""
+    for name, _, size_var, _, local_size_vars in _LAUNCHERS:
+        if name == started_by:
+            size = _int(environ, size_var)
+            return _first_int(environ, local_size_vars, size), size
+    return local_world_size, world_size
+
+
 def _process_identity(pid: int) -> tuple[object, str]:
     """``pid``'s start time and this process's pid namespace, each ``"?"`` where it cannot be read."""
     info = read_process(pid)
@@ -315,12 +326,14 @@ def detect(
         else:
             _refuse_half_set_launcher(environ)
     addr = master_addr or environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+    started_by = launcher_in(environ) or launcher
     if master_port is not None:
         port = int(master_port)
     elif environ.get("MASTER_PORT"):
         port = _int(environ, "MASTER_PORT")
-    else:
-        port = _default_port(launcher, environ, local_world_size, world_size)
+    else:  # the launcher's, whichever way the ranks were given
+        sizes = _launcher_sizes(started_by, environ, local_world_size, world_size)
+        port = _default_port(started_by, environ, *sizes)
     return DistEnv(
         rank=rank,
         world_size=world_size,
@@ -329,5 +342,5 @@ def detect(
         master_addr=addr,
         master_port=port,
         launcher=launcher,
-        started_by=launcher_in(environ) or launcher,
+        started_by=started_by,
     )

@@ -285,8 +285,12 @@ def test_default_port_without_derivation(environ: dict[str, str], port: int) -> 
     assert detect(environ=environ).master_port == port
 
 
-def test_explicit_arguments_do_not_derive_a_port() -> None:
-    assert detect(rank=0, world_size=2, environ=MPICH).master_port == 29500
+def test_explicit_arguments_under_a_launcher_take_its_port() -> None:
+    """The port follows the launcher, not the argument style: both derive it, or neither."""
+    for environ in (MPICH, {**MPICH, "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"}, OPENMPI):
+        explicit = detect(rank=1, world_size=2, environ=environ)
+        assert explicit.master_port == detect(environ=environ).master_port
+    assert detect(rank=0, world_size=2, environ={}).master_port == 29500
     assert detect(master_port=2222, environ=MPICH).master_port == 2222
 
 
@@ -294,7 +298,8 @@ def test_explicit_arguments_do_not_derive_a_port() -> None:
 # written in pieces can interleave with the other rank's.
 _PRINT_ENV = (
     "import commlib, os; e = commlib.detect(); fields = ('DETECT', e.launcher, e.rank, e.world_size, "
-    "e.local_rank, e.local_world_size, e.master_port); "
+    "e.local_rank, e.local_world_size, e.master_port, "
+    "commlib.detect(rank=e.rank, world_size=e.world_size).master_port); "
     "os.write(1, (' '.join(map(str, fields)) + chr(10)).encode())"
 )
 
@@ -315,5 +320,6 @@ def test_real_mpiexec_ranks_agree_on_the_derived_port(wrapped: bool) -> None:
     assert launcher0 == launcher1 != "single"
     assert [rank0[:4], rank1[:4]] == [["0", "2", "0", "2"], ["1", "2", "1", "2"]]
     assert rank0[4] == rank1[4], f"ranks derived different ports: {lines}"
+    assert rank0[5] == rank0[4] and rank1[5] == rank1[4], f"explicit rank= and world_size= differ: {lines}"
     low, high = ephemeral_port_range()
     assert 20000 <= int(rank0[4]) < 65536 and not low <= int(rank0[4]) <= high

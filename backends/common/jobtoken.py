@@ -73,9 +73,19 @@ _MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
 _TORCHRUN_DEFAULT_RUN_ID = "none"
 
 
-def uses_torchrun_agent_store(env: DistEnv) -> bool:
-    """True under torchrun when its agent already serves the store on ``MASTER_PORT`` (no rule 3 there)."""
-    return env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+def uses_torchrun_agent_store(env: DistEnv, environ: Mapping[str, str] | None = None) -> bool:
+    """True under torchrun when its agent already serves the store at this rank's rendezvous address.
+
+    Ranks from torchrun's variables or from explicit arguments alike (``started_by``),
+    as long as the port is torchrun's ``MASTER_PORT`` (no rule 3 there: the agent's
+    store is the job's).
+    """
+    environ = os.environ if environ is None else environ
+    return (
+        env.started_by == "torchrun"
+        and environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        and environ.get("MASTER_PORT", "") == str(env.master_port)
+    )
 
 
 def _derive_key(kind: str, material: str) -> bytes:

@@ -62,7 +62,7 @@ from backends.common.admission import (
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
-from backends.common.store_rendezvous import connect_store, scope_in
+from backends.common.store_rendezvous import join_job_store
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
@@ -87,7 +87,6 @@ _PROTOCOL = 2
 _VERDICT_GRACE_S = 2.0
 _READ_WAIT_S = 2.0  # in a store: how long rank 0 keeps it up for the ranks to read why the group failed
 _HELLO_BYTES = 64 * 1024  # a hello or a link hello is a few hundred bytes
-_store_generation = 0  # groups created through torchrun's store so far (every rank counts alike)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,27 +262,21 @@ def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:
 def _exchange_through_store(
     ctx: _Context, data_listener: socket.socket, settings: dict[str, Any]
 ) -> tuple[list[Peer], dict[str, Any], bytes]:
-    """Publish this rank's signed record in the group's store (or torchrun's agent store) and read everyone's.
+    """Prove this rank belongs to the job in the group's store (or torchrun's agent store), then swap records.
 
-    In a store the group was given, the keys go under a prefix no earlier group
-    used there (``scope_in``). torchrun's store outlives every group of the job,
-    so there the keys carry the restart count and a generation that every rank
-    counts alike.
+    The job check is gloo's (``join_job_store``): a process holding another job
+    token is refused there, alone, and never reaches this job's part of the store,
+    so it can neither take a rank nor end the job. In that part, each rank
+    publishes its record, signed with the token over rank 0's challenge, and reads
+    everyone's.
     """
     import json
 
     env, prefix = ctx.env, ctx.prefix
     remaining = ctx.remaining
-
-    if env.store is not None:
-        store, where = env.store, "the group's store"
-        base = scope_in(store, "commlib/ring", env.rank)
-    else:
-        global _store_generation
-        _store_generation += 1
-        where = f"torchrun's store at {ctx.master}"
-        base = f"commlib/ring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
-        store = connect_store(env, prefix, ctx.timeout, remaining().total_seconds(), "torchrun's store")
+    where = "the group's store" if env.store is not None else f"torchrun's store at {ctx.master}"
+    store = join_job_store(env, remaining().total_seconds(), "ring")
+    base = "commlib/ring"
     me = Peer(
         env.rank,
         host_id(),
@@ -291,8 +284,6 @@ def _exchange_through_store(
         data_listener.getsockname()[1],
         os.getpid(),
     )
-    if store.add(f"{base}/claims/{env.rank}", 1) != 1:
-        raise RendezvousError(f"{prefix}two processes claim rank {env.rank}; every rank needs its own RANK")
     if env.rank == 0:
         store.set(f"{base}/challenge", secrets.token_hex(16))
     try:

@@ -9,7 +9,8 @@ Usage::
 
 ``--ranks env`` calls ``commlib.init_process_group(backend)`` and lets it read the launcher's
 variables; ``--ranks args`` passes ``rank=``, ``world_size=``, ``master_addr=`` and
-``master_port=``, as training scripts that read their rank themselves do. ``--launch`` makes this
+``master_port=``, as training scripts that read their rank themselves do; ``--ranks rank-args``
+passes only ``rank=`` and ``world_size=`` (the rendezvous is the launcher's). ``--launch`` makes this
 script the launcher: ``multiprocessing`` starts the ranks as its children, ``sessions`` starts each
 in a session of its own (as torchrun and mpirun do). Each rank prints ``LAUNCH-MATRIX-OK <rank>
 <sum>`` once its all-reduce is done.
@@ -42,6 +43,12 @@ def run_rank(
 
     if ranks == "env":
         group = commlib.init_process_group(backend)
+    elif ranks == "rank-args":
+        group = commlib.init_process_group(
+            backend,
+            rank=_from_environment(_RANK_VARS) if rank is None else rank,
+            world_size=_from_environment(_SIZE_VARS) if world_size is None else world_size,
+        )
     else:
         group = commlib.init_process_group(
             backend,
@@ -102,7 +109,7 @@ def _launch(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", required=True)
-    parser.add_argument("--ranks", choices=("env", "args"), required=True)
+    parser.add_argument("--ranks", choices=("env", "args", "rank-args"), required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--launch", choices=("multiprocessing", "sessions"))
     parser.add_argument("--rank", type=int)

@@ -49,9 +49,20 @@ def _command(launcher: str, backend: str, ranks: str) -> tuple[list[str], dict[s
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("ranks", ["env", "args"])
+@pytest.mark.parametrize(
+    ("launcher", "ranks"),
+    [
+        *[
+            (launcher, ranks)
+            for launcher in ("torchrun", "mpiexec", "multiprocessing", "sessions")
+            for ranks in ("env", "args")
+        ],
+        # rank= and world_size= alone: the rendezvous is the launcher's (torchrun's store, mpiexec's port)
+        ("torchrun", "rank-args"),
+        ("mpiexec", "rank-args"),
+    ],
+)
 @pytest.mark.parametrize("backend", ["ring", "gloo"])
-@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec", "multiprocessing", "sessions"])
 def test_every_launch_forms_its_job(launcher: str, backend: str, ranks: str) -> None:
     if backend == "gloo" and importlib.util.find_spec("backends.torch") is None:
         pytest.skip("the gloo backend is not present")

@@ -187,6 +187,65 @@ def _shm_files(group: Any, shm_dir: str) -> dict[str, Any]:
     return {"left_in_dir": sorted(os.listdir(shm_dir)), "mapped": mapped, "sum": t[0].item()}
 
 
+# One rank of a ring job under torchrun's agent store, which the test process serves in its place.
+_AGENT_STORE_RANK = """
+import torch, commlib
+group = commlib.init_process_group("ring")
+t = torch.tensor([group.rank + 1.0])
+group.all_reduce(t)
+print("SUM", t.item(), flush=True)
+commlib.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_s_store_a_rank_with_another_token_is_refused_alone_and_the_job_forms() -> None:
+    """A process with another job token claims rank 1 first in torchrun's store: it alone fails.
+
+    Rank 0 refuses it in the job check and goes on waiting; this job's rank 1, started after the
+    refused process has ended, joins, and the job sums 1 + 2.
+    """
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    agent = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+    def rank(r: int, token: str) -> subprocess.Popen[str]:
+        torchrun = {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"}
+        torchrun |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        torchrun["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        return subprocess.Popen(
+            [sys.executable, "-c", _AGENT_STORE_RANK],
+            cwd=REPO_ROOT,
+            env=scrubbed_env(
+                **torchrun, COMMLIB_JOB_TOKEN=token, COMMLIB_TIMEOUT="60", PYTHONPATH=str(REPO_ROOT)
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    ranks = [rank(0, "ours")]
+    try:
+        stray = rank(1, "theirs")
+        ranks.append(stray)
+        stray_out, stray_err = stray.communicate(timeout=120)
+        ranks.append(rank(1, "ours"))
+        outputs = [p.communicate(timeout=120) for p in (ranks[0], ranks[2])]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        del agent
+    assert stray.returncode != 0 and "SUM" not in stray_out
+    assert "RendezvousError: [rank 1/2] ring.rendezvous: rank 0" in stray_err, stray_err[-2000:]
+    assert "it holds another job token" in stray_err
+    for (out, err), p in zip(outputs, (ranks[0], ranks[2]), strict=True):
+        assert p.returncode == 0 and "SUM 3.0" in out, err[-3000:]
+    assert "claiming rank 1 of world size 2" in outputs[0][1]  # rank 0 logged the refusal and went on
+
+
 @pytest.mark.timeout(120)
 def test_shared_memory_files_are_private_and_gone_once_mapped(tmp_path: Path) -> None:
     world = 3
