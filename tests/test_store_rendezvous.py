@@ -120,6 +120,19 @@ def test_a_port_held_by_another_program_is_named_as_such() -> None:
     assert waited < 10, waited
 
 
+def test_with_nothing_listening_rank_1_asks_whether_rank_0_runs_at_its_timeout() -> None:
+    """torch's client retries past its timeout while nothing listens: not a silent program on the port."""
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError) as at_rank1:
+        join_job_store(_env(1, port), 5.0, "gloo")  # long enough for torch's client to retry past it
+    waited = time.monotonic() - start
+    assert str(at_rank1.value).startswith(
+        f"[rank 1/2] gloo.rendezvous: cannot reach rank 0 at 127.0.0.1:{port} after 5.0 s. Is rank 0 running"
+    )
+    assert waited < 5.0 + 1.5, waited  # at its timeout, not a retry or a grace later
+
+
 def test_a_duplicate_rank_fails_the_job_on_rank_0_and_is_told_so() -> None:
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

@@ -273,12 +273,20 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
     helper = Lane(f"store-connect-rank{env.rank}", bound_s=seconds + _CONNECT_GRACE_S, linger=False)
     before = connections_to(env.master_port)
     helper.post(attempt)
-    helper.wait_idle(seconds + _CONNECT_GRACE_S)
+    accepted = False
+    if not helper.wait_idle(seconds):
+        now = connections_to(env.master_port)
+        # torch's client retries past its timeout while nothing listens: then no connection is open,
+        # and there is nothing to wait for. A connection open means a listener: give it the grace.
+        accepted = before is None or now is None or bool(now - before)
+        if accepted:
+            helper.wait_idle(_CONNECT_GRACE_S)
     if "store" in result:
         return result["store"]
+    error = result.get("error")
     if helper.busy:
         # End its wait now: a thread still inside torch's client when the interpreter exits aborts it.
-        for _ in range(10):
+        for _ in range(10 if accepted else 0):
             shut_down_new_connections(env.master_port, before)
             if helper.wait_idle(0.2):
                 break
@@ -286,12 +294,13 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
             if not _left_behind:
                 atexit.register(_wait_for_left_behind)
             _left_behind.append(helper)
-        raise RendezvousTimeoutError(
-            f"{prefix}something accepted the connection at {master} but never answered as "
-            f"{where}'s store within {timeout:.1f} s: another program holds MASTER_PORT. Set "
-            "MASTER_PORT to a port of this job's own"
-        )
-    error = result.get("error")
+        if accepted:
+            raise RendezvousTimeoutError(
+                f"{prefix}something accepted the connection at {master} but never answered as "
+                f"{where}'s store within {timeout:.1f} s: another program holds MASTER_PORT. Set "
+                "MASTER_PORT to a port of this job's own"
+            )
+        error = TimeoutError("nothing accepted a connection")
     text = first_line(error) if error is not None else "the connection ended without an error"
     if "timed out" in text.lower() or isinstance(error, TimeoutError):
         raise RendezvousTimeoutError(
