@@ -62,7 +62,7 @@ from backends.common.admission import (
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
-from backends.common.store_rendezvous import join_job_store
+from backends.common.store_rendezvous import join_job_store, scope_in
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
@@ -262,21 +262,29 @@ def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:
 def _exchange_through_store(
     ctx: _Context, data_listener: socket.socket, settings: dict[str, Any]
 ) -> tuple[list[Peer], dict[str, Any], bytes]:
-    """Prove this rank belongs to the job in the group's store (or torchrun's agent store), then swap records.
+    """Publish this rank's signed record in the group's store (or torchrun's agent store) and read everyone's.
 
-    The job check is gloo's (``join_job_store``): a process holding another job
+    In a store the group was given, the keys go under a prefix no earlier group
+    used there (``scope_in``), and each rank claims its rank there. In torchrun's
+    store, which outlives every group of the job and rank 0 alike, each rank first
+    passes gloo's job check (``join_job_store``): a process holding another job
     token is refused there, alone, and never reaches this job's part of the store,
-    so it can neither take a rank nor end the job. In that part, each rank
-    publishes its record, signed with the token over rank 0's challenge, and reads
-    everyone's.
+    so it can neither take a rank nor end the job.
     """
     import json
 
     env, prefix = ctx.env, ctx.prefix
     remaining = ctx.remaining
-    where = "the group's store" if env.store is not None else f"torchrun's store at {ctx.master}"
-    store = join_job_store(env, remaining().total_seconds(), "ring")
-    base = "commlib/ring"
+    if env.store is not None:
+        store, where = env.store, "the group's store"
+        base = scope_in(store, "commlib/ring", env.rank)
+        if store.add(f"{base}/claims/{env.rank}", 1) != 1:
+            raise RendezvousError(
+                f"{prefix}two processes claim rank {env.rank}; every rank needs its own RANK"
+            )
+    else:
+        where = f"torchrun's store at {ctx.master}"
+        store, base = join_job_store(env, remaining().total_seconds(), "ring"), "commlib/ring"
     me = Peer(
         env.rank,
         host_id(),
