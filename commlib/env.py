@@ -232,15 +232,11 @@ def _default_port(launcher: str, environ: Mapping[str, str], local_world_size: i
     return DEFAULT_MASTER_PORT
 
 
-def _launcher_sizes(
-    started_by: str, environ: Mapping[str, str], local_world_size: int, world_size: int
-) -> tuple[int, int]:
-    """``(local world size, world size)`` as the launcher set them, else the ones given."""
-    for name, _, size_var, _, local_size_vars in _LAUNCHERS:
-        if name == started_by:
-            size = _int(environ, size_var)
-            return _first_int(environ, local_size_vars, size), size
-    return local_world_size, world_size
+def _read_launcher(name: str, environ: Mapping[str, str]) -> tuple[int, int, int, int]:
+    """``(rank, world size, local rank, local world size)`` from launcher ``name``'s variables."""
+    _, rank_var, size_var, local_rank_vars, local_size_vars = next(e for e in _LAUNCHERS if e[0] == name)
+    rank, size = _int(environ, rank_var), _int(environ, size_var)
+    return rank, size, _first_int(environ, local_rank_vars, rank), _first_int(environ, local_size_vars, size)
 
 
 def _process_identity(pid: int) -> tuple[object, str]:
@@ -309,31 +305,27 @@ def detect(
                 "init_process_group: pass both rank and world_size, or neither "
                 f"(got rank={rank}, world_size={world_size})"
             )
-    local_rank, local_world_size = 0, 1
+    found = launcher_in(environ)
     if rank is not None and world_size is not None:
         launcher = "explicit"
         local_rank, local_world_size = rank, world_size
+    elif found is not None:
+        launcher = found
+        rank, world_size, local_rank, local_world_size = _read_launcher(found, environ)
     else:
-        launcher = "single"
-        rank, world_size = 0, 1
-        for name, rank_var, size_var, local_rank_vars, local_size_vars in _LAUNCHERS:
-            if rank_var in environ and size_var in environ:
-                launcher = name
-                rank, world_size = _int(environ, rank_var), _int(environ, size_var)
-                local_rank = _first_int(environ, local_rank_vars, rank)
-                local_world_size = _first_int(environ, local_size_vars, world_size)
-                break
-        else:
-            _refuse_half_set_launcher(environ)
+        _refuse_half_set_launcher(environ)
+        launcher, rank, world_size, local_rank, local_world_size = "single", 0, 1, 0, 1
     addr = master_addr or environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
-    started_by = launcher_in(environ) or launcher
+    started_by = found or launcher
     if master_port is not None:
         port = int(master_port)
     elif environ.get("MASTER_PORT"):
         port = _int(environ, "MASTER_PORT")
     else:  # the launcher's, whichever way the ranks were given
-        sizes = _launcher_sizes(started_by, environ, local_world_size, world_size)
-        port = _default_port(started_by, environ, *sizes)
+        local_size, size = local_world_size, world_size
+        if found is not None and launcher == "explicit":
+            _, size, _, local_size = _read_launcher(found, environ)
+        port = _default_port(started_by, environ, local_size, size)
     return DistEnv(
         rank=rank,
         world_size=world_size,

@@ -36,6 +36,10 @@ from ddp.devices import comm_device, control_tensor, to_host
 __all__ = ["TouchedRows", "check_dense_tables", "embedding_tables", "row_sparse_tables"]
 
 
+_TABLES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+"""The modules whose weight gradient is row-sparse (dense layout), or sparse with ``sparse=True``."""
+
+
 def _row_view(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``flat`` (one parameter's gradient) as a 2-D table: one row per index of the first dimension."""
     rows = shape[0] if len(shape) else 1
@@ -130,7 +134,7 @@ def check_dense_tables(module: torch.nn.Module, prefix: str) -> None:
     sparse = [
         (name, type(m).__name__)
         for name, m in module.named_modules()
-        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+        if isinstance(m, _TABLES) and m.sparse and m.weight.requires_grad
     ]
     if sparse:
         shown = ", ".join(f"{kind} {name or '(the module)'!r}" for name, kind in sparse[:4])
@@ -156,7 +160,7 @@ def embedding_tables(module: torch.nn.Module, params: list[torch.Tensor]) -> lis
     tables = {
         id(m.weight)
         for m in module.modules()
-        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and not m.sparse
+        if isinstance(m, _TABLES) and not m.sparse
     }
     return [
         i

@@ -325,9 +325,8 @@ def _accumulate_over_synced_backwards(group: FakeProcessGroup, gradient_sync: st
         worst = 0.0
         for bucket in manager.buckets:
             flat = torch.zeros(bucket.padded_numel, dtype=torch.float64)
-            for p, view in zip(bucket.params, bucket.views, strict=True):
-                start = view.data_ptr() - bucket.grad_data.data_ptr()
-                flat[start // view.element_size() :][: p.numel()] = expected[id(p)]
+            for p, start in zip(bucket.params, bucket.offsets, strict=True):
+                flat[start : start + p.numel()] = expected[id(p)]
             shard = slice(rank * bucket.padded_numel // world, (rank + 1) * bucket.padded_numel // world)
             worst = max(worst, float((bucket.grad_data[shard].double() - flat[shard]).abs().max()))
         errors.append(worst)

@@ -73,18 +73,17 @@ _MPI_LAUNCHERS = frozenset({"openmpi", "pmix", "mpich", "slurm"})
 _TORCHRUN_DEFAULT_RUN_ID = "none"
 
 
-def uses_torchrun_agent_store(env: DistEnv, environ: Mapping[str, str] | None = None) -> bool:
+def uses_torchrun_agent_store(env: DistEnv) -> bool:
     """True under torchrun when its agent already serves the store at this rank's rendezvous address.
 
     Ranks from torchrun's variables or from explicit arguments alike (``started_by``),
     as long as the port is torchrun's ``MASTER_PORT`` (no rule 3 there: the agent's
     store is the job's).
     """
-    environ = os.environ if environ is None else environ
     return (
         env.started_by == "torchrun"
-        and environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        and environ.get("MASTER_PORT", "") == str(env.master_port)
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        and os.environ.get("MASTER_PORT", "") == str(env.master_port)
     )
 
 

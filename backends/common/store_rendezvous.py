@@ -286,11 +286,15 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
     error = result.get("error")
     if helper.busy:
         # End its wait now: a thread still inside torch's client when the interpreter exits aborts it.
-        for _ in range(10 if accepted else 0):
-            shut_down_new_connections(env.master_port, before)
-            if helper.wait_idle(0.2):
-                break
-        else:
+        # A connection shut down ends the client's wait for a greeting; without one, it only retries.
+        ended = False
+        if accepted:
+            for _ in range(10):
+                shut_down_new_connections(env.master_port, before)
+                if helper.wait_idle(0.2):
+                    ended = True
+                    break
+        if not ended:
             if not _left_behind:
                 atexit.register(_wait_for_left_behind)
             _left_behind.append(helper)

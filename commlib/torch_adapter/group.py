@@ -87,13 +87,13 @@ _Staged = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _stage(tensor: torch.Tensor, staged: _Staged) -> torch.Tensor:
-    """A contiguous copy of ``tensor`` (which is not contiguous) for commlib to write; noted in ``staged``.
+    """``tensor`` for commlib to write: itself if contiguous, else a contiguous copy noted in ``staged``.
 
     The copy holds ``tensor``'s values (an in-place operation reads them). A tensor whose
     elements share memory (an ``expand()``ed view) is returned as it is: no result can be
     copied back into it, and commlib refuses it before any data moves, naming the operation.
     """
-    if torch._debug_has_internal_overlap(tensor) == 1:  # 1: overlaps for certain
+    if tensor.is_contiguous() or torch._debug_has_internal_overlap(tensor) == 1:  # 1: overlaps for certain
         return tensor
     dense = tensor.contiguous()
     staged.append((tensor, dense))
@@ -114,7 +114,7 @@ def _finish(work: Work, staged: _Staged) -> Work:
 
 def _outputs(tensors: Sequence[torch.Tensor], staged: _Staged) -> list[torch.Tensor]:
     """The tensors an operation writes, each non-contiguous one staged."""
-    return [t if t.is_contiguous() else _stage(t, staged) for t in tensors]
+    return [_stage(t, staged) for t in tensors]
 
 
 def _inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -310,8 +310,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.BroadcastOptions()
         tensor = _one(tensors, "broadcast")
         staged: _Staged = []
-        if not tensor.is_contiguous():
-            tensor = _stage(tensor, staged)
+        tensor = _stage(tensor, staged)
         return self._run(opts, tensors, self._group.broadcast, tensor, opts.rootRank, staged=staged)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
@@ -322,8 +321,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         if tensor.dtype.is_complex:
             tensor = self._as_real(tensor, op, "reduce")
         staged: _Staged = []
-        if not tensor.is_contiguous():
-            tensor = _stage(tensor, staged)
+        tensor = _stage(tensor, staged)
         return self._run(opts, tensors, self._group.reduce, tensor, opts.rootRank, op, staged=staged)
 
     def allgather(
@@ -347,7 +345,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         """
         opts = opts if opts is not None else dist.AllgatherOptions()
         staged: _Staged = []
-        output = output_tensor if output_tensor.is_contiguous() else _stage(output_tensor, staged)
+        output = _stage(output_tensor, staged)
         n = self._group.world_size
         return self._run(
             opts,
@@ -434,8 +432,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         tensor = _one(output_tensors, "scatter")
         scatter_list = _inputs(input_tensors[0]) if input_tensors else None
         staged: _Staged = []
-        if not tensor.is_contiguous():
-            tensor = _stage(tensor, staged)
+        tensor = _stage(tensor, staged)
         return self._run(
             opts, output_tensors, self._group.scatter, tensor, scatter_list, opts.rootRank, staged=staged
         )
@@ -452,8 +449,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
             output = self._as_real(output, op, "reduce_scatter")
             inputs = [torch.view_as_real(t) if t.dtype.is_complex else t for t in inputs]
         staged: _Staged = []
-        if not output.is_contiguous():
-            output = _stage(output, staged)
+        output = _stage(output, staged)
         return self._run(opts, output_tensors, self._group.reduce_scatter, output, inputs, op, staged=staged)
 
     def reduce_scatter_single(
@@ -492,7 +488,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         if output.dtype.is_complex:
             output = self._as_real(output, op, "reduce_scatter_tensor")
             tensor = torch.view_as_real(tensor) if tensor.dtype.is_complex else tensor
-        return (output if output.is_contiguous() else _stage(output, staged)), tensor.contiguous()
+        return _stage(output, staged), tensor.contiguous()
 
     def alltoall(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
@@ -527,7 +523,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
             opts,
             [output],
             self._group.all_to_all_single,
-            output if output.is_contiguous() else _stage(output, staged),
+            _stage(output, staged),
             input,
             list(output_split_sizes) or None,
             list(input_split_sizes) or None,
