@@ -409,3 +409,61 @@ def test_a_rank_that_gave_up_behind_idle_connections_exits_with_its_own_status()
     ), out.stdout + out.stderr
     assert "terminate called" not in out.stderr
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# ------------------------------------------------------------ a store the group is given
+def _given(store: Any, rank: int, world_size: int = 2) -> DistEnv:
+    return DistEnv(rank=rank, world_size=world_size, launcher="explicit", store=store)
+
+
+def test_in_a_given_store_a_rank_0_of_another_job_fails_alone_and_the_job_forms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two rank 0s meet in one part of a store two jobs share: the second raises, the first's job forms."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    import backends.common.store_rendezvous as store_rendezvous
+    from backends.common.jobtoken import job_token
+
+    tokens = threading.local()
+    monkeypatch.setattr(
+        store_rendezvous,
+        "job_token",
+        lambda env, **kw: job_token(env, {"COMMLIB_JOB_TOKEN": getattr(tokens, "value", "ours")}, **kw),
+    )
+
+    def join(rank: int, token: str) -> Any:
+        tokens.value = token
+        return join_job_store(_given(store, rank), 20.0, "gloo")
+
+    store = HashStore()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        ours = pool.submit(join, 0, "ours")
+        wait_until(lambda: store.num_keys() >= 2, 20, "rank 0 publishes its challenge")
+        with pytest.raises(RendezvousError, match="another process already leads this rendezvous as rank 0"):
+            pool.submit(join, 0, "theirs").result(timeout=60)
+        scopes = [ours, pool.submit(join, 1, "ours")]
+        stores = [f.result(timeout=60) for f in scopes]
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v"
+
+
+def test_in_a_given_store_a_rank_that_comes_after_rank_0_failed_reads_why() -> None:
+    """Rank 0 refuses rank 1's world size and gives up; rank 2, coming later, reads rank 0's error."""
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(join_job_store, _given(store, 0, 3), 20.0, "gloo")]
+        futures.append(pool.submit(join_job_store, _given(store, 1, 2), 20.0, "gloo"))
+        for future in futures:
+            with pytest.raises(RendezvousError, match="rank 1 was started with world size 2, rank 0 with 3"):
+                future.result(timeout=60)
+    with pytest.raises(RendezvousError) as late:
+        join_job_store(_given(store, 2, 3), 20.0, "gloo")
+    assert str(late.value).startswith(
+        "[rank 2/3] gloo.rendezvous: rendezvous failed on rank 0: [rank 0/3] gloo.rendezvous: rank 1 was "
+        "started with world size 2, rank 0 with 3; start every rank with the same WORLD_SIZE"
+    )

@@ -119,6 +119,11 @@ class JobToken:
         if not self.accepted:
             object.__setattr__(self, "accepted", (self.key,))
 
+    @property
+    def tag(self) -> str:
+        """A public name of this token (an HMAC, so it says nothing of the key), to keep jobs' keys apart."""
+        return sign_with(self.key, "tag")[:16]
+
     def sign(self, *parts: Any) -> str:
         """Return the proof (hex HMAC-SHA256) over ``parts`` (JSON-serialisable values) with ``key``."""
         return sign_with(self.key, *parts)

@@ -71,7 +71,7 @@ from backends.common.admission import (
     raise_if_holder_answered,
     token_mismatch_advice,
 )
-from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
+from backends.common.jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
 from backends.common.native_sockets import connections_to, shut_down_new_connections
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
@@ -114,17 +114,21 @@ class _Context(RendezvousContext):
 
     base: str = ""
     agent_store: bool = False
+    fresh: bool = False  # ``base`` is this group's alone (given or agent store), not the port's server's
 
 
-def scope_in(store: Any, base: str, rank: int) -> str:
+def scope_in(store: Any, base: str, rank: int, token: JobToken) -> str:
     """A key prefix under ``base`` that no earlier group meeting in ``store`` used.
 
     A store may serve several groups one after another (torch reuses a group's
     name, and with it its part of the store, after ``destroy_process_group``).
     Each rank counts its own uses of ``base``; the ranks of one group have met
     there equally often, so they arrive at the same count without talking.
+    The count is kept per job token (``JobToken.tag``): a process of another job
+    that comes to the store as rank ``r`` does not shift this job's rank ``r``
+    into another part of it.
     """
-    return f"{base}/{int(store.add(f'{base}/uses/{rank}', 1))}"
+    return f"{base}/{int(store.add(f'{base}/uses/{token.tag}/{rank}', 1))}"
 
 
 def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
@@ -148,9 +152,10 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
     """
     global _store_generation
     agent_store = uses_torchrun_agent_store(env)
+    token = job_token(env, local_parent=not agent_store)
     base = "commlib/job-check/v1"
     if env.store is not None:
-        base = scope_in(env.store, base, env.rank)
+        base = scope_in(env.store, base, env.rank, token)
     elif agent_store:
         # torchrun's store outlives this group: keep each group's and each restart's keys apart.
         _store_generation += 1
@@ -160,9 +165,10 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
         prefix=error_prefix(env.rank, env.world_size, backend, "rendezvous"),
         deadline=time.monotonic() + timeout,
         timeout=timeout,
-        token=job_token(env, local_parent=not agent_store),
+        token=token,
         base=base,
         agent_store=agent_store,
+        fresh=env.store is not None or agent_store,
     )
     if env.rank == 0:
         store = env.store if env.store is not None else _open_store(ctx)
@@ -364,6 +370,8 @@ def _answer_problem(answer: Any) -> str | None:
 
 _CLOSED = json.dumps({"closed": True})
 """What the challenge key holds once rank 0's check is over (``_Leader.close``)."""
+_UNREAD_TOLD = 256
+"""A failing rank 0 tells at most this many answers it has not read yet why (a flood has more)."""
 _REOPEN_PAUSE_S = (0.01, 0.2)
 """A rank that read ``_CLOSED`` connects again after this pause, doubling from the first to the second."""
 
@@ -387,6 +395,7 @@ class _Leader:
         self.pids: dict[int, int] = {0: os.getpid()}  # rank -> pid, of every rank in (this one included)
         self.challenge = ""  # as published, to tell whether someone has replaced it
         self.refusals = Refusals(ctx)
+        self.next_slot = 1  # the first answer slot not read yet
 
     def run(self) -> str:
         ctx = self.ctx
@@ -397,7 +406,7 @@ class _Leader:
             "host": socket.gethostname(),
         }
         self.challenge = json.dumps(challenge)
-        self.store.set(f"{ctx.base}/challenge", self.challenge)
+        self._publish_challenge()
         logger.debug("%slistening at %s (%s)", ctx.prefix, ctx.master, ctx.token.identity)
         slot = 1
         while len(self.accepted) < ctx.env.world_size - 1:
@@ -409,6 +418,7 @@ class _Leader:
                 if _is_timeout(e) or time.monotonic() >= ctx.deadline:
                     self._fail(RendezvousTimeoutError(self._timeout_message()))
                 self._fail(RendezvousError(f"{ctx.prefix}the store at {ctx.master} failed: {e}"))
+            self.next_slot = slot + 1
             self._on_answer(slot, _decode(raw))
             slot += 1
         scope = f"{ctx.base}/job/{self.nonce}/"
@@ -418,10 +428,40 @@ class _Leader:
         self.close()
         return scope
 
-    def close(self) -> None:
-        """End the check: the challenge becomes ``_CLOSED`` (best effort: the store may be failing)."""
+    def _publish_challenge(self) -> None:
+        """Put this check's challenge in the store, unless another process leads a check there.
+
+        ``compare_set`` takes the key in one step, so a second process started as rank 0 (a
+        duplicated ``RANK=0``, or another job's rank 0 in a store two jobs share) raises here
+        alone, and the first goes on. In the store this process serves itself, whose port
+        no other rank 0 can hold, it replaces what an earlier group left there.
+        """
+        ctx, key = self.ctx, f"{self.ctx.base}/challenge"
+        if not ctx.fresh:
+            self.store.set(key, self.challenge)
+            return
+        held = bytes(self.store.compare_set(key, "", self.challenge))
+        if held == self.challenge.encode():
+            return
+        other = _decode(held)
+        other = other if isinstance(other, dict) else {}
+        raise RendezvousError(
+            f"{ctx.prefix}another process already leads this rendezvous as rank 0 in the store at "
+            f"{ctx.master} (pid {other.get('pid', '?')!r:.20} on {other.get('host', '?')!r:.60}, its job: "
+            f"{other.get('identity', '?')!r:.300}): rank 0 is duplicated, or two jobs share the store. "
+            f"Every rank needs its own RANK, 0..{ctx.env.world_size - 1}; give each job its own MASTER_PORT"
+        )
+
+    def close(self, error: str = "") -> None:
+        """End the check: the challenge becomes ``_CLOSED`` (best effort: the store may be failing).
+
+        Args:
+            error: Why the check failed. In a part of the store that is this group's alone, the
+                notice carries it, so a rank that comes after rank 0 gave up reads why.
+        """
+        notice = json.dumps({"closed": True, "error": error}) if error and self.ctx.fresh else _CLOSED
         try:  # only this check's own challenge: a later group of this process may share the server
-            self.store.compare_set(f"{self.ctx.base}/challenge", self.challenge, _CLOSED)
+            self.store.compare_set(f"{self.ctx.base}/challenge", self.challenge, notice)
         except Exception:  # noqa: BLE001, S110 - a store that fails now fails the next group's check too
             pass
 
@@ -492,24 +532,45 @@ class _Leader:
         missing = sorted(set(range(1, ctx.env.world_size)) - set(self.accepted))
         return missing_ranks_message(ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refusals)
 
+    def _unread_slots(self) -> list[int]:
+        """The answers written after the one read last, which wait for a verdict (a bounded number).
+
+        A rank that claims a slot after this looks (so after ``close``) reads the notice instead.
+        """
+        slots: list[int] = []
+        slot = self.next_slot
+        try:
+            while len(slots) < _UNREAD_TOLD and self.store.check([f"{self.ctx.base}/answer/{slot}"]):
+                slots.append(slot)
+                slot += 1
+        except Exception:  # noqa: BLE001, S110 - a failing store: tell whom it can
+            pass
+        return slots
+
     def _fail(self, error: RendezvousError, told: tuple[int, ...] = ()) -> NoReturn:
         """Tell every accepted rank why the rendezvous failed, then raise ``error``.
 
         ``told``: slots already given their verdict. Rank 0 waits a moment
         (``_READ_WAIT_S``) for every rank it told to read its verdict: the store
         lives in this process, and a rank still waiting for its verdict when
-        rank 0 exits would learn only that the connection was reset.
+        rank 0 exits would learn only that the connection was reset. In a part
+        of the store that is this group's alone, it waits for every rank instead:
+        one that comes later reads the failure from the challenge's notice.
         """
-        self.close()
+        self.close(str(error))
         slots = list(told)
-        for slot, _key, _nonce in self.accepted.values():
+        waiting = [slot for slot, _key, _nonce in self.accepted.values()] + self._unread_slots()
+        for slot in waiting:
             try:
                 self._verdict(slot, {"error": str(error)})
                 slots.append(slot)
             except Exception:  # noqa: BLE001, S110 - the error below is what matters
                 pass
-        if slots:
-            keys = [f"{self.ctx.base}/verdict-read/{slot}" for slot in slots]
+        keys = [f"{self.ctx.base}/verdict-read/{slot}" for slot in slots]
+        if self.ctx.fresh and not isinstance(error, RendezvousTimeoutError):
+            # Every rank, also those not in yet: they read the notice (``close``) when they come.
+            keys = [f"{self.ctx.base}/read/{rank}" for rank in range(1, self.ctx.env.world_size)]
+        if keys:
             try:
                 self.store.set_timeout(datetime.timedelta(seconds=_READ_WAIT_S))
                 self.store.wait(keys)
@@ -586,6 +647,7 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
             ) from None
         raise _StoreGone(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
     challenge = _decode(raw)
+    _raise_if_failed(ctx, store, challenge)
     if isinstance(challenge, dict) and challenge.get("closed") is True:
         raise _ChallengeClosed(
             f"{prefix}the store at {ctx.master} still holds the end of an earlier rendezvous of rank 0 "
@@ -609,18 +671,44 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
     answer = json.dumps({"record": record, "proof": ctx.token.sign("join", challenge["nonce"], record)})
     try:
         slot = _claim_slot(store, ctx.base, answer, ctx)
+        # Rank 0, failing, closes the challenge before it tells the answers written so far: if it is
+        # still open now, this answer gets its verdict.
+        notice = _decode(bytes(store.get(f"{ctx.base}/challenge"))) if ctx.fresh else None
+    except Exception as e:  # noqa: BLE001
+        raise _no_verdict(ctx, e) from None
+    _raise_if_failed(ctx, store, notice)
+    try:
         # Rank 0 answers by its own deadline, with the verdict or with the names of the missing ranks;
         # wait a little past it so that this rank reports those names, not a bare timeout.
         raw = _get(store, f"{ctx.base}/verdict/{slot}", ctx.remaining(_VERDICT_GRACE_S))
         store.set(f"{ctx.base}/verdict-read/{slot}", "1")  # rank 0 may exit now if it is failing
+        if ctx.fresh:
+            store.set(f"{ctx.base}/read/{env.rank}", "1")
     except Exception as e:  # noqa: BLE001
-        if _is_timeout(e):
-            raise RendezvousTimeoutError(
-                f"{prefix}rank 0 did not answer within {ctx.timeout:.1f} s: some ranks never arrived at "
-                f"{ctx.master} (rank 0 names them), or rank 0 is stuck"
-            ) from None
-        raise RendezvousError(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
+        raise _no_verdict(ctx, e) from None
     return challenge, record, _decode(raw)
+
+
+def _no_verdict(ctx: _Context, error: Exception) -> RendezvousError:
+    """What a rank raises when the store failed, or ran out of time, before rank 0's verdict came."""
+    if _is_timeout(error):
+        return RendezvousTimeoutError(
+            f"{ctx.prefix}rank 0 did not answer within {ctx.timeout:.1f} s: some ranks never arrived at "
+            f"{ctx.master} (rank 0 names them), or rank 0 is stuck"
+        )
+    return RendezvousError(f"{ctx.prefix}rank 0 dropped the rendezvous at {ctx.master}: {error}")
+
+
+def _raise_if_failed(ctx: _Context, store: Any, challenge: Any) -> None:
+    """Raise rank 0's error if ``challenge`` is the notice that its check failed (``_Leader.close``)."""
+    if not (isinstance(challenge, dict) and challenge.get("closed") is True and challenge.get("error")):
+        return
+    try:
+        store.set(f"{ctx.base}/read/{ctx.env.rank}", "1")  # rank 0 may exit now
+    except Exception:  # noqa: BLE001, S110 - rank 0 is gone already: its error is what matters
+        pass
+    failed = RendezvousTimeoutError if "timed out" in str(challenge["error"]) else RendezvousError
+    raise failed(f"{ctx.prefix}rendezvous failed on rank 0: {challenge['error']!s:.2000}")
 
 
 def _claim_slot(store: Any, base: str, answer: str, ctx: RendezvousContext | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from backends.common.jobtoken import job_token
 from backends.common.store_rendezvous import scope_in
 from backends.mpi.group import MPIProcessGroup
 from backends.mpi.library import load_mpi
@@ -43,7 +44,7 @@ def _members_comm(env: DistEnv, timeout: float) -> Any:
     world = MPI.COMM_WORLD
     prefix = error_prefix(env.rank, env.world_size, "mpi", "init")
     store = env.store
-    base = scope_in(store, "commlib/mpi", env.rank)
+    base = scope_in(store, "commlib/mpi", env.rank, job_token(env))
     store.set(f"{base}/member/{env.rank}", str(world.Get_rank()))
     keys = [f"{base}/member/{r}" for r in range(env.world_size)]
     try:

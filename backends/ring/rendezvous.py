@@ -24,7 +24,9 @@ Protocol 2 (length-prefixed JSON frames over TCP):
    signed over a nonce rank 0 publishes, are exchanged through that store, and
    the session key is derived from the token. A group given a store of its own
    (``DistEnv.store``: torch.distributed hands one to every backend it creates)
-   makes the same exchange through it, and opens no rendezvous port.
+   makes the same exchange through it, and opens no rendezvous port. In either
+   store, gloo's job check runs first (``backends.common.store_rendezvous``):
+   a process holding another job token is refused there, alone.
 5. Each rank connects to its right neighbour's data listener with a hello
    signed by the session key, and accepts its left neighbour's: two sockets
    per rank (at world size 2, 0->1 and 1->0 are separate links). Nothing else
@@ -62,7 +64,7 @@ from backends.common.admission import (
     token_mismatch_advice,
 )
 from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_store, verify_with
-from backends.common.store_rendezvous import join_job_store, scope_in
+from backends.common.store_rendezvous import join_job_store
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
 from commlib.env import DistEnv
@@ -264,27 +266,17 @@ def _exchange_through_store(
 ) -> tuple[list[Peer], dict[str, Any], bytes]:
     """Publish this rank's signed record in the group's store (or torchrun's agent store) and read everyone's.
 
-    In a store the group was given, the keys go under a prefix no earlier group
-    used there (``scope_in``), and each rank claims its rank there. In torchrun's
-    store, which outlives every group of the job and rank 0 alike, each rank first
-    passes gloo's job check (``join_job_store``): a process holding another job
-    token is refused there, alone, and never reaches this job's part of the store,
-    so it can neither take a rank nor end the job.
+    Each rank first passes gloo's job check in the store (``join_job_store``),
+    which keeps every group's keys apart: a process holding another job token is
+    refused there, alone, and never reaches this job's part of the store, so it
+    can neither take a rank nor end the job.
     """
     import json
 
     env, prefix = ctx.env, ctx.prefix
     remaining = ctx.remaining
-    if env.store is not None:
-        store, where = env.store, "the group's store"
-        base = scope_in(store, "commlib/ring", env.rank)
-        if store.add(f"{base}/claims/{env.rank}", 1) != 1:
-            raise RendezvousError(
-                f"{prefix}two processes claim rank {env.rank}; every rank needs its own RANK"
-            )
-    else:
-        where = f"torchrun's store at {ctx.master}"
-        store, base = join_job_store(env, remaining().total_seconds(), "ring"), "commlib/ring"
+    where = "the group's store" if env.store is not None else f"torchrun's store at {ctx.master}"
+    store, base = join_job_store(env, remaining().total_seconds(), "ring"), "commlib/ring"
     me = Peer(
         env.rank,
         host_id(),

@@ -111,10 +111,9 @@ def test_survivor_raises_commlib_error_and_exits_normally(backend: str, integrat
         ("commlib_ring", [2, 3]),
         ("commlib_ring", [3, 2, 3]),
         ("commlib_gloo", [2, 3]),
-        # Not ("commlib_gloo", [3, 2, 3]): rank 2 may answer the store's job check after rank 0 has
-        # refused rank 1 and left, and reads only "rank 0 dropped the rendezvous".
+        ("commlib_gloo", [3, 2, 3]),
     ],
-    ids=["ring-rank1_larger", "ring-rank1_smaller", "gloo-rank1_larger"],
+    ids=["ring-rank1_larger", "ring-rank1_smaller", "gloo-rank1_larger", "gloo-rank1_smaller"],
 )
 def test_world_size_mismatch_gives_every_rank_commlibs_message(backend: str, sizes: list[int]) -> None:
     outcomes = run_ranks_outcomes(
@@ -134,3 +133,62 @@ def test_world_size_mismatch_gives_every_rank_commlibs_message(backend: str, siz
         assert "start every rank with the same WORLD_SIZE" in error, error
         # Each names rank 1's size and a size it disagrees with.
         assert f"rank 1 was started with world size {sizes[1]}" in error, error
+
+
+# One rank of a job through the adapter: torch's env:// rendezvous, whose TCPStore rank 0 hosts.
+_ADAPTER_RANK = """
+import datetime, os, torch, torch.distributed as dist, commlib.torch_adapter
+dist.init_process_group(os.environ["BACKEND"], timeout=datetime.timedelta(seconds=60))
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+print("SUM", t.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
+def test_in_torchs_store_a_rank_with_another_token_is_refused_alone_and_the_job_forms(backend: str) -> None:
+    """A process with another job token reaches rank 0's store first and claims rank 1: it alone fails.
+
+    It is refused in the job check; this job's rank 1, started once it has ended, joins the same
+    part of the store (the stranger's visit counts nothing there), and the job sums 1 + 2.
+    """
+    import subprocess
+    import sys
+
+    from commlib.ports import free_port
+    from tests.conftest import REPO_ROOT, scrubbed_env
+
+    port = free_port()
+
+    def rank(r: int, token: str) -> subprocess.Popen[str]:
+        env = {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        return subprocess.Popen(
+            [sys.executable, "-c", _ADAPTER_RANK],
+            cwd=REPO_ROOT,
+            env=scrubbed_env(**env, BACKEND=backend, COMMLIB_JOB_TOKEN=token, PYTHONPATH=str(REPO_ROOT)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    ranks = [rank(0, "ours")]
+    try:
+        stray = rank(1, "theirs")
+        ranks.append(stray)
+        stray_out, stray_err = stray.communicate(timeout=120)
+        ranks.append(rank(1, "ours"))
+        outputs = [p.communicate(timeout=120) for p in (ranks[0], ranks[2])]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    inner = backend.removeprefix("commlib_")
+    assert stray.returncode != 0 and "SUM" not in stray_out
+    assert f"RendezvousError: [rank 1/2] {inner}.rendezvous: rank 0" in stray_err, stray_err[-2000:]
+    assert "it holds another job token" in stray_err
+    for (out, err), p in zip(outputs, (ranks[0], ranks[2]), strict=True):
+        assert p.returncode == 0 and "SUM 3.0" in out, err[-3000:]
+    assert "claiming rank 1 of world size 2" in outputs[0][1]  # rank 0 logged the refusal and went on
