@@ -130,9 +130,8 @@ class PointToPoint:
         return issue(self, requests, self._batch_p2p, requests, True)
 
     def _start_p2p(self, request: P2PRequest, async_op: bool) -> list[Work]:
-        if request.kind == "send":
-            return [self._send(request.tensor, request.peer, request.tag, async_op)]  # type: ignore[arg-type]
-        return [self._recv(request.tensor, request.peer, request.tag, async_op)]
+        start = self._send if request.kind == "send" else self._recv
+        return [start(request, async_op)]
 
     def _reserved_p2p(self, kind: str, tensor: torch.Tensor, peer: int) -> Work:
         """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``.
@@ -147,18 +146,11 @@ class PointToPoint:
         return work
 
     def _request_label(self, request: P2PRequest) -> CollectiveLabel:
-        """Name a checked send or receive for messages (``_p2p_label``, from what the request holds)."""
+        """Name a checked send or receive for messages, by its own number (``mpi.send #2 to rank 1 ...``)."""
         kind, tensor, peer, tag, seq = request
         env = self._env
         return CollectiveLabel(
             env.rank, env.world_size, self.backend_name, kind, seq, tensor, peer, tag, self._named_ranks
-        )
-
-    def _p2p_label(self, op: str, tensor: torch.Tensor | None, peer: int | None, tag: int) -> CollectiveLabel:
-        """Name the latest ``send`` / ``recv`` with ``peer`` and ``tag`` for messages."""
-        seq = self._p2p_counts.get((op, peer, tag), 0)
-        return CollectiveLabel(
-            self.rank, self.world_size, self.backend, op, seq, tensor, peer, tag, self._named_ranks
         )
 
     # --------------------------------------------------- backend implementation
@@ -175,17 +167,21 @@ class PointToPoint:
         work._is_recv = True  # noqa: SLF001
         return work.source_rank()
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        """Start a send of flat ``tensor`` to ``dst`` (never this rank).
+    def _send(self, request: P2PRequest, async_op: bool) -> Work:
+        """Start ``request``: a send of flat ``request.tensor`` to ``request.peer`` (never this rank).
 
         The work fails on both sides if the receiver's tensor has a different
         size, and with ``CommTimeoutError`` naming peer and tag if no receive
-        comes within the group's timeout. It must not advance ``_seq``.
+        comes within the group's timeout. It must not advance ``_seq``. Its
+        messages name it by ``_request_label(request)``.
         """
         raise self._not_implemented("send")
 
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        """Start a receive into flat ``tensor`` from ``src`` (None: any rank; ``work._set_source(r)``)."""
+    def _recv(self, request: P2PRequest, async_op: bool) -> Work:
+        """Start ``request``: a receive into flat ``request.tensor`` from ``request.peer``.
+
+        ``request.peer`` None: from any rank (``work._set_source(r)``).
+        """
         raise self._not_implemented("recv")
 
     def _batch_p2p(self, requests: list[P2PRequest], async_op: bool) -> list[Work]:
@@ -195,12 +191,7 @@ class PointToPoint:
         backend overrides it only if those could block each other (two ranks
         sending to each other in one batch must not deadlock).
         """
-        return [
-            self._send(r.tensor, r.peer, r.tag, True)  # type: ignore[arg-type]
-            if r.kind == "send"
-            else self._recv(r.tensor, r.peer, r.tag, True)
-            for r in requests
-        ]
+        return [(self._send if r.kind == "send" else self._recv)(r, True) for r in requests]
 
 
 def issue(

@@ -9,6 +9,7 @@ import torch
 
 from commlib.config import CommConfig
 from commlib.env import DistEnv
+from commlib.p2p import P2PRequest
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CompletedWork, Work
@@ -129,11 +130,13 @@ class FakeGroup(IProcessGroup):
     def _all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool) -> Work:
         return self._record("all_to_all", outputs=outputs, inputs=inputs, async_op=async_op)
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        return self._record("send", tensor=tensor, dst=dst, tag=tag, async_op=async_op)
+    def _send(self, request: P2PRequest, async_op: bool) -> Work:
+        tensor, dst, tag = request.tensor, request.peer, request.tag
+        return self._record("send", tensor=tensor, dst=dst, tag=tag, seq=request.seq, async_op=async_op)
 
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        work = self._record("recv", tensor=tensor, src=src, tag=tag, async_op=async_op)
+    def _recv(self, request: P2PRequest, async_op: bool) -> Work:
+        tensor, src, tag = request.tensor, request.peer, request.tag
+        work = self._record("recv", tensor=tensor, src=src, tag=tag, seq=request.seq, async_op=async_op)
         if src is None:
             work._set_source(self.any_source)
         return work

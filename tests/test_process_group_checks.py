@@ -26,6 +26,7 @@ from commlib import (
     ReduceOpTypeError,
 )
 from commlib.membership import NonGroupMember
+from commlib.p2p import P2PRequest
 from commlib.process_group import IProcessGroup
 from commlib.types import INT_DTYPES, SUPPORTED_DTYPES, op_applies
 from tests._fake_groups import FakeGroup, FloatOnlyGroup, NoProductGroup, RecordingWork, make_env
@@ -1030,8 +1031,9 @@ def test_p2p_never_advances_the_collective_sequence(group: FakeGroup) -> None:
     assert group.recv(torch.ones(2)) == 3
     assert group._seq == 1
     assert group._p2p_counts == {("send", 0, 3): 2, ("recv", 2, 0): 1, ("recv", None, 0): 1}
+    assert [c.args["seq"] for c in group.calls if c.method == "send"] == [1, 2]  # each its own number
     assert (
-        str(group._p2p_label("send", torch.ones(2), 0, 3))
+        str(group._request_label(P2PRequest("send", torch.ones(2), 0, 3, 2)))
         == "[rank 1/4] fake.send #2 to rank 0 tag 3 (float32, 2 elements)"
     )
     with pytest.raises(CommError, match="source_rank\\(\\) is defined for the work of recv / irecv only"):
@@ -1282,8 +1284,8 @@ def test_a_subgroups_labels_name_it_by_its_global_ranks(group: FakeGroup) -> Non
     assert str(child._label("all_reduce", torch.ones(2))) == (
         "[rank 0/2] fake.all_reduce #0 (float32, 2 elements) in group [1, 3] (global ranks)"
     )
-    assert str(child._p2p_label("send", torch.ones(2), 1, 4)).endswith(
-        "fake.send #0 to rank 1 tag 4 (float32, 2 elements) in group [1, 3] (global ranks)"
+    assert str(child._request_label(P2PRequest("send", torch.ones(2), 1, 4, 1))).endswith(
+        "fake.send #1 to rank 1 tag 4 (float32, 2 elements) in group [1, 3] (global ranks)"
     )
     grandchild = child.new_group([0])
     assert grandchild is not None and "in group [1] (global ranks)" in str(grandchild._label("barrier"))

@@ -71,6 +71,7 @@ from commlib.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
+from commlib.p2p import P2PRequest
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, CompletedWork, Work
@@ -608,20 +609,21 @@ class MPIProcessGroup(IProcessGroup):
         )
 
     # --------------------------------------------------------- point-to-point
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        return self._p2p("send", tensor, dst, tag, async_op)
+    def _send(self, request: P2PRequest, async_op: bool) -> Work:
+        return self._p2p(request, async_op)
 
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        return self._p2p("recv", tensor, src, tag, async_op)
+    def _recv(self, request: P2PRequest, async_op: bool) -> Work:
+        return self._p2p(request, async_op)
 
-    def _p2p(self, op: str, tensor: torch.Tensor, peer: int | None, tag: int, async_op: bool) -> Work:
-        """Start a send to, or a receive from, ``peer`` (None: any rank) through ``backends.mpi.p2p``."""
+    def _p2p(self, request: P2PRequest, async_op: bool) -> Work:
+        """Start a send to, or a receive from, ``request.peer`` (None: any rank): ``backends.mpi.p2p``."""
+        op, tensor, peer, tag, _seq = request
         if tag > self._tag_ub:  # the interface checked it against commlib's bound already
             raise ValueError(
                 f"{self._prefix(op)}tag={tag} is larger than this MPI library allows (MPI_TAG_UB = "
                 f"{self._tag_ub}); use a tag in 0..{self._tag_ub}"
             )
-        label = self._p2p_label(op, tensor, peer, tag)
+        label = self._request_label(request)
         payload = self._payload(op, tensor, str(label), send=op == "send")
         post = self._messages.send if op == "send" else self._messages.recv
         start = functools.partial(post, payload, layout_of(tensor), peer, tag)

@@ -620,9 +620,10 @@ class RingProcessGroup(IProcessGroup):
             return super()._p2p_now(request)
         return self._peer_links_for(request.kind).run(request, self._request_label)
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
+    def _send(self, request: P2PRequest, async_op: bool) -> Work:
         p2p = self._peer_links_for("send")
-        label = self._p2p_label("send", tensor, dst, tag)
+        tensor, dst, tag = request.tensor, request.peer, request.tag
+        label = self._request_label(request)
         if tensor.is_cpu:  # the links read it in place
             body: Callable[[], Any] = functools.partial(p2p.send, tensor, dst, tag, label)
         else:
@@ -635,9 +636,10 @@ class RingProcessGroup(IProcessGroup):
             body = on_host(self.timeout, run, Staged(tensor, copy_out=False))
         return p2p.send_lane(dst).submit(label, body, async_op, tensor)
 
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
+    def _recv(self, request: P2PRequest, async_op: bool) -> Work:
         p2p = self._peer_links_for("recv")
-        label = self._p2p_label("recv", tensor, src, tag)
+        tensor, src, tag = request.tensor, request.peer, request.tag
+        label = self._request_label(request)
         receive = p2p.receive(tensor, src, tag, label)  # issued as it takes its place on the lane
         if tensor.is_cpu:  # the links write it in place
             body: Callable[[], Any] = functools.partial(p2p.finish, receive)

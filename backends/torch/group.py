@@ -91,6 +91,7 @@ from commlib.config import CommConfig
 from commlib.env import DistEnv, read_env_var
 from commlib.errors import BackendUnavailableError, CommError, error_prefix
 from commlib.lanes import Lane
+from commlib.p2p import P2PRequest
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from commlib.work import CollectiveLabel, Work
@@ -525,13 +526,13 @@ class TorchDistProcessGroup(IProcessGroup):
             )
         return engine
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, async_op: bool) -> Work:
-        label = self._p2p_label("send", tensor, dst, tag)
-        return self._p2p_engine("send").send(tensor, dst, tag, label)
+    def _send(self, request: P2PRequest, async_op: bool) -> Work:
+        label = self._request_label(request)
+        return self._p2p_engine("send").send(request.tensor, request.peer, request.tag, label)
 
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, async_op: bool) -> Work:
-        label = self._p2p_label("recv", tensor, src, tag)
-        return self._p2p_engine("recv").recv(tensor, src, tag, label)
+    def _recv(self, request: P2PRequest, async_op: bool) -> Work:
+        label = self._request_label(request)
+        return self._p2p_engine("recv").recv(request.tensor, request.peer, request.tag, label)
 
     # ------------------------------------------------------------- diagnosis
     def _fingerprint_exchange(self) -> Callable[[bytes, float, object, bool], bytes] | None:

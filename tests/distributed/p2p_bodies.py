@@ -197,6 +197,22 @@ def body_size_mismatch(group: IProcessGroup) -> dict[str, Any]:
         got = torch.zeros(3)
         group.recv(got, 0, tag=11)
         out["after"] = got.tolist()
+    # In one batch, the mismatched op is named by its own number, not by the batch's last one.
+    peer, op = (1, group.isend) if r == 0 else (0, group.irecv)
+    tensors = [torch.ones(8), torch.full((3,), 4.0)] if r == 0 else [torch.zeros(5), torch.zeros(3)]
+    works = group.batch_isend_irecv([P2POp(op, t, group_peer=peer, tag=12) for t in tensors])
+    errors = []
+    for work in works:
+        try:
+            work.wait()
+            errors.append(None)
+        except MessageSizeError as e:
+            errors.append(str(e))
+    out["batch"] = {
+        "errors": errors,
+        "numbers": group._p2p_counts[("send" if r == 0 else "recv", peer, 12)],
+        "second": tensors[1].tolist(),
+    }
     out["seq"] = group._seq
     return out
 

@@ -347,6 +347,9 @@ def test_interface_p2p_large_mismatch_and_unmatched_send(job: Job) -> None:
         assert "tag 11" in sender[case] and sender[case].startswith("[rank 0/2] ")
         assert "tag 11" in receiver[case] and receiver[case].startswith("[rank 1/2] ")
     assert receiver["after"] == [4.0, 4.0, 4.0], "the pair must stay in step after a size mismatch"
+    for side, kind in ((sender, "send"), (receiver, "recv")):
+        first, second = side["batch"]["errors"]  # the batch's mismatched op, by its own number
+        assert second is None and f"mpi.{kind} #{side['batch']['numbers'] - 1} " in first, side["batch"]
     assert sender["seq"] == receiver["seq"], "point-to-point advanced the collective sequence"
     sender, waiter = (values[rank][f"{P2P}:body_unmatched_send(4.0,)"] for rank in (0, 1))
     error = sender["error"]

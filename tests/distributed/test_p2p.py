@@ -70,6 +70,11 @@ def test_100_mib_and_size_mismatch(get_pool, variant: str) -> None:
     for text in (sender["smaller"], receiver["smaller"]):
         assert "tag 11" in text and text.startswith(f"[rank {0 if text is sender['smaller'] else 1}/2] ")
     assert receiver["after"] == [4.0, 4.0, 4.0], "the pair must stay in step after a size mismatch"
+    for side, kind in ((sender, "send"), (receiver, "recv")):
+        batch = side["batch"]
+        first, second = batch["errors"]
+        assert second is None and batch["second"] == [4.0] * 3, batch
+        assert f".{kind} #{batch['numbers'] - 1} " in first, first  # the first op's own number
     assert sender["seq"] == receiver["seq"], "point-to-point advanced the collective sequence"
 
 
