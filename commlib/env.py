@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -268,6 +269,25 @@ def _refuse_half_set_launcher(environ: Mapping[str, str]) -> None:
             )
 
 
+def _warn_if_launcher_disagrees(found: str, environ: Mapping[str, str], rank: int, world_size: int) -> None:
+    """Log a WARNING when ``rank``/``world_size`` passed by hand differ from the launcher's (they win)."""
+    try:
+        started_rank, started_size, _, _ = _read_launcher(found, environ)
+    except ValueError:
+        return  # malformed launcher variables: the arguments are all there is
+    if (started_rank, started_size) != (rank, world_size):
+        logging.getLogger("commlib").warning(
+            "init_process_group: rank=%d, world_size=%d were passed, but %s started this process as "
+            "rank %d of %d. The arguments win; a rank started with another world size waits for ranks "
+            "the job does not have, until COMMLIB_TIMEOUT",
+            rank,
+            world_size,
+            found,
+            started_rank,
+            started_size,
+        )
+
+
 def detect(
     *,
     rank: int | None = None,
@@ -309,6 +329,8 @@ def detect(
     if rank is not None and world_size is not None:
         launcher = "explicit"
         local_rank, local_world_size = rank, world_size
+        if found is not None:
+            _warn_if_launcher_disagrees(found, environ, rank, world_size)
     elif found is not None:
         launcher = found
         rank, world_size, local_rank, local_world_size = _read_launcher(found, environ)

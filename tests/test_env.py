@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -67,6 +68,21 @@ def test_explicit_arguments_win_over_launcher_variables() -> None:
     assert fields(env) == ("explicit", 0, 2, 0, 2)
     # The rendezvous address still comes from the environment when not passed.
     assert (env.master_addr, env.master_port) == ("10.1.2.3", 23456)
+
+
+def test_explicit_arguments_that_differ_from_the_launchers_are_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="commlib")
+    detect(rank=3, world_size=4, environ=TORCHRUN)  # the same as torchrun's: nothing to say
+    assert not caplog.records
+    env = detect(rank=1, world_size=2, environ=TORCHRUN)
+    assert fields(env)[:3] == ("explicit", 1, 2)
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        "init_process_group: rank=1, world_size=2 were passed, but torchrun started this process as "
+        "rank 3 of 4. The arguments win"
+    )
 
 
 def test_explicit_master_address_wins_over_environment() -> None:
