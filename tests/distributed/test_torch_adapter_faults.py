@@ -158,6 +158,7 @@ def test_in_torchs_store_a_rank_with_another_token_is_refused_alone_and_the_job_
     import sys
 
     from commlib.ports import free_port
+    from tests._strangers import stranger_first
     from tests.conftest import REPO_ROOT, scrubbed_env
 
     port = free_port()
@@ -173,22 +174,11 @@ def test_in_torchs_store_a_rank_with_another_token_is_refused_alone_and_the_job_
             text=True,
         )
 
-    ranks = [rank(0, "ours")]
-    try:
-        stray = rank(1, "theirs")
-        ranks.append(stray)
-        stray_out, stray_err = stray.communicate(timeout=120)
-        ranks.append(rank(1, "ours"))
-        outputs = [p.communicate(timeout=120) for p in (ranks[0], ranks[2])]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    stray, ours = stranger_first(rank)
     inner = backend.removeprefix("commlib_")
-    assert stray.returncode != 0 and "SUM" not in stray_out
-    assert f"RendezvousError: [rank 1/2] {inner}.rendezvous: rank 0" in stray_err, stray_err[-2000:]
-    assert "it holds another job token" in stray_err
-    for (out, err), p in zip(outputs, (ranks[0], ranks[2]), strict=True):
-        assert p.returncode == 0 and "SUM 3.0" in out, err[-3000:]
-    assert "claiming rank 1 of world size 2" in outputs[0][1]  # rank 0 logged the refusal and went on
+    assert stray.returncode != 0 and "SUM" not in stray.out
+    assert f"RendezvousError: [rank 1/2] {inner}.rendezvous: rank 0" in stray.err, stray.err[-2000:]
+    assert "it holds another job token" in stray.err
+    for finished in ours:
+        assert finished.returncode == 0 and "SUM 3.0" in finished.out, finished.err[-3000:]
+    assert "claiming rank 1 of world size 2" in ours[0].err  # rank 0 logged the refusal and went on
