@@ -137,12 +137,14 @@ class PointToPoint:
         """Start a send or receive of the interface's own on the reserved tag ``max_tag + 1``.
 
         No user's send or receive can name that tag, so these never match one. ``tensor`` is
-        the interface's own: flat, on the host, never seen by autograd.
+        the interface's own: flat, on the host, never seen by autograd. The diagnosis does not
+        watch them: the operation they serve reports its own failures, and a stall warning
+        about a tag the user never used would only mislead.
         """
         key = (kind, peer, self.max_tag + 1)
         self._p2p_counts[key] = seq = self._p2p_counts.get(key, 0) + 1
         own = P2PRequest(kind, tensor, peer, self.max_tag + 1, seq)
-        (work,) = issue(self, [own], self._start_p2p, own, True)
+        (work,) = issue(self, [own], self._start_p2p, own, True, watched=False)
         return work
 
     def _request_label(self, request: P2PRequest) -> CollectiveLabel:
@@ -200,13 +202,15 @@ def issue(
     start: Callable[[Any, bool], list[Work]],
     what: Any,
     async_op: bool,
+    *,
+    watched: bool = True,
 ) -> list[Work]:
     """Issue point-to-point operations (they never advance ``_seq``); return their works.
 
     ``start(what, async_op)`` starts them; with ``async_op=False`` it may run them to the end first.
-    The diagnosis, when it is on, watches them.
+    The diagnosis, when it is on, watches them (unless ``watched`` is False).
     """
-    diagnostics = group._diagnostics
+    diagnostics = group._diagnostics if watched else None
     works = (
         diagnostics.issue_p2p(group, requests, start, what, async_op)
         if diagnostics is not None

@@ -564,6 +564,53 @@ def test_divergence_by_missing_rank_ignores_evicted_entries() -> None:
     assert "rank 1: missing (its last recorded collective is all_reduce #12" in text
 
 
+def test_an_uneven_all_to_all_is_no_divergence_and_a_root_is_named_as_the_op_names_it() -> None:
+    rank0 = [_entry(1, "all_to_all", numel=2), {**_entry(2, "reduce"), "root": 1}]
+    rank1 = [_entry(1, "all_to_all", numel=6), {**_entry(2, "reduce"), "root": 1, "status": "failed"}]
+    text = "\n".join(find_divergence({0: _dump(0, rank0), 1: _dump(1, rank1)}))
+    assert "no divergence" in text, text  # each rank sends what its peers expect, not one size
+    assert "rank 1: reduce #2 float32 (4,) SUM dst=1 [failed]" in text, text
+
+
+def test_a_rank_whose_window_holds_only_later_sends_and_receives_is_not_missing() -> None:
+    recv = {**_entry(0, "recv"), "peer": 0, "tag": 0}
+    rank0 = {**_dump(0, [_entry(1)]), "groups": [{**_dump(0, [_entry(1)])["groups"][0], "issued": 1}]}
+    rank1 = _dump(1, [{**recv, "seq": s} for s in range(1, 9)])
+    rank1["groups"][0]["issued"] = 1  # all_reduce #1 began; eight receives since pushed it out
+    text = "\n".join(find_divergence({0: rank0, 1: rank1}))
+    assert "no divergence" in text, text
+    assert "rank 1 last: #1, out of its window" in text, text
+    del rank1["groups"][0]["issued"]  # a dump from before ``issued`` was written: missing, as then
+    assert "some rank never reached it" in "\n".join(find_divergence({0: rank0, 1: rank1}))
+
+
+def test_a_failed_entry_keeps_its_context_and_a_closing_group_writes_no_dump(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from commlib.diagnosis import flight_recorder
+    from commlib.errors import GroupClosedError, PeerFailureError
+
+    dumped: list[BaseException] = []
+    monkeypatch.setattr(flight_recorder, "dump_on_error", dumped.append)
+    recorder = FlightRecorder(4, "fake", 0, 1, None)
+    record = (1, "all_reduce", torch.float32, torch.Size([4]), ReduceOp.SUM, -1)
+    closed = recorder.begin(record)
+    recorder.follow(closed, Work("pending").annotate("DDP bucket 7"))
+    recorder.failed(closed, GroupClosedError("[rank 0/1] fake.all_reduce #1: the group closed"))
+    assert dumped == []  # closing is no failure to diagnose
+    failed = recorder.begin((2, *record[1:]))
+    recorder.follow(failed, Work("pending").annotate("DDP bucket 3"))
+    recorder.failed(failed, PeerFailureError("[rank 0/1] fake.all_reduce #2: rank 1 left"))
+    assert [type(e) for e in dumped] == [PeerFailureError]
+    group = recorder.snapshot()
+    assert [(e["seq"], e["status"], e["context"]) for e in group["entries"]] == [
+        (1, "failed", "DDP bucket 7"),
+        (2, "failed", "DDP bucket 3"),
+    ]
+    assert group["issued"] == 2
+    del recorder
+
+
 def test_no_divergence_names_the_first_unfinished_collective() -> None:
     same = [_entry(1), _entry(2, status="in flight")]
     text = "\n".join(find_divergence({0: _dump(0, same), 1: _dump(1, same)}))

@@ -49,7 +49,7 @@ __all__ = [
 COLLECTIVES = WIRE_COLLECTIVES
 """Collectives a fingerprint can name, by their index on the wire."""
 
-_ROOTS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
+ROOT_NAMES = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 """What the root of a rooted collective is called."""
 
 _DTYPES = WIRE_DTYPES
@@ -84,7 +84,7 @@ def describe_call(
     if op is not None:
         parts.append(op.name)
     if root >= 0:
-        parts.append(f"{_ROOTS.get(kind, 'src')}={root}")
+        parts.append(f"{ROOT_NAMES.get(kind, 'src')}={root}")
     return " ".join(parts)
 
 
@@ -225,7 +225,7 @@ def mismatch_detail(prints: Sequence[Fingerprint]) -> str | None:
             + ". Every rank must pass the same op"
         )
     if len({fp.root for fp in ordered}) > 1:
-        arg = _ROOTS.get(ordered[0].kind, "src")
+        arg = ROOT_NAMES.get(ordered[0].kind, "src")
         return (
             f"ranks disagree on the {'destination' if arg == 'dst' else 'source'} rank: "
             + ranks_by_value(ordered, lambda fp: f"{arg}={fp.root}")

@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from commlib.diagnosis.fingerprint import ROOT_NAMES
 from commlib.diagnosis.watchdog import Record
-from commlib.errors import CommError
+from commlib.errors import CommError, GroupClosedError
 from commlib.types import dtype_name
 from commlib.work import Work
 
@@ -58,7 +59,7 @@ _signal_sockets: tuple[socket.socket, socket.socket] | None = None
 class _Entry:
     """One collective in the recorder."""
 
-    __slots__ = ("record", "start", "end", "status", "error", "work")
+    __slots__ = ("record", "start", "end", "status", "error", "work", "context")
 
     def __init__(self, record: Record, start: float) -> None:
         self.record = record
@@ -67,6 +68,7 @@ class _Entry:
         self.status = "in flight"
         self.error: str | None = None
         self.work: Work | None = None
+        self.context: str | None = None  # the work's annotation, kept once the work is let go
 
     def as_json(self) -> dict[str, Any]:
         seq, kind, dtype, shape, op, root = self.record[:6]
@@ -86,7 +88,7 @@ class _Entry:
             "duration_s": None if self.end is None else round(self.end - self.start, 6),
             "status": self.status,
             "error": self.error,
-            "context": work.context if work is not None else None,
+            "context": work.context if work is not None else self.context,
         }
 
 
@@ -116,6 +118,7 @@ class FlightRecorder:
     ) -> None:
         global _created
         self._entries: deque[_Entry] = deque(maxlen=capacity)
+        self._issued = 0  # the number of the latest collective begun, whether or not still in the window
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
@@ -134,6 +137,8 @@ class FlightRecorder:
         """Record that the collective ``record`` starts now."""
         entry = _Entry(record, time.time())
         self._entries.append(entry)
+        if len(record) <= 6:  # a collective (a send or receive also has a tag)
+            self._issued = record[0]
         return entry
 
     def completed(self, entry: _Entry) -> None:
@@ -142,12 +147,18 @@ class FlightRecorder:
         entry.status = "completed"
 
     def failed(self, entry: _Entry, error: BaseException, *, dump: bool = True) -> None:
-        """Record that the collective failed; dump everything if it is a ``CommError`` (and ``dump``)."""
+        """Record that the collective failed; dump everything if it is a ``CommError`` (and ``dump``).
+
+        A group closing under an operation (``GroupClosedError``) writes no dump: the dump of
+        whatever failed first stays as it was.
+        """
         entry.end = time.time()
         entry.status = "failed"
         entry.error = f"{type(error).__name__}: {error}"
-        entry.work = None
-        if dump and isinstance(error, CommError):
+        if entry.work is not None:
+            entry.context = entry.work.context
+            entry.work = None
+        if dump and isinstance(error, CommError) and not isinstance(error, GroupClosedError):
             dump_on_error(error)
 
     def follow(self, entry: _Entry, work: Work) -> None:
@@ -172,6 +183,7 @@ class FlightRecorder:
             "world_size": self.world_size,
             "global_ranks": list(self.global_ranks),
             "capacity": self._entries.maxlen,
+            "issued": self._issued,
             "entries": [entry.as_json() for entry in list(self._entries)],
         }
 
@@ -320,7 +332,7 @@ def _call_text(entry: dict[str, Any]) -> str:
     if entry.get("reduce_op"):
         parts.append(entry["reduce_op"])
     if entry.get("root", -1) >= 0:
-        parts.append(f"src={entry['root']}")
+        parts.append(f"{ROOT_NAMES.get(entry['op'], 'src')}={entry['root']}")
     status = entry["status"] + (f": {entry['error']}" if entry.get("error") else "")
     return " ".join(parts) + f" [{status}]"
 
@@ -337,7 +349,9 @@ def _is_p2p(entry: dict[str, Any]) -> bool:
 
 
 def _key(entry: dict[str, Any]) -> tuple[Any, ...]:
-    return (entry["op"], entry.get("dtype"), entry.get("numel"), entry.get("reduce_op"), entry.get("root"))
+    """What every rank's call of one collective shares (an all_to_all's size is each rank's own)."""
+    numel = None if entry["op"] == "all_to_all" else entry.get("numel")
+    return (entry["op"], entry.get("dtype"), numel, entry.get("reduce_op"), entry.get("root"))
 
 
 def find_divergence(dumps: dict[int, dict[str, Any]]) -> list[str]:
@@ -376,8 +390,9 @@ def _group_divergence(name: str, by_rank: dict[int, dict[str, Any]], world: int)
         if _is_p2p(e) and e["status"] != "completed"
     ]
     entries = {r: {e["seq"]: e for e in g["entries"] if not _is_p2p(e)} for r, g in by_rank.items()}
-    first = {r: min(e, default=0) for r, e in entries.items()}
-    last = {r: max(e, default=0) for r, e in entries.items()}
+    # A rank reached every collective it began, also those that sends and receives pushed out of its window.
+    last = {r: max(max(entries[r], default=0), int(g.get("issued", 0))) for r, g in by_rank.items()}
+    first = {r: min(e, default=last[r] + 1) for r, e in entries.items()}
     divergence = None
     for seq in sorted(set().union(*(set(e) for e in entries.values()))):
         missing = [r for r in entries if last[r] < seq]
@@ -403,11 +418,14 @@ def _group_divergence(name: str, by_rank: dict[int, dict[str, Any]], world: int)
                 tail = entries[r].get(last[r])
                 before = f"its last recorded collective is {_call_text(tail)}" if tail else "it recorded none"
                 lines.append(f"    rank {r}: missing ({before})")
-            else:
+            elif entries[r]:
                 lines.append(f"    rank {r}: not in its window (it keeps #{first[r]} onwards)")
+            else:
+                lines.append(f"    rank {r}: not in its window (#{last[r]} began; sends, receives followed)")
     for r in sorted(entries):
         tail = entries[r].get(last[r])
-        lines.append(f"  rank {r} last: {_call_text(tail) if tail else 'nothing recorded'}")
+        gone = f"#{last[r]}, out of its window" if last[r] else "nothing recorded"
+        lines.append(f"  rank {r} last: {_call_text(tail) if tail else gone}")
     if unfinished:
         lines.append("  sends and receives not completed:")
         lines.extend(f"    {text}" for text in unfinished)

@@ -46,19 +46,28 @@ def late_ranks(group: IProcessGroup, late: list[int], wait_all: bool, timeout_s:
     The late ranks wait for rank 0's word (a user message) instead, so that they are alive, and
     not at the barrier, while the others wait.
     """
+    from tests.distributed.diagnosis_bodies import CapturedWarnings
+
     r = group.rank
     group.monitored_barrier(timeout=30)
     if r in late:
         done = torch.zeros(1, dtype=torch.int64)
         group.recv(done, 0, DONE_TAG)
         return {"late": True}
-    try:
-        group.monitored_barrier(timeout=timeout_s, wait_all_ranks=wait_all)
-    except CommError as e:
-        error = e
-    else:
-        raise AssertionError(f"rank {r}: monitored_barrier passed although ranks {late} never called it")
+    with CapturedWarnings() as warnings:
+        try:
+            group.monitored_barrier(timeout=timeout_s, wait_all_ranks=wait_all)
+        except CommError as e:
+            error = e
+        else:
+            raise AssertionError(f"rank {r}: monitored_barrier passed although ranks {late} never called it")
     if r == 0:
         for peer in late:
             group.send(torch.ones(1, dtype=torch.int64), peer, DONE_TAG)
-    return {"late": False, "error_type": type(error).__name__, "error": str(error)}
+    reserved = f"tag {group.max_tag + 1} "  # the barrier's own messages: it reports its failure itself
+    return {
+        "late": False,
+        "error_type": type(error).__name__,
+        "error": str(error),
+        "warned_about_its_messages": [w for w in warnings.messages if reserved in w],
+    }
