@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests._launcher import run_ranks
 from tests.distributed import bodies
 from tests.distributed.conftest import VARIANTS
 
@@ -60,3 +61,13 @@ def test_a_ring_collective_reaches_its_algorithm_in_three_plumbing_frames(get_po
         assert len(chains) == 4
         for chain in chains:
             assert chain == ["RingProcessGroup._execute", "Lane.submit", "RingProcessGroup._submit"], chain
+
+
+def test_with_the_small_message_path_off_a_tensor_of_fewer_elements_than_ranks_reduces() -> None:
+    """``COMMLIB_RING_SMALL_BYTES=0`` (off): on two ranks, one rank's half of a 1-element tensor is empty."""
+    env = {"COMMLIB_RING_SMALL_BYTES": "0", "COMMLIB_TIMEOUT": "30"}
+    for variant in ("ring-shm", "ring-tcp"):
+        env["COMMLIB_RING_TRANSPORT"] = VARIANTS[variant][1]["COMMLIB_RING_TRANSPORT"]
+        args = (("float32", "int64"), (1, 2, 3))
+        digests = run_ranks(bodies.body_all_reduce, 2, backend="ring", args=args, env=env, timeout=120)
+        assert digests[0] == digests[1] and digests[0], variant  # each checked against the reference
