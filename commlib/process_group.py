@@ -644,7 +644,9 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         """Send ``input_tensor_list[j]`` to rank ``j``; receive rank ``j``'s into ``output_tensor_list[j]``.
 
         Entries may differ in size from peer to peer (what rank ``i`` sends to
-        ``j`` must have as many elements as ``j``'s output entry ``i``).
+        ``j`` must have as many elements as ``j``'s output entry ``i``). The
+        outputs may share memory with the inputs (in place): the inputs are then
+        copied first.
 
         Args:
             output_tensor_list: ``world_size`` contiguous tensors that receive.
@@ -658,6 +660,8 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         self._check_usable(name)
         outputs = self._tensor_list(name, output_tensor_list, "output_tensor_list", None)
         inputs = self._tensor_list(name, input_tensor_list, "input_tensor_list", output_tensor_list[0])
+        if _share_memory(outputs, inputs):  # a block received must not overwrite one still to send
+            inputs = [t.clone() for t in inputs]
         increment_version(outputs)
         like = input_tensor_list[0]
         self._bytes_issued += sum(t.nbytes for t in inputs)
@@ -687,6 +691,8 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
     ) -> Work | None:
         """``all_to_all`` on two tensors split along dim 0.
 
+        ``output`` may share memory with ``input`` (in place): ``input`` is then copied first.
+
         Args:
             output: Receives the blocks, rank ``j``'s at split ``j``.
             input: Sends split ``j`` to rank ``j``.
@@ -710,6 +716,8 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         self._check_tensor(name, output, "output")
         self._check_tensor(name, input, "input")
         self._check_same_kind(name, input, "input", output)
+        if _share_memory([output], [input]):  # a block received must not overwrite one still to send
+            input = input.clone()  # noqa: A001
         outputs = self._split_rows(name, output, output_split_sizes, "output")
         inputs = self._split_rows(name, input, input_split_sizes, "input")
         increment_version(output.detach())
@@ -928,3 +936,9 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
             and output.data_ptr() == flat_input[start:].data_ptr()
             and output.is_contiguous()
         )
+
+
+def _share_memory(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> bool:
+    """True if some input lives in the storage of some output (an ``all_to_all`` in place)."""
+    held = {t.untyped_storage().data_ptr() for t in outputs}
+    return any(t.untyped_storage().data_ptr() in held for t in inputs)

@@ -353,6 +353,13 @@ def body_all_to_all(
             group.all_to_all_single(output, source.to(device))
             expected = torch.cat([piece(j, r, block, dtype, salt + 50) for j in range(n)])
             assert torch.equal(output.cpu(), expected), f"all_to_all_single(even) {what}: wrong data"
+            # In place: the output is the input (equal splits), then the list is its own output.
+            inout = source.clone().to(device)
+            group.all_to_all_single(inout, inout)
+            assert torch.equal(inout.cpu(), expected), f"all_to_all_single(x, x) {what}: wrong data"
+            blocks = list(source.clone().to(device).chunk(n)) if block else [source[:0].clone()] * n
+            group.all_to_all(blocks, blocks)
+            assert torch.equal(torch.cat(blocks).cpu(), expected), f"all_to_all(list, list) {what}: wrong"
     return []
 
 
