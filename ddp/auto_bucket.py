@@ -16,9 +16,11 @@ so the cap is the whole model (one bucket), chosen without calibrating.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -38,6 +40,8 @@ from ddp.cost_model import (
 )
 from ddp.devices import comm_device, control_tensor, to_host
 from ddp.observe.stats import StepRecorder
+
+logger = logging.getLogger("commlib")
 
 __all__ = ["AutoBucketReport", "AutoBucketSizer", "TUNE_AFTER_BACKWARDS"]
 
@@ -129,8 +133,9 @@ class AutoBucketSizer:
         self._params = list(params)
         self._synced = 0
         self._measured: tuple[float, list[int], list[float], float] | None = None
+        self._measured_layout: dict[str, Any] = {}
         total = sum(p.numel() * p.element_size() for p in params)
-        if cost_model is None and group.world_size == 1:
+        if group.world_size == 1:  # nothing is communicated: one bucket, whatever a cost model says
             whole = max(total, 1)
             self.report = AutoBucketReport(
                 cost_model=None, model_bytes=total, seed_cap_bytes=whole, cap_bytes=whole, tuned=True
@@ -147,6 +152,20 @@ class AutoBucketSizer:
                     f"{prefix}calibrating the {group.backend} group failed: {e}. Pass a number as "
                     "bucket_size_mb (25 is torch's default) or a cost_model to skip calibration"
                 ) from e
+        elif cost_model.world_size and (cost_model.backend, cost_model.world_size) != (
+            group.backend,
+            group.world_size,
+        ):
+            logger.warning(
+                "%sthe cost_model was measured on %s at world size %d, and this group is %s at world size "
+                "%d: its bucket size may not suit this group. Calibrate on this group "
+                "(ddp.calibrate(group)) to size the buckets for it",
+                error_prefix(group.rank, group.world_size, "ddp", "auto_bucket"),
+                cost_model.backend,
+                cost_model.world_size,
+                group.backend,
+                group.world_size,
+            )
         seed = cost_model.seed_optimal_bucket_bytes(total)
         seed_cap = round(min(max(seed, MIN_AUTO_CAP), max(total, 1)))
         self.report = AutoBucketReport(
@@ -167,6 +186,7 @@ class AutoBucketSizer:
             backward,
             cap_bytes,
             busy_bandwidth_Bps=busy_w,
+            **self._measured_layout,
         )
 
     @property
@@ -196,6 +216,7 @@ class AutoBucketSizer:
         if group.rank == 0:
             chosen, tried, seed_result, backward, busy_model = _simulate(report, manager, recorder)
             self._measured = (busy_model.bandwidth_Bps, manager.order, _arrivals(manager, recorder), backward)
+            self._measured_layout = _layout(manager)
             values = [chosen.cap_bytes, chosen.cost_s, seed_result.cost_s, backward, busy_model.bandwidth_Bps]
             candidates = tuple((r.cap_bytes, r.num_buckets, r.cost_s) for r in tried)
         decision = control_tensor(group, values, torch.float64)
@@ -226,8 +247,9 @@ def _simulate(
     model = report.cost_model
     assert model is not None, "a one-rank report is final from the start"
     busy = in_backward(model, recorder.service_times())
+    layout = _layout(manager)
     chosen, tried = choose_bucket_size(
-        model, params, order, arrival, backward, busy_bandwidth_Bps=busy.bandwidth_Bps
+        model, params, order, arrival, backward, busy_bandwidth_Bps=busy.bandwidth_Bps, **layout
     )
     seed_result = simulate_schedule(
         model,
@@ -237,8 +259,14 @@ def _simulate(
         backward,
         report.seed_cap_bytes,
         busy_bandwidth_Bps=busy.bandwidth_Bps,
+        **layout,
     )
     return chosen, tried, seed_result, backward, busy
+
+
+def _layout(manager: GradientBucketManager) -> dict[str, Any]:
+    """How DDP lays out buckets besides the cap (the first bucket's cap, touched-rows tables)."""
+    return {"first_bucket_bytes": manager.first_bucket_bytes, "row_sparse": manager.row_sparse}
 
 
 def _arrivals(manager: GradientBucketManager, recorder: StepRecorder) -> list[float]:

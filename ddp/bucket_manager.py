@@ -307,6 +307,11 @@ class GradientBucketManager:
     def _plan_for(self, order: list[int]) -> list[list[int]]:
         return plan_buckets(self._params, order, self.bucket_bytes, self.first_bucket_bytes, self._row_sparse)
 
+    @property
+    def row_sparse(self) -> frozenset[int]:
+        """The parameters whose gradients are exchanged by touched rows (buckets of their own)."""
+        return self._row_sparse
+
     def _make_bucket(self, index: int, members: list[int], is_last: bool) -> GradientBucket:
         params = [self._params[i] for i in members]
         dtype = reduce_dtype_for(params[0].dtype, self.grad_reduce_dtype)

@@ -30,7 +30,7 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -325,7 +325,8 @@ def measure_busy_overhead(
     """
     width = 256
     generator = torch.Generator().manual_seed(0)
-    layers = [torch.nn.Linear(width, width) for _ in range(calls)]
+    with torch.random.fork_rng(devices=[]):  # the layers' initialisation leaves the user's stream alone
+        layers = [torch.nn.Linear(width, width) for _ in range(calls)]
     element = torch.empty((), dtype=dtype).element_size()
     where = group.preferred_device() if device is None else device
     buffers = [_buffer(group, max(1, nbytes // element), dtype, where) for _ in range(calls)]
@@ -469,6 +470,8 @@ def simulate_schedule(
     cap_bytes: int,
     *,
     busy_bandwidth_Bps: float | None = None,
+    first_bucket_bytes: int | None = None,
+    row_sparse: Collection[int] = (),
 ) -> ScheduleResult:
     """Predict when the buckets of a ``cap_bytes`` layout finish, given measured gradient arrival times.
 
@@ -487,10 +490,12 @@ def simulate_schedule(
         backward_s: Seconds from the first gradient to the end of backward.
         cap_bytes: The bucket cap to simulate.
         busy_bandwidth_Bps: Bandwidth during backward (default: the model's).
+        first_bucket_bytes: The first bucket's cap (DDP's ``first_bucket_size_mb``; default ``cap_bytes``).
+        row_sparse: Parameters exchanged by touched rows, in buckets of their own (as DDP lays them).
     """
     quiet = model.bandwidth_Bps
     busy = quiet if busy_bandwidth_Bps is None else min(busy_bandwidth_Bps, quiet)
-    buckets = plan_buckets(params, order, cap_bytes)
+    buckets = plan_buckets(params, order, cap_bytes, first_bucket_bytes, row_sparse)
     finish = 0.0
     during_backward = 0.0
     for members in buckets:
@@ -537,6 +542,8 @@ def choose_bucket_size(
     caps: Sequence[int] | None = None,
     tolerance_s: float | None = None,
     busy_bandwidth_Bps: float | None = None,
+    first_bucket_bytes: int | None = None,
+    row_sparse: Collection[int] = (),
 ) -> tuple[ScheduleResult, list[ScheduleResult]]:
     """Pick the cap whose simulated schedule adds the least to a step (``ScheduleResult.cost_s``).
 
@@ -544,13 +551,17 @@ def choose_bucket_size(
     cost, or 0.5% of backward if larger) count as equal; of those the largest
     wins: fewer calls, and a layout less sensitive to arrival jitter.
 
+    ``first_bucket_bytes`` and ``row_sparse`` lay the buckets out as DDP does
+    (``simulate_schedule``).
+
     Returns:
         The chosen result and the results for every cap tried.
     """
     total = sum(p.numel() * p.element_size() for p in params)
+    layout = {"first_bucket_bytes": first_bucket_bytes, "row_sparse": row_sparse}
     tried = [
         simulate_schedule(
-            model, params, order, arrival_s, backward_s, cap, busy_bandwidth_Bps=busy_bandwidth_Bps
+            model, params, order, arrival_s, backward_s, cap, busy_bandwidth_Bps=busy_bandwidth_Bps, **layout
         )
         for cap in (caps if caps is not None else candidate_caps(total))
     ]

@@ -38,6 +38,7 @@ step's ``StepStats`` goes to the subscribers (``subscribe``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +65,8 @@ from ddp.errors import (
 )
 from ddp.observe.stats import StepRecorder, StepStats
 from ddp.step_guard import StepGuard, register_backward
+
+logger = logging.getLogger("commlib")
 
 __all__ = ["GradSync"]
 
@@ -146,6 +149,7 @@ class GradSync:
         self._hook_s = 0.0
         """Seconds in the hooks' general path this backward, its bucket launches left out."""
         self._bytes_at_begin = 0
+        self._bytes_at_end: int | None = None  # the counter once the gradients were synchronised
         self._extra_collectives = 0
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
@@ -380,6 +384,7 @@ class GradSync:
         timeout = config.timeout_s
         if self._learning and not self.joined:
             self._learn_counts()
+        start = time.perf_counter()  # exposed from here: waiting for a late rank's agreement counts
         verdict = self.guard.agree(timeout)  # the same on every rank
         if isinstance(verdict, RanksOutOfStepError) and verdict.positions:
             # Some rank is in an optimizer operation, not a backward: it shadows this
@@ -412,7 +417,6 @@ class GradSync:
         if self._never and not config.find_unused_parameters:  # (else the used-parameter flags decide)
             never = manager.without_gradient(self._never)
         budget = timeout or group.timeout
-        start = time.perf_counter()
         try:
             manager.finish_grad_sync(timeout)
         except (CommHookError, NonFiniteGradientError) as e:  # this rank's, or every rank's: finish first
@@ -432,6 +436,7 @@ class GradSync:
         if never:
             manager.release_grads(never)
         manager.end_window()
+        self._bytes_at_end = group.bytes_issued  # the layout's rebuild and re-size are no gradients
         self._maybe_rebuild()
         auto = self._auto
         if auto is not None and (auto.after_synced_backward(manager, self.recorder) or auto.report.tuned):
@@ -480,7 +485,8 @@ class GradSync:
         if self.synced and outcome and manager.num_buckets:
             self._extra_collectives += 1  # the outcome agreement (BucketSync.agree)
         self.recorder.extra_collective(self._extra_collectives)
-        sent = group.bytes_issued - self._bytes_at_begin
+        end, self._bytes_at_end = self._bytes_at_end, None
+        sent = (group.bytes_issued if end is None else end) - self._bytes_at_begin
         scattered = self.recorder.bytes_reduced if manager.reduce_scatters else 0
         stats = self.recorder.finish(
             synced=self.synced,
@@ -491,8 +497,18 @@ class GradSync:
             padding_bytes=manager.padding_bytes,
             wire_bytes=wire_bytes(group.world_size, sent, scattered),
         )
-        for subscriber in self._subscribers:
-            subscriber(stats)
+        for subscriber in list(self._subscribers):
+            try:
+                subscriber(stats)
+            except Exception as e:  # noqa: BLE001 - a step's observer must not fail the backward
+                self._subscribers.remove(subscriber)
+                logger.warning(
+                    "%s%r raised %s: %s; it gets no more steps",
+                    self._prefix("step statistics"),
+                    subscriber,
+                    type(e).__name__,
+                    e,
+                )
 
     def _raise_first(self) -> None:
         error = self._problems[0]

@@ -24,7 +24,7 @@ from ddp.cost_model import (
     measure_busy_overhead,
     simulate_schedule,
 )
-from tests._fakes import FakeProcessGroup, run_threads
+from tests._fakes import FakeHub, FakeProcessGroup, run_threads
 from tests.distributed.ddp_bodies import Uniform
 
 KiB = 1024
@@ -490,3 +490,41 @@ def test_calibration_with_sum_when_avg_is_unsupported():
 
     ops = run_threads(body, 2, supports_avg=False, group_factory=costed(1e-4, 1e9))
     assert all(op is ReduceOp.SUM for op in ops[0][:-1]) and ops[0][-1] is ReduceOp.MAX
+
+
+def test_the_simulation_lays_out_buckets_as_ddp_does() -> None:
+    """The first bucket's cap and the touched-rows tables shape the layout the cost is predicted for."""
+    params = [torch.zeros(256) for _ in range(8)]  # 1 KiB each
+    order, arrival = list(range(8)), [0.001 * i for i in range(8)]
+    model = CommCostModel(1e-5, 1e9)
+    whole = simulate_schedule(model, params, order, arrival, 0.01, 8 * 1024)
+    first = simulate_schedule(model, params, order, arrival, 0.01, 8 * 1024, first_bucket_bytes=1024)
+    tables = simulate_schedule(model, params, order, arrival, 0.01, 8 * 1024, row_sparse={3})
+    assert (whole.num_buckets, first.num_buckets, tables.num_buckets) == (1, 2, 2)
+    chosen, tried = choose_bucket_size(
+        model, params, order, arrival, 0.01, caps=[8 * 1024], first_bucket_bytes=1024
+    )
+    assert chosen.num_buckets == 2 and [r.num_buckets for r in tried] == [2]
+
+
+def test_calibrating_leaves_the_users_random_stream_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.randn(3)
+    torch.manual_seed(123)
+    measure_busy_overhead(FakeProcessGroup(0, FakeHub(1)), calls=2, rounds=1, chunk_s=1e-4)
+    assert torch.equal(torch.randn(3), expected)
+
+
+def test_a_cost_model_from_another_group_is_warned_about_and_one_rank_keeps_one_bucket(caplog) -> None:
+    elsewhere = CommCostModel(1e-5, 1e9, backend="mpi", world_size=64)
+
+    def body(group):
+        return AutoBucketSizer(group, [torch.zeros(1 << 16)], cost_model=elsewhere).report
+
+    (solo,) = run_threads(body, 1)
+    assert solo.cost_model is None and solo.cap_bytes == solo.model_bytes  # one rank moves nothing
+    assert "measured on" not in caplog.text
+    run_threads(body, 2)
+    assert "the cost_model was measured on mpi at world size 64, and this group is fake at world size 2" in (
+        caplog.text
+    )

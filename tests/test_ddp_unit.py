@@ -306,3 +306,44 @@ def test_process_group_none_wraps_torch_distributed(tmp_path, clean_commlib):
         assert explicit.process_group.world_size == 1
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------ step statistics
+def _late_rank_step(group, late_s: float) -> float:
+    """Two steps; rank 1 comes to each backward ``late_s`` after rank 0 (a straggler)."""
+    ddp = DistributedDataParallel(nn.Linear(8, 8), group)
+    for _ in range(2):
+        loss = ddp(torch.ones(2, 8)).sum()
+        if group.rank == 1:
+            time.sleep(late_s)  # the straggler: what rank 0's statistics must show
+        loss.backward()
+    return ddp.last_step_stats.exposed_wait_s
+
+
+def test_waiting_for_a_late_rank_at_the_end_of_backward_counts_as_exposed():
+    exposed_on_rank_0, _ = run_threads(_late_rank_step, 2, 0.5)
+    assert exposed_on_rank_0 > 0.25, exposed_on_rank_0  # it waited about 0.5 s for rank 1's agreement
+
+
+def test_the_first_steps_bytes_sent_are_its_gradients_without_the_layouts_rebuild():
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), solo())
+    sent = []
+    for _ in range(2):
+        ddp(torch.ones(2, 8)).sum().backward()
+        sent.append((ddp.last_step_stats.bytes_sent, ddp.last_step_stats.bytes_reduced))
+    assert sent[0] == sent[1] == ((8 * 8 + 8 + 8 * 4 + 4) * 4,) * 2
+
+
+def test_a_step_observer_that_raises_is_dropped_and_training_goes_on(caplog):
+    ddp = DistributedDataParallel(nn.Linear(8, 8), solo())
+    calls = []
+
+    def broken(stats):
+        calls.append(stats.step)
+        raise OSError("disk full")
+
+    ddp._sync.subscribe(broken)
+    for _ in range(3):
+        ddp(torch.ones(2, 8)).sum().backward()
+    assert calls == [0] and ddp.last_step_stats.step == 2
+    assert "raised OSError: disk full; it gets no more steps" in caplog.text

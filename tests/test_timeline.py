@@ -140,6 +140,49 @@ def test_synced_steps_give_backward_wait_ready_and_one_comm_event_per_bucket(tmp
         assert len(events) == 1 + 1 + 3 + 3
 
 
+def test_buckets_in_flight_at_once_get_lanes_of_their_own(tmp_path):
+    """A trace viewer shows only nested spans on one thread: overlapping buckets take lanes."""
+    overlapping = [((0.0, lo, hi), 1, 100) for lo, hi in ((0.010, 0.050), (0.020, 0.060), (0.055, 0.070))]
+    writer = TimelineWriter(tmp_path / "t.json", rank=0, world_size=1, backend="ring")
+    record_steps(writer, [0, 1], buckets=overlapping)
+    trace = read(writer.save())
+    comm = [e for e in trace["traceEvents"] if e.get("cat") == "comm"]
+    assert [(e["args"]["step"], e["args"]["bucket"], e["tid"]) for e in comm] == [
+        (0, 0, 2), (0, 1, 101), (0, 2, 2), (1, 0, 2), (1, 1, 101), (1, 2, 2)
+    ]
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            spans.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for tid, intervals in spans.items():  # on each thread, spans nest or follow one another
+        intervals.sort()
+        for (s0, e0), (s1, e1) in zip(intervals, intervals[1:], strict=False):
+            assert s1 >= e0 - 1e-3 or e1 <= e0 + 1e-3, (tid, (s0, e0), (s1, e1))
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names[2] == "communication" and names[101] == "communication (lane 2)"
+
+
+def test_two_open_writers_for_one_file_write_two_files(tmp_path):
+    """Two DDP models under one COMMLIB_TIMELINE: the second writes ``.model1``, neither loses steps."""
+    first = TimelineWriter(tmp_path / "t.json", rank=0, world_size=2, backend="ring")
+    second = TimelineWriter(tmp_path / "t.json", rank=0, world_size=2, backend="ring")
+    assert (first.path.name, second.path.name) == ("t.rank0.json", "t.rank0.model1.json")
+    first.close()
+    third = TimelineWriter(tmp_path / "t.json", rank=0, world_size=2, backend="ring")
+    assert third.path.name == "t.rank0.json"  # the first is closed: its file is free again
+
+
+def test_a_failed_write_of_a_complete_record_is_logged_and_kept_for_later(tmp_path, caplog):
+    writer = TimelineWriter(tmp_path / "sub" / "t.json", rank=0, world_size=1, backend="ring", max_steps=2)
+    if (tmp_path / "sub").exists():
+        (tmp_path / "sub").rmdir()
+    (tmp_path / "sub").write_text("a file where the directory was")
+    record_steps(writer, [0, 1])  # the record is complete: the write fails, the step is not lost
+    assert "could not write" in caplog.text and writer.steps_recorded == 2
+    (tmp_path / "sub").unlink()
+    assert read(writer.save())["otherData"]["steps_recorded"] == 2
+
+
 def test_metadata_names_process_and_tracks(tmp_path):
     writer = TimelineWriter(tmp_path / "t.json", rank=2, world_size=4, backend="gloo")
     record_steps(writer, [0])
@@ -277,8 +320,8 @@ def test_close_saves_once_and_is_idempotent(tmp_path):
     writer.path.unlink()
     writer.close()
     assert not writer.path.exists()  # the second close wrote nothing
-    with pytest.raises(ValueError, match="closed"):
-        writer.record(make_stats(1, 2.0))
+    writer.record(make_stats(1, 2.0))  # DDP goes on publishing: a closed writer drops the step
+    assert (writer.steps_recorded, writer.steps_dropped) == (1, 1) and not writer.path.exists()
 
 
 def test_save_is_atomic_and_leaves_no_temporary_files(tmp_path, monkeypatch):

@@ -5,18 +5,21 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from commlib.errors import error_prefix
 from ddp.observe.stats import StepStats
+
+logger = logging.getLogger("commlib")
 
 __all__ = [
     "FORMAT",
@@ -37,12 +40,52 @@ DEFAULT_MAX_STEPS = 200
 TID_BACKWARD = 0
 TID_READY = 1
 TID_COMM = 2
+TID_COMM_LANE = 100
+"""Lane ``k`` >= 1 of the communication track is thread ``TID_COMM_LANE + k``: buckets in flight at
+once get lanes of their own, since a trace viewer shows only nested spans on one thread."""
 _THREAD_NAMES = {TID_BACKWARD: "backward", TID_READY: "buckets ready", TID_COMM: "communication"}
+
+
+def lanes(spans: Sequence[tuple[float, float, Any]]) -> tuple[list[int], int]:
+    """Give overlapping spans ``(start, duration, ...)`` separate lanes, greedily in start order.
+
+    Returns:
+        Each span's lane, and how many lanes there are (at least 1).
+    """
+    ends: list[float] = []
+    lane_of = [0] * len(spans)
+    for k in sorted(range(len(spans)), key=lambda k: spans[k][0]):
+        start, duration = spans[k][0], spans[k][1]
+        for lane, end in enumerate(ends):
+            if end <= start:
+                ends[lane] = start + duration
+                lane_of[k] = lane
+                break
+        else:
+            lane_of[k] = len(ends)
+            ends.append(start + duration)
+    return lane_of, max(1, len(ends))
+
+
+def _comm_tid(lane: int) -> int:
+    return TID_COMM if lane == 0 else TID_COMM_LANE + lane
+
 
 # Writers with steps not yet on disk, saved by one atexit hook; weak, so that a writer
 # nobody holds any more can be garbage collected (its unsaved steps are then lost).
 _unsaved: weakref.WeakSet[TimelineWriter] = weakref.WeakSet()
 _atexit_registered = False
+_writers: weakref.WeakSet[TimelineWriter] = weakref.WeakSet()  # every writer of this process
+
+
+def _own_path(path: Path) -> Path:
+    """``path``, or ``path`` with ``.model1``, ``.model2``... in its name while an open writer holds it."""
+    taken = {writer.path for writer in _writers if not writer.closed}
+    candidate, k = path, 0
+    while candidate in taken:
+        k += 1
+        candidate = path.with_name(f"{path.stem}.model{k}{path.suffix}")
+    return candidate
 
 
 def _ts_key(event: dict[str, Any]) -> float:
@@ -133,7 +176,9 @@ class TimelineWriter:
     The file name: ``{rank}`` in ``path`` is replaced by the rank; otherwise, with more than
     one rank, ``.rank<R>`` is inserted before the suffix (``trace.json`` becomes
     ``trace.rank0.json``, ``trace.rank1.json``, ...). With one rank and no ``{rank}`` the
-    path is used as given. The parent directory is created if missing.
+    path is used as given. A second writer of the process for a file an open writer
+    holds (two DDP models under one ``COMMLIB_TIMELINE``) inserts ``.model1`` (then
+    ``.model2``...): ``trace.rank0.model1.json``. The parent directory is created if missing.
 
     Steps are kept in memory and written by ``save()``/``close()``; an exit hook saves
     any unsaved steps when the interpreter exits normally (not on ``os._exit`` or a kill).
@@ -183,7 +228,8 @@ class TimelineWriter:
                 f"{error_prefix(rank, world_size, 'ddp', 'timeline')}max_steps must be a positive "
                 f"integer, got {max_steps!r}"
             )
-        self._path = _resolve_path(path, rank, world_size)
+        self._path = _own_path(_resolve_path(path, rank, world_size))
+        _writers.add(self)
         self._rank = rank
         self._world_size = world_size
         self._backend = str(backend)
@@ -245,14 +291,13 @@ class TimelineWriter:
         Args:
             stats: The step's statistics, e.g. ``model.last_step_stats``.
 
-        Raises:
-            ValueError: The writer is closed.
+        A closed writer counts the step as dropped (DDP goes on publishing steps
+        to it). Where the record is complete, it is written at once; a write that
+        fails is logged at WARNING, and ``save()`` or the exit writes it later.
         """
         if self._closed:
-            raise ValueError(
-                f"{error_prefix(self._rank, self._world_size, 'ddp', 'timeline')}record() on a closed "
-                f"TimelineWriter ({self._path}); create a new writer to record more steps"
-            )
+            self._steps_dropped += 1
+            return
         if len(self._steps) >= self._max_steps:
             self._steps_dropped += 1
         else:
@@ -261,7 +306,16 @@ class TimelineWriter:
             self._mark_unsaved()
         if len(self._steps) == self._max_steps and self._steps_dropped == 0:
             # The record is complete: write it now, so a job killed later still leaves it.
-            self.save()
+            try:
+                self.save()
+            except OSError as e:  # tracing must not stop training: the exit tries again
+                self._mark_unsaved()
+                logger.warning(
+                    "%scould not write %s (%s); it is written again at exit or on save()",
+                    error_prefix(self._rank, self._world_size, "ddp", "timeline"),
+                    self._path,
+                    e,
+                )
 
     def _step_events(self, stats: StepStats) -> list[dict[str, Any]]:
         """Return one step's events, sorted by ``ts``."""
@@ -287,6 +341,12 @@ class TimelineWriter:
         else:
             args = {"step": step, "synced": False, "grads_copied": stats.grads_copied}
             name = f"backward step {step} (no_sync)"
+        comm = [
+            (b.launch_s, b.done_s - b.launch_s, b)
+            for b in stats.buckets
+            if math.isfinite(b.launch_s) and math.isfinite(b.done_s)
+        ]
+        lane_of = dict(zip((b.index for _, _, b in comm), lanes(comm)[0], strict=True))
         events: list[dict[str, Any]] = [
             {
                 "name": name,
@@ -335,7 +395,7 @@ class TimelineWriter:
                         "ts": launch,
                         "dur": round(max(0.0, (b.done_s - b.launch_s) * 1e6), 3),
                         "pid": pid,
-                        "tid": TID_COMM,
+                        "tid": _comm_tid(lane_of[i]),
                         "args": bucket_args,
                     }
                 )
@@ -373,8 +433,10 @@ class TimelineWriter:
         _unsaved.add(self)
 
     # ---------------------------------------------------------------- writing
-    def _metadata(self) -> list[dict[str, Any]]:
+    def _metadata(self, comm_lanes: int) -> list[dict[str, Any]]:
         pid = self._rank
+        names = dict(_THREAD_NAMES)
+        names.update({_comm_tid(k): f"communication (lane {k + 1})" for k in range(1, comm_lanes)})
         events: list[dict[str, Any]] = [
             {
                 "name": "process_name",
@@ -385,7 +447,7 @@ class TimelineWriter:
             },
             {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
         ]
-        for tid, thread in _THREAD_NAMES.items():
+        for tid, thread in names.items():
             events.append(
                 {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread}}
             )
@@ -420,9 +482,11 @@ class TimelineWriter:
         """
         dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
         steps = list(self._steps)
-        events = self._metadata()
+        events = []
         for stats in steps:
             events += self._step_events(stats)
+        tids = {e["tid"] for e in events if e["cat"] == "comm"}
+        events[:0] = self._metadata(1 + max((t - TID_COMM_LANE for t in tids if t > TID_COMM), default=0))
         other = self._other_data(steps)
         # Clear the flag first: a step recorded while writing marks the writer unsaved again.
         self._dirty = False

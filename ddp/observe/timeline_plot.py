@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddp.observe.timeline import load_timeline
+from ddp.observe.timeline import lanes, load_timeline
 
 __all__ = ["main", "render_timeline"]
 
@@ -91,23 +91,6 @@ def _parse(path: str | os.PathLike[str]) -> _RankTrace:
         backend=str(other.get("backend", "?")),
         steps=steps,
     )
-
-
-def _lanes(spans: list[tuple[float, float, int]]) -> tuple[list[int], int]:
-    """Give overlapping bars separate lanes (greedy, in start order); return lanes and their count."""
-    ends: list[float] = []
-    lanes = [0] * len(spans)
-    for k in sorted(range(len(spans)), key=lambda k: spans[k][0]):
-        ts, dur, _ = spans[k]
-        for lane, end in enumerate(ends):
-            if end <= ts:
-                ends[lane] = ts + dur
-                lanes[k] = lane
-                break
-        else:
-            lanes[k] = len(ends)
-            ends.append(ts + dur)
-    return lanes, max(1, len(ends))
 
 
 def _step_range(steps: Sequence[int]) -> str:
@@ -219,9 +202,9 @@ def render_timeline(
                     markersize=5,
                     color=_READY_COLOR,
                 )
-            lanes, nlanes = _lanes(step.comm)
+            lane_of, nlanes = lanes(step.comm)
             lane_h = _ROW_HEIGHT / nlanes
-            for (ts_c, dur_c, bucket), lane in zip(step.comm, lanes, strict=False):
+            for (ts_c, dur_c, bucket), lane in zip(step.comm, lane_of, strict=False):
                 y = y_comm - half + lane * lane_h
                 ax.broken_barh(
                     [(ms(ts_c), dur_c / 1e3)],
