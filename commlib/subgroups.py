@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,16 @@ class Subgroups:
         self._group_name = f"#{next(_root_groups)}"
         self._subgroups_made = 0
         """``new_group`` / ``split`` calls on this group: numbers the groups they make."""
+        self._children: weakref.WeakSet[Subgroups] = weakref.WeakSet()
+        """The groups made from this one that this rank is in (while anything holds them)."""
+
+    def _descendants(self) -> list[Subgroups]:
+        """Every group made from this one (and from those, ...) on this rank, the deepest first."""
+        found: list[Subgroups] = []
+        for child in list(self._children):
+            found += child._descendants()
+            found.append(child)
+        return found
 
     def _place_in_parent(self, global_ranks: tuple[int, ...], name: str) -> None:
         """Make this group, just made by the backend, a subgroup: its members' global ranks and name."""
@@ -349,6 +360,7 @@ def _finish(
             f"{child.rank}/{child.world_size}, expected {ranks.index(parent.rank)}/{len(ranks)}"
         )
     child._place_in_parent(tuple(parent._global_ranks[r] for r in ranks), names[index])  # type: ignore[index]
+    parent._children.add(child)
     child._start_diagnostics()
     every[index] = child  # type: ignore[index]
     return every

@@ -100,6 +100,10 @@ def init_process_group(
 def destroy_process_group(group: IProcessGroup | NonGroupMember | None = None) -> None:
     """Close ``group`` (default: the default group) and forget the default if it was that one.
 
+    With no argument, as torch's, every group made from the default group (``new_group``,
+    ``split``..., and the groups made from those) is closed too, on this rank: their
+    threads and connections end with the job's.
+
     Every rank of the group calls it. It first runs a barrier on the group, which finds a
     rank that issued a collective more than the others (or fewer): every rank then raises
     ``CollectiveMismatchError`` naming each rank's count and last collectives, once the group
@@ -125,6 +129,9 @@ def destroy_process_group(group: IProcessGroup | NonGroupMember | None = None) -
     try:
         mismatch = target._barrier_before_close("destroy_process_group")
     finally:
+        if group is None:
+            for sub in target._descendants():
+                sub.close()
         target.close()
     if mismatch is not None:
         raise mismatch

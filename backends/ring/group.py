@@ -698,8 +698,9 @@ class RingProcessGroup(IProcessGroup):
             links = [link for link in (self._right, self._left) if link is not None]
             for link in links:
                 link.shutdown()
+            end = time.monotonic() + linger  # one linger for both links, not one each
             for link in links:
-                link.close(linger)
+                link.close(max(0.0, end - time.monotonic()))
             self._ring = dataclasses.replace(self._ring, send=None, recv=None)
 
 

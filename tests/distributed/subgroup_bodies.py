@@ -419,3 +419,20 @@ def body_timeouts_name_the_group(group: IProcessGroup, timeout_s: float = 3.0) -
         if sub != commlib.GroupMember.NON_GROUP_MEMBER:
             sub.close()
     return report
+
+
+def body_destroy_closes_every_subgroup(group: IProcessGroup) -> dict[str, Any]:
+    """``destroy_process_group()`` closes the default group and every group made from it, as torch's."""
+    import threading
+
+    from commlib.membership import is_non_member
+
+    whole = group.new_group(list(range(group.world_size)))
+    first = whole.new_group([0])  # made from a subgroup; rank 1 gets the placeholder
+    halves = group.split(group.rank % 2)
+    made = [g for g in (whole, first, halves) if not is_non_member(g)]
+    commlib.destroy_process_group()
+    return {
+        "closed": [g._closed for g in made],
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("commlib")),
+    }

@@ -132,3 +132,16 @@ def test_a_timeout_on_a_subgroup_names_the_group_by_its_global_ranks(get_pool, v
 def test_a_non_member_is_refused_and_never_joins_the_world(get_pool, variant: str) -> None:
     values = get_pool(variant, 3).run(bodies.body_non_members_are_refused, timeout=120)
     bodies.check_non_members_refused(VARIANTS[variant][0], values)
+
+
+@pytest.mark.parametrize("variant", ["ring-shm", "gloo"])
+def test_destroying_the_default_group_closes_every_group_made_from_it(variant: str) -> None:
+    """As torch's ``destroy_process_group()``: no subgroup's threads or connections outlive the job's."""
+    from tests._launcher import run_ranks
+
+    backend, env = VARIANTS[variant]
+    env = {**env, "COMMLIB_STALL_S": "5"}  # a watchdog per group, as a job with stall reports has
+    values = run_ranks(bodies.body_destroy_closes_every_subgroup, 2, backend=backend, env=env, timeout=120)
+    assert [v["closed"] for v in values] == [[True, True, True], [True, True]], values
+    for v in values:
+        assert not [t for t in v["threads"] if "watchdog" in t or "hub" in t], v["threads"]
