@@ -716,7 +716,7 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         self._check_tensor(name, output, "output")
         self._check_tensor(name, input, "input")
         self._check_same_kind(name, input, "input", output)
-        if _share_memory([output], [input]):  # a block received must not overwrite one still to send
+        if _overlap(output, input):  # a block received must not overwrite one still to send
             input = input.clone()  # noqa: A001
         outputs = self._split_rows(name, output, output_split_sizes, "output")
         inputs = self._split_rows(name, input, input_split_sizes, "input")
@@ -936,6 +936,12 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
             and output.data_ptr() == flat_input[start:].data_ptr()
             and output.is_contiguous()
         )
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if the bytes of contiguous ``a`` and ``b`` overlap."""
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes
 
 
 def _share_memory(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> bool:
