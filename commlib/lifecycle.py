@@ -138,6 +138,9 @@ class Lifecycle:
             if diagnostics is not None:
                 diagnostics.close()
         finally:
+            # Let go of what the diagnosis tracked (works, and the cycles through their errors) before
+            # the backend's close, which may collect those cycles to end a native group's threads.
+            diagnostics = None
             try:
                 self._close()
             finally:
