@@ -408,8 +408,8 @@ class _Leader:
         self.challenge = json.dumps(challenge)
         self._publish_challenge()
         logger.debug("%slistening at %s (%s)", ctx.prefix, ctx.master, ctx.token.identity)
-        slot = 1
         while len(self.accepted) < ctx.env.world_size - 1:
+            slot = self.next_slot
             if ctx.expired():  # answers may keep coming (a flood of slots): the deadline still holds
                 self._fail(RendezvousTimeoutError(self._timeout_message()))
             try:
@@ -420,7 +420,6 @@ class _Leader:
                 self._fail(RendezvousError(f"{ctx.prefix}the store at {ctx.master} failed: {e}"))
             self.next_slot = slot + 1
             self._on_answer(slot, _decode(raw))
-            slot += 1
         scope = f"{ctx.base}/job/{self.nonce}/"
         for rank, (slot, key, their_nonce) in self.accepted.items():
             proof = sign_with(key, "accepted", self.nonce, their_nonce, rank, scope)

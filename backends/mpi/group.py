@@ -610,12 +610,6 @@ class MPIProcessGroup(IProcessGroup):
 
     # --------------------------------------------------------- point-to-point
     def _send(self, request: P2PRequest, async_op: bool) -> Work:
-        return self._p2p(request, async_op)
-
-    def _recv(self, request: P2PRequest, async_op: bool) -> Work:
-        return self._p2p(request, async_op)
-
-    def _p2p(self, request: P2PRequest, async_op: bool) -> Work:
         """Start a send to, or a receive from, ``request.peer`` (None: any rank): ``backends.mpi.p2p``."""
         op, tensor, peer, tag, _seq = request
         if tag > self._tag_ub:  # the interface checked it against commlib's bound already
@@ -629,6 +623,8 @@ class MPIProcessGroup(IProcessGroup):
         start = functools.partial(post, payload, layout_of(tensor), peer, tag)
         keep = (tensor, payload)
         return self._start(op, tensor, start, None, keep, async_op, label=label, work_type=P2PWork)
+
+    _recv = _send  # the request says which
 
     def _payload(self, op: str, tensor: torch.Tensor, describe: str, *, send: bool) -> Payload:
         """The message's bytes as MPI gets them: the tensor's memory, or a staging pipeline for it."""

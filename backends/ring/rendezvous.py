@@ -44,7 +44,6 @@ not (no encryption: traffic is readable on the wire): see ``backends.common.jobt
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import secrets
@@ -87,7 +86,6 @@ logger = logging.getLogger("commlib")
 
 _PROTOCOL = 2
 _VERDICT_GRACE_S = 2.0
-_READ_WAIT_S = 2.0  # in a store: how long rank 0 keeps it up for the ranks to read why the group failed
 _HELLO_BYTES = 64 * 1024  # a hello or a link hello is a few hundred bytes
 
 
@@ -269,7 +267,8 @@ def _exchange_through_store(
     Each rank first passes gloo's job check in the store (``join_job_store``),
     which keeps every group's keys apart: a process holding another job token is
     refused there, alone, and never reaches this job's part of the store, so it
-    can neither take a rank nor end the job.
+    can neither take a rank nor end the job. A rank started with another world
+    size than rank 0's fails there too, and every rank learns why.
     """
     import json
 
@@ -293,7 +292,7 @@ def _exchange_through_store(
             f"{prefix}timed out after {ctx.timeout:.1f} s in {where}: rank 0 never arrived"
         ) from None
     challenge = store.get(f"{base}/challenge").decode()
-    record = dataclasses.asdict(me) | {"world_size": env.world_size, "identity": ctx.token.identity}
+    record = dataclasses.asdict(me) | {"identity": ctx.token.identity}
     store.set(
         f"{base}/peer/{env.rank}",
         json.dumps(record | {"proof": ctx.token.sign("store", base, challenge, record)}),
@@ -302,7 +301,7 @@ def _exchange_through_store(
         store.set(f"{base}/settings", json.dumps(settings))
 
     def record_of(r: int) -> dict[str, Any]:
-        """Rank ``r``'s record, its proof checked, and its world size checked against this rank's."""
+        """Rank ``r``'s record, its proof checked (its world size was, in the job check)."""
         data = json.loads(store.get(f"{base}/peer/{r}"))
         proof = data.pop("proof", None)
         if not verify_with(ctx.token.key, proof, "store", base, challenge, data):
@@ -311,39 +310,9 @@ def _exchange_through_store(
                 f"{data.get('identity', '?')}; this rank's job: {ctx.token.identity}. Set COMMLIB_JOB_TOKEN "
                 "to the same value on every rank, or to none"
             )
-        size = data.pop("world_size")
-        if size != env.world_size:
-            sizes = {r: size, env.rank: env.world_size}
-            # Every rank that reads this learns it itself; rank 0, whose process may host the store,
-            # keeps it up until they have read (bounded), so none is left with a closed connection.
-            store.set(f"{base}/read/{env.rank}", "1")
-            if env.rank == 0:
-                readers = [q for q in range(1, env.world_size) if store.check([f"{base}/peer/{q}"])]
-                try:
-                    store.wait(
-                        [f"{base}/read/{q}" for q in readers], datetime.timedelta(seconds=_READ_WAIT_S)
-                    )
-                except Exception:  # noqa: BLE001, S110 - a rank that is gone reads nothing
-                    pass
-            odd = env.rank if r == 0 else r  # named first: it disagrees with rank 0, or with this rank
-            other = r if odd == env.rank else env.rank
-            raise RendezvousError(
-                f"{prefix}rank {odd} was started with world size {sizes[odd]}, rank {other} with "
-                f"{sizes[other]}; start every rank with the same WORLD_SIZE"
-            )
         data.pop("identity", None)
         return data
 
-    if env.rank != 0:
-        # Rank 0's record first: a rank started with another WORLD_SIZE learns it now, instead of
-        # waiting for ranks that the job does not have.
-        try:
-            store.wait([f"{base}/peer/0"], remaining())
-        except Exception:  # noqa: BLE001
-            raise RendezvousTimeoutError(
-                f"{prefix}timed out after {ctx.timeout:.1f} s in {where}: rank 0 never arrived"
-            ) from None
-        record_of(0)
     keys = [f"{base}/peer/{r}" for r in range(env.world_size)] + [f"{base}/settings"]
     try:
         store.wait(keys, remaining())
