@@ -191,11 +191,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             row_sparse=row_sparse_tables(module, group, params, config),
         )
         self._hooks: list[Any] = []
+        self._param_gathers: ParamGathers | None = None
         if manager.reduce_scatters:  # a ZeroRedundancyOptimizer over these parameters follows it
             gathers = ParamGathers() if config.overlap_param_gather else None
             register_layout(params, ShardedGradientLayout(manager, group, gathers))
             if gathers is not None:
                 self._hooks += wait_before_forward(module, gathers)
+            self._param_gathers = gathers
         self._sync = GradSync(manager, StepGuard(group, module, trainable), config, auto=auto)
         self._history = StepHistory()
         self._sync.subscribe(self._history.record)
@@ -294,6 +296,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         outputs = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
             return outputs
+        gathers = self._param_gathers
+        if gathers:  # some all-gathers were not waited for: unused, or read without calling the module
+            self._check_no_stale_reads(outputs, gathers)
         manager = sync.manager
         if manager.num_buckets:  # a model without trainable parameters has no backward to synchronise
             on_backward_start(outputs, sync, "on_backward_start")
@@ -301,6 +306,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.config.find_unused_parameters and not self.config.static_graph:
             sync.note_used(used_parameters(outputs, manager.param_indices))
         return outputs
+
+    def _check_no_stale_reads(self, outputs: Any, gathers: ParamGathers) -> None:
+        pending = gathers.pending()
+        names = {id(p): n for n, p in self.module.named_parameters() if id(p) in pending}
+        stale = used_parameters(outputs, {pid: k for k, pid in enumerate(names)})
+        if stale:
+            ids = list(names)
+            read = sorted(names[ids[k]] for k in stale)
+            raise RuntimeError(
+                f"{self._prefix('forward')}overlap_param_gather=True: the forward read {read} before their "
+                "all-gather from the last optimizer.step() was waited for (their module was not called; "
+                "its parent read them directly): the forward used stale values. Call those modules, wait "
+                "for the parameters in the parent (optimizer.finish_param_gather()), or set "
+                "overlap_param_gather=False"
+            )
 
     def _will_sync_buffers(self) -> bool:
         """True if this forward starts with the buffer broadcast (torch's rule, see ``DDPConfig``)."""

@@ -68,6 +68,10 @@ class ParamGathers:
         if start is not None and stats is not None:
             stats.waited(start, stats.clock(), done=not by_param)
 
+    def pending(self) -> set[int]:
+        """``id`` of each parameter whose all-gather has not been waited for yet."""
+        return set(self._by_param)
+
     def wait_all(self) -> None:
         """Wait for every all-gather still in flight."""
         works = {id(w): w for w in self._by_param.values()}
@@ -80,6 +84,13 @@ class ParamGathers:
             stats.waited(start, stats.clock(), done=True)
 
 
+_READS_CHILDREN_DIRECTLY = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer,
+)
+
+
 def wait_before_forward(module: torch.nn.Module, gathers: ParamGathers) -> list[Any]:
     """Make every submodule wait for its own parameters' all-gathers just before it runs.
 
@@ -88,7 +99,11 @@ def wait_before_forward(module: torch.nn.Module, gathers: ParamGathers) -> list[
     """
     handles = []
     for sub in module.modules():
-        own = tuple(sub.parameters(recurse=False))
+        # torch's attention modules read their children's parameters without calling them
+        # (nn.MultiheadAttention reads out_proj.weight/bias; the Transformer layers' inference
+        # fast path reads every child's): they wait for their whole subtree.
+        recurse = isinstance(sub, _READS_CHILDREN_DIRECTLY)
+        own = tuple(sub.parameters(recurse=recurse))
         if not own:
             continue
 

@@ -83,7 +83,9 @@ __all__ = [
     "JOINED",
     "PARAMETERS_CHANGED",
     "ROW",
+    "ZERO_ADD_PARAM_GROUP",
     "ZERO_CONSOLIDATE",
+    "ZERO_SET_PARTITION",
     "ZERO_STEP",
     "ParameterChange",
     "StepGuard",
@@ -105,10 +107,16 @@ ZERO_STEP = 4
 """Status flag: the row is ``ZeroRedundancyOptimizer.step()``'s, not a backward's; field 0: its calls."""
 ZERO_CONSOLIDATE = 8
 """Status flag: the row is ``ZeroRedundancyOptimizer.consolidate_state_dict()``'s; field 0: its calls."""
-_OPERATIONS = ZERO_STEP | ZERO_CONSOLIDATE
+ZERO_ADD_PARAM_GROUP = 16
+"""Status flag: the row is ``ZeroRedundancyOptimizer.add_param_group()``'s; field 0: its calls."""
+ZERO_SET_PARTITION = 32
+"""Status flag: the row is ``ZeroRedundancyOptimizer.set_partition()``'s; field 0: its calls."""
+_OPERATIONS = ZERO_STEP | ZERO_CONSOLIDATE | ZERO_ADD_PARAM_GROUP | ZERO_SET_PARTITION
 _OPERATION_NAMES = {
     ZERO_STEP: "ZeroRedundancyOptimizer.step()",
     ZERO_CONSOLIDATE: "ZeroRedundancyOptimizer.consolidate_state_dict()",
+    ZERO_ADD_PARAM_GROUP: "ZeroRedundancyOptimizer.add_param_group()",
+    ZERO_SET_PARTITION: "ZeroRedundancyOptimizer.set_partition()",
 }
 
 ROW = 11
@@ -451,12 +459,13 @@ def positions_error(group: IProcessGroup, op: str, table: list[list[int]]) -> Ra
     prefix = error_prefix(group.rank, group.world_size, "zero" if op != "backward" else "ddp", op)
     return RanksOutOfStepError(
         f"{prefix}the ranks are out of step: {'; '.join(parts)} ({group.backend} backend): a rank "
-        "skipped optimizer.step() or called it twice, or called consolidate_state_dict() alone. Every "
-        "rank raises this at once, and the collectives stay paired (a rank in the optimizer issues the "
-        "rest of the others' backward with zeros), but this step is lost on every rank: the gradients "
-        "are not the average and the parameters were not all-gathered. Fix: every rank must call step() "
-        "once after each backward (inside Join, list the optimizer too: Join([model, optimizer])) and "
-        "consolidate_state_dict() together; resume from the last checkpoint",
+        "skipped optimizer.step() or called it twice, or called consolidate_state_dict(), add_param_group() "
+        "or set_partition() alone. Every rank raises this at once, and the collectives stay paired (a "
+        "rank in the optimizer issues the rest of the others' backward with zeros), but the step in "
+        "progress is lost on every rank: the gradients are not the average and the parameters were not "
+        "all-gathered. Fix: every rank must call step() once after each backward (inside Join, list the "
+        "optimizer too: Join([model, optimizer])), and consolidate_state_dict(), add_param_group() and "
+        "set_partition() together; resume from the last checkpoint",
         steps={r: (row[0], row[1]) for r, row in enumerate(table)},
         positions={r: describe_position(row) for r, row in enumerate(table)},
     )

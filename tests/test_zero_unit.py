@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from ddp import (
     ParameterPartition,
     ParametersChangedError,
     ParamGatherStats,
+    RanksOutOfStepError,
     StateNotConsolidatedError,
     UnsupportedCollectiveError,
     ZeroRedundancyOptimizer,
@@ -456,3 +458,122 @@ def test_join_without_the_optimizer_is_refused_before_any_communication(gradient
     Join([model], enable=False)  # off: nothing to refuse
     with Join([model, opt]):  # listed: accepted
         pass
+
+
+class _Attention(nn.Module):
+    """nn.MultiheadAttention reads out_proj's parameters without calling out_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+        self.head = nn.Linear(8, 1, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x)[0]).mean(dim=(1, 2))
+
+
+class _ReadsDirectly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8, dtype=torch.float64)
+        self.proj = nn.Linear(8, 1, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(self.a(x)), self.proj.weight, self.proj.bias).mean(dim=(1, 2))
+
+
+def _train_overlapped(group: Any, net_class: type, overlap: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        net_class(), group, gradient_sync="reduce_scatter", overlap_param_gather=overlap, bucket_size_mb=1e-4
+    )
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.5)
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + 10 * step + group.rank)
+        x = torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
+        y = torch.randn(4, generator=g, dtype=torch.float64)
+        zero.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        zero.step()
+    zero.finish_param_gather()
+    return losses
+
+
+def _with_and_without_overlap(group: Any, net_class: type) -> tuple[list[float], Any]:
+    plain = _train_overlapped(group, net_class, False)
+    try:
+        return plain, _train_overlapped(group, net_class, True)
+    except RuntimeError as e:
+        return plain, e
+
+
+def test_overlapped_gather_waits_for_what_attention_reads_without_calling_its_children():
+    """Each all-gather takes 20 ms, so a read that does not wait for it sees the old values."""
+    for plain, overlapped in run_threads(_with_and_without_overlap, 2, _Attention, delay_s=0.02):
+        assert overlapped == plain  # bit for bit
+
+
+def test_a_forward_that_reads_a_parameter_before_its_gather_raises_on_every_rank():
+    for plain, overlapped in run_threads(_with_and_without_overlap, 2, _ReadsDirectly, delay_s=0.02):
+        assert len(plain) == 3
+        assert isinstance(overlapped, RuntimeError)
+        assert re.search(
+            r"ddp.forward: overlap_param_gather=True: the forward read \['proj.bias', 'proj.weight'\] before "
+            r"their all-gather.*set overlap_param_gather=False",
+            str(overlapped),
+        ), overlapped
+
+
+def _adafactor(group: Any, gradient_sync: str) -> Any:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    model = DistributedDataParallel(net, group, gradient_sync=gradient_sync)
+    try:
+        return ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adafactor, group, lr=0.05)
+    except ValueError as e:
+        return e
+
+
+def test_an_optimizer_that_steps_whole_matrices_is_refused_on_split_parameters():
+    for error in run_threads(_adafactor, 2, "reduce_scatter"):
+        assert isinstance(error, ValueError)
+        assert re.search(
+            r"Adafactor steps each matrix as a whole .* the partition splits 1 matrix parameters between "
+            r"ranks \(parameter 0, \(6, 6\)\).*gradient_sync='allreduce'",
+            str(error),
+        ), error
+    for zero in run_threads(_adafactor, 2, "allreduce"):  # whole parameters: accepted
+        assert isinstance(zero, ZeroRedundancyOptimizer) and zero.partition.is_whole
+
+
+def _alone(group: Any, call: str) -> Any:
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    zero = ZeroRedundancyOptimizer(a.parameters(), torch.optim.AdamW, group, lr=0.1)
+    x = torch.ones(3, 4)
+    try:
+        zero.zero_grad()
+        b(a(x)).sum().backward()
+        zero.step()
+        if group.rank == 0 and call == "add_param_group":
+            zero.add_param_group({"params": list(b.parameters())})
+        if group.rank == 0 and call == "set_partition":
+            params = list(a.parameters())
+            zero.set_partition(ParameterPartition.from_buckets(params, [params], group.world_size))
+        zero.zero_grad()
+        b(a(x)).sum().backward()
+        zero.step()
+    except RanksOutOfStepError as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize("call", ["add_param_group", "set_partition"])
+def test_a_collective_optimizer_call_on_one_rank_names_itself_on_every_rank(call):
+    for error in run_threads(_alone, 2, call):
+        assert isinstance(error, RanksOutOfStepError), error
+        expected = f"rank 0 in ZeroRedundancyOptimizer.{call}() (its call 1); rank 1 in "
+        assert expected + "ZeroRedundancyOptimizer.step()" in str(error), error

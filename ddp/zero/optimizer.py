@@ -16,7 +16,13 @@ from ddp.errors import ModelMismatchError, ParametersChangedError, StateNotConso
 from ddp.groups import resolve_group
 from ddp.join import Join, Joinable, JoinHook, require_in_joins
 from ddp.param_gathers import ParamGathers
-from ddp.step_guard import ZERO_CONSOLIDATE, ZERO_STEP, agree_on_operation
+from ddp.step_guard import (
+    ZERO_ADD_PARAM_GROUP,
+    ZERO_CONSOLIDATE,
+    ZERO_SET_PARTITION,
+    ZERO_STEP,
+    agree_on_operation,
+)
 from ddp.zero.gather_stats import ParamGatherStats
 from ddp.zero.partition import ParameterPartition, ParamPiece
 from ddp.zero.state import ShardPayload, exchange_objects, merge_payloads, piece_state
@@ -25,6 +31,11 @@ __all__ = ["ParameterPartition", "ZeroRedundancyOptimizer"]
 
 _HYPER_SKIP = ("params", "param_names")
 """Param-group keys that are not hyperparameters."""
+
+
+_WHOLE_MATRIX_OPTIMIZERS = ("Adafactor", "Muon")
+"""torch optimizers whose step of a matrix is not elementwise (factored moments, orthogonalisation):
+they cannot step the flat pieces of a matrix split between ranks."""
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
@@ -136,6 +147,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._gather_stats = ParamGatherStats()
         self._steps = 0  # calls of step() and consolidate_state_dict(): every rank's must agree
         self._consolidations = 0
+        self._group_additions = 0
+        self._partition_sets = 0
         super().__init__(params, defaults)
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._check_communicable("init", self._params)
@@ -289,6 +302,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise type(e)(f"{self._prefix(op)}{e}") from e
         if not self._ready:
             return
+        self._group_additions += 1
+        try:
+            agree_on_operation(self._group, op, ZERO_ADD_PARAM_GROUP, self._group_additions, self._params)
+        except BaseException:
+            self.param_groups.pop()
+            raise
         new_params = self.param_groups[-1]["params"]
         try:
             self._check_communicable(op, new_params, len(self._params))
@@ -329,6 +348,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             ValueError: ``partition`` does not fit the parameters, or differs from
                 the layout of the reduce-scatter DDP the optimizer follows.
         """
+        self._partition_sets += 1
+        agree_on_operation(
+            self._group, "set_partition", ZERO_SET_PARTITION, self._partition_sets, self._params
+        )
         layout = self._gradient_layout
         if layout is not None and layout.version >= 0:
             self._check_same_as_layout(partition, layout, "set_partition")
@@ -438,6 +461,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                     f"{', '.join(sorted(group.devices))}); convert the parameter or use another backend"
                 )
 
+    def _check_elementwise(self, partition: ParameterPartition, op: str) -> None:
+        """Raise ValueError if an optimizer that steps whole matrices would get a split one."""
+        whole_matrix = tuple(
+            getattr(torch.optim, n) for n in _WHOLE_MATRIX_OPTIMIZERS if hasattr(torch.optim, n)
+        )
+        if partition.is_whole or not issubclass(self._optimizer_class, whole_matrix):
+            return
+        pieces = (piece for r in range(self.world_size) for piece in partition.pieces(r))
+        split = sorted({piece.index for piece in pieces if not piece.is_whole})
+        matrices = [i for i in split if self._params[i].dim() >= 2]
+        if matrices:
+            i = matrices[0]
+            raise ValueError(
+                f"{self._prefix(op)}{self._optimizer_class.__name__} steps each matrix as a whole (over its "
+                f"rows and columns), but the partition splits {len(matrices)} matrix parameters "
+                f"between ranks (parameter {i}, {tuple(self._params[i].shape)}), which would each be stepped "
+                "as flat pieces: other results, and a state dict the plain optimizer cannot load. Use an "
+                "elementwise optimizer (SGD, Adam, AdamW...), or whole parameters: "
+                "gradient_sync='allreduce' with the default balanced partition"
+            )
+
     def _check_partition(self, partition: ParameterPartition, op: str) -> None:
         """Raise ValueError unless ``partition`` fits the parameters and the group."""
         try:
@@ -452,6 +496,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def _lay_out(self, partition: ParameterPartition, op: str) -> None:
         """Make ``partition`` current: allocate its buffers and make every parameter a view into them."""
         self._check_partition(partition, op)
+        self._check_elementwise(partition, op)
         self.finish_param_gather()  # the parameters are copied into the new buffers
         buffers = []
         with torch.no_grad():
