@@ -164,8 +164,20 @@ def _resolve(key: str) -> BackendFactory:
     )
 
 
-def create_process_group(name: str, env: DistEnv, config: CommConfig) -> IProcessGroup:
+def create_process_group(
+    name: str,
+    env: DistEnv,
+    config: CommConfig,
+    *,
+    global_ranks: tuple[int, ...] | None = None,
+    group_name: str | None = None,
+) -> IProcessGroup:
     """Create and connect a process group of backend ``name``, with the diagnosis ``config`` asks for.
+
+    ``global_ranks`` / ``group_name``: where a group made by someone else's ``new_group`` (torch's,
+    through the adapter) sits in the job: its members' global ranks (None for the job's default
+    group) and a name alike on every member. Set before the diagnosis starts, which names the
+    group by them.
 
     Raises:
         BackendUnavailableError: Unknown backend, or its package is not installed.
@@ -175,6 +187,7 @@ def create_process_group(name: str, env: DistEnv, config: CommConfig) -> IProces
     group = _resolve(key)(env, config)
     if not isinstance(group, IProcessGroup):
         raise TypeError(f"backend {key!r} factory returned {type(group).__name__}, not an IProcessGroup")
+    group._place_in_job(global_ranks, group_name)
     group._start_diagnostics()
     return group
 

@@ -60,21 +60,36 @@ class Subgroups:
         self._group_name = f"#{next(_root_groups)}"
         self._subgroups_made = 0
         """``new_group`` / ``split`` calls on this group: numbers the groups they make."""
-        self._children: weakref.WeakSet[Subgroups] = weakref.WeakSet()
-        """The groups made from this one that this rank is in (while anything holds them)."""
+        self._lineage: weakref.WeakSet[Subgroups] = weakref.WeakSet()
+        """Every group made from this one, or from those at any depth, that this rank is in (while
+        anything holds it): a group stays reachable when the one it was made from is gone."""
+        self._ancestry: tuple[weakref.WeakSet[Subgroups], ...] = ()
+        """The ``_lineage`` of each group this one was made from, the root's first."""
 
     def _descendants(self) -> list[Subgroups]:
         """Every group made from this one (and from those, ...) on this rank, the deepest first."""
-        found: list[Subgroups] = []
-        for child in list(self._children):
-            found += child._descendants()
-            found.append(child)
-        return found
+        return sorted(self._lineage, key=lambda g: -len(g._ancestry))
 
     def _place_in_parent(self, global_ranks: tuple[int, ...], name: str) -> None:
         """Make this group, just made by the backend, a subgroup: its members' global ranks and name."""
         self._global_ranks = self._named_ranks = global_ranks
         self._group_name = name
+
+    def _place_in_job(self, global_ranks: tuple[int, ...] | None, name: str | None) -> None:
+        """Place this group, made by someone else's ``new_group``, as its members know it.
+
+        torch's groups reach commlib (through the adapter) as groups of their own: by default each
+        would be named by this process's count of groups, which differs between ranks that are in
+        different groups, and would know no global ranks.
+
+        Args:
+            global_ranks: The members' global ranks; None or empty for the job's default group.
+            name: A name alike on every member (torch's group name), or None to keep the count's.
+        """
+        if global_ranks:
+            self._place_in_parent(tuple(global_ranks), name or self._group_name)
+        elif name:
+            self._group_name = name
 
     @property
     def global_ranks(self) -> tuple[int, ...]:
@@ -360,7 +375,9 @@ def _finish(
             f"{child.rank}/{child.world_size}, expected {ranks.index(parent.rank)}/{len(ranks)}"
         )
     child._place_in_parent(tuple(parent._global_ranks[r] for r in ranks), names[index])  # type: ignore[index]
-    parent._children.add(child)
+    child._ancestry = (*parent._ancestry, parent._lineage)
+    for lineage in child._ancestry:
+        lineage.add(child)
     child._start_diagnostics()
     every[index] = child  # type: ignore[index]
     return every

@@ -97,7 +97,11 @@ def _creator(name: str, commlib_backend: str) -> Any:
             seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
             config = dataclasses.replace(config, timeout=seconds)
         env = _env(options.store, options.group_rank, options.group_size)
-        group = create_process_group(commlib_backend, env, config)
+        # torch names the group alike on every member and knows its global ranks ([] for the default group)
+        ranks = tuple(getattr(options, "global_ranks_in_group", ()) or ())
+        group_id = str(getattr(options, "group_id", "") or "")
+        pg_name = f"#pg{group_id}" if group_id else None
+        group = create_process_group(commlib_backend, env, config, global_ranks=ranks, group_name=pg_name)
         return CommlibProcessGroup(group, name)
 
     create.__name__ = f"create_{name}"

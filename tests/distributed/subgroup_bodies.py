@@ -423,6 +423,7 @@ def body_timeouts_name_the_group(group: IProcessGroup, timeout_s: float = 3.0) -
 
 def body_destroy_closes_every_subgroup(group: IProcessGroup) -> dict[str, Any]:
     """``destroy_process_group()`` closes the default group and every group made from it, as torch's."""
+    import gc
     import threading
 
     from commlib.membership import is_non_member
@@ -430,7 +431,12 @@ def body_destroy_closes_every_subgroup(group: IProcessGroup) -> dict[str, Any]:
     whole = group.new_group(list(range(group.world_size)))
     first = whole.new_group([0])  # made from a subgroup; rank 1 gets the placeholder
     halves = group.split(group.rank % 2)
-    made = [g for g in (whole, first, halves) if not is_non_member(g)]
+    between = group.new_group(list(range(group.world_size)))
+    kept = between.new_group(list(range(group.world_size)))  # outlives the group it was made from
+    between.close()
+    del between
+    gc.collect()
+    made = [g for g in (whole, first, halves, kept) if not is_non_member(g)]
     commlib.destroy_process_group()
     return {
         "closed": [g._closed for g in made],

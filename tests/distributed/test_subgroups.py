@@ -142,6 +142,6 @@ def test_destroying_the_default_group_closes_every_group_made_from_it(variant: s
     backend, env = VARIANTS[variant]
     env = {**env, "COMMLIB_STALL_S": "5"}  # a watchdog per group, as a job with stall reports has
     values = run_ranks(bodies.body_destroy_closes_every_subgroup, 2, backend=backend, env=env, timeout=120)
-    assert [v["closed"] for v in values] == [[True, True, True], [True, True]], values
+    assert [v["closed"] for v in values] == [[True, True, True, True], [True, True, True]], values
     for v in values:
         assert not [t for t in v["threads"] if "watchdog" in t or "hub" in t], v["threads"]

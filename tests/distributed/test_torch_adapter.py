@@ -268,8 +268,16 @@ def test_dtensor_on_a_2x2_mesh() -> None:
     values = run_ranks(
         bodies.dtensor_2d, 4, backend=None, init=False, args=("commlib_ring",), env=ENV, timeout=240
     )
-    for value in values:
-        assert value == {"ok": True, "inner": ["ring", "ring"]}
+    names: dict[str, set[str]] = {}
+    for r, value in enumerate(values):
+        assert value["ok"] is True and value["inner"] == ["ring", "ring"], value
+        for ranks, (name, global_ranks) in value["names"].items():
+            assert str(list(global_ranks)) == ranks, (r, ranks, global_ranks)  # as torch knows them
+            names.setdefault(ranks, set()).add(name)
+        assert value["from_torch_group"] == (None if r in (0, 2) else [[1, 3], 4.0]), value
+    assert sorted(names) == ["[0, 1]", "[0, 2]", "[1, 2, 3]", "[1, 3]", "[2, 3]"]
+    assert all(len(alike) == 1 for alike in names.values()), names  # alike on every member
+    assert len({alike.pop() for alike in names.values()}) == 5, names  # and a group's own
 
 
 # -------------------------------------------------------------- under launchers

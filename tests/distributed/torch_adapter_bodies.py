@@ -506,6 +506,9 @@ def dtensor_2d(backend: str) -> dict[str, Any]:
     _init(backend)
     r = dist.get_rank()
     try:
+        # Ranks 1-3 make one group more than rank 0 before the mesh's: each group must still be named
+        # alike on its members (not by each process's count) and know its global ranks.
+        last_three = dist.new_group([1, 2, 3])
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
         both = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
@@ -517,7 +520,20 @@ def dtensor_2d(backend: str) -> dict[str, Any]:
         everywhere = rows.redistribute(mesh, [Replicate(), Replicate()])
         assert torch.equal(everywhere.to_local(), full)
         inner = [_inner_backend(mesh.get_group(d)) for d in ("dp", "tp")]
-        return {"ok": True, "inner": inner}
+        groups = [mesh.get_group(d) for d in ("dp", "tp")] + ([last_three] if r else [])
+        names = {}
+        for g in groups:
+            ours = g.commlib_group
+            names[str(dist.get_process_group_ranks(g))] = [ours.group_name, ours.global_ranks]
+        made_from_torch_group = None
+        if r:  # a commlib group made from a torch subgroup: global ranks 1 and 3
+            sub = last_three.commlib_group.new_group([0, 2])
+            if r != 2:
+                t = torch.tensor([float(r)])
+                sub.all_reduce(t)
+                made_from_torch_group = [list(sub.global_ranks), t.item()]
+                sub.close()
+        return {"ok": True, "inner": inner, "names": names, "from_torch_group": made_from_torch_group}
     finally:
         dist.destroy_process_group()
 
