@@ -36,6 +36,7 @@ class ArgumentChecks:
     max_tag: int
     _closed: bool
     _broken: BaseException | None
+    _named_ranks: tuple[int, ...] | None
 
     if TYPE_CHECKING:  # IProcessGroup's
 
@@ -189,8 +190,12 @@ class ArgumentChecks:
         arg = "dst" if kind == "send" else "src"
         self._check_rank(name, peer, arg)
         if peer == self.rank:
+            which = f"{arg}={peer}"
+            named = self._named_ranks  # a subgroup's: the caller may have passed the global rank
+            if named is not None:
+                which += f" (group rank; global rank {named[peer]})"
             raise ValueError(
-                f"{self._prefix(name)}{arg}={peer} is this rank; a rank cannot {kind} to itself "
+                f"{self._prefix(name)}{which} is this rank; a rank cannot {kind} to itself "
                 "(copy the tensor instead)"
             )
 

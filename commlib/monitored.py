@@ -149,9 +149,13 @@ def _failure(
     group: MonitoredGroup, verdict: list[int], reasons: dict[int, str], timeout_s: float, call: int
 ) -> CommError:
     """The error for a failed monitored barrier: the ranks missing, at another call, not waited for."""
+    named = group._named_ranks
 
     def ranks(code: int) -> str:
-        return ", ".join(f"{r}{reasons.get(r, '')}" for r, v in enumerate(verdict) if v == code)
+        def who(r: int) -> str:  # on a subgroup, a group rank and the global rank it is
+            return f"{r} (global {named[r]})" if named is not None else str(r)
+
+        return ", ".join(f"{who(r)}{reasons.get(r, '')}" for r, v in enumerate(verdict) if v == code)
 
     parts = []
     if _MISSING in verdict:

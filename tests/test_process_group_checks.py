@@ -1335,3 +1335,18 @@ def test_destroy_process_group_runs_a_barrier_first_unless_the_group_cannot_take
         f"{PREFIX}destroy_process_group: the barrier it runs first, to compare the ranks' collective counts, "
         "found them different (this rank issued 1, the barrier included): ranks called different ..."
     )
+
+
+
+def test_monitored_barrier_on_a_subgroup_names_the_missing_ranks_global_ranks_too() -> None:
+    from types import SimpleNamespace
+
+    from commlib import monitored
+
+    sub = SimpleNamespace(rank=1, world_size=3, backend="ring", _named_ranks=(4, 2, 6))
+    verdict = [monitored._GO, monitored._MISSING, monitored._MISSING]  # by group rank
+    error = monitored._failure(sub, verdict, {}, 2.0, 3)  # type: ignore[arg-type]
+    assert isinstance(error, commlib.CommTimeoutError)
+    missing = "ranks [1 (global 2), 2 (global 6)] did not reach monitored_barrier call #3"
+    prefix = "[rank 1/3] ring.monitored_barrier in group [4, 2, 6] (global ranks): "
+    assert f"{prefix}rank 0 reports: {missing}" in str(error), error

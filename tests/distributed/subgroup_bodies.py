@@ -133,6 +133,10 @@ def body_split(group: IProcessGroup) -> dict[str, Any]:
         _exercise(lonely, list(range(n - 1)), 4)
         lonely.close()
     out = {"halves": halves.group_name, "global_ranks": list(halves.global_ranks)}
+    try:  # a global dst that is this rank: the error names the group rank and the global rank
+        commlib.send(torch.ones(1), dst=r, group=halves)
+    except ValueError as e:
+        out["send_to_itself"] = str(e)
     halves.close()
     return out
 

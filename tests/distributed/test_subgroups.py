@@ -40,6 +40,8 @@ def test_split(get_pool, variant: str, world_size: int) -> None:
     for r, value in enumerate(values):
         mine = sorted((k for k in range(world_size) if k % 2 == r % 2), reverse=True)
         assert value["global_ranks"] == mine, value
+        itself = f"dst={mine.index(r)} (group rank; global rank {r}) is this rank; a rank cannot send"
+        assert itself in value["send_to_itself"], value
     assert values[0]["halves"] != values[1]["halves"], "two colors, two groups"
 
 
