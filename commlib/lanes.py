@@ -23,7 +23,8 @@ what is queued on it one after the other, on a thread started on first use:
 
 A lingering lane (the default) keeps its thread until ``close``; with
 ``linger=False`` the thread ends whenever the lane drains and the next queued
-operation starts a new one (for lanes made per key, that come and go). ``Lanes``
+operation starts a new one (for lanes made per key, that come and go); with
+``linger=<seconds>`` it ends after that long idle. ``Lanes``
 is a keyed collection of such lanes: one per key, made on first use; idle ones
 are dropped when a new key comes and 64 are held.
 
@@ -65,13 +66,16 @@ class Lane:
             by its group's timeout; this catches a thread that stopped), and how
             long ``close`` waits for the thread by default.
         linger: Keep the thread, waiting for more, when the lane drains (until
-            ``close``); False ends it, and the next queued operation starts another.
+            ``close``); False ends it, and the next queued operation starts another;
+            a number of seconds keeps it that long idle, then ends it.
     """
 
-    def __init__(self, name: str, bound_s: float, *, linger: bool = True) -> None:
+    def __init__(self, name: str, bound_s: float, *, linger: bool | float = True) -> None:
         self._name = name
         self.bound_s = bound_s
         self._linger = linger
+        self._idle_s: float | None = None if isinstance(linger, bool) else float(linger)
+        """How long the thread waits idle before it ends; None: until ``close`` (or not at all)."""
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         """Notified whenever the lane's thread has finished everything queued."""
@@ -181,7 +185,14 @@ class Lane:
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._idle_s)
+            except queue.Empty:  # idle for ``linger`` seconds
+                with self._lock:
+                    if self._inflight:  # queued as the wait ended
+                        continue
+                    self._thread = None  # the next queued operation starts a new thread
+                return
             if item is None:  # ``close``: everything before it has run
                 return
             work, body, on_value = item

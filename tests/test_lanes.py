@@ -124,6 +124,20 @@ def test_a_lane_that_does_not_linger_ends_its_thread_when_drained_and_starts_ano
     assert lane.close(10)
 
 
+def test_a_lane_that_lingers_for_a_while_keeps_its_thread_between_steps_then_ends_it() -> None:
+    lane = Lane("test", bound_s=30, linger=1.0)
+    threads: list[threading.Thread] = []
+    for _ in range(3):  # back to back: one thread
+        lane.post(lambda: threads.append(threading.current_thread()))
+        assert lane.wait_idle(10)
+    assert len(set(threads)) == 1
+    wait_until(lambda: not threads[0].is_alive(), 10, "the idle lane's thread to end")
+    work = lane.submit("after", lambda: threads.append(threading.current_thread()), async_op=True)
+    work.wait()
+    assert threads[-1] is not threads[0]  # a new thread took the next step
+    assert lane.close(10) and not threads[-1].is_alive()
+
+
 def test_a_failing_posted_step_is_logged_and_the_lane_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     lane = Lane("test", bound_s=30)
 

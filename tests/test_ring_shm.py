@@ -400,6 +400,23 @@ def test_a_link_that_cannot_lend_says_so(pair, tmp_path) -> None:
         sender.lend(torch.ones(4), Region.create_file(str(tmp_path / "r"), 16).id, 0)
 
 
+@pytest.mark.parametrize("how", ["closed", "aborted"])
+def test_a_link_is_ready_when_its_peer_left_between_messages(pair, tmp_path, how: str) -> None:
+    """A receive from any source reads only ready links: a peer gone shows there, past its wake bytes."""
+    sender, receiver = _links(pair, tmp_path)
+    a, _ = pair
+    a.sendall(bytes([doorbell.WAKE]) * 3)  # wake bytes alone are no message
+    assert not receiver.ready()
+    if how == "closed":
+        a.close()
+    else:
+        a.sendall(abort_frame("rank 0 gave up"))
+    assert receiver.ready()
+    reason = "closed the connection" if how == "closed" else "rank 0 gave up"
+    with pytest.raises(PeerFailureError, match=reason):
+        receiver.recv_meta()
+
+
 # ------------------------------------------------------------ shared buffers
 @needs_memfd
 def test_shared_buffers_are_zeroed_found_by_address_and_retired_with_their_last_view() -> None:

@@ -70,6 +70,55 @@ def test_spinning_reader_still_blocks_until_data_arrives(pair) -> None:
     assert reader.read_byte("token") == ord("X")
 
 
+def test_the_spin_polls_a_socket_with_a_timeout_without_waiting_for_it(pair) -> None:
+    """Before each wait in the kernel a reader polls for ``spin_s``; on a socket with a timeout too."""
+    a, b = pair
+    reader = SocketReader(b, "rank 1", spin_s=1e-3)
+    assert reader._poll(1) is None  # nothing there: back after the spin, not the socket's 5 s
+    a.sendall(b"X")
+    assert reader._poll(1) == b"X"
+
+
+def _slow_reader(sock: socket.socket, total: int, pause_s: float) -> threading.Thread:
+    def read() -> None:
+        left = total
+        while left:
+            time.sleep(pause_s)  # a receiver that reads slowly, never stopping for a whole timeout
+            view = bytearray(min(left, 1 << 20))
+            got = memoryview(view)
+            while len(got):
+                n = sock.recv_into(got)
+                got = got[n:]
+                left -= n
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_tcp_send_times_out_on_no_progress_not_on_the_whole_transfer(pair) -> None:
+    a, b = pair
+    a.settimeout(1.0)
+    sender = TcpSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", chunk_bytes=1 << 20)
+    chunks = 4  # read one MiB each 0.4 s: 1.6 s in all, longer than the 1 s timeout
+    for _ in range(chunks):
+        sender.send(torch.ones(1 << 18))
+    reader = _slow_reader(b, chunks * ((1 << 20) + 9), 0.4)  # 9 bytes of frame header each
+    sender.flush()
+    reader.join(10)
+    assert not reader.is_alive()
+    sender.shutdown()
+
+
+def test_a_tcp_send_no_one_reads_raises_a_timeout(pair) -> None:
+    a, _ = pair
+    a.settimeout(0.3)
+    sender = TcpSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", chunk_bytes=8 << 20)
+    sender.send(torch.ones(2 << 20))  # 8 MiB: more than the socket's buffers
+    with pytest.raises(CommTimeoutError, match=r"sending to rank 1.*it stopped reading"):
+        sender.flush()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_tcp_link_moves_and_reduces_chunks(pair, dtype: torch.dtype) -> None:
     a, b = pair

@@ -192,6 +192,22 @@ class Doorbell:
                     "shared-memory link"
                 )
 
+    def peer_left(self) -> bool:
+        """True if an abort or the end of the connection waits on the socket; never blocks.
+
+        The wait that reads it raises. Wake bytes before it are consumed: they wake no one now.
+        """
+        reader = self._reader
+        while reader.buffered() or self._readable():
+            try:
+                kind = reader.peek_byte("a look for a closed link")
+            except PeerFailureError:  # the end of the connection, or a reset
+                return True
+            if kind != WAKE:
+                return True
+            reader.read_byte("a wake-up")
+        return False
+
     def _empty_wake_pipe(self) -> None:
         try:
             while os.read(self._wake_in, 4096):

@@ -659,7 +659,7 @@ class RingProcessGroup(IProcessGroup):
 
         issue = functools.partial(p2p.post_receive, receive)
         try:
-            return p2p.recv_lane(src).submit(label, body, async_op, tensor, _set_source, issue)
+            return p2p.recv_lane(src, tag).submit(label, body, async_op, tensor, _set_source, issue)
         except BaseException:
             p2p.withdraw(receive)  # it never runs, or ran and failed
             raise

@@ -24,6 +24,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from backends.common.kernels import Reducer
 from backends.ring.doorbell import ABORT, abort_frame
 from backends.ring.shm import RegionId
 from backends.ring.wire import SocketReader
-from commlib.errors import CommError, PeerFailureError
+from commlib.errors import CommError, CommTimeoutError, PeerFailureError
 
 __all__ = ["SendLink", "RecvLink", "TcpSendLink", "TcpRecvLink", "META_BYTES", "Reducer", "byte_view"]
 
@@ -251,7 +252,7 @@ class TcpSendLink(SendLink):
         if self._error is not None:
             error = self._error
             if isinstance(error, TimeoutError):
-                raise CommError(
+                raise CommTimeoutError(
                     f"timed out sending to {self.describe} ({what}): it stopped reading"
                 ) from error
             raise PeerFailureError(f"sending to {self.describe} failed ({what}): {error}") from error
@@ -290,14 +291,26 @@ class TcpSendLink(SendLink):
                 return tuple(verdict)
 
     def flush(self) -> None:
-        """Wait until the sender thread has handed every queued chunk to the kernel."""
+        """Wait until the sender thread has handed every queued chunk to the kernel.
+
+        The socket's timeout bounds each wait for progress (a chunk written), not the whole
+        transfer: a receiver that starts reading within it gets a message of any length.
+        """
         timeout = self.sock.gettimeout()
         with self._idle:
-            if not self._idle.wait_for(lambda: self._pending == 0, timeout=timeout):
-                raise CommError(
-                    f"timed out after {timeout:.1f} s sending to {self.describe}: it stopped reading "
-                    "(stuck, or in a different collective)"
-                )
+            pending = self._pending
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._pending and self._error is None:
+                if self._pending < pending:  # a chunk went out: the receiver reads
+                    pending = self._pending
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CommTimeoutError(
+                        f"timed out after {timeout:.1f} s sending to {self.describe}: it stopped reading "
+                        "(stuck, or in a different collective)"
+                    )
+                self._idle.wait(left)
         self._raise_if_failed("flush")
 
     def shutdown(self) -> None:

@@ -91,6 +91,9 @@ __all__ = ["PointToPoint"]
 _MAGIC = b"p2p1"
 _HEADER = struct.Struct("!4sQqQQQb")  # magic, message number, tag, bytes, elements, piece bytes, dtype code
 _ANY_SLEEP_MAX_S = 1e-3  # longest nap of a receive from any source between looks at the links
+_RECV_LANE_LINGER_S = 30.0
+"""How long a receive lane's thread waits for more once idle: a lane per source and tag is made on
+first use, and a program that uses many tags would otherwise keep a thread for each."""
 
 
 class _Header(NamedTuple):
@@ -178,7 +181,9 @@ class PointToPoint:
         """The link from each peer (``PeerLinks`` writes it; read here without a call)."""
         self._lanes = threading.Lock()  # guards the creation of lanes
         self._send_lanes: dict[int, Lane] = {}
-        self._recv_lanes: dict[int | None, Lane] = {}
+        self._recv_lanes: dict[tuple[int | None, int], Lane] = {}
+        """One lane per source (None: any) and tag: a receive waiting for its message never holds up
+        one with another tag, which may be matched first."""
         self._scratch: torch.Tensor | None = None
         self._matching = threading.Lock()
         """Guards the matching: ``_posted``, ``_aside``, and which receive a message goes to."""
@@ -198,13 +203,17 @@ class PointToPoint:
                 lane = self._send_lanes.setdefault(dst, Lane(f"ring-send-{dst}", self._timeout * 3 + 30.0))
         return lane
 
-    def recv_lane(self, src: int | None) -> Lane:
-        """The lane every receive from ``src`` (None: any source) runs on, in order."""
-        lane = self._recv_lanes.get(src)
+    def recv_lane(self, src: int | None, tag: int) -> Lane:
+        """The lane every receive from ``src`` (None: any source) with ``tag`` runs on, in order.
+
+        Its thread ends after ``_RECV_LANE_LINGER_S`` idle: a program may use many tags.
+        """
+        lane = self._recv_lanes.get((src, tag))
         if lane is None:
             with self._lanes:
-                name = f"ring-recv-{src if src is not None else 'any'}"
-                lane = self._recv_lanes.setdefault(src, Lane(name, self._timeout * 3 + 30.0))
+                name = f"ring-recv-{src if src is not None else 'any'}-{tag}"
+                lane = Lane(name, self._timeout * 3 + 30.0, linger=_RECV_LANE_LINGER_S)
+                lane = self._recv_lanes.setdefault((src, tag), lane)
         return lane
 
     def run(self, request: P2PRequest, label_of: Callable[[P2PRequest], object]) -> int:
@@ -221,7 +230,7 @@ class PointToPoint:
             lane = self._send_lanes.get(peer) or self.send_lane(peer)  # type: ignore[arg-type]
             lane.call(label, self.send, data, peer, tag, label)
             return peer  # type: ignore[return-value]
-        lane = self._recv_lanes.get(peer) or self.recv_lane(peer)
+        lane = self._recv_lanes.get((peer, tag)) or self.recv_lane(peer, tag)
         mine = (data.nbytes, data.numel(), CODES.get(data.dtype, -1))  # layout_of, inline: the hot path
         receive = _Receive(peer, tag, data, mine, label)
         try:
@@ -268,6 +277,7 @@ class PointToPoint:
                 link.send_record(_HEADER, fields, data[:piece])
                 for start in range(piece, nbytes, piece):
                     link.send(data[start : start + piece])
+            link.flush()  # over TCP, until the whole message is with the kernel (shared memory: at once)
             posted = True
             answer = link.await_verdict(msg, out.taking)
         except (CommError, OSError) as e:
@@ -591,9 +601,9 @@ class PointToPoint:
         nap = 0.0
         while True:
             self._peer_links.check_open(label)
+            busy = {src for (src, _), lane in list(self._recv_lanes.items()) if not lane.idle}
             for src, incoming in list(self._incoming.items()):
-                lane = self._recv_lanes.get(src)
-                if lane is not None and not lane.idle:
+                if src in busy:
                     continue  # its receive reads the link
                 if incoming.failed is not None or not incoming.lock.acquire(blocking=False):
                     continue

@@ -473,12 +473,12 @@ class ShmRecvLink(RecvLink):
         self.bell.advance()
 
     def ready(self) -> bool:
-        """True if a message is posted (or held) and not yet consumed.
+        """True if a message is posted (or held) and not yet consumed, or the peer aborted or left.
 
-        The socket is not looked at: wake bytes may wait there without a
-        message; an abort or a closed peer shows once a wait reads it.
+        The wait that reads an abort or a closed peer raises; a receive from any source that
+        only reads ready links learns of it so.
         """
-        return self._held is not None or self.bell.peer_count > self.bell.count
+        return self._held is not None or self.bell.peer_count > self.bell.count or self.bell.peer_left()
 
     def recv_into(self, dst: torch.Tensor) -> None:
         """Copy the next chunk into ``dst``."""

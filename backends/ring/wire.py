@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import select
 import socket
 import struct
 import time
@@ -78,6 +79,7 @@ class SocketReader:
         self.spin_s = spin_s
         self._buf = bytearray(initial)  # bytes read from ``sock`` before this reader took it over
         self._pos = 0
+        self._poller: select.poll | None = None
 
     def _poll(self, size: int) -> bytes | None:
         """Try non-blocking reads for up to ``spin_s`` before the caller blocks in the kernel.
@@ -86,13 +88,17 @@ class SocketReader:
         blocking would hand the core to another process and wait a scheduler
         slice to get it back.
         """
+        # A socket with a timeout waits for readability before any recv, MSG_DONTWAIT or not:
+        # poll it instead, and read once something is there.
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN)
+        poll = self._poller.poll
         deadline = time.perf_counter() + self.spin_s
-        while True:
-            try:
-                return self.sock.recv(size, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                if time.perf_counter() >= deadline:
-                    return None
+        while not poll(0):
+            if time.perf_counter() >= deadline:
+                return None
+        return self.sock.recv(size)
 
     def buffered(self) -> int:
         """Number of bytes already read from the socket but not consumed."""
@@ -135,6 +141,12 @@ class SocketReader:
             self._buf.clear()
             self._pos = 0
         return out
+
+    def peek_byte(self, what: str) -> int:
+        """Return the next byte without consuming it (waits for it as ``read_byte`` does)."""
+        if self._pos >= len(self._buf):
+            self._fill(what, 1)
+        return self._buf[self._pos]
 
     def read_byte(self, what: str) -> int:
         """Return one byte (a token)."""

@@ -156,6 +156,35 @@ def body_earliest_posted_receive_wins(group: IProcessGroup) -> dict[str, Any]:
     }
 
 
+def body_tags_complete_apart(group: IProcessGroup) -> dict[str, Any]:
+    """A receive waiting for its message never holds up one with another tag from the same rank.
+
+    Rank 0 posts a tag-5 receive from rank 1, then waits for a tag-6 one (an ``irecv``, then a
+    blocking ``recv``); rank 1 sends tag 5 only once rank 0 has acknowledged tag 6, as MPI and
+    Gloo allow.
+    """
+    r = group.rank
+    if r == 0:
+        got = []
+        for blocking in (False, True):
+            five, six = torch.zeros(4), torch.zeros(4)
+            waiting = group.irecv(five, 1, tag=5)
+            if blocking:
+                group.recv(six, 1, tag=6)
+            else:
+                group.irecv(six, 1, tag=6).wait()
+            group.send(torch.ones(1), 1, tag=7)
+            waiting.wait()
+            got.append([five.tolist(), six.tolist()])
+        return {"got": got}
+    if r == 1:
+        for _ in range(2):
+            group.send(torch.full((4,), 6.0), 0, tag=6)
+            group.recv(torch.zeros(1), 0, tag=7)
+            group.send(torch.full((4,), 5.0), 0, tag=5)
+    return {}
+
+
 def body_large(group: IProcessGroup, mib: int = 100, device: str = "cpu") -> dict[str, Any]:
     """100 MiB from rank 0 to rank 1 and back, exact (float32, a pattern both sides compute)."""
     r = group.rank

@@ -46,6 +46,12 @@ def test_a_message_goes_to_the_earliest_posted_receive_that_accepts_it(get_pool,
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_receive_waiting_for_one_tag_never_holds_up_another(get_pool, variant: str) -> None:
+    receiver, _ = get_pool(variant, 2).run(bodies.body_tags_complete_apart, timeout=120)
+    assert receiver == {"got": [[[5.0] * 4, [6.0] * 4]] * 2}, receiver
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_100_mib_and_size_mismatch(get_pool, variant: str) -> None:
     pool = get_pool(variant, 2)
     sender, receiver = pool.run(bodies.body_large, timeout=240)
