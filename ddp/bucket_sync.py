@@ -262,6 +262,14 @@ class BucketSync:
             error = self._failed_already(bucket, future)
         except CommHookError as e:
             error = e
+        except CommError as e:
+            if group.bytes_issued != issued:
+                raise  # a collective of the hook failed: the group is broken
+            error = CommHookError(
+                f"{self._prefix()}the communication hook {getattr(self.hook, '__qualname__', self.hook)!r} "
+                f"raised for bucket {bucket.index()} before communicating: {type(e).__name__}: {e}"
+            )
+            error.__cause__ = e
         if error is None:
             return PendingSync(future=future)
         stand_in = None

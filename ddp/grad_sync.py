@@ -185,6 +185,11 @@ class GradSync:
                 "communication hook gets the gradients unscaled and scales them itself; scale in the "
                 "hook, or drop gradient_scaling_factor"
             )
+        if self._config.reduce_op is not ReduceOp.AVG:
+            raise CommHookError(
+                f"{prefix}reduce_op={self._config.reduce_op.name} is set, but a communication hook decides "
+                "the reduction itself (the built-in hooks average); drop reduce_op, or reduce in the hook"
+            )
         manager.register_comm_hook(state, hook)
 
     def subscribe(self, subscriber: Callable[[StepStats], None]) -> None:

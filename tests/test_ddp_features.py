@@ -272,6 +272,87 @@ def test_powersgd_memory_follows_each_matrix_when_ddp_lays_its_buckets_out_again
     assert rebuilt == kept
 
 
+def _powersgd_resumed(group, resume: bool) -> list[float]:
+    """Four PowerSGD steps; with ``resume``, the state goes through pickle after two (a checkpoint)."""
+    import pickle
+
+    model = _BackwardsOrder().double()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    ddp = DistributedDataParallel(model, group)
+    state = PowerSGDState(group, matrix_approximation_rank=1, start_powerSGD_iter=0, min_compression_rate=1.0)
+    ddp.register_comm_hook(state, powerSGD_hook)
+    for step in range(4):
+        if resume and step == 2:
+            restored = pickle.loads(pickle.dumps(state))  # the group is left out, as torch's
+            assert restored.process_group is None and restored.iter == state.iter
+            restored.process_group = group
+            ddp = DistributedDataParallel(model, group)
+            ddp.register_comm_hook(restored, powerSGD_hook)
+        gen = torch.Generator().manual_seed(10 * step + group.rank)
+        ddp.zero_grad(set_to_none=True)
+        ddp(torch.randn(16, 8, generator=gen, dtype=torch.float64)).pow(2).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+    return [v for p in model.parameters() for v in p.reshape(-1).tolist()]
+
+
+def test_powersgd_state_checkpointed_mid_training_resumes_bit_for_bit():
+    assert run_threads(_powersgd_resumed, 2, True) == run_threads(_powersgd_resumed, 2, False)
+
+
+def _powersgd_at_the_break_even_rate(group) -> list[float]:
+    """A 4x4 weight at rank 1 saves exactly min_compression_rate=1: torch sends it uncompressed."""
+    layer = nn.Linear(4, 4, bias=False).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.arange(16, dtype=torch.float64).reshape(4, 4))
+    ddp = DistributedDataParallel(layer, group)
+    state = PowerSGDState(group, matrix_approximation_rank=1, start_powerSGD_iter=0, min_compression_rate=2.0)
+    ddp.register_comm_hook(state, powerSGD_hook)
+    x = torch.arange(8, dtype=torch.float64).reshape(2, 4) * (group.rank + 1)
+    ddp(x).pow(2).sum().backward()
+    return layer.weight.grad.reshape(-1).tolist()
+
+
+def test_powersgd_sends_a_matrix_exactly_when_compression_would_not_save_more_than_asked():
+    """4 * 4 elements against (4 + 4) * 1 compressed: a rate of exactly 2, not more: sent whole."""
+    results = run_threads(_powersgd_at_the_break_even_rate, 2)
+    reference = nn.Linear(4, 4, bias=False).double()
+    with torch.no_grad():
+        reference.weight.copy_(torch.arange(16, dtype=torch.float64).reshape(4, 4))
+    for r in range(2):
+        x = torch.arange(8, dtype=torch.float64).reshape(2, 4) * (r + 1)
+        reference(x).pow(2).sum().backward()
+    expected = (reference.weight.grad / 2).reshape(-1).tolist()
+    assert results == [expected, expected]
+
+
+def _hook_raises_a_comm_error_on_rank_0(group) -> str:
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(1)
+        if group.rank == 0 and len(calls) == 1:
+            raise commlib.NotInitializedError("the hook's own group is not set up")
+        return allreduce_hook(group, bucket)
+
+    ddp = DistributedDataParallel(nn.Linear(2, 2), group)
+    ddp.register_comm_hook(None, hook)
+    with pytest.raises(CommHookError) as info:
+        ddp(torch.ones(1, 2)).sum().backward()
+    ddp(torch.ones(1, 2)).sum().backward()  # the group still works: the hook is the failure
+    return str(info.value)
+
+
+def test_a_commlib_error_a_hook_raises_before_communicating_is_its_failure_on_every_rank():
+    for message in run_threads(_hook_raises_a_comm_error_on_rank_0, 2, return_errors=True):
+        assert isinstance(message, str), message
+        assert "hook" in message and "bucket 0" in message, message
+
+
 def test_hook_registration_errors():
     group = solo()
     ddp = DistributedDataParallel(nn.Linear(2, 2), group)
@@ -291,6 +372,9 @@ def test_hook_registration_errors():
     )
     with pytest.raises(CommHookError, match="scales them itself"):
         scaled.register_comm_hook(group, allreduce_hook)
+    summed = DistributedDataParallel(nn.Linear(2, 2), group, reduce_op=ReduceOp.SUM)
+    with pytest.raises(CommHookError, match="reduce_op=SUM is set, but a communication hook"):
+        summed.register_comm_hook(group, allreduce_hook)
 
 
 def test_hook_that_returns_a_work_gets_a_hint():

@@ -127,6 +127,16 @@ class PowerSGDState:
             f"warm_start={self.warm_start}, compression={self.compression_rate:.1f}x)"
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The state to checkpoint (``torch.save``, pickle): all but the process group, as torch's."""
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint; the group becomes None (commlib's default): set ``process_group`` after."""
+        self.process_group = None
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
     @property
     def compression_rate(self) -> float:
         """Elements before over elements after, for the compressed matrices so far (1.0 before any)."""
@@ -235,7 +245,7 @@ def _split(
         n = grad.shape[0]
         m = grad.numel() // n
         r = min(state.matrix_approximation_rank, n, m)
-        if n * m < state.min_compression_rate * (n + m) * r:
+        if n * m <= state.min_compression_rate * (n + m) * r:  # torch: compress only if strictly better
             dense.append(grad)
         else:
             shapes.append((name, grad.reshape(n, m), r))
