@@ -497,8 +497,9 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         increment_version(outputs if flat_output is None else flat_output)
         self._bytes_issued += tensor.nbytes
         flat = tensor.detach().view(-1)
+        value = output if flat_output is None else [output]  # torch's future values: the list, or [tensor]
         return self._issue(
-            name, tensor, None, -1, async_op, output, self._all_gather, flat_output, outputs, flat, async_op
+            name, tensor, None, -1, async_op, value, self._all_gather, flat_output, outputs, flat, async_op
         )
 
     def all_gather_into_tensor(
@@ -725,7 +726,7 @@ class IProcessGroup(ArgumentChecks, Lifecycle, PointToPoint, ObjectCollectives, 
         counts = ([t.numel() for t in outputs], [t.numel() for t in inputs])
         start = self._all_to_all
         return self._issue(
-            "all_to_all", input, None, -1, async_op, output, start, outputs, inputs, async_op, counts=counts
+            "all_to_all", input, None, -1, async_op, [output], start, outputs, inputs, async_op, counts=counts
         )
 
     def barrier(self, *, async_op: bool = False) -> Work | None:

@@ -225,10 +225,11 @@ class Work:
         Its value is what torch's gives for the same collective: for
         ``all_reduce``, ``broadcast`` and ``reduce_scatter`` a list holding the
         tensor, so communication hooks written for torch port unchanged; for
-        ``all_gather`` the output (the tensor, or the list of tensors); for
-        ``barrier`` None. A failed or timed-out collective completes the future
-        with its ``CommError``. Chain work with ``fut.then(callback)``; callbacks
-        may run on the backend's progress thread.
+        ``all_gather`` into a list the list of outputs, and a list holding the
+        output tensor for ``all_gather_into_tensor`` and ``all_to_all_single``;
+        for ``barrier`` None. A failed or timed-out collective completes the
+        future with its ``CommError``. Chain work with ``fut.then(callback)``;
+        callbacks may run on the backend's progress thread.
 
         Every call returns the same future.
         """

@@ -60,7 +60,12 @@ def futures_semantics(group: IProcessGroup) -> dict[str, Any]:
     assert torch.equal(b, torch.zeros(3))
     out = torch.empty(2 * n)
     gathered = group.all_gather(out, torch.full((2,), float(r)), async_op=True).get_future().wait()  # type: ignore[union-attr]
-    assert gathered is out and out.tolist() == [float(k) for k in range(n) for _ in range(2)]
+    assert len(gathered) == 1 and gathered[0] is out  # torch's [output], so a hook's value()[0] is the output
+    assert out.tolist() == [float(k) for k in range(n) for _ in range(2)]
+    swapped = torch.empty(n)
+    mine = torch.full((n,), float(r))
+    value = group.all_to_all_single(swapped, mine, async_op=True).get_future().wait()  # type: ignore[union-attr]
+    assert len(value) == 1 and value[0] is swapped and swapped.tolist() == [float(k) for k in range(n)]
     rs_out = torch.empty(2)
     rs_in = torch.arange(2 * n, dtype=torch.float32)
     assert group.reduce_scatter(rs_out, rs_in, async_op=True).get_future().wait()[0] is rs_out  # type: ignore[union-attr]
