@@ -30,7 +30,7 @@ class GradientBucket:
 
     It is also the bucket a communication hook receives, with the methods of
     torch's ``GradBucket``: ``buffer()``, ``index()``, ``parameters()``,
-    ``gradients()`` and ``is_last()``.
+    ``gradients()``, ``is_last()`` and ``set_buffer()``.
 
     Args:
         index: Position of the bucket in launch order.
@@ -149,6 +149,25 @@ class GradientBucket:
     def is_last(self) -> bool:
         """True for the bucket launched last in a backward."""
         return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the content of ``buffer()`` with ``tensor`` (torch's ``GradBucket.set_buffer``).
+
+        Copied into the bucket's buffer, which the gradients are views of, so what the hook's
+        future completes with afterwards is read from there as usual.
+
+        Raises:
+            ValueError: ``tensor`` has another number of elements than the bucket.
+        """
+        data = self.comm_data
+        if tensor.numel() != data.numel():
+            raise ValueError(
+                f"GradBucket.set_buffer: bucket {self._index} holds {data.numel()} elements, got a tensor "
+                f"of {tensor.numel()}"
+            )
+        if tensor.data_ptr() != data.data_ptr():
+            with torch.no_grad():
+                data.copy_(tensor.reshape(data.shape))
 
     def scratch_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """A flat buffer as long as the bucket, of ``dtype``, where ``buffer()`` lives; allocated once.

@@ -353,6 +353,29 @@ def test_a_commlib_error_a_hook_raises_before_communicating_is_its_failure_on_ev
         assert "hook" in message and "bucket 0" in message, message
 
 
+def _set_buffer_hook(group) -> list[float]:
+    def hook(state, bucket):  # written for torch: a new tensor handed back with set_buffer
+        bucket.set_buffer(bucket.buffer().clone().div_(group.world_size))
+        return group.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+    layer = nn.Linear(3, 2).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.fill_(0.5)
+    ddp = DistributedDataParallel(layer, group)
+    ddp.register_comm_hook(None, hook)
+    ddp(torch.full((1, 3), float(group.rank + 1), dtype=torch.float64)).sum().backward()
+    with pytest.raises(ValueError, match=r"bucket 0 holds 8 elements, got a tensor of 3"):
+        ddp.bucket_manager.buckets[0].set_buffer(torch.zeros(3))
+    return [v for p in layer.parameters() for v in p.grad.reshape(-1).tolist()]
+
+
+def test_a_hook_may_hand_the_bucket_a_new_tensor_with_set_buffer():
+    for grads in run_threads(_set_buffer_hook, 2):
+        # weight: the average of x = 1 and x = 2 in each column; bias: 1
+        assert grads == [1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0, 1.0], grads
+
+
 def test_hook_registration_errors():
     group = solo()
     ddp = DistributedDataParallel(nn.Linear(2, 2), group)
