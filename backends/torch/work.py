@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Any, Protocol
 
 import torch
@@ -45,30 +46,78 @@ class TorchWork(Work):
         self._handle = handle
         self._cuda = cuda
         self._wait_lock = threading.Lock()
+        self._no_future: bool | None = None
+        """True for torch's works without a future, whose ``wait(timeout)`` ignores the timeout."""
 
     def _wait_for_backend(self, timeout: float | None) -> None:
-        with self._wait_lock:
-            if self._done:
-                return
+        if timeout is None or self._cuda:
+            with self._wait_lock:
+                self._wait_handle(None, None)
+            return
+        # Timed, on the host: the lock may be held by the waiter lane, in an untimed wait for a
+        # work with no torch future (get_future()), so it is bounded by the timeout too.
+        limit = max(float(timeout), 1e-3)
+        deadline = time.monotonic() + limit
+        if not self._wait_lock.acquire(timeout=limit):
+            raise self._expired(timeout, None)
+        try:
+            if not self._done and self._has_no_future():
+                # torch's works without a future (Gloo's reduce_scatter_base) ignore wait(timeout)
+                self._poll_until(deadline, timeout)
+                self._wait_handle(None, None)  # completed: returns at once
+            else:
+                self._wait_handle(max(deadline - time.monotonic(), 1e-3), timeout)
+        finally:
+            self._wait_lock.release()
+
+    def _wait_handle(self, seconds: float | None, timeout: float | None) -> None:
+        """Wait on torch's handle (at most ``seconds`` unless None); the caller holds ``_wait_lock``."""
+        if self._done:
+            return
+        try:
+            if seconds is None:
+                # Gloo fails any operation after the group's timeout (torch.distributed's,
+                # set from CommConfig) and NCCL's watchdog aborts it, so this is bounded.
+                # For CUDA it is a stream dependency: torch's WorkNCCL.wait(timeout) would
+                # block the host and abort the communicator when it expires.
+                self._handle.wait()
+            else:
+                self._handle.wait(datetime.timedelta(seconds=seconds))
+        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+            if seconds is not None and is_wait_expiry(e):
+                raise self._expired(timeout, e) from e
+            self._fail(e)
+            return
+        self._settle()
+
+    def _has_no_future(self) -> bool:
+        if self._no_future is None:
             try:
-                if timeout is None or self._cuda:
-                    # Gloo fails any operation after the group's timeout (torch.distributed's,
-                    # set from CommConfig) and NCCL's watchdog aborts it, so this is bounded.
-                    # For CUDA it is a stream dependency: torch's WorkNCCL.wait(timeout) would
-                    # block the host and abort the communicator when it expires.
-                    self._handle.wait()
-                else:
-                    self._handle.wait(datetime.timedelta(seconds=max(float(timeout), 1e-3)))
-            except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
-                if timeout is not None and not self._cuda and is_wait_expiry(e):
-                    raise CommTimeoutError(
-                        f"{self._label}: Work.wait(timeout={timeout}) expired before the "
-                        "collective finished; it is still running. Wait again, or look for a rank "
-                        "that has not issued the same collective."
-                    ) from e
-                self._fail(e)
-                return
-            self._settle()
+                self._handle.get_future()
+            except RuntimeError:
+                self._no_future = True
+            else:
+                self._no_future = False
+        return self._no_future
+
+    def _poll_until(self, deadline: float, timeout: float | None) -> None:
+        """Return once torch's handle has completed; raise ``CommTimeoutError`` at ``deadline``."""
+        pause = 1e-4
+        while not self._handle.is_completed():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._expired(timeout, None)
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 5e-3)
+
+    def _expired(self, timeout: float | None, cause: BaseException | None) -> CommTimeoutError:
+        error = CommTimeoutError(
+            f"{self._label}: Work.wait(timeout={timeout}) expired before the "
+            "collective finished; it is still running. Wait again, or look for a rank "
+            "that has not issued the same collective."
+        )
+        error.__cause__ = cause
+        return error
 
     def _test_backend(self) -> None:
         if self._handle.is_completed():
