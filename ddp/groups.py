@@ -35,12 +35,29 @@ def resolve_group(process_group: Any, user: str = "DistributedDataParallel") -> 
     torch_pg = getattr(dist, "ProcessGroup", None)
     if process_group is not None:
         if torch_pg is not None and isinstance(process_group, torch_pg):
-            return commlib.from_torch_group(process_group)
+            return _wrapper_of(process_group)
         raise TypeError(
             f"{user}: process_group must be a commlib.IProcessGroup, a "
             "torch.distributed.ProcessGroup or None, got "
             f"{type(process_group).__module__}.{type(process_group).__qualname__}"
         )
     if not commlib.is_initialized() and dist.is_available() and dist.is_initialized():
-        return commlib.from_torch_group()
+        return _wrapper_of(dist.GroupMember.WORLD)
     return commlib.get_default_group()  # raises NotInitializedError, naming the fix
+
+
+_WRAPPERS: dict[int, tuple[Any, IProcessGroup]] = {}
+"""``id`` of a torch group -> (the group, its commlib wrapper): one wrapper per torch group."""
+
+
+def _wrapper_of(pg: Any) -> IProcessGroup:
+    """The commlib wrapper of torch's ``pg``, made once: DDP, ZeRO and the hooks on it share it.
+
+    Wrapping sets up the group's diagnosis, and a hook resolves its state every bucket. The
+    wrapper lives as long as the process (DDP never closes its group; closing the wrapper would
+    leave torch's group alone).
+    """
+    held = _WRAPPERS.get(id(pg))  # the torch group is held, so its id is not reused
+    if held is None:
+        held = _WRAPPERS[id(pg)] = (pg, commlib.from_torch_group(pg))
+    return held[1]

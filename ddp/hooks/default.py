@@ -19,28 +19,32 @@ from typing import Any
 
 import torch
 
-import commlib
 from commlib.process_group import IProcessGroup
 from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
+from ddp.groups import resolve_group
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "resolve_hook_group"]
 
 
 def resolve_hook_group(state: Any) -> IProcessGroup:
-    """The group a hook reduces over: ``state`` itself, or commlib's default group for None.
+    """The group a hook reduces over, resolved as DDP resolves its ``process_group``.
+
+    ``state`` itself; a ``torch.distributed.ProcessGroup``, through its commlib wrapper;
+    None: commlib's default group, else torch.distributed's.
 
     Raises:
-        TypeError: ``state`` is neither.
+        TypeError: ``state`` is none of these.
     """
     if isinstance(state, IProcessGroup):
         return state
-    if state is None:
-        return commlib.get_default_group()
-    raise TypeError(
-        f"communication hook: state must be a commlib IProcessGroup (or None for the default group), got "
-        f"{type(state).__module__}.{type(state).__qualname__}"
-    )
+    try:
+        return resolve_group(state, "communication hook")
+    except TypeError:
+        raise TypeError(
+            "communication hook: state must be a commlib IProcessGroup, a torch.distributed.ProcessGroup "
+            f"or None (the default group), got {type(state).__module__}.{type(state).__qualname__}"
+        ) from None
 
 
 def allreduce_hook(process_group: IProcessGroup | None, bucket: GradientBucket) -> torch.futures.Future[Any]:
