@@ -59,14 +59,16 @@ def forget_group(group: LiveGroup) -> None:
 def release_group(group: LiveGroup, comms: tuple[Any, ...]) -> None:
     """At ``close()``: let go of what MPI no longer holds; then forget ``group`` and free ``comms``.
 
-    A group with collectives still in flight keeps its communicators and stays
-    held for the exit hook, which aborts the job rather than hang.
+    Each collective still in flight is driven to its end first (the progress thread has
+    stopped), bounded by its timeout. A group with requests still in flight after that keeps
+    its communicators and stays held for the exit hook, which aborts the job rather than hang.
 
     Args:
         group: The closing group.
         comms: Its communicators (None for one it never made).
     """
     for work in list(group._pending.values()):
+        work._finish_at_close()  # a collective: to its end (or its timeout), so its future completes
         # A send abandoned at its timeout may have been received since, or its data have left.
         if not work._test():
             work._let_go()

@@ -25,6 +25,7 @@ class WorkOwner(Protocol):
     _progress: ProgressThread | None
     _pure_spin_s: float
     _messages: P2PEngine
+    _broken: BaseException | None
 
     @property
     def timeout(self) -> float:
@@ -185,6 +186,21 @@ class MPIWork(Work):
         """
         return False
 
+    def _finish_at_close(self) -> None:
+        """At ``close()``, the progress thread stopped: drive the collective to its end, as the thread would.
+
+        Every rank issued it before closing, so it finishes, and its future completes; at its
+        timeout it is abandoned as the progress thread abandons one.
+        """
+        if self._done or self._group._broken is not None:  # a broken group's collectives never finish
+            return
+        if wait_until(self._test, self._issued + self._group.timeout):
+            return
+        with self._drive_lock:
+            if not self._done:
+                self._abandoned = not self._withdraw()
+                self._settle(self._timeout_error(self._group.timeout))
+
     def _let_go(self) -> bool:
         """When the group closes or the process exits: True if MPI no longer holds anything of it.
 
@@ -240,6 +256,9 @@ class P2PWork(MPIWork):
     def _withdraw(self) -> bool:
         request = self._request
         return isinstance(request, RecvRequest) and self._group._messages.cancel(request)
+
+    def _finish_at_close(self) -> None:
+        """A send whose receiver never comes would hold ``close()`` for a whole timeout: left as it is."""
 
     def _let_go(self) -> bool:
         request = self._request

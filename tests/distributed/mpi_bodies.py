@@ -272,6 +272,23 @@ def async_semantics(group: IProcessGroup) -> dict[str, Any]:
     return out
 
 
+def future_across_close(group: IProcessGroup) -> dict[str, Any]:
+    """Rank 0 closes a group with its all-reduce in flight (the others issue it later): its future ends.
+
+    Run with ``COMMLIB_DEBUG=OFF``: the fingerprint check defers each launch until every rank's
+    fingerprint is in, and a group closed before that never launches it.
+    """
+    sub = group.new_group(list(range(group.world_size)))
+    if group.rank:
+        time.sleep(0.5)  # late, so that rank 0's all-reduce is in flight when it closes the group
+    summed = torch.full((1000,), float(group.rank + 1))
+    future = sub.all_reduce(summed, async_op=True).get_future()  # type: ignore[union-attr]
+    sub.close()
+    value = future.wait()[0]
+    group.barrier()
+    return {"sum": float(value[0]), "same_tensor": value is summed}
+
+
 def _address(buffer: Any) -> int:
     """Start address of an MPI buffer object (``MPI.memory``) or a NumPy array."""
     return int(buffer.address) if hasattr(buffer, "address") else int(buffer.ctypes.data)

@@ -160,6 +160,10 @@ def test_collectives_matrix(job: Job, nprocs: int) -> None:
 
 @pytest.mark.launcher
 def test_async_semantics_progress_and_zero_copy() -> None:
+    unchecked = {**TEST_TIMEOUT, "COMMLIB_DEBUG": "OFF"}
+    closing = _ok(launch(["future_across_close"], 2, env=unchecked, timeout=90), 2)
+    for values in closing.values():  # the progress thread stops at close; the close finishes it
+        assert values["future_across_close"] == {"sum": 3.0, "same_tensor": True}
     results = _ok(launch(["async_semantics", "mpi_internals"], 2, env=TEST_TIMEOUT, timeout=90), 2)
     for rank, values in results.items():
         a = values["async_semantics"]
