@@ -237,7 +237,7 @@ def test_a_receive_reading_its_link_hands_another_receives_message_over(pair: Pa
     end = pair.ends[1]
     mine, theirs = torch.zeros(3), torch.zeros(3)
     # On its source's lane, as the group runs it: a receive from any source leaves that link to it.
-    reading = end.recv_lane(0).submit("recv", functools.partial(end.recv, mine, 0, 1, "tag 1"), True)
+    reading = end.recv_lane(0, 1).submit("recv", functools.partial(end.recv, mine, 0, 1, "tag 1"), True)
     waiting = pair.pool.submit(end.recv, theirs, None, 2, "from any rank, tag 2")
     _done(pair.send(0, torch.full((3,), 2.0), tag=2))  # read by the receive of tag 1, for the other
     assert waiting.result(timeout=30) == 0 and theirs.tolist() == [2.0] * 3
@@ -268,7 +268,7 @@ def test_a_receive_another_reader_landed_returns_while_that_reader_still_waits()
         pair.close()
 
 
-def test_receives_from_one_source_are_issued_in_the_order_their_lane_runs_them() -> None:
+def test_receives_from_one_source_and_tag_are_issued_in_the_order_their_lane_runs_them() -> None:
     """A receive is issued as it takes its place on its lane, so none waits behind a later one.
 
     Issued first and queued second, ``a`` would get the first message while its work waited for
@@ -278,7 +278,7 @@ def test_receives_from_one_source_are_issued_in_the_order_their_lane_runs_them()
     try:
         end = pair.ends[1]
         _done(pair.send(0, torch.ones(1), tag=9), pair.recv(1, torch.empty(1), tag=9))  # opens the link
-        lane = end.recv_lane(0)
+        lane = end.recv_lane(0, 0)
         a, b = torch.zeros(1), torch.zeros(1)
         works = {}
         for name, into in (("b", b), ("a", a)):  # b takes its place on the lane first
