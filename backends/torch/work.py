@@ -50,45 +50,48 @@ class TorchWork(Work):
         """True for torch's works without a future, whose ``wait(timeout)`` ignores the timeout."""
 
     def _wait_for_backend(self, timeout: float | None) -> None:
-        if timeout is None or self._cuda:
-            with self._wait_lock:
-                self._wait_handle(None, None)
+        if timeout is not None and not self._cuda:
+            self._wait_timed(timeout)
             return
-        # Timed, on the host: the lock may be held by the waiter lane, in an untimed wait for a
-        # work with no torch future (get_future()), so it is bounded by the timeout too.
-        limit = max(float(timeout), 1e-3)
-        deadline = time.monotonic() + limit
-        if not self._wait_lock.acquire(timeout=limit):
-            raise self._expired(timeout, None)
-        try:
-            if not self._done and self._has_no_future():
-                # torch's works without a future (Gloo's reduce_scatter_base) ignore wait(timeout)
-                self._poll_until(deadline, timeout)
-                self._wait_handle(None, None)  # completed: returns at once
-            else:
-                self._wait_handle(max(deadline - time.monotonic(), 1e-3), timeout)
-        finally:
-            self._wait_lock.release()
-
-    def _wait_handle(self, seconds: float | None, timeout: float | None) -> None:
-        """Wait on torch's handle (at most ``seconds`` unless None); the caller holds ``_wait_lock``."""
-        if self._done:
-            return
-        try:
-            if seconds is None:
+        with self._wait_lock:
+            if self._done:
+                return
+            try:
                 # Gloo fails any operation after the group's timeout (torch.distributed's,
                 # set from CommConfig) and NCCL's watchdog aborts it, so this is bounded.
                 # For CUDA it is a stream dependency: torch's WorkNCCL.wait(timeout) would
                 # block the host and abort the communicator when it expires.
                 self._handle.wait()
-            else:
-                self._handle.wait(datetime.timedelta(seconds=seconds))
-        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
-            if seconds is not None and is_wait_expiry(e):
-                raise self._expired(timeout, e) from e
-            self._fail(e)
-            return
-        self._settle()
+            except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+                self._fail(e)
+                return
+            self._settle()
+
+    def _wait_timed(self, timeout: float) -> None:
+        """Wait on the host for at most ``timeout`` seconds; ``CommTimeoutError`` leaves the work going on.
+
+        The lock may be held by the waiter lane, in an untimed wait for a work with no torch
+        future (``get_future()``), so taking it is bounded by the timeout too.
+        """
+        limit = max(float(timeout), 1e-3)
+        deadline = time.monotonic() + limit
+        if not self._wait_lock.acquire(timeout=limit):
+            raise self._expired(timeout, None)
+        try:
+            if self._done:
+                return
+            if self._has_no_future():  # torch's works without a future ignore wait(timeout): poll
+                self._poll_until(deadline, timeout)
+            try:
+                self._handle.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+                if is_wait_expiry(e):
+                    raise self._expired(timeout, e) from e
+                self._fail(e)
+                return
+            self._settle()
+        finally:
+            self._wait_lock.release()
 
     def _has_no_future(self) -> bool:
         if self._no_future is None:
