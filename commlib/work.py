@@ -148,6 +148,13 @@ class Work:
                 return f"<context unavailable: {type(e).__name__}: {e}>"
         return str(context)
 
+    def _wait_expired(self, timeout: float, still: str) -> CommTimeoutError:
+        """The error of a ``wait(timeout)`` that ran out; ``still`` says where the collective goes on."""
+        return CommTimeoutError(
+            f"{self._label}: Work.wait(timeout={timeout}) expired before the collective finished; "
+            f"{still}. Wait again, or look for a rank that has not issued the same collective."
+        )
+
     # ------------------------------------------------------------------ public
     def annotate(self, context: str | Callable[[], object]) -> Work:
         """Say what this collective is for; stall warnings and flight-recorder dumps name it.
@@ -421,11 +428,7 @@ class EventWork(Work):
         if self._event.wait(limit):
             return
         if timeout is not None:
-            raise CommTimeoutError(
-                f"{self._label}: Work.wait(timeout={timeout}) expired before the collective finished; "
-                "it is still running on the progress thread. Wait again, or look for a rank that has "
-                "not issued the same collective."
-            )
+            raise self._wait_expired(timeout, "it is still running on the progress thread")
         raise CommTimeoutError(
             f"{self._label}: not finished after {limit:g} s, although every step of a collective is "
             "bounded by the group's timeout: the backend's progress thread is stuck or gone"

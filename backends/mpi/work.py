@@ -121,10 +121,7 @@ class MPIWork(Work):
             if self._test_locked():
                 return True
             if time.monotonic() - self._issued > self._group.timeout:
-                # Unless it can be withdrawn, the request is still in flight: it stays listed
-                # for the exit hook, which aborts the job rather than hang in MPI_Finalize.
-                self._abandoned = not self._withdraw()
-                self._settle(self._timeout_error(self._group.timeout))
+                self._abandon(self._group.timeout)
                 return True
             return False
         finally:
@@ -198,8 +195,7 @@ class MPIWork(Work):
             return
         with self._drive_lock:
             if not self._done:
-                self._abandoned = not self._withdraw()
-                self._settle(self._timeout_error(self._group.timeout))
+                self._abandon(self._group.timeout)
 
     def _let_go(self) -> bool:
         """When the group closes or the process exits: True if MPI no longer holds anything of it.
@@ -222,19 +218,23 @@ class MPIWork(Work):
             "just slow."
         )
 
-    def _expired(self, timeout: float | None, limit: float) -> None:
-        if timeout is not None:
-            raise CommTimeoutError(
-                f"{self.describe}: Work.wait(timeout={timeout}) expired before the "
-                "collective finished; it is still in flight. Wait again, or look for a "
-                "rank that has not issued the same collective."
-            )
-        # Failed for its caller (a later wait raises the same error); unless withdrawn, the request
-        # stays listed for the exit hook, as one abandoned by the progress thread.
+    def _abandon(self, limit: float) -> CommTimeoutError:
+        """Fail the work at its timeout (the caller holds the drive lock); return its error.
+
+        Unless it can be withdrawn, the request is still in flight: it stays listed for the exit
+        hook, which aborts the job rather than hang in MPI_Finalize.
+        """
         self._abandoned = not self._withdraw()
         error = self._timeout_error(limit)
         self._settle(error)
-        raise error
+        return error
+
+    def _expired(self, timeout: float | None, limit: float) -> None:
+        if timeout is not None:
+            raise self._wait_expired(timeout, "it is still in flight")
+        # Failed for its caller (a later wait raises the same error), as one abandoned by the
+        # progress thread.
+        raise self._abandon(limit)
 
 
 class P2PWork(MPIWork):

@@ -10,7 +10,6 @@ from typing import Any, Protocol
 import torch
 
 from backends.torch.errors import is_wait_expiry, translate
-from commlib.errors import CommTimeoutError
 from commlib.work import CollectiveLabel, Work
 
 __all__ = ["TorchWork", "WorkOwner"]
@@ -76,7 +75,7 @@ class TorchWork(Work):
         limit = max(float(timeout), 1e-3)
         deadline = time.monotonic() + limit
         if not self._wait_lock.acquire(timeout=limit):
-            raise self._expired(timeout, None)
+            raise self._wait_expired(timeout, "it is still running")
         try:
             if self._done:
                 return
@@ -86,7 +85,7 @@ class TorchWork(Work):
                 self._handle.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
                 if is_wait_expiry(e):
-                    raise self._expired(timeout, e) from e
+                    raise self._wait_expired(timeout, "it is still running") from e
                 self._fail(e)
                 return
             self._settle()
@@ -103,24 +102,15 @@ class TorchWork(Work):
                 self._no_future = False
         return self._no_future
 
-    def _poll_until(self, deadline: float, timeout: float | None) -> None:
+    def _poll_until(self, deadline: float, timeout: float) -> None:
         """Return once torch's handle has completed; raise ``CommTimeoutError`` at ``deadline``."""
         pause = 1e-4
         while not self._handle.is_completed():
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self._expired(timeout, None)
+                raise self._wait_expired(timeout, "it is still running")
             time.sleep(min(pause, left))
             pause = min(2 * pause, 5e-3)
-
-    def _expired(self, timeout: float | None, cause: BaseException | None) -> CommTimeoutError:
-        error = CommTimeoutError(
-            f"{self._label}: Work.wait(timeout={timeout}) expired before the "
-            "collective finished; it is still running. Wait again, or look for a rank "
-            "that has not issued the same collective."
-        )
-        error.__cause__ = cause
-        return error
 
     def _test_backend(self) -> None:
         if self._handle.is_completed():
