@@ -142,6 +142,10 @@ class BucketSync:
     def _prefix(self) -> str:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", "comm_hook")
 
+    @property
+    def _hook_name(self) -> object:
+        return getattr(self.hook, "__qualname__", self.hook)
+
     # --------------------------------------------------------------- decisions
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Communicate every bucket with ``hook(state, bucket)`` from now on (it scales itself)."""
@@ -262,14 +266,6 @@ class BucketSync:
             error = self._failed_already(bucket, future)
         except CommHookError as e:
             error = e
-        except CommError as e:
-            if group.bytes_issued != issued:
-                raise  # a collective of the hook failed: the group is broken
-            error = CommHookError(
-                f"{self._prefix()}the communication hook {getattr(self.hook, '__qualname__', self.hook)!r} "
-                f"raised for bucket {bucket.index()} before communicating: {type(e).__name__}: {e}"
-            )
-            error.__cause__ = e
         if error is None:
             return PendingSync(future=future)
         stand_in = None
@@ -300,13 +296,14 @@ class BucketSync:
 
     def _call_hook(self, bucket: GradientBucket) -> torch.futures.Future[Any]:
         assert self.hook is not None
+        issued = self.group.bytes_issued
         try:
             future = self.hook(self.hook_state, bucket)
-        except CommError:
-            raise
         except Exception as e:  # noqa: BLE001 - a hook's failure, named
+            if isinstance(e, CommError) and self.group.bytes_issued != issued:
+                raise  # a collective of the hook failed: the group is broken
             raise CommHookError(
-                f"{self._prefix()}the communication hook {getattr(self.hook, '__qualname__', self.hook)!r} "
+                f"{self._prefix()}the communication hook {self._hook_name!r} "
                 f"raised for bucket {bucket.index()}: {type(e).__name__}: {e}"
             ) from e
         if not _is_torch_future(future):
@@ -317,7 +314,7 @@ class BucketSync:
             )
             raise CommHookError(
                 f"{self._prefix()}the communication hook "
-                f"{getattr(self.hook, '__qualname__', self.hook)!r} returned {type(future).__name__} for "
+                f"{self._hook_name!r} returned {type(future).__name__} for "
                 f"bucket {bucket.index()}; a hook must return a torch.futures.Future whose value is the "
                 f"reduced flat buffer{hint}"
             )

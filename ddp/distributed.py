@@ -309,11 +309,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _check_no_stale_reads(self, outputs: Any, gathers: ParamGathers) -> None:
         pending = gathers.pending()
-        names = {id(p): n for n, p in self.module.named_parameters() if id(p) in pending}
-        stale = used_parameters(outputs, {pid: k for k, pid in enumerate(names)})
+        unwaited = [(name, p) for name, p in self.module.named_parameters() if id(p) in pending]
+        stale = used_parameters(outputs, {id(p): k for k, (_, p) in enumerate(unwaited)})
         if stale:
-            ids = list(names)
-            read = sorted(names[ids[k]] for k in stale)
+            read = sorted(unwaited[k][0] for k in stale)
             raise RuntimeError(
                 f"{self._prefix('forward')}overlap_param_gather=True: the forward read {read} before their "
                 "all-gather from the last optimizer.step() was waited for (their module was not called; "

@@ -298,13 +298,11 @@ class TcpSendLink(SendLink):
         """
         timeout = self.sock.gettimeout()
         with self._idle:
-            pending = self._pending
-            deadline = None if timeout is None else time.monotonic() + timeout
+            pending, progressed = self._pending, time.monotonic()
             while self._pending and self._error is None:
                 if self._pending < pending:  # a chunk went out: the receiver reads
-                    pending = self._pending
-                    deadline = None if timeout is None else time.monotonic() + timeout
-                left = None if deadline is None else deadline - time.monotonic()
+                    pending, progressed = self._pending, time.monotonic()
+                left = None if timeout is None else timeout - (time.monotonic() - progressed)
                 if left is not None and left <= 0:
                     raise CommTimeoutError(
                         f"timed out after {timeout:.1f} s sending to {self.describe}: it stopped reading "

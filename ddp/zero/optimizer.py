@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -145,10 +146,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._external = partition is not None
         self._registrations_seen = -1
         self._gather_stats = ParamGatherStats()
-        self._steps = 0  # calls of step() and consolidate_state_dict(): every rank's must agree
-        self._consolidations = 0
-        self._group_additions = 0
-        self._partition_sets = 0
+        self._calls: collections.Counter[int] = collections.Counter()
+        """Calls of each collective operation (``step()``, ...): every rank's counts must agree."""
         super().__init__(params, defaults)
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._check_communicable("init", self._params)
@@ -237,8 +236,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 alone): raised on every rank at once, before the all-gathers.
         """
         Join.notify_join_context(self)
-        self._steps += 1
-        agree_on_operation(self._group, "step", ZERO_STEP, self._steps, self._params)
+        self._agree("step", ZERO_STEP)
         self.finish_param_gather()  # those the last forward did not wait for (unused parameters)
         self._follow_gradient_layout("step")
         self._check_linked("step")
@@ -302,9 +300,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise type(e)(f"{self._prefix(op)}{e}") from e
         if not self._ready:
             return
-        self._group_additions += 1
         try:
-            agree_on_operation(self._group, op, ZERO_ADD_PARAM_GROUP, self._group_additions, self._params)
+            self._agree(op, ZERO_ADD_PARAM_GROUP)
         except BaseException:
             self.param_groups.pop()
             raise
@@ -348,10 +345,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             ValueError: ``partition`` does not fit the parameters, or differs from
                 the layout of the reduce-scatter DDP the optimizer follows.
         """
-        self._partition_sets += 1
-        agree_on_operation(
-            self._group, "set_partition", ZERO_SET_PARTITION, self._partition_sets, self._params
-        )
+        self._agree("set_partition", ZERO_SET_PARTITION)
         layout = self._gradient_layout
         if layout is not None and layout.version >= 0:
             self._check_same_as_layout(partition, layout, "set_partition")
@@ -379,8 +373,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError(
                 f"{self._prefix(op)}to={to} is not a rank of this group (0..{self.world_size - 1})"
             )
-        self._consolidations += 1
-        agree_on_operation(self._group, op, ZERO_CONSOLIDATE, self._consolidations, self._params)
+        self._agree(op, ZERO_CONSOLIDATE)
         payloads = exchange_objects(self._group, self._shard_payload(), to)
         self._consolidated = None if payloads is None else self._whole_state_dict(payloads, op)
 
@@ -460,6 +453,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                     f"{', '.join(sorted(dtype_name(d) for d in group.supported_dtypes))} on "
                     f"{', '.join(sorted(group.devices))}); convert the parameter or use another backend"
                 )
+
+    def _agree(self, op: str, operation: int) -> None:
+        """Begin a collective call: every rank must be in ``operation``, at the same call of it."""
+        self._calls[operation] += 1
+        agree_on_operation(self._group, op, operation, self._calls[operation], self._params)
 
     def _check_elementwise(self, partition: ParameterPartition, op: str) -> None:
         """Raise ValueError if an optimizer that steps whole matrices would get a split one."""
