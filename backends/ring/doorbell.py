@@ -198,15 +198,17 @@ class Doorbell:
         The wait that reads it raises. Wake bytes before it are consumed: they wake no one now.
         """
         reader = self._reader
-        while reader.buffered() or self._readable():
-            try:
-                kind = reader.peek_byte("a look for a closed link")
-            except PeerFailureError:  # the end of the connection, or a reset
-                return True
-            if kind != WAKE:
-                return True
-            reader.read_byte("a wake-up")
-        return False
+        if not (reader.buffered() or self._readable()):
+            return False
+        try:
+            while True:  # what one read brought at most: a peer that keeps writing cannot hold it
+                if reader.peek_byte("a look for a closed link") != WAKE:  # reads only if readable
+                    return True
+                reader.read_byte("a wake-up")
+                if not reader.buffered():
+                    return False
+        except PeerFailureError:  # the end of the connection, or a reset
+            return True
 
     def _empty_wake_pipe(self) -> None:
         try:
