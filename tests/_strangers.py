@@ -21,17 +21,21 @@ class Finished:
     err: str
 
 
-def stranger_first(start: Callable[[int, str], subprocess.Popen[str]]) -> tuple[Finished, list[Finished]]:
+def stranger_first(
+    start: Callable[[int, str], subprocess.Popen[str]], rank0_in: Callable[[], None] = lambda: None
+) -> tuple[Finished, list[Finished]]:
     """Run rank 0 ("ours"), a stranger as rank 1 ("theirs") to its end, then rank 1 ("ours").
 
     Args:
         start: Starts the process of a rank with a job token, ``start(rank, token)``.
+        rank0_in: Returns once rank 0 is in (called before the stranger starts).
 
     Returns:
         The stranger, then this job's ranks 0 and 1. Every process is killed on the way out.
     """
     procs = [start(0, "ours")]
     try:
+        rank0_in()
         procs.append(start(1, "theirs"))
         stray = _finish(procs[1])
         procs.append(start(1, "ours"))

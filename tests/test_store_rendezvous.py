@@ -12,6 +12,7 @@ import concurrent.futures
 import datetime
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -416,38 +417,143 @@ def _given(store: Any, rank: int, world_size: int = 2) -> DistEnv:
     return DistEnv(rank=rank, world_size=world_size, launcher="explicit", store=store)
 
 
-def test_in_a_given_store_a_rank_0_of_another_job_fails_alone_and_the_job_forms(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Two rank 0s meet in one part of a store two jobs share: the second raises, the first's job forms."""
+@pytest.fixture
+def tokens(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Each thread's job token: ``COMMLIB_JOB_TOKEN=tokens.value`` (default ``ours``), or ``tokens.token``."""
     import threading
-
-    from torch.distributed import HashStore
 
     import backends.common.store_rendezvous as store_rendezvous
     from backends.common.jobtoken import job_token
 
-    tokens = threading.local()
-    monkeypatch.setattr(
-        store_rendezvous,
-        "job_token",
-        lambda env, **kw: job_token(env, {"COMMLIB_JOB_TOKEN": getattr(tokens, "value", "ours")}, **kw),
-    )
+    chosen = threading.local()
+
+    def token(env: DistEnv, **kw: Any) -> Any:
+        given = getattr(chosen, "token", None)
+        return given or job_token(env, {"COMMLIB_JOB_TOKEN": getattr(chosen, "value", "ours")}, **kw)
+
+    monkeypatch.setattr(store_rendezvous, "job_token", token)
+    return chosen
+
+
+def test_in_a_given_store_two_jobs_form_side_by_side_whoever_comes_first(tokens: Any) -> None:
+    """Two jobs share one store: the other job's rank 0 and rank 1 come first, and neither job ends the other.
+
+    Each job meets in its own token's part of the store: the other's rank 0 never takes this
+    job's challenge, and neither job's rank 1 answers the other's rank 0.
+    """
+    from torch.distributed import HashStore
 
     def join(rank: int, token: str) -> Any:
         tokens.value = token
         return join_job_store(_given(store, rank), 20.0, "gloo")
 
     store = HashStore()
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        ours = pool.submit(join, 0, "ours")
-        wait_until(lambda: store.num_keys() >= 2, 20, "rank 0 publishes its challenge")
-        with pytest.raises(RendezvousError, match="another process already leads this rendezvous as rank 0"):
-            pool.submit(join, 0, "theirs").result(timeout=60)
-        scopes = [ours, pool.submit(join, 1, "ours")]
-        stores = [f.result(timeout=60) for f in scopes]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        theirs = [pool.submit(join, 0, "theirs")]
+        wait_until(lambda: store.check([f"{BASE}/present/rank0/1"]), 20, "their rank 0 is in the store")
+        theirs.append(pool.submit(join, 1, "theirs"))
+        wait_until(lambda: store.check([f"{BASE}/present/ranks/1"]), 20, "their rank 1 is in the store")
+        ours = [pool.submit(join, 0, "ours"), pool.submit(join, 1, "ours")]
+        stores = {
+            name: [f.result(timeout=60) for f in job] for name, job in (("ours", ours), ("theirs", theirs))
+        }
+    for name, (leader, follower) in stores.items():
+        leader.set("k", name)
+        assert follower.get("k") == name.encode()  # each job's ranks share one part, and only their own
+    stores["theirs"][0].set("only", "theirs")
+    assert not stores["ours"][1].check(["only"])
+
+
+def test_in_a_given_store_a_rank_with_another_token_waits_alone_and_names_the_rank_0_it_found(
+    tokens: Any,
+) -> None:
+    """A rank 1 holding another token does not end this job: it times out alone, naming this job's rank 0.
+
+    This job's rank 0 goes on waiting; when its own rank 1 never comes either, its timeout names
+    the claim made under another token.
+    """
+    from torch.distributed import HashStore
+
+    def join(rank: int, token: str, timeout: float) -> Any:
+        tokens.value = token
+        return join_job_store(_given(store, rank), timeout, "gloo")
+
+    store = HashStore()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(join, 0, "ours", 6.0)
+        wait_until(lambda: store.check([f"{BASE}/present/rank0/1"]), 20, "rank 0 is in the store")
+        with pytest.raises(RendezvousTimeoutError) as stranger:
+            pool.submit(join, 1, "theirs", 1.0).result(timeout=60)
+        assert not leader.done()
+        with pytest.raises(RendezvousTimeoutError) as ours:
+            leader.result(timeout=60)
+    message = str(stranger.value)
+    assert message.startswith(
+        "[rank 1/2] gloo.rendezvous: no rank 0 holding this job's token (COMMLIB_JOB_TOKEN (value not shown)"
+    ), message
+    assert (
+        "came to the group's store within 1.0 s. Under another job token, 1 process(es) came to this "
+        in message
+    )
+    assert (
+        f"pid {os.getpid()} on {socket.gethostname()} claiming rank 0 of world size 2 (its job: " in message
+    )
+    assert "set COMMLIB_JOB_TOKEN to the same value on every rank" in message
+    message = str(ours.value)
+    assert message.startswith("[rank 0/2] gloo.rendezvous: timed out after 6.0 s"), message
+    assert "ranks [1] never did" in message
+    assert "Under another job token, 1 process(es) came to this store: " in message
+    assert "claiming rank 1 of world size 2" in message
+
+
+def test_in_a_given_store_a_second_rank_0_of_this_job_fails_alone_naming_the_first() -> None:
+    """A duplicated ``RANK=0`` meets no rank (each rank counts its groups): it times out alone, naming it.
+
+    The ranks count the groups they formed in the store per rank, so the second rank 0 leads in the
+    part of this job's next group; the job forms with the first.
+    """
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(join_job_store, _given(store, 0), 20.0, "gloo")
+        wait_until(lambda: store.check([f"{BASE}/present/rank0/1"]), 20, "rank 0 is in the store")
+        with pytest.raises(RendezvousTimeoutError) as second:
+            join_job_store(_given(store, 0), 1.0, "gloo")
+        follower = pool.submit(join_job_store, _given(store, 1), 20.0, "gloo")
+        stores = [first.result(timeout=60), follower.result(timeout=60)]
     stores[0].set("k", "v")
     assert stores[1].get("k") == b"v"
+    message = str(second.value)
+    assert message.startswith("[rank 0/2] gloo.rendezvous: timed out after 1.0 s"), message
+    assert (
+        f"Another process with this job's token came to this store as rank 0 too (pid {os.getpid()} on "
+        f"{socket.gethostname()}): rank 0 is duplicated"
+    ) in message
+
+
+def test_in_a_given_store_a_rank_0_accepting_two_keys_meets_ranks_holding_either(tokens: Any) -> None:
+    """A rank 0 that leads its own session accepts its parent's key and its own; its children hold its own."""
+    from torch.distributed import HashStore
+
+    from backends.common.jobtoken import JobToken
+
+    parent, own = b"p" * 32, b"o" * 32
+    held = {
+        0: JobToken(parent, "rank 0", accepted=(parent, own)),
+        1: JobToken(own, "a child"),
+        2: JobToken(parent, "a sibling"),
+    }
+
+    def join(rank: int) -> Any:
+        tokens.token = held[rank]
+        return join_job_store(_given(store, rank, 3), 20.0, "gloo")
+
+    store = HashStore()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        stores = list(pool.map(join, range(3), timeout=60))
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v" and stores[2].get("k") == b"v"
 
 
 def test_in_a_given_store_a_rank_that_comes_after_rank_0_failed_reads_why() -> None:

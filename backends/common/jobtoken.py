@@ -122,7 +122,7 @@ class JobToken:
     @property
     def tag(self) -> str:
         """A public name of this token (an HMAC, so it says nothing of the key), to keep jobs' keys apart."""
-        return sign_with(self.key, "tag")[:16]
+        return tag_of(self.key)
 
     def sign(self, *parts: Any) -> str:
         """Return the proof (hex HMAC-SHA256) over ``parts`` (JSON-serialisable values) with ``key``."""
@@ -136,6 +136,11 @@ class JobToken:
             if hmac.compare_digest(sign_with(key, *parts), proof):
                 return key
         return None
+
+
+def tag_of(key: bytes) -> str:
+    """The public name of the job token whose key is ``key`` (``JobToken.tag``)."""
+    return sign_with(key, "tag")[:16]
 
 
 def sign_with(key: bytes, *parts: Any) -> str:

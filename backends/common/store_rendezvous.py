@@ -11,7 +11,12 @@ without sending it:
    (Under torchrun's agent store, which already serves ``MASTER_PORT``, every
    rank is a client and the keys carry the restart count and a generation, as
    in the ring's store exchange. A group given a store of its own,
-   ``DistEnv.store``, makes the check in that store, and opens no port.)
+   ``DistEnv.store``, makes the check in that store, and opens no port. In
+   either, the check runs in the part of the store of this rank's job token
+   (``scope_in``), so two jobs that share a store form side by side: another
+   job's rank 0 neither takes this job's challenge nor answers it, and a rank
+   whose own rank 0 never comes fails alone at its deadline, naming the
+   processes of other tokens it found there.)
 2. Every other rank reads the challenge and writes its answer, its rank,
    world size, pid, host, job description and a nonce of its own, with an
    HMAC under its token over the challenge and the answer, into the first free
@@ -62,6 +67,7 @@ from typing import Any, NoReturn
 
 from backends.common.admission import (
     HOLDER_PROBE_S,
+    MAX_WARNED_CLAIMS,
     Claim,
     Refusals,
     RendezvousContext,
@@ -71,7 +77,7 @@ from backends.common.admission import (
     raise_if_holder_answered,
     token_mismatch_advice,
 )
-from backends.common.jobtoken import JobToken, job_token, sign_with, uses_torchrun_agent_store, verify_with
+from backends.common.jobtoken import job_token, sign_with, tag_of, uses_torchrun_agent_store, verify_with
 from backends.common.native_sockets import connections_to, shut_down_new_connections
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
@@ -82,6 +88,15 @@ __all__ = ["join_job_store", "scope_in"]
 
 logger = logging.getLogger("commlib")
 
+_ROOT = "commlib/job-check/v1"
+"""Where in a store the job check's keys lie."""
+_PRESENT = f"{_ROOT}/present"
+"""A store's lists of the rank 0s (``/rank0``) and other ranks (``/ranks``) that came to it, with their
+job tokens' tags: read only for messages."""
+_PRESENT_READ = 64
+"""The newest records of a ``_PRESENT`` list a timeout's message looks through."""
+_PRESENT_GLANCE = 8
+"""The newest rank 0 records a rank looks through on arrival, when its own rank 0 is not there yet."""
 _READ_WAIT_S = 2.0
 """How long a failing rank 0 keeps its store up for the ranks it told why to read it."""
 _VERDICT_GRACE_S = (
@@ -114,21 +129,23 @@ class _Context(RendezvousContext):
 
     base: str = ""
     agent_store: bool = False
-    fresh: bool = False  # ``base`` is this group's alone (given or agent store), not the port's server's
+    fresh: bool = False  # ``base`` is this group's and token's alone (given or agent store), not the server's
+    copies: tuple[str, ...] = ()  # rank 0's: the parts of its other accepted keys, with its challenge too
 
 
-def scope_in(store: Any, base: str, rank: int, token: JobToken) -> str:
-    """A key prefix under ``base`` that no earlier group meeting in ``store`` used.
+def scope_in(store: Any, base: str, rank: int, tag: str) -> str:
+    """The part of ``store`` under ``base`` where this group's check runs for the job token named ``tag``.
 
-    A store may serve several groups one after another (torch reuses a group's
-    name, and with it its part of the store, after ``destroy_process_group``).
-    Each rank counts its own uses of ``base``; the ranks of one group have met
-    there equally often, so they arrive at the same count without talking.
-    The count is kept per job token (``JobToken.tag``): a process of another job
-    that comes to the store as rank ``r`` does not shift this job's rank ``r``
-    into another part of it.
+    Each job token has a part of its own (``JobToken.tag``), so two jobs that share
+    a store (a ``FileStore`` path given to both) never read each other's keys: a
+    rank 0 of another job neither takes this job's challenge nor answers it.
+    A store may also serve several groups one after another (torch reuses a
+    group's name, and with it its part of the store, after
+    ``destroy_process_group``): each rank counts its own uses of the token's
+    part, and the ranks of one group have met there equally often, so they
+    arrive at the same count without talking.
     """
-    return f"{base}/{int(store.add(f'{base}/uses/{token.tag}/{rank}', 1))}"
+    return f"{base}/{tag}/{int(store.add(f'{base}/uses/{tag}/{rank}', 1))}"
 
 
 def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
@@ -153,13 +170,19 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
     global _store_generation
     agent_store = uses_torchrun_agent_store(env)
     token = job_token(env, local_parent=not agent_store)
-    base = "commlib/job-check/v1"
+    base = _ROOT
+    # Rank 0 leads the check in the part of every key it accepts; a rank answers in its own key's.
+    tags = [tag_of(key) for key in token.accepted] if env.rank == 0 else [token.tag]
+    spaces: list[str] = []
     if env.store is not None:
-        base = scope_in(env.store, base, env.rank, token)
+        spaces = [scope_in(env.store, base, env.rank, tag) for tag in tags]
     elif agent_store:
         # torchrun's store outlives this group: keep each group's and each restart's keys apart.
         _store_generation += 1
-        base = f"{base}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
+        generation = f"{base}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_generation}"
+        spaces = [f"{generation}/{tag}" for tag in tags]
+    if spaces:
+        base = spaces[0]
     ctx = _Context(
         env=env,
         prefix=error_prefix(env.rank, env.world_size, backend, "rendezvous"),
@@ -168,7 +191,8 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
         token=token,
         base=base,
         agent_store=agent_store,
-        fresh=env.store is not None or agent_store,
+        fresh=bool(spaces),
+        copies=tuple(spaces[1:]),
     )
     if env.rank == 0:
         store = env.store if env.store is not None else _open_store(ctx)
@@ -342,6 +366,133 @@ def _decode(raw: bytes) -> Any:
         return None
 
 
+# ------------------------------------------------- who came, under which token
+def _note_arrival(ctx: _Context, store: Any) -> int:
+    """Record in the store that this rank came to it, and under which job token (only read for messages).
+
+    ``add`` gives each record a number of its own in one step, so nothing anyone else writes
+    delays this rank. A store that fails here fails the check's next step with its own error.
+
+    Returns:
+        The record's number (0 if the store failed).
+    """
+    record = {
+        "rank": ctx.env.rank,
+        "world_size": ctx.env.world_size,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "identity": ctx.token.identity,
+        "tags": [tag_of(key) for key in ctx.token.accepted],
+        "time": time.time(),
+    }
+    where = _present_list(ctx.env.rank)
+    try:
+        number = int(store.add(f"{where}/count", 1))
+        store.set(f"{where}/{number}", json.dumps(record))
+    except Exception:  # noqa: BLE001 - only messages would miss it
+        return 0
+    return number
+
+
+def _claim_of(record: Any, since: float) -> tuple[Claim, set[str]] | None:
+    """A ``_PRESENT`` record's claim and token tags; None unless well formed and newer than ``since``."""
+    if not isinstance(record, dict) or not isinstance(record.get("tags"), list):
+        return None
+    numbers = [record.get(name) for name in ("rank", "world_size", "pid")]
+    when = record.get("time")
+    if not all(type(v) is int for v in numbers) or not isinstance(when, float | int) or when < since:
+        return None
+    rank, world_size, pid = (int(v) for v in numbers)
+    claim = Claim(rank, world_size, pid, str(record.get("host")), str(record.get("identity")))
+    return claim, {str(tag) for tag in record["tags"]}
+
+
+def _present_list(rank: int) -> str:
+    """The ``_PRESENT`` list of ranks like ``rank``: rank 0s are kept apart, so a glance finds them."""
+    return f"{_PRESENT}/rank0" if rank == 0 else f"{_PRESENT}/ranks"
+
+
+def _present(
+    ctx: _Context, store: Any, rank: int, newest_n: int = _PRESENT_READ
+) -> list[tuple[int, Claim, bool]]:
+    """Who came to the store lately as ranks like ``rank``, newest first: number, claim, and whether ours.
+
+    Looks through the newest ``newest_n`` records of the list, of this rendezvous's time or a
+    timeout before it; "ours": the record shares a key with this rank. Empty if the store fails:
+    only a message would miss them.
+    """
+    where = _present_list(rank)
+    mine = {tag_of(key) for key in ctx.token.accepted}
+    since = time.time() - (time.monotonic() - ctx.deadline) - 2 * ctx.timeout
+    found: list[tuple[int, Claim, bool]] = []
+    try:
+        newest = int(store.add(f"{where}/count", 0))
+        for number in range(newest, max(0, newest - newest_n), -1):
+            key = f"{where}/{number}"
+            if store.check([key]):
+                entry = _claim_of(_decode(bytes(store.get(key))), since)
+                if entry is not None:
+                    found.append((number, entry[0], not mine.isdisjoint(entry[1])))
+    except Exception:  # noqa: BLE001 - a failing store: the message goes without them
+        return []
+    return found
+
+
+def _others_present(ctx: _Context, store: Any, ranks: list[int], newest_n: int = _PRESENT_READ) -> str:
+    """What a message adds about processes that claimed one of ``ranks`` under another job token.
+
+    ``ranks`` are all rank 0 or none (the two lists of ``_PRESENT``).
+    """
+    claims: list[Claim] = []
+    for _number, claim, ours in _present(ctx, store, ranks[0] if ranks else 1, newest_n):
+        if not ours and claim.rank in ranks and claim not in claims:
+            claims.append(claim)
+    if not claims:
+        return ""
+    named = "; ".join(claim.describe() for claim in claims[:MAX_WARNED_CLAIMS])
+    return (
+        f". Under another job token, {len(claims)} process(es) came to this store: {named}. Each job "
+        "forms in its own token's part of a store two jobs share; if those processes are ranks of this "
+        "job (started from another session, or given another COMMLIB_JOB_TOKEN), set COMMLIB_JOB_TOKEN "
+        "to the same value on every rank"
+    )
+
+
+def _warn_if_others_lead(ctx: _Context, store: Any) -> None:
+    """Log at WARNING, before waiting, that only rank 0s of other job tokens lead in the store so far.
+
+    This rank cannot tell a store two jobs share, where its own rank 0 may still come, from a
+    job started on the wrong port: it waits for its rank 0 until its deadline (a process of
+    another job ends no rank), and says at once what it found.
+    """
+    try:
+        if store.check([f"{ctx.base}/challenge"]):
+            return
+    except Exception:  # noqa: BLE001 - the wait that follows reports a failing store
+        return
+    found = _others_present(ctx, store, [0], _PRESENT_GLANCE)
+    if found:
+        logger.warning(
+            "%sno rank 0 of this job's token is in the store yet; waiting for it until the deadline "
+            "(%.0f s left)%s",
+            ctx.prefix,
+            ctx.seconds_left(),
+            found,
+        )
+
+
+def _second_rank0(ctx: _Context, store: Any, arrival: int) -> str:
+    """What rank 0's timeout adds when another rank 0 of this job's token came (``arrival``: its own)."""
+    for number, claim, ours in _present(ctx, store, 0):
+        if ours and claim.rank == 0 and number != arrival:
+            return (
+                f". Another process with this job's token came to this store as rank 0 too (pid {claim.pid} "
+                f"on {claim.host:.100}): rank 0 is duplicated, and the ranks may have met the other one. "
+                f"Every rank needs its own RANK, 0..{ctx.env.world_size - 1}"
+            )
+    return ""
+
+
 # -------------------------------------------------------------------- rank 0
 _ANSWER_FIELDS = {
     "rank": int,
@@ -396,6 +547,7 @@ class _Leader:
         self.challenge = ""  # as published, to tell whether someone has replaced it
         self.refusals = Refusals(ctx)
         self.next_slot = 1  # the first answer slot not read yet
+        self.arrival = 0  # in a fresh store, the number of this rank 0's record there (``_note_arrival``)
 
     def run(self) -> str:
         ctx = self.ctx
@@ -404,9 +556,12 @@ class _Leader:
             "identity": ctx.token.identity,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "space": ctx.base,
         }
         self.challenge = json.dumps(challenge)
         self._publish_challenge()
+        if ctx.fresh:
+            self.arrival = _note_arrival(ctx, self.store)
         logger.debug("%slistening at %s (%s)", ctx.prefix, ctx.master, ctx.token.identity)
         while len(self.accepted) < ctx.env.world_size - 1:
             slot = self.next_slot
@@ -428,28 +583,32 @@ class _Leader:
         return scope
 
     def _publish_challenge(self) -> None:
-        """Put this check's challenge in the store, unless another process leads a check there.
+        """Put this check's challenge in the store, unless another rank 0 of this job leads a check there.
 
-        ``compare_set`` takes the key in one step, so a second process started as rank 0 (a
-        duplicated ``RANK=0``, or another job's rank 0 in a store two jobs share) raises here
-        alone, and the first goes on. In the store this process serves itself, whose port
-        no other rank 0 can hold, it replaces what an earlier group left there.
+        In a part of the store that is this group's and job token's alone, the challenge
+        also lies in the part of each other key rank 0 accepts (``copies``), and
+        ``compare_set`` takes each key in one step: a second process started as rank 0
+        with this job's token (a duplicated ``RANK=0``) raises here alone, and the first
+        goes on. Another job's rank 0 leads in its own token's part. In the store this
+        process serves itself, whose port no other rank 0 can hold, it replaces what an
+        earlier group left there.
         """
-        ctx, key = self.ctx, f"{self.ctx.base}/challenge"
+        ctx = self.ctx
         if not ctx.fresh:
-            self.store.set(key, self.challenge)
+            self.store.set(f"{ctx.base}/challenge", self.challenge)
             return
-        held = bytes(self.store.compare_set(key, "", self.challenge))
-        if held == self.challenge.encode():
-            return
-        other = _decode(held)
-        other = other if isinstance(other, dict) else {}
-        raise RendezvousError(
-            f"{ctx.prefix}another process already leads this rendezvous as rank 0 in the store at "
-            f"{ctx.master} (pid {other.get('pid', '?')!r:.20} on {other.get('host', '?')!r:.60}, its job: "
-            f"{other.get('identity', '?')!r:.300}): rank 0 is duplicated, or two jobs share the store. "
-            f"Every rank needs its own RANK, 0..{ctx.env.world_size - 1}; give each job its own MASTER_PORT"
-        )
+        for space in (ctx.base, *ctx.copies):
+            held = bytes(self.store.compare_set(f"{space}/challenge", "", self.challenge))
+            if held == self.challenge.encode():
+                continue
+            other = _decode(held)
+            other = other if isinstance(other, dict) else {}
+            raise RendezvousError(
+                f"{ctx.prefix}another process with this job's token already leads this rendezvous as rank 0 "
+                f"in the store at {ctx.master} (pid {other.get('pid', '?')!r:.20} on "
+                f"{other.get('host', '?')!r:.60}): rank 0 is duplicated. Every rank needs its own RANK, "
+                f"0..{ctx.env.world_size - 1}"
+            )
 
     def close(self, error: str = "") -> None:
         """End the check: the challenge becomes ``_CLOSED`` (best effort: the store may be failing).
@@ -458,9 +617,13 @@ class _Leader:
             error: Why the check failed. In a part of the store that is this group's alone, the
                 notice carries it, so a rank that comes after rank 0 gave up reads why.
         """
-        notice = json.dumps({"closed": True, "error": error}) if error and self.ctx.fresh else _CLOSED
+        if error and self.ctx.fresh:
+            notice = json.dumps({"closed": True, "error": error, "space": self.ctx.base})
+        else:
+            notice = _CLOSED
         try:  # only this check's own challenge: a later group of this process may share the server
-            self.store.compare_set(f"{self.ctx.base}/challenge", self.challenge, notice)
+            for space in (self.ctx.base, *self.ctx.copies):
+                self.store.compare_set(f"{space}/challenge", self.challenge, notice)
         except Exception:  # noqa: BLE001, S110 - a store that fails now fails the next group's check too
             pass
 
@@ -529,7 +692,11 @@ class _Leader:
     def _timeout_message(self) -> str:
         ctx = self.ctx
         missing = sorted(set(range(1, ctx.env.world_size)) - set(self.accepted))
-        return missing_ranks_message(ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refusals)
+        message = missing_ranks_message(ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refusals)
+        if ctx.fresh:
+            message += _others_present(ctx, self.store, missing)
+            message += _second_rank0(ctx, self.store, self.arrival)
+        return message
 
     def _unread_slots(self) -> list[int]:
         """The answers written after the one read last, which wait for a verdict (a bounded number).
@@ -617,6 +784,8 @@ def _reach(ctx: _Context) -> Any:
 def _answer_in(ctx: _Context, store: Any) -> str:
     """Answer rank 0's challenge in ``store`` (again while it calls the answer stale); return the scope."""
     answered: set[str] = set()
+    if ctx.fresh:
+        _note_arrival(ctx, store)
     while True:
         challenge, record, verdict = _answer_challenge(ctx, store)
         if not (isinstance(verdict, dict) and verdict.get("stale") is True):
@@ -636,9 +805,17 @@ def _answer_in(ctx: _Context, store: Any) -> str:
 def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """Read rank 0's challenge, write this rank's answer, and return (challenge, answer, verdict)."""
     env, prefix = ctx.env, ctx.prefix
+    if ctx.fresh:
+        _warn_if_others_lead(ctx, store)
     try:
         raw = _get(store, f"{ctx.base}/challenge", ctx.remaining())
     except Exception as e:  # noqa: BLE001
+        if _is_timeout(e) and ctx.fresh:
+            where = "the group's store" if ctx.env.store is not None else f"torchrun's store at {ctx.master}"
+            raise RendezvousTimeoutError(
+                f"{prefix}no rank 0 holding this job's token ({ctx.token.identity}) came to {where} within "
+                f"{ctx.timeout:.1f} s{_others_present(ctx, store, [0])}"
+            ) from None
         if _is_timeout(e):
             raise RendezvousTimeoutError(
                 f"{prefix}rank 0 never published its challenge at {ctx.master} within {ctx.timeout:.1f} s: "
@@ -646,7 +823,8 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
             ) from None
         raise _StoreGone(f"{prefix}rank 0 dropped the rendezvous at {ctx.master}: {e}") from None
     challenge = _decode(raw)
-    _raise_if_failed(ctx, store, challenge)
+    space = _answer_space(ctx, challenge)
+    _raise_if_failed(ctx, store, challenge, space)
     if isinstance(challenge, dict) and challenge.get("closed") is True:
         raise _ChallengeClosed(
             f"{prefix}the store at {ctx.master} still holds the end of an earlier rendezvous of rank 0 "
@@ -669,20 +847,20 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
     }
     answer = json.dumps({"record": record, "proof": ctx.token.sign("join", challenge["nonce"], record)})
     try:
-        slot = _claim_slot(store, ctx.base, answer, ctx)
+        slot = _claim_slot(store, space, answer, ctx)
         # Rank 0, failing, closes the challenge before it tells the answers written so far: if it is
         # still open now, this answer gets its verdict.
         notice = _decode(bytes(store.get(f"{ctx.base}/challenge"))) if ctx.fresh else None
     except Exception as e:  # noqa: BLE001
         raise _no_verdict(ctx, e) from None
-    _raise_if_failed(ctx, store, notice)
+    _raise_if_failed(ctx, store, notice, space)
     try:
         # Rank 0 answers by its own deadline, with the verdict or with the names of the missing ranks;
         # wait a little past it so that this rank reports those names, not a bare timeout.
-        raw = _get(store, f"{ctx.base}/verdict/{slot}", ctx.remaining(_VERDICT_GRACE_S))
-        store.set(f"{ctx.base}/verdict-read/{slot}", "1")  # rank 0 may exit now if it is failing
+        raw = _get(store, f"{space}/verdict/{slot}", ctx.remaining(_VERDICT_GRACE_S))
+        store.set(f"{space}/verdict-read/{slot}", "1")  # rank 0 may exit now if it is failing
         if ctx.fresh:
-            store.set(f"{ctx.base}/read/{env.rank}", "1")
+            store.set(f"{space}/read/{env.rank}", "1")
     except Exception as e:  # noqa: BLE001
         raise _no_verdict(ctx, e) from None
     return challenge, record, _decode(raw)
@@ -698,12 +876,27 @@ def _no_verdict(ctx: _Context, error: Exception) -> RendezvousError:
     return RendezvousError(f"{ctx.prefix}rank 0 dropped the rendezvous at {ctx.master}: {error}")
 
 
-def _raise_if_failed(ctx: _Context, store: Any, challenge: Any) -> None:
-    """Raise rank 0's error if ``challenge`` is the notice that its check failed (``_Leader.close``)."""
+def _answer_space(ctx: _Context, challenge: Any) -> str:
+    """Where rank 0 reads the answers to ``challenge``: the part of the store of its own key.
+
+    A challenge rank 0 also put in the part of another key it accepts (``_Context.copies``)
+    names it; the verdict proves that rank 0 holds this rank's key wherever the answer went.
+    """
+    space = challenge.get("space") if isinstance(challenge, dict) else None
+    if ctx.fresh and isinstance(space, str) and space.startswith(f"{_ROOT}/") and len(space) < 200:
+        return space
+    return ctx.base
+
+
+def _raise_if_failed(ctx: _Context, store: Any, challenge: Any, space: str) -> None:
+    """Raise rank 0's error if ``challenge`` is the notice that its check failed (``_Leader.close``).
+
+    ``space``: where rank 0 waits for this rank to have read it.
+    """
     if not (isinstance(challenge, dict) and challenge.get("closed") is True and challenge.get("error")):
         return
     try:
-        store.set(f"{ctx.base}/read/{ctx.env.rank}", "1")  # rank 0 may exit now
+        store.set(f"{space}/read/{ctx.env.rank}", "1")  # rank 0 may exit now
     except Exception:  # noqa: BLE001, S110 - rank 0 is gone already: its error is what matters
         pass
     failed = RendezvousTimeoutError if "timed out" in str(challenge["error"]) else RendezvousError

@@ -25,8 +25,9 @@ Protocol 2 (length-prefixed JSON frames over TCP):
    the session key is derived from the token. A group given a store of its own
    (``DistEnv.store``: torch.distributed hands one to every backend it creates)
    makes the same exchange through it, and opens no rendezvous port. In either
-   store, gloo's job check runs first (``backends.common.store_rendezvous``):
-   a process holding another job token is refused there, alone.
+   store, gloo's job check runs first (``backends.common.store_rendezvous``),
+   in the part of the store of the rank's job token: a process holding another
+   job token never meets this job there.
 5. Each rank connects to its right neighbour's data listener with a hello
    signed by the session key, and accepts its left neighbour's: two sockets
    per rank (at world size 2, 0->1 and 1->0 are separate links). Nothing else

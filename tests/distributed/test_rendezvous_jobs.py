@@ -200,11 +200,12 @@ commlib.destroy_process_group()
 
 
 @pytest.mark.timeout(240)
-def test_under_torchrun_s_store_a_rank_with_another_token_is_refused_alone_and_the_job_forms() -> None:
+def test_under_torchrun_s_store_a_rank_with_another_token_waits_alone_and_the_job_forms() -> None:
     """A process with another job token claims rank 1 first in torchrun's store: it alone fails.
 
-    Rank 0 refuses it in the job check and goes on waiting; this job's rank 1, started after the
-    refused process has ended, joins, and the job sums 1 + 2.
+    It waits in its own token's part of the store, warns at once that only another token's rank 0
+    is there, and fails at its own deadline; this job's rank 1, started after it has ended, joins,
+    and the job sums 1 + 2.
     """
     from torch.distributed import TCPStore
 
@@ -219,23 +220,35 @@ def test_under_torchrun_s_store_a_rank_with_another_token_is_refused_alone_and_t
             [sys.executable, "-c", _AGENT_STORE_RANK],
             cwd=REPO_ROOT,
             env=scrubbed_env(
-                **torchrun, COMMLIB_JOB_TOKEN=token, COMMLIB_TIMEOUT="60", PYTHONPATH=str(REPO_ROOT)
+                **torchrun,
+                COMMLIB_JOB_TOKEN=token,
+                COMMLIB_TIMEOUT="60" if token == "ours" else "3",
+                PYTHONPATH=str(REPO_ROOT),
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
 
+    def rank0_in(store: Any = agent) -> None:
+        wait_until(
+            lambda: store.check(["commlib/job-check/v1/present/rank0/1"]), 60, "rank 0 is in the store"
+        )
+
     try:
-        stray, ours = stranger_first(rank)
+        stray, ours = stranger_first(rank, rank0_in)
     finally:
         del agent
     assert stray.returncode != 0 and "SUM" not in stray.out
-    assert "RendezvousError: [rank 1/2] ring.rendezvous: rank 0" in stray.err, stray.err[-2000:]
-    assert "it holds another job token" in stray.err
+    assert (
+        "RendezvousTimeoutError: [rank 1/2] ring.rendezvous: no rank 0 holding this job's token "
+        "(COMMLIB_JOB_TOKEN (value not shown)"
+    ) in stray.err, stray.err[-2000:]
+    assert f"came to torchrun's store at 127.0.0.1:{port} within 3.0 s. Under another job token" in stray.err
+    assert "no rank 0 of this job's token is in the store yet; waiting for it" in stray.err  # the warning
+    assert stray.err.count("claiming rank 0 of world size 2") == 2  # in the warning and in the error
     for finished in ours:
         assert finished.returncode == 0 and "SUM 3.0" in finished.out, finished.err[-3000:]
-    assert "claiming rank 1 of world size 2" in ours[0].err  # rank 0 logged the refusal and went on
 
 
 @pytest.mark.timeout(120)
