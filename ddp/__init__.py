@@ -25,8 +25,12 @@ from ddp.errors import (
 from ddp.hooks import (
     PowerSGDState,
     allreduce_hook,
+    batched_powerSGD_hook,
     bf16_compress_hook,
+    bf16_compress_wrapper,
     fp16_compress_hook,
+    fp16_compress_wrapper,
+    noop_hook,
     powerSGD_hook,
 )
 from ddp.join import Join, Joinable, JoinHook
@@ -67,11 +71,15 @@ __all__ = [
     "UnsupportedCollectiveError",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
+    "batched_powerSGD_hook",
     "bf16_compress_hook",
+    "bf16_compress_wrapper",
     "broadcast_module_states",
     "calibrate",
     "fit_cost_model",
     "fp16_compress_hook",
+    "fp16_compress_wrapper",
+    "noop_hook",
     "plan_buckets",
     "powerSGD_hook",
     "verify_same_model",

@@ -8,7 +8,10 @@ run on every backend, on CPU as on CUDA.
 
 - ``allreduce_hook``: what DDP does without a hook (divide by the world size, sum).
 - ``fp16_compress_hook`` / ``bf16_compress_hook``: the average sent in half precision.
-- ``PowerSGDState`` / ``powerSGD_hook``: low-rank compression with error feedback.
+- ``fp16_compress_wrapper`` / ``bf16_compress_wrapper``: another hook run in half precision.
+- ``PowerSGDState`` / ``powerSGD_hook`` / ``batched_powerSGD_hook``: low-rank compression
+  with error feedback.
+- ``noop_hook``: no communication (to measure what it costs).
 
 Example::
 
@@ -19,14 +22,26 @@ Example::
 
 from __future__ import annotations
 
-from ddp.hooks.default import allreduce_hook, bf16_compress_hook, fp16_compress_hook, resolve_hook_group
-from ddp.hooks.powersgd import PowerSGDState, powerSGD_hook
+from ddp.hooks.default import (
+    allreduce_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+    noop_hook,
+    resolve_hook_group,
+)
+from ddp.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 __all__ = [
     "PowerSGDState",
     "allreduce_hook",
+    "batched_powerSGD_hook",
     "bf16_compress_hook",
+    "bf16_compress_wrapper",
     "fp16_compress_hook",
+    "fp16_compress_wrapper",
+    "noop_hook",
     "powerSGD_hook",
     "resolve_hook_group",
 ]

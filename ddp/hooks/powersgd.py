@@ -7,7 +7,8 @@ method per training step, on the sum of the ranks' matrices:
 1. ``M += e``: add what compression dropped last step (error feedback).
 2. ``P = M Q``, summed over ranks (``Q``, ``m x r``, is the same on every rank:
    last step's, the warm start, or seeded random at first).
-3. ``P^ = orthonormal basis of P`` (a reduced QR; identical on every rank).
+3. ``P^ = orthonormal basis of P`` (a reduced QR, or Gram-Schmidt in half precision
+   or with ``orthogonalization_epsilon``; identical on every rank).
 4. ``Q = M^T P^``, averaged over ranks.
 5. The averaged gradient is approximated by ``P^ Q^T``; ``e = M - P^ Q^T``.
 
@@ -22,10 +23,15 @@ every rank issues them in the same order from the thread that runs backward.
 ``e`` is taken against the averaged approximation, as torch's implementation
 does; averaged over ranks it equals the paper's per-rank error, because the
 compression is linear once ``P^`` is fixed.
+
+``batched_powerSGD_hook`` compresses the whole bucket as one square matrix
+instead (fewer, larger operations; less accurate).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import zlib
 from typing import Any
 
@@ -36,7 +42,12 @@ from commlib.types import ReduceOp
 from ddp.bucket import GradientBucket
 from ddp.hooks.default import allreduce_hook, resolve_hook_group
 
-__all__ = ["PowerSGDState", "powerSGD_hook"]
+__all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
+
+logger = logging.getLogger("commlib")
+
+_COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Bucket dtypes PowerSGD compresses (others are averaged uncompressed)."""
 
 
 class PowerSGDState:
@@ -56,12 +67,21 @@ class PowerSGDState:
         warm_start: Reuse each matrix's ``Q`` from the previous step (one more
             power iteration); else a fresh random ``Q`` every step.
         random_seed: Seed of the initial ``Q`` factors (the same on every rank).
+        orthogonalization_epsilon: Added to each column's norm when ``P`` is
+            orthonormalised (Gram-Schmidt instead of QR), so an all-zero column gives
+            zeros, not NaN; 0: the exact basis (QR in float32/float64).
+        compression_stats_logging_frequency: Log ``compression_stats()`` at INFO on
+            the ``commlib`` logger every this many backwards once compression starts.
+        batch_tensors_with_same_shape: torch's option to compress same-shaped
+            matrices in one batched operation. Accepted for compatibility: each matrix
+            is computed on its own, with the same result.
 
     Attributes:
         iter: Backwards seen so far (counted at each backward's last bucket).
-        numel_before: Elements the compressed matrices would have sent, summed
-            over steps.
-        numel_after: Elements they sent instead (``P`` and ``Q``).
+        total_numel_before_compression: Elements the buckets would have sent
+            uncompressed, summed over the compressed steps (torch's accounting).
+        total_numel_after_compression: Elements they sent instead: ``P`` and ``Q``
+            of the compressed matrices, the rest as it is.
     """
 
     __slots__ = (
@@ -72,9 +92,13 @@ class PowerSGDState:
         "use_error_feedback",
         "warm_start",
         "random_seed",
+        "orthogonalization_epsilon",
+        "compression_stats_logging_frequency",
+        "batch_tensors_with_same_shape",
         "iter",
-        "numel_before",
-        "numel_after",
+        "total_numel_before_compression",
+        "total_numel_after_compression",
+        "next_stats_report",
         "_q",
         "_error",
     )
@@ -87,7 +111,10 @@ class PowerSGDState:
         min_compression_rate: float = 2.0,
         use_error_feedback: bool = True,
         warm_start: bool = True,
+        orthogonalization_epsilon: float = 0.0,
         random_seed: int = 0,
+        compression_stats_logging_frequency: int = 10_000,
+        batch_tensors_with_same_shape: bool = False,
     ) -> None:
         if isinstance(matrix_approximation_rank, bool) or not isinstance(matrix_approximation_rank, int):
             raise TypeError(
@@ -105,6 +132,12 @@ class PowerSGDState:
             raise ValueError(f"PowerSGDState.start_powerSGD_iter: must be >= 0, got {start_powerSGD_iter}")
         if not min_compression_rate > 0:
             raise ValueError(f"PowerSGDState.min_compression_rate: must be > 0, got {min_compression_rate!r}")
+        epsilon = orthogonalization_epsilon
+        if isinstance(epsilon, bool) or not (isinstance(epsilon, int | float) and 0 <= epsilon < math.inf):
+            raise ValueError(
+                "PowerSGDState.orthogonalization_epsilon: must be a finite number >= 0 (e.g. 1e-8), got "
+                f"{orthogonalization_epsilon!r}"
+            )
         self.process_group = process_group
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter
@@ -112,9 +145,13 @@ class PowerSGDState:
         self.use_error_feedback = bool(use_error_feedback)
         self.warm_start = bool(warm_start)
         self.random_seed = int(random_seed)
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.compression_stats_logging_frequency = max(1, int(compression_stats_logging_frequency))
+        self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         self.iter = 0
-        self.numel_before = 0
-        self.numel_after = 0
+        self.total_numel_before_compression = 0
+        self.total_numel_after_compression = 0
+        self.next_stats_report = 0
         self._q: dict[str, torch.Tensor] = {}
         self._error: dict[str, torch.Tensor] = {}
         """Each matrix's last ``Q`` and error, by its parameter's name: DDP lays its buckets out
@@ -139,8 +176,32 @@ class PowerSGDState:
 
     @property
     def compression_rate(self) -> float:
-        """Elements before over elements after, for the compressed matrices so far (1.0 before any)."""
-        return self.numel_before / self.numel_after if self.numel_after else 1.0
+        """Elements before over elements after, over the compressed steps so far (1.0 before any)."""
+        after = self.total_numel_after_compression
+        return self.total_numel_before_compression / after if after else 1.0
+
+    def compression_stats(self) -> tuple[float, int, int]:
+        """``(rate, total_numel_before_compression, total_numel_after_compression)``, as torch's.
+
+        The rate is 0 before any compressed step (torch's convention; ``compression_rate`` says 1.0).
+        """
+        before, after = self.total_numel_before_compression, self.total_numel_after_compression
+        return (before / after if after else 0, before, after)
+
+    def _count(self, before: int, after: int, bucket: Any) -> None:
+        """Add a compressed bucket's elements; at the step's last bucket, log the stats when due."""
+        self.total_numel_before_compression += before
+        self.total_numel_after_compression += after
+        if bucket.is_last() and self.iter >= self.next_stats_report:
+            rate, before, after = self.compression_stats()
+            logger.info(
+                "PowerSGD compression stats: iter %d, total before compression %d, after %d, rate %.2f",
+                self.iter,
+                before,
+                after,
+                rate,
+            )
+            self.next_stats_report = self.iter + self.compression_stats_logging_frequency
 
     def _initial_q(self, seed: int, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.random_seed * 1_000_003 + seed)
@@ -183,10 +244,15 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch.futures
     last = bucket.is_last()
     buffer = bucket.buffer()
     dense, shapes = _split(state, bucket)
-    compress = state.iter >= state.start_powerSGD_iter and buffer.dtype in (torch.float32, torch.float64)
+    compress = state.iter >= state.start_powerSGD_iter and buffer.dtype in _COMPRESSIBLE
     if last:
         state.iter += 1
-    if not compress or not shapes:
+    if not compress:
+        return allreduce_hook(group, bucket)
+    whole = sum(t.numel() for t in dense)
+    before = whole + sum(m.numel() for _, m, _ in shapes)
+    state._count(before, whole + sum((m.shape[0] + m.shape[1]) * r for _, m, r in shapes), bucket)
+    if not shapes:
         return allreduce_hook(group, bucket)
     world = group.world_size
     matrices, p_flat, q_flat = _factors(shapes, buffer)
@@ -202,15 +268,13 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch.futures
         torch.matmul(mat.m, mat.q, out=mat.p)
     group.all_reduce(p_flat, ReduceOp.SUM)  # waited for: Q needs the summed P
     for mat in matrices:
-        mat.p.copy_(torch.linalg.qr(mat.p, mode="reduced").Q)  # the same basis on every rank
+        _orthonormalise(mat.p, state.orthogonalization_epsilon)  # the same basis on every rank
         torch.matmul(mat.m.t(), mat.p, out=mat.q)
     futures = [_future(group.all_reduce(q_flat, ReduceOp.SUM, async_op=True))]
     dense_flat = torch.cat([t.reshape(-1) for t in dense]) if dense else None
     if dense_flat is not None:
         dense_flat.div_(world)
         futures.append(_future(group.all_reduce(dense_flat, ReduceOp.SUM, async_op=True)))
-    state.numel_before += sum(mat.m.numel() for mat in matrices)
-    state.numel_after += p_flat.numel() + q_flat.numel()
 
     def decompress(_: torch.futures.Future[Any]) -> torch.Tensor:
         for f in futures:
@@ -230,6 +294,87 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch.futures
         return buffer
 
     return torch.futures.collect_all(futures).then(decompress)
+
+
+def batched_powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch.futures.Future[Any]:  # noqa: N802 - torch's name
+    """Average the bucket with PowerSGD, the whole bucket as one square matrix (torch's batched variant).
+
+    The bucket's ``L`` elements, padded with zeros, form a ``s x s`` matrix (``s =
+    ceil(sqrt(L))``), compressed at rank ``r``: ``2 s r`` numbers instead of ``L``.
+    Fewer and larger operations than ``powerSGD_hook``, but the matrix mixes
+    unrelated layers, so it approximates worse: rank 1 is rarely enough. The
+    error and ``Q`` are kept per bucket (its index and size); ``min_compression_rate``
+    does not apply, as in torch.
+
+    Args:
+        state: The ``PowerSGDState`` (the same object every step).
+        bucket: The bucket.
+
+    Returns:
+        A future whose value is the bucket's buffer, holding the approximated average.
+    """
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(f"batched_powerSGD_hook: state must be a PowerSGDState, got {type(state).__name__}")
+    group = resolve_hook_group(state.process_group)
+    buffer = bucket.buffer()
+    compress = state.iter >= state.start_powerSGD_iter and buffer.dtype in _COMPRESSIBLE
+    if bucket.is_last():
+        state.iter += 1
+    if not compress or buffer.numel() == 0:
+        return allreduce_hook(group, bucket)
+    length = buffer.numel()
+    side = math.ceil(math.sqrt(length))
+    r = min(state.matrix_approximation_rank, side)
+    state._count(length, 2 * side * r, bucket)
+    key = f"bucket {bucket.index()} of {length}"
+    square = torch.zeros(side * side, dtype=buffer.dtype, device=buffer.device)
+    square[:length].copy_(buffer)
+    m = square.view(side, side)
+    error = state._error.get(key) if state.use_error_feedback else None
+    if error is not None:
+        m.add_(error)
+    q = state._q.get(key) if state.warm_start else None
+    if q is None or q.shape != (side, r):
+        seed = zlib.crc32(key.encode()) + (0 if state.warm_start else 7919 * state.iter)
+        q = state._initial_q(seed, side, r, m)
+    p = torch.matmul(m, q)
+    group.all_reduce(p, ReduceOp.SUM)  # waited for: Q needs the summed P
+    _orthonormalise(p, state.orthogonalization_epsilon)
+    q = torch.matmul(m.t(), p)
+    world = group.world_size
+
+    def decompress(future: torch.futures.Future[Any]) -> torch.Tensor:
+        future.wait()  # a failed collective's error goes into the returned future
+        q.div_(world)
+        approx = torch.matmul(p, q.t())
+        if state.use_error_feedback:
+            state._error[key] = m - approx
+        state._q[key] = q
+        buffer.copy_(approx.view(-1)[:length])
+        return buffer
+
+    return _future(group.all_reduce(q, ReduceOp.SUM, async_op=True)).then(decompress)
+
+
+def _orthonormalise(p: torch.Tensor, epsilon: float) -> None:
+    """Replace the columns of ``p`` (``n x r``) with an orthonormal basis of them, in place.
+
+    A reduced QR where it is exact and available (float32/float64, no ``epsilon``),
+    else Gram-Schmidt, column by column, with ``epsilon`` added to each norm (half
+    precision has no QR; an all-zero column then gives zeros, not NaN).
+    """
+    if epsilon == 0 and p.dtype in (torch.float32, torch.float64):
+        p.copy_(torch.linalg.qr(p, mode="reduced").Q)
+        return
+    for i in range(p.shape[1]):
+        col = p[:, i : i + 1]
+        norm = torch.linalg.vector_norm(col.float()).to(p.dtype)
+        col.div_(norm + epsilon if epsilon else norm)
+        if epsilon == 0:
+            torch.nan_to_num_(col, nan=0.0, posinf=0.0, neginf=0.0)
+        if i + 1 < p.shape[1]:
+            rest = p[:, i + 1 :]
+            rest.sub_((col * rest).sum(dim=0, keepdim=True) * col)
 
 
 def _split(
