@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import select
 import socket
 import threading
 import time
@@ -194,6 +196,52 @@ def test_abort_frame_is_raised_with_the_reason(pair, tmp_path) -> None:
     ):
         receiver.recv_into(torch.empty(4))
     sender.shutdown()
+
+
+def test_an_abort_waits_for_the_frame_in_flight_and_the_peer_reads_both_whole(pair) -> None:
+    """A rank gives up while its sender thread is half-way through a chunk no one reads yet.
+
+    The abort goes after that chunk, never inside it: the receiver, reading later, gets the
+    chunk intact and then the reason.
+    """
+    a, b = pair
+    a.settimeout(30)
+    sender = TcpSendLink(a, SocketReader(a, "rank 1"), 1, "rank 1", chunk_bytes=16 << 20)
+    receiver = TcpRecvLink(
+        b, SocketReader(b, "rank 0 (left neighbour)"), 0, "rank 0 (left neighbour)", chunk_bytes=16 << 20
+    )
+    chunk = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB: more than the socket's buffers
+    sender.send(chunk)
+    sender.send(torch.zeros(16))  # queued behind: dropped once the link aborts
+    assert select.select([b], [], [], 10)[0]  # the chunk is being written: it fills the buffers, then waits
+    sender.abort("rank 0 gave up: peer 3 died")  # returns after its bounded wait: nobody reads yet
+    out = torch.empty_like(chunk)
+    receiver.recv_into(out)
+    assert torch.equal(out, chunk)
+    with pytest.raises(
+        PeerFailureError, match=r"aborted the collective \(data\): rank 0 gave up: peer 3 died"
+    ):
+        receiver.recv_into(torch.empty(16))
+
+
+def test_a_send_that_fails_because_the_peer_left_names_the_reason_the_peer_wrote(pair) -> None:
+    """The peer gave up, wrote why on this link, and ended: the broken pipe is reported as that abort."""
+    from backends.ring.doorbell import abort_frame
+
+    a, b = pair
+    sender = TcpSendLink(
+        a, SocketReader(a, "rank 1 (right neighbour)"), 1, "rank 1 (right neighbour)", 1 << 20
+    )
+    b.sendall(abort_frame("rank 1 gave up: timed out waiting for rank 0"))
+    b.close()
+    with pytest.raises(PeerFailureError) as failed:
+        for _ in range(64):  # the first writes may land in the kernel before it notices the peer is gone
+            sender.send(torch.ones(1 << 18))
+            sender.flush()
+    assert re.match(
+        r"rank 1 \(right neighbour\) aborted the collective \((send|flush)\): rank 1 gave up: timed out",
+        str(failed.value),
+    ), failed.value
 
 
 def test_shm_region_refuses_a_wrong_token_or_size(tmp_path) -> None:

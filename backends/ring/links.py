@@ -19,6 +19,7 @@ control words.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import select
 import socket
@@ -216,8 +217,19 @@ class RecvLink(_Link):
 
 
 # ---------------------------------------------------------------------- TCP
+_ABORT_WAIT_S = 1.0
+"""How long ``abort`` waits for the abort frame to be written (after the frame in flight)."""
+_ABORT_READ_S = 0.2
+"""How long a link whose send failed looks for the reason its peer wrote before it went away."""
+
+
 class TcpSendLink(SendLink):
-    """Frames written by a dedicated thread, in order."""
+    """Frames written by a dedicated thread, in order.
+
+    Only that thread writes to the socket, so a frame is never cut by another: an abort
+    goes through it too, after the frame in hand, and the frames queued behind it are
+    dropped.
+    """
 
     def __init__(
         self, sock: socket.socket, reader: SocketReader, peer: int, describe: str, chunk_bytes: int
@@ -229,6 +241,8 @@ class TcpSendLink(SendLink):
         self._error: BaseException | None = None
         self._idle = threading.Condition()
         self._pending = 0
+        self._abort: bytes | None = None  # the abort frame to write next, once set (``abort``)
+        self._aborted = False  # written
         self._thread = threading.Thread(target=self._run, name=f"commlib-ring-send-{peer}", daemon=True)
         self._thread.start()
 
@@ -238,15 +252,40 @@ class TcpSendLink(SendLink):
             if item is None:
                 return
             try:
-                if self._error is None:
+                if self._error is None and self._abort is None:
                     for part in item:
                         self.sock.sendall(part)
+                if self._abort is not None and not self._aborted and self._error is None:
+                    self._aborted = True
+                    self.sock.sendall(self._abort)
             except OSError as e:
                 self._error = e
             finally:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def abort(self, reason: str) -> None:
+        """Tell the peer this rank gave up, after the frame in flight (best effort, never raises).
+
+        Waits up to ``_ABORT_WAIT_S`` for the frame to be written: a peer that reads gets
+        the frame in flight whole, then the reason.
+        """
+        frame = abort_frame(reason)
+        with self._idle:
+            if self._abort is not None:
+                return
+            self._abort = frame
+            if not self._thread.is_alive():  # shut down: nothing else writes
+                self._aborted = True
+                super().abort(reason)
+                return
+            self._pending += 1
+        self._queue.put(())  # wakes an idle sender thread
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        with self._idle:
+            while self._pending and self._error is None and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
 
     def _raise_if_failed(self, what: str) -> None:
         if self._error is not None:
@@ -255,7 +294,36 @@ class TcpSendLink(SendLink):
                 raise CommTimeoutError(
                     f"timed out sending to {self.describe} ({what}): it stopped reading"
                 ) from error
+            reason = self._reason_left_by_peer()
+            if reason is not None:
+                raise PeerFailureError(
+                    f"{self.describe} aborted the collective ({what}): {reason}"
+                ) from error
             raise PeerFailureError(f"sending to {self.describe} failed ({what}): {error}") from error
+
+    def _reason_left_by_peer(self) -> str | None:
+        """The reason in an abort frame the peer wrote back before it went away, if one waits unread.
+
+        A rank that gives up writes the reason on both its links, then its process often
+        ends: this rank's send then fails (a broken pipe), though the reason is there to read.
+        """
+        timeout = self.sock.gettimeout()
+        try:
+            self.sock.settimeout(_ABORT_READ_S)
+            while True:
+                kind = self.reader.read_byte("abort")
+                if kind == _FRAME_VERDICT:
+                    self.reader.read_exact(_VERDICT.size, "abort")
+                    continue
+                if kind != _FRAME_ABORT:
+                    return None
+                (length,) = _U32.unpack(self.reader.read_exact(_U32.size, "abort"))
+                return self.reader.read_exact(length, "abort").decode(errors="replace")
+        except (CommError, OSError):
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(timeout)
 
     def _enqueue(self, parts: tuple[Any, ...]) -> None:
         self._raise_if_failed("send")
