@@ -527,9 +527,86 @@ def test_in_a_given_store_a_second_rank_0_of_this_job_fails_alone_naming_the_fir
     message = str(second.value)
     assert message.startswith("[rank 0/2] gloo.rendezvous: timed out after 1.0 s"), message
     assert (
-        f"Another process with this job's token came to this store as rank 0 too (pid {os.getpid()} on "
-        f"{socket.gethostname()}): rank 0 is duplicated"
+        "Another process with this job's token came to this store as rank 0 and has not finished its check "
+        f"(pid {os.getpid()} on {socket.gethostname()}): rank 0 is duplicated"
     ) in message
+
+
+def test_in_a_given_store_an_earlier_group_of_the_job_is_not_taken_for_a_second_rank_0() -> None:
+    """A group formed and finished in the store; the next one's rank 0 times out: no "duplicated" claim."""
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = [pool.submit(join_job_store, _given(store, r), 20.0, "gloo") for r in range(2)]
+        [f.result(timeout=60) for f in first]
+    with pytest.raises(RendezvousTimeoutError) as alone:
+        join_job_store(_given(store, 0), 1.0, "gloo")
+    assert "ranks [1] never did" in str(alone.value)
+    assert "duplicated" not in str(alone.value), alone.value
+
+
+def test_in_a_given_store_rank_0_warns_of_a_rank_of_another_token_while_its_own_is_late(
+    tokens: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The other token's rank 1 came first: once rank 0's own is late (a quarter of the timeout), it warns."""
+    from torch.distributed import HashStore
+
+    caplog.set_level(logging.WARNING, logger="commlib")
+
+    def join(rank: int, token: str, timeout: float) -> Any:
+        tokens.value = token
+        return join_job_store(_given(store, rank), timeout, "gloo")
+
+    store = HashStore()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        stranger = pool.submit(join, 1, "theirs", 2.0)
+        wait_until(lambda: store.check([f"{BASE}/present/ranks/1"]), 20, "the other token's rank 1 is in")
+        leader = pool.submit(join, 0, "ours", 8.0)
+        wait_until(lambda: any("have not come" in r.getMessage() for r in caplog.records), 20, "rank 0 warns")
+        follower = pool.submit(join, 1, "ours", 8.0)
+        stores = [leader.result(timeout=60), follower.result(timeout=60)]
+        with pytest.raises(RendezvousTimeoutError):
+            stranger.result(timeout=60)
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v"
+    (warning,) = [r.getMessage() for r in caplog.records if "have not come" in r.getMessage()]
+    assert warning.startswith("[rank 0/2] gloo.rendezvous: ranks [1] have not come to the store yet"), warning
+    assert "Under another job token, 1 process(es) came to this store: " in warning
+    assert "claiming rank 1 of world size 2" in warning
+
+
+def test_in_a_shared_tcp_store_garbage_in_the_arrival_lists_does_not_keep_a_job_from_forming(
+    tokens: Any,
+) -> None:
+    """Values no record has, and keys a counter would use, written first: the job forms; its store works.
+
+    (torch's store server drops a client whose ``add`` meets a value that is not a number; nothing
+    under ``present/`` is added to.) No record names the job token's tag.
+    """
+    from backends.common.jobtoken import job_token
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, 3, True, datetime.timedelta(seconds=20), wait_for_workers=False)
+    for where in ("rank0", "ranks"):
+        server.set(f"{BASE}/present/{where}/count", "not a number")
+        server.set(f"{BASE}/present/{where}/1", "x" * 100_000)
+        server.set(f"{BASE}/present/{where}/2", json.dumps({"rank": 1, "marks": "all"}))
+        server.set(f"{BASE}/present/{where}/40", "a stray write past the end")
+
+    def join(rank: int) -> Any:
+        client = TCPStore("127.0.0.1", port, 3, False, datetime.timedelta(seconds=20), wait_for_workers=False)
+        return client, join_job_store(_given(client, rank), 20.0, "gloo")
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        joined = list(pool.map(join, range(2), timeout=60))
+    joined[0][1].set("k", "v")
+    assert joined[1][1].get("k") == b"v"
+    assert joined[1][0].add("still-works", 1) == 1  # the connection the group was given is intact
+    tag = job_token(_given(server, 0), {"COMMLIB_JOB_TOKEN": "ours"}).tag
+    for where in ("rank0", "ranks"):
+        assert server.check([f"{BASE}/present/{where}/3"])
+        assert tag not in server.get(f"{BASE}/present/{where}/3").decode()
 
 
 def test_in_a_given_store_a_rank_0_accepting_two_keys_meets_ranks_holding_either(tokens: Any) -> None:

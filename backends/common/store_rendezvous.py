@@ -79,6 +79,7 @@ from backends.common.admission import (
 )
 from backends.common.jobtoken import job_token, sign_with, tag_of, uses_torchrun_agent_store, verify_with
 from backends.common.native_sockets import connections_to, shut_down_new_connections
+from backends.common.store_presence import Arrival, Presence, first_free_slot
 from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError, error_prefix
 from commlib.lanes import Lane
@@ -90,13 +91,14 @@ logger = logging.getLogger("commlib")
 
 _ROOT = "commlib/job-check/v1"
 """Where in a store the job check's keys lie."""
-_PRESENT = f"{_ROOT}/present"
-"""A store's lists of the rank 0s (``/rank0``) and other ranks (``/ranks``) that came to it, with their
-job tokens' tags: read only for messages."""
 _PRESENT_READ = 64
-"""The newest records of a ``_PRESENT`` list a timeout's message looks through."""
+"""The newest records of a list of arrivals (``backends.common.store_presence``) a timeout's message reads."""
 _PRESENT_GLANCE = 8
-"""The newest rank 0 records a rank looks through on arrival, when its own rank 0 is not there yet."""
+"""The newest records a rank reads when its own (rank 0, or its ranks) are slow to come."""
+_HORIZON_S = 60.0
+"""Arrivals up to a timeout and this long before a check began count in its messages."""
+_WARN_AFTER_S = 30.0
+"""A rank whose own are not there after this long (at most a quarter of the timeout) says what it found."""
 _READ_WAIT_S = 2.0
 """How long a failing rank 0 keeps its store up for the ranks it told why to read it."""
 _VERDICT_GRACE_S = (
@@ -347,9 +349,13 @@ def connect_store(env: DistEnv, prefix: str, timeout: float, seconds: float, whe
     ) from error
 
 
+_SHORTEST_WAIT = datetime.timedelta(milliseconds=1)
+"""The least a store wait is given: torch's stores take a timeout of zero as no timeout at all."""
+
+
 def _get(store: Any, key: str, wait: datetime.timedelta) -> bytes:
     """``store.get(key)``, waiting at most ``wait`` for the key to appear (raises torch's error past it)."""
-    store.set_timeout(wait)
+    store.set_timeout(max(wait, _SHORTEST_WAIT))
     return bytes(store.get(key))
 
 
@@ -367,86 +373,23 @@ def _decode(raw: bytes) -> Any:
 
 
 # ------------------------------------------------- who came, under which token
-def _note_arrival(ctx: _Context, store: Any) -> int:
-    """Record in the store that this rank came to it, and under which job token (only read for messages).
-
-    ``add`` gives each record a number of its own in one step, so nothing anyone else writes
-    delays this rank. A store that fails here fails the check's next step with its own error.
-
-    Returns:
-        The record's number (0 if the store failed).
-    """
-    record = {
-        "rank": ctx.env.rank,
-        "world_size": ctx.env.world_size,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "identity": ctx.token.identity,
-        "tags": [tag_of(key) for key in ctx.token.accepted],
-        "time": time.time(),
-    }
-    where = _present_list(ctx.env.rank)
-    try:
-        number = int(store.add(f"{where}/count", 1))
-        store.set(f"{where}/{number}", json.dumps(record))
-    except Exception:  # noqa: BLE001 - only messages would miss it
-        return 0
-    return number
+def _presence(ctx: _Context, store: Any) -> Presence:
+    """This rank's record among the arrivals; those since a timeout and a minute before this check count."""
+    started = ctx.timeout - ctx.seconds_left()
+    return Presence(store, ctx.env.rank, ctx.env.world_size, ctx.token, started + ctx.timeout + _HORIZON_S)
 
 
-def _claim_of(record: Any, since: float) -> tuple[Claim, set[str]] | None:
-    """A ``_PRESENT`` record's claim and token tags; None unless well formed and newer than ``since``."""
-    if not isinstance(record, dict) or not isinstance(record.get("tags"), list):
-        return None
-    numbers = [record.get(name) for name in ("rank", "world_size", "pid")]
-    when = record.get("time")
-    if not all(type(v) is int for v in numbers) or not isinstance(when, float | int) or when < since:
-        return None
-    rank, world_size, pid = (int(v) for v in numbers)
-    claim = Claim(rank, world_size, pid, str(record.get("host")), str(record.get("identity")))
-    return claim, {str(tag) for tag in record["tags"]}
+def _warn_after(ctx: _Context) -> float:
+    """Seconds a rank waits for its own before it says what else it found in the store."""
+    return min(_WARN_AFTER_S, ctx.timeout / 4)
 
 
-def _present_list(rank: int) -> str:
-    """The ``_PRESENT`` list of ranks like ``rank``: rank 0s are kept apart, so a glance finds them."""
-    return f"{_PRESENT}/rank0" if rank == 0 else f"{_PRESENT}/ranks"
-
-
-def _present(
-    ctx: _Context, store: Any, rank: int, newest_n: int = _PRESENT_READ
-) -> list[tuple[int, Claim, bool]]:
-    """Who came to the store lately as ranks like ``rank``, newest first: number, claim, and whether ours.
-
-    Looks through the newest ``newest_n`` records of the list, of this rendezvous's time or a
-    timeout before it; "ours": the record shares a key with this rank. Empty if the store fails:
-    only a message would miss them.
-    """
-    where = _present_list(rank)
-    mine = {tag_of(key) for key in ctx.token.accepted}
-    since = time.time() - (time.monotonic() - ctx.deadline) - 2 * ctx.timeout
-    found: list[tuple[int, Claim, bool]] = []
-    try:
-        newest = int(store.add(f"{where}/count", 0))
-        for number in range(newest, max(0, newest - newest_n), -1):
-            key = f"{where}/{number}"
-            if store.check([key]):
-                entry = _claim_of(_decode(bytes(store.get(key))), since)
-                if entry is not None:
-                    found.append((number, entry[0], not mine.isdisjoint(entry[1])))
-    except Exception:  # noqa: BLE001 - a failing store: the message goes without them
-        return []
-    return found
-
-
-def _others_present(ctx: _Context, store: Any, ranks: list[int], newest_n: int = _PRESENT_READ) -> str:
-    """What a message adds about processes that claimed one of ``ranks`` under another job token.
-
-    ``ranks`` are all rank 0 or none (the two lists of ``_PRESENT``).
-    """
+def _others(arrivals: list[Arrival], ranks: list[int]) -> str:
+    """What a message adds about processes that claimed one of ``ranks`` under another token ("" if none)."""
     claims: list[Claim] = []
-    for _number, claim, ours in _present(ctx, store, ranks[0] if ranks else 1, newest_n):
-        if not ours and claim.rank in ranks and claim not in claims:
-            claims.append(claim)
+    for arrival in arrivals:
+        if not arrival.ours and arrival.claim.rank in ranks and arrival.claim not in claims:
+            claims.append(arrival.claim)
     if not claims:
         return ""
     named = "; ".join(claim.describe() for claim in claims[:MAX_WARNED_CLAIMS])
@@ -458,37 +401,16 @@ def _others_present(ctx: _Context, store: Any, ranks: list[int], newest_n: int =
     )
 
 
-def _warn_if_others_lead(ctx: _Context, store: Any) -> None:
-    """Log at WARNING, before waiting, that only rank 0s of other job tokens lead in the store so far.
-
-    This rank cannot tell a store two jobs share, where its own rank 0 may still come, from a
-    job started on the wrong port: it waits for its rank 0 until its deadline (a process of
-    another job ends no rank), and says at once what it found.
-    """
-    try:
-        if store.check([f"{ctx.base}/challenge"]):
-            return
-    except Exception:  # noqa: BLE001 - the wait that follows reports a failing store
-        return
-    found = _others_present(ctx, store, [0], _PRESENT_GLANCE)
-    if found:
-        logger.warning(
-            "%sno rank 0 of this job's token is in the store yet; waiting for it until the deadline "
-            "(%.0f s left)%s",
-            ctx.prefix,
-            ctx.seconds_left(),
-            found,
-        )
-
-
-def _second_rank0(ctx: _Context, store: Any, arrival: int) -> str:
-    """What rank 0's timeout adds when another rank 0 of this job's token came (``arrival``: its own)."""
-    for number, claim, ours in _present(ctx, store, 0):
-        if ours and claim.rank == 0 and number != arrival:
+def _second_rank0(ctx: _Context, presence: Presence) -> str:
+    """What rank 0's timeout adds when another rank 0 of this job's token came and has not finished."""
+    for arrival in presence.arrivals(rank0=True, newest=_PRESENT_READ):
+        if arrival.ours and arrival.claim.rank == 0 and not arrival.finished:
+            claim = arrival.claim
             return (
-                f". Another process with this job's token came to this store as rank 0 too (pid {claim.pid} "
-                f"on {claim.host:.100}): rank 0 is duplicated, and the ranks may have met the other one. "
-                f"Every rank needs its own RANK, 0..{ctx.env.world_size - 1}"
+                f". Another process with this job's token came to this store as rank 0 and has not finished "
+                f"its check (pid {claim.pid} on {claim.host:.100}): rank 0 is duplicated, or an earlier "
+                "attempt of this job ended inside it. Every rank needs its own RANK, "
+                f"0..{ctx.env.world_size - 1}"
             )
     return ""
 
@@ -547,7 +469,7 @@ class _Leader:
         self.challenge = ""  # as published, to tell whether someone has replaced it
         self.refusals = Refusals(ctx)
         self.next_slot = 1  # the first answer slot not read yet
-        self.arrival = 0  # in a fresh store, the number of this rank 0's record there (``_note_arrival``)
+        self.presence = _presence(ctx, store) if ctx.fresh else None
 
     def run(self) -> str:
         ctx = self.ctx
@@ -560,16 +482,26 @@ class _Leader:
         }
         self.challenge = json.dumps(challenge)
         self._publish_challenge()
-        if ctx.fresh:
-            self.arrival = _note_arrival(ctx, self.store)
+        if self.presence is not None:
+            self.presence.note()
         logger.debug("%slistening at %s (%s)", ctx.prefix, ctx.master, ctx.token.identity)
+        # In a store other jobs may share, say what else came there if this job's ranks are slow to come.
+        look_at = time.monotonic() + _warn_after(ctx) if self.presence is not None else None
         while len(self.accepted) < ctx.env.world_size - 1:
             slot = self.next_slot
             if ctx.expired():  # answers may keep coming (a flood of slots): the deadline still holds
                 self._fail(RendezvousTimeoutError(self._timeout_message()))
+            if look_at is not None and time.monotonic() >= look_at:
+                self._warn_of_others()
+                look_at = None
+            wait = ctx.remaining()
+            if look_at is not None:
+                wait = min(wait, datetime.timedelta(seconds=look_at - time.monotonic()))
             try:
-                raw = _get(self.store, f"{ctx.base}/answer/{slot}", ctx.remaining())
+                raw = _get(self.store, f"{ctx.base}/answer/{slot}", wait)
             except Exception as e:  # noqa: BLE001 - torch's store raises DistStoreError and others
+                if look_at is not None and _is_timeout(e) and not ctx.expired():
+                    continue  # time to look
                 if _is_timeout(e) or time.monotonic() >= ctx.deadline:
                     self._fail(RendezvousTimeoutError(self._timeout_message()))
                 self._fail(RendezvousError(f"{ctx.prefix}the store at {ctx.master} failed: {e}"))
@@ -581,6 +513,21 @@ class _Leader:
             self._verdict(slot, {"accepted": True, "scope": scope, "proof": proof})
         self.close()
         return scope
+
+    def _warn_of_others(self) -> None:
+        """Log at WARNING the processes of other job tokens that claimed ranks this job is missing."""
+        assert self.presence is not None
+        missing = sorted(set(range(1, self.ctx.env.world_size)) - set(self.accepted))
+        found = _others(self.presence.arrivals(rank0=False, newest=_PRESENT_GLANCE), missing)
+        if found:
+            logger.warning(
+                "%sranks %s have not come to the store yet; waiting for them until the deadline (%.0f s "
+                "left)%s",
+                self.ctx.prefix,
+                missing,
+                self.ctx.seconds_left(),
+                found,
+            )
 
     def _publish_challenge(self) -> None:
         """Put this check's challenge in the store, unless another rank 0 of this job leads a check there.
@@ -626,6 +573,8 @@ class _Leader:
                 self.store.compare_set(f"{space}/challenge", self.challenge, notice)
         except Exception:  # noqa: BLE001, S110 - a store that fails now fails the next group's check too
             pass
+        if self.presence is not None:
+            self.presence.finished()
 
     def _verdict(self, slot: int, verdict: dict[str, Any]) -> None:
         self.store.set(f"{self.ctx.base}/verdict/{slot}", json.dumps(verdict))
@@ -693,9 +642,9 @@ class _Leader:
         ctx = self.ctx
         missing = sorted(set(range(1, ctx.env.world_size)) - set(self.accepted))
         message = missing_ranks_message(ctx.prefix, ctx.timeout, ctx.master, ctx.env, missing, self.refusals)
-        if ctx.fresh:
-            message += _others_present(ctx, self.store, missing)
-            message += _second_rank0(ctx, self.store, self.arrival)
+        if self.presence is not None:
+            message += _others(self.presence.arrivals(rank0=False, newest=_PRESENT_READ), missing)
+            message += _second_rank0(ctx, self.presence)
         return message
 
     def _unread_slots(self) -> list[int]:
@@ -784,10 +733,11 @@ def _reach(ctx: _Context) -> Any:
 def _answer_in(ctx: _Context, store: Any) -> str:
     """Answer rank 0's challenge in ``store`` (again while it calls the answer stale); return the scope."""
     answered: set[str] = set()
-    if ctx.fresh:
-        _note_arrival(ctx, store)
+    presence = _presence(ctx, store) if ctx.fresh else None
+    if presence is not None:
+        presence.note()
     while True:
-        challenge, record, verdict = _answer_challenge(ctx, store)
+        challenge, record, verdict = _answer_challenge(ctx, store, presence)
         if not (isinstance(verdict, dict) and verdict.get("stale") is True):
             return _read_verdict(ctx, challenge, record, verdict)
         # Rank 0 saw an answer to another challenge than its own. Once the challenge is read again it is
@@ -802,19 +752,23 @@ def _answer_in(ctx: _Context, store: Any) -> str:
         answered.add(challenge["nonce"])
 
 
-def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
-    """Read rank 0's challenge, write this rank's answer, and return (challenge, answer, verdict)."""
+def _answer_challenge(
+    ctx: _Context, store: Any, presence: Presence | None = None
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Read rank 0's challenge, write this rank's answer, and return (challenge, answer, verdict).
+
+    ``presence``: this rank's record, in a store other jobs may share.
+    """
     env, prefix = ctx.env, ctx.prefix
-    if ctx.fresh:
-        _warn_if_others_lead(ctx, store)
     try:
-        raw = _get(store, f"{ctx.base}/challenge", ctx.remaining())
+        raw = _await_challenge(ctx, store, presence)
     except Exception as e:  # noqa: BLE001
-        if _is_timeout(e) and ctx.fresh:
+        if _is_timeout(e) and presence is not None:
             where = "the group's store" if ctx.env.store is not None else f"torchrun's store at {ctx.master}"
+            found = _others(presence.arrivals(rank0=True, newest=_PRESENT_READ), [0])
             raise RendezvousTimeoutError(
                 f"{prefix}no rank 0 holding this job's token ({ctx.token.identity}) came to {where} within "
-                f"{ctx.timeout:.1f} s{_others_present(ctx, store, [0])}"
+                f"{ctx.timeout:.1f} s{found}"
             ) from None
         if _is_timeout(e):
             raise RendezvousTimeoutError(
@@ -866,6 +820,38 @@ def _answer_challenge(ctx: _Context, store: Any) -> tuple[dict[str, Any], dict[s
     return challenge, record, _decode(raw)
 
 
+def _await_challenge(ctx: _Context, store: Any, presence: Presence | None) -> bytes:
+    """Wait for rank 0's challenge until the deadline.
+
+    In a store other jobs may share, where rank 0s of other tokens came first, this rank
+    cannot tell whether its own rank 0 is slow or will never come (a rank started with
+    another token): it waits for it (another job ends no rank), and says after
+    ``_warn_after`` what it found there.
+    """
+    key = f"{ctx.base}/challenge"
+    grace = _warn_after(ctx)
+    if presence is None or grace >= ctx.seconds_left() or store.check([key]):
+        return _get(store, key, ctx.remaining())
+    if not _others(presence.arrivals(rank0=True, newest=_PRESENT_GLANCE), [0]):
+        return _get(store, key, ctx.remaining())
+    try:
+        return _get(store, key, datetime.timedelta(seconds=grace))
+    except Exception as e:
+        if not _is_timeout(e):
+            raise
+    found = _others(presence.arrivals(rank0=True, newest=_PRESENT_GLANCE), [0])
+    if found:
+        logger.warning(
+            "%sno rank 0 of this job's token has come to the store in %.1f s; waiting for it until the "
+            "deadline (%.0f s left)%s",
+            ctx.prefix,
+            grace,
+            ctx.seconds_left(),
+            found,
+        )
+    return _get(store, key, ctx.remaining())
+
+
 def _no_verdict(ctx: _Context, error: Exception) -> RendezvousError:
     """What a rank raises when the store failed, or ran out of time, before rank 0's verdict came."""
     if _is_timeout(error):
@@ -912,41 +898,15 @@ def _claim_slot(store: Any, base: str, answer: str, ctx: RendezvousContext | Non
     with ``O(log k)`` existence checks instead of one ``compare_set`` per taken
     slot (which made a rendezvous of ``n`` ranks cost ``n**2 / 2`` store calls).
     """
-    slot = _first_free_slot(store, base, 1)
+    slot = first_free_slot(store, f"{base}/answer", 1)
     while bytes(store.compare_set(f"{base}/answer/{slot}", "", answer)) != answer.encode():
         if ctx is not None and ctx.expired():  # others keep taking the slots: the deadline still holds
             raise RendezvousTimeoutError(
                 f"{ctx.prefix}could not claim an answer slot in the store at {ctx.master} within "
                 f"{ctx.timeout:.1f} s: something keeps filling them (slot {slot} so far)"
             )
-        slot = _first_free_slot(store, base, slot + 1)
+        slot = first_free_slot(store, f"{base}/answer", slot + 1)
     return slot
-
-
-def _first_free_slot(store: Any, base: str, start: int) -> int:
-    """The first answer slot from ``start`` on that was free when looked at: gallop, then bisect.
-
-    Slots only ever go from free to taken, and the taken ones form a prefix, so
-    a slot seen free bounds the search from above and one seen taken from below.
-    """
-
-    def taken(slot: int) -> bool:
-        return bool(store.check([f"{base}/answer/{slot}"]))
-
-    if not taken(start):
-        return start
-    low, step = start, 1  # low: a slot seen taken
-    while taken(low + step):
-        low += step
-        step *= 2
-    high = low + step  # seen free
-    while high - low > 1:
-        middle = (low + high) // 2
-        if taken(middle):
-            low = middle
-        else:
-            high = middle
-    return high
 
 
 def _read_verdict(ctx: _Context, challenge: dict[str, Any], record: dict[str, Any], verdict: Any) -> str:

@@ -44,7 +44,7 @@ def _members_comm(env: DistEnv, timeout: float) -> Any:
     world = MPI.COMM_WORLD
     prefix = error_prefix(env.rank, env.world_size, "mpi", "init")
     store = env.store
-    base = scope_in(store, "commlib/mpi", env.rank, job_token(env))
+    base = scope_in(store, "commlib/mpi", env.rank, job_token(env).tag)
     store.set(f"{base}/member/{env.rank}", str(world.Get_rank()))
     keys = [f"{base}/member/{r}" for r in range(env.world_size)]
     try:
