@@ -70,6 +70,13 @@ class DistEnv:
     def __post_init__(self) -> None:
         if not self.started_by:
             object.__setattr__(self, "started_by", self.launcher)
+        for name in ("rank", "world_size", "local_rank", "local_world_size", "master_port"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"DistEnv: {name} must be an int, got {type(value).__name__} {value!r:.40}")
+        addr = self.master_addr
+        if not isinstance(addr, str):
+            raise TypeError(f"DistEnv: master_addr must be a str, got {type(addr).__name__} {addr!r:.40}")
         if self.world_size < 1:
             raise ValueError(f"DistEnv: world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -250,10 +257,28 @@ def _process_identity(pid: int) -> tuple[object, str]:
     return (info.start if info is not None else "?"), namespace
 
 
+_SLURM_SPECIAL_STEPS = 0xFFFFFFF0
+"""Slurm's step ids from here up are its own steps (the batch script, the external and interactive
+steps), not tasks ``srun`` started."""
+
+
+def _slurm_task(environ: Mapping[str, str]) -> bool:
+    """True if this process is a task of an ``srun`` step (a batch script's process has ``SLURM_PROCID`` too).
+
+    ``srun`` sets ``SLURM_STEP_ID`` in every task; the batch script's step sets none, or one of
+    Slurm's own step ids. torch.distributed reads no Slurm variable at all.
+    """
+    step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", "")).strip()
+    return step.isdigit() and int(step) < _SLURM_SPECIAL_STEPS
+
+
 def launcher_in(environ: Mapping[str, str]) -> str | None:
-    """Return the first launcher whose rank and size variables are both set in ``environ``, if any."""
+    """Return the first launcher whose rank and size variables are both set in ``environ``, if any.
+
+    Slurm's count only in a task of an ``srun`` step.
+    """
     for name, rank_var, size_var, _, _ in _LAUNCHERS:
-        if rank_var in environ and size_var in environ:
+        if rank_var in environ and size_var in environ and (name != "slurm" or _slurm_task(environ)):
             return name
     return None
 
@@ -261,6 +286,8 @@ def launcher_in(environ: Mapping[str, str]) -> str | None:
 def _refuse_half_set_launcher(environ: Mapping[str, str]) -> None:
     """Raise if a launcher set only one of its rank and size variables (never guess a single process)."""
     for name, rank_var, size_var, _, _ in _LAUNCHERS:
+        if name == "slurm" and not _slurm_task(environ):
+            continue
         if (rank_var in environ) != (size_var in environ):
             missing, present = (size_var, rank_var) if rank_var in environ else (rank_var, size_var)
             raise ValueError(
@@ -269,12 +296,17 @@ def _refuse_half_set_launcher(environ: Mapping[str, str]) -> None:
             )
 
 
-def _warn_if_launcher_disagrees(found: str, environ: Mapping[str, str], rank: int, world_size: int) -> None:
-    """Log a WARNING when ``rank``/``world_size`` passed by hand differ from the launcher's (they win)."""
-    try:
-        started_rank, started_size, _, _ = _read_launcher(found, environ)
-    except ValueError:
-        return  # malformed launcher variables: the arguments are all there is
+def _warn_if_launcher_disagrees(
+    found: str, launched: tuple[int, int, int, int] | None, rank: int, world_size: int
+) -> None:
+    """Log a WARNING when ``rank``/``world_size`` passed by hand differ from the launcher's (they win).
+
+    ``launched``: what the launcher's variables say, None where they are malformed (the arguments
+    are then all there is).
+    """
+    if launched is None:
+        return
+    started_rank, started_size, _, _ = launched
     if (started_rank, started_size) != (rank, world_size):
         logging.getLogger("commlib").warning(
             "init_process_group: rank=%d, world_size=%d were passed, but %s started this process as "
@@ -286,6 +318,20 @@ def _warn_if_launcher_disagrees(found: str, environ: Mapping[str, str], rank: in
             started_rank,
             started_size,
         )
+
+
+def _given(name: str, value: Any) -> int | None:
+    """An argument of ``detect``: None (or torch's -1 for rank and world size) if left out, else an int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"init_process_group: {name} must be an int, got {type(value).__name__} {value!r:.40}"
+            + (f"; pass {name}=int(...)" if isinstance(value, str) else "")
+        )
+    if value == -1 and name != "master_port":
+        return None
+    return value
 
 
 def detect(
@@ -301,36 +347,55 @@ def detect(
     Explicit arguments win. Otherwise the first launcher whose variables are set:
     torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), Open MPI
     (``OMPI_COMM_WORLD_*``), PMIx (``PMIX_RANK``), MPICH/Hydra and PMI
-    (``PMI_RANK``, ``PMI_SIZE``), Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``).
+    (``PMI_RANK``, ``PMI_SIZE``), Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, in a
+    task ``srun`` started: a batch script's own process is a single process).
     With none of them, a single process: rank 0 of 1. ``MASTER_ADDR`` and
-    ``MASTER_PORT`` are read under every launcher.
+    ``MASTER_PORT`` are read under every launcher. As with torch.distributed, a
+    rank or world size left out (None, or torch's ``-1``) comes from the launcher.
 
     Args:
-        rank: This process's rank; needs ``world_size`` too.
-        world_size: Number of processes; needs ``rank`` too (or is 1).
+        rank: This process's rank (None or -1: the launcher's).
+        world_size: Number of processes (None or -1: the launcher's).
         master_addr: Rendezvous host (default ``MASTER_ADDR``, else 127.0.0.1).
         master_port: Rendezvous port (default ``MASTER_PORT``, else 29500).
         environ: Mapping to read instead of ``os.environ`` (for tests).
 
     Raises:
-        ValueError: Only one of rank/world_size was given, a variable is not an
-            integer, or the values are out of range.
+        TypeError: ``rank``, ``world_size`` or ``master_port`` is not an int.
+        ValueError: Only one of rank/world_size was given and no launcher
+            supplies the other, a variable is not an integer, or the values are
+            out of range.
     """
     environ = os.environ if environ is None else environ
+    rank, world_size = _given("rank", rank), _given("world_size", world_size)
+    if master_port is not None:
+        _given("master_port", master_port)
+    found = launcher_in(environ)
+    launched: tuple[int, int, int, int] | None = None
+    if found is not None:
+        try:
+            launched = _read_launcher(found, environ)
+        except ValueError:
+            if rank is None or world_size is None:
+                raise  # the launcher's values are needed
+    if (rank is None) != (world_size is None) and launched is not None:
+        rank = launched[0] if rank is None else rank
+        world_size = launched[1] if world_size is None else world_size
     if (rank is None) != (world_size is None):
         if world_size == 1:
             rank = 0
         else:
             raise ValueError(
-                "init_process_group: pass both rank and world_size, or neither "
-                f"(got rank={rank}, world_size={world_size})"
+                "init_process_group: pass both rank and world_size, or neither, or launch under torchrun, "
+                f"mpirun or srun for the other (got rank={rank}, world_size={world_size})"
             )
-    found = launcher_in(environ)
     if rank is not None and world_size is not None:
         launcher = "explicit"
         local_rank, local_world_size = rank, world_size
         if found is not None:
-            _warn_if_launcher_disagrees(found, environ, rank, world_size)
+            _warn_if_launcher_disagrees(found, launched, rank, world_size)
+        if launched is not None and launched[:2] == (rank, world_size):
+            local_rank, local_world_size = launched[2], launched[3]
     elif found is not None:
         launcher = found
         rank, world_size, local_rank, local_world_size = _read_launcher(found, environ)
@@ -340,13 +405,13 @@ def detect(
     addr = master_addr or environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
     started_by = found or launcher
     if master_port is not None:
-        port = int(master_port)
+        port = master_port
     elif environ.get("MASTER_PORT"):
         port = _int(environ, "MASTER_PORT")
     else:  # the launcher's, whichever way the ranks were given
         local_size, size = local_world_size, world_size
-        if found is not None and launcher == "explicit":
-            _, size, _, local_size = _read_launcher(found, environ)
+        if launched is not None and launcher == "explicit":
+            _, size, _, local_size = launched
         port = _default_port(started_by, environ, local_size, size)
     return DistEnv(
         rank=rank,

@@ -40,7 +40,9 @@ def resolves_to_loopback(addr: str) -> bool:
 
 
 def _resolves_to_loopback(addr: str) -> bool | None:
+    """Whether every address ``addr`` resolves to (IPv4 or IPv6) is loopback; None if it does not resolve."""
     try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+        found = {info[4][0] for info in socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)}
+        return bool(found) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
     except (OSError, ValueError):
         return None

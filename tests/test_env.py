@@ -39,7 +39,15 @@ OPENMPI = {
 }
 PMIX = {"PMIX_RANK": "2", "PMIX_SIZE": "6", "PMIX_LOCAL_RANK": "0", "PMIX_LOCAL_SIZE": "3"}
 MPICH = {"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "3"}
-SLURM = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4"}
+SLURM = {
+    "SLURM_PROCID": "6",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "2",
+    "SLURM_NTASKS_PER_NODE": "4",
+    "SLURM_STEP_ID": "0",
+}
+SLURM_BATCH = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}
+"""What a batch script's own process sees (``sbatch --ntasks 4``): no step of ``srun``."""
 
 
 def fields(env: DistEnv) -> tuple[object, ...]:
@@ -83,6 +91,87 @@ def test_explicit_arguments_that_differ_from_the_launchers_are_warned_about(
         "init_process_group: rank=1, world_size=2 were passed, but torchrun started this process as "
         "rank 3 of 4. The arguments win"
     )
+
+
+def test_explicit_arguments_equal_to_the_launchers_keep_its_local_rank_and_size() -> None:
+    """A script passing ``rank=int(os.environ["RANK"])`` on a two-node torchrun keeps its host's share."""
+    env = detect(rank=3, world_size=4, environ=TORCHRUN)
+    assert fields(env) == ("explicit", 3, 4, 1, 2)
+    assert fields(detect(rank=1, world_size=4, environ=TORCHRUN)) == ("explicit", 1, 4, 1, 4)  # differs
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"world_size": 4}, {"rank": 3}, {"rank": -1, "world_size": -1}, {"rank": -1, "world_size": 4}],
+    ids=["world_size-only", "rank-only", "torch-defaults", "rank-from-env"],
+)
+def test_a_rank_or_world_size_left_out_comes_from_the_launcher_as_in_torch(
+    kwargs: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="commlib")
+    env = detect(environ=TORCHRUN, **kwargs)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
+    assert not caplog.records
+
+
+def test_a_world_size_alone_that_differs_from_the_launchers_is_warned_about_and_wins(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="commlib")
+    env = detect(world_size=8, environ=TORCHRUN)
+    assert fields(env) == ("explicit", 3, 8, 3, 8)
+    (record,) = caplog.records
+    assert (
+        "rank=3, world_size=8 were passed, but torchrun started this process as rank 3 of 4"
+        in record.getMessage()
+    )
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"RANK": "", "WORLD_SIZE": ""},
+        {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "x"},
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2(x1)"},
+    ],
+    ids=["empty-torchrun", "bad-local-size", "slurm-repeat-count"],
+)
+def test_explicit_arguments_work_whatever_the_launchers_variables_hold(environ: dict[str, str]) -> None:
+    env = detect(rank=0, world_size=2, environ=environ)
+    assert (env.rank, env.world_size, env.master_port) == (0, 2, DEFAULT_MASTER_PORT)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"rank": 0.0, "world_size": 1}, r"rank must be an int, got float 0\.0"),
+        ({"rank": False, "world_size": True}, r"rank must be an int, got bool False"),
+        ({"rank": "0", "world_size": "1"}, r"rank must be an int, got str '0'; pass rank=int\(\.\.\.\)"),
+        ({"rank": 0, "world_size": 1.5}, r"world_size must be an int, got float 1\.5"),
+        ({"master_port": "abc"}, r"master_port must be an int, got str 'abc'"),
+        ({"master_port": 29500.7}, r"master_port must be an int, got float 29500\.7"),
+    ],
+)
+def test_arguments_that_are_not_ints_are_refused_naming_them(kwargs: dict[str, object], pattern: str) -> None:
+    with pytest.raises(TypeError, match=f"^init_process_group: {pattern}"):
+        detect(environ={}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_dist_env_refuses_fields_that_are_not_ints() -> None:
+    with pytest.raises(TypeError, match=r"DistEnv: rank must be an int, got float 0\.0"):
+        DistEnv(rank=0.0, world_size=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"DistEnv: master_port must be an int, got bool True"):
+        DistEnv(rank=0, world_size=1, master_port=True)
+
+
+@pytest.mark.parametrize(
+    "step", [None, "4294967294", "4294967295", "batch"], ids=["no-step", "batch-step", "extern-step", "word"]
+)
+def test_a_slurm_batch_scripts_own_process_is_a_single_process(step: str | None) -> None:
+    """``python train.py`` in an sbatch script: rank 0 of 1 (torch reads no Slurm variable), not of 4."""
+    environ = SLURM_BATCH if step is None else {**SLURM_BATCH, "SLURM_STEP_ID": step}
+    assert fields(detect(environ=environ)) == ("single", 0, 1, 0, 1)
+    assert fields(detect(environ={"SLURM_PROCID": "0", "SLURM_JOB_ID": "7"})) == ("single", 0, 1, 0, 1)
 
 
 def test_explicit_master_address_wins_over_environment() -> None:
@@ -159,7 +248,11 @@ def test_a_launcher_needs_both_rank_and_size() -> None:
 
 @pytest.mark.parametrize(
     ("environ", "missing"),
-    [({"RANK": "1"}, "WORLD_SIZE"), ({"PMI_SIZE": "4"}, "PMI_RANK"), ({"SLURM_PROCID": "2"}, "SLURM_NTASKS")],
+    [
+        ({"RANK": "1"}, "WORLD_SIZE"),
+        ({"PMI_SIZE": "4"}, "PMI_RANK"),
+        ({"SLURM_PROCID": "2", "SLURM_STEP_ID": "0"}, "SLURM_NTASKS"),
+    ],
 )
 def test_a_half_set_launcher_is_an_error_not_a_single_process(environ: dict[str, str], missing: str) -> None:
     with pytest.raises(ValueError, match=rf"environment variable {missing} expected, but not set"):

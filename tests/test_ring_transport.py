@@ -275,6 +275,15 @@ def test_ring_config_validates_and_reads_the_environment() -> None:
         assert RingConfig.from_env({"COMMLIB_RING_TRANSPORT": "udp"}).transport == "auto"
 
 
+def test_an_unusable_shm_dir_warns_and_the_default_is_used(tmp_path) -> None:
+    assert RingConfig.from_env({"COMMLIB_RING_SHM_DIR": str(tmp_path)}).shm_dir == str(tmp_path)
+    missing, a_file = tmp_path / "missing", tmp_path / "file"
+    a_file.write_text("")
+    for value, why in ((missing, "not a directory"), (a_file, "not a directory")):
+        with pytest.warns(RuntimeWarning, match=rf"COMMLIB_RING_SHM_DIR: unexpected value .*\({why}\)"):
+            assert RingConfig.from_env({"COMMLIB_RING_SHM_DIR": str(value)}).shm_dir is None
+
+
 def _self_connected_socket() -> socket.socket:
     """A socket connected to itself: bound to a port nobody listens on, then connected to it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -650,3 +650,38 @@ def test_in_a_given_store_a_rank_that_comes_after_rank_0_failed_reads_why() -> N
         "[rank 2/3] gloo.rendezvous: rendezvous failed on rank 0: [rank 0/3] gloo.rendezvous: rank 1 was "
         "started with world size 2, rank 0 with 3; start every rank with the same WORLD_SIZE"
     )
+
+
+# ------------------------------------------------------------------ MASTER_ADDR
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_master_addr_that_names_no_host_fails_at_once_saying_so(rank: int) -> None:
+    """torch's store would retry the name until the timeout, and rank 0 said it "cannot listen"."""
+    env = DistEnv(rank=rank, world_size=2, master_addr="no-such-host.invalid", master_port=free_port())
+    with pytest.raises(RendezvousError) as failed:
+        join_job_store(env, 30.0, "gloo")
+    assert type(failed.value) is RendezvousError
+    assert str(failed.value).startswith(
+        f"[rank {rank}/2] gloo.rendezvous: cannot resolve MASTER_ADDR 'no-such-host.invalid': "
+    ), failed.value
+    assert str(failed.value).endswith(
+        "Set MASTER_ADDR to the name or address of rank 0's host, the same on every rank"
+    )
+
+
+def test_the_ring_names_an_ipv6_master_addr_as_what_it_cannot_use() -> None:
+    from backends.ring.rendezvous import _master_ipv4
+
+    assert _master_ipv4("localhost", "") == "127.0.0.1"
+    with pytest.raises(
+        RendezvousError, match=r"MASTER_ADDR '::1' has only IPv6 addresses \(::1\), and the ring"
+    ):
+        _master_ipv4("::1", "")
+    with pytest.raises(RendezvousError, match=r"^cannot resolve MASTER_ADDR 'no-such-host.invalid'"):
+        _master_ipv4("no-such-host.invalid", "")
+
+
+def test_ipv6_loopback_counts_as_loopback() -> None:
+    from commlib.net import is_loopback, resolves_to_loopback
+
+    assert is_loopback("::1") and resolves_to_loopback("::1") and resolves_to_loopback("localhost")
+    assert not resolves_to_loopback("192.0.2.1") and not resolves_to_loopback("no-such-host.invalid")

@@ -196,6 +196,8 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
         fresh=bool(spaces),
         copies=tuple(spaces[1:]),
     )
+    if env.store is None:
+        _check_resolvable(ctx)
     if env.rank == 0:
         store = env.store if env.store is not None else _open_store(ctx)
         scope = _Leader(ctx, store).run() if env.world_size > 1 else f"{base}/solo"
@@ -210,6 +212,17 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
 
 
 # ------------------------------------------------------------------ the store
+def _check_resolvable(ctx: _Context) -> None:
+    """Raise at once if ``MASTER_ADDR`` names no host (torch's store would retry it until the timeout)."""
+    try:
+        socket.getaddrinfo(ctx.env.master_addr, ctx.env.master_port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise RendezvousError(
+            f"{ctx.prefix}cannot resolve MASTER_ADDR {ctx.env.master_addr!r}: {e}. Set MASTER_ADDR to the "
+            "name or address of rank 0's host, the same on every rank"
+        ) from None
+
+
 def _open_store(ctx: _Context) -> Any:
     """Rank 0's store: its own server, or a client of torchrun's agent store."""
     from torch.distributed import TCPStore
@@ -238,7 +251,7 @@ def _open_store(ctx: _Context) -> Any:
             )
             _ask_holder_if_rank0(ctx, in_use)
             raise RendezvousError(in_use) from e
-        raise RendezvousError(f"{ctx.prefix}cannot listen on {ctx.master}: {text}") from e
+        raise RendezvousError(f"{ctx.prefix}cannot start the store at {ctx.master}: {text}") from e
 
 
 def _ask_holder_if_rank0(ctx: _Context, in_use: str) -> None:

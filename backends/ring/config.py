@@ -31,6 +31,14 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _writable_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise ValueError("not a directory")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise ValueError("not writable by this process")
+    return text
+
+
 def _spin(text: str) -> float:
     value = float(text)
     if not 0 <= value <= 1e6:
@@ -93,7 +101,7 @@ class RingConfig:
             transport=read_env_var("COMMLIB_RING_TRANSPORT", _transport, default.transport, environ),
             chunk_bytes=chunk - chunk % 64,
             shm_slots=read_env_var("COMMLIB_RING_SHM_SLOTS", _int_at_least(1), default.shm_slots, environ),
-            shm_dir=environ.get("COMMLIB_RING_SHM_DIR") or None,
+            shm_dir=read_env_var("COMMLIB_RING_SHM_DIR", _writable_dir, None, environ),
             small_bytes=read_env_var(
                 "COMMLIB_RING_SMALL_BYTES", _int_at_least(0), default.small_bytes, environ
             ),

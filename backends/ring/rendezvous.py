@@ -194,10 +194,7 @@ def rendezvous(env: DistEnv, timeout: float, settings: dict[str, Any], backend: 
         )
     deadline = time.monotonic() + timeout
     loopback = resolves_to_loopback(env.master_addr)
-    try:
-        master_ip = socket.gethostbyname(env.master_addr)
-    except OSError as e:
-        raise RendezvousError(f"{prefix}cannot resolve MASTER_ADDR {env.master_addr!r}: {e}") from e
+    master_ip = _master_ipv4(env.master_addr, prefix)
     agent_store = uses_torchrun_agent_store(env)
     through_store = env.store is not None or agent_store
     ctx = _Context(
@@ -257,6 +254,25 @@ def _reachable_addr(data_listener: socket.socket, master_ip: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
         probe.connect((master_ip, 9))
         return str(probe.getsockname()[0])
+
+
+def _master_ipv4(addr: str, prefix: str) -> str:
+    """``addr``'s IPv4 address; the ring listens and connects over IPv4 only, and says so for an IPv6 one."""
+    try:
+        return socket.gethostbyname(addr)
+    except OSError as e:
+        try:
+            found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+        except OSError:
+            raise RendezvousError(
+                f"{prefix}cannot resolve MASTER_ADDR {addr!r}: {e}. Set MASTER_ADDR to the name or address "
+                "of rank 0's host, the same on every rank"
+            ) from e
+        raise RendezvousError(
+            f"{prefix}MASTER_ADDR {addr!r} has only IPv6 addresses ({found[0][4][0]}), and the ring backend "
+            "listens and connects over IPv4 only. Set MASTER_ADDR to an IPv4 address or name of rank 0's "
+            "host, or use the gloo backend (COMMLIB_BACKEND=gloo), which takes IPv6"
+        ) from e
 
 
 # ------------------------------------------------------- through a store
