@@ -49,6 +49,7 @@ def _reset(sock: socket.socket) -> None:
 STRANGERS: dict[str, Callable[[socket.socket], None]] = {
     "garbage": lambda s: s.sendall(b"GET / HTTP/1.1\r\nHost: commlib\r\n\r\n"),
     "garbage_in_a_frame": lambda s: s.sendall(struct.pack("!I", 12) + b"\x00\xffnot json!"),
+    "json_nested_too_deep": lambda s: s.sendall(struct.pack("!I", 5000) + b"[" * 5000),
     "silent": lambda s: None,
     "huge_length_prefix": lambda s: s.sendall(struct.pack("!I", 16 * 1024 * 1024)),
     "closed_at_once": lambda s: s.close(),

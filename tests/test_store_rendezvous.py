@@ -685,3 +685,112 @@ def test_ipv6_loopback_counts_as_loopback() -> None:
 
     assert is_loopback("::1") and resolves_to_loopback("::1") and resolves_to_loopback("localhost")
     assert not resolves_to_loopback("192.0.2.1") and not resolves_to_loopback("no-such-host.invalid")
+
+
+# ------------------------------------------------------------ the arrival lists
+def test_a_gap_in_the_arrival_lists_costs_no_wait_and_a_flood_a_bounded_number_of_checks() -> None:
+    """Stray slots 1, 2 and 4 (no 3), then 2**k for k < 40: a rank never waits on a slot, nor checks all."""
+    from torch.distributed import HashStore
+
+    from backends.common.jobtoken import JobToken
+    from backends.common.store_presence import Presence
+
+    gap, flood = HashStore(), HashStore()
+    for slot in (1, 2, 4):
+        gap.set(f"{BASE}/present/rank0/{slot}", "stray")
+    for k in range(40):
+        flood.set(f"{BASE}/present/rank0/{2**k}", "stray")
+    for store in (gap, flood):
+        store.set_timeout(datetime.timedelta(seconds=60))  # a wait on a missing slot would take this long
+        presence = Presence(store, 0, 2, JobToken(b"k" * 32, "ours"), horizon=60.0)
+        started = time.monotonic()
+        presence.note()
+        assert presence.arrivals(rank0=True, newest=64) == []
+        assert time.monotonic() - started < 10
+    assert gap.check([f"{BASE}/present/rank0/3"]) or gap.check([f"{BASE}/present/rank0/5"])  # its record
+
+
+def test_a_copied_record_with_a_field_changed_is_not_taken_for_this_jobs() -> None:
+    from torch.distributed import HashStore
+
+    from backends.common.jobtoken import JobToken
+    from backends.common.store_presence import Presence
+
+    store, token = HashStore(), JobToken(b"k" * 32, "ours")
+    first = Presence(store, 0, 2, token, horizon=60.0)
+    first.note()
+    first.finished()
+    record = json.loads(store.get(f"{BASE}/present/rank0/1"))
+    del record["finished"]
+    store.set(f"{BASE}/present/rank0/2", json.dumps(record))  # a copy, "not finished"
+    reader = Presence(store, 0, 2, token, horizon=60.0)
+    (copied, original) = reader.arrivals(rank0=True, newest=8)
+    assert (copied.ours, original.ours, original.finished) == (False, True, True)
+
+
+def test_many_ranks_arriving_at_once_each_leave_a_record() -> None:
+    from torch.distributed import HashStore
+
+    from backends.common.jobtoken import JobToken
+    from backends.common.store_presence import Presence
+
+    store, token = HashStore(), JobToken(b"k" * 32, "ours")
+    presences = [Presence(store, r, 33, token, horizon=60.0) for r in range(1, 33)]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda p: p.note(), presences, timeout=60))
+    assert sorted(p._slot for p in presences) == list(range(1, 33))
+
+
+def test_json_nested_deeper_than_the_parser_goes_in_an_answer_slot_is_dropped() -> None:
+    """On rank 0's own port: it used to end rank 0 with a bare RecursionError."""
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(join_job_store, _env(0, port), 30.0, "gloo")
+        wait_until(lambda: port_is_listening(port), 20, "rank 0 listens")
+        stray = TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=20), wait_for_workers=False)
+        stray.wait([f"{BASE}/challenge"], datetime.timedelta(seconds=20))
+        _claim_slot(stray, BASE, "[" * 5000)  # within the size an answer may have
+        follower = pool.submit(join_job_store, _env(1, port), 30.0, "gloo")
+        stores = [leader.result(timeout=60), follower.result(timeout=60)]
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v"
+
+
+def test_a_failed_check_leaves_the_given_store_with_the_timeout_it_had() -> None:
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    store.set_timeout(datetime.timedelta(seconds=123))
+    with pytest.raises(RendezvousTimeoutError):
+        join_job_store(_given(store, 1), 0.5, "gloo")
+    assert store.timeout == datetime.timedelta(seconds=123)
+
+
+def test_a_rank_that_came_before_any_rank_0_still_warns_of_another_tokens_rank_0(
+    tokens: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch.distributed import HashStore
+
+    caplog.set_level(logging.WARNING, logger="commlib")
+
+    def join(rank: int, token: str, timeout: float) -> Any:
+        tokens.value = token
+        return join_job_store(_given(store, rank), timeout, "gloo")
+
+    store = HashStore()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        follower = pool.submit(join, 1, "theirs", 4.0)
+        wait_until(lambda: store.check([f"{BASE}/present/ranks/1"]), 20, "the rank is in")
+        leader = pool.submit(join, 0, "ours", 30.0)
+        with pytest.raises(RendezvousTimeoutError):
+            follower.result(timeout=60)
+        leader.cancel()
+        warned = [
+            r.getMessage()
+            for r in caplog.records
+            if "no rank 0 of this job's token has come" in r.getMessage()
+        ]
+        assert len(warned) == 1 and "claiming rank 0 of world size 2" in warned[0], warned
+        tokens.value = "ours"
+        join_job_store(_given(store, 1), 30.0, "gloo")  # this job's rank 1, so that rank 0 forms
+        leader.result(timeout=60)

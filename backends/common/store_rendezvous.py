@@ -55,6 +55,7 @@ anyone who reaches it): see ``backends.common.jobtoken``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -198,13 +199,20 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
     )
     if env.store is None:
         _check_resolvable(ctx)
-    if env.rank == 0:
-        store = env.store if env.store is not None else _open_store(ctx)
-        scope = _Leader(ctx, store).run() if env.world_size > 1 else f"{base}/solo"
-    elif env.store is not None:
-        store, scope = env.store, _answer_in(ctx, env.store)
-    else:
-        store, scope = _follow(ctx)
+    given_timeout = getattr(env.store, "timeout", None)
+    try:
+        if env.rank == 0:
+            store = env.store if env.store is not None else _open_store(ctx)
+            scope = _Leader(ctx, store).run() if env.world_size > 1 else f"{base}/solo"
+        elif env.store is not None:
+            store, scope = env.store, _answer_in(ctx, env.store)
+        else:
+            store, scope = _follow(ctx)
+    except BaseException:
+        if isinstance(given_timeout, datetime.timedelta):  # the caller's store, as it was handed in
+            with contextlib.suppress(Exception):
+                env.store.set_timeout(given_timeout)
+        raise
     from torch.distributed import PrefixStore
 
     store.set_timeout(datetime.timedelta(seconds=timeout))
@@ -381,7 +389,7 @@ def _decode(raw: bytes) -> Any:
         return None
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         return None
 
 
@@ -836,16 +844,14 @@ def _answer_challenge(
 def _await_challenge(ctx: _Context, store: Any, presence: Presence | None) -> bytes:
     """Wait for rank 0's challenge until the deadline.
 
-    In a store other jobs may share, where rank 0s of other tokens came first, this rank
-    cannot tell whether its own rank 0 is slow or will never come (a rank started with
-    another token): it waits for it (another job ends no rank), and says after
-    ``_warn_after`` what it found there.
+    In a store other jobs may share, this rank cannot tell whether its own rank 0 is slow
+    or will never come (a rank started with another token, where another job's rank 0
+    comes): it waits for it (another job ends no rank), and says after ``_warn_after``
+    which rank 0s of other tokens it found there.
     """
     key = f"{ctx.base}/challenge"
     grace = _warn_after(ctx)
     if presence is None or grace >= ctx.seconds_left() or store.check([key]):
-        return _get(store, key, ctx.remaining())
-    if not _others(presence.arrivals(rank0=True, newest=_PRESENT_GLANCE), [0]):
         return _get(store, key, ctx.remaining())
     try:
         return _get(store, key, datetime.timedelta(seconds=grace))
@@ -911,14 +917,21 @@ def _claim_slot(store: Any, base: str, answer: str, ctx: RendezvousContext | Non
     with ``O(log k)`` existence checks instead of one ``compare_set`` per taken
     slot (which made a rendezvous of ``n`` ranks cost ``n**2 / 2`` store calls).
     """
-    slot = first_free_slot(store, f"{base}/answer", 1)
+    slot = _first_free_answer(store, base, 1)
     while bytes(store.compare_set(f"{base}/answer/{slot}", "", answer)) != answer.encode():
         if ctx is not None and ctx.expired():  # others keep taking the slots: the deadline still holds
             raise RendezvousTimeoutError(
                 f"{ctx.prefix}could not claim an answer slot in the store at {ctx.master} within "
                 f"{ctx.timeout:.1f} s: something keeps filling them (slot {slot} so far)"
             )
-        slot = first_free_slot(store, f"{base}/answer", slot + 1)
+        slot = _first_free_answer(store, base, slot + 1)
+    return slot
+
+
+def _first_free_answer(store: Any, base: str, start: int) -> int:
+    """The first free answer slot from ``start`` on (``first_free_slot``: only the job's ranks write it)."""
+    slot = first_free_slot(store, f"{base}/answer", start)
+    assert slot is not None  # no bound on the checks
     return slot
 
 

@@ -232,7 +232,7 @@ class Lobby:
         del buffer[: _HEADER.size + length]
         try:
             return json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             self.drop(visitor, f"sent {length} bytes that are not a JSON frame ({body[:32]!r})")
             return _NOTHING
 

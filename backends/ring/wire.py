@@ -220,7 +220,7 @@ def recv_json(reader: SocketReader, what: str, limit: int = _MAX_JSON_BYTES) -> 
     body = reader.read_exact(length, what)
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         raise PeerFailureError(
             f"{reader.describe} sent {length} bytes that are not a JSON control frame ({what}: "
             f"{body[:32]!r}); expected a commlib peer. Is another program listening on this port?"
