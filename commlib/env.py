@@ -94,6 +94,26 @@ class DistEnv:
             raise ValueError("DistEnv: master_addr must not be empty")
 
 
+def store_address(store: Any, environ: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """The host and port of the ``TCPStore`` under ``store``'s prefixes, else ``MASTER_ADDR``/``MASTER_PORT``.
+
+    For a group torch.distributed set up, which needs neither variable: a stale or malformed
+    ``MASTER_PORT`` falls back to the default instead of failing.
+    """
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    environ = os.environ if environ is None else environ
+    port = environ.get("MASTER_PORT", "").strip()
+    return (
+        environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        int(port) if port.isdigit() and 0 < int(port) < 65536 else DEFAULT_MASTER_PORT,
+    )
+
+
 def get_env_or_raise(name: str, environ: Mapping[str, str] | None = None) -> str:
     """Return ``environ[name]``, or raise with torch.distributed's wording.
 

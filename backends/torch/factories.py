@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import warnings
 from typing import Any
 
@@ -16,7 +15,7 @@ from backends.torch.devices import device_map
 from backends.torch.errors import setup_failure
 from backends.torch.group import TorchDistProcessGroup
 from commlib.config import CommConfig
-from commlib.env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, DistEnv
+from commlib.env import DistEnv, store_address
 from commlib.errors import (
     BackendUnavailableError,
     CommError,
@@ -214,13 +213,18 @@ def from_torch_group(pg: Any = None, *, config: CommConfig | None = None) -> Tor
             f"from_torch_group: this process (global rank {dist.get_rank()}) is not a member of the "
             "given torch process group; only its members can wrap it"
         )
+    try:
+        default_store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):  # torch's private API: only the address is at stake
+        default_store = None
+    addr, port = store_address(default_store)
     env = DistEnv(
         rank=rank,
         world_size=size,
         local_rank=0,
         local_world_size=1,
-        master_addr=os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
-        master_port=int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT),
+        master_addr=addr,
+        master_port=port,
         launcher="torch.distributed",
     )
     name = "nccl" if "nccl" in device_map(pg).values() else "gloo"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from commlib._torch_version import parse_torch_version
 from commlib.config import CommConfig
-from commlib.env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, DistEnv, detect
+from commlib.env import DistEnv, detect, store_address
 from commlib.errors import BackendUnavailableError
 from commlib.registry import create_process_group
 from commlib.torch_adapter.group import CommlibProcessGroup
@@ -54,26 +54,13 @@ def _check_torch(version: str) -> None:
         )
 
 
-def _address(store: Any) -> tuple[str, int]:
-    """The host and port of the TCPStore under ``store``'s prefixes, else MASTER_ADDR/MASTER_PORT."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if isinstance(store, dist.TCPStore):
-        return store.host, store.port
-    port = os.environ.get("MASTER_PORT", "")
-    return (
-        os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
-        int(port) if port.isdigit() and 0 < int(port) < 65536 else DEFAULT_MASTER_PORT,
-    )
-
-
 def _env(store: Any, rank: int, size: int) -> DistEnv:
     """This rank's ``DistEnv`` in a group torch is creating: its rank and size there, and its store."""
     try:
         job = detect()
     except ValueError:
         job = DistEnv(rank=0, world_size=1, launcher="explicit")
-    addr, port = _address(store)
+    addr, port = store_address(store)
     single_host = job.local_world_size >= job.world_size
     return DistEnv(
         rank=rank,

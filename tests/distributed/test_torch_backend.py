@@ -484,6 +484,27 @@ def test_wraps_a_group_created_without_a_backend() -> None:
         )
 
 
+def _stale_master_port_body() -> dict[str, Any]:
+    """torch set up over tcp:// (its store's port), with a stale MASTER_PORT in the environment."""
+    from backends.torch import from_torch_group
+
+    rank, world, port = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    os.environ["MASTER_PORT"] = "abc"  # left over; the torch group never reads it
+    try:
+        wrapped = from_torch_group(config=CommConfig(timeout=30))
+        t = torch.full((2,), float(rank + 1))
+        wrapped.all_reduce(t)
+        return {"sum": t.tolist(), "port_is_the_stores": wrapped.env.master_port == port}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_wrapping_a_torch_group_takes_its_stores_address_not_a_stale_master_port() -> None:
+    for value in run_ranks(_stale_master_port_body, 2, backend=None, init=False, timeout=90):
+        assert value == {"sum": [3.0, 3.0], "port_is_the_stores": True}
+
+
 @pytest.mark.parametrize(
     ("config", "name", "expected"),
     [
