@@ -513,6 +513,12 @@ def _lead(
         master.listen(max(64, env.world_size))
     except OSError as e:
         master.close()
+        if _torch_store_here(env.master_port):
+            raise RendezvousError(
+                f"{ctx.prefix}cannot listen on {ctx.master}: torch.distributed, set up in this process, "
+                "serves its store on this port. Give commlib's group a port of its own (MASTER_PORT, or "
+                "master_port=), or wrap torch's group: backends.torch.from_torch_group()"
+            ) from e
         in_use = (
             f"{ctx.prefix}cannot listen on {ctx.master}: {e.strerror or e}. "
             "Another job (or a previous run that is still exiting) holds this port: set MASTER_PORT "
@@ -529,6 +535,21 @@ def _lead(
         return _Leader(ctx, master, me).run(settings)
     finally:
         master.close()
+
+
+def _torch_store_here(port: int) -> bool:
+    """True if torch.distributed, set up in this process, serves its default store on ``port``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):  # torch's private API
+        return False
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.TCPStore) and store.port == port and dist.get_rank() == 0
 
 
 def _ask_holder_if_rank0(ctx: _Context, data_listener: socket.socket, in_use: str) -> None:

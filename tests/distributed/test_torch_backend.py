@@ -500,6 +500,29 @@ def _stale_master_port_body() -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def _ring_after_torch_body() -> str:
+    """torch.distributed set up from the environment, then a commlib ring group on the same MASTER_PORT."""
+    import commlib
+    from commlib.errors import CommError
+
+    dist.init_process_group("gloo")
+    try:
+        commlib.init_process_group("ring", timeout=10)
+    except CommError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group()
+    commlib.destroy_process_group()
+    return "formed"
+
+
+def test_a_ring_group_on_the_port_of_torchs_own_store_says_so() -> None:
+    """Rank 0 used to blame "another job"; the holder is torch's store in its own process."""
+    rank0, _rank1 = run_ranks(_ring_after_torch_body, 2, backend=None, init=False, timeout=90)
+    assert "torch.distributed, set up in this process, serves its store on this port" in rank0, rank0
+    assert "backends.torch.from_torch_group()" in rank0
+
+
 def test_wrapping_a_torch_group_takes_its_stores_address_not_a_stale_master_port() -> None:
     for value in run_ranks(_stale_master_port_body, 2, backend=None, init=False, timeout=90):
         assert value == {"sum": [3.0, 3.0], "port_is_the_stores": True}
