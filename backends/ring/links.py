@@ -69,14 +69,18 @@ class _Link:
         if kind == expected:
             return
         if kind == _FRAME_ABORT:
-            (length,) = _U32.unpack(self.reader.read_exact(_U32.size, what))
-            reason = self.reader.read_exact(length, what).decode(errors="replace")
+            reason = self._abort_reason(what)
             raise PeerFailureError(f"{self.describe} aborted the collective ({what}): {reason}")
         raise CommError(
             f"protocol error from {self.describe} ({what}): expected frame {chr(expected)!r}, got {kind!r}. "
             "The ranks disagree on the sequence of collectives; every rank must issue the same ones in "
             "the same order"
         )
+
+    def _abort_reason(self, what: str) -> str:
+        """The reason an abort frame carries (its kind byte read already)."""
+        (length,) = _U32.unpack(self.reader.read_exact(_U32.size, what))
+        return self.reader.read_exact(length, what).decode(errors="replace")
 
     def abort(self, reason: str) -> None:
         """Tell the peer this rank gave up, with the reason (best effort, never raises)."""
@@ -315,10 +319,7 @@ class TcpSendLink(SendLink):
                 if kind == _FRAME_VERDICT:
                     self.reader.read_exact(_VERDICT.size, "abort")
                     continue
-                if kind != _FRAME_ABORT:
-                    return None
-                (length,) = _U32.unpack(self.reader.read_exact(_U32.size, "abort"))
-                return self.reader.read_exact(length, "abort").decode(errors="replace")
+                return self._abort_reason("abort") if kind == _FRAME_ABORT else None
         except (CommError, OSError):
             return None
         finally:
