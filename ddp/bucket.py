@@ -143,7 +143,10 @@ class GradientBucket:
         """Each parameter's slice of ``buffer()``, shaped like the parameter."""
         if not self.staged:
             return list(self.views)
-        data = self.comm_data
+        return self.views_in(self.comm_data)
+
+    def views_in(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of ``data`` (a flat tensor laid out as the buffers), shaped like it."""
         return [data[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params, strict=True)]
 
     def is_last(self) -> bool:
@@ -159,7 +162,10 @@ class GradientBucket:
         Raises:
             ValueError: ``tensor`` has another number of elements than the bucket.
         """
-        data = self.comm_data
+        self.copy_into(self.comm_data, tensor)
+
+    def copy_into(self, data: torch.Tensor, tensor: torch.Tensor) -> None:
+        """``set_buffer`` into ``data`` (this bucket's buffer, or a copy of it a hook is shown)."""
         if tensor.numel() != data.numel():
             raise ValueError(
                 f"GradBucket.set_buffer: bucket {self._index} holds {data.numel()} elements, got a tensor "

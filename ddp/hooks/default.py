@@ -209,18 +209,10 @@ class _CastBucket:
         return self._bucket.parameters()
 
     def gradients(self) -> list[torch.Tensor]:
-        data, bucket = self._buffer, self._bucket
-        pieces = zip(bucket.offsets, bucket.params, strict=True)
-        return [data[at : at + p.numel()].view(p.shape) for at, p in pieces]
+        return self._bucket.views_in(self._buffer)
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        if tensor.numel() != self._buffer.numel():
-            raise ValueError(
-                f"GradBucket.set_buffer: bucket {self.index()} holds {self._buffer.numel()} elements, got a "
-                f"tensor of {tensor.numel()}"
-            )
-        if tensor.data_ptr() != self._buffer.data_ptr():
-            self._buffer.copy_(tensor.reshape(-1))
+        self._bucket.copy_into(self._buffer, tensor)
 
     def scratch_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         return self._bucket.scratch_buffer(dtype)
