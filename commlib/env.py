@@ -100,18 +100,36 @@ def store_address(store: Any, environ: Mapping[str, str] | None = None) -> tuple
     For a group torch.distributed set up, which needs neither variable: a stale or malformed
     ``MASTER_PORT`` falls back to the default instead of failing.
     """
-    import torch.distributed as dist
-
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if isinstance(store, dist.TCPStore):
-        return store.host, store.port
+    tcp = tcp_store_under(store)
+    if tcp is not None:
+        return tcp.host, tcp.port
     environ = os.environ if environ is None else environ
     port = environ.get("MASTER_PORT", "").strip()
     return (
         environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
         int(port) if port.isdigit() and 0 < int(port) < 65536 else DEFAULT_MASTER_PORT,
     )
+
+
+def tcp_store_under(store: Any) -> Any:
+    """The ``torch.distributed.TCPStore`` under ``store``'s prefixes, or None (another kind, or None)."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+def torch_default_store() -> Any:
+    """torch.distributed's default store in this process, or None where torch is not set up."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):  # torch's private API
+        return None
 
 
 def get_env_or_raise(name: str, environ: Mapping[str, str] | None = None) -> str:

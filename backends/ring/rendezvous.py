@@ -67,7 +67,7 @@ from backends.common.jobtoken import job_token, sign_with, uses_torchrun_agent_s
 from backends.common.store_rendezvous import join_job_store
 from backends.ring.lobby import Lobby, Visitor
 from backends.ring.wire import SocketReader, connect_with_retry, recv_json, send_json, tune_socket
-from commlib.env import DistEnv
+from commlib.env import DistEnv, tcp_store_under, torch_default_store
 from commlib.errors import CommError, RendezvousError, RendezvousTimeoutError, error_prefix
 from commlib.net import resolves_to_loopback
 
@@ -541,15 +541,8 @@ def _torch_store_here(port: int) -> bool:
     """True if torch.distributed, set up in this process, serves its default store on ``port``."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError):  # torch's private API
-        return False
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return isinstance(store, dist.TCPStore) and store.port == port and dist.get_rank() == 0
+    store = tcp_store_under(torch_default_store())
+    return store is not None and store.port == port and dist.get_rank() == 0
 
 
 def _ask_holder_if_rank0(ctx: _Context, data_listener: socket.socket, in_use: str) -> None:

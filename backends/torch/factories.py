@@ -15,7 +15,7 @@ from backends.torch.devices import device_map
 from backends.torch.errors import setup_failure
 from backends.torch.group import TorchDistProcessGroup
 from commlib.config import CommConfig
-from commlib.env import DistEnv, store_address
+from commlib.env import DistEnv, store_address, torch_default_store
 from commlib.errors import (
     BackendUnavailableError,
     CommError,
@@ -213,11 +213,7 @@ def from_torch_group(pg: Any = None, *, config: CommConfig | None = None) -> Tor
             f"from_torch_group: this process (global rank {dist.get_rank()}) is not a member of the "
             "given torch process group; only its members can wrap it"
         )
-    try:
-        default_store = dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError):  # torch's private API: only the address is at stake
-        default_store = None
-    addr, port = store_address(default_store)
+    addr, port = store_address(torch_default_store())
     env = DistEnv(
         rank=rank,
         world_size=size,
