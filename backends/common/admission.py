@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import socket
@@ -32,6 +33,7 @@ from commlib.errors import RendezvousError, RendezvousTimeoutError
 __all__ = [
     "MAX_WARNED_CLAIMS",
     "Claim",
+    "decode_json",
     "Refusals",
     "RendezvousContext",
     "announcement_problem",
@@ -106,6 +108,20 @@ def raise_if_holder_answered(ctx: RendezvousContext, in_use: str, error: Rendezv
         ) from None
     if "another job token" in text:
         raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
+
+
+def decode_json(raw: bytes, limit: int) -> Any:
+    """``raw`` decoded as JSON, or None where it is longer than ``limit`` bytes or no JSON.
+
+    No JSON includes nesting deeper than the parser goes (``RecursionError``): this reads what
+    anyone who reaches a store may have written.
+    """
+    if len(raw) > limit:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def token_mismatch_advice(master: str) -> str:

@@ -31,7 +31,7 @@ import socket
 import time
 from typing import Any
 
-from backends.common.admission import Claim
+from backends.common.admission import Claim, decode_json
 from backends.common.jobtoken import JobToken, sign_with
 
 __all__ = ["Arrival", "Presence", "first_free_slot"]
@@ -153,13 +153,7 @@ class Presence:
         return found
 
     def _read(self, key: str, slot: int) -> Arrival | None:
-        raw = bytes(self._store.get(key))
-        if len(raw) > _RECORD_BYTES:
-            return None
-        try:
-            record = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
-            return None
+        record = decode_json(bytes(self._store.get(key)), _RECORD_BYTES)
         if not isinstance(record, dict):
             return None
         numbers = [record.get(name) for name in ("rank", "world_size", "pid")]

@@ -74,6 +74,7 @@ from backends.common.admission import (
     RendezvousContext,
     announcement_problem,
     check_rank0_reply,
+    decode_json,
     missing_ranks_message,
     raise_if_holder_answered,
     token_mismatch_advice,
@@ -385,12 +386,7 @@ def _is_timeout(error: BaseException) -> bool:
 
 
 def _decode(raw: bytes) -> Any:
-    if len(raw) > _ANSWER_BYTES:
-        return None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
-        return None
+    return decode_json(raw, _ANSWER_BYTES)
 
 
 # ------------------------------------------------- who came, under which token
