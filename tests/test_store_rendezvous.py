@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import functools
 import json
 import logging
 import os
@@ -435,6 +436,12 @@ def tokens(monkeypatch: pytest.MonkeyPatch) -> Any:
     return chosen
 
 
+def _join_as(tokens: Any, store: Any, rank: int, token: str, timeout: float = 20.0) -> Any:
+    """Join ``store`` as ``rank`` with ``COMMLIB_JOB_TOKEN=token`` here (``tokens``: the fixture)."""
+    tokens.value = token
+    return join_job_store(_given(store, rank), timeout, "gloo")
+
+
 def test_in_a_given_store_two_jobs_form_side_by_side_whoever_comes_first(tokens: Any) -> None:
     """Two jobs share one store: the other job's rank 0 and rank 1 come first, and neither job ends the other.
 
@@ -443,11 +450,8 @@ def test_in_a_given_store_two_jobs_form_side_by_side_whoever_comes_first(tokens:
     """
     from torch.distributed import HashStore
 
-    def join(rank: int, token: str) -> Any:
-        tokens.value = token
-        return join_job_store(_given(store, rank), 20.0, "gloo")
-
     store = HashStore()
+    join = functools.partial(_join_as, tokens, store)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         theirs = [pool.submit(join, 0, "theirs")]
         wait_until(lambda: store.check([f"{BASE}/present/rank0/1"]), 20, "their rank 0 is in the store")
@@ -474,11 +478,8 @@ def test_in_a_given_store_a_rank_with_another_token_waits_alone_and_names_the_ra
     """
     from torch.distributed import HashStore
 
-    def join(rank: int, token: str, timeout: float) -> Any:
-        tokens.value = token
-        return join_job_store(_given(store, rank), timeout, "gloo")
-
     store = HashStore()
+    join = functools.partial(_join_as, tokens, store)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         leader = pool.submit(join, 0, "ours", 6.0)
         wait_until(lambda: store.check([f"{BASE}/present/rank0/1"]), 20, "rank 0 is in the store")
@@ -554,11 +555,8 @@ def test_in_a_given_store_rank_0_warns_of_a_rank_of_another_token_while_its_own_
 
     caplog.set_level(logging.WARNING, logger="commlib")
 
-    def join(rank: int, token: str, timeout: float) -> Any:
-        tokens.value = token
-        return join_job_store(_given(store, rank), timeout, "gloo")
-
     store = HashStore()
+    join = functools.partial(_join_as, tokens, store)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         stranger = pool.submit(join, 1, "theirs", 2.0)
         wait_until(lambda: store.check([f"{BASE}/present/ranks/1"]), 20, "the other token's rank 1 is in")
@@ -773,11 +771,8 @@ def test_a_rank_that_came_before_any_rank_0_still_warns_of_another_tokens_rank_0
 
     caplog.set_level(logging.WARNING, logger="commlib")
 
-    def join(rank: int, token: str, timeout: float) -> Any:
-        tokens.value = token
-        return join_job_store(_given(store, rank), timeout, "gloo")
-
     store = HashStore()
+    join = functools.partial(_join_as, tokens, store)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         follower = pool.submit(join, 1, "theirs", 4.0)
         wait_until(lambda: store.check([f"{BASE}/present/ranks/1"]), 20, "the rank is in")
@@ -791,6 +786,5 @@ def test_a_rank_that_came_before_any_rank_0_still_warns_of_another_tokens_rank_0
             if "no rank 0 of this job's token has come" in r.getMessage()
         ]
         assert len(warned) == 1 and "claiming rank 0 of world size 2" in warned[0], warned
-        tokens.value = "ours"
-        join_job_store(_given(store, 1), 30.0, "gloo")  # this job's rank 1, so that rank 0 forms
+        join(1, "ours", 30.0)  # this job's rank 1, so that rank 0 forms
         leader.result(timeout=60)

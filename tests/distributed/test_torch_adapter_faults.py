@@ -12,6 +12,8 @@ message, naming both sizes, rather than torch's lost connection.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from commlib import PeerFailureError
 from commlib.torch_adapter.work import PendingWork
 from commlib.work import CompletedWork
 from tests._launcher import run_ranks_outcomes
+from tests.conftest import REPO_ROOT, scrubbed_env
 from tests.distributed import adapter_fault_bodies as bodies
 
 pytestmark = pytest.mark.multiprocess
@@ -147,6 +150,18 @@ dist.destroy_process_group()
 """
 
 
+def _start_script(script: str, **env: str) -> subprocess.Popen[str]:
+    """Run ``script`` in a fresh interpreter with ``env`` (beside a scrubbed environment), output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        env=scrubbed_env(**env, PYTHONPATH=str(REPO_ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
 def test_in_torchs_store_a_rank_with_another_token_waits_alone_and_the_job_forms(backend: str) -> None:
@@ -156,31 +171,15 @@ def test_in_torchs_store_a_rank_with_another_token_waits_alone_and_the_job_forms
     once it has ended, joins this job's part (the stranger's visit counts nothing there), and the
     job sums 1 + 2.
     """
-    import subprocess
-    import sys
-
     from commlib.ports import free_port
     from tests._strangers import stranger_first
-    from tests.conftest import REPO_ROOT, scrubbed_env
 
     port = free_port()
 
     def rank(r: int, token: str) -> subprocess.Popen[str]:
         env = {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        return subprocess.Popen(
-            [sys.executable, "-c", _ADAPTER_RANK],
-            cwd=REPO_ROOT,
-            env=scrubbed_env(
-                **env,
-                BACKEND=backend,
-                COMMLIB_JOB_TOKEN=token,
-                TIMEOUT="60" if token == "ours" else "3",
-                PYTHONPATH=str(REPO_ROOT),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        timeout = "60" if token == "ours" else "3"
+        return _start_script(_ADAPTER_RANK, **env, BACKEND=backend, COMMLIB_JOB_TOKEN=token, TIMEOUT=timeout)
 
     stray, ours = stranger_first(rank)
     inner = backend.removeprefix("commlib_")
@@ -214,33 +213,16 @@ def test_two_jobs_given_one_store_each_form_and_sum_their_own(backend: str) -> N
     Each job meets in its own token's part of the store: neither rank 0 takes or answers the
     other's challenge, and each job sums its own ranks' values (1 + 2, 10 + 20).
     """
-    import subprocess
-    import sys
-
     from torch.distributed import TCPStore
 
     from commlib.ports import free_port
-    from tests.conftest import REPO_ROOT, scrubbed_env
 
     port = free_port()
     server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
 
     def start(rank: int, token: str, value: float) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-c", _SHARED_STORE_RANK],
-            cwd=REPO_ROOT,
-            env=scrubbed_env(
-                RANK=str(rank),
-                STORE_PORT=str(port),
-                VALUE=str(value),
-                BACKEND=backend,
-                COMMLIB_JOB_TOKEN=token,
-                PYTHONPATH=str(REPO_ROOT),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        env = {"RANK": str(rank), "STORE_PORT": str(port), "VALUE": str(value)}
+        return _start_script(_SHARED_STORE_RANK, **env, BACKEND=backend, COMMLIB_JOB_TOKEN=token)
 
     procs: list[subprocess.Popen[str]] = []
     try:
