@@ -188,6 +188,16 @@ class PowerSGDState:
         before, after = self.total_numel_before_compression, self.total_numel_after_compression
         return (before / after if after else 0, before, after)
 
+    def _step(self, bucket: Any) -> bool:
+        """Whether ``bucket`` is compressed (past the warm-up, of a dtype PowerSGD compresses).
+
+        A backward is counted at its last bucket.
+        """
+        compress = self.iter >= self.start_powerSGD_iter and bucket.buffer().dtype in _COMPRESSIBLE
+        if bucket.is_last():
+            self.iter += 1
+        return compress
+
     def _count(self, before: int, after: int, bucket: Any) -> None:
         """Add a compressed bucket's elements; at the step's last bucket, log the stats when due."""
         self.total_numel_before_compression += before
@@ -241,14 +251,10 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch.futures
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"powerSGD_hook: state must be a PowerSGDState, got {type(state).__name__}")
     group = resolve_hook_group(state.process_group)
-    last = bucket.is_last()
+    if not state._step(bucket):
+        return allreduce_hook(group, bucket)
     buffer = bucket.buffer()
     dense, shapes = _split(state, bucket)
-    compress = state.iter >= state.start_powerSGD_iter and buffer.dtype in _COMPRESSIBLE
-    if last:
-        state.iter += 1
-    if not compress:
-        return allreduce_hook(group, bucket)
     whole = sum(t.numel() for t in dense)
     before = whole + sum(m.numel() for _, m, _ in shapes)
     state._count(before, whole + sum((m.shape[0] + m.shape[1]) * r for _, m, r in shapes), bucket)
@@ -317,10 +323,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradientBucket) -> torch
         raise TypeError(f"batched_powerSGD_hook: state must be a PowerSGDState, got {type(state).__name__}")
     group = resolve_hook_group(state.process_group)
     buffer = bucket.buffer()
-    compress = state.iter >= state.start_powerSGD_iter and buffer.dtype in _COMPRESSIBLE
-    if bucket.is_last():
-        state.iter += 1
-    if not compress or buffer.numel() == 0:
+    if not state._step(bucket) or buffer.numel() == 0:
         return allreduce_hook(group, bucket)
     length = buffer.numel()
     side = math.ceil(math.sqrt(length))
