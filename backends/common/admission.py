@@ -34,6 +34,7 @@ __all__ = [
     "MAX_WARNED_CLAIMS",
     "Claim",
     "decode_json",
+    "master_addresses",
     "Refusals",
     "RendezvousContext",
     "announcement_problem",
@@ -108,6 +109,24 @@ def raise_if_holder_answered(ctx: RendezvousContext, in_use: str, error: Rendezv
         ) from None
     if "another job token" in text:
         raise RendezvousError(f"{in_use}. {text.removeprefix(ctx.prefix)}") from None
+
+
+def master_addresses(prefix: str, addr: str) -> list[str]:
+    """The addresses ``MASTER_ADDR`` resolves to (IPv4 or IPv6); raise at once if it names no host.
+
+    torch's store would retry an unresolvable name until the timeout.
+
+    Raises:
+        RendezvousError: ``addr`` does not resolve.
+    """
+    try:
+        found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise RendezvousError(
+            f"{prefix}cannot resolve MASTER_ADDR {addr!r}: {e}. Set MASTER_ADDR to the name or address of "
+            "rank 0's host, the same on every rank"
+        ) from None
+    return [str(info[4][0]) for info in found]
 
 
 def decode_json(raw: bytes, limit: int) -> Any:

@@ -75,6 +75,7 @@ from backends.common.admission import (
     announcement_problem,
     check_rank0_reply,
     decode_json,
+    master_addresses,
     missing_ranks_message,
     raise_if_holder_answered,
     token_mismatch_advice,
@@ -199,7 +200,7 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
         copies=tuple(spaces[1:]),
     )
     if env.store is None:
-        _check_resolvable(ctx)
+        master_addresses(ctx.prefix, env.master_addr)
     given_timeout = getattr(env.store, "timeout", None)
     try:
         if env.rank == 0:
@@ -221,17 +222,6 @@ def join_job_store(env: DistEnv, timeout: float, backend: str) -> Any:
 
 
 # ------------------------------------------------------------------ the store
-def _check_resolvable(ctx: _Context) -> None:
-    """Raise at once if ``MASTER_ADDR`` names no host (torch's store would retry it until the timeout)."""
-    try:
-        socket.getaddrinfo(ctx.env.master_addr, ctx.env.master_port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise RendezvousError(
-            f"{ctx.prefix}cannot resolve MASTER_ADDR {ctx.env.master_addr!r}: {e}. Set MASTER_ADDR to the "
-            "name or address of rank 0's host, the same on every rank"
-        ) from None
-
-
 def _open_store(ctx: _Context) -> Any:
     """Rank 0's store: its own server, or a client of torchrun's agent store."""
     from torch.distributed import TCPStore

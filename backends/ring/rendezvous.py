@@ -59,6 +59,7 @@ from backends.common.admission import (
     RendezvousContext,
     announcement_problem,
     check_rank0_reply,
+    master_addresses,
     missing_ranks_message,
     raise_if_holder_answered,
     token_mismatch_advice,
@@ -261,15 +262,9 @@ def _master_ipv4(addr: str, prefix: str) -> str:
     try:
         return socket.gethostbyname(addr)
     except OSError as e:
-        try:
-            found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-        except OSError:
-            raise RendezvousError(
-                f"{prefix}cannot resolve MASTER_ADDR {addr!r}: {e}. Set MASTER_ADDR to the name or address "
-                "of rank 0's host, the same on every rank"
-            ) from e
+        found = master_addresses(prefix, addr)  # raises if it names no host
         raise RendezvousError(
-            f"{prefix}MASTER_ADDR {addr!r} has only IPv6 addresses ({found[0][4][0]}), and the ring backend "
+            f"{prefix}MASTER_ADDR {addr!r} has only IPv6 addresses ({found[0]}), and the ring backend "
             "listens and connects over IPv4 only. Set MASTER_ADDR to an IPv4 address or name of rank 0's "
             "host, or use the gloo backend (COMMLIB_BACKEND=gloo), which takes IPv6"
         ) from e
