@@ -311,15 +311,16 @@ class TcpSendLink(SendLink):
         A rank that gives up writes the reason on both its links, then its process often
         ends: this rank's send then fails (a broken pipe), though the reason is there to read.
         """
-        timeout = self.sock.gettimeout()
+        timeout, deadline = self.sock.gettimeout(), time.monotonic() + _ABORT_READ_S
         try:
             self.sock.settimeout(_ABORT_READ_S)
-            while True:
+            while time.monotonic() < deadline:  # verdicts may come before it, but not for ever
                 kind = self.reader.read_byte("abort")
                 if kind == _FRAME_VERDICT:
                     self.reader.read_exact(_VERDICT.size, "abort")
                     continue
                 return self._abort_reason("abort") if kind == _FRAME_ABORT else None
+            return None
         except (CommError, OSError):
             return None
         finally:
