@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,7 +29,22 @@ from commlib.types import INT_DTYPES, ReduceOp
 from commlib.work import EventWork, Work
 from tests._reference import reduce_reference
 
-__all__ = ["FakeHub", "FakeProcessGroup", "Issued", "run_threads", "ThreadsFailed"]
+__all__ = ["FakeHub", "FakeProcessGroup", "Issued", "run_threads", "seeded", "ThreadsFailed"]
+
+_T = TypeVar("_T")
+_GLOBAL_GENERATOR = threading.Lock()
+
+
+def seeded(seed: int, build: Callable[[], _T]) -> _T:
+    """Return ``build()`` made right after ``torch.manual_seed(seed)``, as one step.
+
+    Threaded ranks share torch's global generator: a module built while another
+    rank's thread draws from it gets other values on every run. Every thread that
+    builds through here takes the generator in turn.
+    """
+    with _GLOBAL_GENERATOR:
+        torch.manual_seed(seed)
+        return build()
 
 
 @dataclasses.dataclass(frozen=True)

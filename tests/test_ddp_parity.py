@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch import nn
 
 from ddp import DDPConfig, DistributedDataParallel, Join
-from tests._fakes import run_threads
+from tests._fakes import run_threads, seeded
 from tests.distributed.parity_bodies import (
     case_buffers_every_forward,
     case_join,
@@ -19,8 +17,6 @@ from tests.distributed.parity_bodies import (
     check_buffers,
     check_join,
 )
-
-_LOCK = threading.Lock()  # threaded ranks share torch's global generator
 
 
 @pytest.mark.parametrize("counts", [[3, 5], [5, 7, 3]])
@@ -55,9 +51,9 @@ def test_gradient_of_a_parameter_marked_unused_raises():
 
 def test_join_two_models():
     def body(group, counts):
-        with _LOCK:
-            torch.manual_seed(group.rank)
-            net_a, net_b = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2)
+        net_a, net_b = seeded(
+            group.rank, lambda: (nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2))
+        )
         a = DistributedDataParallel(net_a, group)
         b = DistributedDataParallel(net_b, group, bucket_size_mb=0)
         opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
@@ -146,9 +142,7 @@ class _WithUnusedBranch(nn.Module):
 @pytest.mark.parametrize("option", ["static_graph", "find_unused_parameters"])
 def test_a_parameter_the_graph_never_uses_keeps_grad_none_and_the_optimizer_skips_it(option):
     def body(group):
-        with _LOCK:
-            torch.manual_seed(0)
-            model = _WithUnusedBranch()
+        model = seeded(0, _WithUnusedBranch)
         before = [p.detach().clone() for p in model.unused.parameters()]
         ddp = DistributedDataParallel(model, group, **{option: True})
         opt = torch.optim.AdamW(ddp.parameters(), lr=0.1, weight_decay=0.1)

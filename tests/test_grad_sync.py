@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-import threading
 from typing import Any
 
 import pytest
@@ -25,10 +24,8 @@ from commlib.work import Work
 from ddp import DistributedDataParallel, Join
 from ddp.observe.timeline import load_timeline
 from tests._fake_groups import FakeGroup, make_env
-from tests._fakes import FakeHub, FakeProcessGroup, run_threads
+from tests._fakes import FakeHub, FakeProcessGroup, run_threads, seeded
 from tests.distributed.step_guard_bodies import FailsInBackward
-
-_BUILD_LOCK = threading.Lock()  # threaded ranks share torch's global generator
 
 
 class Net(nn.Module):
@@ -53,9 +50,7 @@ class Net(nn.Module):
 
 
 def _net() -> Net:
-    with _BUILD_LOCK:
-        torch.manual_seed(0)
-        return Net()
+    return seeded(0, Net)
 
 
 def _signatures(group: FakeProcessGroup, start: int) -> list[tuple[str, int, torch.dtype]]:
@@ -222,9 +217,7 @@ def test_backward_start_hands_each_none_grad_its_bucket_view_and_unused_ones_get
     monkeypatch.setattr("ddp.devices.lands_in_views", lambda device: True)  # CUDA's policy, on the CPU
 
     def body(group: FakeProcessGroup) -> dict[str, Any]:
-        with _BUILD_LOCK:
-            torch.manual_seed(0)
-            model = _Partial()
+        model = seeded(0, _Partial)
         ddp = DistributedDataParallel(model, group, find_unused_parameters=True)
         x = torch.full((1, 3), float(group.rank + 1))
         seen: dict[str, Any] = {}
@@ -253,9 +246,7 @@ def test_backward_start_hands_each_none_grad_its_bucket_view_and_unused_ones_get
 
 def test_a_gradient_that_arrives_as_a_new_tensor_is_copied_in_by_the_general_path() -> None:
     def body(group: FakeProcessGroup) -> tuple[list[float], list[int]]:
-        with _BUILD_LOCK:
-            torch.manual_seed(0)
-            model = nn.Linear(2, 1, bias=False)
+        model = seeded(0, lambda: nn.Linear(2, 1, bias=False))
         # A hook of the user's, registered before DDP's, replaces each gradient with a new tensor.
         model.weight.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad * 2))
         ddp = DistributedDataParallel(model, group)

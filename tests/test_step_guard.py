@@ -20,7 +20,7 @@ from commlib.diagnosis.flight_recorder import FlightRecorder
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from ddp import DistributedDataParallel, ParametersChangedError, RanksOutOfStepError, step_guard
 from ddp.step_guard import StepGuard
-from tests._fakes import FakeHub, FakeProcessGroup, run_threads
+from tests._fakes import FakeHub, FakeProcessGroup, run_threads, seeded
 from tests.distributed import step_guard_bodies as bodies
 from tests.distributed.step_guard_bodies import check_changed, check_normal, check_out_of_step, check_replaced
 
@@ -30,8 +30,7 @@ def solo() -> FakeProcessGroup:
 
 
 def net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    return seeded(0, lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)))
 
 
 @pytest.fixture

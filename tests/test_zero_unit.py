@@ -29,7 +29,7 @@ from ddp import (
 from ddp.auto_bucket import TUNE_AFTER_BACKWARDS
 from ddp.cost_model import CommCostModel
 from ddp.param_gathers import ParamGathers
-from tests._fakes import FakeHub, FakeProcessGroup, run_threads
+from tests._fakes import FakeHub, FakeProcessGroup, run_threads, seeded
 from tests.distributed import zero_bodies
 from tests.distributed.ddp_bodies import Uniform
 from tests.distributed.zero_bodies import build, shard
@@ -483,9 +483,12 @@ class _ReadsDirectly(nn.Module):
 
 
 def _train_overlapped(group: Any, net_class: type, overlap: bool) -> list[float]:
-    torch.manual_seed(0)
     model = DistributedDataParallel(
-        net_class(), group, gradient_sync="reduce_scatter", overlap_param_gather=overlap, bucket_size_mb=1e-4
+        seeded(0, net_class),
+        group,
+        gradient_sync="reduce_scatter",
+        overlap_param_gather=overlap,
+        bucket_size_mb=1e-4,
     )
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, group, lr=0.5)
     losses = []
