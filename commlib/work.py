@@ -243,7 +243,7 @@ class Work:
         with self._lock:
             future = self._future
             if future is None:
-                future = self._future = torch.futures.Future()
+                future = self._future = self._new_future()
                 settled = self._done
             else:
                 return future
@@ -307,6 +307,14 @@ class Work:
 
     def _arm_future(self) -> None:
         """Make sure ``_settle`` runs even if nobody waits (a future was asked for)."""
+
+    def _new_future(self) -> torch.futures.Future[Any]:
+        """The future ``get_future`` hands out.
+
+        A backend whose results land on a CUDA stream gives one that lists the
+        device, so that waiting on it orders the waiter's stream.
+        """
+        return torch.futures.Future()
 
     def _settle(self, error: BaseException | None = None) -> None:
         """Record that the collective ended: run the finishing steps, complete the future.

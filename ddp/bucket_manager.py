@@ -254,6 +254,8 @@ class GradientBucketManager:
         """Gradients of this iteration that arrived as fresh tensors and were copied into their view."""
         self.views_restored = 0
         """Gradients that were None when this iteration's backward started and were pointed at their view."""
+        self._restored_now: list[int] = []
+        """The parameters the latest ``restore_views`` pointed at their view."""
         self.padding_bytes = 0
         """Bytes of padding in the buckets launched in this iteration (reduce-scatter mode)."""
         self._reduced = False  # every bucket's reduction has landed, and nothing has arrived since
@@ -548,8 +550,8 @@ class GradientBucketManager:
         shards = self._sync.shards
         if shards is not None:
             shards.before_accumulating(self._buckets)
-        restored = self._restored
-        count = 0
+        restored, now = self._restored, self._restored_now
+        now.clear()
         for bucket, members, lands in zip(self._buckets, self._plan, self._lands, strict=True):
             if not lands:
                 continue
@@ -572,8 +574,23 @@ class GradientBucketManager:
                     except RuntimeError:  # converted after wrapping: the step agreement reports it
                         continue
                     restored[index] = 1
-                    count += 1
-        self.views_restored = count
+                    now.append(index)
+        self.views_restored = len(now)
+
+    def unrestore_views(self) -> None:
+        """Undo the latest ``restore_views``: a backward that gave none of these parameters a gradient.
+
+        ``torch.autograd.grad``, or ``backward(inputs=...)`` of other tensors, reaches the
+        model's outputs without accumulating into any ``.grad``: the gradients that were
+        None stay None, as without DDP.
+        """
+        params, views, restored = self._params, self._views, self._restored
+        for index in self._restored_now:
+            if params[index].grad is views[index]:
+                params[index].grad = None
+            restored[index] = 0
+        self._restored_now.clear()
+        self.views_restored = 0
 
     def grad_hook(self, index: int, general: Callable[[int], None]) -> Callable[[torch.Tensor], None]:
         """Parameter ``index``'s post-accumulate-grad hook: the fast path, else ``general(index)``.
@@ -728,8 +745,7 @@ class GradientBucketManager:
         """
         flags = torch.ones(len(self._params), dtype=out.dtype)
         flags[self.without_gradient(range(len(self._params)))] = 0
-        out.copy_(flags)
-        return out
+        return devices.upload(out, flags)
 
     def without_gradient(self, indices: Iterable[int]) -> list[int]:
         """Those of ``indices`` with no gradient in this window, by ``local_grad_flags``' rule."""

@@ -409,13 +409,19 @@ class BucketSync:
             if pending.work is not None:
                 pending.work.wait(None if cuda else timeout)
             raise pending.error
+        side = self._side_stream[index]
         if pending.rows is not None:
             assert pending.work is not None
+            if side:  # the flags land on the communication stream: read them after it
+                pending.work.wait(None)
+                self.streams.join_device(bucket.comm_device)
             pending.rows.finish(pending.work, self.op, timeout)
             pending.rows = None  # complete
             result = bucket.comm_data
         elif pending.work is not None:
             pending.work.wait(None if cuda else timeout)
+            if side:  # a staged result is copied back on the communication stream
+                self.streams.join_device(bucket.comm_device)
             if self.shards is not None:
                 if bucket.numel:
                     self.shards.land(bucket)
@@ -423,6 +429,8 @@ class BucketSync:
             result = bucket.comm_data
         else:
             result = self._hook_result(bucket, pending, timeout)
+            if side:
+                self.streams.join_device(bucket.comm_device)
         if not _same_memory(result, bucket.grad_data):
             bucket.grad_data.copy_(result)
 

@@ -29,6 +29,7 @@ __all__ = [
     "control_tensor",
     "lands_in_views",
     "to_host",
+    "upload",
 ]
 
 
@@ -101,8 +102,15 @@ def control_tensor(
     device = group.preferred_device()
     if device.type == "cpu":
         return host.contiguous()
-    out = group.alloc_buffer(host.numel(), dtype, device).view(host.shape)
-    if CommStreams.applies(device):
+    return upload(group.alloc_buffer(host.numel(), dtype, device).view(host.shape), host)
+
+
+def upload(out: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """Copy the CPU tensor ``host`` into ``out``; into CUDA from pinned memory, without a host sync.
+
+    A copy from pageable memory would wait for every kernel queued on the stream first.
+    """
+    if CommStreams.applies(out.device):
         out.copy_(host.contiguous().pin_memory(), non_blocking=True)
     else:
         out.copy_(host)
@@ -198,10 +206,10 @@ class CommStreams:
 
     @contextlib.contextmanager
     def launching(self, device: torch.device) -> Iterator[None]:
-        """Run the block (a launch) on ``device``'s communication stream, ordered after the current one."""
-        if not self.applies(device):
-            yield
-            return
+        """Run the block (a launch) on ``device``'s communication stream, ordered after the current one.
+
+        ``device`` is a CUDA device (``applies``, asked once by the caller).
+        """
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
@@ -211,5 +219,16 @@ class CommStreams:
 
     def join(self) -> None:
         """Make each device's current stream wait for its communication stream (no host sync)."""
-        for device, stream in self._streams.items():
+        for device in self._streams:
+            self.join_device(device)
+
+    def join_device(self, device: torch.device) -> None:
+        """Make ``device``'s current stream wait for its communication stream (no host sync).
+
+        Call it once a collective launched there has finished on the host: a
+        backend that stages through the host queues its copies back on that
+        stream, and what reads the result on the current stream must follow them.
+        """
+        stream = self._streams.get(device)
+        if stream is not None:
             torch.cuda.current_stream(device).wait_stream(stream)

@@ -239,6 +239,8 @@ class GradSync:
         if self.active:
             self.recorder.end_backward()
             self.finish()
+        else:  # no gradient hook of this model ran: autograd.grad, or backward(inputs=...) elsewhere
+            self.manager.unrestore_views()
 
     # ------------------------------------------------------------------ verbs
     def begin(self, *, joined: bool = False, agreed: bool = False) -> None:

@@ -199,6 +199,9 @@ class StepGuard:
         self._backward_since_found = True
         self._work: Work | None = None
         self._readback: HostReadback | None = None
+        self._sent_row: torch.Tensor | None = None
+        """This rank's row while the agreement may still read it (on CUDA, a stream other than the
+        one it was made on): its memory is not handed back before the result is read."""
         """The agreement's gathered table and its read (allocated at the first agreement)."""
         self._local_row: list[int] | None = None
 
@@ -308,7 +311,8 @@ class StepGuard:
         if self._readback is None:
             self._readback = HostReadback(control_buffer(group, group.world_size * ROW, torch.int64))
         readback = self._readback
-        work = group.all_gather(readback.tensor, control_tensor(group, row, torch.int64), async_op=True)
+        self._sent_row = sent = control_tensor(group, row, torch.int64)
+        work = group.all_gather(readback.tensor, sent, async_op=True)
         assert work is not None  # async_op=True always returns a handle
         readback.start(work)  # read when it lands: no host sync at the end of backward
         forwards, backwards = row[0], row[1]
@@ -349,6 +353,7 @@ class StepGuard:
                     f"{self._prefix('backward')}waiting for the {work.context}, the collective every rank "
                     "launches before its first bucket: some rank did not reach this backward",
                 ) from e
+            self._sent_row = None  # read: the all-gather is done with it
             table = [flat[r * ROW : (r + 1) * ROW] for r in range(self._group.world_size)]
         elif self._local_row is not None:
             table = [self._local_row]

@@ -244,6 +244,32 @@ def test_backward_start_hands_each_none_grad_its_bucket_view_and_unused_ones_get
     assert torch.equal(r0["a3"], r1["a3"])
 
 
+def test_autograd_grad_through_the_model_leaves_every_gradient_none_where_they_land_in_views(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gradient penalty's ``torch.autograd.grad`` reaches the outputs but accumulates no ``.grad``."""
+    monkeypatch.setattr("ddp.devices.lands_in_views", lambda device: True)  # CUDA's policy, on the CPU
+
+    def body(group: FakeProcessGroup) -> dict[str, Any]:
+        model = seeded(0, lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)))
+        ddp = DistributedDataParallel(model, group)
+        x = torch.full((2, 3), float(group.rank + 1), requires_grad=True)
+        seen: dict[str, Any] = {}
+        for step in range(2):  # before and after the first synchronised backward
+            ddp.zero_grad(set_to_none=True)
+            (dx,) = torch.autograd.grad(ddp(x).sum(), x, create_graph=True)
+            seen[f"grads after autograd.grad {step}"] = [p.grad for p in model.parameters()]
+            (ddp(x).sum() + dx.square().sum()).backward()
+            seen[f"synced {step}"] = torch.cat([p.grad.flatten() for p in model.parameters()])  # type: ignore[union-attr]
+        return seen
+
+    r0, r1 = run_threads(body, 2)
+    for r in (r0, r1):
+        assert r["grads after autograd.grad 0"] == [None] * 4
+        assert r["grads after autograd.grad 1"] == [None] * 4
+    assert torch.equal(r0["synced 1"], r1["synced 1"]) and r0["synced 1"].abs().sum() > 0
+
+
 def test_a_gradient_that_arrives_as_a_new_tensor_is_copied_in_by_the_general_path() -> None:
     def body(group: FakeProcessGroup) -> tuple[list[float], list[int]]:
         model = seeded(0, lambda: nn.Linear(2, 1, bias=False))

@@ -46,7 +46,7 @@ class _FutureLessHandle:
 def test_a_timed_wait_on_a_work_without_a_torch_future_expires_on_time() -> None:
     handle = _FutureLessHandle()
     label = CollectiveLabel(0, 2, "gloo", "reduce_scatter", 3, torch.ones(4, dtype=torch.int16))
-    work = TorchWork(_Owner(), label, handle, cuda=False, keep_alive=None)  # type: ignore[arg-type]
+    work = TorchWork(_Owner(), label, handle, cuda=None, keep_alive=None)  # type: ignore[arg-type]
     with pytest.raises(CommTimeoutError, match=r"gloo.reduce_scatter #3 .*Work.wait\(timeout=0.2\) expired"):
         work.wait(timeout=0.2)
     assert not work.is_completed()
@@ -59,7 +59,7 @@ def test_a_timed_wait_is_bounded_while_another_thread_waits_without_a_timeout() 
     """The background waiter of ``get_future()`` holds the handle's wait: a timed wait still expires."""
     handle = _FutureLessHandle()
     label = CollectiveLabel(0, 2, "gloo", "reduce_scatter", 4, torch.ones(4, dtype=torch.int16))
-    work = TorchWork(_Owner(), label, handle, cuda=False, keep_alive=None)  # type: ignore[arg-type]
+    work = TorchWork(_Owner(), label, handle, cuda=None, keep_alive=None)  # type: ignore[arg-type]
     untimed = threading.Thread(target=work.wait, daemon=True)
     untimed.start()
     with pytest.raises(CommTimeoutError, match=r"expired before the collective finished"):
@@ -67,3 +67,38 @@ def test_a_timed_wait_is_bounded_while_another_thread_waits_without_a_timeout() 
     handle.finished.set()
     untimed.join(10)
     assert not untimed.is_alive() and work.is_completed()
+
+
+class _EnqueuedHandle:
+    """As NCCL's work: its torch future is complete once the collective is queued; ``wait()`` is a
+    stream dependency of the caller's current stream (counted here)."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._future.set_result([torch.ones(2)])
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waits += 1
+        return True
+
+
+def test_a_cuda_work_settled_by_its_future_still_orders_every_waiter_after_the_collective() -> None:
+    """NCCL completes its future when the collective is queued: settling the work there must not
+    let a later wait(), or the future's own completion, skip the stream dependency on NCCL."""
+    handle = _EnqueuedHandle()
+    label = CollectiveLabel(0, 2, "nccl", "all_reduce", 5, torch.ones(2))
+    work = TorchWork(_Owner(), label, handle, cuda=torch.device("cuda", 0), keep_alive=None)  # type: ignore[arg-type]
+    work._new_future = torch.futures.Future  # type: ignore[method-assign]  # this torch has no CUDA
+    future = work.get_future()
+    assert future.done() and work.is_completed()
+    assert handle.waits == 1  # the future was completed on a stream ordered after the collective
+    work.wait()
+    work.wait()
+    assert handle.waits == 3  # each waiter's current stream is ordered too

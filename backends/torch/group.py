@@ -235,7 +235,7 @@ class TorchDistProcessGroup(IProcessGroup):
             error = translate(label, e, self.timeout)
             self._mark_broken(error)
             raise error from e
-        cuda = tensor is not None and tensor.device.type == "cuda"
+        cuda = tensor.device if tensor is not None and tensor.device.type == "cuda" else None
         work = TorchWork(self, label, handle, cuda, keep_alive)
         if finish is not None:
             work.add_finisher(finish)
@@ -275,7 +275,8 @@ class TorchDistProcessGroup(IProcessGroup):
         if self._plan(op, tensor).route is not _NATIVE or (op in BITWISE and self._on_nccl(tensor)):
             return None  # the general path folds, upcasts or views bools as bytes
         opts = async_options(dist.AllreduceOptions, reduceOp=TORCH_OPS[op])
-        pg, tensors, cuda = self._torch(tensor), [tensor], tensor.device.type == "cuda"
+        pg, tensors = self._torch(tensor), [tensor]
+        cuda = tensor.device if tensor.device.type == "cuda" else None
         rank, world, name = self.rank, self.world_size, self._name
 
         def start() -> Work:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from backends.torch.errors import is_wait_expiry, translate
+from commlib.errors import CommError
 from commlib.work import CollectiveLabel, Work
 
 __all__ = ["TorchWork", "WorkOwner"]
@@ -34,11 +35,26 @@ class TorchWork(Work):
     ``wait``, which Gloo bounds by the group's timeout. For CUDA tensors (NCCL)
     ``wait()`` makes the current CUDA stream wait for the collective, as torch's
     DDP does, and returns without blocking the host; the group's timeout is
-    enforced by NCCL's watchdog, not by the host.
+    enforced by NCCL's watchdog, not by the host. Every ``wait()`` orders its
+    caller's stream, also after the work settled elsewhere (a future's callback
+    settles it on a stream of its own), and ``get_future()`` gives a future of the
+    tensor's device: its ``wait()`` and ``then`` order the consumer's stream too.
+
+    Args:
+        group: The group that issued it.
+        label: What the collective is.
+        handle: torch's work handle.
+        cuda: The CUDA device of the collective's tensor; None for CPU tensors.
+        keep_alive: Objects to hold until the collective ends.
     """
 
     def __init__(
-        self, group: WorkOwner, label: CollectiveLabel, handle: Any, cuda: bool, keep_alive: Any
+        self,
+        group: WorkOwner,
+        label: CollectiveLabel,
+        handle: Any,
+        cuda: torch.device | None,
+        keep_alive: Any,
     ) -> None:
         super().__init__(label, keep_alive)
         self._group = group
@@ -48,8 +64,38 @@ class TorchWork(Work):
         self._no_future: bool | None = None
         """True for torch's works without a future, whose ``wait(timeout)`` ignores the timeout."""
 
+    def wait(self, timeout: float | None = None) -> None:  # noqa: D102 - Work.wait
+        if self._cuda is not None and self._done and self._error is None:
+            self._order_current_stream()
+            return
+        super().wait(timeout)
+
+    def _order_current_stream(self) -> None:
+        """Make the caller's current stream wait for the collective (no host block on NCCL)."""
+        try:
+            self._handle.wait()
+        except Exception as e:  # noqa: BLE001 - every torch failure becomes a CommError
+            raise translate(self._label, e, self._group.timeout) from e
+
+    def _new_future(self) -> torch.futures.Future[Any]:
+        if self._cuda is None:
+            return super()._new_future()
+        return torch.futures.Future(devices=[self._cuda])
+
+    def _complete_future(self, future: torch.futures.Future[Any]) -> None:
+        # A CUDA future records its events on the current stream when it is completed: order that
+        # stream after the collective first (a torch callback's stream has waited already; this
+        # costs one more stream wait there).
+        if self._cuda is not None and self._error is None and not future.done():
+            try:
+                self._order_current_stream()
+            except CommError as e:
+                future.set_exception(e)
+                return
+        super()._complete_future(future)
+
     def _wait_for_backend(self, timeout: float | None) -> None:
-        if timeout is not None and not self._cuda:
+        if timeout is not None and self._cuda is None:
             self._wait_timed(timeout)
             return
         with self._wait_lock:

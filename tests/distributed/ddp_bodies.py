@@ -107,9 +107,10 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 def loss_on(kind: str, model: nn.Module, step: int, world: int, rank: int | None) -> torch.Tensor:
     """Loss of ``model`` on this step's batch: rank ``rank``'s share, or the whole batch (None).
 
-    The batch goes to the device of the model's parameters.
+    The batch goes to the device of the model's parameters (and, for ``branches``, their dtype).
     """
-    device = next(model.parameters()).device
+    first = next(model.parameters())
+    device = first.device
     if kind.startswith("gpt"):
         x, y = synthetic_batch(GPTConfig(**TINY_GPT), PER_RANK * world, seed=3, step=step)
         if rank is not None:
@@ -118,7 +119,7 @@ def loss_on(kind: str, model: nn.Module, step: int, world: int, rank: int | None
     x, y = int_batch(step, world)
     if rank is not None:
         x, y = shard(x, rank, world), shard(y, rank, world)
-    return nn.functional.mse_loss(model(x.to(device)), y.to(device))
+    return nn.functional.mse_loss(model(x.to(device, first.dtype)), y.to(device, first.dtype))
 
 
 def bucket_cap_mb(model: nn.Module, buckets: str) -> float:

@@ -22,6 +22,7 @@ from ddp import DistributedDataParallel
 from tests._reference import ALL_DTYPE_NAMES, digest
 from tests.distributed import bodies, p2p_bodies
 from tests.distributed.ddp_bodies import (
+    bucket_cap_mb,
     build,
     case_conditional,
     case_equivalence,
@@ -126,6 +127,93 @@ def cuda_ddp_suite(group: IProcessGroup) -> dict[str, Any]:
         "adamw_one": cuda_ddp_equivalence(group, "gpt", "adamw", "one"),
         "bit_identical": cuda_ddp_bit_identical(group),
     }
+
+
+DDP_OPTIONS = ("allreduce_hook", "fp16_compress_hook", "grad_reduce_dtype", "static_graph", "reduce_scatter")
+"""The DDP settings whose CUDA paths ``cuda_ddp_option`` runs: hook futures, staged buckets, learnt graphs,
+shards."""
+
+
+def cuda_ddp_option(group: IProcessGroup, option: str, steps: int = 3) -> dict[str, Any]:
+    """DDP with one of ``DDP_OPTIONS`` on CUDA parameters against one process on the full batch.
+
+    The model is ``branches`` in float32 (integer weights: sums of two are exact),
+    about three buckets. ``grad_reduce_dtype`` reduces in float64 copies (staged
+    buckets); ``reduce_scatter`` steps through ``ZeroRedundancyOptimizer``.
+    """
+    from ddp import ZeroRedundancyOptimizer
+    from ddp.hooks import allreduce_hook, fp16_compress_hook
+
+    device = use_gpu(group)
+    rank, world = group.rank, group.world_size
+    model = build("branches", seed=100 + rank).float().to(device)
+    reference = build("branches", seed=100).float().to(device)
+    kwargs: dict[str, Any] = {"bucket_size_mb": bucket_cap_mb(model, "several")}
+    kwargs.update(
+        {
+            "grad_reduce_dtype": {"grad_reduce_dtype": torch.float64},
+            "static_graph": {"static_graph": True},
+            "reduce_scatter": {"gradient_sync": "reduce_scatter"},
+        }.get(option, {})
+    )
+    ddp = DistributedDataParallel(model, group, **kwargs)
+    if option.endswith("_hook"):
+        ddp.register_comm_hook(
+            group, {"allreduce_hook": allreduce_hook, "fp16_compress_hook": fp16_compress_hook}[option]
+        )
+    if option == "reduce_scatter":
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            ddp.parameters(), torch.optim.SGD, group, lr=2.0**-6, momentum=0.5
+        )
+    else:
+        opt = make_optimizer("sgd", ddp.parameters())
+    ref_opt = make_optimizer("sgd", reference.parameters())
+    diffs = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss_on("branches", ddp, step, world, rank).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_on("branches", reference, step, world, None).backward()
+        ref_opt.step()
+        diffs.append(max_diff(ddp.module, reference))
+    if option == "reduce_scatter":
+        opt.finish_param_gather()  # type: ignore[attr-defined]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    return {"diffs": diffs, "hash": digest(flat), "buckets": ddp.bucket_manager.num_buckets}
+
+
+def check_option(results: list[dict[str, Any]], option: str) -> None:
+    """``cuda_ddp_option``'s results: equal to one process (fp16's precision with its hook), ranks alike."""
+    tol = 1e-3 if option == "fp16_compress_hook" else 0.0
+    for r in results:
+        assert max(r["diffs"]) <= tol, (option, r["diffs"])
+        assert r["buckets"] > 1, r
+    assert len({r["hash"] for r in results}) == 1, "ranks disagree bit for bit"
+
+
+def cuda_ddp_nonfinite(group: IProcessGroup) -> dict[str, Any]:
+    """``check_for_nan_in_grad`` on CUDA: a NaN on rank 0 raises on every rank; the next step works."""
+    from ddp.errors import NonFiniteGradientError
+
+    device = use_gpu(group)
+    rank, world = group.rank, group.world_size
+    model = build("branches", seed=100).float().to(device)
+    ddp = DistributedDataParallel(
+        model, group, check_for_nan_in_grad=True, bucket_size_mb=bucket_cap_mb(model, "several")
+    )
+    out: dict[str, Any] = {}
+    for step in range(3):
+        ddp.zero_grad()
+        loss = loss_on("branches", ddp, step, world, rank)
+        if step == 1 and rank == 0:
+            loss = loss * float("nan")
+        try:
+            loss.backward()
+            out[f"step {step}"] = "ok"
+        except NonFiniteGradientError as e:
+            out[f"step {step}"] = f"NonFiniteGradientError: {e}"
+    return out
 
 
 def cuda_ddp_auto_bucket(group: IProcessGroup, steps: int = 4) -> dict[str, Any]:
@@ -244,3 +332,10 @@ def cupy_zero_copy(group: IProcessGroup) -> dict[str, Any]:
         group.comm.Allreduce(MPI.IN_PLACE, [as_cupy(t, prefix=prefix), MPI.FLOAT])  # type: ignore[attr-defined]
         out["device_allreduce"] = bool(torch.all(t == sum(range(1, group.world_size + 1))).item())
     return out
+
+
+def check_nonfinite(results: list[dict[str, Any]]) -> None:
+    """``cuda_ddp_nonfinite``'s results: only step 1 raised, on every rank, naming rank 0."""
+    for r in results:
+        assert r["step 0"] == r["step 2"] == "ok", r
+        assert r["step 1"].startswith("NonFiniteGradientError") and "on rank 0 of" in r["step 1"], r

@@ -78,3 +78,13 @@ def test_ddp_timeline(nccl, tmp_path) -> None:  # noqa: ANN001
     assert result["backward_spans"] == result["steps"] == 3
     assert result["collectives"] >= result["steps"]
     assert result["bucket_events"] == result["collectives"], result
+
+
+@pytest.mark.parametrize("option", gpu.DDP_OPTIONS)
+def test_ddp_option(nccl, option: str) -> None:  # noqa: ANN001
+    """Communication hooks (torch's futures of NCCL works), staged buckets, static graphs, shards."""
+    gpu.check_option(nccl.run(gpu.cuda_ddp_option, option, timeout=120), option)
+
+
+def test_ddp_nan_check(nccl) -> None:  # noqa: ANN001
+    gpu.check_nonfinite(nccl.run(gpu.cuda_ddp_nonfinite, timeout=120))

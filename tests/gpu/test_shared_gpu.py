@@ -8,7 +8,9 @@
 - ring, gloo and mpi: send/recv, isend/irecv and batch_isend_irecv of CUDA
   tensors, exact, and 100 MiB there and back.
 - ring, gloo and mpi: DDP on CUDA parameters equals one process on the full
-  batch, and the parameters are bit-identical across ranks.
+  batch, and the parameters are bit-identical across ranks; on ring and gloo
+  also with communication hooks, staged buckets, a static graph, reduce-scattered
+  buckets and the NaN check.
 """
 
 from __future__ import annotations
@@ -89,6 +91,18 @@ def test_ddp_on_cuda_parameters_bit_identical(pool_of, backend: str) -> None:  #
     first, second = pool_of(backend).run(gpu.cuda_ddp_bit_identical, timeout=180)
     assert first["hashes"] == second["hashes"]
     assert first["collectives"] > 0
+
+
+@pytest.mark.parametrize("backend", SPAWNED)
+@pytest.mark.parametrize("option", gpu.DDP_OPTIONS)
+def test_ddp_option_on_cuda(pool_of, backend: str, option: str) -> None:  # noqa: ANN001
+    """Hooks, staged buckets (their results copied back on the ring's side stream), static graphs, shards."""
+    gpu.check_option(pool_of(backend).run(gpu.cuda_ddp_option, option, timeout=180), option)
+
+
+@pytest.mark.parametrize("backend", SPAWNED)
+def test_ddp_nan_check_on_cuda(pool_of, backend: str) -> None:  # noqa: ANN001
+    gpu.check_nonfinite(pool_of(backend).run(gpu.cuda_ddp_nonfinite, timeout=180))
 
 
 # ---------------------------------------------------------------- mpi
