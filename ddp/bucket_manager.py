@@ -244,6 +244,8 @@ class GradientBucketManager:
         """This iteration's scaling, ``[divisor, factor]``, for the hooks' fast path."""
         self.launch_s = 0.0
         """Seconds spent launching this iteration's buckets (scaling, checks, issuing)."""
+        self.bytes_launched = 0
+        """Bytes handed to the group by this iteration's launches (a hook's own collectives included)."""
         self.arrival_order: list[int] = []
         """Parameter indices in the order their gradients arrived in this iteration."""
         self.arrival_times: list[float] = []
@@ -480,6 +482,7 @@ class GradientBucketManager:
         self.grads_copied = 0
         self.padding_bytes = 0
         self.launch_s = 0.0
+        self.bytes_launched = 0
         self._reduced = False
         for observer in self._observers:
             observer.begin(len(self._buckets))
@@ -770,7 +773,9 @@ class GradientBucketManager:
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
         start = time.perf_counter()
+        issued = self.group.bytes_issued
         self._inflight[index] = self._sync.launch(index, bucket, self._rows[index])
+        self.bytes_launched += self.group.bytes_issued - issued  # this model's alone, another's launching too
         self.padding_bytes += bucket.padding_bytes
         self._next_launch = index + 1
         for observer in self._observers:

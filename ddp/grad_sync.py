@@ -148,8 +148,8 @@ class GradSync:
         self._end_queued = False
         self._hook_s = 0.0
         """Seconds in the hooks' general path this backward, its bucket launches left out."""
-        self._bytes_at_begin = 0
-        self._bytes_at_end: int | None = None  # the counter once the gradients were synchronised
+        self._bytes_at_finish: int | None = None  # the group's counter when finish began to issue
+        self._bytes_finishing: int | None = None  # what finish issued up to the gradients' end
         self._extra_collectives = 0
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
@@ -264,7 +264,7 @@ class GradSync:
         # The agreement goes first, before bucket 0 on every rank, and outside the step's statistics.
         if not agreed:
             self.guard.begin_backward(synced=synced, communicates=manager.num_buckets > 0, joined=joined)
-        self._bytes_at_begin = self.group.bytes_issued
+        self._bytes_at_finish = self._bytes_finishing = None
         manager.reset(self.average_over if synced else None)
         if not joined:
             self.on_backward_start()
@@ -410,6 +410,7 @@ class GradSync:
             if config.find_unused_parameters:
                 self.unused = [name for i, name in enumerate(manager.names) if not manager.arrived(i)]
         flags = None
+        self._bytes_at_finish = mark = group.bytes_issued
         if config.find_unused_parameters:
             used = self._used_flags.tensor
             if self.joined:
@@ -443,7 +444,8 @@ class GradSync:
         if never:
             manager.release_grads(never)
         manager.end_window()
-        self._bytes_at_end = group.bytes_issued  # the layout's rebuild and re-size are no gradients
+        # The layout's rebuild and re-size that follow are no gradients.
+        self._bytes_finishing = group.bytes_issued - mark
         self._maybe_rebuild()
         auto = self._auto
         if auto is not None and (auto.after_synced_backward(manager, self.recorder) or auto.report.tuned):
@@ -492,8 +494,12 @@ class GradSync:
         if self.synced and outcome and manager.num_buckets:
             self._extra_collectives += 1  # the outcome agreement (BucketSync.agree)
         self.recorder.extra_collective(self._extra_collectives)
-        end, self._bytes_at_end = self._bytes_at_end, None
-        sent = (group.bytes_issued if end is None else end) - self._bytes_at_begin
+        # Counted per call, not as the group's counter from begin to end: another model's
+        # backward on the same group may run in between (two models in one backward).
+        finishing, mark = self._bytes_finishing, self._bytes_at_finish
+        if finishing is None:  # finish stopped early
+            finishing = 0 if mark is None else group.bytes_issued - mark
+        sent = manager.bytes_launched + finishing
         scattered = self.recorder.bytes_reduced if manager.reduce_scatters else 0
         stats = self.recorder.finish(
             synced=self.synced,

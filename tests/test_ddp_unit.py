@@ -334,6 +334,17 @@ def test_the_first_steps_bytes_sent_are_its_gradients_without_the_layouts_rebuil
     assert sent[0] == sent[1] == ((8 * 8 + 8 + 8 * 4 + 4) * 4,) * 2
 
 
+def test_two_models_in_one_backward_each_count_their_own_bytes():
+    """A GAN's generator step: one backward through both models, their hooks interleaved on one group."""
+    group = solo()
+    gen = DistributedDataParallel(nn.Linear(4, 8), group, bucket_size_mb=0)
+    disc = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)), group, bucket_size_mb=0)
+    for _ in range(2):
+        disc(gen(torch.ones(2, 4))).sum().backward()
+        assert gen.last_step_stats.bytes_sent == (4 * 8 + 8) * 4
+        assert disc.last_step_stats.bytes_sent == (8 * 8 + 8 + 8 + 1) * 4
+
+
 def test_a_step_observer_that_raises_is_dropped_and_training_goes_on(caplog):
     ddp = DistributedDataParallel(nn.Linear(8, 8), solo())
     calls = []

@@ -52,10 +52,11 @@ class StepStats:
         exposed_wait_s: Time the end of backward blocked waiting for communication.
         start: ``time.perf_counter()`` at the first gradient hook, for timelines.
         buckets: Per-bucket timings, in launch order.
-        bytes_sent: Bytes this rank handed to the group's collectives during the
-            backward (``IProcessGroup.bytes_issued``): the buckets, or what a
-            communication hook sent instead (half with bf16 compression), plus
-            the small flag all-reduces (not the step agreement's all-gather).
+        bytes_sent: Bytes this rank handed to the group's collectives for this
+            model's backward (``IProcessGroup.bytes_issued``, counted around its
+            launches and its end): the buckets, or what a communication hook sent
+            instead (half with bf16 compression), plus the small flag
+            all-reduces (not the step agreement's all-gather).
         hook_s: Time spent in DDP's gradient hooks' general path (taking
             gradients into buckets) and in launching buckets, on the thread
             running backward; the fast path's count-down is not timed.
