@@ -37,6 +37,7 @@ helper (``commlib.deterministic``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -108,6 +109,7 @@ class Lane:
         keep_alive: object = None,
         on_value: Callable[[Work, Any], None] | None = None,
         on_issue: Callable[[], None] | None = None,
+        settle_in: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> Work:
         """Run ``body`` after everything issued before it on this lane; return its ``Work``.
 
@@ -115,7 +117,8 @@ class Lane:
         before it is settled (or, inline, before it is returned). Inline, the
         body's error is raised here. ``on_issue()`` runs as the operation takes
         its place on the lane (under the lane's lock), so what it records is in
-        the lane's order.
+        the lane's order. The lane's thread settles the work inside ``settle_in()``
+        (``EventWork``).
 
         Raises:
             GroupClosedError: The lane was closed (and the operation would queue).
@@ -127,7 +130,9 @@ class Lane:
             # queued there, the operation would wait for the very step that waits for it.
             inline = not async_op and (self._inflight == 0 or self._thread is threading.current_thread())
             if not inline:
-                event_work = EventWork(label, bound_s=self.bound_s, keep_alive=keep_alive)
+                event_work = EventWork(
+                    label, bound_s=self.bound_s, keep_alive=keep_alive, settle_in=settle_in
+                )
                 self._enqueue(label, (event_work, body, on_value))
         if inline:
             value = body()

@@ -11,6 +11,7 @@ calls ``_settle()`` exactly once in effect (later calls are ignored).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -420,15 +421,29 @@ class EventWork(Work):
             progress thread stuck. The collective bounds itself by the group's
             timeout, so this fires only if the thread itself stops.
         keep_alive: Objects to hold until the collective ends.
+        settle_in: Returns the context the work is settled in (its finishing steps
+            run, its future completed): for CUDA tensors, the issuing stream made
+            current, so that their kernels follow the copies back.
     """
 
-    def __init__(self, label: CollectiveLabel | str, bound_s: float, keep_alive: Any = None) -> None:
+    def __init__(
+        self,
+        label: CollectiveLabel | str,
+        bound_s: float,
+        keep_alive: Any = None,
+        settle_in: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> None:
         super().__init__(label, keep_alive)
         self._event = threading.Event()
         self._bound_s = bound_s
+        self._settle_in = settle_in
 
     def _settle(self, error: BaseException | None = None) -> None:
-        super()._settle(error)
+        if self._settle_in is None or self._done:
+            super()._settle(error)
+        else:
+            with self._settle_in():
+                super()._settle(error)
         self._event.set()
 
     def _wait_for_backend(self, timeout: float | None) -> None:

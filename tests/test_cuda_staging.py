@@ -7,6 +7,7 @@ so each test checks both the operations issued and the data that comes back.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -90,6 +91,9 @@ class FakeOps:
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         self.allocated.append(nbytes)
         return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def use_stream(self, stream: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def release_all(self) -> None:
         for event in self.events:

@@ -34,6 +34,7 @@ the order of the operations) runs, and is tested, on a machine without a GPU.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import threading
@@ -232,6 +233,9 @@ class DeviceOps(Protocol):
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         """Allocate ``nbytes`` of pinned host memory as a uint8 tensor."""
 
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Make ``stream`` the calling thread's current stream inside the ``with`` block."""
+
 
 class TorchCudaOps:
     """``DeviceOps`` on torch.cuda: side streams per device, events, non-blocking copies, pinned memory."""
@@ -283,6 +287,10 @@ class TorchCudaOps:
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         """Allocate pinned (page-locked) host memory."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Make ``stream`` the calling thread's current stream inside the ``with`` block."""
+        return torch.cuda.stream(stream)
 
 
 def wait_for_event(ops: DeviceOps, event: Any, timeout_s: float) -> bool:
@@ -496,6 +504,16 @@ class StagingPipeline:
         if count:
             self._consumer = ops.current_stream(tensor.device)
             self._produced = ops.record_event(self._consumer)
+
+    def on_consumer_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Make the stream the result is read on (current at creation) current inside the ``with`` block.
+
+        What another thread queues there after ``finish`` (a finished collective's
+        future callbacks) runs after the copies back.
+        """
+        if not self.chunks:
+            return contextlib.nullcontext()
+        return self._ops.use_stream(self._consumer)
 
     # -------------------------------------------------------------- facts
     @property

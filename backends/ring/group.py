@@ -91,7 +91,7 @@ from backends.ring.rendezvous import RingSockets, rendezvous
 from backends.ring.rooted import all_to_all_host, gather_host, reduce_host, scatter_host
 from backends.ring.shared_buffers import SharedBuffers, Span
 from backends.ring.shm import RegionId
-from backends.ring.staging import Staged, first_chunks, on_host, on_host_single, publisher, waiter
+from backends.ring.staging import Staged, StagedBody, first_chunks, on_host, on_host_single, publisher, waiter
 from backends.ring.subgroups import Parent, new_subgroup
 from commlib.capabilities import Row
 from commlib.config import CommConfig
@@ -311,7 +311,13 @@ class RingProcessGroup(IProcessGroup):
     def _submit(
         self, label: CollectiveLabel, body: Callable[[], Any], async_op: bool, keep_alive: object = None
     ) -> Work:
-        return self._lane.submit(label, functools.partial(self._execute, label, body), async_op, keep_alive)
+        return self._lane.submit(
+            label,
+            functools.partial(self._execute, label, body),
+            async_op,
+            keep_alive,
+            settle_in=body.settle_in if isinstance(body, StagedBody) else None,
+        )
 
     def _execute(self, describe: CollectiveLabel | str, body: Callable[[], Any]) -> None:
         with self._run_lock:

@@ -20,7 +20,17 @@ import torch
 from backends.common import cuda_staging
 from backends.common.cuda_staging import StagingPipeline
 
-__all__ = ["HostRun", "Staged", "View", "first_chunks", "on_host", "on_host_single", "publisher", "waiter"]
+__all__ = [
+    "HostRun",
+    "Staged",
+    "StagedBody",
+    "View",
+    "first_chunks",
+    "on_host",
+    "on_host_single",
+    "publisher",
+    "waiter",
+]
 
 View = Callable[[torch.Tensor], None]
 """Called with a view of a staged host tensor (wait for it, or publish it)."""
@@ -64,12 +74,29 @@ def on_host(timeout: float, run: HostRun, *specs: Staged) -> Callable[[], Any]:
         for spec in specs
     ]
 
-    def body() -> Any:
-        with contextlib.ExitStack() as stack:
-            hosts = [stack.enter_context(pipeline).view(-1) for pipeline in pipelines]
-            return run(hosts, pipelines)
+    return StagedBody(run, pipelines)
 
-    return body
+
+class StagedBody:
+    """A staged collective's body: ``run`` over the pipelines' host tensors, started and finished around it.
+
+    The lane settles its work under ``settle_in()`` (the issuing stream made
+    current), so a future's callbacks queue their kernels after the copies back.
+    """
+
+    def __init__(self, run: HostRun, pipelines: list[StagingPipeline]) -> None:
+        self._run = run
+        self._pipelines = pipelines
+
+    def __call__(self) -> Any:
+        """Start the pipelines, run the collective on their host tensors, finish them (abort on failure)."""
+        with contextlib.ExitStack() as stack:
+            hosts = [stack.enter_context(pipeline).view(-1) for pipeline in self._pipelines]
+            return self._run(hosts, self._pipelines)
+
+    def settle_in(self) -> contextlib.AbstractContextManager[Any]:
+        """The context the collective's work is settled in: its tensors' issuing stream current."""
+        return self._pipelines[0].on_consumer_stream()
 
 
 def on_host_single(timeout: float, run: Callable[..., Any], spec: Staged) -> Callable[[], Any]:

@@ -116,6 +116,14 @@ class RecordingOps:
         self.log.append(f"allocate {nbytes}")
         return torch.zeros(nbytes, dtype=torch.uint8)
 
+    @contextlib.contextmanager
+    def use_stream(self, stream: str) -> Iterator[None]:
+        self.log.append(f"on {stream}")
+        try:
+            yield
+        finally:
+            self.log.append(f"off {stream}")
+
 
 _TYPESTR = {
     torch.float16: "<f2",

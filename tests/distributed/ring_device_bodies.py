@@ -354,6 +354,29 @@ def staged_matrix(group: IProcessGroup, collective: str) -> dict[str, Any]:
         }
 
 
+def future_callbacks_on_the_issuing_stream(group: IProcessGroup) -> list[str]:
+    """An async all-reduce of an emulated CUDA tensor: its future's callback runs on the issuing stream.
+
+    Returns the log from the last copy back on: the lane's thread makes the
+    caller's stream current (``on caller``), and the callback, registered before
+    the work ended, runs inside (a DDP communication hook's decompression queues
+    its kernels there, after the copies back).
+    """
+    with emulated(group, lag=1) as seen:
+        log = seen["log"]
+        tensor = on_device(torch.arange(40_003, dtype=torch.float32))
+        # The lane runs the all-reduce only once the callback is registered: it cannot end before.
+        registered = threading.Event()
+        group._lane.post(lambda: registered.wait(30))  # type: ignore[attr-defined]  # noqa: SLF001
+        work = group.all_reduce(tensor, async_op=True)
+        work.get_future().then(lambda _: log.append("callback"))
+        registered.set()
+        work.wait()
+        assert torch.equal(on_host(tensor), torch.arange(40_003, dtype=torch.float32) * 2)
+        last_back = max(i for i, line in enumerate(log) if line.startswith("h2d"))
+        return [line for line in log[last_back:] if not line.startswith(("h2d", "host has"))]
+
+
 def staged_new_ops(group: IProcessGroup) -> dict[str, Any]:
     """reduce, gather, scatter, all_to_all (uneven) and isend/irecv on emulated CUDA tensors, exactly.
 

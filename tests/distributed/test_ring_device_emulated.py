@@ -96,7 +96,10 @@ def test_all_reduce_is_staged_chunk_by_chunk(get_pool, world_size: int, async_op
         assert max(out) < min(waited), "every copy out is queued when the pipeline starts"
         assert sent[0] < waited[-1], "chunks are sent before the last copy out is waited for"
         assert back[0] < max(sent + received), "results go back chunk by chunk while the ring still runs"
-        assert log[-2:] == ["caller waits d2h", "caller waits h2d"], log[-4:]
+        # The caller's stream waits for both copy streams; then the lane settles an async work
+        # with that stream current (its future's callbacks run after the copies back).
+        settled = ["on caller", "off caller"] if async_op else []
+        assert log[-2 - len(settled) :] == ["caller waits d2h", "caller waits h2d", *settled], log[-4:]
         # The first chunks copied out lie in the segment this rank sends first (its own).
         own = (NUMEL * rank // world_size, NUMEL * (rank + 1) // world_size)
         first = _first_element(log[out[0]])
@@ -133,6 +136,13 @@ def test_pinned_buffers_are_reused_across_collectives(get_pool) -> None:
         assert r["outstanding"] == 0
         # 6 size classes (3 tensor sizes, 3 all-gather outputs): one buffer each, for 120 stagings.
         assert r["allocated"] <= 6 and r["reused"] >= 114, r
+
+
+def test_a_futures_callback_runs_with_the_issuing_stream_current_after_the_copies_back(get_pool) -> None:
+    for log in get_pool("ring-shm", 2).run(bodies.future_callbacks_on_the_issuing_stream, timeout=120):
+        assert "callback" in log, log
+        on, off = log.index("on caller"), log.index("off caller")
+        assert on < log.index("callback") < off, log  # on the caller's stream, after the last copy back
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
