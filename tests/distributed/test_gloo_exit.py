@@ -147,8 +147,11 @@ def test_a_rank_behind_600_idle_connections_exits_with_its_own_status() -> None:
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
+    # Where it gives up depends on how fast the store gets through the flood: before its
+    # connection is accepted (a slow machine), at the check's first answer, or waiting for rank 0.
     assert out.stdout.startswith(
         (
+            "raised: [rank 1/2] gloo.rendezvous: cannot reach rank 0 at 127.0.0.1:",
             "raised: [rank 1/2] gloo.rendezvous: something accepted the connection",
             "raised: [rank 1/2] gloo.rendezvous: rank 0 never published its challenge",
         )
