@@ -128,6 +128,29 @@ def bucket_cap_mb(model: nn.Module, buckets: str) -> float:
     return {"one": 25.0, "several": total / 3 / MB, "per_param": 0.0}[buckets]
 
 
+def train_beside(
+    kind: str,
+    ddp: nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    steps: int,
+    group,
+) -> list[float]:
+    """Train ``ddp`` on this rank's shard, ``reference`` on the whole batch; ``max_diff`` after each step."""
+    rank, world = group.rank, group.world_size
+    diffs = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss_on(kind, ddp, step, world, rank).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_on(kind, reference, step, world, None).backward()
+        ref_opt.step()
+        diffs.append(max_diff(ddp.module, reference))
+    return diffs
+
+
 def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
@@ -150,21 +173,14 @@ def case_equivalence(
     group, kind: str, opt_name: str, buckets: str, steps: int = 3, device: str = "cpu"
 ) -> dict:
     """DDP on shards == one process on the whole batch, step after step (models on ``device``)."""
-    rank, world = group.rank, group.world_size
+    rank = group.rank
     model = build(kind, seed=100 + rank).to(device)  # ranks start different: the broadcast must fix it
     reference = build(kind, seed=100).to(device)
     ddp = DistributedDataParallel(model, group, bucket_size_mb=bucket_cap_mb(model, buckets))
     opt = make_optimizer(opt_name, ddp.parameters())
     ref_opt = make_optimizer(opt_name, reference.parameters())
     diffs = [max_diff(ddp.module, reference)]
-    for step in range(steps):
-        opt.zero_grad()
-        loss_on(kind, ddp, step, world, rank).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_on(kind, reference, step, world, None).backward()
-        ref_opt.step()
-        diffs.append(max_diff(ddp.module, reference))
+    diffs += train_beside(kind, ddp, opt, reference, ref_opt, steps, group)
     stats = ddp.last_step_stats
     frozen_ok = all(p.grad is None for p in model.parameters() if not p.requires_grad)
     buffers = [b.cpu().tolist() for b in model.buffers()]

@@ -29,7 +29,7 @@ from tests.distributed.ddp_bodies import (
     case_no_sync,
     loss_on,
     make_optimizer,
-    max_diff,
+    train_beside,
 )
 
 BIG_BYTES = 25 << 20
@@ -145,7 +145,7 @@ def cuda_ddp_option(group: IProcessGroup, option: str, steps: int = 3) -> dict[s
     from ddp.hooks import allreduce_hook, fp16_compress_hook
 
     device = use_gpu(group)
-    rank, world = group.rank, group.world_size
+    rank = group.rank
     model = build("branches", seed=100 + rank).float().to(device)
     reference = build("branches", seed=100).float().to(device)
     kwargs: dict[str, Any] = {"bucket_size_mb": bucket_cap_mb(model, "several")}
@@ -167,16 +167,9 @@ def cuda_ddp_option(group: IProcessGroup, option: str, steps: int = 3) -> dict[s
         )
     else:
         opt = make_optimizer("sgd", ddp.parameters())
-    ref_opt = make_optimizer("sgd", reference.parameters())
-    diffs = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss_on("branches", ddp, step, world, rank).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_on("branches", reference, step, world, None).backward()
-        ref_opt.step()
-        diffs.append(max_diff(ddp.module, reference))
+    diffs = train_beside(
+        "branches", ddp, opt, reference, make_optimizer("sgd", reference.parameters()), steps, group
+    )
     if option == "reduce_scatter":
         opt.finish_param_gather()  # type: ignore[attr-defined]
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
@@ -219,21 +212,14 @@ def cuda_ddp_nonfinite(group: IProcessGroup) -> dict[str, Any]:
 def cuda_ddp_auto_bucket(group: IProcessGroup, steps: int = 4) -> dict[str, Any]:
     """bucket_size_mb="auto" on CUDA parameters: calibrated, re-sized after the measured backward, correct."""
     device = use_gpu(group)
-    rank, world = group.rank, group.world_size
+    rank = group.rank
     model = build("gpt", seed=600 + rank).to(device)
     reference = build("gpt", seed=600).to(device)
     ddp = DistributedDataParallel(model, group, bucket_size_mb="auto")
     opt = make_optimizer("adamw", ddp.parameters())
-    ref_opt = make_optimizer("adamw", reference.parameters())
-    diffs = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss_on("gpt", ddp, step, world, rank).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_on("gpt", reference, step, world, None).backward()
-        ref_opt.step()
-        diffs.append(max_diff(ddp.module, reference))
+    diffs = train_beside(
+        "gpt", ddp, opt, reference, make_optimizer("adamw", reference.parameters()), steps, group
+    )
     report = ddp.auto_bucket
     assert report is not None
     return {"diffs": diffs, "tuned": report.tuned, "cap_bytes": report.cap_bytes, "summary": report.summary()}
