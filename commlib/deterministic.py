@@ -532,7 +532,7 @@ class _PreparedFold(PreparedCollective):
         if group._closed or group._broken is not None:  # noqa: SLF001
             group._check_usable(self._kind)  # noqa: SLF001
         increment_version(self._tensor)
-        group._bytes_issued += self._nbytes  # noqa: SLF001
+        group._bytes_issued += self.nbytes  # noqa: SLF001
         work = self._reductions._start_all_reduce(self._tensor, self._op, True)  # noqa: SLF001
         assert work is not None  # async: a handle
         return work

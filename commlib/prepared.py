@@ -65,7 +65,7 @@ class PreparedCollective:
         start: Starts it on the backend and returns its ``Work`` (the group has numbered it).
     """
 
-    __slots__ = ("_group", "_kind", "_tensor", "_tensors", "_op", "_start", "_nbytes")
+    __slots__ = ("_group", "_kind", "_tensor", "_tensors", "_op", "_start", "nbytes")
 
     def __init__(
         self,
@@ -81,7 +81,8 @@ class PreparedCollective:
         self._tensors = (tensor,)
         self._op = op
         self._start = start
-        self._nbytes = tensor.nbytes
+        self.nbytes = tensor.nbytes
+        """Bytes each start hands to the group (``IProcessGroup.bytes_issued``): the buffer's."""
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -99,7 +100,7 @@ class PreparedCollective:
         if group._closed or group._broken is not None:  # noqa: SLF001
             group._check_usable(self._kind)  # noqa: SLF001
         bump_versions(self._tensors)
-        group._bytes_issued += self._nbytes  # noqa: SLF001
+        group._bytes_issued += self.nbytes  # noqa: SLF001
         work = group._issue(self._kind, self._tensor, self._op, -1, True, [self._tensor], self._start)  # noqa: SLF001
         assert work is not None  # async: a handle
         return work

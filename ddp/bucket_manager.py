@@ -244,8 +244,6 @@ class GradientBucketManager:
         """This iteration's scaling, ``[divisor, factor]``, for the hooks' fast path."""
         self.launch_s = 0.0
         """Seconds spent launching this iteration's buckets (scaling, checks, issuing)."""
-        self.bytes_launched = 0
-        """Bytes handed to the group by this iteration's launches (a hook's own collectives included)."""
         self.arrival_order: list[int] = []
         """Parameter indices in the order their gradients arrived in this iteration."""
         self.arrival_times: list[float] = []
@@ -254,8 +252,6 @@ class GradientBucketManager:
         """Time each gradient's arrival (``bucket_size_mb="auto"`` needs it for one backward)."""
         self.grads_copied = 0
         """Gradients of this iteration that arrived as fresh tensors and were copied into their view."""
-        self.views_restored = 0
-        """Gradients that were None when this iteration's backward started and were pointed at their view."""
         self._restored_now: list[int] = []
         """The parameters the latest ``restore_views`` pointed at their view."""
         self.padding_bytes = 0
@@ -482,7 +478,6 @@ class GradientBucketManager:
         self.grads_copied = 0
         self.padding_bytes = 0
         self.launch_s = 0.0
-        self.bytes_launched = 0
         self._reduced = False
         for observer in self._observers:
             observer.begin(len(self._buckets))
@@ -578,7 +573,16 @@ class GradientBucketManager:
                         continue
                     restored[index] = 1
                     now.append(index)
-        self.views_restored = len(now)
+
+    @property
+    def bytes_launched(self) -> int:
+        """Bytes this iteration's launches handed to the group (``BucketSync.bytes_launched``)."""
+        return self._sync.bytes_launched
+
+    @property
+    def views_restored(self) -> int:
+        """Gradients that were None when this iteration's backward started and were pointed at their view."""
+        return len(self._restored_now)
 
     def unrestore_views(self) -> None:
         """Undo the latest ``restore_views``: a backward that gave none of these parameters a gradient.
@@ -593,7 +597,6 @@ class GradientBucketManager:
                 params[index].grad = None
             restored[index] = 0
         self._restored_now.clear()
-        self.views_restored = 0
 
     def grad_hook(self, index: int, general: Callable[[int], None]) -> Callable[[torch.Tensor], None]:
         """Parameter ``index``'s post-accumulate-grad hook: the fast path, else ``general(index)``.
@@ -773,9 +776,7 @@ class GradientBucketManager:
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
         start = time.perf_counter()
-        issued = self.group.bytes_issued
         self._inflight[index] = self._sync.launch(index, bucket, self._rows[index])
-        self.bytes_launched += self.group.bytes_issued - issued  # this model's alone, another's launching too
         self.padding_bytes += bucket.padding_bytes
         self._next_launch = index + 1
         for observer in self._observers:

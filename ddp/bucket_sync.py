@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +34,8 @@ from ddp.nonfinite import NonFiniteCheck
 from ddp.touched_rows import TouchedRows
 
 __all__ = ["BucketSync", "CommHook", "PendingSync", "check_comm_hook"]
+
+_T = TypeVar("_T")
 
 CommHook = Callable[[Any, GradientBucket], "torch.futures.Future[Any]"]
 """``hook(state, bucket) -> torch.futures.Future``: torch's communication hook signature."""
@@ -138,6 +140,9 @@ class BucketSync:
         """Per bucket: a CPU bucket communicated in its own dtype (see ``scales_each_gradient``)."""
         self._outcome: HostReadback | None = None
         """The outcome agreement's table and its read, allocated once."""
+        self.bytes_launched = 0
+        """Bytes this iteration's launches handed to the group (a hook's own collectives included):
+        this model's alone, though another model's backward may issue on the group in between."""
 
     def _prefix(self) -> str:
         return error_prefix(self.group.rank, self.group.world_size, "ddp", "comm_hook")
@@ -157,6 +162,7 @@ class BucketSync:
         The NaN check, if on, forgets what it found in the last iteration.
         """
         self.scaling = self.average_over(average_over)
+        self.bytes_launched = 0
         if self.check is not None:
             self.check.reset()
 
@@ -229,17 +235,20 @@ class BucketSync:
         if self.hook is not None:
             if self.check is not None:
                 self.check.inspect(bucket, data)
-            return self._launch_hook(bucket)
+            return self._counting(self._launch_hook, bucket)
         if not self._on_host[index]:
             self.scaling.apply_(data)
         if self.check is not None:
             self.check.inspect(bucket, data)
         if self.shards is not None:
-            work = self.shards.launch(bucket, data, self.op)
+            work = self._counting(self.shards.launch, bucket, data, self.op)
         elif rows is not None:
-            return PendingSync(work=rows.launch(), rows=rows)
+            return PendingSync(work=self._counting(rows.launch), rows=rows)
         else:
-            work = self._prepared[index].start()  # type: ignore[union-attr]  # numel > 0: prepared
+            prepared = self._prepared[index]
+            assert prepared is not None  # numel > 0: prepared
+            self.bytes_launched += prepared.nbytes  # no counter read on the default path
+            work = prepared.start()
         return PendingSync(
             work=work.annotate(  # the bucket, named in stall warnings and flight-recorder dumps
                 lambda: (
@@ -248,6 +257,14 @@ class BucketSync:
                 )
             )
         )
+
+    def _counting(self, launch: Callable[..., _T], *args: Any) -> _T:
+        """``launch(*args)``, its bytes added to ``bytes_launched`` from the group's counter."""
+        issued = self.group.bytes_issued
+        try:
+            return launch(*args)
+        finally:
+            self.bytes_launched += self.group.bytes_issued - issued
 
     def _launch_hook(self, bucket: GradientBucket) -> PendingSync:
         """Call the hook; if it fails before communicating, issue a stand-in all-reduce of zeros.
