@@ -7,7 +7,9 @@
 # The suite runs in two passes: the tests that stay in one process on COMMLIB_TEST_WORKERS
 # pytest-xdist workers (default 2), then the tests that spawn ranks (markers multiprocess,
 # mpi, launcher, gpu) one at a time, so that ranks never compete with another test's for the
-# cores their deadlines assume. Arguments go to both passes; with -m, -n,
+# cores their deadlines assume; beside them, in a second pytest whose output follows, run the
+# ones marked `waits` (they spend their time waiting out a timeout, not on the cores).
+# Arguments go to every run; with -m, -n,
 # COMMLIB_TEST_WORKERS=0, or an interpreter without pytest-xdist it is one plain pytest run.
 # Pass 2 is skipped when pass 1 was interrupted, or failed under -x / --maxfail.
 #
@@ -49,20 +51,29 @@ if [[ $two_passes -eq 1 ]]; then
         echo "test.sh: pass 1 exit $rc_solo: pass 2 skipped" >&2
         exit "$rc_solo"
     fi
-    echo "test.sh: pass 2: the tests that spawn ranks ($SPAWNS), one at a time"
-    "$PY" -m pytest -m "$SPAWNS" "$@"
+    echo "test.sh: pass 2: the tests that spawn ranks ($SPAWNS), one at a time;" \
+        "the ones marked waits run beside them (their output follows)"
+    waits_log="$(mktemp "${TMPDIR:-/tmp}/commlib-waits.XXXXXX")"
+    "$PY" -m pytest -p no:cacheprovider -m "($SPAWNS) and waits" "$@" >"$waits_log" 2>&1 &
+    waits_pid=$!
+    trap 'kill "$waits_pid" 2>/dev/null; rm -f "$waits_log"' EXIT
+    "$PY" -m pytest -m "($SPAWNS) and not waits" "$@"
     rc_spawn=$?
-    # Exit code 5 is "collected nothing": fine for one pass when the other ran tests.
-    if [[ $rc_solo -eq 5 && $rc_spawn -eq 5 ]]; then
-        rc=5
-    elif [[ $rc_solo -ne 0 && $rc_solo -ne 5 ]]; then
-        rc=$rc_solo
-    elif [[ $rc_spawn -ne 0 && $rc_spawn -ne 5 ]]; then
-        rc=$rc_spawn
-    else
-        rc=0
-    fi
-    echo "test.sh: pass 1 exit $rc_solo, pass 2 exit $rc_spawn"
+    wait "$waits_pid"
+    rc_waits=$?
+    echo "test.sh: pass 2, the tests marked waits (run beside the others):"
+    cat "$waits_log"
+    # Exit code 5 is "collected nothing": fine for one run when another ran tests.
+    rc=0
+    collected=0
+    for code in "$rc_solo" "$rc_spawn" "$rc_waits"; do
+        if [[ $code -ne 0 && $code -ne 5 && $rc -eq 0 ]]; then
+            rc=$code
+        fi
+        [[ $code -eq 5 ]] || collected=1
+    done
+    [[ $collected -eq 1 ]] || rc=5
+    echo "test.sh: pass 1 exit $rc_solo, pass 2 exit $rc_spawn, its waiting tests exit $rc_waits"
 else
     "$PY" -m pytest "$@"
     rc=$?

@@ -26,6 +26,8 @@ MARKERS = {
     "gpu": "needs a CUDA device",
     "launcher": "runs test bodies under torchrun or mpirun",
     "slow": "long-running",
+    "waits": "spends most of its time waiting out a timeout or a deadline, with little CPU: scripts/test.sh "
+    "runs these beside the tests that spawn busy ranks",
 }
 
 LAUNCHER_VARS = (

@@ -42,6 +42,7 @@ def test_diagnosis_overhead_prints_every_mode() -> None:
     assert all(float(row[3]) > 0 for row in rows)
 
 
+@pytest.mark.waits
 def test_failure_times_reports_every_case() -> None:
     script = str(REPO_ROOT / "benchmarks" / "failure_times.py")
     cmd = [sys.executable, script, "--spawn", "2", "--backends", "ring", "--timeout", "3", "--late", "2"]

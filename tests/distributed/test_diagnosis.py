@@ -319,6 +319,7 @@ def _check_stall(value: dict[str, Any], backend: str) -> None:
     ), text
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("mode", ["plain", "detail"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stall_is_reported_then_the_collective_completes(
@@ -331,6 +332,7 @@ def test_stall_is_reported_then_the_collective_completes(
     assert rank0["waited_s"] > 2.0
 
 
+@pytest.mark.waits
 def test_stall_in_different_calls_names_each_ranks_call() -> None:
     """Gloo, no fingerprint check: every rank reached #N, in different collectives; the report names them."""
     env = {"COMMLIB_DEBUG": "OFF", "COMMLIB_STALL_S": "1", "COMMLIB_TIMEOUT": "3"}
@@ -356,6 +358,7 @@ def test_stall_in_different_calls_names_each_ranks_call() -> None:
         ) in text, text
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stall_in_ddp_names_the_bucket(pools: dict[str, RankPool], backend: str) -> None:
     rank0, rank1 = pools[f"plain-{backend}"].run(bodies.stall_in_ddp, timeout=90)
@@ -402,6 +405,7 @@ def test_dump_after_a_mismatch_and_the_divergence_report(
     assert f"first divergence at #{seq}" in _divergence(chosen, capsys)
 
 
+@pytest.mark.waits
 def test_sigusr1_dumps_while_blocked_inside_gloo(
     pools: dict[str, RankPool], dump_dirs: dict[str, Path]
 ) -> None:
@@ -415,6 +419,7 @@ def test_sigusr1_dumps_while_blocked_inside_gloo(
     assert (entry["seq"], entry["status"]) == (rank0["seq"], "in flight")
 
 
+@pytest.mark.waits
 def test_a_missing_rank_shows_in_the_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     env = {"COMMLIB_TIMEOUT": "3", "COMMLIB_FLIGHT_RECORDER": "8", "COMMLIB_DUMP_DIR": str(tmp_path)}
     outcomes = run_ranks_outcomes(bodies.miss_then_dump, 2, backend="gloo", env=env, timeout=90)

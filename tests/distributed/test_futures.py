@@ -24,6 +24,7 @@ def test_future_semantics(get_pool, variant: str, world_size: int) -> None:
         assert "ZeroDivisionError" in value["callback_error"]
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("backend", ["ring", "gloo"])
 def test_a_timeout_reaches_the_future(backend: str) -> None:
     released = multiprocessing.get_context("spawn").Event()

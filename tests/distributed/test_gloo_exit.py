@@ -24,7 +24,7 @@ import commlib
 from tests._launcher import run_ranks_outcomes
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 TIMEOUT_S = 3.0
 """The group's timeout: how long ``close`` gives a send whose receiver never comes."""

@@ -15,7 +15,7 @@ from tests._launcher import RankPool, RanksFailed, run_ranks_outcomes
 from tests.conftest import run_job
 from tests.distributed.env_at_import import seen_at_import
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 
 def hang_in_a_named_function(rank_to_hang: int) -> str:

@@ -58,6 +58,7 @@ def check_failures(results: dict[int, dict[str, Any]], backend: str, late: list[
         assert result["warned_about_its_messages"] == [], (rank, result)
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("variant", ["ring-shm", "gloo"])
 @pytest.mark.parametrize("wait_all", [False, True], ids=["first-missing", "wait-all-ranks"])
 def test_missing_ranks_are_named_on_every_rank_that_arrived(variant: str, wait_all: bool) -> None:

@@ -438,6 +438,7 @@ def test_interface_training_on_data_parallel_subgroups(job: Job) -> None:
 
 
 # ------------------------------------------------------------------- faults
+@pytest.mark.waits
 @pytest.mark.parametrize("debug", [None, "OFF"])
 def test_missing_rank_times_out_then_aborts_the_job(debug: str | None) -> None:
     """Waiting in the default fingerprint check (it names the missing rank), or in MPI itself (OFF)."""
@@ -493,6 +494,7 @@ def test_a_rank_that_dies_of_an_exception_in_ddp_backward_aborts_the_job() -> No
     assert "CommTimeoutError" not in err + result.stdout, result.describe()
 
 
+@pytest.mark.waits
 @pytest.mark.skipif(not _is_hydra(), reason="-disable-auto-cleanup is an MPICH (Hydra) flag")
 @pytest.mark.parametrize("debug", ["off", "default"])
 def test_dead_peer_survivor_raises_then_aborts_when_the_launcher_keeps_it(debug: str) -> None:

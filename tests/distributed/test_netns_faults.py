@@ -33,7 +33,7 @@ import torch
 from tests import _netns
 from tests._launcher import run_ranks_outcomes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.waits]
 
 TIMEOUT_S = 2.0
 SLACK_S = 3.0

@@ -115,6 +115,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str
         pool.close()
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_send_whose_recv_never_comes(watched: tuple[dict[str, RankPool], Path], variant: str) -> None:
     reason = variant_available(variant)

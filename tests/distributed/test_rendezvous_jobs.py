@@ -199,6 +199,7 @@ commlib.destroy_process_group()
 """
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(240)
 def test_under_torchrun_s_store_a_rank_with_another_token_waits_alone_and_the_job_forms() -> None:
     """A process with another job token claims rank 1 first in torchrun's store: it alone fails.

@@ -184,6 +184,7 @@ def test_peer_dying_mid_collective_aborts_the_pipeline(world_size: int, victim: 
         assert log[-1] == "caller waits d2h" and not _lines(log, "h2d "), log[-3:]
 
 
+@pytest.mark.waits
 def test_stalled_copy_times_out_naming_the_chunk() -> None:
     backend, env = VARIANTS["ring-shm"]
     outcomes = run_ranks_outcomes(

@@ -143,6 +143,7 @@ def test_peer_dying_mid_collective_raises_on_every_survivor(world_size: int, vic
         assert "unusable after an earlier failure" in closed
 
 
+@pytest.mark.waits
 def test_missing_rank_at_rendezvous_names_it() -> None:
     start = time.monotonic()
     outcomes = run_ranks_outcomes(
@@ -159,6 +160,7 @@ def test_missing_rank_at_rendezvous_names_it() -> None:
     assert "ranks [2] never did" in (outcomes[1].error or "")
 
 
+@pytest.mark.waits
 def test_port_in_use_is_reported_with_the_fix() -> None:
     port = free_port()
     with socket.socket() as squatter:
@@ -186,6 +188,7 @@ def test_world_size_disagreement_is_refused() -> None:
     assert "rank 1 was started with world size 3" in (outcomes[1].error or "")
 
 
+@pytest.mark.waits
 def test_stuck_peer_times_out_naming_it() -> None:
     results = run_ranks(_stuck_peer, 2, env={"COMMLIB_TIMEOUT": "1.5"}, timeout=60)
     assert results[0].startswith("[rank 0/2] ring.all_reduce #1")

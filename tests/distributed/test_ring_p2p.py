@@ -16,6 +16,7 @@ from tests.distributed import ring_p2p_bodies as bodies
 pytestmark = pytest.mark.multiprocess
 
 
+@pytest.mark.waits
 def test_a_send_nobody_receives_times_out_and_the_rest_goes_on() -> None:
     messages = run_ranks(bodies.body_send_nobody_receives, 3, env={"COMMLIB_TIMEOUT": "60"}, timeout=120)
     to_1, to_2 = messages[0]
@@ -62,6 +63,7 @@ def test_isend_then_destroy_delivers_the_message() -> None:
     assert receiver == {"equal": True}, receiver
 
 
+@pytest.mark.waits
 def test_isend_then_destroy_fails_the_send_clearly_when_nobody_receives_it() -> None:
     events = [multiprocessing.get_context("forkserver").Event() for _ in range(2)]
     outcomes = run_ranks_outcomes(

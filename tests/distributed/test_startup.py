@@ -63,6 +63,7 @@ SHORT_TIMEOUT = "6"
 """COMMLIB_TIMEOUT of a rank 0 whose peer never comes: its error at the deadline is the one checked."""
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("backend", ["ring", "gloo"])
 def test_a_wrong_job_token_fails_its_rank_at_once_and_rank_0_names_it_at_the_deadline(backend: str) -> None:
     rank0, rank1 = _reports(
@@ -206,6 +207,7 @@ def test_ranks_each_under_its_own_wrapper_form_one_job(backend: str) -> None:
     assert [r.get("sum") for r in results] == [3.0, 3.0], results
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("backend", ["ring", "gloo"])
 def test_ranks_started_in_two_sessions_are_both_told_to_set_the_job_token(backend: str) -> None:
     """Two terminals, one rank in each: nothing says they are one job, and both ranks say what to set.

@@ -119,6 +119,7 @@ def timeouts_name_the_group_expected(backend: str, rank: int) -> dict[str, str]:
     return expected
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_a_timeout_on_a_subgroup_names_the_group_by_its_global_ranks(get_pool, variant: str) -> None:
     """Overlapping pairs called in a cyclic order deadlock until their 3 s timeout; then a recv is lost."""

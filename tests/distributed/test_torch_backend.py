@@ -253,6 +253,7 @@ def test_dead_peer_raises_peer_failure_fast(debug: str) -> None:
     assert outcomes[1].exitcode == 3
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("debug", ["off", "default"])
 def test_missing_rank_times_out(debug: str) -> None:
     """Gloo's timeout with the check off; on the defaults the check names the rank that did not come."""
@@ -284,6 +285,7 @@ def _rendezvous_alone(timeout: float) -> dict[str, Any]:
     return {"type": None}
 
 
+@pytest.mark.waits
 def test_rank_missing_at_rendezvous_times_out() -> None:
     outcomes = run_ranks_outcomes(_rendezvous_alone, 2, backend=None, init=False, args=(2.0,), timeout=60)
     value = outcomes[0].value
