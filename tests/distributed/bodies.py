@@ -218,6 +218,17 @@ def body_all_gather(
     return []
 
 
+def scatter_blocks(sizes: Sequence[int], world_size: int) -> list[int]:
+    """The block sizes a reduce-scatter test runs: ``sizes``, the largest split among the ranks.
+
+    Its input then streams through as many chunks as another collective's largest tensor, each
+    rank's block through a world's share of them, as a ring all-reduce's segment does; a block of
+    the largest size would make the input ``world_size`` times longer for no path more.
+    """
+    largest = max(sizes)
+    return [size // world_size if size == largest else size for size in sizes]
+
+
 def body_reduce_scatter(
     group: IProcessGroup,
     dtype_names: str | Sequence[str] = ALL_DTYPE_NAMES,
@@ -227,12 +238,13 @@ def body_reduce_scatter(
 ) -> list[str]:
     """Reduce-scatter from one tensor (both names) and from a list; the input must be left untouched.
 
-    Each rank holds a different block, so there is nothing to compare across ranks.
+    Each rank holds a different block, so there is nothing to compare across ranks. The sizes are
+    of each rank's block, but for the largest: that one is of the whole input (``scatter_blocks``).
     """
     n, r = group.world_size, group.rank
     for dtype_name, dtype in _dtypes(dtype_names):
         for op in _ops_for(dtype):
-            for numel in sizes:
+            for numel in scatter_blocks(sizes, n):
                 inputs = _inputs(n, n * numel, dtype, op, seed, True, device)
                 blocks = [t[r * numel : (r + 1) * numel] for t in inputs]
                 expected = _expected(blocks, op, dtype)

@@ -37,6 +37,7 @@ from backends.common.cuda_staging import PinnedBufferPool, StagingPipeline
 from commlib import IProcessGroup, ReduceOp
 from commlib.errors import CommError, GroupClosedError
 from tests._reference import assert_close_to_reference, digest, rank_input, reduce_reference, tolerance
+from tests.distributed.bodies import scatter_blocks
 from tests.distributed.mpi_device_bodies import (
     Event,
     FakeCudaTensor,
@@ -294,7 +295,7 @@ def _all_gather_matrix(group: IProcessGroup, dtype: torch.dtype) -> None:
 def _reduce_scatter_matrix(group: IProcessGroup, dtype: torch.dtype) -> None:
     n, r = group.world_size, group.rank
     for op in _ops_for(group, dtype):
-        for numel in SIZES:
+        for numel in scatter_blocks(SIZES, n):
             inputs = [rank_input(k, n * numel, dtype, op, 14, True) for k in range(n)]
             mine = slice(r * numel, (r + 1) * numel)
             expected = reduce_reference(inputs, op)[mine]
