@@ -540,6 +540,7 @@ def test_mpi_fingerprints_over_the_board_and_across_hosts() -> None:
         _check_desync(case, "mpi", [value[case] for value in across])
 
 
+@pytest.mark.waits
 @pytest.mark.mpi
 @pytest.mark.launcher
 @requires_mpi

@@ -58,6 +58,7 @@ def test_future_semantics_mpi(nprocs: int) -> None:
         )
 
 
+@pytest.mark.waits
 @requires_mpi
 @pytest.mark.mpi
 def test_a_timeout_reaches_the_future_mpi() -> None:

@@ -456,6 +456,7 @@ def test_missing_rank_times_out_then_aborts_the_job(debug: str | None) -> None:
     assert "aborts the MPI job (MPI_Abort" in err, result.describe()
 
 
+@pytest.mark.waits
 def test_a_timeout_on_a_subgroup_names_the_group_by_its_global_ranks() -> None:
     """Overlapping pairs called in a cyclic order deadlock until their 3 s timeout; then a recv is lost.
 

@@ -162,6 +162,7 @@ def _start_script(script: str, **env: str) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["commlib_ring", "commlib_gloo"])
 def test_in_torchs_store_a_rank_with_another_token_waits_alone_and_the_job_forms(backend: str) -> None:
