@@ -28,6 +28,7 @@ from commlib.env import DistEnv
 from commlib.errors import RendezvousError, RendezvousTimeoutError
 from commlib.ports import free_port
 from tests._listeners import port_is_listening, wait_until
+from tests.conftest import REPO_ROOT
 
 BASE = "commlib/job-check/v1"
 IDLE = 100  # idle connections: torch's store spends 60-100 ms on each before it serves the next client
@@ -377,7 +378,6 @@ def test_idle_connections_to_the_store_port_delay_the_job_but_it_forms() -> None
 
 _GIVEN_UP_BEHIND_A_FLOOD = """
 import datetime, os, socket, sys
-sys.path.insert(0, os.getcwd())
 os.environ["COMMLIB_JOB_TOKEN"] = "flood"
 from torch.distributed import TCPStore
 from backends.common.store_rendezvous import join_job_store
@@ -386,7 +386,7 @@ from commlib.errors import RendezvousTimeoutError
 from commlib.ports import free_port
 port = free_port()
 server = TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=30), wait_for_workers=False)
-idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(int(sys.argv[1]))]
 try:
     join_job_store(DistEnv(1, 2, master_addr="127.0.0.1", master_port=port, launcher="explicit"), 2.0, "gloo")
 except RendezvousTimeoutError as e:
@@ -396,22 +396,30 @@ except RendezvousTimeoutError as e:
 
 @pytest.mark.waits
 @pytest.mark.multiprocess
-def test_a_rank_that_gave_up_behind_idle_connections_exits_with_its_own_status() -> None:
-    """Its connect attempt is still inside torch's client when it exits: that used to abort the process."""
+@pytest.mark.parametrize("idle", [100, 600])
+def test_a_rank_that_gave_up_behind_idle_connections_exits_with_its_own_status(idle: int) -> None:
+    """Its connect attempt is still inside torch's client when it exits: that used to abort the process.
+
+    600 idle connections keep the store busy for longer than the process lives.
+    """
     out = subprocess.run(
-        [sys.executable, "-c", _GIVEN_UP_BEHIND_A_FLOOD], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _GIVEN_UP_BEHIND_A_FLOOD, str(idle)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
-    # Here the flood keeps the connect attempt inside torch's client past the timeout: the rank gives
-    # up before its connection is accepted, or once it is and finds no challenge. A machine with cores
-    # to spare serves the flood in time: the rank connects, finds no challenge and says so. Whichever
-    # way, it gives up at its timeout and exits with its own status.
+    # Where it gives up depends on how fast the store gets through the flood: before its
+    # connection is accepted (a slow machine), once it is and finds no challenge, or waiting for
+    # rank 0. Whichever way, it gives up at its timeout and exits with its own status.
     assert out.stdout.startswith(
         (
             "raised: [rank 1/2] gloo.rendezvous: cannot reach rank 0 at 127.0.0.1:",
             "raised: [rank 1/2] gloo.rendezvous: something accepted the connection",
             "raised: [rank 1/2] gloo.rendezvous: rank 0 never published its challenge",
         )
-    ), out.stdout + out.stderr
+    ), out.stdout + out.stderr[-2000:]
     assert "terminate called" not in out.stderr
     assert out.returncode == 0, out.stderr[-2000:]
 
