@@ -56,13 +56,16 @@ if [[ $two_passes -eq 1 ]]; then
     waits_log="$(mktemp "${TMPDIR:-/tmp}/commlib-waits.XXXXXX")"
     "$PY" -m pytest -p no:cacheprovider -m "($SPAWNS) and waits" "$@" >"$waits_log" 2>&1 &
     waits_pid=$!
-    trap 'kill "$waits_pid" 2>/dev/null; rm -f "$waits_log"' EXIT
+    # On an interrupted run, stop the waiting tests (set -e holds in the trap: keep it true).
+    trap 'kill "$waits_pid" 2>/dev/null || true; rm -f "$waits_log"' EXIT
     "$PY" -m pytest -m "($SPAWNS) and not waits" "$@"
     rc_spawn=$?
     wait "$waits_pid"
     rc_waits=$?
     echo "test.sh: pass 2, the tests marked waits (run beside the others):"
     cat "$waits_log"
+    rm -f "$waits_log"
+    trap - EXIT
     # Exit code 5 is "collected nothing": fine for one run when another ran tests.
     rc=0
     collected=0
