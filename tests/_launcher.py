@@ -35,10 +35,13 @@ from typing import Any
 from commlib.ports import free_port
 
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "commlib", "backends.ring.group", "backends.torch.group", "ddp"])
+_CTX.set_forkserver_preload(
+    ["torch", "torch._dynamo", "commlib", "backends.ring.group", "backends.torch.group", "ddp"]
+)
 """Ranks are forked from a server that imported torch and commlib once (a fresh interpreter each
-costs over a second of CPU, most of the suite's time). Each rank still gets the parent's environment
-as it is when the rank starts, as a spawned one would (``_process_env``)."""
+costs about 2 s of CPU, most of the suite's time; a rank's first optimizer imports ``torch._dynamo``,
+almost as much again). Each rank still gets the parent's environment as it is when the rank starts,
+as a spawned one would (``_process_env``)."""
 
 EXIT_GRACE_S = 30.0
 """How long a rank that has reported may take to exit before it is killed and counted as failed."""

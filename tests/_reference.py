@@ -6,6 +6,7 @@ can compute the expected result locally, in float64, without communicating.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -39,24 +40,40 @@ def rank_input(
     products wrap (two's complement); bools are True three times in four for
     the ops that AND (PRODUCT, MIN, BAND), else one time in two.
     """
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    draw = _drawn if numel <= CACHED_NUMEL else _drawn.__wrapped__
     if dtype is torch.bool:
         ands = op in (ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.BAND)
-        return torch.randint(0, 4 if ands else 2, (numel,), generator=gen) > 0
+        return draw(rank, numel, seed, "and" if ands else "or") > 0
     if dtype in SMALL_DTYPES:
         info = torch.iinfo(dtype)
-        return torch.randint(info.min, info.max + 1, (numel,), generator=gen).to(dtype)
-    if integer_valued or not dtype.is_floating_point:
-        if op is ReduceOp.PRODUCT:
-            values = torch.randint(1, 3, (numel,), generator=gen) * (
-                torch.randint(0, 2, (numel,), generator=gen) * 2 - 1
-            )
-        else:
-            values = torch.randint(-8, 9, (numel,), generator=gen)
-        return values.to(dtype)
-    if op is ReduceOp.PRODUCT:
-        return (0.75 + 0.5 * torch.rand(numel, generator=gen, dtype=torch.float64)).to(dtype)
-    return (torch.rand(numel, generator=gen, dtype=torch.float64) * 2 - 1).to(dtype)
+        return draw(rank, numel, seed, f"range {info.min} {info.max}").to(dtype)
+    integers = integer_valued or not dtype.is_floating_point
+    kind = ("integer " if integers else "float ") + ("product" if op is ReduceOp.PRODUCT else "other")
+    return draw(rank, numel, seed, kind).to(dtype, copy=True)
+
+
+CACHED_NUMEL = 1 << 16
+"""Inputs up to this many elements are drawn once and kept (a body draws every rank's, for every dtype):
+at most 128 of them, 64 MiB, in a rank."""
+
+
+@functools.lru_cache(maxsize=128)
+def _drawn(rank: int, numel: int, seed: int, kind: str) -> torch.Tensor:
+    """The values behind ``rank_input``, drawn once per kind (int64 or float64; callers convert)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    if kind in ("and", "or"):
+        return torch.randint(0, 4 if kind == "and" else 2, (numel,), generator=gen)
+    if kind.startswith("range "):
+        low, high = map(int, kind.split()[1:])
+        return torch.randint(low, high + 1, (numel,), generator=gen)
+    if kind == "integer product":
+        magnitudes = torch.randint(1, 3, (numel,), generator=gen)
+        return magnitudes * (torch.randint(0, 2, (numel,), generator=gen) * 2 - 1)
+    if kind == "integer other":
+        return torch.randint(-8, 9, (numel,), generator=gen)
+    if kind == "float product":
+        return 0.75 + 0.5 * torch.rand(numel, generator=gen, dtype=torch.float64)
+    return torch.rand(numel, generator=gen, dtype=torch.float64) * 2 - 1
 
 
 def reduce_reference(inputs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:

@@ -63,8 +63,9 @@ def test_the_script_exits_with_what_its_runs_found(case: str, tmp_path: Path) ->
     ini.write_text("[pytest]\nmarkers =\n" + "".join(f"    {m}: -\n" for m in MARKERS))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COMMLIB_TEST"))}
     env.update(COMMLIB_PYTHON=sys.executable, COMMLIB_TEST_WORKERS="2", TMPDIR=str(tmp_path))
+    script = REPO_ROOT / "scripts" / "test.sh"
     result = subprocess.run(
-        ["bash", str(REPO_ROOT / "scripts" / "test.sh"), str(tmp_path), "-c", str(ini), "-p", "no:cacheprovider"],
+        ["bash", str(script), str(tmp_path), "-c", str(ini), "-p", "no:cacheprovider"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

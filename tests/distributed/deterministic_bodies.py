@@ -11,6 +11,7 @@ all is well) and SHA-256 digests of their results, which the tests compare acros
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ import commlib
 from commlib import CommConfig, IProcessGroup, ReduceOp, create_process_group
 from commlib.deterministic import left_fold
 from commlib.types import PremulSum
+from tests._reference import CACHED_NUMEL
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SIZES = (0, 1, 5, 13, 1000, 40_003)
@@ -45,14 +47,19 @@ def rank_input(
     seed: int, rank: int, numel: int, dtype: torch.dtype, op: ReduceOp | PremulSum
 ) -> torch.Tensor:
     """Rank ``rank``'s input: magnitudes over many binades (float16: into its subnormals); order matters."""
+    draw = _values if numel <= CACHED_NUMEL else _values.__wrapped__
+    return draw(seed, rank, numel, op is ReduceOp.PRODUCT, dtype is torch.float16).to(dtype, copy=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _values(seed: int, rank: int, numel: int, product: bool, float16: bool) -> torch.Tensor:
+    """The float64 values behind ``rank_input``: the same for every dtype and op of a kind, so drawn once."""
     g = torch.Generator().manual_seed(seed * 7919 + rank * 104_729 + numel)
-    if op is ReduceOp.PRODUCT:
-        values = 1 + torch.randn(numel, generator=g, dtype=torch.float64) / 8
-    else:
-        low, high = (-26, 6) if dtype is torch.float16 else (-30, 30)
-        scale = torch.pow(2.0, torch.randint(low, high, (numel,), generator=g).double())
-        values = torch.randn(numel, generator=g, dtype=torch.float64) * scale
-    return values.to(dtype)
+    if product:
+        return 1 + torch.randn(numel, generator=g, dtype=torch.float64) / 8
+    low, high = (-26, 6) if float16 else (-30, 30)
+    scale = torch.pow(2.0, torch.randint(low, high, (numel,), generator=g).double())
+    return torch.randn(numel, generator=g, dtype=torch.float64) * scale
 
 
 def fold(tensors: Sequence[torch.Tensor], op: ReduceOp | PremulSum = ReduceOp.SUM) -> torch.Tensor:

@@ -1,19 +1,20 @@
-"""One rank of the launch matrix: form the job, all-reduce, print the sum.
+"""One rank of the launch matrix: form a job on each backend in turn, all-reduce, print the sum.
 
 Usage::
 
-    torchrun --nproc-per-node 2 launch_matrix_main.py --backend ring --ranks args --port P
-    mpiexec -n 2 python launch_matrix_main.py --backend gloo --ranks env
-    python launch_matrix_main.py --launch multiprocessing --world-size 2 --backend ring --ranks env --port P
-    python launch_matrix_main.py --launch sessions --world-size 2 --backend gloo --ranks args --port P
+    torchrun --nproc-per-node 2 launch_matrix_main.py --backends ring,gloo --ranks args --port P
+    mpiexec -n 2 python launch_matrix_main.py --backends ring,gloo --ranks rank-args
+    python launch_matrix_main.py --launch multiprocessing --world-size 2 --backends ring --ranks env --port P
+    python launch_matrix_main.py --launch sessions --world-size 2 --backends gloo --ranks args --port P
 
 ``--ranks env`` calls ``commlib.init_process_group(backend)`` and lets it read the launcher's
 variables; ``--ranks args`` passes ``rank=``, ``world_size=``, ``master_addr=`` and
 ``master_port=``, as training scripts that read their rank themselves do; ``--ranks rank-args``
 passes only ``rank=`` and ``world_size=`` (the rendezvous is the launcher's). ``--launch`` makes this
 script the launcher: ``multiprocessing`` starts the ranks as its children, ``sessions`` starts each
-in a session of its own (as torchrun and mpirun do). Each rank prints ``LAUNCH-MATRIX-OK <rank>
-<sum>`` once its all-reduce is done.
+in a session of its own (as torchrun and mpirun do). The backends run one after the other in the
+same ranks, each job destroyed before the next forms (as a test that swaps backends does). Each rank
+prints ``LAUNCH-MATRIX-OK <backend> <rank> <sum>`` once its all-reduce is done.
 """
 
 from __future__ import annotations
@@ -35,8 +36,13 @@ def _from_environment(names: tuple[str, ...]) -> int:
 
 
 def run_rank(
-    backend: str, ranks: str, port: int, rank: int | None = None, world_size: int | None = None
+    backends: list[str], ranks: str, port: int, rank: int | None = None, world_size: int | None = None
 ) -> None:
+    for backend in backends:
+        _form_and_sum(backend, ranks, port, rank, world_size)
+
+
+def _form_and_sum(backend: str, ranks: str, port: int, rank: int | None, world_size: int | None) -> None:
     import torch
 
     import commlib
@@ -59,7 +65,7 @@ def run_rank(
         )
     t = torch.full((8,), float(group.rank + 1))
     group.all_reduce(t)
-    print(f"LAUNCH-MATRIX-OK {group.rank} {t[0].item():g}", flush=True)
+    print(f"LAUNCH-MATRIX-OK {backend} {group.rank} {t[0].item():g}", flush=True)
     commlib.destroy_process_group()
 
 
@@ -74,19 +80,20 @@ def _rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _child(backend: str, ranks: str, port: int, rank: int, world_size: int) -> None:
+def _child(backends: list[str], ranks: str, port: int, rank: int, world_size: int) -> None:
     if ranks == "env":
         os.environ.update(_rank_environment(rank, world_size, port))
-        run_rank(backend, ranks, port)
+        run_rank(backends, ranks, port)
     else:
-        run_rank(backend, ranks, port, rank, world_size)
+        run_rank(backends, ranks, port, rank, world_size)
 
 
 def _launch(args: argparse.Namespace) -> int:
     if args.launch == "multiprocessing":
         context = multiprocessing.get_context("spawn")
+        backends = args.backends.split(",")
         procs = [
-            context.Process(target=_child, args=(args.backend, args.ranks, args.port, r, args.world_size))
+            context.Process(target=_child, args=(backends, args.ranks, args.port, r, args.world_size))
             for r in range(args.world_size)
         ]
         for proc in procs:
@@ -94,7 +101,7 @@ def _launch(args: argparse.Namespace) -> int:
         for proc in procs:
             proc.join(args.timeout)
         return max(proc.exitcode if proc.exitcode is not None else 1 for proc in procs)
-    command = [sys.executable, os.path.abspath(__file__), "--backend", args.backend, "--ranks", args.ranks]
+    command = [sys.executable, os.path.abspath(__file__), "--backends", args.backends, "--ranks", args.ranks]
     command += ["--port", str(args.port)]
     children = []
     for r in range(args.world_size):
@@ -108,7 +115,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--backend", required=True)
+    parser.add_argument("--backends", required=True, help="comma-separated, formed in this order")
     parser.add_argument("--ranks", choices=("env", "args", "rank-args"), required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--launch", choices=("multiprocessing", "sessions"))
@@ -118,7 +125,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.launch is not None:
         return _launch(args)
-    run_rank(args.backend, args.ranks, args.port, args.rank, args.world_size)
+    run_rank(args.backends.split(","), args.ranks, args.port, args.rank, args.world_size)
     return 0
 
 

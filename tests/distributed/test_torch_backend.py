@@ -1,8 +1,8 @@
 """The gloo / nccl backends (torch.distributed): collectives, adoption, fallbacks and faults.
 
-Multi-rank tests spawn real ranks (``tests._launcher``), and the same bodies
-also run under ``torchrun`` and ``mpiexec`` (``tests.distributed.mpi_bodies.launch``).
-Bodies are module-level functions, as spawned children import them.
+Multi-rank tests spawn real ranks (``tests._launcher``); Gloo under ``torchrun`` and
+``mpiexec`` runs the interface's bodies in ``test_launchers``. Bodies are module-level
+functions, as spawned children import them.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ import torch.distributed as dist
 import commlib
 from commlib import CommConfig, CommTimeoutError, DistEnv, PeerFailureError, ReduceOp
 from tests._launcher import RankPool, run_ranks, run_ranks_outcomes
-from tests.conftest import requires_mpi
 from tests.distributed import mpi_bodies, p2p_bodies
-from tests.distributed.mpi_bodies import launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -303,38 +301,6 @@ def test_torch_distributed_unavailable_is_a_clear_error(monkeypatch: pytest.Monk
         commlib.BackendUnavailableError, match=r"\[rank 0/1\] gloo.init: this torch build has no"
     ):
         factories.create_gloo_group(DistEnv(rank=0, world_size=1), CommConfig())
-
-
-# ------------------------------------------------------------- launchers
-@pytest.mark.launcher
-def test_bodies_under_torchrun() -> None:
-    result = launch(
-        ["collectives_matrix", "async_semantics"],
-        2,
-        [],
-        launcher="torchrun",
-        backend="gloo",
-        env={"COMMLIB_TIMEOUT": "30"},
-        timeout=150,
-    )
-    assert result.returncode == 0, result.describe()
-    assert sorted(result.results) == [0, 1]
-    for values in result.results.values():
-        assert values["collectives_matrix"]["failures"] == []
-        assert values["async_semantics"]["avg"] == 1.5
-
-
-@pytest.mark.launcher
-@pytest.mark.mpi
-@requires_mpi
-def test_gloo_under_mpiexec() -> None:
-    """The gloo backend takes rank and size from mpirun's variables (rendezvous port from the job)."""
-    result = launch(
-        "collectives_matrix", 2, [[0, 7, 1000]], backend="gloo", env={"COMMLIB_TIMEOUT": "30"}, timeout=120
-    )
-    assert result.returncode == 0, result.describe()
-    for values in result.results.values():
-        assert values["collectives_matrix"]["failures"] == []
 
 
 # --------------------------------------------------------------------- GPU
