@@ -27,6 +27,10 @@ else
     PY="${COMMLIB_VENV:-$ROOT/.venv}/bin/python"
 fi
 
+# Compile the sources once: the suite starts hundreds of interpreters, and under
+# PYTHONDONTWRITEBYTECODE (CI sets it) each would compile what it imports again.
+"$PY" -m compileall -q -j 0 commlib backends ddp tests benchmarks examples >/dev/null || true
+
 SPAWNS="multiprocess or mpi or launcher or gpu"
 WORKERS="${COMMLIB_TEST_WORKERS:-2}"
 [[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "test.sh: COMMLIB_TEST_WORKERS must be a number, got '$WORKERS'" >&2; exit 2; }
