@@ -37,19 +37,14 @@ def test_passes_beside_user_messages(variant: str, world_size: int) -> None:
         assert result == {"calls": 4, "received_from": expected_source}, (rank, result)
 
 
-def check_failures(
-    results: dict[int, dict[str, Any]], backend: str, late: list[int], wait_all: bool, call: int = 2
-) -> None:
-    """Every rank that arrived raised ``CommTimeoutError`` naming ``late`` (rank 0 itself, others relayed).
-
-    ``call`` is the group's monitored barrier the late ranks missed.
-    """
+def check_failures(results: dict[int, dict[str, Any]], backend: str, late: list[int], wait_all: bool) -> None:
+    """Every rank that arrived raised ``CommTimeoutError`` naming ``late`` (rank 0 itself, others relayed)."""
     world_size = len(results)
     first, rest = late[0], late[1:]
     if wait_all:
-        named = f"ranks [{', '.join(map(str, late))}] did not reach monitored_barrier call #{call} within 2 s"
+        named = f"ranks [{', '.join(map(str, late))}] did not reach monitored_barrier call #2 within 2 s"
     else:
-        named = f"ranks [{first}] did not reach monitored_barrier call #{call} within 2 s"
+        named = f"ranks [{first}] did not reach monitored_barrier call #2 within 2 s"
         if rest:
             named += f"; ranks [{', '.join(map(str, rest))}] had not arrived either when rank 0 stopped"
     for rank, result in results.items():
@@ -78,16 +73,16 @@ def test_missing_ranks_are_named_on_every_rank_that_arrived(variant: str, wait_a
 def test_monitored_barrier_mpi() -> None:
     from tests.distributed.mpi_bodies import launch
 
-    passing, late = f"{bodies.__name__}:passes_beside_user_messages", f"{bodies.__name__}:late_ranks"
-    late_args = [[2], False, 2.0]
-    # One job: the barrier passes, then rank 2 stays away. Its exit code is not checked: rank 0's
-    # receive from rank 2 is still posted when the job ends, and MPI may abort the job for it
-    # (docs/backends.md); the results were written before.
-    calls = [[passing, []], [late, late_args]]
-    job = launch("run_calls", 3, [calls], env={"COMMLIB_TIMEOUT": "30"}, timeout=120)
-    assert sorted(job.results) == [0, 1, 2], job.describe()
-    values = {rank: result["run_calls"] for rank, result in job.results.items()}
+    name = f"{bodies.__name__}:passes_beside_user_messages"
+    passing = launch(name, 3, env={"COMMLIB_TIMEOUT": "30"}, timeout=120)
+    assert passing.returncode == 0, passing.describe()
     for rank in range(3):
-        assert values[rank][f"{passing}()"] == {"calls": 4, "received_from": (rank - 1) % 3}, rank
-    failures = {rank: v[f"{late}{tuple(late_args)}"] for rank, v in values.items()}
-    check_failures(failures, "mpi", [2], False, call=6)  # after the passing body's 4 and late_ranks' first
+        result = passing.results[rank][name]
+        assert result == {"calls": 4, "received_from": (rank - 1) % 3}, (rank, result)
+
+    name = f"{bodies.__name__}:late_ranks"
+    failing = launch(name, 3, [[2], False, 2.0], env={"COMMLIB_TIMEOUT": "30"}, timeout=120)
+    # Its exit code is not checked: rank 0's receive from rank 2 is still posted when the job
+    # ends, and MPI may abort the job for it (docs/backends.md); the results were written before.
+    assert sorted(failing.results) == [0, 1, 2], failing.describe()
+    check_failures({rank: values[name] for rank, values in failing.results.items()}, "mpi", [2], False)
