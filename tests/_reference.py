@@ -43,13 +43,18 @@ def rank_input(
     draw = _drawn if numel <= CACHED_NUMEL else _drawn.__wrapped__
     if dtype is torch.bool:
         ands = op in (ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.BAND)
-        return draw(rank, numel, seed, "and" if ands else "or") > 0
+        return draw(rank, numel, seed, "integers", 0, 4 if ands else 2) > 0
     if dtype in SMALL_DTYPES:
         info = torch.iinfo(dtype)
-        return draw(rank, numel, seed, f"range {info.min} {info.max}").to(dtype)
-    integers = integer_valued or not dtype.is_floating_point
-    kind = ("integer " if integers else "float ") + ("product" if op is ReduceOp.PRODUCT else "other")
-    return draw(rank, numel, seed, kind).to(dtype, copy=True)
+        return draw(rank, numel, seed, "integers", info.min, info.max + 1).to(dtype)
+    product = op is ReduceOp.PRODUCT
+    if dtype.is_floating_point and not integer_valued:
+        values = draw(rank, numel, seed, "near one" if product else "in [-1, 1)")
+    elif product:
+        values = draw(rank, numel, seed, "signed ones and twos")
+    else:
+        values = draw(rank, numel, seed, "integers", -8, 9)
+    return values.to(dtype, copy=True)
 
 
 CACHED_NUMEL = 1 << 16
@@ -58,20 +63,15 @@ at most 128 of them, 64 MiB, in a rank."""
 
 
 @functools.lru_cache(maxsize=128)
-def _drawn(rank: int, numel: int, seed: int, kind: str) -> torch.Tensor:
-    """The values behind ``rank_input``, drawn once per kind (int64 or float64; callers convert)."""
+def _drawn(rank: int, numel: int, seed: int, kind: str, low: int = 0, high: int = 0) -> torch.Tensor:
+    """The values behind ``rank_input``, int64 or float64 (callers convert); ``integers``: in [low, high)."""
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    if kind in ("and", "or"):
-        return torch.randint(0, 4 if kind == "and" else 2, (numel,), generator=gen)
-    if kind.startswith("range "):
-        low, high = map(int, kind.split()[1:])
-        return torch.randint(low, high + 1, (numel,), generator=gen)
-    if kind == "integer product":
+    if kind == "integers":
+        return torch.randint(low, high, (numel,), generator=gen)
+    if kind == "signed ones and twos":
         magnitudes = torch.randint(1, 3, (numel,), generator=gen)
         return magnitudes * (torch.randint(0, 2, (numel,), generator=gen) * 2 - 1)
-    if kind == "integer other":
-        return torch.randint(-8, 9, (numel,), generator=gen)
-    if kind == "float product":
+    if kind == "near one":
         return 0.75 + 0.5 * torch.rand(numel, generator=gen, dtype=torch.float64)
     return torch.rand(numel, generator=gen, dtype=torch.float64) * 2 - 1
 
